@@ -1,0 +1,114 @@
+"""Decode throughput: pdserve's engine against Hugging Face `generate`, in the same run.
+
+Every system generates exactly --max-tokens tokens for each of --num-seqs prompts (EOS ignored),
+greedy. Prints output tokens/s for:
+  hf-sequential   one `generate` call per prompt
+  hf-static       one padded `generate` call for the whole batch (left padding)
+  pdserve         our paged engine, all prompts submitted together (continuous batching)
+and the ratios against both baselines. Each system runs --repeats times; the median is reported
+with the spread (min-max). Usage:
+  python benchmarks/decode_throughput.py --num-seqs 16 --max-tokens 64
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import statistics
+import time
+from collections.abc import Callable
+
+import torch
+from transformers import AutoModelForCausalLM
+
+from engine.config import EngineConfig
+from engine.llm_engine import LLMEngine
+from engine.model_fetch import resolve_model
+from engine.model_loader import load_model
+from engine.sampling_params import SamplingParams
+from engine.tokenization import encode_text
+
+WORDS = "the river ran past the old mill carrying leaves and light of evening while children played".split()
+
+
+def make_prompts(tokenizer, n: int, min_words: int, max_words: int, seed: int) -> list[list[int]]:  # noqa: ANN001
+    rng = random.Random(seed)
+    return [encode_text(tokenizer, " ".join(rng.choices(WORDS, k=rng.randint(min_words, max_words))))
+            for _ in range(n)]
+
+
+def hf_sequential(model, prompts: list[list[int]], max_tokens: int) -> int:  # noqa: ANN001
+    total = 0
+    for p in prompts:
+        out = model.generate(torch.tensor([p]), do_sample=False, max_new_tokens=max_tokens,
+                             min_new_tokens=max_tokens, pad_token_id=0)
+        total += out.shape[1] - len(p)
+    return total
+
+
+def hf_static(model, prompts: list[list[int]], max_tokens: int) -> int:  # noqa: ANN001
+    width = max(len(p) for p in prompts)
+    ids = torch.tensor([[0] * (width - len(p)) + p for p in prompts])
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
+    out = model.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=max_tokens,
+                         min_new_tokens=max_tokens, pad_token_id=0)
+    return (out.shape[1] - width) * len(prompts)
+
+
+def pdserve(engine: LLMEngine, prompts: list[list[int]], max_tokens: int) -> int:
+    outs = engine.generate(prompts, SamplingParams(max_tokens=max_tokens, ignore_eos=True))
+    return sum(len(o) for o in outs)
+
+
+def measure(fn: Callable[[], int], repeats: int) -> tuple[float, float, float]:
+    rates = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        tokens = fn()
+        rates.append(tokens / (time.perf_counter() - start))
+    return statistics.median(rates), min(rates), max(rates)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default=None, help="local HF folder (default: the default model)")
+    ap.add_argument("--num-seqs", type=int, default=16)
+    ap.add_argument("--max-tokens", type=int, default=64)
+    ap.add_argument("--min-words", type=int, default=4)
+    ap.add_argument("--max-words", type=int, default=60)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument("--skip-sequential", action="store_true")
+    ap.add_argument("--seed", type=int, default=0)
+    args = ap.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    path = resolve_model(args.model)
+    loaded = load_model(path)
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="sdpa").eval()
+    engine = LLMEngine(loaded, EngineConfig(max_num_seqs=max(64, args.num_seqs)))
+    prompts = make_prompts(loaded.tokenizer, args.num_seqs, args.min_words, args.max_words, args.seed)
+    print(f"model={path.name} seqs={args.num_seqs} max_tokens={args.max_tokens} "
+          f"prompt_lens={min(map(len, prompts))}-{max(map(len, prompts))} threads={torch.get_num_threads()}")
+    systems: dict[str, Callable[[], int]] = {
+        "hf-static": lambda: hf_static(hf, prompts, args.max_tokens),
+        "pdserve": lambda: pdserve(engine, prompts, args.max_tokens),
+    }
+    if not args.skip_sequential:
+        systems = {"hf-sequential": lambda: hf_sequential(hf, prompts, args.max_tokens), **systems}
+    pdserve(engine, prompts[:2], 4)  # warm-up
+    hf_static(hf, prompts[:2], 4)
+    results = {}
+    with torch.inference_mode():
+        for name, fn in systems.items():
+            results[name] = measure(fn, args.repeats)
+            med, lo, hi = results[name]
+            print(f"{name:14s} {med:9.1f} tok/s  (min {lo:.1f}, max {hi:.1f})", flush=True)
+    ours = results["pdserve"][0]
+    for base in [n for n in results if n != "pdserve"]:
+        print(f"ratio pdserve / {base}: {ours / results[base][0]:.2f}x")
+    engine.pool.assert_all_free()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,137 @@
+"""Attention over the paged KV cache, plugged into transformers' attention-function registry.
+
+The model runner packs a whole batch into one row: input [1, T] where T is the sum of the new
+tokens of every sequence. Before a forward pass it sets an `AttentionBatch` as the current batch;
+each attention layer then (1) writes the new keys/values into their cache slots and (2) attends
+each sequence's queries to that sequence's cached keys/values.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from transformers import AttentionInterface
+from transformers.masking_utils import AttentionMaskInterface
+
+from engine.kv_cache import KVCache
+
+ATTN_IMPLEMENTATION = "pdserve_paged"
+
+
+@dataclass
+class AttentionBatch:
+    """What attention needs to know about the packed batch.
+
+    slot_mapping: [T] cache slot of every new token.
+    query_lens / context_lens: per sequence, new tokens and total tokens (cached + new).
+    block_tables: [B, max_blocks] padded block ids (decode path and prefix-reading prefill).
+    is_decode: every sequence has exactly one new token.
+    """
+
+    kv_cache: KVCache
+    slot_mapping: torch.Tensor
+    query_lens: list[int]
+    context_lens: list[int]
+    block_tables: torch.Tensor
+    is_decode: bool
+
+    @property
+    def context_lens_tensor(self) -> torch.Tensor:
+        return torch.tensor(self.context_lens, dtype=torch.long)
+
+
+_current: AttentionBatch | None = None
+
+
+@contextlib.contextmanager
+def attention_batch(batch: AttentionBatch) -> Iterator[None]:
+    """Make `batch` the one every attention layer sees during a forward pass."""
+    global _current
+    previous, _current = _current, batch
+    try:
+        yield
+    finally:
+        _current = previous
+
+
+def _paged_context(kv_cache: KVCache, layer: int, block_tables: torch.Tensor, length: int) -> tuple[
+    torch.Tensor, torch.Tensor
+]:
+    """Keys and values of B sequences: ([B, H, length, D], [B, H, length, D])."""
+    # [B, nb, block_size, H, D] -> [B, nb*block_size, H, D] -> [B, H, length, D]
+    k = kv_cache.kv[layer, 0][block_tables].flatten(1, 2)[:, :length].transpose(1, 2)
+    v = kv_cache.kv[layer, 1][block_tables].flatten(1, 2)[:, :length].transpose(1, 2)
+    return k, v
+
+
+def _decode_attention(batch: AttentionBatch, layer: int, query: torch.Tensor, scaling: float) -> torch.Tensor:
+    """query [1, Hq, B, D] -> output [1, B, Hq, D]."""
+    max_len = max(batch.context_lens)
+    k, v = _paged_context(batch.kv_cache, layer, batch.block_tables, max_len)
+    q = query[0].transpose(0, 1).unsqueeze(2)  # [B, Hq, 1, D]
+    mask = torch.arange(max_len).unsqueeze(0) < batch.context_lens_tensor.unsqueeze(1)  # [B, S]
+    out = F.scaled_dot_product_attention(
+        q, k.to(q.dtype), v.to(q.dtype), attn_mask=mask[:, None, None, :], scale=scaling, enable_gqa=True
+    )  # [B, Hq, 1, D]
+    return out.transpose(1, 2).transpose(0, 1)  # [1, B, Hq, D]
+
+
+def _prefill_attention(
+    batch: AttentionBatch, layer: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+    scaling: float,
+) -> torch.Tensor:
+    """query [1, Hq, T, D], key/value [1, Hkv, T, D] -> output [1, T, Hq, D]."""
+    outputs, start = [], 0
+    for i, (q_len, ctx_len) in enumerate(zip(batch.query_lens, batch.context_lens, strict=True)):
+        q = query[:, :, start : start + q_len]
+        if q_len == ctx_len:  # no cached prefix: attend to the fresh keys, causally
+            k, v = key[:, :, start : start + q_len], value[:, :, start : start + q_len]
+            out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scaling, enable_gqa=True)
+        else:  # cached prefix (chunked prefill, prefix cache): read it from the pages
+            k, v = _paged_context(batch.kv_cache, layer, batch.block_tables[i : i + 1], ctx_len)
+            q_pos = torch.arange(ctx_len - q_len, ctx_len).unsqueeze(1)
+            mask = torch.arange(ctx_len).unsqueeze(0) <= q_pos  # [q_len, ctx_len]
+            out = F.scaled_dot_product_attention(
+                q, k.to(q.dtype), v.to(q.dtype), attn_mask=mask, scale=scaling, enable_gqa=True
+            )
+        outputs.append(out)
+        start += q_len
+    return torch.cat(outputs, dim=2).transpose(1, 2)  # [1, T, Hq, D]
+
+
+def paged_attention_forward(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    scaling: float | None = None,
+    dropout: float = 0.0,
+    **kwargs: object,
+) -> tuple[torch.Tensor, None]:
+    """The registered attention function (transformers' signature). Shapes: q [1, Hq, T, D]."""
+    batch = _current
+    if batch is None:
+        raise RuntimeError("paged attention called outside a pdserve forward pass")
+    layer = int(module.layer_idx)  # type: ignore[arg-type]
+    scale = scaling if scaling is not None else query.shape[-1] ** -0.5
+    k_slots, v_slots = batch.kv_cache.layer_slots(layer)
+    k_slots[batch.slot_mapping] = key[0].transpose(0, 1).to(k_slots.dtype)  # [T, Hkv, D]
+    v_slots[batch.slot_mapping] = value[0].transpose(0, 1).to(v_slots.dtype)
+    if batch.is_decode:
+        return _decode_attention(batch, layer, query, scale), None
+    return _prefill_attention(batch, layer, query, key, value, scale), None
+
+
+def _no_mask(*args: object, **kwargs: object) -> None:
+    return None
+
+
+def register() -> None:
+    """Register the attention function (idempotent)."""
+    AttentionInterface.register(ATTN_IMPLEMENTATION, paged_attention_forward)
+    AttentionMaskInterface.register(ATTN_IMPLEMENTATION, _no_mask)

@@ -1,0 +1,46 @@
+"""Incremental detokenization whose deltas are whole characters.
+
+Byte-level BPE can split one character (a Chinese one, an emoji) over several tokens. Each call
+decodes only a short window of recent tokens and holds text back while the window ends in an
+incomplete character (U+FFFD), so the concatenated deltas equal `tokenizer.decode(all_ids)`.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+_REPLACEMENT = "\ufffd"
+
+
+class IncrementalDetokenizer:
+    """Feed token ids one by one; get text deltas. `flush()` releases what is held at the end."""
+
+    def __init__(self, tokenizer: Any, skip_special_tokens: bool = True) -> None:
+        self._tokenizer = tokenizer
+        self._skip_special = skip_special_tokens
+        self.token_ids: list[int] = []
+        self._prefix_offset = 0  # start of the decoding window
+        self._read_offset = 0  # tokens before this are already emitted as text
+
+    def _decode(self, ids: list[int]) -> str:
+        return self._tokenizer.decode(
+            ids, skip_special_tokens=self._skip_special, clean_up_tokenization_spaces=False
+        )
+
+    def add(self, token_id: int) -> str:
+        """Append one token; return the newly complete text (possibly empty)."""
+        self.token_ids.append(token_id)
+        prefix_text = self._decode(self.token_ids[self._prefix_offset : self._read_offset])
+        full_text = self._decode(self.token_ids[self._prefix_offset :])
+        if full_text.endswith(_REPLACEMENT) or len(full_text) <= len(prefix_text):
+            return ""
+        self._prefix_offset = self._read_offset
+        self._read_offset = len(self.token_ids)
+        return full_text[len(prefix_text) :]
+
+    def flush(self) -> str:
+        """Return the held-back text (incomplete characters become U+FFFD, as in a full decode)."""
+        prefix_text = self._decode(self.token_ids[self._prefix_offset : self._read_offset])
+        full_text = self._decode(self.token_ids[self._prefix_offset :])
+        self._prefix_offset = self._read_offset = len(self.token_ids)
+        return full_text[len(prefix_text) :]

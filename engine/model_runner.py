@@ -1,0 +1,90 @@
+"""Runs the model over a packed batch that reads and writes the paged KV cache.
+
+One forward pass serves any mix of sequences: each brings its new tokens, how many of its tokens
+are already cached, and its block table. Prefill is "all prompt tokens new, none cached"; a decode
+step is "one new token, the rest cached". We drive transformers' own modules layer by layer (so
+any Llama-layout model works) and compute logits only where a token will be sampled.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from engine.attention import AttentionBatch, attention_batch
+from engine.kv_cache import KVCache
+from engine.model_loader import LoadedModel
+
+
+@dataclass(frozen=True)
+class StepInput:
+    """One sequence's part of a forward pass."""
+
+    token_ids: list[int]  # the new tokens, whose K/V this pass writes
+    num_cached: int  # tokens of this sequence already in the cache (positions 0..num_cached-1)
+    block_table: list[int]  # must cover num_cached + len(token_ids) tokens
+
+
+LayerCallback = Callable[[int], None]
+
+
+class ModelRunner:
+    """Owns no scheduling state: callers decide what runs; this computes it."""
+
+    def __init__(self, loaded: LoadedModel, kv_cache: KVCache) -> None:
+        self.loaded = loaded
+        self.model = loaded.model
+        self.kv_cache = kv_cache
+        self.block_size = kv_cache.shape.block_size
+        self.num_forward_passes = 0
+        self.num_prefill_tokens = 0  # tokens that went through a pass with more than one new token
+
+    def _slots(self, item: StepInput) -> torch.Tensor:
+        table = torch.tensor(item.block_table, dtype=torch.long)
+        pos = torch.arange(item.num_cached, item.num_cached + len(item.token_ids))
+        return table[pos // self.block_size] * self.block_size + pos % self.block_size
+
+    def _batch(self, items: list[StepInput]) -> AttentionBatch:
+        width = max(len(i.block_table) for i in items)
+        tables = torch.zeros(len(items), width, dtype=torch.long)
+        for row, item in enumerate(items):
+            tables[row, : len(item.block_table)] = torch.tensor(item.block_table, dtype=torch.long)
+        return AttentionBatch(
+            kv_cache=self.kv_cache,
+            slot_mapping=torch.cat([self._slots(i) for i in items]),
+            query_lens=[len(i.token_ids) for i in items],
+            context_lens=[i.num_cached + len(i.token_ids) for i in items],
+            block_tables=tables,
+            is_decode=all(len(i.token_ids) == 1 and i.num_cached > 0 for i in items),
+        )
+
+    @torch.inference_mode()
+    def forward(self, items: list[StepInput], on_layer_done: LayerCallback | None = None) -> torch.Tensor:
+        """Run one pass; return float32 logits [len(items), vocab] at each sequence's last new token."""
+        if not items or any(not i.token_ids for i in items):
+            raise ValueError("every sequence in a forward pass needs at least one new token")
+        for item in items:
+            if len(item.block_table) * self.block_size < item.num_cached + len(item.token_ids):
+                raise ValueError("block table too short for the tokens of this pass")
+        batch = self._batch(items)
+        device = self.kv_cache.kv.device
+        input_ids = torch.tensor([[t for i in items for t in i.token_ids]], device=device)  # [1, T]
+        positions = torch.cat(
+            [torch.arange(i.num_cached, i.num_cached + len(i.token_ids)) for i in items]
+        ).unsqueeze(0).to(device)  # [1, T]
+        last = torch.tensor(batch.query_lens).cumsum(0) - 1  # [N] index of each last new token
+        inner = self.model.model
+        with attention_batch(batch):
+            hidden = inner.embed_tokens(input_ids)  # [1, T, E]
+            rotary = inner.rotary_emb(hidden, position_ids=positions)
+            for index, layer in enumerate(inner.layers):
+                hidden = layer(hidden, attention_mask=None, position_ids=positions, position_embeddings=rotary)
+                if on_layer_done is not None:
+                    on_layer_done(index)
+        hidden = inner.norm(hidden[0, last.to(device)])  # [N, E]
+        self.num_forward_passes += 1
+        if not batch.is_decode:
+            self.num_prefill_tokens += int(input_ids.shape[1])
+        return self.model.lm_head(hidden).float()  # [N, V]

@@ -1,0 +1,77 @@
+"""One request's state inside an engine: tokens, blocks, stop state, text stream."""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from engine.detokenizer import IncrementalDetokenizer
+from engine.sampling_params import SamplingParams
+from engine.stop_checker import StopChecker
+
+
+class SequenceStatus(enum.Enum):
+    WAITING = "waiting"  # queued for (re)computation of its prefix
+    RESERVED = "reserved"  # blocks held, K/V arriving from a prefill worker
+    RUNNING = "running"  # in the decode batch
+    FINISHED = "finished"
+
+
+@dataclass
+class Sequence:
+    request_id: str
+    prompt_ids: list[int]
+    params: SamplingParams
+    detokenizer: IncrementalDetokenizer
+    stopper: StopChecker
+    output_ids: list[int] = field(default_factory=list)
+    block_table: list[int] = field(default_factory=list)
+    num_cached: int = 0  # tokens whose K/V are in this engine's cache
+    status: SequenceStatus = SequenceStatus.WAITING
+    arrival_time: float = field(default_factory=time.perf_counter)
+    first_token_time: float | None = None
+
+    @classmethod
+    def create(
+        cls, request_id: str, prompt_ids: list[int], params: SamplingParams, tokenizer: Any,
+        eos_token_ids: frozenset[int],
+    ) -> Sequence:
+        return cls(
+            request_id=request_id, prompt_ids=list(prompt_ids), params=params,
+            detokenizer=IncrementalDetokenizer(tokenizer), stopper=StopChecker(params, eos_token_ids),
+        )
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_ids) + len(self.output_ids)
+
+    @property
+    def all_ids(self) -> list[int]:
+        return self.prompt_ids + self.output_ids
+
+    @property
+    def finish_reason(self) -> str | None:
+        return self.stopper.finish_reason
+
+    @property
+    def is_finished(self) -> bool:
+        return self.stopper.finish_reason is not None
+
+    def append_token(self, token_id: int) -> str:
+        """Record a sampled token; return the text that may be streamed for it."""
+        if self.first_token_time is None:
+            self.first_token_time = time.perf_counter()
+        self.output_ids.append(token_id)
+        delta = self.stopper.on_token(token_id, len(self.output_ids), self.detokenizer.add(token_id))
+        if self.is_finished:
+            delta += self.stopper.on_flush(self.detokenizer.flush())
+        return delta
+
+    def finish(self, reason: str) -> str:
+        """End the sequence from outside (abort, context limit); return any held-back text."""
+        if self.stopper.finish_reason is None:
+            self.stopper.finish_reason = reason
+            return self.stopper.on_flush(self.detokenizer.flush())
+        return ""

@@ -1,0 +1,80 @@
+"""Shared fixtures: the real default model, tiny random-weight Llama/Qwen2 models, engines."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+import torch
+
+from engine.config import EngineConfig
+from engine.llm_engine import LLMEngine
+from engine.model_loader import LoadedModel, load_model
+
+TINY = dict(
+    hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+    num_key_value_heads=2, max_position_embeddings=1024,
+)
+
+
+@pytest.fixture(scope="session")
+def default_model_dir() -> Path:
+    from engine.model_fetch import fetch_default_model
+
+    return fetch_default_model()
+
+
+@pytest.fixture(scope="session")
+def default_model(default_model_dir: Path) -> LoadedModel:
+    torch.manual_seed(0)
+    return load_model(default_model_dir)
+
+
+def _save_tiny(family: str, out: Path, tokenizer_dir: Path) -> Path:
+    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+
+    config_cls, model_cls = {
+        "llama": (LlamaConfig, LlamaForCausalLM), "qwen2": (Qwen2Config, Qwen2ForCausalLM)
+    }[family]
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
+    config = config_cls(vocab_size=len(tokenizer), eos_token_id=2, bos_token_id=1, **TINY)
+    torch.manual_seed(1234)
+    model_cls(config).save_pretrained(out)
+    tokenizer.save_pretrained(out)
+    return out
+
+
+@pytest.fixture(scope="session", params=["llama", "qwen2"])
+def tiny_model_dir(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory,
+                   default_model_dir: Path) -> Path:
+    return _save_tiny(request.param, tmp_path_factory.mktemp(f"tiny-{request.param}"), default_model_dir)
+
+
+@pytest.fixture(scope="session")
+def tiny_llama_dir(tmp_path_factory: pytest.TempPathFactory, default_model_dir: Path) -> Path:
+    return _save_tiny("llama", tmp_path_factory.mktemp("tiny-llama"), default_model_dir)
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tiny_model_dir: Path) -> LoadedModel:
+    return load_model(tiny_model_dir)
+
+
+EngineFactory = Callable[..., LLMEngine]
+
+
+@pytest.fixture
+def make_engine() -> Iterator[EngineFactory]:
+    """Build engines; after the test every one of them must be idle with every block free."""
+    engines: list[LLMEngine] = []
+
+    def factory(loaded: LoadedModel, **overrides: object) -> LLMEngine:
+        engine = LLMEngine(loaded, EngineConfig(**{"num_blocks": 512, **overrides}))  # type: ignore[arg-type]
+        engines.append(engine)
+        return engine
+
+    yield factory
+    for engine in engines:
+        assert not engine.has_work and not engine.sequences, "engine still holds requests"
+        engine.pool.assert_all_free()
