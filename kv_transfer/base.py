@@ -1,0 +1,229 @@
+"""Backend-neutral KV transfer interface: spec, sender/receiver contracts, backend registry.
+
+Role: the prefill worker (sender) ships one request's KV tensor
+``kv[:, :, block_ids]`` of shape ``[num_layers, 2, n_blocks, block_size, num_kv_heads,
+head_dim]`` to the decode worker (receiver), which writes it into its own blocks.
+
+Invariants (every backend must keep them):
+
+- The RECEIVER reserves the KV blocks for a request *before* any byte can arrive:
+  ``expect(spec, deadline_s)`` registers a pending intake. Bytes for a request that is not
+  pending are refused. The intake completes exactly once: with the assembled tensor and the
+  first token id, or with a :class:`KvTransferError` (invalid frame, broken stream, deadline
+  passed, cancelled). On failure the *owner* (decode worker) frees the reserved blocks.
+- The SENDER frees nothing itself: ``send()`` returns once the receiver acknowledged every
+  byte, or raises :class:`KvTransferError`; either way the caller (prefill worker) frees its
+  own copy of the blocks afterwards.
+- Both sides agree on a :class:`KvSpec`; the receiver accepts only data matching the spec it
+  registered, so a sender can never make it write outside the reserved size.
+"""
+
+from __future__ import annotations
+
+import abc
+import math
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+if TYPE_CHECKING:
+    from pdserve.v1.kv_pb2 import KvAck
+
+#: Wire dtype names -> torch dtypes. Only these are accepted.
+SUPPORTED_DTYPES: dict[str, torch.dtype] = {
+    "float32": torch.float32,
+    "float16": torch.float16,
+    "bfloat16": torch.bfloat16,
+}
+MAX_REQUEST_ID_CHARS = 256
+MAX_FINGERPRINT_CHARS = 256
+
+
+class KvTransferError(RuntimeError):
+    """A KV transfer failed (refused, invalid data, RPC error, deadline, cancelled)."""
+
+
+def dtype_from_name(name: str) -> torch.dtype:
+    """Return the torch dtype for a wire dtype name; ValueError if unsupported."""
+    try:
+        return SUPPORTED_DTYPES[name]
+    except KeyError:
+        raise ValueError(f"dtype: unsupported {name!r}; supported: {sorted(SUPPORTED_DTYPES)}") from None
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    """Return the wire name of a torch dtype; ValueError if unsupported."""
+    for name, value in SUPPORTED_DTYPES.items():
+        if value == dtype:
+            return name
+    raise ValueError(f"dtype: unsupported {dtype}; supported: {sorted(SUPPORTED_DTYPES)}")
+
+
+@dataclass(frozen=True)
+class KvSpec:
+    """What one request's KV payload looks like; both sides must agree on every field.
+
+    shape is ``(num_layers, 2, n_blocks, block_size, num_kv_heads, head_dim)`` with
+    ``n_blocks == ceil(num_tokens / block_size)``. Only the first ``num_tokens`` token slots
+    are meaningful; the rest of the last block is shipped but must be ignored.
+    """
+
+    request_id: str
+    model_fingerprint: str
+    dtype: str
+    shape: tuple[int, ...]
+    block_size: int
+    num_tokens: int
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "shape", tuple(int(d) for d in self.shape))
+        _check_text("request_id", self.request_id, MAX_REQUEST_ID_CHARS)
+        _check_text("model_fingerprint", self.model_fingerprint, MAX_FINGERPRINT_CHARS)
+        dtype_from_name(self.dtype)
+        self._check_geometry()
+
+    def _check_geometry(self) -> None:
+        if self.block_size < 1:
+            raise ValueError(f"block_size: must be >= 1, got {self.block_size}")
+        if self.num_tokens < 1:
+            raise ValueError(f"num_tokens: must be >= 1, got {self.num_tokens}")
+        if len(self.shape) != 6 or any(d < 1 for d in self.shape):
+            raise ValueError(f"shape: need 6 positive dims [L,2,n_blocks,block_size,H,D], got {self.shape}")
+        if self.shape[1] != 2:
+            raise ValueError(f"shape: dim 1 must be 2 (k, v), got {self.shape}")
+        if self.shape[3] != self.block_size:
+            raise ValueError(f"shape: dim 3 must equal block_size {self.block_size}, got {self.shape}")
+        n_blocks = math.ceil(self.num_tokens / self.block_size)
+        if self.shape[2] != n_blocks:
+            raise ValueError(
+                f"shape: dim 2 must be ceil(num_tokens / block_size) = {n_blocks}, got {self.shape}"
+            )
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        """The torch dtype named by ``dtype``."""
+        return SUPPORTED_DTYPES[self.dtype]
+
+    @property
+    def num_layers(self) -> int:
+        """Number of layers (shape[0])."""
+        return self.shape[0]
+
+    @property
+    def itemsize(self) -> int:
+        """Bytes per element."""
+        return torch.empty((), dtype=self.torch_dtype).element_size()
+
+    @property
+    def layer_nbytes(self) -> int:
+        """Bytes of one layer's slice ``kv[l]`` (contiguous in C order)."""
+        return math.prod(self.shape[1:]) * self.itemsize
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the whole payload tensor."""
+        return self.num_layers * self.layer_nbytes
+
+
+def _check_text(field: str, value: str, max_chars: int) -> None:
+    if not isinstance(value, str) or not value or len(value) > max_chars:
+        raise ValueError(f"{field}: need a non-empty string of at most {max_chars} chars, got {value!r}")
+    if not value.isprintable():
+        raise ValueError(f"{field}: must be printable, got {value!r}")
+
+
+class PendingKv(abc.ABC):
+    """Handle of one registered intake; completes exactly once (result or error)."""
+
+    @property
+    @abc.abstractmethod
+    def request_id(self) -> str:
+        """Id of the request this intake is for."""
+
+    @abc.abstractmethod
+    def wait(self, timeout: float | None = None) -> tuple[torch.Tensor, int]:
+        """Block until complete; return ``(kv_tensor, first_token_id)``.
+
+        Raises KvTransferError if the intake failed, or if ``timeout`` seconds passed first
+        (a wait timeout does not fail the intake; its own deadline does).
+        """
+
+    @abc.abstractmethod
+    def done(self) -> bool:
+        """True once the intake completed or failed."""
+
+    @abc.abstractmethod
+    def cancel(self, reason: str = "cancelled") -> bool:
+        """Fail the intake (if still pending) and refuse further bytes; True if it was pending."""
+
+    @abc.abstractmethod
+    def add_done_callback(self, fn: Callable[[PendingKv], None]) -> None:
+        """Call ``fn(self)`` once complete (immediately if already complete); any thread."""
+
+
+class KvSender(abc.ABC):
+    """Prefill side. Thread-safe; one instance may serve many concurrent sends."""
+
+    @abc.abstractmethod
+    def send(self, spec: KvSpec, kv: torch.Tensor, first_token_id: int, timeout_s: float) -> KvAck:
+        """Ship ``kv`` (shape/dtype per ``spec``) and return the receiver's ok ack.
+
+        Raises KvTransferError on refusal, invalid data, RPC error or after ``timeout_s``.
+        Frees nothing: the caller frees its blocks after this returns or raises.
+        """
+
+    def close(self) -> None:  # noqa: B027 - optional hook, no-op by default
+        """Release connections; the sender must not be used afterwards."""
+
+
+class KvReceiver(abc.ABC):
+    """Decode side. Thread-safe."""
+
+    @abc.abstractmethod
+    def expect(self, spec: KvSpec, deadline_s: float) -> PendingKv:
+        """Register a pending intake for ``spec.request_id``, failing it ``deadline_s`` from now.
+
+        Call only after the blocks are reserved. ValueError if the id is already pending or
+        the payload is larger than the receiver accepts.
+        """
+
+    def close(self) -> None:  # noqa: B027 - optional hook, no-op by default
+        """Fail every pending intake and stop background work."""
+
+
+@dataclass(frozen=True)
+class KvBackend:
+    """A named transport: ``sender_factory(target_address)`` and ``receiver_factory(**kw)``."""
+
+    name: str
+    sender_factory: Callable[[str], KvSender]
+    receiver_factory: Callable[..., KvReceiver]
+
+
+_BACKENDS: dict[str, KvBackend] = {}
+_BACKENDS_LOCK = threading.Lock()
+
+
+def register_backend(
+    name: str,
+    sender_factory: Callable[[str], KvSender],
+    receiver_factory: Callable[..., Any],
+) -> None:
+    """Register a backend under ``name``; re-registering a name replaces it."""
+    if not name:
+        raise ValueError("backend name must be non-empty")
+    with _BACKENDS_LOCK:
+        _BACKENDS[name] = KvBackend(name, sender_factory, receiver_factory)
+
+
+def get_backend(name: str) -> KvBackend:
+    """Return the backend registered as ``name``; ValueError listing known names otherwise."""
+    with _BACKENDS_LOCK:
+        backend = _BACKENDS.get(name)
+        known = sorted(_BACKENDS)
+    if backend is None:
+        raise ValueError(f"unknown kv backend {name!r}; known backends: {known}")
+    return backend

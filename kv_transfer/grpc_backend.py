@@ -1,0 +1,295 @@
+"""gRPC KV transfer backend ("grpc"): client-streaming ``KvTransfer.PushKv``.
+
+Sender (prefill worker): :class:`GrpcKvSender` streams the frames of
+:func:`kv_transfer.framing.encode_frames` over one cached channel per target address and
+returns the receiver's ack, or raises :class:`KvTransferError`.
+
+Receiver (decode worker): :class:`KvTransferServicer`, added to the worker's ``grpc.Server``,
+holds the pending intakes registered with :meth:`KvTransferServicer.expect`.
+
+Invariants:
+
+- A stream is accepted only for a pending, not yet claimed request id; anything else is
+  refused with ``ok=false`` and touches no other request.
+- An invalid frame, a broken stream, a missed deadline or a cancel fails THAT intake only
+  (its :class:`PendingKv` gets a :class:`KvTransferError`) and the server keeps serving.
+- Every intake completes exactly once and leaves the registry when it does; a background
+  reaper fails intakes whose deadline passed (and cancels their stalled RPC), so waiters never
+  hang past the deadline.
+- The receiving ``grpc.Server`` must accept messages of ``max_frame_bytes`` plus header: build
+  it with ``options=grpc_message_options(max_frame_bytes)``.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import itertools
+import threading
+import time
+from collections.abc import Callable, Iterable, Iterator
+
+import grpc
+import torch
+from pdserve.v1 import kv_pb2_grpc
+from pdserve.v1.kv_pb2 import KvAck, KvFrame
+
+from kv_transfer.base import KvReceiver, KvSender, KvSpec, KvTransferError, PendingKv, register_backend
+from kv_transfer.framing import (
+    DEFAULT_MAX_FRAME_BYTES,
+    DEFAULT_MAX_TOTAL_BYTES,
+    FrameAssembler,
+    KvFrameError,
+    encode_frames,
+)
+
+BACKEND_NAME = "grpc"
+#: Room for the KvHeader and protobuf overhead on top of a frame's data.
+HEADER_MARGIN_BYTES = 64 * 1024
+
+
+def grpc_message_options(max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES) -> list[tuple[str, int]]:
+    """Channel/server options letting frames of ``max_frame_bytes`` data through."""
+    size = max_frame_bytes + HEADER_MARGIN_BYTES
+    return [("grpc.max_send_message_length", size), ("grpc.max_receive_message_length", size)]
+
+
+class GrpcKvSender(KvSender):
+    """Pushes KV to one receiver address over a single (thread-safe) cached channel."""
+
+    def __init__(self, target_address: str, max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES) -> None:
+        self.target_address = target_address
+        self.max_frame_bytes = max_frame_bytes
+        self._channel = grpc.insecure_channel(target_address, options=grpc_message_options(max_frame_bytes))
+        self._stub = kv_pb2_grpc.KvTransferStub(self._channel)
+
+    def send(self, spec: KvSpec, kv: torch.Tensor, first_token_id: int, timeout_s: float) -> KvAck:
+        """Stream ``kv`` to the receiver; return its ok ack or raise KvTransferError."""
+        frames = encode_frames(spec, kv, first_token_id, self.max_frame_bytes)
+        try:
+            ack: KvAck = self._stub.PushKv(frames, timeout=timeout_s)
+        except grpc.RpcError as err:
+            code = err.code().name if isinstance(err, grpc.Call) else "UNKNOWN"
+            details = err.details() if isinstance(err, grpc.Call) else str(err)
+            raise KvTransferError(
+                f"PushKv {spec.request_id!r} to {self.target_address} failed: {code}: {details}"
+            ) from err
+        if not ack.ok:
+            raise KvTransferError(f"PushKv {spec.request_id!r} refused by {self.target_address}: {ack.error}")
+        return ack
+
+    def close(self) -> None:
+        """Close the channel."""
+        self._channel.close()
+
+
+_SENDERS: dict[str, GrpcKvSender] = {}
+_SENDERS_LOCK = threading.Lock()
+
+
+def get_sender(target_address: str) -> GrpcKvSender:
+    """Return the process-wide cached sender (and channel) for ``target_address``."""
+    with _SENDERS_LOCK:
+        sender = _SENDERS.get(target_address)
+        if sender is None:
+            sender = _SENDERS[target_address] = GrpcKvSender(target_address)
+        return sender
+
+
+def close_senders() -> None:
+    """Close every cached sender (process shutdown, tests)."""
+    with _SENDERS_LOCK:
+        senders = list(_SENDERS.values())
+        _SENDERS.clear()
+    for sender in senders:
+        sender.close()
+
+
+class GrpcPendingKv(PendingKv):
+    """One registered intake: a future completed once by the stream handler, reaper or cancel."""
+
+    def __init__(self, spec: KvSpec, deadline_s: float, on_finish: Callable[[GrpcPendingKv], None]) -> None:
+        self.spec = spec
+        self.deadline_s = deadline_s
+        self.deadline_at = time.monotonic() + deadline_s
+        self._future: concurrent.futures.Future[tuple[torch.Tensor, int]] = concurrent.futures.Future()
+        self._lock = threading.Lock()
+        self._on_finish = on_finish
+        self._claimed = False
+        self._context: grpc.ServicerContext | None = None
+
+    @property
+    def request_id(self) -> str:
+        return self.spec.request_id
+
+    def wait(self, timeout: float | None = None) -> tuple[torch.Tensor, int]:
+        try:
+            return self._future.result(timeout)
+        except concurrent.futures.TimeoutError:
+            raise KvTransferError(
+                f"KV for {self.request_id!r} not complete after waiting {timeout}s"
+            ) from None
+
+    def done(self) -> bool:
+        return self._future.done()
+
+    def cancel(self, reason: str = "cancelled") -> bool:
+        return self.fail(f"KV intake for {self.request_id!r} cancelled: {reason}")
+
+    def add_done_callback(self, fn: Callable[[PendingKv], None]) -> None:
+        self._future.add_done_callback(lambda _f: fn(self))
+
+    def error(self) -> str:
+        """The failure message, or "" if not failed (yet)."""
+        if not self._future.done() or self._future.exception() is None:
+            return ""
+        return str(self._future.exception())
+
+    def claim(self, context: grpc.ServicerContext) -> bool:
+        """Bind the (single) incoming stream to this intake; False if already bound or done."""
+        with self._lock:
+            if self._claimed or self._future.done():
+                return False
+            self._claimed, self._context = True, context
+            return True
+
+    def succeed(self, kv: torch.Tensor, first_token_id: int) -> bool:
+        """Complete with the assembled tensor; False if it had already failed."""
+        with self._lock:
+            if self._future.done():
+                return False
+            self._future.set_result((kv, first_token_id))
+        self._on_finish(self)
+        return True
+
+    def fail(self, message: str, cancel_stream: bool = True) -> bool:
+        """Fail with KvTransferError(message); False if already done.
+
+        ``cancel_stream`` cancels a bound PushKv RPC (stalled sender); the stream handler itself
+        passes False so that its ok=false ack still reaches the sender.
+        """
+        with self._lock:
+            if self._future.done():
+                return False
+            self._future.set_exception(KvTransferError(message))
+            context = self._context
+        self._on_finish(self)
+        if cancel_stream and context is not None:
+            context.cancel()
+        return True
+
+
+class KvTransferServicer(kv_pb2_grpc.KvTransferServicer, KvReceiver):
+    """Receiving side: registry of pending intakes plus the ``PushKv`` handler."""
+
+    def __init__(self, max_total_bytes: int = DEFAULT_MAX_TOTAL_BYTES) -> None:
+        self.max_total_bytes = max_total_bytes
+        self._pending: dict[str, GrpcPendingKv] = {}
+        self._cond = threading.Condition()
+        self._closed = False
+        self._reaper = threading.Thread(target=self._reap_loop, name="kv-intake-reaper", daemon=True)
+        self._reaper.start()
+
+    def add_to_server(self, server: grpc.Server) -> None:
+        """Register this servicer on ``server`` (built with ``grpc_message_options``)."""
+        kv_pb2_grpc.add_KvTransferServicer_to_server(self, server)
+
+    def expect(self, spec: KvSpec, deadline_s: float) -> GrpcPendingKv:
+        """Register an intake for ``spec.request_id`` failing ``deadline_s`` seconds from now."""
+        if deadline_s <= 0:
+            raise ValueError(f"deadline_s must be > 0, got {deadline_s}")
+        if spec.nbytes > self.max_total_bytes:
+            raise ValueError(f"KV payload of {spec.nbytes} bytes exceeds limit {self.max_total_bytes}")
+        pending = GrpcPendingKv(spec, deadline_s, self._forget)
+        with self._cond:
+            if self._closed:
+                raise KvTransferError("KV receiver is closed")
+            if spec.request_id in self._pending:
+                raise ValueError(f"request_id {spec.request_id!r} already has a pending KV intake")
+            self._pending[spec.request_id] = pending
+            self._cond.notify_all()
+        return pending
+
+    def num_pending(self) -> int:
+        """Intakes registered and not yet complete."""
+        with self._cond:
+            return len(self._pending)
+
+    def close(self) -> None:
+        """Fail every pending intake and stop the reaper."""
+        with self._cond:
+            self._closed = True
+            pending = list(self._pending.values())
+            self._cond.notify_all()
+        for p in pending:
+            p.fail(f"KV receiver closed before KV for {p.request_id!r} arrived")
+
+    def PushKv(self, request_iterator: Iterable[KvFrame], context: grpc.ServicerContext) -> KvAck:  # noqa: N802
+        """Receive one request's frames; ack ok only when the intake completed."""
+        frames = iter(request_iterator)
+        first = next(frames, None)
+        if first is None:
+            return KvAck(ok=False, error="empty KV stream")
+        request_id = first.header.request_id
+        with self._cond:
+            pending = self._pending.get(request_id)
+        if pending is None:
+            return KvAck(
+                request_id=request_id,
+                ok=False,
+                error=f"unknown request_id {request_id!r}: no pending KV intake",
+            )
+        if not pending.claim(context):
+            return KvAck(
+                request_id=request_id, ok=False, error=f"request_id {request_id!r} is already being received"
+            )
+        return self._receive(pending, itertools.chain([first], frames))
+
+    def _receive(self, pending: GrpcPendingKv, frames: Iterator[KvFrame]) -> KvAck:
+        assembler = FrameAssembler(pending.spec, self.max_total_bytes)
+        try:
+            for frame in frames:
+                if pending.done():
+                    break
+                assembler.add(frame)
+                if assembler.complete:
+                    break
+            if not pending.done():
+                kv, first_token_id = assembler.finish()
+                if pending.succeed(kv, first_token_id):
+                    return self._ack(pending, assembler, "")
+        except KvFrameError as err:
+            pending.fail(f"invalid KV frame for {pending.request_id!r}: {err}", cancel_stream=False)
+        except Exception as err:  # noqa: BLE001 - broken/cancelled stream: fail this intake only
+            pending.fail(
+                f"KV stream for {pending.request_id!r} broke: {type(err).__name__}: {err}",
+                cancel_stream=False,
+            )
+        return self._ack(pending, assembler, pending.error() or "KV intake already finished")
+
+    @staticmethod
+    def _ack(pending: GrpcPendingKv, assembler: FrameAssembler, error: str) -> KvAck:
+        return KvAck(
+            request_id=pending.request_id, ok=not error, error=error, bytes_received=assembler.bytes_received
+        )
+
+    def _forget(self, pending: GrpcPendingKv) -> None:
+        with self._cond:
+            if self._pending.get(pending.request_id) is pending:
+                del self._pending[pending.request_id]
+
+    def _reap_loop(self) -> None:
+        while True:
+            with self._cond:
+                if self._closed:
+                    return
+                now = time.monotonic()
+                expired = [p for p in self._pending.values() if p.deadline_at <= now]
+                if not expired:
+                    next_at = min((p.deadline_at for p in self._pending.values()), default=None)
+                    self._cond.wait(None if next_at is None else next_at - now)
+                    continue
+            for p in expired:
+                p.fail(f"deadline: KV for {p.request_id!r} not received within {p.deadline_s}s")
+
+
+register_backend(BACKEND_NAME, get_sender, KvTransferServicer)

@@ -1,0 +1,124 @@
+from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class FinishReason(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    FINISH_REASON_UNSPECIFIED: _ClassVar[FinishReason]
+    FINISH_REASON_STOP: _ClassVar[FinishReason]
+    FINISH_REASON_LENGTH: _ClassVar[FinishReason]
+    FINISH_REASON_STOP_STRING: _ClassVar[FinishReason]
+    FINISH_REASON_CANCELLED: _ClassVar[FinishReason]
+    FINISH_REASON_ERROR: _ClassVar[FinishReason]
+
+class WorkerRole(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    WORKER_ROLE_UNSPECIFIED: _ClassVar[WorkerRole]
+    WORKER_ROLE_PREFILL: _ClassVar[WorkerRole]
+    WORKER_ROLE_DECODE: _ClassVar[WorkerRole]
+    WORKER_ROLE_COLOCATED: _ClassVar[WorkerRole]
+FINISH_REASON_UNSPECIFIED: FinishReason
+FINISH_REASON_STOP: FinishReason
+FINISH_REASON_LENGTH: FinishReason
+FINISH_REASON_STOP_STRING: FinishReason
+FINISH_REASON_CANCELLED: FinishReason
+FINISH_REASON_ERROR: FinishReason
+WORKER_ROLE_UNSPECIFIED: WorkerRole
+WORKER_ROLE_PREFILL: WorkerRole
+WORKER_ROLE_DECODE: WorkerRole
+WORKER_ROLE_COLOCATED: WorkerRole
+
+class SamplingParams(_message.Message):
+    __slots__ = ("max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "stop_token_ids", "ignore_eos")
+    MAX_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    TEMPERATURE_FIELD_NUMBER: _ClassVar[int]
+    TOP_P_FIELD_NUMBER: _ClassVar[int]
+    TOP_K_FIELD_NUMBER: _ClassVar[int]
+    SEED_FIELD_NUMBER: _ClassVar[int]
+    STOP_FIELD_NUMBER: _ClassVar[int]
+    STOP_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    IGNORE_EOS_FIELD_NUMBER: _ClassVar[int]
+    max_tokens: int
+    temperature: float
+    top_p: float
+    top_k: int
+    seed: int
+    stop: _containers.RepeatedScalarFieldContainer[str]
+    stop_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    ignore_eos: bool
+    def __init__(self, max_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., seed: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., ignore_eos: _Optional[bool] = ...) -> None: ...
+
+class ChatMessage(_message.Message):
+    __slots__ = ("role", "content")
+    ROLE_FIELD_NUMBER: _ClassVar[int]
+    CONTENT_FIELD_NUMBER: _ClassVar[int]
+    role: str
+    content: str
+    def __init__(self, role: _Optional[str] = ..., content: _Optional[str] = ...) -> None: ...
+
+class ChatMessages(_message.Message):
+    __slots__ = ("messages",)
+    MESSAGES_FIELD_NUMBER: _ClassVar[int]
+    messages: _containers.RepeatedCompositeFieldContainer[ChatMessage]
+    def __init__(self, messages: _Optional[_Iterable[_Union[ChatMessage, _Mapping]]] = ...) -> None: ...
+
+class TokenIds(_message.Message):
+    __slots__ = ("ids",)
+    IDS_FIELD_NUMBER: _ClassVar[int]
+    ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, ids: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class Usage(_message.Message):
+    __slots__ = ("prompt_tokens", "completion_tokens")
+    PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    COMPLETION_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    prompt_tokens: int
+    completion_tokens: int
+    def __init__(self, prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ...) -> None: ...
+
+class Timings(_message.Message):
+    __slots__ = ("queue_s", "prefill_s", "kv_transfer_s", "ttft_s", "decode_s", "e2e_s")
+    QUEUE_S_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_S_FIELD_NUMBER: _ClassVar[int]
+    KV_TRANSFER_S_FIELD_NUMBER: _ClassVar[int]
+    TTFT_S_FIELD_NUMBER: _ClassVar[int]
+    DECODE_S_FIELD_NUMBER: _ClassVar[int]
+    E2E_S_FIELD_NUMBER: _ClassVar[int]
+    queue_s: float
+    prefill_s: float
+    kv_transfer_s: float
+    ttft_s: float
+    decode_s: float
+    e2e_s: float
+    def __init__(self, queue_s: _Optional[float] = ..., prefill_s: _Optional[float] = ..., kv_transfer_s: _Optional[float] = ..., ttft_s: _Optional[float] = ..., decode_s: _Optional[float] = ..., e2e_s: _Optional[float] = ...) -> None: ...
+
+class WorkerInfo(_message.Message):
+    __slots__ = ("worker_id", "role", "address", "pid", "queue_depth", "queued_prompt_tokens", "kv_blocks_used", "kv_blocks_total", "running_requests", "healthy", "kv_address")
+    WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    ROLE_FIELD_NUMBER: _ClassVar[int]
+    ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    PID_FIELD_NUMBER: _ClassVar[int]
+    QUEUE_DEPTH_FIELD_NUMBER: _ClassVar[int]
+    QUEUED_PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    KV_BLOCKS_USED_FIELD_NUMBER: _ClassVar[int]
+    KV_BLOCKS_TOTAL_FIELD_NUMBER: _ClassVar[int]
+    RUNNING_REQUESTS_FIELD_NUMBER: _ClassVar[int]
+    HEALTHY_FIELD_NUMBER: _ClassVar[int]
+    KV_ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    worker_id: str
+    role: WorkerRole
+    address: str
+    pid: int
+    queue_depth: int
+    queued_prompt_tokens: int
+    kv_blocks_used: int
+    kv_blocks_total: int
+    running_requests: int
+    healthy: bool
+    kv_address: str
+    def __init__(self, worker_id: _Optional[str] = ..., role: _Optional[_Union[WorkerRole, str]] = ..., address: _Optional[str] = ..., pid: _Optional[int] = ..., queue_depth: _Optional[int] = ..., queued_prompt_tokens: _Optional[int] = ..., kv_blocks_used: _Optional[int] = ..., kv_blocks_total: _Optional[int] = ..., running_requests: _Optional[int] = ..., healthy: _Optional[bool] = ..., kv_address: _Optional[str] = ...) -> None: ...

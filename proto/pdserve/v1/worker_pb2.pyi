@@ -1,0 +1,69 @@
+from pdserve.v1 import common_pb2 as _common_pb2
+from pdserve.v1 import router_pb2 as _router_pb2
+from google.protobuf.internal import containers as _containers
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class DecodeRequest(_message.Message):
+    __slots__ = ("request_id", "prompt", "messages", "token_ids", "params", "prefill_address")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_FIELD_NUMBER: _ClassVar[int]
+    MESSAGES_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    PARAMS_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    prompt: str
+    messages: _common_pb2.ChatMessages
+    token_ids: _common_pb2.TokenIds
+    params: _common_pb2.SamplingParams
+    prefill_address: str
+    def __init__(self, request_id: _Optional[str] = ..., prompt: _Optional[str] = ..., messages: _Optional[_Union[_common_pb2.ChatMessages, _Mapping]] = ..., token_ids: _Optional[_Union[_common_pb2.TokenIds, _Mapping]] = ..., params: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., prefill_address: _Optional[str] = ...) -> None: ...
+
+class InfoRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class AbortRequest(_message.Message):
+    __slots__ = ("request_id",)
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    def __init__(self, request_id: _Optional[str] = ...) -> None: ...
+
+class AbortResponse(_message.Message):
+    __slots__ = ("found",)
+    FOUND_FIELD_NUMBER: _ClassVar[int]
+    found: bool
+    def __init__(self, found: _Optional[bool] = ...) -> None: ...
+
+class PrefillRequest(_message.Message):
+    __slots__ = ("request_id", "prompt_token_ids", "params", "kv_target_address", "kv_backend", "decode_worker_id")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    PARAMS_FIELD_NUMBER: _ClassVar[int]
+    KV_TARGET_ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    KV_BACKEND_FIELD_NUMBER: _ClassVar[int]
+    DECODE_WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    params: _common_pb2.SamplingParams
+    kv_target_address: str
+    kv_backend: str
+    decode_worker_id: str
+    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., params: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., kv_target_address: _Optional[str] = ..., kv_backend: _Optional[str] = ..., decode_worker_id: _Optional[str] = ...) -> None: ...
+
+class PrefillResponse(_message.Message):
+    __slots__ = ("request_id", "first_token_id", "timings", "kv_bytes")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    FIRST_TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
+    TIMINGS_FIELD_NUMBER: _ClassVar[int]
+    KV_BYTES_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    first_token_id: int
+    timings: _common_pb2.Timings
+    kv_bytes: int
+    def __init__(self, request_id: _Optional[str] = ..., first_token_id: _Optional[int] = ..., timings: _Optional[_Union[_common_pb2.Timings, _Mapping]] = ..., kv_bytes: _Optional[int] = ...) -> None: ...
