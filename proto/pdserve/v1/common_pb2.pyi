@@ -98,7 +98,7 @@ class Timings(_message.Message):
     def __init__(self, queue_s: _Optional[float] = ..., prefill_s: _Optional[float] = ..., kv_transfer_s: _Optional[float] = ..., ttft_s: _Optional[float] = ..., decode_s: _Optional[float] = ..., e2e_s: _Optional[float] = ...) -> None: ...
 
 class WorkerInfo(_message.Message):
-    __slots__ = ("worker_id", "role", "address", "pid", "queue_depth", "queued_prompt_tokens", "kv_blocks_used", "kv_blocks_total", "running_requests", "healthy", "kv_address")
+    __slots__ = ("worker_id", "role", "address", "pid", "queue_depth", "queued_prompt_tokens", "kv_blocks_used", "kv_blocks_total", "running_requests", "healthy", "kv_address", "prefill_tokens_computed", "kv_bytes_sent", "kv_bytes_received", "requests_finished")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     ROLE_FIELD_NUMBER: _ClassVar[int]
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
@@ -110,6 +110,10 @@ class WorkerInfo(_message.Message):
     RUNNING_REQUESTS_FIELD_NUMBER: _ClassVar[int]
     HEALTHY_FIELD_NUMBER: _ClassVar[int]
     KV_ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_TOKENS_COMPUTED_FIELD_NUMBER: _ClassVar[int]
+    KV_BYTES_SENT_FIELD_NUMBER: _ClassVar[int]
+    KV_BYTES_RECEIVED_FIELD_NUMBER: _ClassVar[int]
+    REQUESTS_FINISHED_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     role: WorkerRole
     address: str
@@ -121,4 +125,8 @@ class WorkerInfo(_message.Message):
     running_requests: int
     healthy: bool
     kv_address: str
-    def __init__(self, worker_id: _Optional[str] = ..., role: _Optional[_Union[WorkerRole, str]] = ..., address: _Optional[str] = ..., pid: _Optional[int] = ..., queue_depth: _Optional[int] = ..., queued_prompt_tokens: _Optional[int] = ..., kv_blocks_used: _Optional[int] = ..., kv_blocks_total: _Optional[int] = ..., running_requests: _Optional[int] = ..., healthy: _Optional[bool] = ..., kv_address: _Optional[str] = ...) -> None: ...
+    prefill_tokens_computed: int
+    kv_bytes_sent: int
+    kv_bytes_received: int
+    requests_finished: int
+    def __init__(self, worker_id: _Optional[str] = ..., role: _Optional[_Union[WorkerRole, str]] = ..., address: _Optional[str] = ..., pid: _Optional[int] = ..., queue_depth: _Optional[int] = ..., queued_prompt_tokens: _Optional[int] = ..., kv_blocks_used: _Optional[int] = ..., kv_blocks_total: _Optional[int] = ..., running_requests: _Optional[int] = ..., healthy: _Optional[bool] = ..., kv_address: _Optional[str] = ..., prefill_tokens_computed: _Optional[int] = ..., kv_bytes_sent: _Optional[int] = ..., kv_bytes_received: _Optional[int] = ..., requests_finished: _Optional[int] = ...) -> None: ...

@@ -1,0 +1,68 @@
+"""`python -m decode_worker`: one decode (or colocated) worker process; gRPC on loopback by default.
+
+Serves DecodeWorker, KvTransfer (the gRPC KV backend's receiver) and health on one port.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+from kv_transfer import KvTransferServicer, grpc_message_options
+from pdserve.v1 import worker_pb2_grpc
+
+from decode_worker.servicer import DecodeServicer
+from decode_worker.worker import DecodeWorker
+from engine.config import EngineConfig
+from engine.model_fetch import resolve_model
+from engine.model_loader import load_model
+from engine.worker_runtime import add_health, announce_ready, bind, configure_process, make_server, serve_until_signal
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(prog="python -m decode_worker", description=__doc__)
+    ap.add_argument("--model", default=None, help="local Hugging Face folder (default: the default model)")
+    ap.add_argument("--host", default="127.0.0.1")
+    ap.add_argument("--port", type=int, default=0, help="0 picks a free port")
+    ap.add_argument("--worker-id", default="decode-0")
+    ap.add_argument("--threads", type=int, default=None, help="torch threads for this process")
+    ap.add_argument("--colocated", action="store_true", help="prefill every request here (classic server)")
+    ap.add_argument("--local-prefill-threshold", type=int, default=0,
+                    help="prompts shorter than this many tokens are prefilled here (0: off)")
+    ap.add_argument("--kv-cache-mb", type=int, default=512)
+    ap.add_argument("--block-size", type=int, default=16)
+    ap.add_argument("--max-num-seqs", type=int, default=64)
+    ap.add_argument("--max-batched-tokens", type=int, default=4096)
+    ap.add_argument("--dtype", default="float32")
+    ap.add_argument("--request-timeout-s", type=float, default=600.0)
+    ap.add_argument("--admission-timeout-s", type=float, default=30.0)
+    ap.add_argument("--log-level", default="INFO")
+    return ap.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    configure_process(args.threads, args.log_level)
+    config = EngineConfig(model=args.model, dtype=args.dtype, block_size=args.block_size,
+                          kv_cache_memory_mb=args.kv_cache_mb, max_num_seqs=args.max_num_seqs,
+                          max_num_batched_tokens=args.max_batched_tokens)
+    loaded = load_model(resolve_model(args.model), config.torch_dtype)
+    worker = DecodeWorker(loaded, config, admission_timeout_s=args.admission_timeout_s)
+    kv_receiver = KvTransferServicer()
+    server = make_server(max_workers=256, options=grpc_message_options())
+    address = bind(server, args.host, args.port)
+    worker_pb2_grpc.add_DecodeWorkerServicer_to_server(
+        DecodeServicer(worker, kv_receiver, args.worker_id, address, args.colocated,
+                       args.local_prefill_threshold, args.request_timeout_s), server)
+    kv_receiver.add_to_server(server)
+    health = add_health(server)
+    server.start()
+    announce_ready(address, args.worker_id, role="colocated" if args.colocated else "decode")
+    try:
+        serve_until_signal(server, health)
+    finally:
+        kv_receiver.close()
+        worker.stop()
+
+
+if __name__ == "__main__":
+    main()

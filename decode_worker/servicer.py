@@ -1,0 +1,183 @@
+"""Thin gRPC face of the decode worker: DecodeWorker.Generate/GetInfo/Abort.
+
+Generate, for a remote prefill: tokenize -> reserve blocks -> expect the KV -> ask the prefill
+worker -> commit the KV -> stream tokens. Every wait has a deadline; every early exit aborts the
+request, which frees whatever it holds.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import queue
+import time
+import uuid
+from collections.abc import Iterator
+from concurrent.futures import CancelledError
+from concurrent.futures import TimeoutError as FutureTimeout
+
+import grpc
+from kv_transfer import KvTransferError, KvTransferServicer
+from pdserve.v1 import common_pb2, router_pb2, worker_pb2, worker_pb2_grpc
+
+from engine.llm_engine import TokenOutput
+from engine.model_loader import LoadedModel
+from engine.sampling_params import SamplingParams
+from engine.tokenization import encode_chat, encode_text
+from engine.worker_runtime import finish_reason_to_pb, sampling_params_from_pb, sampling_params_to_pb
+from decode_worker.worker import AdmissionError, DecodeWorker, StreamError
+
+log = logging.getLogger(__name__)
+
+
+def prompt_ids_from_pb(loaded: LoadedModel, request: worker_pb2.DecodeRequest) -> list[int]:
+    kind = request.WhichOneof("input")
+    if kind == "prompt":
+        return encode_text(loaded.tokenizer, request.prompt)
+    if kind == "messages":
+        return encode_chat(loaded.tokenizer, [(m.role, m.content) for m in request.messages.messages])
+    if kind == "token_ids":
+        if not request.token_ids.ids:
+            raise ValueError("token_ids: must not be empty")
+        return list(request.token_ids.ids)
+    raise ValueError("input: one of prompt, messages or token_ids is required")
+
+
+class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
+    def __init__(self, worker: DecodeWorker, kv_receiver: KvTransferServicer, worker_id: str, address: str,
+                 colocated: bool, local_prefill_threshold: int, request_timeout_s: float) -> None:
+        self.worker = worker
+        self.kv_receiver = kv_receiver
+        self.worker_id = worker_id
+        self.address = address
+        self.colocated = colocated
+        self.local_prefill_threshold = local_prefill_threshold
+        self.request_timeout_s = request_timeout_s
+        self._prefill_channels: dict[str, worker_pb2_grpc.PrefillWorkerStub] = {}
+
+    # ----- Generate --------------------------------------------------------------------------
+    def Generate(self, request: worker_pb2.DecodeRequest, context: grpc.ServicerContext) -> Iterator[router_pb2.GenerateResponse]:  # noqa: N802
+        start = time.perf_counter()
+        request_id = request.request_id or uuid.uuid4().hex
+        try:
+            prompt_ids = prompt_ids_from_pb(self.worker.loaded, request)
+            params = sampling_params_from_pb(request.params)
+        except ValueError as exc:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        deadline = start + self._timeout(context)
+        stream = self.worker.open_stream(request_id)
+        context.add_callback(lambda: self.worker.abort(request_id))
+        timings = common_pb2.Timings()
+        try:
+            if self._prefill_locally(request, prompt_ids):
+                self._wait(self.worker.add_local(request_id, prompt_ids, params), deadline, context)
+            else:
+                self._remote_prefill(request_id, request.prefill_address, prompt_ids, params, deadline,
+                                     context, timings)
+            yield from self._stream(request_id, stream, deadline, context, timings, start)
+        finally:
+            self.worker.close_stream(request_id)
+            self.worker.abort(request_id)
+
+    def _prefill_locally(self, request: worker_pb2.DecodeRequest, prompt_ids: list[int]) -> bool:
+        return self.colocated or not request.prefill_address or len(prompt_ids) < self.local_prefill_threshold
+
+    def _timeout(self, context: grpc.ServicerContext) -> float:
+        remaining = context.time_remaining()
+        return self.request_timeout_s if remaining is None else min(remaining, self.request_timeout_s)
+
+    def _wait(self, future, deadline: float, context: grpc.ServicerContext):  # noqa: ANN001, ANN202
+        try:
+            return future.result(timeout=max(0.0, deadline - time.perf_counter()))
+        except AdmissionError as exc:
+            context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))
+        except ValueError as exc:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        except (FutureTimeout, CancelledError):
+            future.cancel()
+            context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, "request deadline passed while waiting")
+
+    def _remote_prefill(self, request_id: str, prefill_address: str, prompt_ids: list[int],
+                        params: SamplingParams, deadline: float, context: grpc.ServicerContext,
+                        timings: common_pb2.Timings) -> None:
+        self._wait(self.worker.reserve(request_id, prompt_ids, params), deadline, context)
+        pending = self.kv_receiver.expect(self.worker.expected_spec(request_id, len(prompt_ids)),
+                                          deadline_s=max(0.1, deadline - time.perf_counter()))
+        context.add_callback(lambda: pending.cancel("client cancelled"))
+        call = self._prefill_stub(prefill_address).Prefill.future(
+            worker_pb2.PrefillRequest(
+                request_id=request_id, prompt_token_ids=prompt_ids, params=sampling_params_to_pb(params),
+                kv_target_address=self.address, kv_backend="grpc", decode_worker_id=self.worker_id,
+            ),
+            timeout=max(0.1, deadline - time.perf_counter()),
+        )
+        context.add_callback(call.cancel)
+        try:
+            response = call.result()
+            kv, first_token = pending.wait(timeout=max(0.1, deadline - time.perf_counter()))
+        except grpc.RpcError as exc:
+            pending.cancel("prefill failed")
+            context.abort(exc.code(), f"prefill worker {prefill_address}: {exc.details()}")
+        except (KvTransferError, grpc.FutureCancelledError) as exc:
+            call.cancel()
+            context.abort(grpc.StatusCode.UNAVAILABLE, f"KV transfer failed: {exc}")
+        timings.MergeFrom(response.timings)
+        self._wait(self.worker.commit(request_id, kv, first_token), deadline, context)
+
+    def _prefill_stub(self, address: str) -> worker_pb2_grpc.PrefillWorkerStub:
+        stub = self._prefill_channels.get(address)
+        if stub is None:
+            stub = worker_pb2_grpc.PrefillWorkerStub(grpc.insecure_channel(address))
+            self._prefill_channels[address] = stub
+        return stub
+
+    def _stream(self, request_id: str, stream: queue.SimpleQueue, deadline: float,
+                context: grpc.ServicerContext, timings: common_pb2.Timings,
+                start: float) -> Iterator[router_pb2.GenerateResponse]:
+        first_at: float | None = None
+        while context.is_active():
+            if time.perf_counter() > deadline:
+                context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, "request deadline passed while decoding")
+            try:
+                item = stream.get(timeout=0.1)
+            except queue.Empty:
+                continue
+            if isinstance(item, StreamError):
+                context.abort(grpc.StatusCode.INTERNAL, item.message)
+            first_at = first_at or time.perf_counter()
+            yield self._response(request_id, item, timings, start, first_at)
+            if item.finish_reason is not None:
+                return
+
+    @staticmethod
+    def _response(request_id: str, out: TokenOutput, timings: common_pb2.Timings, start: float,
+                  first_at: float) -> router_pb2.GenerateResponse:
+        response = router_pb2.GenerateResponse(request_id=request_id, text=out.text)
+        if out.token_id >= 0:
+            response.token_ids.append(out.token_id)
+        if out.finish_reason is not None:
+            response.finish_reason = finish_reason_to_pb(out.finish_reason)
+            response.usage.prompt_tokens = out.num_prompt_tokens
+            response.usage.completion_tokens = out.num_output_tokens
+            now = time.perf_counter()
+            response.timings.CopyFrom(timings)
+            response.timings.decode_s = now - first_at
+            response.timings.e2e_s = now - start
+        return response
+
+    # ----- GetInfo / Abort -------------------------------------------------------------------
+    def GetInfo(self, request: worker_pb2.InfoRequest, context: grpc.ServicerContext) -> common_pb2.WorkerInfo:  # noqa: N802
+        s = self.worker.stats()
+        role = common_pb2.WORKER_ROLE_COLOCATED if self.colocated else common_pb2.WORKER_ROLE_DECODE
+        return common_pb2.WorkerInfo(
+            worker_id=self.worker_id, role=role, address=self.address, pid=os.getpid(),
+            queue_depth=s["queue_depth"], kv_blocks_used=s["kv_used"], kv_blocks_total=s["kv_total"],
+            running_requests=s["running"], healthy=True, kv_address=self.address,
+            prefill_tokens_computed=s["prefill_tokens_computed"],
+            kv_bytes_received=self.worker.kv_bytes_received, requests_finished=self.worker.requests_finished,
+        )
+
+    def Abort(self, request: worker_pb2.AbortRequest, context: grpc.ServicerContext) -> worker_pb2.AbortResponse:  # noqa: N802
+        found = request.request_id in self.worker.engine.sequences
+        self.worker.abort(request.request_id)
+        return worker_pb2.AbortResponse(found=found)

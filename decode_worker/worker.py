@@ -1,0 +1,215 @@
+"""The decode worker's core, independent of gRPC: the engine loop and per-request streams."""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import Future
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+import torch
+from kv_transfer import KvSpec
+from kv_transfer.base import dtype_name
+
+from engine.block_pool import blocks_for_tokens
+from engine.config import EngineConfig
+from engine.llm_engine import LLMEngine, TokenOutput
+from engine.model_loader import LoadedModel
+from engine.sampling_params import SamplingParams
+from engine.sequence import Sequence
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+
+
+class AdmissionError(RuntimeError):
+    """The KV pool cannot hold the request before its admission deadline, or the queue is full."""
+
+
+@dataclass(frozen=True)
+class StreamError:
+    """Put on a request's stream when it ends abnormally."""
+
+    message: str
+
+
+@dataclass
+class _PendingReservation:
+    request_id: str
+    prompt_ids: list[int]
+    params: SamplingParams
+    deadline: float
+    future: Future
+
+
+class DecodeWorker:
+    def __init__(self, loaded: LoadedModel, config: EngineConfig, admission_timeout_s: float = 30.0,
+                 max_waiting: int = 1024) -> None:
+        self.loaded = loaded
+        self.engine = LLMEngine(loaded, config)
+        self.admission_timeout_s = admission_timeout_s
+        self.max_waiting = max_waiting
+        self._inbox: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
+        self._streams: dict[str, queue.SimpleQueue[TokenOutput | StreamError]] = {}
+        self._reservations: list[_PendingReservation] = []
+        self._stopped = threading.Event()
+        self.kv_bytes_received = 0
+        self.requests_finished = 0
+        self._thread = threading.Thread(target=self._loop, name="decode-loop", daemon=True)
+        self._thread.start()
+
+    # ----- called from gRPC threads ----------------------------------------------------------
+    def run_on_loop(self, fn: Callable[[], T]) -> Future:
+        """Run `fn` on the loop thread; the future carries its result or exception."""
+        future: Future = Future()
+
+        def call() -> None:
+            if future.set_running_or_notify_cancel():
+                try:
+                    future.set_result(fn())
+                except BaseException as exc:  # noqa: BLE001 - handed to the caller
+                    future.set_exception(exc)
+
+        self._inbox.put(call)
+        return future
+
+    def open_stream(self, request_id: str) -> queue.SimpleQueue[TokenOutput | StreamError]:
+        stream: queue.SimpleQueue[TokenOutput | StreamError] = queue.SimpleQueue()
+        self._streams[request_id] = stream
+        return stream
+
+    def close_stream(self, request_id: str) -> None:
+        self._streams.pop(request_id, None)
+
+    def add_local(self, request_id: str, prompt_ids: list[int], params: SamplingParams) -> Future:
+        """Prefill and decode here (colocated, or a prompt under the local-prefill threshold)."""
+        return self.run_on_loop(lambda: self.engine.add_request(request_id, prompt_ids, params))
+
+    def reserve(self, request_id: str, prompt_ids: list[int], params: SamplingParams) -> Future:
+        """Hold blocks for a remote prefill; waits for room until the admission deadline."""
+        future: Future = Future()
+        pending = _PendingReservation(request_id, prompt_ids, params,
+                                      time.monotonic() + self.admission_timeout_s, future)
+        self._inbox.put(lambda: self._try_reserve(pending, first=True))
+        return future
+
+    def commit(self, request_id: str, kv: torch.Tensor, first_token: int) -> Future:
+        """The prompt's KV arrived: copy it into the reserved blocks and start decoding."""
+        self.kv_bytes_received += kv.numel() * kv.element_size()
+        return self.run_on_loop(lambda: self._commit(request_id, kv, first_token))
+
+    def abort(self, request_id: str) -> None:
+        """End the request wherever it is; its blocks are freed. Safe to call more than once."""
+        self._inbox.put(lambda: self._abort(request_id))
+
+    def expected_spec(self, request_id: str, num_tokens: int) -> KvSpec:
+        s = self.engine.kv_cache.shape
+        n = blocks_for_tokens(num_tokens, s.block_size)
+        return KvSpec(
+            request_id=request_id, model_fingerprint=self.loaded.fingerprint, dtype=dtype_name(s.dtype),
+            shape=(s.num_layers, 2, n, s.block_size, s.num_kv_heads, s.head_dim),
+            block_size=s.block_size, num_tokens=num_tokens,
+        )
+
+    def stop(self) -> None:
+        self._stopped.set()
+        self._inbox.put(lambda: None)
+        self._thread.join(timeout=10)
+
+    def stats(self) -> dict[str, Any]:
+        e = self.engine
+        return {
+            "queue_depth": len(self._reservations) + len(e.scheduler.waiting),
+            "running": len(e.sequences), "kv_used": e.pool.num_used, "kv_total": e.pool.num_blocks,
+            "prefill_tokens_computed": e.runner.num_prefill_tokens,
+        }
+
+    # ----- loop thread ------------------------------------------------------------------------
+    def _loop(self) -> None:
+        while not self._stopped.is_set():
+            self._drain_inbox(block=not self.engine.has_work and not self._reservations)
+            self._retry_reservations()
+            if self.engine.has_work:
+                self._step()
+
+    def _drain_inbox(self, block: bool) -> None:
+        try:
+            call = self._inbox.get(timeout=0.05) if block else self._inbox.get_nowait()
+        except queue.Empty:
+            return
+        while True:
+            call()
+            try:
+                call = self._inbox.get_nowait()
+            except queue.Empty:
+                return
+
+    def _step(self) -> None:
+        try:
+            outputs = self.engine.step()
+        except Exception as exc:  # a failed pass ends the requests in it, not the worker
+            log.exception("decode step failed")
+            for request_id in list(self.engine.sequences):
+                self._fail(request_id, f"decode step failed: {exc}")
+            return
+        for out in outputs:
+            self._emit(out)
+
+    def _emit(self, out: TokenOutput) -> None:
+        stream = self._streams.get(out.request_id)
+        if stream is not None:
+            stream.put(out)
+        if out.finish_reason is not None:
+            self.requests_finished += 1
+
+    def _try_reserve(self, pending: _PendingReservation, first: bool) -> bool:
+        """Reserve now, or park the request; True when it left the parking list."""
+        if pending.future.cancelled():
+            return True
+        try:
+            seq = self.engine.reserve(pending.request_id, pending.prompt_ids, pending.params)
+        except ValueError as exc:
+            pending.future.set_exception(exc)
+            return True
+        if seq is not None:
+            if not pending.future.set_running_or_notify_cancel():  # the caller gave up meanwhile
+                self.engine.abort(pending.request_id)
+            else:
+                pending.future.set_result(seq)
+            return True
+        if time.monotonic() > pending.deadline:
+            pending.future.set_exception(AdmissionError(
+                f"KV pool full: {self.engine.pool.num_free} of {self.engine.pool.num_blocks} blocks free, "
+                f"request needs {blocks_for_tokens(len(pending.prompt_ids) + 1, self.engine.pool.block_size)}"))
+            return True
+        if first:
+            if len(self._reservations) >= self.max_waiting:
+                pending.future.set_exception(AdmissionError(f"admission queue full ({self.max_waiting})"))
+                return True
+            self._reservations.append(pending)
+        return False
+
+    def _retry_reservations(self) -> None:
+        self._reservations = [p for p in self._reservations if not self._try_reserve(p, first=False)]
+
+    def _commit(self, request_id: str, kv: torch.Tensor, first_token: int) -> None:
+        seq: Sequence | None = self.engine.sequences.get(request_id)
+        if seq is None:
+            raise KeyError(f"request {request_id} has no reservation (aborted?)")
+        self._emit(self.engine.commit_prefilled(seq, kv, first_token))
+
+    def _abort(self, request_id: str) -> None:
+        for pending in self._reservations:
+            if pending.request_id == request_id:
+                pending.future.cancel()
+        self.engine.abort(request_id)
+
+    def _fail(self, request_id: str, message: str) -> None:
+        self.engine.abort(request_id)
+        stream = self._streams.get(request_id)
+        if stream is not None:
+            stream.put(StreamError(message))

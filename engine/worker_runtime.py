@@ -1,0 +1,105 @@
+"""Process plumbing shared by both worker roles: threads, gRPC server, health, READY line,
+signals, and the protobuf <-> engine conversions both roles need.
+
+The launcher (`cluster.local`) reads exactly one line `PDSERVE_READY {json}` from a worker's
+stdout once it serves; everything else a worker says goes to stderr.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import signal
+import sys
+import threading
+from concurrent import futures
+
+import grpc
+import torch
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from pdserve.v1 import common_pb2
+
+from engine.sampling_params import SamplingParams
+from engine.stop_checker import FINISH_ABORT, FINISH_ERROR, FINISH_LENGTH, FINISH_STOP, FINISH_STOP_STRING
+
+READY_PREFIX = "PDSERVE_READY "
+
+_FINISH_TO_PB = {
+    FINISH_STOP: common_pb2.FINISH_REASON_STOP,
+    FINISH_LENGTH: common_pb2.FINISH_REASON_LENGTH,
+    FINISH_STOP_STRING: common_pb2.FINISH_REASON_STOP_STRING,
+    FINISH_ABORT: common_pb2.FINISH_REASON_CANCELLED,
+    FINISH_ERROR: common_pb2.FINISH_REASON_ERROR,
+}
+
+
+def finish_reason_to_pb(reason: str | None) -> int:
+    return _FINISH_TO_PB.get(reason or "", common_pb2.FINISH_REASON_UNSPECIFIED)
+
+
+def sampling_params_from_pb(pb: common_pb2.SamplingParams) -> SamplingParams:
+    """Protobuf -> validated SamplingParams (ValueError names the bad field)."""
+    return SamplingParams(
+        max_tokens=pb.max_tokens if pb.HasField("max_tokens") else 16,
+        temperature=pb.temperature if pb.HasField("temperature") else 0.0,
+        top_p=pb.top_p if pb.HasField("top_p") else 1.0,
+        top_k=pb.top_k,
+        seed=pb.seed if pb.HasField("seed") else None,
+        stop=tuple(pb.stop),
+        stop_token_ids=tuple(pb.stop_token_ids),
+        ignore_eos=pb.ignore_eos,
+    )
+
+
+def sampling_params_to_pb(params: SamplingParams) -> common_pb2.SamplingParams:
+    pb = common_pb2.SamplingParams(
+        max_tokens=params.max_tokens, temperature=params.temperature, top_p=params.top_p,
+        top_k=params.top_k, stop=list(params.stop), stop_token_ids=list(params.stop_token_ids),
+        ignore_eos=params.ignore_eos,
+    )
+    if params.seed is not None:
+        pb.seed = params.seed
+    return pb
+
+
+def configure_process(num_threads: int | None, log_level: str = "INFO") -> None:
+    """Give this worker its own thread budget so pools on one host do not fight."""
+    logging.basicConfig(
+        level=log_level, stream=sys.stderr, format=f"%(asctime)s %(levelname)s [{os.getpid()}] %(name)s: %(message)s"
+    )
+    if num_threads:
+        torch.set_num_threads(num_threads)
+
+
+def make_server(max_workers: int, options: list[tuple[str, int]] | None = None) -> grpc.Server:
+    return grpc.server(futures.ThreadPoolExecutor(max_workers=max_workers), options=options or [])
+
+
+def add_health(server: grpc.Server) -> health.HealthServicer:
+    servicer = health.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(servicer, server)
+    return servicer
+
+
+def bind(server: grpc.Server, host: str, port: int) -> str:
+    bound = server.add_insecure_port(f"{host}:{port}")
+    if bound == 0:
+        raise OSError(f"cannot bind {host}:{port}")
+    return f"{host}:{bound}"
+
+
+def announce_ready(address: str, worker_id: str, **extra: object) -> None:
+    print(READY_PREFIX + json.dumps({"address": address, "worker_id": worker_id, "pid": os.getpid(), **extra}),
+          flush=True)
+
+
+def serve_until_signal(server: grpc.Server, health_servicer: health.HealthServicer, grace_s: float = 5.0) -> None:
+    """Block until SIGTERM/SIGINT, then report NOT_SERVING and stop within `grace_s`."""
+    stop = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: stop.set())
+    health_servicer.set("", health_pb2.HealthCheckResponse.SERVING)
+    stop.wait()
+    health_servicer.enter_graceful_shutdown()
+    server.stop(grace_s).wait()

@@ -1,0 +1,54 @@
+"""`python -m prefill_worker`: one prefill worker process serving gRPC on loopback by default."""
+
+from __future__ import annotations
+
+import argparse
+
+from pdserve.v1 import worker_pb2_grpc
+
+from engine.config import EngineConfig
+from engine.model_fetch import resolve_model
+from engine.model_loader import load_model
+from engine.worker_runtime import add_health, announce_ready, bind, configure_process, make_server, serve_until_signal
+from prefill_worker.servicer import PrefillServicer
+from prefill_worker.worker import PrefillWorker
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(prog="python -m prefill_worker", description=__doc__)
+    ap.add_argument("--model", default=None, help="local Hugging Face folder (default: the default model)")
+    ap.add_argument("--host", default="127.0.0.1")
+    ap.add_argument("--port", type=int, default=0, help="0 picks a free port")
+    ap.add_argument("--worker-id", default="prefill-0")
+    ap.add_argument("--threads", type=int, default=None, help="torch threads for this process")
+    ap.add_argument("--kv-cache-mb", type=int, default=256)
+    ap.add_argument("--block-size", type=int, default=16)
+    ap.add_argument("--max-batched-tokens", type=int, default=4096)
+    ap.add_argument("--dtype", default="float32")
+    ap.add_argument("--request-timeout-s", type=float, default=300.0)
+    ap.add_argument("--log-level", default="INFO")
+    return ap.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    configure_process(args.threads, args.log_level)
+    config = EngineConfig(model=args.model, dtype=args.dtype, block_size=args.block_size,
+                          kv_cache_memory_mb=args.kv_cache_mb, max_num_batched_tokens=args.max_batched_tokens)
+    loaded = load_model(resolve_model(args.model), config.torch_dtype)
+    worker = PrefillWorker(loaded, config)
+    server = make_server(max_workers=256)
+    address = bind(server, args.host, args.port)
+    worker_pb2_grpc.add_PrefillWorkerServicer_to_server(
+        PrefillServicer(worker, args.worker_id, address, args.request_timeout_s), server)
+    health = add_health(server)
+    server.start()
+    announce_ready(address, args.worker_id, role="prefill")
+    try:
+        serve_until_signal(server, health)
+    finally:
+        worker.stop()
+
+
+if __name__ == "__main__":
+    main()

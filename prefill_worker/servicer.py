@@ -1,0 +1,65 @@
+"""Thin gRPC face of the prefill worker: protobuf -> PrefillJob -> core -> protobuf."""
+
+from __future__ import annotations
+
+import os
+from concurrent.futures import CancelledError
+
+import grpc
+from kv_transfer import KvTransferError
+from pdserve.v1 import common_pb2, worker_pb2, worker_pb2_grpc
+
+from engine.worker_runtime import sampling_params_from_pb
+from prefill_worker.worker import PrefillJob, PrefillWorker
+
+
+class PrefillServicer(worker_pb2_grpc.PrefillWorkerServicer):
+    def __init__(self, worker: PrefillWorker, worker_id: str, address: str, request_timeout_s: float) -> None:
+        self.worker = worker
+        self.worker_id = worker_id
+        self.address = address
+        self.request_timeout_s = request_timeout_s
+
+    def Prefill(self, request: worker_pb2.PrefillRequest, context: grpc.ServicerContext) -> worker_pb2.PrefillResponse:  # noqa: N802
+        try:
+            job = PrefillJob(
+                request_id=request.request_id, prompt_ids=list(request.prompt_token_ids),
+                params=sampling_params_from_pb(request.params), kv_target=request.kv_target_address,
+                kv_backend=request.kv_backend or "grpc",
+            )
+            if not job.request_id or not job.prompt_ids or not job.kv_target:
+                raise ValueError("request_id, prompt_token_ids and kv_target_address are required")
+            future = self.worker.submit(job)
+        except OverflowError as exc:
+            context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))
+        except ValueError as exc:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        context.add_callback(future.cancel)  # the caller went away: drop the job if still queued
+        remaining = context.time_remaining()
+        timeout = min(self.request_timeout_s, remaining) if remaining is not None else self.request_timeout_s
+        try:
+            result = future.result(timeout=timeout)
+        except CancelledError:
+            context.abort(grpc.StatusCode.CANCELLED, "prefill cancelled")
+        except TimeoutError:
+            future.cancel()
+            context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, f"prefill did not finish in {timeout:.1f}s")
+        except KvTransferError as exc:
+            context.abort(grpc.StatusCode.UNAVAILABLE, f"KV transfer failed: {exc}")
+        except Exception as exc:  # noqa: BLE001 - report, keep serving
+            context.abort(grpc.StatusCode.INTERNAL, f"prefill failed: {exc}")
+        return worker_pb2.PrefillResponse(
+            request_id=job.request_id, first_token_id=result.first_token_id, kv_bytes=result.kv_bytes,
+            timings=common_pb2.Timings(queue_s=result.queue_s, prefill_s=result.prefill_s,
+                                       kv_transfer_s=result.kv_transfer_s),
+        )
+
+    def GetInfo(self, request: worker_pb2.InfoRequest, context: grpc.ServicerContext) -> common_pb2.WorkerInfo:  # noqa: N802
+        w = self.worker
+        return common_pb2.WorkerInfo(
+            worker_id=self.worker_id, role=common_pb2.WORKER_ROLE_PREFILL, address=self.address,
+            pid=os.getpid(), queue_depth=w.queue_depth, queued_prompt_tokens=w.queued_tokens,
+            kv_blocks_used=w.pool.num_used, kv_blocks_total=w.pool.num_blocks, healthy=True,
+            prefill_tokens_computed=w.runner.num_prefill_tokens, kv_bytes_sent=w.kv_bytes_sent,
+            requests_finished=w.requests_finished,
+        )
