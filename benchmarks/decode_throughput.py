@@ -1,13 +1,15 @@
 """Decode throughput: pdserve's engine against Hugging Face `generate`, in the same run.
 
-Every system generates exactly --max-tokens tokens for each of --num-seqs prompts (EOS ignored),
-greedy. Prints output tokens/s for:
+Each of --num-seqs prompts asks for its own number of output tokens, drawn uniformly from
+--min-tokens..--max-tokens (EOS ignored, greedy); with --min-tokens equal to --max-tokens every
+request wants the same length. Only requested tokens count as output: a static batch keeps
+stepping until its longest request is done, which is exactly what continuous batching avoids. Prints output tokens/s for:
   hf-sequential   one `generate` call per prompt
   hf-static       one padded `generate` call for the whole batch (left padding)
   pdserve         our paged engine, all prompts submitted together (continuous batching)
 and the ratios against both baselines. Each system runs --repeats times; the median is reported
 with the spread (min-max). Usage:
-  python benchmarks/decode_throughput.py --num-seqs 16 --max-tokens 64
+  python benchmarks/decode_throughput.py --num-seqs 16 --min-tokens 16 --max-tokens 128
 """
 
 from __future__ import annotations
@@ -37,26 +39,26 @@ def make_prompts(tokenizer, n: int, min_words: int, max_words: int, seed: int) -
             for _ in range(n)]
 
 
-def hf_sequential(model, prompts: list[list[int]], max_tokens: int) -> int:  # noqa: ANN001
+def hf_sequential(model, prompts: list[list[int]], lengths: list[int]) -> int:  # noqa: ANN001
     total = 0
-    for p in prompts:
-        out = model.generate(torch.tensor([p]), do_sample=False, max_new_tokens=max_tokens,
-                             min_new_tokens=max_tokens, pad_token_id=0)
+    for p, n in zip(prompts, lengths, strict=True):
+        out = model.generate(torch.tensor([p]), do_sample=False, max_new_tokens=n, min_new_tokens=n,
+                             pad_token_id=0)
         total += out.shape[1] - len(p)
     return total
 
 
-def hf_static(model, prompts: list[list[int]], max_tokens: int) -> int:  # noqa: ANN001
-    width = max(len(p) for p in prompts)
+def hf_static(model, prompts: list[list[int]], lengths: list[int]) -> int:  # noqa: ANN001
+    width, longest = max(len(p) for p in prompts), max(lengths)
     ids = torch.tensor([[0] * (width - len(p)) + p for p in prompts])
     mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
-    out = model.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=max_tokens,
-                         min_new_tokens=max_tokens, pad_token_id=0)
-    return (out.shape[1] - width) * len(prompts)
+    out = model.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=longest,
+                         min_new_tokens=longest, pad_token_id=0)
+    return sum(min(n, out.shape[1] - width) for n in lengths)  # only what each request asked for
 
 
-def pdserve(engine: LLMEngine, prompts: list[list[int]], max_tokens: int) -> int:
-    outs = engine.generate(prompts, SamplingParams(max_tokens=max_tokens, ignore_eos=True))
+def pdserve(engine: LLMEngine, prompts: list[list[int]], lengths: list[int]) -> int:
+    outs = engine.generate(prompts, [SamplingParams(max_tokens=n, ignore_eos=True) for n in lengths])
     return sum(len(o) for o in outs)
 
 
@@ -73,6 +75,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default=None, help="local HF folder (default: the default model)")
     ap.add_argument("--num-seqs", type=int, default=16)
+    ap.add_argument("--min-tokens", type=int, default=64)
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--min-words", type=int, default=4)
     ap.add_argument("--max-words", type=int, default=60)
@@ -88,16 +91,18 @@ def main() -> None:
     hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="sdpa").eval()
     engine = LLMEngine(loaded, EngineConfig(max_num_seqs=max(64, args.num_seqs)))
     prompts = make_prompts(loaded.tokenizer, args.num_seqs, args.min_words, args.max_words, args.seed)
-    print(f"model={path.name} seqs={args.num_seqs} max_tokens={args.max_tokens} "
+    rng = random.Random(args.seed + 1)
+    lengths = [rng.randint(args.min_tokens, args.max_tokens) for _ in prompts]
+    print(f"model={path.name} seqs={args.num_seqs} output_tokens={args.min_tokens}-{args.max_tokens} "
           f"prompt_lens={min(map(len, prompts))}-{max(map(len, prompts))} threads={torch.get_num_threads()}")
     systems: dict[str, Callable[[], int]] = {
-        "hf-static": lambda: hf_static(hf, prompts, args.max_tokens),
-        "pdserve": lambda: pdserve(engine, prompts, args.max_tokens),
+        "hf-static": lambda: hf_static(hf, prompts, lengths),
+        "pdserve": lambda: pdserve(engine, prompts, lengths),
     }
     if not args.skip_sequential:
-        systems = {"hf-sequential": lambda: hf_sequential(hf, prompts, args.max_tokens), **systems}
-    pdserve(engine, prompts[:2], 4)  # warm-up
-    hf_static(hf, prompts[:2], 4)
+        systems = {"hf-sequential": lambda: hf_sequential(hf, prompts, lengths), **systems}
+    pdserve(engine, prompts[:2], [4, 4])  # warm-up
+    hf_static(hf, prompts[:2], [4, 4])
     results = {}
     with torch.inference_mode():
         for name, fn in systems.items():

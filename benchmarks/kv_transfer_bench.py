@@ -1,0 +1,118 @@
+"""KV transfer bandwidth per backend against a warm memcpy of the same bytes, same run.
+
+Part 1 (--bandwidth): in one process, a real gRPC KvTransfer server on loopback receives the K/V
+of an N-token prompt of the default model's geometry; we time `send` (framing, checksums, gRPC,
+validation, reassembly) against `torch.Tensor.copy_` of the same bytes (warm, same process).
+Part 2 (--ttft): against a real 1P1D service (separate processes), the share of time-to-first-token
+spent in KV transfer for prompts of 128, 512 and 2048 tokens, from the per-request timings.
+
+  python benchmarks/kv_transfer_bench.py --bandwidth --ttft
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+import uuid
+
+import torch
+from kv_transfer import KvSpec, KvTransferServicer, get_backend, grpc_message_options
+from kv_transfer.base import dtype_name
+
+from engine.worker_runtime import make_server
+
+SMOLLM2 = dict(layers=30, kv_heads=3, head_dim=64, block_size=16)
+
+
+def kv_for(tokens: int, dtype: torch.dtype = torch.float32) -> tuple[KvSpec, torch.Tensor]:
+    g = SMOLLM2
+    n = -(-tokens // g["block_size"])
+    shape = (g["layers"], 2, n, g["block_size"], g["kv_heads"], g["head_dim"])
+    spec = KvSpec(request_id=uuid.uuid4().hex, model_fingerprint="bench", dtype=dtype_name(dtype), shape=shape,
+                  block_size=g["block_size"], num_tokens=tokens)
+    return spec, torch.randn(shape).to(dtype)
+
+
+def memcpy_seconds(kv: torch.Tensor, repeats: int) -> float:
+    dst = torch.empty_like(kv)
+    dst.copy_(kv)  # warm
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        dst.copy_(kv)
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def grpc_seconds(backend: str, receiver: KvTransferServicer, address: str, tokens: int, repeats: int) -> float:
+    sender = get_backend(backend).sender_factory(address)
+    times = []
+    for i in range(repeats + 1):
+        spec, kv = kv_for(tokens)
+        pending = receiver.expect(spec, deadline_s=60)
+        start = time.perf_counter()
+        sender.send(spec, kv, 0, timeout_s=60)
+        got, _ = pending.wait(timeout=60)
+        if i:  # the first round warms the channel
+            times.append(time.perf_counter() - start)
+        assert torch.equal(got, kv)
+    return statistics.median(times)
+
+
+def bandwidth(tokens_list: list[int], repeats: int) -> None:
+    receiver = KvTransferServicer()
+    server = make_server(16, grpc_message_options())
+    receiver.add_to_server(server)
+    address = f"127.0.0.1:{server.add_insecure_port('127.0.0.1:0')}"
+    server.start()
+    print(f"{'tokens':>7} {'MiB':>8} {'memcpy GB/s':>12} {'grpc GB/s':>10} {'grpc/memcpy':>12}")
+    try:
+        for tokens in tokens_list:
+            spec, kv = kv_for(tokens)
+            mem = memcpy_seconds(kv, repeats)
+            net = grpc_seconds("grpc", receiver, address, tokens, repeats)
+            gb = spec.nbytes / 1e9
+            print(f"{tokens:7d} {spec.nbytes / 2**20:8.1f} {gb / mem:12.2f} {gb / net:10.2f} {mem / net:12.3f}")
+    finally:
+        receiver.close()
+        server.stop(0)
+
+
+def ttft_share(tokens_list: list[int], repeats: int) -> None:
+    from cluster.client import PdserveClient
+    from cluster.local import LocalCluster, LocalClusterConfig
+
+    with LocalCluster(LocalClusterConfig(model=None, prefill=1, decode=1, colocated=0)) as cluster:
+        client = PdserveClient(cluster.router_address)
+        print(f"{'tokens':>7} {'ttft ms':>9} {'prefill ms':>11} {'kv ms':>7} {'kv share':>9}")
+        for tokens in tokens_list:
+            rows = []
+            for i in range(repeats + 1):
+                ids = [(17 * k + i) % 40000 + 100 for k in range(tokens)]
+                result = client.generate_ids(ids, max_tokens=1)
+                if i:
+                    rows.append(result.timings)
+            ttft = statistics.median(t.ttft_s for t in rows)
+            pre = statistics.median(t.prefill_s for t in rows)
+            kv = statistics.median(t.kv_transfer_s for t in rows)
+            print(f"{tokens:7d} {ttft * 1e3:9.1f} {pre * 1e3:11.1f} {kv * 1e3:7.1f} {kv / ttft:9.3f}")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--bandwidth", action="store_true")
+    ap.add_argument("--ttft", action="store_true")
+    ap.add_argument("--tokens", type=int, nargs="+", default=[128, 512, 2048])
+    ap.add_argument("--repeats", type=int, default=5)
+    args = ap.parse_args()
+    if not (args.bandwidth or args.ttft):
+        args.bandwidth = args.ttft = True
+    if args.bandwidth:
+        bandwidth(args.tokens, args.repeats)
+    if args.ttft:
+        ttft_share(args.tokens, args.repeats)
+
+
+if __name__ == "__main__":
+    main()
