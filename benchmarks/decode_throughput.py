@@ -3,7 +3,8 @@
 Each of --num-seqs prompts asks for its own number of output tokens, drawn uniformly from
 --min-tokens..--max-tokens (EOS ignored, greedy); with --min-tokens equal to --max-tokens every
 request wants the same length. Only requested tokens count as output: a static batch keeps
-stepping until its longest request is done, which is exactly what continuous batching avoids. Prints output tokens/s for:
+stepping until its longest request is done, which is exactly what continuous batching avoids.
+Prints output tokens/s for:
   hf-sequential   one `generate` call per prompt
   hf-static       one padded `generate` call for the whole batch (left padding)
   pdserve         our paged engine, all prompts submitted together (continuous batching)

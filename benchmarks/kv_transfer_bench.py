@@ -17,10 +17,10 @@ import time
 import uuid
 
 import torch
-from kv_transfer import KvSpec, KvTransferServicer, get_backend, grpc_message_options
-from kv_transfer.base import dtype_name
 
 from engine.worker_runtime import make_server
+from kv_transfer import KvSpec, KvTransferServicer, get_backend, grpc_message_options
+from kv_transfer.base import dtype_name
 
 SMOLLM2 = dict(layers=30, kv_heads=3, head_dim=64, block_size=16)
 

@@ -7,15 +7,14 @@ from __future__ import annotations
 
 import argparse
 
-from kv_transfer import KvTransferServicer, grpc_message_options
-from pdserve.v1 import worker_pb2_grpc
-
 from decode_worker.servicer import DecodeServicer
 from decode_worker.worker import DecodeWorker
 from engine.config import EngineConfig
 from engine.model_fetch import resolve_model
 from engine.model_loader import load_model
 from engine.worker_runtime import add_health, announce_ready, bind, configure_process, make_server, serve_until_signal
+from kv_transfer import KvTransferServicer, grpc_message_options
+from pdserve.v1 import worker_pb2_grpc
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

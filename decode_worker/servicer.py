@@ -17,15 +17,15 @@ from concurrent.futures import CancelledError
 from concurrent.futures import TimeoutError as FutureTimeout
 
 import grpc
-from kv_transfer import KvTransferError, KvTransferServicer
-from pdserve.v1 import common_pb2, router_pb2, worker_pb2, worker_pb2_grpc
 
+from decode_worker.worker import AdmissionError, DecodeWorker, StreamError
 from engine.llm_engine import TokenOutput
 from engine.model_loader import LoadedModel
 from engine.sampling_params import SamplingParams
 from engine.tokenization import encode_chat, encode_text
 from engine.worker_runtime import finish_reason_to_pb, sampling_params_from_pb, sampling_params_to_pb
-from decode_worker.worker import AdmissionError, DecodeWorker, StreamError
+from kv_transfer import KvTransferError, KvTransferServicer
+from pdserve.v1 import common_pb2, router_pb2, worker_pb2, worker_pb2_grpc
 
 log = logging.getLogger(__name__)
 
@@ -56,7 +56,9 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
         self._prefill_channels: dict[str, worker_pb2_grpc.PrefillWorkerStub] = {}
 
     # ----- Generate --------------------------------------------------------------------------
-    def Generate(self, request: worker_pb2.DecodeRequest, context: grpc.ServicerContext) -> Iterator[router_pb2.GenerateResponse]:  # noqa: N802
+    def Generate(  # noqa: N802
+        self, request: worker_pb2.DecodeRequest, context: grpc.ServicerContext
+    ) -> Iterator[router_pb2.GenerateResponse]:
         start = time.perf_counter()
         request_id = request.request_id or uuid.uuid4().hex
         try:

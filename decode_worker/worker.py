@@ -12,8 +12,6 @@ from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import torch
-from kv_transfer import KvSpec
-from kv_transfer.base import dtype_name
 
 from engine.block_pool import blocks_for_tokens
 from engine.config import EngineConfig
@@ -21,6 +19,8 @@ from engine.llm_engine import LLMEngine, TokenOutput
 from engine.model_loader import LoadedModel
 from engine.sampling_params import SamplingParams
 from engine.sequence import Sequence
+from kv_transfer import KvSpec
+from kv_transfer.base import dtype_name
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")

@@ -18,10 +18,10 @@ from concurrent import futures
 import grpc
 import torch
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
-from pdserve.v1 import common_pb2
 
 from engine.sampling_params import SamplingParams
 from engine.stop_checker import FINISH_ABORT, FINISH_ERROR, FINISH_LENGTH, FINISH_STOP, FINISH_STOP_STRING
+from pdserve.v1 import common_pb2
 
 READY_PREFIX = "PDSERVE_READY "
 

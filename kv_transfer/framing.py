@@ -28,9 +28,9 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
-from pdserve.v1.kv_pb2 import KvFrame, KvHeader
 
 from kv_transfer.base import KvSpec, dtype_name
+from pdserve.v1.kv_pb2 import KvFrame, KvHeader
 
 DEFAULT_MAX_FRAME_BYTES = 4 * 1024 * 1024
 DEFAULT_MAX_TOTAL_BYTES = 8 * 1024 * 1024 * 1024

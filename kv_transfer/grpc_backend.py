@@ -30,8 +30,6 @@ from collections.abc import Callable, Iterable, Iterator
 
 import grpc
 import torch
-from pdserve.v1 import kv_pb2_grpc
-from pdserve.v1.kv_pb2 import KvAck, KvFrame
 
 from kv_transfer.base import KvReceiver, KvSender, KvSpec, KvTransferError, PendingKv, register_backend
 from kv_transfer.framing import (
@@ -41,6 +39,8 @@ from kv_transfer.framing import (
     KvFrameError,
     encode_frames,
 )
+from pdserve.v1 import kv_pb2_grpc
+from pdserve.v1.kv_pb2 import KvAck, KvFrame
 
 BACKEND_NAME = "grpc"
 #: Room for the KvHeader and protobuf overhead on top of a frame's data.

@@ -4,12 +4,11 @@ from __future__ import annotations
 
 import argparse
 
-from pdserve.v1 import worker_pb2_grpc
-
 from engine.config import EngineConfig
 from engine.model_fetch import resolve_model
 from engine.model_loader import load_model
 from engine.worker_runtime import add_health, announce_ready, bind, configure_process, make_server, serve_until_signal
+from pdserve.v1 import worker_pb2_grpc
 from prefill_worker.servicer import PrefillServicer
 from prefill_worker.worker import PrefillWorker
 

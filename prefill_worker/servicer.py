@@ -6,10 +6,10 @@ import os
 from concurrent.futures import CancelledError
 
 import grpc
-from kv_transfer import KvTransferError
-from pdserve.v1 import common_pb2, worker_pb2, worker_pb2_grpc
 
 from engine.worker_runtime import sampling_params_from_pb
+from kv_transfer import KvTransferError
+from pdserve.v1 import common_pb2, worker_pb2, worker_pb2_grpc
 from prefill_worker.worker import PrefillJob, PrefillWorker
 
 

@@ -9,9 +9,6 @@ from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 
-from kv_transfer import KvSpec, get_backend
-from kv_transfer.base import dtype_name
-
 from engine.block_pool import BlockPool, blocks_for_tokens
 from engine.config import EngineConfig
 from engine.llm_engine import build_cache
@@ -19,6 +16,8 @@ from engine.model_loader import LoadedModel
 from engine.model_runner import ModelRunner, StepInput
 from engine.sampler import sample
 from engine.sampling_params import SamplingParams
+from kv_transfer import KvSpec, get_backend
+from kv_transfer.base import dtype_name
 
 log = logging.getLogger(__name__)
 

@@ -13,8 +13,6 @@ from concurrent import futures
 import grpc
 import pytest
 import torch
-from pdserve.v1 import kv_pb2_grpc
-from pdserve.v1.kv_pb2 import KvAck, KvFrame
 
 from kv_transfer import get_backend
 from kv_transfer.base import SUPPORTED_DTYPES, KvSpec, KvTransferError
@@ -26,6 +24,8 @@ from kv_transfer.grpc_backend import (
     get_sender,
     grpc_message_options,
 )
+from pdserve.v1 import kv_pb2_grpc
+from pdserve.v1.kv_pb2 import KvAck, KvFrame
 
 MAX_FRAME = 256
 

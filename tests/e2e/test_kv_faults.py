@@ -1,0 +1,78 @@
+"""A faulty prefill peer (a test double in this process) against a real decode worker process:
+corrupted or mismatched KV fails only its own request, and every block comes back."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from concurrent import futures
+
+import grpc
+import pytest
+import torch
+
+from cluster.local import LocalCluster, LocalClusterConfig
+from kv_transfer import KvSpec
+from kv_transfer.base import dtype_name
+from kv_transfer.framing import encode_frames
+from pdserve.v1 import common_pb2, kv_pb2_grpc, worker_pb2, worker_pb2_grpc
+
+from e2e_helpers import generate, wait_idle
+
+
+class RoguePrefill(worker_pb2_grpc.PrefillWorkerServicer):
+    """Answers Prefill by pushing KV that is wrong in one way (`mode`)."""
+
+    def __init__(self, loaded, mode: str) -> None:  # noqa: ANN001
+        self.loaded = loaded
+        self.mode = mode
+
+    def _frames(self, request: worker_pb2.PrefillRequest) -> Iterator:
+        shape = self.loaded.kv_shape(16)
+        n = -(-len(request.prompt_token_ids) // 16)
+        spec = KvSpec(request_id=request.request_id, model_fingerprint=self.loaded.fingerprint,
+                      dtype=dtype_name(shape.dtype), shape=(shape.num_layers, 2, n, 16, shape.num_kv_heads,
+                                                            shape.head_dim),
+                      block_size=16, num_tokens=len(request.prompt_token_ids))
+        if self.mode == "fingerprint":
+            spec = KvSpec(**{**spec.__dict__, "model_fingerprint": "another-model"})
+        for i, frame in enumerate(encode_frames(spec, torch.randn(spec.shape), 7, max_frame_bytes=1 << 20)):
+            if self.mode == "checksum" and i == 1:
+                frame.data = bytes([frame.data[0] ^ 0xFF]) + frame.data[1:]
+            yield frame
+
+    def Prefill(self, request, context):  # noqa: ANN001, ANN201, N802
+        stub = kv_pb2_grpc.KvTransferStub(grpc.insecure_channel(request.kv_target_address))
+        ack = stub.PushKv(self._frames(request), timeout=30)
+        if not ack.ok:
+            context.abort(grpc.StatusCode.UNAVAILABLE, f"KV refused: {ack.error}")
+        return worker_pb2.PrefillResponse(request_id=request.request_id, first_token_id=7)
+
+
+@pytest.fixture(scope="module")
+def cluster() -> Iterator[LocalCluster]:
+    with LocalCluster(LocalClusterConfig(model=None, prefill=1, decode=1, colocated=0,
+                                         threads_per_worker=1)) as c:
+        yield c
+
+
+@pytest.mark.parametrize("mode", ["checksum", "fingerprint"])
+def test_bad_kv_fails_only_its_request(mode: str, cluster, default_model) -> None:  # noqa: ANN001
+    server = grpc.server(futures.ThreadPoolExecutor(4))
+    worker_pb2_grpc.add_PrefillWorkerServicer_to_server(RoguePrefill(default_model, mode), server)
+    rogue = f"127.0.0.1:{server.add_insecure_port('127.0.0.1:0')}"
+    server.start()
+    try:
+        decode = [w[2] for w in cluster.workers if w[0] == "decode"][0]
+        stub = worker_pb2_grpc.DecodeWorkerStub(grpc.insecure_channel(decode))
+        bad = stub.Generate(worker_pb2.DecodeRequest(
+            request_id=f"bad-{mode}", prompt="The river ran past the old mill " * 5, prefill_address=rogue,
+            params=common_pb2.SamplingParams(max_tokens=5)), timeout=60)
+        good = generate(cluster.router_address, "The capital of France is", 6)
+        with pytest.raises(grpc.RpcError) as err:
+            list(bad)
+        assert err.value.code() == grpc.StatusCode.UNAVAILABLE
+        assert ("checksum" if mode == "checksum" else "fingerprint") in err.value.details()
+        assert len(good.token_ids) == 6
+        wait_idle([(w[0], w[2]) for w in cluster.workers])
+    finally:
+        server.stop(0)
