@@ -1,9 +1,31 @@
-"""The `pdserve` command line (placeholder: `pdserve model fetch`; more subcommands follow)."""
+"""The `pdserve` command line: serve a local cluster, generate, show status, fetch the default model.
+
+    pdserve serve [--prefill N --decode M] [--colocated K] [--model PATH] [--port P] ...
+    pdserve generate [--url ADDR] [--max-tokens N] [--chat] [--json] ... PROMPT
+    pdserve status [--url ADDR] [--json]
+    pdserve model fetch [--force]
+
+Exit codes: 0 success, 1 failure (gRPC errors print ``error: <CODE>: <details>`` to stderr), 2 usage.
+"""
 
 from __future__ import annotations
 
 import argparse
+import json
+import signal
 import sys
+import time
+from collections.abc import Iterator, Sequence
+from types import FrameType
+
+import grpc
+
+from cluster.client import DEFAULT_ADDRESS, PdserveClient, build_request, collect, sampling_params, status_rows
+from cluster.local import ClusterStartError, LocalCluster, LocalClusterConfig
+from pdserve.v1 import router_pb2
+
+POLICIES = ("round_robin", "least_loaded")
+STATUS_COLUMNS = ("role", "worker_id", "address", "pid", "queue", "kv used/total", "running", "healthy")
 
 
 def _cmd_model_fetch(args: argparse.Namespace) -> int:
@@ -14,15 +36,188 @@ def _cmd_model_fetch(args: argparse.Namespace) -> int:
     return 0
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="pdserve", description="Disaggregated prefill/decode LLM serving.")
-    commands = parser.add_subparsers(dest="command", required=True)
+def _add_serve(commands: argparse._SubParsersAction) -> None:
+    serve = commands.add_parser("serve", help="run a router and workers as local processes")
+    serve.add_argument("--prefill", type=int, default=None, help="prefill workers (default 1, or 0 with --colocated)")
+    serve.add_argument("--decode", type=int, default=None, help="decode workers (default 1, or 0 with --colocated)")
+    serve.add_argument("--colocated", type=int, default=0, help="colocated workers (prefill + decode in one)")
+    serve.add_argument("--model", default=None, help="local Hugging Face folder (default: the default model)")
+    serve.add_argument("--host", default="127.0.0.1", help="router interface (workers always use loopback)")
+    serve.add_argument("--port", type=int, default=50051, help="router port (0 picks a free one)")
+    serve.add_argument("--threads-per-worker", type=int, default=None, help="default: CPUs / workers")
+    serve.add_argument("--prefill-policy", choices=POLICIES, default="round_robin")
+    serve.add_argument("--decode-policy", choices=POLICIES, default="round_robin")
+    serve.add_argument("--kv-cache-mb", type=int, default=None, help="KV cache size per worker")
+    serve.add_argument("--startup-timeout", type=float, default=180.0, metavar="S")
+    serve.add_argument("--log-dir", default=None, help="per-process logs (default: a new temp dir)")
+    serve.set_defaults(func=_cmd_serve)
+
+
+def _add_generate(commands: argparse._SubParsersAction) -> None:
+    gen = commands.add_parser("generate", help="stream a generation from a router")
+    gen.add_argument("prompt", metavar="PROMPT")
+    gen.add_argument("--url", default=DEFAULT_ADDRESS, help=f"router address (default {DEFAULT_ADDRESS})")
+    gen.add_argument("--max-tokens", type=int, default=None)
+    gen.add_argument("--temperature", type=float, default=None)
+    gen.add_argument("--top-p", type=float, default=None)
+    gen.add_argument("--top-k", type=int, default=0)
+    gen.add_argument("--seed", type=int, default=None)
+    gen.add_argument("--stop", action="append", default=[], metavar="STR", help="stop string (repeatable)")
+    gen.add_argument("--chat", action="store_true", help="send PROMPT as one user chat message")
+    gen.add_argument("--json", action="store_true", help="print one JSON object instead of streaming")
+    gen.add_argument("--ignore-eos", action="store_true")
+    gen.add_argument("--timeout", type=float, default=600.0, metavar="S", help="deadline in seconds")
+    gen.set_defaults(func=_cmd_generate)
+
+
+def _add_status(commands: argparse._SubParsersAction) -> None:
+    status = commands.add_parser("status", help="show the router's workers")
+    status.add_argument("--url", default=DEFAULT_ADDRESS, help=f"router address (default {DEFAULT_ADDRESS})")
+    status.add_argument("--json", action="store_true")
+    status.set_defaults(func=_cmd_status)
+
+
+def _add_model(commands: argparse._SubParsersAction) -> None:
     model = commands.add_parser("model", help="manage the default model")
     model_commands = model.add_subparsers(dest="model_command", required=True)
     fetch = model_commands.add_parser("fetch", help="fetch and convert SmolLM2-135M-Instruct (cached)")
     fetch.add_argument("--force", action="store_true", help="re-download and re-convert")
     fetch.set_defaults(func=_cmd_model_fetch)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="pdserve", description="Disaggregated prefill/decode LLM serving.")
+    commands = parser.add_subparsers(dest="command", required=True)
+    for add in (_add_serve, _add_generate, _add_status, _add_model):
+        add(commands)
     return parser
+
+
+def cluster_config(args: argparse.Namespace) -> LocalClusterConfig:
+    """LocalClusterConfig from `pdserve serve` arguments; prefill/decode default to 1 without colocated."""
+    default_pd = 0 if args.colocated > 0 else 1
+    return LocalClusterConfig(
+        model=args.model,
+        prefill=default_pd if args.prefill is None else args.prefill,
+        decode=default_pd if args.decode is None else args.decode,
+        colocated=args.colocated,
+        host=args.host,
+        port=args.port,
+        threads_per_worker=args.threads_per_worker,
+        prefill_policy=args.prefill_policy,
+        decode_policy=args.decode_policy,
+        kv_cache_mb=args.kv_cache_mb,
+        startup_timeout_s=args.startup_timeout,
+        log_dir=args.log_dir,
+    )
+
+
+def _interrupt(_signum: int, _frame: FrameType | None) -> None:
+    raise KeyboardInterrupt
+
+
+def _cmd_serve(args: argparse.Namespace) -> int:
+    try:
+        config = cluster_config(args)
+    except ValueError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    signal.signal(signal.SIGTERM, _interrupt)
+    try:
+        cluster = LocalCluster(config)
+    except ClusterStartError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        return 0
+    try:
+        _print_cluster(cluster.router_address, [w._asdict() for w in cluster.workers])
+        while True:
+            time.sleep(3600)
+    except KeyboardInterrupt:
+        print("pdserve: shutting down", file=sys.stderr, flush=True)
+    finally:
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, signal.SIG_IGN)
+        cluster.stop()
+    return 0
+
+
+def _print_cluster(router_address: str, workers: list[dict[str, object]]) -> None:
+    print(f"router: {router_address}")
+    print(format_table(("role", "worker_id", "address", "pid"), [[str(v) for v in w.values()] for w in workers]))
+    print("Ctrl-C (or SIGTERM) stops everything.", flush=True)
+
+
+def _cmd_generate(args: argparse.Namespace) -> int:
+    params = sampling_params(
+        max_tokens=args.max_tokens,
+        temperature=args.temperature,
+        top_p=args.top_p,
+        top_k=args.top_k,
+        seed=args.seed,
+        stop=args.stop,
+        ignore_eos=args.ignore_eos,
+    )
+    messages = [("user", args.prompt)] if args.chat else None
+    request = build_request(prompt=None if args.chat else args.prompt, messages=messages, params=params)
+    try:
+        with PdserveClient(args.url, args.timeout) as client:
+            result = collect(_echo(client.generate(request), quiet=args.json))
+    except grpc.RpcError as exc:
+        print(f"error: {exc.code().name}: {exc.details()}", file=sys.stderr)
+        return 1
+    if args.json:
+        print(json.dumps(result.to_json_dict()), flush=True)
+    else:
+        print(flush=True)
+    if result.finish_reason == "error":
+        print(f"error: {result.error}", file=sys.stderr)
+        return 1
+    return 0
+
+
+def _echo(responses: Iterator[router_pb2.GenerateResponse], quiet: bool) -> Iterator[router_pb2.GenerateResponse]:
+    """Pass responses through, writing each text delta to stdout as it arrives (unless quiet)."""
+    for response in responses:
+        if response.text and not quiet:
+            sys.stdout.write(response.text)
+            sys.stdout.flush()
+        yield response
+
+
+def _cmd_status(args: argparse.Namespace) -> int:
+    try:
+        with PdserveClient(args.url, 10.0) as client:
+            status = client.status()
+    except grpc.RpcError as exc:
+        print(f"error: {exc.code().name}: {exc.details()}", file=sys.stderr)
+        return 1
+    rows = status_rows(status)
+    if args.json:
+        doc = {
+            "workers": rows,
+            "in_flight_requests": status.in_flight_requests,
+            "total_requests": status.total_requests,
+        }
+        print(json.dumps(doc))
+        return 0
+    print(format_table(STATUS_COLUMNS, [_status_cells(r) for r in rows]))
+    print(f"in flight: {status.in_flight_requests}  total requests: {status.total_requests}")
+    return 0
+
+
+def _status_cells(row: dict[str, object]) -> list[str]:
+    kv = f"{row['kv_used']}/{row['kv_total']}"
+    healthy = "yes" if row["healthy"] else "NO"
+    return [str(row[k]) for k in ("role", "worker_id", "address", "pid", "queue")] + [kv, str(row["running"]), healthy]
+
+
+def format_table(headers: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
+    """Plain text table with left-aligned columns separated by two spaces."""
+    widths = [max([len(h)] + [len(r[i]) for r in rows]) for i, h in enumerate(headers)]
+    lines = [headers, *rows]
+    return "\n".join("  ".join(cell.ljust(w) for cell, w in zip(line, widths, strict=True)).rstrip() for line in lines)
 
 
 def main(argv: list[str] | None = None) -> int:

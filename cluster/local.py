@@ -1,0 +1,220 @@
+"""LocalCluster: a router plus prefill/decode/colocated workers as local subprocesses.
+
+Start-up order: every worker at once (model loading runs in parallel), wait for each READY line, then
+the router with the worker addresses, wait for its READY line, then a gRPC health check of every process.
+Workers bind to 127.0.0.1; the router binds to ``config.host``.
+
+Invariants: constructing a LocalCluster starts it (or raises ClusterStartError after stopping whatever
+had started); ``stop()`` is idempotent, also runs at interpreter exit, and leaves no child running.
+Each child's stderr goes to ``<log_dir>/<name>.log``.
+"""
+
+from __future__ import annotations
+
+import atexit
+import os
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from types import TracebackType
+from typing import NamedTuple
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from cluster.processes import ManagedProcess, ProcessStartError, stop_all
+from router.policies import POLICY_NAMES
+
+WORKER_HOST = "127.0.0.1"
+STOP_GRACE_S = 5.0
+ROLE_MODULES = {"prefill": "prefill_worker", "decode": "decode_worker", "colocated": "decode_worker"}
+_REPO = Path(__file__).resolve().parents[1]
+
+
+class ClusterStartError(RuntimeError):
+    """The cluster could not start; the message names the process and holds its stderr tail."""
+
+
+class WorkerProcess(NamedTuple):
+    """One running worker: (role, worker_id, address, pid)."""
+
+    role: str
+    worker_id: str
+    address: str
+    pid: int
+
+
+@dataclass(frozen=True)
+class LocalClusterConfig:
+    """Topology and process settings. Needs prefill >= 1 and decode >= 1, or colocated >= 1."""
+
+    model: str | None = None
+    prefill: int = 1
+    decode: int = 1
+    colocated: int = 0
+    host: str = "127.0.0.1"
+    port: int = 0
+    threads_per_worker: int | None = None
+    prefill_policy: str = "round_robin"
+    decode_policy: str = "round_robin"
+    kv_cache_mb: int | None = None
+    startup_timeout_s: float = 180.0
+    log_dir: str | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("prefill", "decode", "colocated"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
+        if not ((self.prefill >= 1 and self.decode >= 1) or self.colocated >= 1):
+            raise ValueError("need prefill >= 1 and decode >= 1, or colocated >= 1")
+        if not 0 <= self.port <= 65535:
+            raise ValueError(f"port must be in [0, 65535], got {self.port}")
+        if self.threads_per_worker is not None and self.threads_per_worker < 1:
+            raise ValueError(f"threads_per_worker must be >= 1, got {self.threads_per_worker}")
+        for name in ("prefill_policy", "decode_policy"):
+            if getattr(self, name) not in POLICY_NAMES:
+                raise ValueError(f"{name} must be one of {', '.join(POLICY_NAMES)}, got {getattr(self, name)!r}")
+        if self.kv_cache_mb is not None and self.kv_cache_mb < 1:
+            raise ValueError(f"kv_cache_mb must be >= 1, got {self.kv_cache_mb}")
+        if not self.startup_timeout_s > 0:
+            raise ValueError(f"startup_timeout_s must be > 0, got {self.startup_timeout_s}")
+
+    @property
+    def num_workers(self) -> int:
+        return self.prefill + self.decode + self.colocated
+
+    @property
+    def threads(self) -> int:
+        """Torch threads per worker: as configured, else the CPUs split evenly (at least 1)."""
+        return self.threads_per_worker or max(1, _cpu_count() // self.num_workers)
+
+    def worker_names(self) -> list[tuple[str, str]]:
+        """(role, worker_id) of every worker, e.g. ("prefill", "prefill-0")."""
+        counts = (("prefill", self.prefill), ("decode", self.decode), ("colocated", self.colocated))
+        return [(role, f"{role}-{i}") for role, count in counts for i in range(count)]
+
+
+def _cpu_count() -> int:
+    if hasattr(os, "sched_getaffinity"):
+        return len(os.sched_getaffinity(0))
+    return os.cpu_count() or 1
+
+
+def worker_argv(config: LocalClusterConfig, role: str, worker_id: str) -> list[str]:
+    """Command line of one worker process."""
+    argv = [sys.executable, "-m", ROLE_MODULES[role], "--host", WORKER_HOST, "--port", "0"]
+    argv += ["--worker-id", worker_id, "--threads", str(config.threads)]
+    if role == "colocated":
+        argv.append("--colocated")
+    if config.model is not None:
+        argv += ["--model", config.model]
+    if config.kv_cache_mb is not None:
+        argv += ["--kv-cache-mb", str(config.kv_cache_mb)]
+    return argv
+
+
+def router_argv(config: LocalClusterConfig, workers: list[WorkerProcess]) -> list[str]:
+    """Command line of the router process for the given running workers."""
+    argv = [sys.executable, "-m", "router", "--host", config.host, "--port", str(config.port)]
+    for worker in workers:
+        argv += [f"--{worker.role}", worker.address]
+    argv += ["--prefill-policy", config.prefill_policy, "--decode-policy", config.decode_policy]
+    return argv
+
+
+def child_env() -> dict[str, str]:
+    """Environment of the children: ours, with this checkout (and its stubs) first on PYTHONPATH."""
+    paths = [str(_REPO), str(_REPO / "proto")]
+    if os.environ.get("PYTHONPATH"):
+        paths.append(os.environ["PYTHONPATH"])
+    return {**os.environ, "PYTHONPATH": os.pathsep.join(paths), "PYTHONUNBUFFERED": "1"}
+
+
+def wait_serving(address: str, timeout_s: float) -> None:
+    """Poll grpc.health.v1 (service "") until SERVING; ClusterStartError after ``timeout_s``."""
+    deadline = time.monotonic() + timeout_s
+    last = "no answer"
+    with grpc.insecure_channel(address) as channel:
+        stub = health_pb2_grpc.HealthStub(channel)
+        while time.monotonic() < deadline:
+            try:
+                status = stub.Check(health_pb2.HealthCheckRequest(service=""), timeout=2.0).status
+                if status == health_pb2.HealthCheckResponse.SERVING:
+                    return
+                last = health_pb2.HealthCheckResponse.ServingStatus.Name(status)
+            except grpc.RpcError as exc:
+                last = f"{exc.code().name}: {exc.details()}"
+            time.sleep(0.1)
+    raise ClusterStartError(f"{address} not SERVING after {timeout_s:.0f} s ({last})")
+
+
+class LocalCluster:
+    """Router + workers as subprocesses; starts on construction, use as a context manager or call stop()."""
+
+    def __init__(self, config: LocalClusterConfig) -> None:
+        self.config = config
+        self.log_dir = Path(config.log_dir) if config.log_dir else Path(tempfile.mkdtemp(prefix="pdserve-logs-"))
+        self.log_dir.mkdir(parents=True, exist_ok=True)
+        print(f"pdserve: process logs in {self.log_dir}", file=sys.stderr, flush=True)
+        self._processes: list[ManagedProcess] = []
+        self._workers: list[WorkerProcess] = []
+        self._router_address = ""
+        self._stopped = False
+        atexit.register(self.stop)
+        try:
+            self._start()
+        except BaseException:
+            self.stop()
+            raise
+
+    @property
+    def router_address(self) -> str:
+        """host:port of the router."""
+        return self._router_address
+
+    @property
+    def workers(self) -> list[WorkerProcess]:
+        """Running workers as (role, worker_id, address, pid), prefill first, then decode, then colocated."""
+        return list(self._workers)
+
+    def _launch(self, name: str, argv: list[str]) -> ManagedProcess:
+        process = ManagedProcess(name, argv, self.log_dir / f"{name}.log", child_env())
+        self._processes.append(process)
+        return process
+
+    def _start(self) -> None:
+        deadline = time.monotonic() + self.config.startup_timeout_s
+        names = self.config.worker_names()
+        launched = [self._launch(wid, worker_argv(self.config, role, wid)) for role, wid in names]
+        for (role, worker_id), process in zip(names, launched, strict=True):
+            ready = self._wait_ready(process, deadline)
+            self._workers.append(WorkerProcess(role, worker_id, str(ready["address"]), process.pid))
+        router = self._launch("router", router_argv(self.config, self._workers))
+        self._router_address = str(self._wait_ready(router, deadline)["address"])
+        for address in [self._router_address] + [w.address for w in self._workers]:
+            wait_serving(address, max(1.0, deadline - time.monotonic()))
+
+    @staticmethod
+    def _wait_ready(process: ManagedProcess, deadline: float) -> dict[str, object]:
+        try:
+            return process.wait_ready(deadline - time.monotonic())
+        except ProcessStartError as exc:
+            raise ClusterStartError(str(exc)) from None
+
+    def stop(self) -> None:
+        """SIGTERM every process (router first), wait up to 5 s, SIGKILL what is left. Idempotent."""
+        if self._stopped:
+            return
+        self._stopped = True
+        atexit.unregister(self.stop)
+        stop_all(list(reversed(self._processes)), STOP_GRACE_S)
+
+    def __enter__(self) -> LocalCluster:
+        return self
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self.stop()

@@ -1,0 +1,56 @@
+"""RouterConfig: everything the router process needs, validated on construction."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from router.policies import COLOCATED, DECODE, POLICY_NAMES, PREFILL
+from router.worker_pool import WorkerEndpoint
+
+MAX_RECEIVE_MESSAGE_BYTES = 16 * 1024 * 1024
+
+
+@dataclass(frozen=True)
+class RouterConfig:
+    """Addresses of the workers, selection policies, deadlines and server sizing.
+
+    Decode workers need at least one prefill worker; colocated workers prefill themselves. A router
+    with no workers at all is allowed (it validates requests and answers UNAVAILABLE).
+    """
+
+    host: str = "127.0.0.1"
+    port: int = 0
+    prefill: tuple[str, ...] = ()
+    decode: tuple[str, ...] = ()
+    colocated: tuple[str, ...] = ()
+    prefill_policy: str = "round_robin"
+    decode_policy: str = "round_robin"
+    max_stream_timeout_s: float = 600.0
+    info_timeout_s: float = 2.0
+    poll_interval_s: float = 0.5
+    max_concurrent_streams: int = 256
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.port <= 65535:
+            raise ValueError(f"port must be in [0, 65535], got {self.port}")
+        for name in ("prefill_policy", "decode_policy"):
+            if getattr(self, name) not in POLICY_NAMES:
+                raise ValueError(f"{name} must be one of {', '.join(POLICY_NAMES)}, got {getattr(self, name)!r}")
+        if self.decode and not self.prefill:
+            raise ValueError("decode workers need at least one prefill worker (or use colocated workers)")
+        for name in ("max_stream_timeout_s", "info_timeout_s", "poll_interval_s"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
+        if self.max_concurrent_streams < 1:
+            raise ValueError(f"max_concurrent_streams must be >= 1, got {self.max_concurrent_streams}")
+        self.endpoints()  # validates addresses and uniqueness
+
+    def endpoints(self) -> list[WorkerEndpoint]:
+        """Every configured worker, prefill first, then decode, then colocated."""
+        endpoints = [WorkerEndpoint(a, PREFILL) for a in self.prefill]
+        endpoints += [WorkerEndpoint(a, DECODE) for a in self.decode]
+        endpoints += [WorkerEndpoint(a, COLOCATED) for a in self.colocated]
+        addresses = [e.address for e in endpoints]
+        if len(set(addresses)) != len(addresses):
+            raise ValueError(f"worker addresses must be unique, got {addresses}")
+        return endpoints

@@ -1,0 +1,106 @@
+"""In-memory request metrics of the router: counters and latency samples (no exporter yet).
+
+Definitions follow ``vllm bench serve``: TTFT = request received -> first response carrying tokens;
+ITL = gap between consecutive responses carrying tokens; E2E = request received -> last response.
+Thread-safe; samples are kept in bounded windows so memory stays constant.
+"""
+
+from __future__ import annotations
+
+import statistics
+import threading
+import time
+from collections import Counter, deque
+from dataclasses import dataclass
+
+SAMPLE_WINDOW = 10_000
+
+
+@dataclass(frozen=True)
+class LatencySummary:
+    """Summary of one latency series in seconds (over the retained window, count over all time)."""
+
+    count: int
+    mean_s: float
+    p50_s: float
+    p99_s: float
+    max_s: float
+
+
+class LatencySeries:
+    """A bounded window of latency samples plus all-time count and max."""
+
+    def __init__(self, window: int = SAMPLE_WINDOW) -> None:
+        self._samples: deque[float] = deque(maxlen=window)
+        self._count = 0
+        self._max = 0.0
+
+    def add(self, seconds: float) -> None:
+        self._samples.append(seconds)
+        self._count += 1
+        self._max = max(self._max, seconds)
+
+    def summary(self) -> LatencySummary:
+        if not self._samples:
+            return LatencySummary(self._count, 0.0, 0.0, 0.0, self._max)
+        ordered = sorted(self._samples)
+        p99 = ordered[min(len(ordered) - 1, int(0.99 * len(ordered)))]
+        return LatencySummary(self._count, statistics.fmean(ordered), statistics.median(ordered), p99, self._max)
+
+
+class RouterMetrics:
+    """Request counters and TTFT / ITL / E2E series, shared by all Generate streams."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self.total_requests = 0
+        self.in_flight = 0
+        self.outcomes: Counter[str] = Counter()
+        self.ttft = LatencySeries()
+        self.itl = LatencySeries()
+        self.e2e = LatencySeries()
+
+    def started(self) -> None:
+        with self._lock:
+            self.total_requests += 1
+            self.in_flight += 1
+
+    def finished(self, outcome: str) -> None:
+        """Count one ended stream; ``outcome`` is a finish reason or status code name."""
+        with self._lock:
+            self.in_flight -= 1
+            self.outcomes[outcome] += 1
+
+    def record(self, series: LatencySeries, seconds: float) -> None:
+        with self._lock:
+            series.add(seconds)
+
+    def summaries(self) -> dict[str, LatencySummary]:
+        with self._lock:
+            return {"ttft": self.ttft.summary(), "itl": self.itl.summary(), "e2e": self.e2e.summary()}
+
+
+class RequestClock:
+    """Measures one request: TTFT at the first token-carrying response, ITL between such responses."""
+
+    def __init__(self, metrics: RouterMetrics) -> None:
+        self._metrics = metrics
+        self.start = time.monotonic()
+        self.ttft_s = 0.0
+        self._last_token_at: float | None = None
+
+    def on_tokens(self) -> None:
+        """Call when a response carrying tokens (text or ids) is about to be sent."""
+        now = time.monotonic()
+        if self._last_token_at is None:
+            self.ttft_s = now - self.start
+            self._metrics.record(self._metrics.ttft, self.ttft_s)
+        else:
+            self._metrics.record(self._metrics.itl, now - self._last_token_at)
+        self._last_token_at = now
+
+    def finish(self) -> float:
+        """Record and return the end-to-end latency."""
+        e2e = time.monotonic() - self.start
+        self._metrics.record(self._metrics.e2e, e2e)
+        return e2e

@@ -1,0 +1,124 @@
+"""Worker selection policies: which prefill worker and which decode worker serve a request.
+
+Contract: ``Policy.pick(candidates)`` gets a snapshot of every worker of one stage (healthy or not) and
+returns one healthy candidate, or None when none is healthy. Policies never block and never do I/O;
+the worker pool calls them under its lock, so a pick and the in-flight increment that follows it are
+atomic (a burst of requests does not all land on the same "least loaded" worker).
+
+Load definitions (lower is better):
+- prefill: queued prompt tokens reported by the worker's last GetInfo + estimated prompt tokens the
+  router has sent to it that have not produced a first token yet; ties go to fewer in-flight requests.
+- decode: kv_blocks_used / kv_blocks_total + max(running_requests, router in-flight requests). The max
+  (not the sum) avoids counting the same request twice: the router's count is the fresher of the two.
+"""
+
+from __future__ import annotations
+
+import threading
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+from pdserve.v1 import router_pb2
+
+PREFILL = "prefill"
+DECODE = "decode"
+COLOCATED = "colocated"
+ROLES = (PREFILL, DECODE, COLOCATED)
+POLICY_NAMES = ("round_robin", "least_loaded")
+CHARS_PER_TOKEN_ESTIMATE = 4
+MESSAGE_OVERHEAD_TOKENS = 8
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """Snapshot of one worker as the policies see it (values from the last poll + router counters)."""
+
+    address: str
+    role: str
+    healthy: bool
+    in_flight: int = 0
+    in_flight_prompt_tokens: int = 0
+    queued_prompt_tokens: int = 0
+    kv_blocks_used: int = 0
+    kv_blocks_total: int = 0
+    running_requests: int = 0
+
+    @property
+    def kv_fraction(self) -> float:
+        """Fraction of the KV pool in use; 0 when the worker reported no pool."""
+        return self.kv_blocks_used / self.kv_blocks_total if self.kv_blocks_total > 0 else 0.0
+
+
+def prefill_load(candidate: Candidate) -> tuple[float, int]:
+    """Load of a prefill worker: (pending prompt tokens, in-flight requests as tie-breaker)."""
+    return (float(candidate.queued_prompt_tokens + candidate.in_flight_prompt_tokens), candidate.in_flight)
+
+
+def decode_load(candidate: Candidate) -> tuple[float, int]:
+    """Load of a decode (or colocated) worker: (kv fraction + requests, in-flight as tie-breaker)."""
+    requests = max(candidate.running_requests, candidate.in_flight)
+    return (candidate.kv_fraction + requests, candidate.in_flight)
+
+
+class Policy(ABC):
+    """Chooses one healthy worker among candidates; unhealthy candidates are never chosen."""
+
+    def pick(self, candidates: Sequence[Candidate]) -> Candidate | None:
+        """Return a healthy candidate, or None when no candidate is healthy."""
+        healthy = [c for c in candidates if c.healthy]
+        return self._choose(healthy) if healthy else None
+
+    @abstractmethod
+    def _choose(self, healthy: Sequence[Candidate]) -> Candidate:
+        """Choose among a non-empty list of healthy candidates."""
+
+
+class RoundRobin(Policy):
+    """Cycles through the healthy candidates in order (thread-safe)."""
+
+    def __init__(self) -> None:
+        self._next = 0
+        self._lock = threading.Lock()
+
+    def _choose(self, healthy: Sequence[Candidate]) -> Candidate:
+        with self._lock:
+            index = self._next % len(healthy)
+            self._next += 1
+        return healthy[index]
+
+
+class LeastLoaded(Policy):
+    """Picks the candidate with the smallest load; equal loads rotate so that ties spread."""
+
+    def __init__(self, load: Callable[[Candidate], tuple[float, int]]) -> None:
+        self._load = load
+        self._tie_breaker = RoundRobin()
+
+    def _choose(self, healthy: Sequence[Candidate]) -> Candidate:
+        best = min(self._load(c) for c in healthy)
+        tied = [c for c in healthy if self._load(c) == best]
+        return self._tie_breaker._choose(tied)
+
+
+def make_policy(name: str, stage: str) -> Policy:
+    """Build the policy called ``name`` for ``stage`` (PREFILL or DECODE); ValueError if unknown."""
+    if stage not in (PREFILL, DECODE):
+        raise ValueError(f"stage must be {PREFILL!r} or {DECODE!r}, got {stage!r}")
+    if name == "round_robin":
+        return RoundRobin()
+    if name == "least_loaded":
+        return LeastLoaded(prefill_load if stage == PREFILL else decode_load)
+    raise ValueError(f"policy must be one of {', '.join(POLICY_NAMES)}, got {name!r}")
+
+
+def estimate_prompt_tokens(request: router_pb2.GenerateRequest) -> int:
+    """Rough prompt length in tokens (the router never tokenizes): ids exactly, text as chars / 4."""
+    kind = request.WhichOneof("input")
+    if kind == "token_ids":
+        return len(request.token_ids.ids)
+    if kind == "messages":
+        chars = sum(len(m.content) for m in request.messages.messages)
+        overhead = MESSAGE_OVERHEAD_TOKENS * len(request.messages.messages)
+        return chars // CHARS_PER_TOKEN_ESTIMATE + overhead
+    return max(1, len(request.prompt) // CHARS_PER_TOKEN_ESTIMATE)

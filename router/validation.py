@@ -1,0 +1,123 @@
+"""Validation of client GenerateRequests (the table is in docs/validation.md).
+
+Invariants: side-effect free; the first violation found raises InvalidRequest whose message starts with
+the offending field path (``params.top_p: must be in (0, 1], got 1.5``). Invalid UTF-8 never reaches
+this code: protobuf refuses to parse a ``string`` field holding invalid UTF-8, so grpc fails such a call
+before the servicer runs.
+"""
+
+from __future__ import annotations
+
+import math
+
+from pdserve.v1 import common_pb2, router_pb2
+
+MAX_REQUEST_ID_CHARS = 128
+MAX_PROMPT_CHARS = 1_000_000
+MAX_MESSAGES = 256
+MAX_CONTENT_CHARS = 1_000_000
+MAX_PROMPT_TOKEN_IDS = 1_000_000
+ROLES = ("system", "user", "assistant", "tool")
+MAX_TOKENS_LIMIT = 1_000_000
+MAX_TEMPERATURE = 100.0
+MAX_STOP_STRINGS = 16
+MAX_STOP_CHARS = 256
+SEED_LIMIT = 2**63
+
+
+class InvalidRequest(ValueError):
+    """A request field violates the contract; ``str(error)`` is ``"<field>: <reason>"``."""
+
+    def __init__(self, field: str, reason: str) -> None:
+        super().__init__(f"{field}: {reason}")
+        self.field = field
+        self.reason = reason
+
+
+def validate_generate_request(request: router_pb2.GenerateRequest) -> None:
+    """Raise InvalidRequest for the first invalid field of ``request``; return None when it is valid."""
+    _check_request_id(request.request_id)
+    _check_input(request)
+    if request.HasField("params"):
+        check_params(request.params)
+
+
+def _check_request_id(request_id: str) -> None:
+    if len(request_id) > MAX_REQUEST_ID_CHARS:
+        raise InvalidRequest("request_id", f"at most {MAX_REQUEST_ID_CHARS} characters, got {len(request_id)}")
+    if any(not (0x20 <= ord(ch) <= 0x7E) for ch in request_id):
+        raise InvalidRequest("request_id", "must be printable ASCII")
+
+
+def _check_input(request: router_pb2.GenerateRequest) -> None:
+    kind = request.WhichOneof("input")
+    if kind is None:
+        raise InvalidRequest("input", "exactly one of prompt, messages, token_ids must be set")
+    if kind == "prompt":
+        _check_prompt(request.prompt)
+    elif kind == "messages":
+        _check_messages(request.messages)
+    else:
+        _check_token_ids(request.token_ids)
+
+
+def _check_prompt(prompt: str) -> None:
+    if not prompt.strip():
+        raise InvalidRequest("prompt", "must not be empty or whitespace only")
+    if len(prompt) > MAX_PROMPT_CHARS:
+        raise InvalidRequest("prompt", f"at most {MAX_PROMPT_CHARS} characters, got {len(prompt)}")
+
+
+def _check_messages(chat: common_pb2.ChatMessages) -> None:
+    count = len(chat.messages)
+    if not 1 <= count <= MAX_MESSAGES:
+        raise InvalidRequest("messages", f"must hold 1..{MAX_MESSAGES} messages, got {count}")
+    for i, message in enumerate(chat.messages):
+        if message.role not in ROLES:
+            raise InvalidRequest(f"messages[{i}].role", f"must be one of {', '.join(ROLES)}, got {message.role!r}")
+        if len(message.content) > MAX_CONTENT_CHARS:
+            raise InvalidRequest(
+                f"messages[{i}].content", f"at most {MAX_CONTENT_CHARS} characters, got {len(message.content)}"
+            )
+
+
+def _check_token_ids(token_ids: common_pb2.TokenIds) -> None:
+    if not token_ids.ids:
+        raise InvalidRequest("token_ids", "must not be empty")
+    if len(token_ids.ids) > MAX_PROMPT_TOKEN_IDS:
+        raise InvalidRequest("token_ids", f"at most {MAX_PROMPT_TOKEN_IDS} ids, got {len(token_ids.ids)}")
+    _check_non_negative("token_ids", token_ids.ids)
+
+
+def _check_non_negative(field: str, values: list[int]) -> None:
+    for i, value in enumerate(values):
+        if value < 0:
+            raise InvalidRequest(f"{field}[{i}]", f"must be >= 0, got {value}")
+
+
+def check_params(params: common_pb2.SamplingParams) -> None:
+    """Raise InvalidRequest (field path ``params.<name>``) for the first invalid sampling parameter."""
+    _check_scalars(params)
+    _check_stop(params)
+    _check_non_negative("params.stop_token_ids", list(params.stop_token_ids))
+
+
+def _check_scalars(params: common_pb2.SamplingParams) -> None:
+    if params.HasField("max_tokens") and not 1 <= params.max_tokens <= MAX_TOKENS_LIMIT:
+        raise InvalidRequest("params.max_tokens", f"must be in [1, {MAX_TOKENS_LIMIT}], got {params.max_tokens}")
+    if params.HasField("temperature") and not 0.0 <= params.temperature <= MAX_TEMPERATURE:
+        raise InvalidRequest("params.temperature", f"must be in [0, 100], got {params.temperature}")
+    if params.HasField("top_p") and not (0.0 < params.top_p <= 1.0 and math.isfinite(params.top_p)):
+        raise InvalidRequest("params.top_p", f"must be in (0, 1], got {params.top_p}")
+    if params.top_k < 0:
+        raise InvalidRequest("params.top_k", f"must be >= 0, got {params.top_k}")
+    if params.HasField("seed") and params.seed >= SEED_LIMIT:
+        raise InvalidRequest("params.seed", f"must be < 2**63, got {params.seed}")
+
+
+def _check_stop(params: common_pb2.SamplingParams) -> None:
+    if len(params.stop) > MAX_STOP_STRINGS:
+        raise InvalidRequest("params.stop", f"at most {MAX_STOP_STRINGS} strings, got {len(params.stop)}")
+    for i, stop in enumerate(params.stop):
+        if not 1 <= len(stop) <= MAX_STOP_CHARS:
+            raise InvalidRequest(f"params.stop[{i}]", f"must be 1..{MAX_STOP_CHARS} characters, got {len(stop)}")

@@ -1,0 +1,251 @@
+"""The router's view of its workers: one channel and stub per worker, health from GetInfo polls,
+router-side in-flight counters, and atomic assignment of (decode, prefill) pairs.
+
+Invariants:
+- A worker is healthy iff its last GetInfo poll succeeded within the deadline and reported healthy.
+  Until the first poll finishes a worker is unhealthy; ``start()`` runs one poll before returning.
+- Picking workers and incrementing their in-flight counters happen under one lock (``assign``).
+- Every Lease is released exactly once (``Lease.release`` is idempotent); in-flight counters never go
+  negative and are back to 0 when no request is in flight.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import grpc
+
+from pdserve.v1 import common_pb2, worker_pb2, worker_pb2_grpc
+from router.policies import COLOCATED, DECODE, PREFILL, ROLES, Candidate, Policy
+
+log = logging.getLogger(__name__)
+
+_ROLE_PB = {
+    PREFILL: common_pb2.WORKER_ROLE_PREFILL,
+    DECODE: common_pb2.WORKER_ROLE_DECODE,
+    COLOCATED: common_pb2.WORKER_ROLE_COLOCATED,
+}
+
+
+class NoHealthyWorker(RuntimeError):
+    """No healthy worker of a needed stage; the message says which."""
+
+
+@dataclass(frozen=True)
+class WorkerEndpoint:
+    """A configured worker: its gRPC address and role (PREFILL, DECODE or COLOCATED)."""
+
+    address: str
+    role: str
+
+    def __post_init__(self) -> None:
+        if self.role not in ROLES:
+            raise ValueError(f"role must be one of {', '.join(ROLES)}, got {self.role!r}")
+        if not self.address or ":" not in self.address:
+            raise ValueError(f"address must be host:port, got {self.address!r}")
+
+
+@dataclass
+class _WorkerState:
+    """Mutable state of one worker, guarded by the pool lock (except the channel/stubs, set once)."""
+
+    endpoint: WorkerEndpoint
+    channel: grpc.Channel
+    decode_stub: worker_pb2_grpc.DecodeWorkerStub | None
+    info_call: grpc.UnaryUnaryMultiCallable
+    info: common_pb2.WorkerInfo | None = None
+    healthy: bool = False
+    in_flight: int = 0
+    in_flight_prompt_tokens: int = 0
+
+    def candidate(self) -> Candidate:
+        info = self.info or common_pb2.WorkerInfo()
+        return Candidate(
+            address=self.endpoint.address,
+            role=self.endpoint.role,
+            healthy=self.healthy,
+            in_flight=self.in_flight,
+            in_flight_prompt_tokens=self.in_flight_prompt_tokens,
+            queued_prompt_tokens=info.queued_prompt_tokens,
+            kv_blocks_used=info.kv_blocks_used,
+            kv_blocks_total=info.kv_blocks_total,
+            running_requests=info.running_requests,
+        )
+
+
+@dataclass
+class Lease:
+    """The workers assigned to one request; counts as in flight on both until released."""
+
+    decode_address: str
+    decode_stub: worker_pb2_grpc.DecodeWorkerStub
+    prefill_address: str  # empty when the decode worker is colocated
+    prompt_tokens: int
+    _pool: WorkerPool
+    _prefill_pending: bool = True
+    _released: bool = False
+    _lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def prefill_done(self) -> None:
+        """The first token arrived: the prompt no longer loads the prefill worker (idempotent)."""
+        with self._lock:
+            pending, self._prefill_pending = self._prefill_pending, False
+        if pending:
+            self._pool._end_prefill(self)
+
+    def release(self) -> None:
+        """The request ended (any way): drop it from every counter (idempotent)."""
+        self.prefill_done()
+        with self._lock:
+            released, self._released = self._released, True
+        if not released:
+            self._pool._end_decode(self)
+
+
+class WorkerPool:
+    """Channels, stubs, health and load of the configured workers; polls GetInfo in a daemon thread."""
+
+    def __init__(
+        self, endpoints: Sequence[WorkerEndpoint], poll_interval_s: float = 0.5, info_timeout_s: float = 2.0
+    ) -> None:
+        addresses = [e.address for e in endpoints]
+        if len(set(addresses)) != len(addresses):
+            raise ValueError(f"worker addresses must be unique, got {addresses}")
+        self._poll_interval_s = poll_interval_s
+        self._info_timeout_s = info_timeout_s
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._workers = {e.address: _open(e) for e in endpoints}
+
+    def start(self) -> None:
+        """Poll every worker once (waits at most info_timeout_s), then keep polling in the background."""
+        self.poll_once()
+        self._thread = threading.Thread(target=self._poll_loop, name="router-worker-poll", daemon=True)
+        self._thread.start()
+
+    def close(self) -> None:
+        """Stop polling and close every channel (in-flight calls on them fail with CANCELLED)."""
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=self._info_timeout_s + 1.0)
+        for state in self._workers.values():
+            state.channel.close()
+
+    def poll_once(self) -> None:
+        """Send GetInfo to all workers concurrently and record the answers (or failures)."""
+        futures = {
+            address: state.info_call.future(worker_pb2.InfoRequest(), timeout=self._info_timeout_s)
+            for address, state in self._workers.items()
+        }
+        for address, future in futures.items():
+            self._record_poll(address, future)
+
+    def _poll_loop(self) -> None:
+        while not self._stop.wait(self._poll_interval_s):
+            try:
+                self.poll_once()
+            except Exception:  # a bug here must not kill health tracking silently
+                log.exception("worker poll failed")
+
+    def _record_poll(self, address: str, future: grpc.Future) -> None:
+        try:
+            info, error = future.result(), None
+        except grpc.RpcError as exc:
+            info, error = None, f"{exc.code().name}: {exc.details()}"
+        with self._lock:
+            state = self._workers[address]
+            was_healthy = state.healthy
+            state.healthy = info is not None and info.healthy
+            state.info = info if info is not None else state.info
+        if was_healthy != state.healthy:
+            reason = error or ("reported healthy" if state.healthy else "reported unhealthy")
+            log.warning(
+                "worker %s (%s) is now %s: %s",
+                address,
+                state.endpoint.role,
+                "healthy" if state.healthy else "unhealthy",
+                reason,
+            )
+
+    def candidates(self, roles: Sequence[str]) -> list[Candidate]:
+        """Snapshots of every worker whose role is in ``roles``, in configuration order."""
+        with self._lock:
+            return [s.candidate() for s in self._workers.values() if s.endpoint.role in roles]
+
+    def assign(self, decode_policy: Policy, prefill_policy: Policy, prompt_tokens: int) -> Lease:
+        """Pick a decode (or colocated) worker and, unless colocated, a prefill worker; count them in
+        flight. Raises NoHealthyWorker when a needed stage has no healthy worker."""
+        with self._lock:
+            decode = decode_policy.pick(self._candidates_locked((DECODE, COLOCATED)))
+            if decode is None:
+                raise NoHealthyWorker(self._missing_message((DECODE, COLOCATED), "decode"))
+            prefill_address = ""
+            if decode.role == DECODE:
+                prefill = prefill_policy.pick(self._candidates_locked((PREFILL,)))
+                if prefill is None:
+                    raise NoHealthyWorker(self._missing_message((PREFILL,), "prefill"))
+                prefill_address = prefill.address
+            return self._lease_locked(decode.address, prefill_address, prompt_tokens)
+
+    def _candidates_locked(self, roles: Sequence[str]) -> list[Candidate]:
+        return [s.candidate() for s in self._workers.values() if s.endpoint.role in roles]
+
+    def _missing_message(self, roles: Sequence[str], stage: str) -> str:
+        configured = [a for a, s in self._workers.items() if s.endpoint.role in roles]
+        if not configured:
+            return f"no {stage} worker configured"
+        return f"no healthy {stage} worker (configured: {', '.join(configured)})"
+
+    def _lease_locked(self, decode_address: str, prefill_address: str, prompt_tokens: int) -> Lease:
+        decode = self._workers[decode_address]
+        decode.in_flight += 1
+        target = self._workers[prefill_address] if prefill_address else decode
+        if prefill_address:
+            target.in_flight += 1
+        target.in_flight_prompt_tokens += prompt_tokens
+        assert decode.decode_stub is not None  # decode/colocated workers always have one
+        return Lease(decode_address, decode.decode_stub, prefill_address, prompt_tokens, self)
+
+    def _end_prefill(self, lease: Lease) -> None:
+        with self._lock:
+            target = self._workers[lease.prefill_address or lease.decode_address]
+            target.in_flight_prompt_tokens -= lease.prompt_tokens
+            if lease.prefill_address:
+                target.in_flight -= 1
+
+    def _end_decode(self, lease: Lease) -> None:
+        with self._lock:
+            self._workers[lease.decode_address].in_flight -= 1
+
+    def snapshot(self) -> list[common_pb2.WorkerInfo]:
+        """Latest WorkerInfo of every worker, with address, role and healthy as the router sees them."""
+        with self._lock:
+            return [_status_info(s) for s in self._workers.values()]
+
+    def in_flight_total(self) -> int:
+        """Router-side in-flight requests summed over decode and colocated workers."""
+        with self._lock:
+            return sum(s.in_flight for s in self._workers.values() if s.endpoint.role != PREFILL)
+
+
+def _open(endpoint: WorkerEndpoint) -> _WorkerState:
+    channel = grpc.insecure_channel(endpoint.address)
+    if endpoint.role == PREFILL:
+        stub = worker_pb2_grpc.PrefillWorkerStub(channel)
+        return _WorkerState(endpoint, channel, None, stub.GetInfo)
+    decode_stub = worker_pb2_grpc.DecodeWorkerStub(channel)
+    return _WorkerState(endpoint, channel, decode_stub, decode_stub.GetInfo)
+
+
+def _status_info(state: _WorkerState) -> common_pb2.WorkerInfo:
+    info = common_pb2.WorkerInfo()
+    if state.info is not None:
+        info.CopyFrom(state.info)
+    info.address = state.endpoint.address
+    info.role = _ROLE_PB[state.endpoint.role]
+    info.healthy = state.healthy
+    return info

@@ -1,0 +1,94 @@
+"""Selection policies: round-robin order, least-loaded picks, unhealthy workers skipped."""
+
+from __future__ import annotations
+
+import pytest
+
+from pdserve.v1 import common_pb2, router_pb2
+from router.policies import (
+    DECODE,
+    PREFILL,
+    Candidate,
+    LeastLoaded,
+    RoundRobin,
+    decode_load,
+    estimate_prompt_tokens,
+    make_policy,
+    prefill_load,
+)
+
+
+def _c(address: str, healthy: bool = True, **load: int) -> Candidate:
+    return Candidate(address=address, role=DECODE, healthy=healthy, **load)
+
+
+def test_round_robin_cycles_in_order() -> None:
+    policy = RoundRobin()
+    workers = [_c("a"), _c("b"), _c("c")]
+    assert [policy.pick(workers).address for _ in range(7)] == list("abcabca")
+
+
+def test_round_robin_skips_unhealthy() -> None:
+    policy = RoundRobin()
+    workers = [_c("a"), _c("b", healthy=False), _c("c")]
+    assert [policy.pick(workers).address for _ in range(4)] == list("acac")
+
+
+@pytest.mark.parametrize("policy", [RoundRobin(), LeastLoaded(decode_load)])
+def test_no_healthy_worker_gives_none(policy) -> None:
+    assert policy.pick([_c("a", healthy=False)]) is None
+    assert policy.pick([]) is None
+
+
+def test_least_loaded_prefill_uses_queued_plus_in_flight_prompt_tokens() -> None:
+    policy = LeastLoaded(prefill_load)
+    workers = [
+        _c("a", queued_prompt_tokens=100, in_flight_prompt_tokens=0),
+        _c("b", queued_prompt_tokens=10, in_flight_prompt_tokens=50),
+        _c("c", queued_prompt_tokens=0, in_flight_prompt_tokens=200),
+    ]
+    assert policy.pick(workers).address == "b"
+
+
+def test_least_loaded_prefill_breaks_ties_by_in_flight_requests() -> None:
+    policy = LeastLoaded(prefill_load)
+    workers = [_c("a", queued_prompt_tokens=10, in_flight=3), _c("b", queued_prompt_tokens=10, in_flight=1)]
+    assert policy.pick(workers).address == "b"
+
+
+def test_least_loaded_decode_uses_kv_fraction_and_requests() -> None:
+    policy = LeastLoaded(decode_load)
+    workers = [
+        _c("a", kv_blocks_used=90, kv_blocks_total=100, running_requests=2),
+        _c("b", kv_blocks_used=10, kv_blocks_total=100, running_requests=2),
+        _c("c", kv_blocks_used=0, kv_blocks_total=100, running_requests=1, in_flight=3),
+    ]
+    assert policy.pick(workers).address == "b"
+
+
+def test_least_loaded_skips_unhealthy_even_if_idle() -> None:
+    policy = LeastLoaded(decode_load)
+    workers = [_c("idle", healthy=False), _c("busy", running_requests=5)]
+    assert policy.pick(workers).address == "busy"
+
+
+def test_least_loaded_rotates_among_equal_loads() -> None:
+    policy = LeastLoaded(decode_load)
+    workers = [_c("a"), _c("b")]
+    assert {policy.pick(workers).address for _ in range(2)} == {"a", "b"}
+
+
+def test_make_policy_validates_names() -> None:
+    assert isinstance(make_policy("round_robin", PREFILL), RoundRobin)
+    assert isinstance(make_policy("least_loaded", DECODE), LeastLoaded)
+    with pytest.raises(ValueError, match="policy must be one of"):
+        make_policy("random", DECODE)
+    with pytest.raises(ValueError, match="stage"):
+        make_policy("round_robin", "colocated")
+
+
+def test_estimate_prompt_tokens() -> None:
+    assert estimate_prompt_tokens(router_pb2.GenerateRequest(token_ids=common_pb2.TokenIds(ids=[1, 2, 3]))) == 3
+    assert estimate_prompt_tokens(router_pb2.GenerateRequest(prompt="a" * 40)) == 10
+    chat = common_pb2.ChatMessages(messages=[common_pb2.ChatMessage(role="user", content="a" * 40)])
+    assert estimate_prompt_tokens(router_pb2.GenerateRequest(messages=chat)) == 18
