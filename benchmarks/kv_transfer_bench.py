@@ -80,7 +80,9 @@ def bandwidth(tokens_list: list[int], repeats: int) -> None:
 
 
 def ttft_share(tokens_list: list[int], repeats: int) -> None:
-    from cluster.client import PdserveClient
+    from pdserve.v1 import common_pb2
+
+    from cluster.client import PdserveClient, build_request
     from cluster.local import LocalCluster, LocalClusterConfig
 
     with LocalCluster(LocalClusterConfig(model=None, prefill=1, decode=1, colocated=0)) as cluster:
@@ -90,12 +92,12 @@ def ttft_share(tokens_list: list[int], repeats: int) -> None:
             rows = []
             for i in range(repeats + 1):
                 ids = [(17 * k + i) % 40000 + 100 for k in range(tokens)]
-                result = client.generate_ids(ids, max_tokens=1)
+                result = client.complete(build_request(token_ids=ids, params=common_pb2.SamplingParams(max_tokens=1)))
                 if i:
                     rows.append(result.timings)
-            ttft = statistics.median(t.ttft_s for t in rows)
-            pre = statistics.median(t.prefill_s for t in rows)
-            kv = statistics.median(t.kv_transfer_s for t in rows)
+            ttft = statistics.median(t["ttft_s"] for t in rows)
+            pre = statistics.median(t["prefill_s"] for t in rows)
+            kv = statistics.median(t["kv_transfer_s"] for t in rows)
             print(f"{tokens:7d} {ttft * 1e3:9.1f} {pre * 1e3:11.1f} {kv * 1e3:7.1f} {kv / ttft:9.3f}")
 
 
