@@ -48,6 +48,8 @@ def _add_serve(commands: argparse._SubParsersAction) -> None:
     serve.add_argument("--prefill-policy", choices=POLICIES, default="round_robin")
     serve.add_argument("--decode-policy", choices=POLICIES, default="round_robin")
     serve.add_argument("--kv-cache-mb", type=int, default=None, help="KV cache size per worker")
+    serve.add_argument("--local-prefill-threshold", type=int, default=0,
+                       help="decode workers prefill prompts shorter than this many tokens themselves (0: off)")
     serve.add_argument("--startup-timeout", type=float, default=180.0, metavar="S")
     serve.add_argument("--log-dir", default=None, help="per-process logs (default: a new temp dir)")
     serve.set_defaults(func=_cmd_serve)
@@ -107,6 +109,7 @@ def cluster_config(args: argparse.Namespace) -> LocalClusterConfig:
         prefill_policy=args.prefill_policy,
         decode_policy=args.decode_policy,
         kv_cache_mb=args.kv_cache_mb,
+        local_prefill_threshold=args.local_prefill_threshold,
         startup_timeout_s=args.startup_timeout,
         log_dir=args.log_dir,
     )

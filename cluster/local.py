@@ -60,6 +60,7 @@ class LocalClusterConfig:
     prefill_policy: str = "round_robin"
     decode_policy: str = "round_robin"
     kv_cache_mb: int | None = None
+    local_prefill_threshold: int = 0  # decode workers prefill prompts shorter than this themselves
     startup_timeout_s: float = 180.0
     log_dir: str | None = None
 
@@ -76,6 +77,8 @@ class LocalClusterConfig:
         for name in ("prefill_policy", "decode_policy"):
             if getattr(self, name) not in POLICY_NAMES:
                 raise ValueError(f"{name} must be one of {', '.join(POLICY_NAMES)}, got {getattr(self, name)!r}")
+        if self.local_prefill_threshold < 0:
+            raise ValueError(f"local_prefill_threshold must be >= 0, got {self.local_prefill_threshold}")
         if self.kv_cache_mb is not None and self.kv_cache_mb < 1:
             raise ValueError(f"kv_cache_mb must be >= 1, got {self.kv_cache_mb}")
         if not self.startup_timeout_s > 0:
@@ -112,6 +115,8 @@ def worker_argv(config: LocalClusterConfig, role: str, worker_id: str) -> list[s
         argv += ["--model", config.model]
     if config.kv_cache_mb is not None:
         argv += ["--kv-cache-mb", str(config.kv_cache_mb)]
+    if role == "decode" and config.local_prefill_threshold:
+        argv += ["--local-prefill-threshold", str(config.local_prefill_threshold)]
     return argv
 
 
