@@ -8,9 +8,9 @@ import subprocess
 import sys
 import time
 
-from e2e_helpers import generate, wait_idle, worker_info
-
 from cluster.local import LocalCluster, LocalClusterConfig
+
+from e2e_helpers import generate, wait_idle, worker_info
 
 
 def _alive(pid: int) -> bool:
