@@ -80,10 +80,9 @@ def bandwidth(tokens_list: list[int], repeats: int) -> None:
 
 
 def ttft_share(tokens_list: list[int], repeats: int) -> None:
-    from pdserve.v1 import common_pb2
-
     from cluster.client import PdserveClient, build_request
     from cluster.local import LocalCluster, LocalClusterConfig
+    from pdserve.v1 import common_pb2
 
     with LocalCluster(LocalClusterConfig(model=None, prefill=1, decode=1, colocated=0)) as cluster:
         client = PdserveClient(cluster.router_address)

@@ -4,6 +4,9 @@
     pdserve generate [--url ADDR] [--max-tokens N] [--chat] [--json] ... PROMPT
     pdserve status [--url ADDR] [--json]
     pdserve model fetch [--force]
+    pdserve bench [--url ADDR] [--rate R] [--num-prompts N] [--input-len 64:512] [--slo ttft_ms=500] ...
+    pdserve sweep --workers 2 --rates 0.5,1 [--output-dir DIR] ...
+    pdserve plan profile|simulate|validate ...
 
 Exit codes: 0 success, 1 failure (gRPC errors print ``error: <CODE>: <details>`` to stderr), 2 usage.
 """
@@ -12,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import signal
 import sys
 import time
@@ -20,6 +24,7 @@ from types import FrameType
 
 import grpc
 
+from cluster.capacity.cli import add_bench, add_plan, add_sweep
 from cluster.client import DEFAULT_ADDRESS, PdserveClient, build_request, collect, sampling_params, status_rows
 from cluster.local import ClusterStartError, LocalCluster, LocalClusterConfig
 from pdserve.v1 import router_pb2
@@ -52,6 +57,12 @@ def _add_serve(commands: argparse._SubParsersAction) -> None:
                        help="decode workers prefill prompts shorter than this many tokens themselves (0: off)")
     serve.add_argument("--startup-timeout", type=float, default=180.0, metavar="S")
     serve.add_argument("--log-dir", default=None, help="per-process logs (default: a new temp dir)")
+    serve.add_argument("--http-port", type=int, default=None, metavar="PORT",
+                       help="router also serves the OpenAI-compatible HTTP API here (0 picks one; default off)")
+    serve.add_argument("--model-name", default=None, help="model id of the HTTP API (default: model folder name)")
+    serve.add_argument("--metrics", action="store_true", help="Prometheus /metrics on every process (free ports)")
+    serve.add_argument("--log-format", choices=("text", "json"), default="text", help="log lines of every process")
+    serve.add_argument("--log-level", default="INFO")
     serve.set_defaults(func=_cmd_serve)
 
 
@@ -59,6 +70,7 @@ def _add_generate(commands: argparse._SubParsersAction) -> None:
     gen = commands.add_parser("generate", help="stream a generation from a router")
     gen.add_argument("prompt", metavar="PROMPT")
     gen.add_argument("--url", default=DEFAULT_ADDRESS, help=f"router address (default {DEFAULT_ADDRESS})")
+    _add_auth_args(gen)
     gen.add_argument("--max-tokens", type=int, default=None)
     gen.add_argument("--temperature", type=float, default=None)
     gen.add_argument("--top-p", type=float, default=None)
@@ -75,6 +87,7 @@ def _add_generate(commands: argparse._SubParsersAction) -> None:
 def _add_status(commands: argparse._SubParsersAction) -> None:
     status = commands.add_parser("status", help="show the router's workers")
     status.add_argument("--url", default=DEFAULT_ADDRESS, help=f"router address (default {DEFAULT_ADDRESS})")
+    _add_auth_args(status)
     status.add_argument("--json", action="store_true")
     status.set_defaults(func=_cmd_status)
 
@@ -90,7 +103,7 @@ def _add_model(commands: argparse._SubParsersAction) -> None:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="pdserve", description="Disaggregated prefill/decode LLM serving.")
     commands = parser.add_subparsers(dest="command", required=True)
-    for add in (_add_serve, _add_generate, _add_status, _add_model):
+    for add in (_add_serve, _add_generate, _add_status, _add_model, add_bench, add_sweep, add_plan):
         add(commands)
     return parser
 
@@ -112,6 +125,11 @@ def cluster_config(args: argparse.Namespace) -> LocalClusterConfig:
         local_prefill_threshold=args.local_prefill_threshold,
         startup_timeout_s=args.startup_timeout,
         log_dir=args.log_dir,
+        http_port=args.http_port,
+        model_name=args.model_name,
+        metrics=args.metrics,
+        log_format=args.log_format,
+        log_level=args.log_level,
     )
 
 
@@ -135,6 +153,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         return 0
     try:
         _print_cluster(cluster.router_address, [w._asdict() for w in cluster.workers])
+        _print_extras(cluster.http_address, cluster.metrics_addresses)
         while True:
             time.sleep(3600)
     except KeyboardInterrupt:
@@ -152,6 +171,14 @@ def _print_cluster(router_address: str, workers: list[dict[str, object]]) -> Non
     print("Ctrl-C (or SIGTERM) stops everything.", flush=True)
 
 
+def _print_extras(http_address: str, metrics_addresses: dict[str, str]) -> None:
+    if http_address:
+        print(f"OpenAI-compatible API: http://{http_address}/v1")
+    for name, address in metrics_addresses.items():
+        print(f"metrics {name}: http://{address}/metrics")
+    sys.stdout.flush()
+
+
 def _cmd_generate(args: argparse.Namespace) -> int:
     params = sampling_params(
         max_tokens=args.max_tokens,
@@ -165,7 +192,7 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     messages = [("user", args.prompt)] if args.chat else None
     request = build_request(prompt=None if args.chat else args.prompt, messages=messages, params=params)
     try:
-        with PdserveClient(args.url, args.timeout) as client:
+        with PdserveClient(args.url, args.timeout, _token(args), args.tls_ca) as client:
             result = collect(_echo(client.generate(request), quiet=args.json))
     except grpc.RpcError as exc:
         print(f"error: {exc.code().name}: {exc.details()}", file=sys.stderr)
@@ -191,7 +218,7 @@ def _echo(responses: Iterator[router_pb2.GenerateResponse], quiet: bool) -> Iter
 
 def _cmd_status(args: argparse.Namespace) -> int:
     try:
-        with PdserveClient(args.url, 10.0) as client:
+        with PdserveClient(args.url, 10.0, _token(args), args.tls_ca) as client:
             status = client.status()
     except grpc.RpcError as exc:
         print(f"error: {exc.code().name}: {exc.details()}", file=sys.stderr)
@@ -221,6 +248,16 @@ def format_table(headers: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
     widths = [max([len(h)] + [len(r[i]) for r in rows]) for i, h in enumerate(headers)]
     lines = [headers, *rows]
     return "\n".join("  ".join(cell.ljust(w) for cell, w in zip(line, widths, strict=True)).rstrip() for line in lines)
+
+
+def _add_auth_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--token", default=None,
+                        help="bearer token for a router started with an auth token (default: $PDSERVE_AUTH_TOKEN)")
+    parser.add_argument("--tls-ca", default=None, metavar="PEM", help="trust this CA/certificate and use TLS")
+
+
+def _token(args: argparse.Namespace) -> str | None:
+    return args.token or os.environ.get("PDSERVE_AUTH_TOKEN") or None
 
 
 def main(argv: list[str] | None = None) -> int:

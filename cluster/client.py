@@ -123,17 +123,25 @@ def collect(responses: Iterable[router_pb2.GenerateResponse]) -> GenerationResul
 class PdserveClient:
     """Client of one router. Thread-safe (one channel); close() or use as a context manager."""
 
-    def __init__(self, address: str = DEFAULT_ADDRESS, timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
+    def __init__(self, address: str = DEFAULT_ADDRESS, timeout_s: float = DEFAULT_TIMEOUT_S,
+                 token: str | None = None, tls_ca_file: str | None = None) -> None:
+        """`token`: bearer token for a router started with an auth token; `tls_ca_file`: PEM of the CA
+        (or self-signed certificate) to trust when the router serves TLS."""
         if not timeout_s > 0:
             raise ValueError(f"timeout_s must be > 0, got {timeout_s}")
         self.address = address
         self.timeout_s = timeout_s
-        self._channel = grpc.insecure_channel(address)
+        self._metadata = (("authorization", f"Bearer {token}"),) if token else None
+        if tls_ca_file:
+            with open(tls_ca_file, "rb") as f:
+                self._channel = grpc.secure_channel(address, grpc.ssl_channel_credentials(f.read()))
+        else:
+            self._channel = grpc.insecure_channel(address)
         self._stub = router_pb2_grpc.RouterStub(self._channel)
 
     def generate(self, request: router_pb2.GenerateRequest) -> Iterator[router_pb2.GenerateResponse]:
         """Stream the responses of one request; raises grpc.RpcError on failure."""
-        call = self._stub.Generate(request, timeout=self.timeout_s)
+        call = self._stub.Generate(request, timeout=self.timeout_s, metadata=self._metadata)
         try:
             yield from call
         finally:
@@ -145,7 +153,8 @@ class PdserveClient:
 
     def status(self) -> router_pb2.StatusResponse:
         """The router's GetStatus snapshot."""
-        return self._stub.GetStatus(router_pb2.StatusRequest(), timeout=min(self.timeout_s, 10.0))
+        return self._stub.GetStatus(router_pb2.StatusRequest(), timeout=min(self.timeout_s, 10.0),
+                                    metadata=self._metadata)
 
     def close(self) -> None:
         self._channel.close()

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import atexit
 import os
+import socket
 import sys
 import tempfile
 import time
@@ -26,11 +27,13 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from cluster.processes import ManagedProcess, ProcessStartError, stop_all
 from router.policies import POLICY_NAMES
+from telemetry.logs import LOG_FORMATS
 
 WORKER_HOST = "127.0.0.1"
 STOP_GRACE_S = 5.0
 ROLE_MODULES = {"prefill": "prefill_worker", "decode": "decode_worker", "colocated": "decode_worker"}
 _REPO = Path(__file__).resolve().parents[1]
+DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"  # engine.model_fetch.MODEL_NAME (not imported: it pulls numpy)
 
 
 class ClusterStartError(RuntimeError):
@@ -61,8 +64,17 @@ class LocalClusterConfig:
     decode_policy: str = "round_robin"
     kv_cache_mb: int | None = None
     local_prefill_threshold: int = 0  # decode workers prefill prompts shorter than this themselves
+    # extra command-line flags per process kind (experiments, fault injection in tests)
+    prefill_args: tuple[str, ...] = ()
+    decode_args: tuple[str, ...] = ()
+    router_args: tuple[str, ...] = ()
     startup_timeout_s: float = 180.0
     log_dir: str | None = None
+    http_port: int | None = None  # router's OpenAI-compatible HTTP API (0 picks a port; None: off)
+    metrics: bool = False  # Prometheus /metrics on a free loopback port per process
+    log_format: str = "text"  # "text" or "json" log lines, every process
+    log_level: str = "INFO"
+    model_name: str | None = None  # model id of the HTTP API (default: the model folder's name)
 
     def __post_init__(self) -> None:
         for name in ("prefill", "decode", "colocated"):
@@ -81,8 +93,19 @@ class LocalClusterConfig:
             raise ValueError(f"local_prefill_threshold must be >= 0, got {self.local_prefill_threshold}")
         if self.kv_cache_mb is not None and self.kv_cache_mb < 1:
             raise ValueError(f"kv_cache_mb must be >= 1, got {self.kv_cache_mb}")
+        if self.http_port is not None and not 0 <= self.http_port <= 65535:
+            raise ValueError(f"http_port must be in [0, 65535], got {self.http_port}")
+        if self.log_format not in LOG_FORMATS:
+            raise ValueError(f"log_format must be one of {', '.join(LOG_FORMATS)}, got {self.log_format!r}")
         if not self.startup_timeout_s > 0:
             raise ValueError(f"startup_timeout_s must be > 0, got {self.startup_timeout_s}")
+
+    @property
+    def served_model_name(self) -> str:
+        """The model id of the HTTP API: as configured, else the model folder's name."""
+        if self.model_name:
+            return self.model_name
+        return Path(self.model).name if self.model else DEFAULT_MODEL_NAME
 
     @property
     def num_workers(self) -> int:
@@ -117,7 +140,24 @@ def worker_argv(config: LocalClusterConfig, role: str, worker_id: str) -> list[s
         argv += ["--kv-cache-mb", str(config.kv_cache_mb)]
     if role == "decode" and config.local_prefill_threshold:
         argv += ["--local-prefill-threshold", str(config.local_prefill_threshold)]
+    argv += config.prefill_args if role == "prefill" else config.decode_args
+    return argv + observability_argv(config)
+
+
+def observability_argv(config: LocalClusterConfig) -> list[str]:
+    """Non-default logging and metrics flags (every pdserve process takes them; a free metrics port each)."""
+    argv = [] if config.log_format == "text" else ["--log-format", config.log_format]
+    argv += [] if config.log_level == "INFO" else ["--log-level", config.log_level]
+    if config.metrics:
+        argv += ["--metrics-port", str(free_port())]
     return argv
+
+
+def free_port(host: str = WORKER_HOST) -> int:
+    """A port that was free a moment ago on ``host``."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind((host, 0))
+        return int(sock.getsockname()[1])
 
 
 def router_argv(config: LocalClusterConfig, workers: list[WorkerProcess]) -> list[str]:
@@ -126,7 +166,9 @@ def router_argv(config: LocalClusterConfig, workers: list[WorkerProcess]) -> lis
     for worker in workers:
         argv += [f"--{worker.role}", worker.address]
     argv += ["--prefill-policy", config.prefill_policy, "--decode-policy", config.decode_policy]
-    return argv
+    if config.http_port is not None:
+        argv += ["--http-port", str(config.http_port), "--model-name", config.served_model_name]
+    return argv + observability_argv(config) + list(config.router_args)
 
 
 def child_env() -> dict[str, str]:
@@ -166,6 +208,8 @@ class LocalCluster:
         self._processes: list[ManagedProcess] = []
         self._workers: list[WorkerProcess] = []
         self._router_address = ""
+        self._http_address = ""
+        self._metrics_addresses: dict[str, str] = {}
         self._stopped = False
         atexit.register(self.stop)
         try:
@@ -178,6 +222,16 @@ class LocalCluster:
     def router_address(self) -> str:
         """host:port of the router."""
         return self._router_address
+
+    @property
+    def http_address(self) -> str:
+        """host:port of the router's OpenAI-compatible HTTP API ("" when off)."""
+        return self._http_address
+
+    @property
+    def metrics_addresses(self) -> dict[str, str]:
+        """Process name ("router", "prefill-0", ...) -> host:port of its /metrics (empty when off)."""
+        return dict(self._metrics_addresses)
 
     @property
     def workers(self) -> list[WorkerProcess]:
@@ -196,10 +250,18 @@ class LocalCluster:
         for (role, worker_id), process in zip(names, launched, strict=True):
             ready = self._wait_ready(process, deadline)
             self._workers.append(WorkerProcess(role, worker_id, str(ready["address"]), process.pid))
+            self._note_metrics(worker_id, ready)
         router = self._launch("router", router_argv(self.config, self._workers))
-        self._router_address = str(self._wait_ready(router, deadline)["address"])
+        ready = self._wait_ready(router, deadline)
+        self._router_address = str(ready["address"])
+        self._http_address = str(ready.get("http_address") or "")
+        self._note_metrics("router", ready)
         for address in [self._router_address] + [w.address for w in self._workers]:
             wait_serving(address, max(1.0, deadline - time.monotonic()))
+
+    def _note_metrics(self, name: str, ready: dict[str, object]) -> None:
+        if ready.get("metrics_address"):
+            self._metrics_addresses[name] = str(ready["metrics_address"])
 
     @staticmethod
     def _wait_ready(process: ManagedProcess, deadline: float) -> dict[str, object]:

@@ -10,11 +10,22 @@ import argparse
 from decode_worker.servicer import DecodeServicer
 from decode_worker.worker import DecodeWorker
 from engine.config import EngineConfig
+from engine.metrics import WorkerMetrics
 from engine.model_fetch import resolve_model
 from engine.model_loader import load_model
-from engine.worker_runtime import add_health, announce_ready, bind, configure_process, make_server, serve_until_signal
+from engine.worker_runtime import (
+    Drain,
+    add_health,
+    add_observability_args,
+    announce_ready,
+    bind,
+    configure_process,
+    make_server,
+    serve_until_signal,
+)
 from kv_transfer import KvTransferServicer, grpc_message_options
 from pdserve.v1 import worker_pb2_grpc
+from telemetry.prometheus import start_metrics_endpoint
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -34,33 +45,44 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--dtype", default="float32")
     ap.add_argument("--request-timeout-s", type=float, default=600.0)
     ap.add_argument("--admission-timeout-s", type=float, default=30.0)
-    ap.add_argument("--log-level", default="INFO")
+    ap.add_argument("--kv-timeout-s", type=float, default=120.0,
+                    help="how long a remote prefill (queue, compute, KV transfer) may take before it is retried")
+    ap.add_argument("--drain-timeout-s", type=float, default=30.0,
+                    help="on SIGTERM, stop taking requests and finish those in flight for at most this long")
+    add_observability_args(ap)
     return ap.parse_args(argv)
 
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
-    configure_process(args.threads, args.log_level)
+    configure_process(args.threads, args.log_level, args.log_format, args.worker_id)
     config = EngineConfig(model=args.model, dtype=args.dtype, block_size=args.block_size,
                           kv_cache_memory_mb=args.kv_cache_mb, max_num_seqs=args.max_num_seqs,
                           max_num_batched_tokens=args.max_batched_tokens)
     loaded = load_model(resolve_model(args.model), config.torch_dtype)
-    worker = DecodeWorker(loaded, config, admission_timeout_s=args.admission_timeout_s)
+    metrics = WorkerMetrics()
+    worker = DecodeWorker(loaded, config, admission_timeout_s=args.admission_timeout_s, metrics=metrics)
+    endpoint = start_metrics_endpoint(metrics.registry, args.metrics_port)
     kv_receiver = KvTransferServicer()
+    drain = Drain()
     server = make_server(max_workers=256, options=grpc_message_options())
     address = bind(server, args.host, args.port)
     worker_pb2_grpc.add_DecodeWorkerServicer_to_server(
         DecodeServicer(worker, kv_receiver, args.worker_id, address, args.colocated,
-                       args.local_prefill_threshold, args.request_timeout_s), server)
+                       args.local_prefill_threshold, args.request_timeout_s,
+                       args.kv_timeout_s, drain), server)
     kv_receiver.add_to_server(server)
     health = add_health(server)
     server.start()
-    announce_ready(address, args.worker_id, role="colocated" if args.colocated else "decode")
+    announce_ready(address, args.worker_id, role="colocated" if args.colocated else "decode",
+                   metrics_address=f"127.0.0.1:{endpoint.port}" if endpoint else "")
     try:
-        serve_until_signal(server, health)
+        serve_until_signal(server, health, drain, worker.idle, args.drain_timeout_s)
     finally:
         kv_receiver.close()
         worker.stop()
+        if endpoint:
+            endpoint.stop()
 
 
 if __name__ == "__main__":

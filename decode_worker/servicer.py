@@ -23,11 +23,16 @@ from engine.llm_engine import TokenOutput
 from engine.model_loader import LoadedModel
 from engine.sampling_params import SamplingParams
 from engine.tokenization import encode_chat, encode_text
-from engine.worker_runtime import finish_reason_to_pb, sampling_params_from_pb, sampling_params_to_pb
+from engine.worker_runtime import Drain, finish_reason_to_pb, sampling_params_from_pb, sampling_params_to_pb
 from kv_transfer import KvTransferError, KvTransferServicer
 from pdserve.v1 import common_pb2, router_pb2, worker_pb2, worker_pb2_grpc
 
 log = logging.getLogger(__name__)
+
+#: Prefix of the details of an UNAVAILABLE status caused by the prefill side (worker or KV transfer).
+PREFILL_FAILURE = "prefill failed on"
+#: Statuses from a prefill worker that are the request's own fault: passed on, never retried.
+CLIENT_ERRORS = frozenset({grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.RESOURCE_EXHAUSTED})
 
 
 def prompt_ids_from_pb(loaded: LoadedModel, request: worker_pb2.DecodeRequest) -> list[int]:
@@ -45,7 +50,8 @@ def prompt_ids_from_pb(loaded: LoadedModel, request: worker_pb2.DecodeRequest) -
 
 class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
     def __init__(self, worker: DecodeWorker, kv_receiver: KvTransferServicer, worker_id: str, address: str,
-                 colocated: bool, local_prefill_threshold: int, request_timeout_s: float) -> None:
+                 colocated: bool, local_prefill_threshold: int, request_timeout_s: float,
+                 kv_timeout_s: float = 120.0, drain: Drain | None = None) -> None:
         self.worker = worker
         self.kv_receiver = kv_receiver
         self.worker_id = worker_id
@@ -53,6 +59,8 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
         self.colocated = colocated
         self.local_prefill_threshold = local_prefill_threshold
         self.request_timeout_s = request_timeout_s
+        self.kv_timeout_s = kv_timeout_s
+        self.drain = drain or Drain()
         self._prefill_channels: dict[str, worker_pb2_grpc.PrefillWorkerStub] = {}
 
     # ----- Generate --------------------------------------------------------------------------
@@ -60,10 +68,15 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
         self, request: worker_pb2.DecodeRequest, context: grpc.ServicerContext
     ) -> Iterator[router_pb2.GenerateResponse]:
         start = time.perf_counter()
+        if self.drain.draining:
+            context.abort(grpc.StatusCode.UNAVAILABLE, f"decode worker {self.worker_id} is draining")
         request_id = request.request_id or uuid.uuid4().hex
         try:
             prompt_ids = prompt_ids_from_pb(self.worker.loaded, request)
             params = sampling_params_from_pb(request.params)
+            resume_ids = list(request.resume_output_ids)
+            if len(resume_ids) >= params.max_tokens:
+                raise ValueError("resume_output_ids: as many tokens as max_tokens; nothing left to do")
         except ValueError as exc:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         deadline = start + self._timeout(context)
@@ -72,10 +85,10 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
         timings = common_pb2.Timings()
         try:
             if self._prefill_locally(request, prompt_ids):
-                self._wait(self.worker.add_local(request_id, prompt_ids, params), deadline, context)
+                self._wait(self.worker.add_local(request_id, prompt_ids, params, resume_ids), deadline, context)
             else:
-                self._remote_prefill(request_id, request.prefill_address, prompt_ids, params, deadline,
-                                     context, timings)
+                self._remote_prefill(request_id, request.prefill_address, prompt_ids, resume_ids, params,
+                                     deadline, context, timings)
             yield from self._stream(request_id, stream, deadline, context, timings, start)
         finally:
             self.worker.close_stream(request_id)
@@ -100,29 +113,37 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
             context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, "request deadline passed while waiting")
 
     def _remote_prefill(self, request_id: str, prefill_address: str, prompt_ids: list[int],
-                        params: SamplingParams, deadline: float, context: grpc.ServicerContext,
-                        timings: common_pb2.Timings) -> None:
-        self._wait(self.worker.reserve(request_id, prompt_ids, params), deadline, context)
-        pending = self.kv_receiver.expect(self.worker.expected_spec(request_id, len(prompt_ids)),
-                                          deadline_s=max(0.1, deadline - time.perf_counter()))
+                        resume_ids: list[int], params: SamplingParams, deadline: float,
+                        context: grpc.ServicerContext, timings: common_pb2.Timings) -> None:
+        """Reserve, then have `prefill_address` compute the K/V of prompt + resumed tokens and push
+        them here. A failure on the prefill side ends with UNAVAILABLE and details starting with
+        PREFILL_FAILURE, so the router prefills the request again elsewhere."""
+        self._wait(self.worker.reserve(request_id, prompt_ids, params, resume_ids), deadline, context)
+        tokens = prompt_ids + resume_ids
+        kv_deadline = min(deadline, time.perf_counter() + self.kv_timeout_s)
+        pending = self.kv_receiver.expect(self.worker.expected_spec(request_id, len(tokens)),
+                                          deadline_s=max(0.1, kv_deadline - time.perf_counter()))
         context.add_callback(lambda: pending.cancel("client cancelled"))
         call = self._prefill_stub(prefill_address).Prefill.future(
             worker_pb2.PrefillRequest(
-                request_id=request_id, prompt_token_ids=prompt_ids, params=sampling_params_to_pb(params),
+                request_id=request_id, prompt_token_ids=tokens, params=sampling_params_to_pb(params),
                 kv_target_address=self.address, kv_backend="grpc", decode_worker_id=self.worker_id,
+                output_index=len(resume_ids),
             ),
-            timeout=max(0.1, deadline - time.perf_counter()),
+            timeout=max(0.1, kv_deadline - time.perf_counter()),
         )
         context.add_callback(call.cancel)
+        pending.add_done_callback(lambda p: call.cancel() if p.error() else None)  # stalled or bad KV
         try:
             response = call.result()
-            kv, first_token = pending.wait(timeout=max(0.1, deadline - time.perf_counter()))
-        except grpc.RpcError as exc:
+            kv, first_token = pending.wait(timeout=max(0.1, kv_deadline - time.perf_counter()))
+        except (grpc.RpcError, grpc.FutureCancelledError, KvTransferError) as exc:
             pending.cancel("prefill failed")
-            context.abort(exc.code(), f"prefill worker {prefill_address}: {exc.details()}")
-        except (KvTransferError, grpc.FutureCancelledError) as exc:
             call.cancel()
-            context.abort(grpc.StatusCode.UNAVAILABLE, f"KV transfer failed: {exc}")
+            if isinstance(exc, grpc.RpcError) and exc.code() in CLIENT_ERRORS:
+                context.abort(exc.code(), f"prefill worker {prefill_address}: {exc.details()}")
+            reason = pending.error() or (exc.details() if isinstance(exc, grpc.RpcError) else str(exc))
+            context.abort(grpc.StatusCode.UNAVAILABLE, f"{PREFILL_FAILURE} {prefill_address}: {reason}")
         timings.MergeFrom(response.timings)
         self._wait(self.worker.commit(request_id, kv, first_token), deadline, context)
 
@@ -174,7 +195,7 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
         return common_pb2.WorkerInfo(
             worker_id=self.worker_id, role=role, address=self.address, pid=os.getpid(),
             queue_depth=s["queue_depth"], kv_blocks_used=s["kv_used"], kv_blocks_total=s["kv_total"],
-            running_requests=s["running"], healthy=True, kv_address=self.address,
+            running_requests=s["running"], healthy=not self.drain.draining, kv_address=self.address,
             prefill_tokens_computed=s["prefill_tokens_computed"],
             kv_bytes_received=self.worker.kv_bytes_received, requests_finished=self.worker.requests_finished,
         )

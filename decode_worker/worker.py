@@ -16,6 +16,7 @@ import torch
 from engine.block_pool import blocks_for_tokens
 from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine, TokenOutput
+from engine.metrics import WorkerMetrics
 from engine.model_loader import LoadedModel
 from engine.sampling_params import SamplingParams
 from engine.sequence import Sequence
@@ -42,13 +43,14 @@ class _PendingReservation:
     request_id: str
     prompt_ids: list[int]
     params: SamplingParams
+    resume_ids: list[int]
     deadline: float
     future: Future
 
 
 class DecodeWorker:
     def __init__(self, loaded: LoadedModel, config: EngineConfig, admission_timeout_s: float = 30.0,
-                 max_waiting: int = 1024) -> None:
+                 max_waiting: int = 1024, metrics: WorkerMetrics | None = None) -> None:
         self.loaded = loaded
         self.engine = LLMEngine(loaded, config)
         self.admission_timeout_s = admission_timeout_s
@@ -59,6 +61,11 @@ class DecodeWorker:
         self._stopped = threading.Event()
         self.kv_bytes_received = 0
         self.requests_finished = 0
+        self.metrics = metrics or WorkerMetrics()
+        self.metrics.bind_gauges(
+            running=lambda: len(self.engine.scheduler.running),
+            waiting=lambda: len(self._reservations) + len(self.engine.scheduler.waiting),
+            blocks_used=lambda: self.engine.pool.num_used, blocks_total=lambda: self.engine.pool.num_blocks)
         self._thread = threading.Thread(target=self._loop, name="decode-loop", daemon=True)
         self._thread.start()
 
@@ -85,14 +92,17 @@ class DecodeWorker:
     def close_stream(self, request_id: str) -> None:
         self._streams.pop(request_id, None)
 
-    def add_local(self, request_id: str, prompt_ids: list[int], params: SamplingParams) -> Future:
+    def add_local(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
+                  resume_ids: list[int]) -> Future:
         """Prefill and decode here (colocated, or a prompt under the local-prefill threshold)."""
-        return self.run_on_loop(lambda: self.engine.add_request(request_id, prompt_ids, params))
+        self.metrics.prompt_tokens.inc(len(prompt_ids))
+        return self.run_on_loop(lambda: self.engine.add_request(request_id, prompt_ids, params, resume_ids))
 
-    def reserve(self, request_id: str, prompt_ids: list[int], params: SamplingParams) -> Future:
+    def reserve(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
+                resume_ids: list[int]) -> Future:
         """Hold blocks for a remote prefill; waits for room until the admission deadline."""
         future: Future = Future()
-        pending = _PendingReservation(request_id, prompt_ids, params,
+        pending = _PendingReservation(request_id, prompt_ids, params, resume_ids,
                                       time.monotonic() + self.admission_timeout_s, future)
         self._inbox.put(lambda: self._try_reserve(pending, first=True))
         return future
@@ -100,6 +110,7 @@ class DecodeWorker:
     def commit(self, request_id: str, kv: torch.Tensor, first_token: int) -> Future:
         """The prompt's KV arrived: copy it into the reserved blocks and start decoding."""
         self.kv_bytes_received += kv.numel() * kv.element_size()
+        self.metrics.kv_transferred("grpc", "receive", kv.numel() * kv.element_size(), None)
         return self.run_on_loop(lambda: self._commit(request_id, kv, first_token))
 
     def abort(self, request_id: str) -> None:
@@ -114,6 +125,10 @@ class DecodeWorker:
             shape=(s.num_layers, 2, n, s.block_size, s.num_kv_heads, s.head_dim),
             block_size=s.block_size, num_tokens=num_tokens,
         )
+
+    def idle(self) -> bool:
+        """No request open here (used to finish draining)."""
+        return not self._streams and not self.engine.sequences
 
     def stop(self) -> None:
         self._stopped.set()
@@ -156,10 +171,15 @@ class DecodeWorker:
             for request_id in list(self.engine.sequences):
                 self._fail(request_id, f"decode step failed: {exc}")
             return
+        generated = sum(1 for out in outputs if out.token_id >= 0)
+        if generated:
+            self.metrics.decode_batch_size.observe(generated)
         for out in outputs:
             self._emit(out)
 
     def _emit(self, out: TokenOutput) -> None:
+        if out.token_id >= 0:
+            self.metrics.generation_tokens.inc()
         stream = self._streams.get(out.request_id)
         if stream is not None:
             stream.put(out)
@@ -171,7 +191,7 @@ class DecodeWorker:
         if pending.future.cancelled():
             return True
         try:
-            seq = self.engine.reserve(pending.request_id, pending.prompt_ids, pending.params)
+            seq = self.engine.reserve(pending.request_id, pending.prompt_ids, pending.params, pending.resume_ids)
         except ValueError as exc:
             pending.future.set_exception(exc)
             return True

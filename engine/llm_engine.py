@@ -58,42 +58,48 @@ class LLMEngine:
         self.sequences: dict[str, Sequence] = {}
 
     # ----- admission -------------------------------------------------------------------------
-    def new_sequence(self, request_id: str, prompt_ids: list[int], params: SamplingParams) -> Sequence:
+    def new_sequence(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
+                     resume_ids: list[int] | None = None) -> Sequence:
+        """A validated sequence; `resume_ids` are output tokens already delivered (failover)."""
+        resume_ids = resume_ids or []
         if request_id in self.sequences:
             raise ValueError(f"request id {request_id!r} is already in this engine")
         if not prompt_ids:
             raise ValueError("prompt must have at least one token")
-        if len(prompt_ids) >= self.max_model_len:
+        if len(prompt_ids) + len(resume_ids) >= self.max_model_len:
             raise ValueError(
-                f"prompt has {len(prompt_ids)} tokens; the model's context is {self.max_model_len}"
+                f"prompt has {len(prompt_ids) + len(resume_ids)} tokens; the model's context is {self.max_model_len}"
             )
         vocab = self.loaded.config.vocab_size
-        if any(not 0 <= t < vocab for t in prompt_ids):
-            raise ValueError(f"prompt token ids must be in [0, {vocab})")
+        if any(not 0 <= t < vocab for t in prompt_ids + resume_ids):
+            raise ValueError(f"token ids must be in [0, {vocab})")
         seq = Sequence.create(request_id, prompt_ids, params, self.loaded.tokenizer, self.loaded.eos_token_ids)
+        seq.replay(resume_ids)
         self.sequences[request_id] = seq
         return seq
 
-    def add_request(self, request_id: str, prompt_ids: list[int], params: SamplingParams) -> Sequence:
-        """Queue a request for local prefill and decode."""
-        seq = self.new_sequence(request_id, prompt_ids, params)
+    def add_request(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
+                    resume_ids: list[int] | None = None) -> Sequence:
+        """Queue a request for local prefill and decode (resumed ones recompute their outputs' K/V)."""
+        seq = self.new_sequence(request_id, prompt_ids, params, resume_ids)
         self.scheduler.add_waiting(seq)
         return seq
 
-    def reserve(self, request_id: str, prompt_ids: list[int], params: SamplingParams) -> Sequence | None:
-        """Hold blocks for a prompt whose K/V will arrive from elsewhere; None if the pool is full."""
-        seq = self.new_sequence(request_id, prompt_ids, params)
+    def reserve(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
+                resume_ids: list[int] | None = None) -> Sequence | None:
+        """Hold blocks for tokens whose K/V will arrive from elsewhere; None if the pool is full."""
+        seq = self.new_sequence(request_id, prompt_ids, params, resume_ids)
         seq.status = SequenceStatus.RESERVED
-        if not self.scheduler.grow(seq, len(prompt_ids) + 1):
+        if not self.scheduler.grow(seq, seq.num_tokens + 1):
             del self.sequences[request_id]
             return None
         return seq
 
     def commit_prefilled(self, seq: Sequence, kv_blocks: torch.Tensor, first_token: int) -> TokenOutput:
-        """K/V of the prompt arrived ([L, 2, n_blocks, block_size, H, D]): start decoding."""
+        """K/V of every token so far arrived ([L, 2, n_blocks, block_size, H, D]): start decoding."""
         n = len(kv_blocks[0, 0])
         self.kv_cache.scatter(seq.block_table[:n], kv_blocks)
-        seq.num_cached = len(seq.prompt_ids)
+        seq.num_cached = seq.num_tokens
         out = self._append(seq, first_token)
         if not seq.is_finished:
             self.scheduler.add_running(seq)

@@ -69,6 +69,15 @@ class Sequence:
             delta += self.stopper.on_flush(self.detokenizer.flush())
         return delta
 
+    def replay(self, token_ids: list[int]) -> None:
+        """Adopt output tokens already delivered elsewhere (failover): the detokenizer and stop
+        state advance exactly as they did there, and their text is not streamed again."""
+        for token_id in token_ids:
+            self.output_ids.append(token_id)
+            self.stopper.on_token(token_id, len(self.output_ids), self.detokenizer.add(token_id))
+        if self.is_finished:
+            raise ValueError("resume_output_ids: the request had already finished")
+
     def finish(self, reason: str) -> str:
         """End the sequence from outside (abort, context limit); return any held-back text."""
         if self.stopper.finish_reason is None:

@@ -7,12 +7,13 @@ stdout once it serves; everything else a worker says goes to stderr.
 
 from __future__ import annotations
 
+import argparse
 import json
-import logging
 import os
 import signal
-import sys
 import threading
+import time
+from collections.abc import Callable
 from concurrent import futures
 
 import grpc
@@ -22,6 +23,8 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from engine.sampling_params import SamplingParams
 from engine.stop_checker import FINISH_ABORT, FINISH_ERROR, FINISH_LENGTH, FINISH_STOP, FINISH_STOP_STRING
 from pdserve.v1 import common_pb2
+from telemetry.grpc_logging import RequestLoggingInterceptor
+from telemetry.logs import LOG_FORMATS, configure_logging
 
 READY_PREFIX = "PDSERVE_READY "
 
@@ -63,17 +66,26 @@ def sampling_params_to_pb(params: SamplingParams) -> common_pb2.SamplingParams:
     return pb
 
 
-def configure_process(num_threads: int | None, log_level: str = "INFO") -> None:
-    """Give this worker its own thread budget so pools on one host do not fight."""
-    logging.basicConfig(
-        level=log_level, stream=sys.stderr, format=f"%(asctime)s %(levelname)s [{os.getpid()}] %(name)s: %(message)s"
-    )
+def add_observability_args(ap: argparse.ArgumentParser) -> None:
+    """--log-level, --log-format and --metrics-port, the same on both worker roles."""
+    ap.add_argument("--log-level", default="INFO")
+    ap.add_argument("--log-format", choices=LOG_FORMATS, default="text", help="text lines or JSON lines")
+    ap.add_argument("--metrics-port", type=int, default=0,
+                    help="serve Prometheus /metrics on this loopback port (0: off)")
+
+
+def configure_process(num_threads: int | None, log_level: str = "INFO", log_format: str = "text",
+                      process_name: str = "worker") -> None:
+    """Set up this worker's logging and give it its own thread budget so pools on one host do not fight."""
+    configure_logging(process_name, log_level, log_format)
     if num_threads:
         torch.set_num_threads(num_threads)
 
 
 def make_server(max_workers: int, options: list[tuple[str, int]] | None = None) -> grpc.Server:
-    return grpc.server(futures.ThreadPoolExecutor(max_workers=max_workers), options=options or [])
+    """A gRPC server whose calls carrying a request_id are logged at start and finish."""
+    return grpc.server(futures.ThreadPoolExecutor(max_workers=max_workers), options=options or [],
+                       interceptors=[RequestLoggingInterceptor()])
 
 
 def add_health(server: grpc.Server) -> health.HealthServicer:
@@ -94,12 +106,34 @@ def announce_ready(address: str, worker_id: str, **extra: object) -> None:
           flush=True)
 
 
-def serve_until_signal(server: grpc.Server, health_servicer: health.HealthServicer, grace_s: float = 5.0) -> None:
-    """Block until SIGTERM/SIGINT, then report NOT_SERVING and stop within `grace_s`."""
+class Drain:
+    """Set on SIGTERM: the servicer then refuses new requests (UNAVAILABLE, so the router retries them
+    elsewhere) and reports itself unhealthy, while requests already accepted, and their internal
+    calls such as KV pushes, keep being served."""
+
+    def __init__(self) -> None:
+        self._event = threading.Event()
+
+    @property
+    def draining(self) -> bool:
+        return self._event.is_set()
+
+    def start(self) -> None:
+        self._event.set()
+
+
+def serve_until_signal(server: grpc.Server, health_servicer: health.HealthServicer, drain: Drain,
+                       is_idle: Callable[[], bool], grace_s: float = 30.0) -> None:
+    """Block until SIGTERM/SIGINT, then drain: report NOT_SERVING, refuse new requests, wait until
+    `is_idle()` or `grace_s` passed, and only then stop the server."""
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
     health_servicer.set("", health_pb2.HealthCheckResponse.SERVING)
     stop.wait()
+    drain.start()
     health_servicer.enter_graceful_shutdown()
-    server.stop(grace_s).wait()
+    deadline = time.monotonic() + grace_s
+    while not is_idle() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    server.stop(1.0).wait()

@@ -62,9 +62,20 @@ class GrpcKvSender(KvSender):
         self._channel = grpc.insecure_channel(target_address, options=grpc_message_options(max_frame_bytes))
         self._stub = kv_pb2_grpc.KvTransferStub(self._channel)
 
-    def send(self, spec: KvSpec, kv: torch.Tensor, first_token_id: int, timeout_s: float) -> KvAck:
-        """Stream ``kv`` to the receiver; return its ok ack or raise KvTransferError."""
+    def send(
+        self,
+        spec: KvSpec,
+        kv: torch.Tensor,
+        first_token_id: int,
+        timeout_s: float,
+        frame_filter: Callable[[Iterator[KvFrame]], Iterator[KvFrame]] | None = None,
+    ) -> KvAck:
+        """Stream ``kv`` to the receiver; return its ok ack or raise KvTransferError.
+
+        ``frame_filter`` rewrites the frame stream on its way out; only fault injection uses it."""
         frames = encode_frames(spec, kv, first_token_id, self.max_frame_bytes)
+        if frame_filter is not None:
+            frames = frame_filter(frames)
         try:
             ack: KvAck = self._stub.PushKv(frames, timeout=timeout_s)
         except grpc.RpcError as err:

@@ -5,12 +5,24 @@ from __future__ import annotations
 import argparse
 
 from engine.config import EngineConfig
+from engine.metrics import WorkerMetrics
 from engine.model_fetch import resolve_model
 from engine.model_loader import load_model
-from engine.worker_runtime import add_health, announce_ready, bind, configure_process, make_server, serve_until_signal
+from engine.worker_runtime import (
+    Drain,
+    add_health,
+    add_observability_args,
+    announce_ready,
+    bind,
+    configure_process,
+    make_server,
+    serve_until_signal,
+)
 from pdserve.v1 import worker_pb2_grpc
+from prefill_worker.faults import FAULT_MODES, FaultInjector
 from prefill_worker.servicer import PrefillServicer
 from prefill_worker.worker import PrefillWorker
+from telemetry.prometheus import start_metrics_endpoint
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -25,28 +37,41 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--max-batched-tokens", type=int, default=4096)
     ap.add_argument("--dtype", default="float32")
     ap.add_argument("--request-timeout-s", type=float, default=300.0)
-    ap.add_argument("--log-level", default="INFO")
+    ap.add_argument("--kv-timeout-s", type=float, default=60.0, help="deadline of one KV transfer")
+    ap.add_argument("--inject-kv-fault", choices=FAULT_MODES, default=None,
+                    help="testing only: corrupt or stall the KV stream of the next transfers")
+    ap.add_argument("--inject-kv-fault-count", type=int, default=1)
+    ap.add_argument("--drain-timeout-s", type=float, default=30.0,
+                    help="on SIGTERM, stop taking requests and finish those in flight for at most this long")
+    add_observability_args(ap)
     return ap.parse_args(argv)
 
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
-    configure_process(args.threads, args.log_level)
+    configure_process(args.threads, args.log_level, args.log_format, args.worker_id)
     config = EngineConfig(model=args.model, dtype=args.dtype, block_size=args.block_size,
                           kv_cache_memory_mb=args.kv_cache_mb, max_num_batched_tokens=args.max_batched_tokens)
     loaded = load_model(resolve_model(args.model), config.torch_dtype)
-    worker = PrefillWorker(loaded, config)
+    metrics = WorkerMetrics()
+    faults = FaultInjector(args.inject_kv_fault, args.inject_kv_fault_count)
+    worker = PrefillWorker(loaded, config, transfer_timeout_s=args.kv_timeout_s, metrics=metrics, faults=faults)
+    endpoint = start_metrics_endpoint(metrics.registry, args.metrics_port)
+    drain = Drain()
     server = make_server(max_workers=256)
     address = bind(server, args.host, args.port)
     worker_pb2_grpc.add_PrefillWorkerServicer_to_server(
-        PrefillServicer(worker, args.worker_id, address, args.request_timeout_s), server)
+        PrefillServicer(worker, args.worker_id, address, args.request_timeout_s, drain), server)
     health = add_health(server)
     server.start()
-    announce_ready(address, args.worker_id, role="prefill")
+    announce_ready(address, args.worker_id, role="prefill",
+                   metrics_address=f"127.0.0.1:{endpoint.port}" if endpoint else "")
     try:
-        serve_until_signal(server, health)
+        serve_until_signal(server, health, drain, worker.idle, args.drain_timeout_s)
     finally:
         worker.stop()
+        if endpoint:
+            endpoint.stop()
 
 
 if __name__ == "__main__":

@@ -7,25 +7,29 @@ from concurrent.futures import CancelledError
 
 import grpc
 
-from engine.worker_runtime import sampling_params_from_pb
+from engine.worker_runtime import Drain, sampling_params_from_pb
 from kv_transfer import KvTransferError
 from pdserve.v1 import common_pb2, worker_pb2, worker_pb2_grpc
 from prefill_worker.worker import PrefillJob, PrefillWorker
 
 
 class PrefillServicer(worker_pb2_grpc.PrefillWorkerServicer):
-    def __init__(self, worker: PrefillWorker, worker_id: str, address: str, request_timeout_s: float) -> None:
+    def __init__(self, worker: PrefillWorker, worker_id: str, address: str, request_timeout_s: float,
+                 drain: Drain | None = None) -> None:
         self.worker = worker
         self.worker_id = worker_id
         self.address = address
         self.request_timeout_s = request_timeout_s
+        self.drain = drain or Drain()
 
     def Prefill(self, request: worker_pb2.PrefillRequest, context: grpc.ServicerContext) -> worker_pb2.PrefillResponse:  # noqa: N802
+        if self.drain.draining:
+            context.abort(grpc.StatusCode.UNAVAILABLE, f"prefill worker {self.worker_id} is draining")
         try:
             job = PrefillJob(
                 request_id=request.request_id, prompt_ids=list(request.prompt_token_ids),
                 params=sampling_params_from_pb(request.params), kv_target=request.kv_target_address,
-                kv_backend=request.kv_backend or "grpc",
+                kv_backend=request.kv_backend or "grpc", output_index=request.output_index,
             )
             if not job.request_id or not job.prompt_ids or not job.kv_target:
                 raise ValueError("request_id, prompt_token_ids and kv_target_address are required")
@@ -59,7 +63,7 @@ class PrefillServicer(worker_pb2_grpc.PrefillWorkerServicer):
         return common_pb2.WorkerInfo(
             worker_id=self.worker_id, role=common_pb2.WORKER_ROLE_PREFILL, address=self.address,
             pid=os.getpid(), queue_depth=w.queue_depth, queued_prompt_tokens=w.queued_tokens,
-            kv_blocks_used=w.pool.num_used, kv_blocks_total=w.pool.num_blocks, healthy=True,
+            kv_blocks_used=w.pool.num_used, kv_blocks_total=w.pool.num_blocks, healthy=not self.drain.draining,
             prefill_tokens_computed=w.runner.num_prefill_tokens, kv_bytes_sent=w.kv_bytes_sent,
             requests_finished=w.requests_finished,
         )

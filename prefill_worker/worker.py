@@ -12,12 +12,14 @@ from dataclasses import dataclass, field
 from engine.block_pool import BlockPool, blocks_for_tokens
 from engine.config import EngineConfig
 from engine.llm_engine import build_cache
+from engine.metrics import WorkerMetrics
 from engine.model_loader import LoadedModel
 from engine.model_runner import ModelRunner, StepInput
 from engine.sampler import sample
 from engine.sampling_params import SamplingParams
 from kv_transfer import KvSpec, get_backend
 from kv_transfer.base import dtype_name
+from prefill_worker.faults import FaultInjector
 
 log = logging.getLogger(__name__)
 
@@ -29,6 +31,7 @@ class PrefillJob:
     params: SamplingParams
     kv_target: str
     kv_backend: str = "grpc"
+    output_index: int = 0  # output position of the token sampled here (> 0 for resumed requests)
     enqueued_at: float = field(default_factory=time.perf_counter)
     future: Future = field(default_factory=Future)
 
@@ -44,7 +47,8 @@ class PrefillResult:
 
 class PrefillWorker:
     def __init__(self, loaded: LoadedModel, config: EngineConfig, transfer_timeout_s: float = 60.0,
-                 max_queue: int = 1024) -> None:
+                 max_queue: int = 1024, metrics: WorkerMetrics | None = None,
+                 faults: FaultInjector | None = None) -> None:
         self.loaded = loaded
         self.config = config
         self.kv_cache = build_cache(loaded, config)
@@ -52,12 +56,16 @@ class PrefillWorker:
         self.runner = ModelRunner(loaded, self.kv_cache)
         self.transfer_timeout_s = transfer_timeout_s
         self.max_queue = max_queue
+        self.faults = faults or FaultInjector(None, 0)
         self._queue: deque[PrefillJob] = deque()
         self._cond = threading.Condition()
         self._transfers = ThreadPoolExecutor(max_workers=8, thread_name_prefix="kv-send")
         self._stopped = False
         self.kv_bytes_sent = 0
         self.requests_finished = 0
+        self.metrics = metrics or WorkerMetrics()
+        self.metrics.bind_gauges(running=lambda: 0, waiting=lambda: len(self._queue),
+                                 blocks_used=lambda: self.pool.num_used, blocks_total=lambda: self.pool.num_blocks)
         self._thread = threading.Thread(target=self._loop, name="prefill-loop", daemon=True)
         self._thread.start()
 
@@ -80,6 +88,10 @@ class PrefillWorker:
     @property
     def queued_tokens(self) -> int:
         return sum(len(j.prompt_ids) for j in list(self._queue))
+
+    def idle(self) -> bool:
+        """Nothing queued, computing or being shipped (used to finish draining)."""
+        return not self._queue and self.pool.num_used == 0
 
     def stop(self) -> None:
         with self._cond:
@@ -132,10 +144,17 @@ class PrefillWorker:
     def _prefill(self, batch: list[tuple[PrefillJob, list[int]]]) -> None:
         start = time.perf_counter()
         logits = self.runner.forward([StepInput(j.prompt_ids, 0, blocks) for j, blocks in batch])
-        first = sample(logits, [j.params for j, _ in batch], [0] * len(batch))
+        first = sample(logits, [j.params for j, _ in batch], [j.output_index for j, _ in batch])
         prefill_s = time.perf_counter() - start
+        self._observe_batch(batch, start)
         for (job, blocks), token in zip(batch, first, strict=True):
             self._transfers.submit(self._ship, job, blocks, token, start - job.enqueued_at, prefill_s)
+
+    def _observe_batch(self, batch: list[tuple[PrefillJob, list[int]]], start: float) -> None:
+        self.metrics.prefill_batch_size.observe(len(batch))
+        self.metrics.prompt_tokens.inc(sum(len(job.prompt_ids) for job, _ in batch))
+        for job, _ in batch:
+            self.metrics.queue_time.observe(max(0.0, start - job.enqueued_at))
 
     # ----- transfer threads -------------------------------------------------------------------
     def spec_for(self, request_id: str, num_tokens: int) -> KvSpec:
@@ -153,16 +172,24 @@ class PrefillWorker:
             spec = self.spec_for(job.request_id, len(job.prompt_ids))
             kv = self.kv_cache.gather(blocks)
             sender = get_backend(job.kv_backend).sender_factory(job.kv_target)
-            sender.send(spec, kv, token, timeout_s=self.transfer_timeout_s)
+            fault = self.faults.next_filter()
+            if fault is None:
+                sender.send(spec, kv, token, timeout_s=self.transfer_timeout_s)
+            else:
+                log.warning("request_id=%s: injecting a KV fault (%s)", job.request_id, fault.__name__)
+                sender.send(spec, kv, token, timeout_s=self.transfer_timeout_s, frame_filter=fault)  # type: ignore[call-arg]
         except Exception as exc:
             log.warning("request %s: KV transfer to %s failed: %s", job.request_id, job.kv_target, exc)
+            self.metrics.kv_failed(job.kv_backend, "send")
             job.future.set_exception(exc)
             return
         finally:
             self._release(blocks)
         self.kv_bytes_sent += spec.nbytes
         self.requests_finished += 1
-        job.future.set_result(PrefillResult(token, queue_s, prefill_s, time.perf_counter() - start, spec.nbytes))
+        transfer_s = time.perf_counter() - start
+        self.metrics.kv_transferred(job.kv_backend, "send", spec.nbytes, transfer_s)
+        job.future.set_result(PrefillResult(token, queue_s, prefill_s, transfer_s, spec.nbytes))
 
     def _release(self, blocks: list[int]) -> None:
         with self._cond:

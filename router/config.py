@@ -29,6 +29,13 @@ class RouterConfig:
     info_timeout_s: float = 2.0
     poll_interval_s: float = 0.5
     max_concurrent_streams: int = 256
+    max_attempts: int = 3  # a request is tried on at most this many (decode, prefill) pairs
+    auth_token: str | None = None  # when set, Router calls need "authorization: Bearer <token>"
+    tls_cert_file: str | None = None  # PEM certificate chain: serve the public port over TLS
+    tls_key_file: str | None = None
+    http_port: int | None = None  # OpenAI-compatible HTTP API on host:http_port (0 picks a port; None: off)
+    metrics_port: int = 0  # Prometheus /metrics on 127.0.0.1:metrics_port (0: off)
+    model_name: str = "default"  # the model id the HTTP API serves
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
@@ -41,6 +48,18 @@ class RouterConfig:
         for name in ("max_stream_timeout_s", "info_timeout_s", "poll_interval_s"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
+        for name in ("http_port", "metrics_port"):
+            value = getattr(self, name)
+            if value is not None and not 0 <= value <= 65535:
+                raise ValueError(f"{name} must be in [0, 65535], got {value}")
+        if not self.model_name:
+            raise ValueError("model_name must not be empty")
+        if (self.tls_cert_file is None) != (self.tls_key_file is None):
+            raise ValueError("tls_cert_file and tls_key_file go together")
+        if self.auth_token is not None and not self.auth_token:
+            raise ValueError("auth_token must not be empty")
+        if self.max_attempts < 1:
+            raise ValueError(f"max_attempts must be >= 1, got {self.max_attempts}")
         if self.max_concurrent_streams < 1:
             raise ValueError(f"max_concurrent_streams must be >= 1, got {self.max_concurrent_streams}")
         self.endpoints()  # validates addresses and uniqueness

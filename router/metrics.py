@@ -1,4 +1,4 @@
-"""In-memory request metrics of the router: counters and latency samples (no exporter yet).
+"""Request metrics of the router: in-memory counters and latency samples, mirrored to Prometheus.
 
 Definitions follow ``vllm bench serve``: TTFT = request received -> first response carrying tokens;
 ITL = gap between consecutive responses carrying tokens; E2E = request received -> last response.
@@ -12,6 +12,8 @@ import threading
 import time
 from collections import Counter, deque
 from dataclasses import dataclass
+
+from router.prom_metrics import RouterPrometheus
 
 SAMPLE_WINDOW = 10_000
 
@@ -59,21 +61,38 @@ class RouterMetrics:
         self.ttft = LatencySeries()
         self.itl = LatencySeries()
         self.e2e = LatencySeries()
+        self.prom = RouterPrometheus()
+        self._prom_series = {id(self.ttft): self.prom.ttft, id(self.itl): self.prom.itl, id(self.e2e): self.prom.e2e}
 
     def started(self) -> None:
         with self._lock:
             self.total_requests += 1
             self.in_flight += 1
+        self.prom.requests_running.inc()
 
     def finished(self, outcome: str) -> None:
         """Count one ended stream; ``outcome`` is a finish reason or status code name."""
         with self._lock:
             self.in_flight -= 1
             self.outcomes[outcome] += 1
+        self.prom.requests_running.dec()
+        self.prom.requests.labels(outcome).inc()
+
+    def count_tokens(self, prompt_tokens: int, completion_tokens: int) -> None:
+        """Count the usage reported with a request's last response."""
+        self.prom.prompt_tokens.inc(prompt_tokens)
+        self.prom.generation_tokens.inc(completion_tokens)
+
+    def failed_over(self) -> None:
+        """Count one request moved to another worker after a failure."""
+        self.prom.failovers.inc()
 
     def record(self, series: LatencySeries, seconds: float) -> None:
         with self._lock:
             series.add(seconds)
+        histogram = self._prom_series.get(id(series))
+        if histogram is not None:
+            histogram.observe(seconds)
 
     def summaries(self) -> dict[str, LatencySummary]:
         with self._lock:
@@ -98,6 +117,10 @@ class RequestClock:
         else:
             self._metrics.record(self._metrics.itl, now - self._last_token_at)
         self._last_token_at = now
+
+    def count_tokens(self, prompt_tokens: int, completion_tokens: int) -> None:
+        """Count the usage reported with the request's last response."""
+        self._metrics.count_tokens(prompt_tokens, completion_tokens)
 
     def finish(self) -> float:
         """Record and return the end-to-end latency."""

@@ -176,23 +176,35 @@ class WorkerPool:
         with self._lock:
             return [s.candidate() for s in self._workers.values() if s.endpoint.role in roles]
 
-    def assign(self, decode_policy: Policy, prefill_policy: Policy, prompt_tokens: int) -> Lease:
+    def assign(
+        self, decode_policy: Policy, prefill_policy: Policy, prompt_tokens: int, avoid: frozenset[str] = frozenset()
+    ) -> Lease:
         """Pick a decode (or colocated) worker and, unless colocated, a prefill worker; count them in
-        flight. Raises NoHealthyWorker when a needed stage has no healthy worker."""
+        flight. Workers in `avoid` (they just failed this request) are picked only when no other
+        healthy one is left. Raises NoHealthyWorker when a needed stage has no healthy worker."""
         with self._lock:
-            decode = decode_policy.pick(self._candidates_locked((DECODE, COLOCATED)))
+            decode = decode_policy.pick(self._candidates_locked((DECODE, COLOCATED), avoid))
             if decode is None:
                 raise NoHealthyWorker(self._missing_message((DECODE, COLOCATED), "decode"))
             prefill_address = ""
             if decode.role == DECODE:
-                prefill = prefill_policy.pick(self._candidates_locked((PREFILL,)))
+                prefill = prefill_policy.pick(self._candidates_locked((PREFILL,), avoid))
                 if prefill is None:
                     raise NoHealthyWorker(self._missing_message((PREFILL,), "prefill"))
                 prefill_address = prefill.address
             return self._lease_locked(decode.address, prefill_address, prompt_tokens)
 
-    def _candidates_locked(self, roles: Sequence[str]) -> list[Candidate]:
-        return [s.candidate() for s in self._workers.values() if s.endpoint.role in roles]
+    def _candidates_locked(self, roles: Sequence[str], avoid: frozenset[str] = frozenset()) -> list[Candidate]:
+        states = [s for s in self._workers.values() if s.endpoint.role in roles]
+        preferred = [s for s in states if s.endpoint.address not in avoid and s.healthy]
+        return [s.candidate() for s in (preferred or states)]
+
+    def suspect(self, address: str) -> None:
+        """A call to `address` just failed: take it out of rotation until its next successful poll."""
+        with self._lock:
+            state = self._workers.get(address)
+            if state is not None:
+                state.healthy = False
 
     def _missing_message(self, roles: Sequence[str], stage: str) -> str:
         configured = [a for a, s in self._workers.items() if s.endpoint.role in roles]

@@ -9,20 +9,22 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class DecodeRequest(_message.Message):
-    __slots__ = ("request_id", "prompt", "messages", "token_ids", "params", "prefill_address")
+    __slots__ = ("request_id", "prompt", "messages", "token_ids", "params", "prefill_address", "resume_output_ids")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_FIELD_NUMBER: _ClassVar[int]
     MESSAGES_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     PARAMS_FIELD_NUMBER: _ClassVar[int]
     PREFILL_ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    RESUME_OUTPUT_IDS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt: str
     messages: _common_pb2.ChatMessages
     token_ids: _common_pb2.TokenIds
     params: _common_pb2.SamplingParams
     prefill_address: str
-    def __init__(self, request_id: _Optional[str] = ..., prompt: _Optional[str] = ..., messages: _Optional[_Union[_common_pb2.ChatMessages, _Mapping]] = ..., token_ids: _Optional[_Union[_common_pb2.TokenIds, _Mapping]] = ..., params: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., prefill_address: _Optional[str] = ...) -> None: ...
+    resume_output_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, request_id: _Optional[str] = ..., prompt: _Optional[str] = ..., messages: _Optional[_Union[_common_pb2.ChatMessages, _Mapping]] = ..., token_ids: _Optional[_Union[_common_pb2.TokenIds, _Mapping]] = ..., params: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., prefill_address: _Optional[str] = ..., resume_output_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class InfoRequest(_message.Message):
     __slots__ = ()
@@ -41,20 +43,22 @@ class AbortResponse(_message.Message):
     def __init__(self, found: _Optional[bool] = ...) -> None: ...
 
 class PrefillRequest(_message.Message):
-    __slots__ = ("request_id", "prompt_token_ids", "params", "kv_target_address", "kv_backend", "decode_worker_id")
+    __slots__ = ("request_id", "prompt_token_ids", "params", "kv_target_address", "kv_backend", "decode_worker_id", "output_index")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     PARAMS_FIELD_NUMBER: _ClassVar[int]
     KV_TARGET_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     KV_BACKEND_FIELD_NUMBER: _ClassVar[int]
     DECODE_WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    OUTPUT_INDEX_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     params: _common_pb2.SamplingParams
     kv_target_address: str
     kv_backend: str
     decode_worker_id: str
-    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., params: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., kv_target_address: _Optional[str] = ..., kv_backend: _Optional[str] = ..., decode_worker_id: _Optional[str] = ...) -> None: ...
+    output_index: int
+    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., params: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., kv_target_address: _Optional[str] = ..., kv_backend: _Optional[str] = ..., decode_worker_id: _Optional[str] = ..., output_index: _Optional[int] = ...) -> None: ...
 
 class PrefillResponse(_message.Message):
     __slots__ = ("request_id", "first_token_id", "timings", "kv_bytes")

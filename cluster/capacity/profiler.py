@@ -1,0 +1,178 @@
+"""`pdserve plan profile`: measure this machine with the engine in-process and fit latency models.
+
+* prefill: one packed forward pass over a prompt of N tokens, fitted as a + b*N + c*N^2 (attention);
+* decode step: B sequences of context C each taking one token, fitted as a + b*B + c*B*C (the
+  sequences share one block table: the compute is the same and the cache stays small);
+* KV transfer: the gRPC backend over loopback (a ``KvTransferServicer`` in this process), fitted as
+  a + b*bytes.
+
+Each point is the median of ``repeats`` timed runs after one warm-up. The profile (JSON) holds the
+coefficients, the raw points, the KV bytes per token, the workers' engine limits and the device.
+"""
+
+from __future__ import annotations
+
+import math
+import platform
+import statistics
+import time
+from collections.abc import Callable, Sequence
+from concurrent import futures
+from typing import Any
+
+import numpy as np
+
+from cluster.capacity.simulator import LatencyModel
+
+PREFILL_TOKENS = (32, 128, 256, 512, 1024)
+DECODE_BATCHES = (1, 4, 16)
+DECODE_CONTEXTS = (128, 512, 1024)
+TRANSFER_TOKENS = (16, 256, 1024, 2048)
+# engine limits of the workers as `pdserve serve` starts them (decode_worker / prefill_worker defaults)
+DECODE_KV_CACHE_MB = 512
+MAX_BATCHED_TOKENS = 4096
+MAX_NUM_SEQS = 64
+BLOCK_SIZE = 16
+
+
+def timed(fn: Callable[[], object], repeats: int) -> float:
+    """Median wall time of ``fn`` over ``repeats`` runs, after one untimed warm-up run."""
+    fn()
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def fit(rows: Sequence[Sequence[float]], y: Sequence[float]) -> list[float]:
+    """Least-squares coefficients of y ~ rows (each row holds the regressors, a 1 first for a + ...)."""
+    coef, *_ = np.linalg.lstsq(np.asarray(rows, dtype=float), np.asarray(y, dtype=float), rcond=None)
+    return [float(c) for c in coef]
+
+
+def device_description(threads: int) -> dict[str, Any]:
+    import torch
+
+    return {
+        "device": "cpu",
+        "processor": platform.processor() or platform.machine(),
+        "torch_threads": threads,
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+    }
+
+
+def _profile_compute(loaded: Any, repeats: int) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    from engine.kv_cache import KVCache
+    from engine.model_runner import ModelRunner, StepInput
+
+    max_tokens = max(*PREFILL_TOKENS, *DECODE_CONTEXTS)
+    kv = KVCache(loaded.kv_shape(BLOCK_SIZE), math.ceil(max_tokens / BLOCK_SIZE) + 1)
+    runner = ModelRunner(loaded, kv)
+    table = list(range(kv.num_blocks))
+    token = int(loaded.tokenizer.eos_token_id or 1)
+
+    def pass_time(items: list[StepInput]) -> float:
+        return timed(lambda: runner.forward(items), repeats)
+
+    prefill = [{"tokens": n, "latency_s": pass_time([StepInput([token] * n, 0, table)])} for n in PREFILL_TOKENS]
+    decode = [
+        {"batch": b, "context": c, "latency_s": pass_time([StepInput([token], c - 1, table)] * b)}
+        for b in DECODE_BATCHES
+        for c in DECODE_CONTEXTS
+    ]
+    return prefill, decode
+
+
+def _profile_transfer(loaded: Any, repeats: int) -> list[dict[str, float]]:
+    import grpc
+    import torch
+
+    from kv_transfer import KvSpec
+    from kv_transfer.base import dtype_name
+    from kv_transfer.grpc_backend import GrpcKvSender, KvTransferServicer, grpc_message_options
+
+    shape = loaded.kv_shape(BLOCK_SIZE)
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=4), options=grpc_message_options())
+    receiver = KvTransferServicer()
+    receiver.add_to_server(server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    sender = GrpcKvSender(f"127.0.0.1:{port}")
+    points = []
+    counter = iter(range(10**9))
+    try:
+        for tokens in TRANSFER_TOKENS:
+            blocks = math.ceil(tokens / BLOCK_SIZE)
+            dims = (shape.num_layers, 2, blocks, BLOCK_SIZE, shape.num_kv_heads, shape.head_dim)
+            kv = torch.randn(dims).to(shape.dtype)
+
+            def once(kv: torch.Tensor = kv, dims: tuple[int, ...] = dims, tokens: int = tokens) -> None:
+                spec = KvSpec(f"profile-{next(counter)}", loaded.fingerprint, dtype_name(shape.dtype), dims,
+                              BLOCK_SIZE, tokens)
+                pending = receiver.expect(spec, 60.0)
+                sender.send(spec, kv, 1, 60.0)
+                pending.wait(60.0)
+
+            nbytes = kv.numel() * kv.element_size()
+            points.append({"tokens": tokens, "bytes": nbytes, "latency_s": timed(once, repeats)})
+    finally:
+        sender.close()
+        receiver.close()
+        server.stop(None)
+    return points
+
+
+def run_profile(model: str | None = None, threads: int = 1, repeats: int = 3,
+                progress: Callable[[str], object] = print) -> dict[str, Any]:
+    """Measure and fit; return the profile document."""
+    import torch
+
+    from engine.model_fetch import resolve_model
+    from engine.model_loader import load_model
+
+    torch.set_num_threads(threads)
+    started = time.perf_counter()
+    loaded = load_model(resolve_model(model))
+    progress("profiling prefill and decode passes")
+    prefill, decode = _profile_compute(loaded, repeats)
+    progress("profiling KV transfer over loopback gRPC")
+    transfer = _profile_transfer(loaded, repeats)
+    shape = loaded.kv_shape(BLOCK_SIZE)
+    bytes_per_token = shape.bytes_per_block / BLOCK_SIZE
+    doc = {
+        "model": loaded.path.name,
+        "device": device_description(threads),
+        "fits": {
+            "prefill": fit([[1, p["tokens"], p["tokens"] ** 2] for p in prefill], [p["latency_s"] for p in prefill]),
+            "decode": fit([[1, p["batch"], p["batch"] * p["context"]] for p in decode],
+                          [p["latency_s"] for p in decode]),
+            "transfer": fit([[1, p["bytes"]] for p in transfer], [p["latency_s"] for p in transfer]),
+        },
+        "fit_forms": {
+            "prefill": "a + b*tokens + c*tokens^2",
+            "decode": "a + b*batch + c*batch*mean_context",
+            "transfer": "a + b*bytes",
+        },
+        "kv_bytes_per_token": bytes_per_token,
+        "engine": {
+            "decode_kv_capacity_tokens": int(DECODE_KV_CACHE_MB * 2**20 // shape.bytes_per_block) * BLOCK_SIZE,
+            "max_batched_tokens": MAX_BATCHED_TOKENS,
+            "max_num_seqs": MAX_NUM_SEQS,
+            "block_size": BLOCK_SIZE,
+        },
+        "points": {"prefill": prefill, "decode": decode, "transfer": transfer},
+        "profile_seconds": time.perf_counter() - started,
+    }
+    return doc
+
+
+def latency_model(profile: dict[str, Any]) -> LatencyModel:
+    """The simulator's LatencyModel from a profile document."""
+    fits = profile["fits"]
+    a, b, c = fits["prefill"]
+    d0, d1, d2 = fits["decode"]
+    t0, t1 = fits["transfer"]
+    return LatencyModel((a, b, c), (d0, d1, d2), (t0, t1), float(profile["kv_bytes_per_token"]))

@@ -1,0 +1,294 @@
+"""OpenAI-compatible request/response shapes <-> pdserve.v1 messages (pure functions, no I/O).
+
+Supported: ``/v1/completions`` (prompt: a string, one-string list, token ids or one list of token ids)
+and ``/v1/chat/completions`` (text messages), with ``max_tokens`` / ``max_completion_tokens``,
+``temperature``, ``top_p``, ``seed``, ``stop`` (string or list), ``stream``,
+``stream_options.include_usage``, ``n=1``, and the vLLM-style extras ``top_k``, ``ignore_eos`` and
+``stop_token_ids``. Anything else that changes the result (``n>1``, ``logprobs``, ``tools``,
+``best_of>1``, ``echo``, penalties, ...) is refused with 400 rather than silently ignored.
+
+Errors are OpenAIError: HTTP status plus OpenAI's body ``{"error": {"message", "type", "param", "code"}}``.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import grpc
+
+from pdserve.v1 import common_pb2, router_pb2
+
+COMPLETION = "text_completion"
+CHAT = "chat.completion"
+FINISH_REASONS = {
+    common_pb2.FINISH_REASON_STOP: "stop",
+    common_pb2.FINISH_REASON_STOP_STRING: "stop",
+    common_pb2.FINISH_REASON_LENGTH: "length",
+    common_pb2.FINISH_REASON_CANCELLED: "abort",
+}
+# Fields that would change the answer and that pdserve does not implement: refused unless "off".
+_UNSUPPORTED_OFF_VALUES: dict[str, tuple[Any, ...]] = {
+    "logprobs": (None, False, 0), "top_logprobs": (None, 0), "tools": (None, []), "tool_choice": (None, "none"),
+    "functions": (None, []), "function_call": (None, "none"), "best_of": (None, 1), "echo": (None, False),
+    "suffix": (None, ""), "logit_bias": (None, {}), "presence_penalty": (None, 0, 0.0),
+    "frequency_penalty": (None, 0, 0.0), "audio": (None,), "modalities": (None, ["text"]), "prediction": (None,),
+}
+_IGNORED = frozenset({"model", "user", "stream", "stream_options", "n", "metadata", "store", "service_tier",
+                      "parallel_tool_calls", "response_format", "reasoning_effort"})
+_KNOWN = frozenset({"prompt", "messages", "max_tokens", "max_completion_tokens", "temperature", "top_p", "seed",
+                    "stop", "top_k", "ignore_eos", "stop_token_ids"}) | _IGNORED | frozenset(_UNSUPPORTED_OFF_VALUES)
+MAX_INT32 = 2**31 - 1
+
+
+class OpenAIError(Exception):
+    """An error answer: HTTP ``status`` and OpenAI's error object."""
+
+    def __init__(self, status: int, message: str, param: str | None = None, type_: str | None = None,
+                 code: str | None = None) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.param = param
+        self.type = type_ or _ERROR_TYPES.get(status, "server_error")
+        self.code = code
+
+    def body(self) -> dict[str, Any]:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+
+_ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "invalid_request_error",
+                429: "rate_limit_exceeded",
+                503: "service_unavailable", 504: "timeout"}
+_GRPC_TO_HTTP = {
+    grpc.StatusCode.INVALID_ARGUMENT: 400, grpc.StatusCode.OUT_OF_RANGE: 400,
+    grpc.StatusCode.FAILED_PRECONDITION: 400, grpc.StatusCode.NOT_FOUND: 404,
+    grpc.StatusCode.RESOURCE_EXHAUSTED: 429, grpc.StatusCode.UNAVAILABLE: 503,
+    grpc.StatusCode.DEADLINE_EXCEEDED: 504, grpc.StatusCode.CANCELLED: 499,
+    grpc.StatusCode.UNAUTHENTICATED: 401, grpc.StatusCode.PERMISSION_DENIED: 403,
+}
+
+
+def error_from_grpc(code: grpc.StatusCode, details: str) -> OpenAIError:
+    """Map the router's status to HTTP; a ``params.<field>: ...`` detail names the OpenAI field."""
+    status = _GRPC_TO_HTTP.get(code, 500)
+    param = None
+    if status == 400 and ":" in details:
+        field = details.split(":", 1)[0].strip()
+        param = field.removeprefix("params.").split("[", 1)[0] or None
+    return OpenAIError(status, details or code.name, param=param, code=code.name.lower())
+
+
+@dataclass(frozen=True)
+class ParsedRequest:
+    """A validated OpenAI request: the gRPC request to send and how to shape the answer."""
+
+    kind: str  # COMPLETION or CHAT
+    grpc_request: router_pb2.GenerateRequest
+    stream: bool
+    include_usage: bool
+
+
+def parse_request(kind: str, body: object, model_name: str, request_id: str) -> ParsedRequest:
+    """Validate an OpenAI request body; OpenAIError(400/404) names the first bad field."""
+    if not isinstance(body, dict):
+        raise OpenAIError(400, "request body must be a JSON object")
+    _check_model(body.get("model"), model_name)
+    _check_supported(body)
+    request = router_pb2.GenerateRequest(request_id=request_id, params=_sampling_params(body))
+    if kind == CHAT:
+        request.messages.CopyFrom(_messages(body.get("messages")))
+    else:
+        _set_prompt(request, body.get("prompt"))
+    stream = _optional_bool(body, "stream")
+    options = body.get("stream_options")
+    if options is not None and not isinstance(options, dict):
+        raise OpenAIError(400, "stream_options must be an object", param="stream_options")
+    include_usage = bool(options and options.get("include_usage"))
+    if include_usage and not stream:
+        raise OpenAIError(400, "stream_options is only allowed with stream=true", param="stream_options")
+    return ParsedRequest(kind, request, stream, include_usage)
+
+
+def _check_model(model: object, model_name: str) -> None:
+    if not isinstance(model, str) or not model:
+        raise OpenAIError(400, "model: a model name is required", param="model")
+    if model != model_name:
+        raise OpenAIError(404, f"The model `{model}` does not exist; this server serves `{model_name}`",
+                          param="model", code="model_not_found")
+
+
+def _check_supported(body: dict[str, Any]) -> None:
+    n = body.get("n")
+    if n is not None and (isinstance(n, bool) or n != 1):
+        raise OpenAIError(400, f"n: only n=1 is supported, got {n!r}", param="n")
+    for name, off_values in _UNSUPPORTED_OFF_VALUES.items():
+        if name in body and body[name] not in off_values:
+            raise OpenAIError(400, f"{name}: not supported by this server", param=name)
+    unknown = sorted(set(body) - _KNOWN)
+    if unknown:
+        raise OpenAIError(400, f"{unknown[0]}: unknown or unsupported parameter", param=unknown[0])
+
+
+def _number(body: dict[str, Any], name: str, low: float, high: float, low_open: bool = False) -> float | None:
+    value = body.get(name)
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise OpenAIError(400, f"{name}: must be a number, got {value!r}", param=name)
+    if value < low or (low_open and value == low) or value > high:
+        bracket = "(" if low_open else "["
+        raise OpenAIError(400, f"{name}: must be in {bracket}{low:g}, {high:g}], got {value!r}", param=name)
+    return float(value)
+
+
+def _integer(body: dict[str, Any], name: str, low: int, high: int) -> int | None:
+    value = body.get(name)
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
+        raise OpenAIError(400, f"{name}: must be an integer in [{low}, {high}], got {value!r}", param=name)
+    return value
+
+
+def _optional_bool(body: dict[str, Any], name: str) -> bool:
+    value = body.get(name)
+    if value is not None and not isinstance(value, bool):
+        raise OpenAIError(400, f"{name}: must be a boolean, got {value!r}", param=name)
+    return bool(value)
+
+
+def _sampling_params(body: dict[str, Any]) -> common_pb2.SamplingParams:
+    params = common_pb2.SamplingParams()
+    max_tokens = _integer(body, "max_completion_tokens", 1, MAX_INT32)
+    max_tokens = max_tokens if max_tokens is not None else _integer(body, "max_tokens", 1, MAX_INT32)
+    if max_tokens is not None:
+        params.max_tokens = max_tokens
+    temperature = _number(body, "temperature", 0.0, 2.0)
+    if temperature is not None:
+        params.temperature = temperature
+    top_p = _number(body, "top_p", 0.0, 1.0, low_open=True)
+    if top_p is not None:
+        params.top_p = top_p
+    seed = _integer(body, "seed", 0, 2**63 - 1)
+    if seed is not None:
+        params.seed = seed
+    top_k = _integer(body, "top_k", -1, MAX_INT32)
+    params.top_k = max(0, top_k or 0)  # vLLM uses -1 for "off"; pdserve uses 0
+    params.ignore_eos = _optional_bool(body, "ignore_eos")
+    params.stop.extend(_stop(body.get("stop")))
+    params.stop_token_ids.extend(_token_ids(body.get("stop_token_ids") or [], "stop_token_ids"))
+    return params
+
+
+def _stop(stop: object) -> list[str]:
+    if stop is None:
+        return []
+    if isinstance(stop, str):
+        return [stop]
+    if isinstance(stop, list) and all(isinstance(s, str) for s in stop):
+        return list(stop)
+    raise OpenAIError(400, "stop: must be a string or a list of strings", param="stop")
+
+
+def _token_ids(value: object, name: str) -> list[int]:
+    if not isinstance(value, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in value):
+        raise OpenAIError(400, f"{name}: must be a list of integers", param=name)
+    return list(value)
+
+
+def _set_prompt(request: router_pb2.GenerateRequest, prompt: object) -> None:
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
+        prompt = prompt[0]  # a batch of one
+    if isinstance(prompt, str):
+        request.prompt = prompt
+    elif isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+        request.token_ids.ids.extend(prompt)
+    elif isinstance(prompt, list) and len(prompt) > 1:
+        raise OpenAIError(400, "prompt: batches of several prompts are not supported; send one per request",
+                          param="prompt")
+    else:
+        raise OpenAIError(400, "prompt: must be a string or a list of token ids", param="prompt")
+
+
+def _messages(messages: object) -> common_pb2.ChatMessages:
+    if not isinstance(messages, list) or not messages:
+        raise OpenAIError(400, "messages: must be a non-empty list", param="messages")
+    chat = common_pb2.ChatMessages()
+    for i, message in enumerate(messages):
+        if not isinstance(message, dict) or not isinstance(message.get("role"), str):
+            raise OpenAIError(400, f"messages[{i}]: must be an object with a role", param="messages")
+        role = "system" if message["role"] == "developer" else message["role"]
+        chat.messages.add(role=role, content=_content(message.get("content"), i))
+    return chat
+
+
+def _content(content: object, i: int) -> str:
+    if content is None or isinstance(content, str):
+        return content or ""
+    if isinstance(content, list):
+        texts = []
+        for part in content:
+            if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
+                raise OpenAIError(400, f"messages[{i}].content: only text parts are supported", param="messages")
+            texts.append(part["text"])
+        return "".join(texts)
+    raise OpenAIError(400, f"messages[{i}].content: must be a string or a list of text parts", param="messages")
+
+
+# ----- answers --------------------------------------------------------------------------------
+def finish_reason(response: router_pb2.GenerateResponse) -> str | None:
+    """OpenAI's finish_reason of a final response; raises OpenAIError(500) for a worker-side error."""
+    if response.finish_reason == common_pb2.FINISH_REASON_UNSPECIFIED:
+        return None
+    if response.finish_reason == common_pb2.FINISH_REASON_ERROR:
+        raise OpenAIError(500, response.error or "generation failed", code="generation_error")
+    return FINISH_REASONS.get(response.finish_reason, "stop")
+
+
+def usage(response: router_pb2.GenerateResponse) -> dict[str, int]:
+    prompt, completion = response.usage.prompt_tokens, response.usage.completion_tokens
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+
+
+def response_id(kind: str, request_id: str) -> str:
+    return f"{'chatcmpl' if kind == CHAT else 'cmpl'}-{request_id}"
+
+
+def full_answer(kind: str, request_id: str, model: str, text: str, reason: str | None,
+                usage_: dict[str, int]) -> dict[str, Any]:
+    """The non-streaming answer object."""
+    if kind == CHAT:
+        choice: dict[str, Any] = {"index": 0, "message": {"role": "assistant", "content": text},
+                                  "logprobs": None, "finish_reason": reason}
+    else:
+        choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": reason}
+    return {"id": response_id(kind, request_id), "object": kind, "created": int(time.time()), "model": model,
+            "choices": [choice], "usage": usage_}
+
+
+def chunk(kind: str, request_id: str, model: str, created: int, text: str | None, reason: str | None,
+          role: bool = False) -> dict[str, Any]:
+    """One streamed chunk (``text`` None with ``role`` True: the chat opening chunk)."""
+    if kind == CHAT:
+        delta: dict[str, Any] = {}
+        if role:
+            delta["role"] = "assistant"
+        if text is not None:
+            delta["content"] = text
+        choice: dict[str, Any] = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": reason}
+        obj = "chat.completion.chunk"
+    else:
+        choice = {"index": 0, "text": text or "", "logprobs": None, "finish_reason": reason}
+        obj = COMPLETION
+    return {"id": response_id(kind, request_id), "object": obj, "created": created, "model": model,
+            "choices": [choice]}
+
+
+def usage_chunk(kind: str, request_id: str, model: str, created: int, usage_: dict[str, int]) -> dict[str, Any]:
+    """The last chunk when ``stream_options.include_usage``: no choices, the usage."""
+    obj = "chat.completion.chunk" if kind == CHAT else COMPLETION
+    return {"id": response_id(kind, request_id), "object": obj, "created": created, "model": model,
+            "choices": [], "usage": usage_}

@@ -1,0 +1,37 @@
+"""Prometheus metrics of the router process (one registry per RouterMetrics instance).
+
+Same definitions as the in-memory series of ``router.metrics`` (``vllm bench serve``): TTFT = request
+received -> first token-carrying response, ITL = gap between token-carrying responses, E2E = request
+received -> last response. Token counters come from the decode worker's final ``usage``.
+``pdserve_failovers_total`` counts requests moved to another worker after a failure.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+from telemetry.prometheus import LATENCY_BUCKETS
+
+ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 1.0, 2.5, 5.0)
+
+
+class RouterPrometheus:
+    """The router's metric objects; ``registry`` is what ``/metrics`` serves."""
+
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.ttft = Histogram("pdserve_time_to_first_token_seconds", "Request received -> first token",
+                              buckets=LATENCY_BUCKETS, registry=r)
+        self.itl = Histogram("pdserve_inter_token_latency_seconds", "Gap between token-carrying responses",
+                             buckets=ITL_BUCKETS, registry=r)
+        self.e2e = Histogram("pdserve_e2e_request_latency_seconds", "Request received -> last response",
+                             buckets=LATENCY_BUCKETS, registry=r)
+        self.prompt_tokens = Counter("pdserve_prompt_tokens", "Prompt tokens of finished requests", registry=r)
+        self.generation_tokens = Counter("pdserve_generation_tokens", "Tokens generated for finished requests",
+                                         registry=r)
+        self.requests_running = Gauge("pdserve_num_requests_running", "Generate streams open", registry=r)
+        self.requests = Counter("pdserve_requests", "Ended Generate streams by outcome (finish reason or status)",
+                                ["outcome"], registry=r)
+        self.failovers = Counter("pdserve_failovers", "Requests moved to another worker after a failure",
+                                 registry=r)

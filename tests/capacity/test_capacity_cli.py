@@ -1,0 +1,50 @@
+"""Parsing of `pdserve bench`, `pdserve sweep` and `pdserve plan ...`, and the sweep's configuration list."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from cluster.capacity.cli import bench_config
+from cluster.capacity.sweep import best_config, sweep_configs, threads_per_worker
+from cluster.cli import build_parser
+
+
+def test_bench_arguments() -> None:
+    args = build_parser().parse_args([
+        "bench", "--url", "h:1", "--rate", "2.5", "--burstiness", "0.5", "--max-concurrency", "4",
+        "--num-prompts", "10", "--warmup", "2", "--seed", "3", "--input-len", "64:512", "--output-len", "16",
+        "--ignore-eos", "--slo", "ttft_ms=500", "--slo", "tpot_ms=50", "--output", "r.json",
+    ])
+    config = bench_config(args, args.url)
+    assert config.rate == 2.5 and config.burstiness == 0.5 and config.max_concurrency == 4
+    assert config.input_len.low == 64 and config.input_len.high == 512 and config.output_len.values == (16,)
+    assert config.ignore_eos and config.slos == {"ttft": pytest.approx(0.5), "tpot": pytest.approx(0.05)}
+    assert args.output == "r.json"
+    assert build_parser().parse_args(["bench"]).rate == math.inf
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["bench", "--rate", "0"])
+
+
+def test_sweep_and_plan_arguments() -> None:
+    args = build_parser().parse_args(["sweep", "--workers", "3", "--rates", "0.5,1,inf", "--output-dir", "d"])
+    assert args.workers == 3 and args.rates == [0.5, 1.0, math.inf] and args.output_dir == "d"
+    prof = build_parser().parse_args(["plan", "profile", "--output", "p.json", "--threads", "2"])
+    assert prof.output == "p.json" and prof.threads == 2
+    sim = build_parser().parse_args(["plan", "simulate", "--profile", "p.json", "--rate", "3", "--slo",
+                                     "ttft_ms=900", "--max-workers", "8", "--profile-decode", "d.json"])
+    assert sim.rate == 3.0 and sim.max_workers == 8 and sim.profile_decode == "d.json" and sim.target == 0.9
+    val = build_parser().parse_args(["plan", "validate", "--profile", "p.json", "--sweep", "r.json"])
+    assert val.sweep == "r.json"
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["plan", "simulate", "--rate", "1"])  # --profile missing
+
+
+def test_sweep_configs() -> None:
+    assert [c.name for c in sweep_configs(2)] == ["1P1D", "colocated x2"]
+    assert [(c.prefill, c.decode) for c in sweep_configs(3)[:2]] == [(1, 2), (2, 1)]
+    assert threads_per_worker(2, cores=2) == 1 and threads_per_worker(4, cores=2) == 1
+    assert threads_per_worker(2, cores=16) == 8
+    points = [{"config": "a", "summary": {"goodput": 1.0}}, {"config": "b", "summary": {"goodput": 1.5}}]
+    assert best_config(points) == "b"

@@ -1,0 +1,217 @@
+"""Ecosystem acceptance, real processes on loopback (1 prefill + 1 decode worker, the default model):
+the official `openai` client against the router's HTTP API, Prometheus metrics of all three processes,
+and one request id traced through the JSON logs of router, prefill and decode worker."""
+
+from __future__ import annotations
+
+import json
+import time
+import urllib.request
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import grpc
+import pytest
+
+from cluster.local import LocalCluster, LocalClusterConfig
+from pdserve.v1 import common_pb2, router_pb2, router_pb2_grpc, worker_pb2, worker_pb2_grpc
+
+openai = pytest.importorskip("openai")
+prometheus_parser = pytest.importorskip("prometheus_client.parser")
+
+PROMPT = "The river ran past the old mill, and the children"
+MESSAGES = [{"role": "user", "content": "Name three colours."}]
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory: pytest.TempPathFactory, default_model_dir: Path) -> Iterator[LocalCluster]:
+    config = LocalClusterConfig(prefill=1, decode=1, threads_per_worker=1, http_port=0, metrics=True,
+                                log_format="json", log_dir=str(tmp_path_factory.mktemp("logs")))
+    with LocalCluster(config) as running:
+        yield running
+
+
+@pytest.fixture(scope="module")
+def client(cluster: LocalCluster) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"http://{cluster.http_address}/v1", api_key="unused", max_retries=0,
+                         timeout=120)
+
+
+@pytest.fixture(scope="module")
+def model(client: openai.OpenAI) -> str:
+    return client.models.list().data[0].id
+
+
+def grpc_generate(cluster: LocalCluster, max_tokens: int, prompt: str | None = None,
+                  messages: list[dict[str, str]] | None = None, **params: object) -> tuple[str, common_pb2.Usage]:
+    request = router_pb2.GenerateRequest(params=common_pb2.SamplingParams(max_tokens=max_tokens, **params))
+    if prompt is not None:
+        request.prompt = prompt
+    else:
+        request.messages.messages.extend(common_pb2.ChatMessage(**m) for m in messages or [])
+    with grpc.insecure_channel(cluster.router_address) as channel:
+        responses = list(router_pb2_grpc.RouterStub(channel).Generate(request, timeout=120))
+    return "".join(r.text for r in responses), responses[-1].usage
+
+
+def wait_idle(cluster: LocalCluster, timeout: float = 30) -> None:
+    """Poll every worker's GetInfo until it holds no KV block and no request."""
+    deadline = time.monotonic() + timeout
+    while True:
+        infos = []
+        for worker in cluster.workers:
+            with grpc.insecure_channel(worker.address) as channel:
+                stub_cls = worker_pb2_grpc.PrefillWorkerStub if worker.role == "prefill" else \
+                    worker_pb2_grpc.DecodeWorkerStub
+                infos.append(stub_cls(channel).GetInfo(worker_pb2.InfoRequest(), timeout=10))
+        if all(i.kv_blocks_used == 0 and i.running_requests == 0 and i.queue_depth == 0 for i in infos):
+            return
+        assert time.monotonic() < deadline, f"workers not idle: {infos}"
+        time.sleep(0.2)
+
+
+def test_models_and_health(cluster: LocalCluster, model: str) -> None:
+    assert model == "SmolLM2-135M-Instruct"  # the model folder's name
+    with urllib.request.urlopen(f"http://{cluster.http_address}/health", timeout=10) as answer:
+        assert answer.status == 200 and json.loads(answer.read())["status"] == "ok"
+
+
+def test_completion_equals_grpc_path(cluster: LocalCluster, client: openai.OpenAI, model: str) -> None:
+    want_text, want_usage = grpc_generate(cluster, 12, prompt=PROMPT, temperature=0.0)
+    got = client.completions.create(model=model, prompt=PROMPT, max_tokens=12, temperature=0)
+    assert got.choices[0].text == want_text and got.choices[0].finish_reason == "length"
+    assert (got.usage.prompt_tokens, got.usage.completion_tokens) == (want_usage.prompt_tokens, 12)
+    assert got.usage.total_tokens == want_usage.prompt_tokens + 12
+    chunks = list(client.completions.create(model=model, prompt=PROMPT, max_tokens=12, temperature=0, stream=True,
+                                            stream_options={"include_usage": True}))
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == want_text
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
+    assert chunks[-1].usage.completion_tokens == 12 and chunks[-1].usage.prompt_tokens == want_usage.prompt_tokens
+
+
+def test_chat_equals_grpc_path(cluster: LocalCluster, client: openai.OpenAI, model: str) -> None:
+    want_text, want_usage = grpc_generate(cluster, 16, messages=MESSAGES, temperature=0.0)
+    got = client.chat.completions.create(model=model, messages=MESSAGES, max_completion_tokens=16, temperature=0,
+                                         seed=7)
+    assert got.choices[0].message.content == want_text and got.choices[0].message.role == "assistant"
+    assert got.usage.prompt_tokens == want_usage.prompt_tokens
+    assert got.usage.completion_tokens == want_usage.completion_tokens
+    stream = client.chat.completions.create(model=model, messages=MESSAGES, max_tokens=16, temperature=0,
+                                            stream=True)
+    chunks = list(stream)
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks) == want_text
+    assert chunks[-1].choices[0].finish_reason == got.choices[0].finish_reason
+
+
+def test_stop_string_finishes_with_stop(client: openai.OpenAI, model: str) -> None:
+    full = client.completions.create(model=model, prompt=PROMPT, max_tokens=12, temperature=0).choices[0].text
+    stop = full.split()[2]
+    got = client.completions.create(model=model, prompt=PROMPT, max_tokens=12, temperature=0, stop=[stop, "zzzq"])
+    assert got.choices[0].finish_reason == "stop"
+    assert got.choices[0].text == full[: full.index(stop)]
+
+
+def test_closing_stream_mid_way_frees_blocks(cluster: LocalCluster, client: openai.OpenAI, model: str) -> None:
+    stream = client.completions.create(model=model, prompt=PROMPT, max_tokens=400, temperature=0, stream=True,
+                                       extra_body={"ignore_eos": True})
+    received = 0
+    for chunk in stream:
+        received += bool(chunk.choices and chunk.choices[0].text)
+        if received == 3:
+            break
+    stream.close()
+    assert received == 3
+    wait_idle(cluster)
+
+
+def test_errors_have_openai_shape(cluster: LocalCluster, client: openai.OpenAI, model: str) -> None:
+    with pytest.raises(openai.BadRequestError) as n2:
+        client.completions.create(model=model, prompt=PROMPT, max_tokens=4, n=2)
+    assert n2.value.status_code == 400
+    error = n2.value.response.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"} and error["param"] == "n"
+    assert error["type"] == "invalid_request_error"
+    with pytest.raises(openai.BadRequestError) as hot:
+        client.chat.completions.create(model=model, messages=MESSAGES, max_tokens=4, temperature=7.5)
+    assert hot.value.response.json()["error"]["param"] == "temperature" and "temperature" in hot.value.message
+    for unsupported in ({"logprobs": 2}, {"best_of": 3}, {"echo": True}):
+        with pytest.raises(openai.BadRequestError):
+            client.completions.create(model=model, prompt=PROMPT, max_tokens=4, **unsupported)
+    with pytest.raises(openai.BadRequestError) as tools:
+        client.chat.completions.create(model=model, messages=MESSAGES, tools=[
+            {"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {}}}}])
+    assert tools.value.response.json()["error"]["param"] == "tools"
+    with pytest.raises(openai.NotFoundError):
+        client.completions.create(model="no-such-model", prompt=PROMPT, max_tokens=4)
+
+
+def _scrape(address: str) -> dict[str, float]:
+    with urllib.request.urlopen(f"http://{address}/metrics", timeout=10) as answer:
+        text = answer.read().decode()
+    samples: dict[str, float] = {}
+    for family in prometheus_parser.text_string_to_metric_families(text):
+        for sample in family.samples:
+            labels = ",".join(f"{k}={v}" for k, v in sorted(sample.labels.items()) if k != "le")
+            if "le" not in sample.labels:
+                samples[f"{sample.name}{{{labels}}}" if labels else sample.name] = sample.value
+    return samples
+
+
+def test_metrics_move_with_traffic(cluster: LocalCluster, client: openai.OpenAI, model: str) -> None:
+    addresses = cluster.metrics_addresses
+    assert set(addresses) == {"router", "prefill-0", "decode-0"}
+    before = {name: _scrape(address) for name, address in addresses.items()}
+    got = client.completions.create(model=model, prompt=PROMPT, max_tokens=8, temperature=0)
+    wait_idle(cluster)
+    after = {name: _scrape(address) for name, address in addresses.items()}
+
+    def moved(process: str, key: str) -> float:
+        return after[process][key] - before[process].get(key, 0.0)
+
+    assert moved("router", "pdserve_time_to_first_token_seconds_count") == 1
+    assert moved("router", "pdserve_e2e_request_latency_seconds_count") == 1
+    assert moved("router", "pdserve_inter_token_latency_seconds_count") == 7
+    assert moved("router", "pdserve_prompt_tokens_total") == got.usage.prompt_tokens
+    assert moved("router", "pdserve_generation_tokens_total") == 8
+    assert "pdserve_failovers_total" in after["router"]
+    assert moved("prefill-0", "pdserve_prefill_batch_size_count") >= 1
+    assert moved("prefill-0", "pdserve_request_queue_time_seconds_count") == 1
+    assert moved("prefill-0", "pdserve_prompt_tokens_total") == got.usage.prompt_tokens
+    assert moved("prefill-0", "pdserve_kv_transfer_bytes_total{backend=grpc,direction=send}") > 0
+    assert moved("prefill-0", "pdserve_kv_transfer_seconds_count{backend=grpc,direction=send}") == 1
+    assert moved("decode-0", "pdserve_kv_transfer_bytes_total{backend=grpc,direction=receive}") == \
+        moved("prefill-0", "pdserve_kv_transfer_bytes_total{backend=grpc,direction=send}")
+    assert moved("decode-0", "pdserve_generation_tokens_total") == 8
+    assert moved("decode-0", "pdserve_decode_batch_size_count") >= 7
+    assert after["decode-0"]["pdserve_kv_blocks_total"] > 0 and after["decode-0"]["pdserve_kv_blocks_used"] == 0
+    assert after["decode-0"]["pdserve_num_requests_running"] == 0
+
+
+def test_request_id_in_every_process_log(cluster: LocalCluster, client: openai.OpenAI, model: str) -> None:
+    request_id = f"trace-{uuid.uuid4().hex[:12]}"
+    got = client.completions.create(model=model, prompt=PROMPT, max_tokens=4,
+                                    extra_headers={"X-Request-Id": request_id})
+    assert got.id == f"cmpl-{request_id}"
+    wait_idle(cluster)
+    deadline = time.monotonic() + 10
+    for name in ("router", "prefill-0", "decode-0"):
+        while True:
+            records = _json_records(cluster.log_dir / f"{name}.log")
+            events = [r["message"].split()[1] for r in records if r.get("request_id") == request_id]
+            if "finish" in events or time.monotonic() > deadline:
+                break
+            time.sleep(0.2)
+        assert "start" in events and "finish" in events, f"{name}: {events}"
+        assert all(r["process"] == name for r in records)
+
+
+def _json_records(path: Path) -> list[dict[str, object]]:
+    """Every log line that a logger wrote, parsed (each must be one JSON object)."""
+    records = []
+    for line in path.read_text().splitlines():
+        if line.startswith("{"):
+            records.append(json.loads(line))
+    assert records, f"no JSON log lines in {path}"
+    return records

@@ -1,0 +1,131 @@
+"""Worker failures with real processes: every accepted request completes with the tokens of an
+undisturbed run, and every pool is full again afterwards."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import grpc
+import pytest
+
+from cluster.local import LocalCluster, LocalClusterConfig
+from engine.config import EngineConfig
+from engine.llm_engine import LLMEngine
+from engine.sampling_params import SamplingParams
+from engine.tokenization import encode_text
+
+from e2e_helpers import generate, mixed_prompts, wait_idle, worker_info
+
+
+def _expected(default_model, prompts: list[str], max_tokens: int) -> list[list[int]]:  # noqa: ANN001
+    engine = LLMEngine(default_model, EngineConfig(num_blocks=1024))
+    ids = [encode_text(default_model.tokenizer, p) for p in prompts]
+    out = engine.generate(ids, SamplingParams(max_tokens=max_tokens, ignore_eos=True))
+    engine.pool.assert_all_free()
+    return out
+
+
+def _live(cluster: LocalCluster, dead: set[int] = frozenset()) -> list[tuple[str, str]]:  # type: ignore[assignment]
+    return [(w.role, w.address) for w in cluster.workers if w.pid not in dead]
+
+
+def _run_all(address: str, prompts: list[str], max_tokens: int) -> list:  # noqa: ANN401
+    with ThreadPoolExecutor(len(prompts)) as pool:
+        return list(pool.map(lambda p: generate(address, p, max_tokens, ignore_eos=True), prompts))
+
+
+def test_decode_worker_killed_mid_stream(default_model) -> None:  # noqa: ANN001
+    prompts = mixed_prompts(20, seed=21)
+    expected = _expected(default_model, prompts, 40)
+    with LocalCluster(LocalClusterConfig(prefill=1, decode=2, threads_per_worker=1)) as cluster:
+        victim = [w for w in cluster.workers if w.role == "decode"][0]
+        with ThreadPoolExecutor(1) as bg:
+            pending = bg.submit(_run_all, cluster.router_address, prompts, 40)
+            deadline = time.monotonic() + 120
+            while worker_info(victim.address, "decode").running_requests < 3:  # mid-stream, holding requests
+                assert time.monotonic() < deadline and not pending.done()
+                time.sleep(0.05)
+            os.kill(victim.pid, signal.SIGKILL)
+            results = pending.result(timeout=600)
+        assert [r.token_ids for r in results] == expected
+        wait_idle(_live(cluster, {victim.pid}))
+
+
+def test_prefill_worker_killed_during_prefill(default_model) -> None:  # noqa: ANN001
+    prompts = [p + " and the long story goes on" * 40 for p in mixed_prompts(8, seed=4)]
+    expected = _expected(default_model, prompts, 6)
+    with LocalCluster(LocalClusterConfig(prefill=2, decode=1, threads_per_worker=1)) as cluster:
+        victim = [w for w in cluster.workers if w.role == "prefill"][0]
+        with ThreadPoolExecutor(1) as bg:
+            pending = bg.submit(_run_all, cluster.router_address, prompts, 6)
+            deadline = time.monotonic() + 120
+            while worker_info(victim.address, "prefill").queue_depth < 1:  # prompts queued there
+                assert time.monotonic() < deadline and not pending.done()
+                time.sleep(0.02)
+            os.kill(victim.pid, signal.SIGKILL)
+            results = pending.result(timeout=600)
+        assert [r.token_ids for r in results] == expected
+        wait_idle(_live(cluster, {victim.pid}))
+
+
+@pytest.mark.parametrize("fault", ["stall", "corrupt"])
+def test_broken_kv_transfer_is_prefilled_again(fault: str, default_model) -> None:  # noqa: ANN001
+    prompts = mixed_prompts(4, seed=8)
+    expected = _expected(default_model, prompts, 8)
+    config = LocalClusterConfig(prefill=1, decode=1, threads_per_worker=1,
+                                prefill_args=("--inject-kv-fault", fault, "--inject-kv-fault-count", "2"),
+                                decode_args=("--kv-timeout-s", "4"))
+    with LocalCluster(config) as cluster:
+        results = _run_all(cluster.router_address, prompts, 8)
+        assert [r.token_ids for r in results] == expected
+        wait_idle(_live(cluster))
+
+
+def test_no_decode_worker_left_gives_unavailable_not_a_hang() -> None:
+    with LocalCluster(LocalClusterConfig(prefill=1, decode=1, threads_per_worker=1)) as cluster:
+        decode = [w for w in cluster.workers if w.role == "decode"][0]
+        os.kill(decode.pid, signal.SIGKILL)
+        with pytest.raises(grpc.RpcError) as err:
+            generate(cluster.router_address, "Hello", 4, timeout=60)
+        assert err.value.code() == grpc.StatusCode.UNAVAILABLE
+
+
+def test_overload_sheds_excess_and_serves_the_rest(default_model) -> None:  # noqa: ANN001
+    capacity = 4
+    prompts = mixed_prompts(10 * capacity, seed=13)
+    expected = _expected(default_model, prompts, 4)
+    config = LocalClusterConfig(prefill=1, decode=1, threads_per_worker=1,
+                                router_args=("--max-concurrent-streams", str(capacity)))
+    with LocalCluster(config) as cluster:
+        def attempt(i: int) -> object:
+            try:
+                return generate(cluster.router_address, prompts[i], 4, ignore_eos=True)
+            except grpc.RpcError as exc:
+                return exc
+
+        with ThreadPoolExecutor(len(prompts)) as pool:
+            outcomes = list(pool.map(attempt, range(len(prompts))))
+        refused = [o for o in outcomes if isinstance(o, grpc.RpcError)]
+        served = [(i, o) for i, o in enumerate(outcomes) if not isinstance(o, grpc.RpcError)]
+        assert refused and served
+        assert all(e.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "capacity" in e.details() for e in refused)
+        assert all(o.token_ids == expected[i] for i, o in served)  # type: ignore[attr-defined]
+        wait_idle(_live(cluster))
+
+
+def test_sigterm_drains_a_decode_worker(default_model) -> None:  # noqa: ANN001
+    prompt = "Tell me a story about the old mill by the river"
+    expected = _expected(default_model, [prompt], 40)[0]
+    with LocalCluster(LocalClusterConfig(prefill=1, decode=1, threads_per_worker=1)) as cluster:
+        decode = [w for w in cluster.workers if w.role == "decode"][0]
+        with ThreadPoolExecutor(1) as bg:
+            pending = bg.submit(generate, cluster.router_address, prompt, 40, 300, ignore_eos=True)
+            deadline = time.monotonic() + 60
+            while worker_info(decode.address, "decode").running_requests < 1:
+                assert time.monotonic() < deadline
+                time.sleep(0.02)
+            os.kill(decode.pid, signal.SIGTERM)  # the only decode worker: only draining can finish it
+            assert pending.result(timeout=120).token_ids == expected
