@@ -26,6 +26,7 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from cluster.processes import ManagedProcess, ProcessStartError, stop_all
+from pdserve.transport import open_channel
 from router.policies import POLICY_NAMES
 from telemetry.logs import LOG_FORMATS
 
@@ -179,11 +180,12 @@ def child_env() -> dict[str, str]:
     return {**os.environ, "PYTHONPATH": os.pathsep.join(paths), "PYTHONUNBUFFERED": "1"}
 
 
-def wait_serving(address: str, timeout_s: float) -> None:
-    """Poll grpc.health.v1 (service "") until SERVING; ClusterStartError after ``timeout_s``."""
+def wait_serving(address: str, timeout_s: float, internal: bool = True) -> None:
+    """Poll grpc.health.v1 (service "") until SERVING; ClusterStartError after ``timeout_s``.
+    `internal`: a worker (mTLS when configured) rather than the router's public port."""
     deadline = time.monotonic() + timeout_s
     last = "no answer"
-    with grpc.insecure_channel(address) as channel:
+    with open_channel(address) if internal else grpc.insecure_channel(address) as channel:
         stub = health_pb2_grpc.HealthStub(channel)
         while time.monotonic() < deadline:
             try:
@@ -256,8 +258,9 @@ class LocalCluster:
         self._router_address = str(ready["address"])
         self._http_address = str(ready.get("http_address") or "")
         self._note_metrics("router", ready)
-        for address in [self._router_address] + [w.address for w in self._workers]:
-            wait_serving(address, max(1.0, deadline - time.monotonic()))
+        wait_serving(self._router_address, max(1.0, deadline - time.monotonic()), internal=False)
+        for worker in self._workers:
+            wait_serving(worker.address, max(1.0, deadline - time.monotonic()))
 
     def _note_metrics(self, name: str, ready: dict[str, object]) -> None:
         if ready.get("metrics_address"):

@@ -15,6 +15,7 @@ from engine.model_fetch import resolve_model
 from engine.model_loader import load_model
 from engine.worker_runtime import (
     Drain,
+    StartedWorker,
     add_health,
     add_observability_args,
     announce_ready,
@@ -23,6 +24,8 @@ from engine.worker_runtime import (
     make_server,
     serve_until_signal,
 )
+from grpc_health.v1 import health_pb2
+
 from kv_transfer import KvTransferServicer, grpc_message_options
 from pdserve.v1 import worker_pb2_grpc
 from telemetry.prometheus import start_metrics_endpoint
@@ -49,13 +52,18 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                     help="how long a remote prefill (queue, compute, KV transfer) may take before it is retried")
     ap.add_argument("--drain-timeout-s", type=float, default=30.0,
                     help="on SIGTERM, stop taking requests and finish those in flight for at most this long")
+    ap.add_argument("--kv-backend", default="grpc",
+                    help="how prefill workers ship KV here: grpc (to this worker's port) or ray (object store)")
+    ap.add_argument("--kv-target", default="",
+                    help="where prefill workers send KV (default: this worker's gRPC address; "
+                         "ray:<actor name> for the ray backend)")
     add_observability_args(ap)
     return ap.parse_args(argv)
 
 
-def main(argv: list[str] | None = None) -> None:
-    args = parse_args(argv)
-    configure_process(args.threads, args.log_level, args.log_format, args.worker_id)
+def start_worker(args: argparse.Namespace) -> StartedWorker:
+    """Load the model, build the worker, its KV receiver and gRPC server, start serving on
+    args.host:args.port. Shared by `main` (a process) and the Ray actor (`cluster.ray_actors`)."""
     config = EngineConfig(model=args.model, dtype=args.dtype, block_size=args.block_size,
                           kv_cache_memory_mb=args.kv_cache_mb, max_num_seqs=args.max_num_seqs,
                           max_num_batched_tokens=args.max_batched_tokens)
@@ -67,22 +75,36 @@ def main(argv: list[str] | None = None) -> None:
     drain = Drain()
     server = make_server(max_workers=256, options=grpc_message_options())
     address = bind(server, args.host, args.port)
-    worker_pb2_grpc.add_DecodeWorkerServicer_to_server(
-        DecodeServicer(worker, kv_receiver, args.worker_id, address, args.colocated,
-                       args.local_prefill_threshold, args.request_timeout_s,
-                       args.kv_timeout_s, drain), server)
+    servicer = DecodeServicer(worker, kv_receiver, args.worker_id, address, args.colocated,
+                              args.local_prefill_threshold, args.request_timeout_s, args.kv_timeout_s, drain,
+                              kv_backend=args.kv_backend, kv_target=args.kv_target or address)
+    worker_pb2_grpc.add_DecodeWorkerServicer_to_server(servicer, server)
     kv_receiver.add_to_server(server)
     health = add_health(server)
     server.start()
-    announce_ready(address, args.worker_id, role="colocated" if args.colocated else "decode",
-                   metrics_address=f"127.0.0.1:{endpoint.port}" if endpoint else "")
-    try:
-        serve_until_signal(server, health, drain, worker.idle, args.drain_timeout_s)
-    finally:
+    health.set("", health_pb2.HealthCheckResponse.SERVING)
+
+    def close() -> None:
         kv_receiver.close()
         worker.stop()
         if endpoint:
             endpoint.stop()
+
+    return StartedWorker(server, address, health, drain, worker.idle, close, args.drain_timeout_s,
+                         {"servicer": servicer, "kv_receiver": kv_receiver,
+                          "metrics_address": f"127.0.0.1:{endpoint.port}" if endpoint else ""})
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    configure_process(args.threads, args.log_level, args.log_format, args.worker_id)
+    started = start_worker(args)
+    announce_ready(started.address, args.worker_id, role="colocated" if args.colocated else "decode",
+                   metrics_address=started.extras["metrics_address"])
+    try:
+        serve_until_signal(started.server, started.health, started.drain, started.is_idle, args.drain_timeout_s)
+    finally:
+        started.close()
 
 
 if __name__ == "__main__":

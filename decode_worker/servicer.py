@@ -25,6 +25,7 @@ from engine.sampling_params import SamplingParams
 from engine.tokenization import encode_chat, encode_text
 from engine.worker_runtime import Drain, finish_reason_to_pb, sampling_params_from_pb, sampling_params_to_pb
 from kv_transfer import KvTransferError, KvTransferServicer
+from pdserve.transport import open_channel
 from pdserve.v1 import common_pb2, router_pb2, worker_pb2, worker_pb2_grpc
 
 log = logging.getLogger(__name__)
@@ -51,8 +52,11 @@ def prompt_ids_from_pb(loaded: LoadedModel, request: worker_pb2.DecodeRequest) -
 class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
     def __init__(self, worker: DecodeWorker, kv_receiver: KvTransferServicer, worker_id: str, address: str,
                  colocated: bool, local_prefill_threshold: int, request_timeout_s: float,
-                 kv_timeout_s: float = 120.0, drain: Drain | None = None) -> None:
+                 kv_timeout_s: float = 120.0, drain: Drain | None = None, kv_backend: str = "grpc",
+                 kv_target: str = "") -> None:
         self.worker = worker
+        self.kv_backend = kv_backend  # named in every PrefillRequest: how the prefill worker ships KV here
+        self.kv_target = kv_target or address  # e.g. this worker's gRPC address, or "ray:decode-0"
         self.kv_receiver = kv_receiver
         self.worker_id = worker_id
         self.address = address
@@ -127,7 +131,7 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
         call = self._prefill_stub(prefill_address).Prefill.future(
             worker_pb2.PrefillRequest(
                 request_id=request_id, prompt_token_ids=tokens, params=sampling_params_to_pb(params),
-                kv_target_address=self.address, kv_backend="grpc", decode_worker_id=self.worker_id,
+                kv_target_address=self.kv_target, kv_backend=self.kv_backend, decode_worker_id=self.worker_id,
                 output_index=len(resume_ids),
             ),
             timeout=max(0.1, kv_deadline - time.perf_counter()),
@@ -150,7 +154,7 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
     def _prefill_stub(self, address: str) -> worker_pb2_grpc.PrefillWorkerStub:
         stub = self._prefill_channels.get(address)
         if stub is None:
-            stub = worker_pb2_grpc.PrefillWorkerStub(grpc.insecure_channel(address))
+            stub = worker_pb2_grpc.PrefillWorkerStub(open_channel(address))
             self._prefill_channels[address] = stub
         return stub
 

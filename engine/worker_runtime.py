@@ -15,6 +15,7 @@ import threading
 import time
 from collections.abc import Callable
 from concurrent import futures
+from dataclasses import dataclass, field
 
 import grpc
 import torch
@@ -22,6 +23,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from engine.sampling_params import SamplingParams
 from engine.stop_checker import FINISH_ABORT, FINISH_ERROR, FINISH_LENGTH, FINISH_STOP, FINISH_STOP_STRING
+from pdserve.transport import add_port
 from pdserve.v1 import common_pb2
 from telemetry.grpc_logging import RequestLoggingInterceptor
 from telemetry.logs import LOG_FORMATS, configure_logging
@@ -95,7 +97,7 @@ def add_health(server: grpc.Server) -> health.HealthServicer:
 
 
 def bind(server: grpc.Server, host: str, port: int) -> str:
-    bound = server.add_insecure_port(f"{host}:{port}")
+    bound = add_port(server, f"{host}:{port}")  # mTLS when the deployment configures it
     if bound == 0:
         raise OSError(f"cannot bind {host}:{port}")
     return f"{host}:{bound}"
@@ -131,9 +133,46 @@ def serve_until_signal(server: grpc.Server, health_servicer: health.HealthServic
         signal.signal(sig, lambda *_: stop.set())
     health_servicer.set("", health_pb2.HealthCheckResponse.SERVING)
     stop.wait()
+    drain_then_stop(server, health_servicer, drain, is_idle, grace_s)
+
+
+def drain_then_stop(server: grpc.Server, health_servicer: health.HealthServicer, drain: Drain,
+                    is_idle: Callable[[], bool], grace_s: float) -> None:
+    """Refuse new requests, report NOT_SERVING, wait until `is_idle()` or `grace_s`, stop the server."""
     drain.start()
     health_servicer.enter_graceful_shutdown()
     deadline = time.monotonic() + grace_s
     while not is_idle() and time.monotonic() < deadline:
         time.sleep(0.05)
     server.stop(1.0).wait()
+
+
+@dataclass
+class StartedWorker:
+    """A worker serving gRPC, as `start_worker` of either role returns it (process or Ray actor).
+
+    `stop()` drains (at most `drain_timeout_s`), stops the server and the engine; idempotent."""
+
+    server: grpc.Server
+    address: str
+    health: health.HealthServicer
+    drain: Drain
+    is_idle: Callable[[], bool]
+    close: Callable[[], None]  # stops the engine and its helpers (after the server stopped)
+    drain_timeout_s: float = 30.0
+    extras: dict[str, object] = field(default_factory=dict)  # e.g. the KV receiver, metrics address
+    _stopped: bool = False
+
+    def start_draining(self) -> None:
+        """Refuse new requests and report unhealthy; requests already accepted keep being served."""
+        self.drain.start()
+        self.health.enter_graceful_shutdown()
+
+    def stop(self) -> None:
+        if self._stopped:
+            return
+        self._stopped = True
+        try:
+            drain_then_stop(self.server, self.health, self.drain, self.is_idle, self.drain_timeout_s)
+        finally:
+            self.close()

@@ -2,7 +2,8 @@
 
 ``base`` defines the backend-neutral contract (:class:`KvSpec`, :class:`KvSender`,
 :class:`KvReceiver`, :class:`PendingKv`, the backend registry), ``framing`` the validated
-wire framing, ``grpc_backend`` the "grpc" backend (registered on import of this package).
+wire framing, ``grpc_backend`` the "grpc" backend (registered on import of this package),
+``ray_backend`` the "ray" backend (registered here too, but imported, with ``ray``, only on first use).
 Needs ``proto/`` on ``sys.path`` for the generated ``pdserve.v1`` stubs.
 """
 
@@ -18,6 +19,22 @@ from kv_transfer.base import (
 )
 from kv_transfer.framing import FrameAssembler, KvFrameError, encode_frames
 from kv_transfer.grpc_backend import GrpcKvSender, KvTransferServicer, grpc_message_options
+
+
+
+def _ray_sender(target_address: str) -> KvSender:
+    from kv_transfer.ray_backend import get_sender
+
+    return get_sender(target_address)
+
+
+def _ray_receiver(*args: object, **kwargs: object) -> KvReceiver:
+    from kv_transfer.ray_backend import RayKvReceiver
+
+    return RayKvReceiver(*args, **kwargs)  # type: ignore[arg-type]
+
+
+register_backend("ray", _ray_sender, _ray_receiver)
 
 __all__ = [
     "FrameAssembler",

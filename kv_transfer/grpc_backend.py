@@ -39,6 +39,7 @@ from kv_transfer.framing import (
     KvFrameError,
     encode_frames,
 )
+from pdserve.transport import open_channel
 from pdserve.v1 import kv_pb2_grpc
 from pdserve.v1.kv_pb2 import KvAck, KvFrame
 
@@ -59,7 +60,7 @@ class GrpcKvSender(KvSender):
     def __init__(self, target_address: str, max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES) -> None:
         self.target_address = target_address
         self.max_frame_bytes = max_frame_bytes
-        self._channel = grpc.insecure_channel(target_address, options=grpc_message_options(max_frame_bytes))
+        self._channel = open_channel(target_address, options=grpc_message_options(max_frame_bytes))
         self._stub = kv_pb2_grpc.KvTransferStub(self._channel)
 
     def send(
@@ -233,6 +234,31 @@ class KvTransferServicer(kv_pb2_grpc.KvTransferServicer, KvReceiver):
             self._cond.notify_all()
         for p in pending:
             p.fail(f"KV receiver closed before KV for {p.request_id!r} arrived")
+
+    def deliver(self, spec: KvSpec, kv: torch.Tensor | Callable[[], torch.Tensor], first_token_id: int) -> None:
+        """Complete the pending intake of ``spec.request_id`` with an already-assembled tensor (other
+        backends, e.g. "ray"). ``kv`` may be a callable that fetches the tensor: it runs only after
+        the intake was found, claimed and its spec matched. Every check failure fails THAT intake
+        (the owner then frees its blocks) and raises KvTransferError; so does an unknown request id."""
+        with self._cond:
+            pending = self._pending.get(spec.request_id)
+        if pending is None:
+            raise KvTransferError(f"unknown request_id {spec.request_id!r}: no pending KV intake")
+        if not pending.claim(None):  # type: ignore[arg-type]
+            raise KvTransferError(f"request_id {spec.request_id!r} is already being received")
+        try:
+            if spec != pending.spec:
+                raise KvTransferError(f"KV header {spec} does not match the expected {pending.spec}")
+            tensor = kv() if callable(kv) else kv
+            if tuple(tensor.shape) != pending.spec.shape or tensor.dtype != pending.spec.torch_dtype:
+                raise KvTransferError(f"KV tensor {tuple(tensor.shape)} {tensor.dtype} does not match the "
+                                      f"expected {pending.spec.shape} {pending.spec.dtype}")
+        except Exception as err:  # noqa: BLE001 - fail this intake only, tell the caller why
+            message = err if isinstance(err, KvTransferError) else f"{type(err).__name__}: {err}"
+            pending.fail(f"KV for {spec.request_id!r} refused: {message}", cancel_stream=False)
+            raise KvTransferError(pending.error() or str(message)) from err
+        if not pending.succeed(tensor, first_token_id):
+            raise KvTransferError(pending.error() or f"KV intake for {spec.request_id!r} already finished")
 
     def PushKv(self, request_iterator: Iterable[KvFrame], context: grpc.ServicerContext) -> KvAck:  # noqa: N802
         """Receive one request's frames; ack ok only when the intake completed."""

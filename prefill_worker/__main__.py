@@ -10,6 +10,7 @@ from engine.model_fetch import resolve_model
 from engine.model_loader import load_model
 from engine.worker_runtime import (
     Drain,
+    StartedWorker,
     add_health,
     add_observability_args,
     announce_ready,
@@ -18,6 +19,8 @@ from engine.worker_runtime import (
     make_server,
     serve_until_signal,
 )
+from grpc_health.v1 import health_pb2
+
 from pdserve.v1 import worker_pb2_grpc
 from prefill_worker.faults import FAULT_MODES, FaultInjector
 from prefill_worker.servicer import PrefillServicer
@@ -47,9 +50,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return ap.parse_args(argv)
 
 
-def main(argv: list[str] | None = None) -> None:
-    args = parse_args(argv)
-    configure_process(args.threads, args.log_level, args.log_format, args.worker_id)
+def start_worker(args: argparse.Namespace) -> StartedWorker:
+    """Load the model, build the worker and its gRPC server, start serving on args.host:args.port.
+    Shared by `main` (a process) and the Ray actor (`cluster.ray_actors`)."""
     config = EngineConfig(model=args.model, dtype=args.dtype, block_size=args.block_size,
                           kv_cache_memory_mb=args.kv_cache_mb, max_num_batched_tokens=args.max_batched_tokens)
     loaded = load_model(resolve_model(args.model), config.torch_dtype)
@@ -60,18 +63,30 @@ def main(argv: list[str] | None = None) -> None:
     drain = Drain()
     server = make_server(max_workers=256)
     address = bind(server, args.host, args.port)
-    worker_pb2_grpc.add_PrefillWorkerServicer_to_server(
-        PrefillServicer(worker, args.worker_id, address, args.request_timeout_s, drain), server)
+    servicer = PrefillServicer(worker, args.worker_id, address, args.request_timeout_s, drain)
+    worker_pb2_grpc.add_PrefillWorkerServicer_to_server(servicer, server)
     health = add_health(server)
     server.start()
-    announce_ready(address, args.worker_id, role="prefill",
-                   metrics_address=f"127.0.0.1:{endpoint.port}" if endpoint else "")
-    try:
-        serve_until_signal(server, health, drain, worker.idle, args.drain_timeout_s)
-    finally:
+    health.set("", health_pb2.HealthCheckResponse.SERVING)
+
+    def close() -> None:
         worker.stop()
         if endpoint:
             endpoint.stop()
+
+    return StartedWorker(server, address, health, drain, worker.idle, close, args.drain_timeout_s,
+                         {"servicer": servicer, "metrics_address": f"127.0.0.1:{endpoint.port}" if endpoint else ""})
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    configure_process(args.threads, args.log_level, args.log_format, args.worker_id)
+    started = start_worker(args)
+    announce_ready(started.address, args.worker_id, role="prefill", metrics_address=started.extras["metrics_address"])
+    try:
+        serve_until_signal(started.server, started.health, started.drain, started.is_idle, args.drain_timeout_s)
+    finally:
+        started.close()
 
 
 if __name__ == "__main__":

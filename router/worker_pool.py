@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 
 import grpc
 
+from pdserve.transport import open_channel
 from pdserve.v1 import common_pb2, worker_pb2, worker_pb2_grpc
 from router.policies import COLOCATED, DECODE, PREFILL, ROLES, Candidate, Policy
 
@@ -135,11 +136,41 @@ class WorkerPool:
         for state in self._workers.values():
             state.channel.close()
 
+    def add(self, endpoint: WorkerEndpoint) -> None:
+        """Start routing to a new worker (after its first successful poll). ValueError if the address
+        is already in the pool."""
+        state = _open(endpoint)
+        with self._lock:
+            if endpoint.address in self._workers:
+                state.channel.close()
+                raise ValueError(f"worker {endpoint.address} is already in the pool")
+            self._workers[endpoint.address] = state
+        log.info("worker %s (%s) added", endpoint.address, endpoint.role)
+        self._record_poll(endpoint.address, state.info_call.future(worker_pb2.InfoRequest(),
+                                                                    timeout=self._info_timeout_s))
+
+    def remove(self, address: str) -> bool:
+        """Stop routing to `address` and close its channel (calls still on it fail); False if unknown."""
+        with self._lock:
+            state = self._workers.pop(address, None)
+        if state is None:
+            return False
+        log.info("worker %s (%s) removed", address, state.endpoint.role)
+        state.channel.close()
+        return True
+
+    def addresses(self) -> dict[str, str]:
+        """Address -> role of every worker in the pool."""
+        with self._lock:
+            return {a: s.endpoint.role for a, s in self._workers.items()}
+
     def poll_once(self) -> None:
         """Send GetInfo to all workers concurrently and record the answers (or failures)."""
+        with self._lock:
+            states = list(self._workers.items())  # the set may change at runtime (add/remove)
         futures = {
             address: state.info_call.future(worker_pb2.InfoRequest(), timeout=self._info_timeout_s)
-            for address, state in self._workers.items()
+            for address, state in states
         }
         for address, future in futures.items():
             self._record_poll(address, future)
@@ -157,7 +188,9 @@ class WorkerPool:
         except grpc.RpcError as exc:
             info, error = None, f"{exc.code().name}: {exc.details()}"
         with self._lock:
-            state = self._workers[address]
+            state = self._workers.get(address)
+            if state is None:  # removed meanwhile
+                return
             was_healthy = state.healthy
             state.healthy = info is not None and info.healthy
             state.info = info if info is not None else state.info
@@ -224,14 +257,17 @@ class WorkerPool:
 
     def _end_prefill(self, lease: Lease) -> None:
         with self._lock:
-            target = self._workers[lease.prefill_address or lease.decode_address]
+            target = self._workers.get(lease.prefill_address or lease.decode_address)
+            if target is None:  # removed while the request ran
+                return
             target.in_flight_prompt_tokens -= lease.prompt_tokens
             if lease.prefill_address:
                 target.in_flight -= 1
 
     def _end_decode(self, lease: Lease) -> None:
         with self._lock:
-            self._workers[lease.decode_address].in_flight -= 1
+            if lease.decode_address in self._workers:  # else removed while the request ran
+                self._workers[lease.decode_address].in_flight -= 1
 
     def snapshot(self) -> list[common_pb2.WorkerInfo]:
         """Latest WorkerInfo of every worker, with address, role and healthy as the router sees them."""
@@ -245,7 +281,7 @@ class WorkerPool:
 
 
 def _open(endpoint: WorkerEndpoint) -> _WorkerState:
-    channel = grpc.insecure_channel(endpoint.address)
+    channel = open_channel(endpoint.address)
     if endpoint.role == PREFILL:
         stub = worker_pb2_grpc.PrefillWorkerStub(channel)
         return _WorkerState(endpoint, channel, None, stub.GetInfo)

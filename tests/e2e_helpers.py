@@ -9,6 +9,7 @@ from dataclasses import dataclass
 
 import grpc
 
+from pdserve.transport import open_channel
 from pdserve.v1 import common_pb2, router_pb2, router_pb2_grpc, worker_pb2, worker_pb2_grpc
 
 WORDS = ("river mill evening children market flour dawn sea poem capital France story old light "
@@ -43,7 +44,7 @@ def generate_many(address: str, prompts: list[str], max_tokens: list[int]) -> li
 
 
 def worker_info(address: str, role: str) -> common_pb2.WorkerInfo:
-    channel = grpc.insecure_channel(address)
+    channel = open_channel(address)  # workers speak mTLS when the deployment configures it
     stub = (worker_pb2_grpc.PrefillWorkerStub if role == "prefill" else worker_pb2_grpc.DecodeWorkerStub)(channel)
     return stub.GetInfo(worker_pb2.InfoRequest(), timeout=10)
 

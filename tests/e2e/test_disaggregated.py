@@ -111,3 +111,22 @@ def test_concurrent_cancellations_leak_nothing(one_p_one_d) -> None:  # noqa: AN
     for t in threads:
         t.join()
     wait_idle(_roles(one_p_one_d))
+
+
+@pytest.mark.parametrize(
+    "request_kwargs,field",
+    [
+        ({"token_ids": common_pb2.TokenIds(ids=[5] * 9000)}, "context"),  # longer than the model's context
+        ({"token_ids": common_pb2.TokenIds(ids=[5, 10**7])}, "token ids"),  # outside the vocabulary
+        ({"messages": common_pb2.ChatMessages(messages=[common_pb2.ChatMessage(role="robot", content="hi")])},
+         "role"),
+    ],
+)
+def test_inputs_only_a_worker_can_check_are_refused_cleanly(request_kwargs, field, one_p_one_d) -> None:  # noqa: ANN001
+    stub = router_pb2_grpc.RouterStub(grpc.insecure_channel(one_p_one_d.router_address))
+    request = router_pb2.GenerateRequest(params=common_pb2.SamplingParams(max_tokens=4), **request_kwargs)
+    with pytest.raises(grpc.RpcError) as err:
+        list(stub.Generate(request, timeout=60))
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and field in err.value.details()
+    assert generate(one_p_one_d.router_address, "Hello", 2).token_ids  # everyone else is still served
+    wait_idle(_roles(one_p_one_d))

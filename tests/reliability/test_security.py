@@ -110,3 +110,63 @@ def test_no_unsafe_deserialization_in_the_code() -> None:
                     offenders.append(f"{path.relative_to(REPO)}:{number}: {line.strip()}")
     assert not offenders, "unsafe deserialization:\n" + "\n".join(offenders)
     assert UNSAFE.search("x = pickle.loads(data)") and UNSAFE.search("torch.load(f)")  # the scan can fail
+
+
+def _ca_and_leaf(tmp: Path) -> dict[str, str]:
+    """A CA and one certificate it signed, valid for 127.0.0.1 (used by every process)."""
+    from cryptography import x509
+    from cryptography.hazmat.primitives import hashes, serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+    from cryptography.x509.oid import NameOID
+
+    now = datetime.datetime.now(datetime.timezone.utc)
+
+    def build(subject: str, issuer: x509.Name, public_key, signer, ca: bool) -> x509.Certificate:  # noqa: ANN001
+        builder = (x509.CertificateBuilder()
+                   .subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, subject)]))
+                   .issuer_name(issuer).public_key(public_key).serial_number(x509.random_serial_number())
+                   .not_valid_before(now - datetime.timedelta(minutes=1))
+                   .not_valid_after(now + datetime.timedelta(days=1))
+                   .add_extension(x509.BasicConstraints(ca=ca, path_length=None), True))
+        if not ca:
+            builder = builder.add_extension(x509.SubjectAlternativeName(
+                [x509.DNSName("localhost"), x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]), False)
+        return builder.sign(signer, hashes.SHA256())
+
+    ca_key, leaf_key = ec.generate_private_key(ec.SECP256R1()), ec.generate_private_key(ec.SECP256R1())
+    ca_name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "pdserve-test-ca")])
+    ca_cert = build("pdserve-test-ca", ca_name, ca_key.public_key(), ca_key, ca=True)
+    leaf = build("pdserve-process", ca_name, leaf_key.public_key(), ca_key, ca=False)
+    files = {"ca": tmp / "ca.pem", "cert": tmp / "leaf.pem", "key": tmp / "leaf.key"}
+    files["ca"].write_bytes(ca_cert.public_bytes(serialization.Encoding.PEM))
+    files["cert"].write_bytes(leaf.public_bytes(serialization.Encoding.PEM))
+    files["key"].write_bytes(leaf_key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
+                                                    serialization.NoEncryption()))
+    return {k: str(v) for k, v in files.items()}
+
+
+def test_internal_mtls_between_router_and_workers(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from e2e_helpers import generate, wait_idle, worker_info
+    from pdserve import transport
+    from pdserve.v1 import worker_pb2, worker_pb2_grpc
+
+    from cluster.local import LocalCluster, LocalClusterConfig
+
+    files = _ca_and_leaf(tmp_path)
+    monkeypatch.setenv(transport.ENV_CERT, files["cert"])
+    monkeypatch.setenv(transport.ENV_KEY, files["key"])
+    monkeypatch.setenv(transport.ENV_CA, files["ca"])
+    transport.internal_tls.cache_clear()
+    try:
+        with LocalCluster(LocalClusterConfig(prefill=1, decode=1, threads_per_worker=1)) as cluster:
+            assert len(generate(cluster.router_address, "The capital of France is", 5).token_ids) == 5
+            roles = [(w.role, w.address) for w in cluster.workers]
+            assert worker_info(roles[0][1], roles[0][0]).requests_finished == 1  # mTLS client works
+            for address in (a for _, a in roles):  # plaintext, and TLS without a client certificate, fail
+                for channel in (grpc.insecure_channel(address), grpc.secure_channel(
+                        address, grpc.ssl_channel_credentials(Path(files["ca"]).read_bytes()))):
+                    with pytest.raises(grpc.RpcError):
+                        worker_pb2_grpc.DecodeWorkerStub(channel).GetInfo(worker_pb2.InfoRequest(), timeout=3)
+            wait_idle(roles)
+    finally:
+        transport.internal_tls.cache_clear()

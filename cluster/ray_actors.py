@@ -1,0 +1,110 @@
+"""The pdserve processes as Ray actors: a worker actor (prefill or decode) and the router actor.
+
+A worker actor's ``__init__`` builds exactly what ``python -m prefill_worker`` / ``python -m
+decode_worker`` build (their ``start_worker``), from the same command-line flags, so both
+deployment modes share one code path: the worker serves gRPC on its own port, and the router
+talks to it as it talks to a local process. The actor adds what a launcher needs: ``address()``,
+``info()``, ``drain()``, ``is_idle()``, ``stop()``; a decode actor also takes KV from the Ray
+object store (``receive_kv``, the "ray" KV backend's receiving end).
+
+The router actor serves the public gRPC API; ``add_worker`` / ``remove_worker`` change its worker
+set at runtime (the controller calls them when workers are added, removed or restarted).
+
+These classes are plain Python; ``cluster.ray_cluster`` wraps them with ``ray.remote`` options
+(resources, placement, restarts). Heavy imports happen inside the actors, so the router actor
+never loads torch.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+from typing import Any
+
+WORKER_MODULES = {"prefill": "prefill_worker.__main__", "decode": "decode_worker.__main__"}
+
+
+class WorkerActor:
+    """One prefill or decode worker inside a Ray actor; ``argv`` are the worker's command-line flags."""
+
+    def __init__(self, role: str, argv: list[str]) -> None:
+        from engine.worker_runtime import configure_process
+
+        if role not in WORKER_MODULES:
+            raise ValueError(f"role must be one of {sorted(WORKER_MODULES)}, got {role!r}")
+        module = importlib.import_module(WORKER_MODULES[role])
+        args = module.parse_args(argv)
+        configure_process(args.threads, args.log_level, args.log_format, args.worker_id)
+        self.role = role
+        self.worker_id = args.worker_id
+        self.started = module.start_worker(args)
+        self._ray_receiver: Any = None
+        if role == "decode" and args.kv_backend == "ray":
+            from kv_transfer.ray_backend import RayKvReceiver
+
+            self._ray_receiver = RayKvReceiver(self.started.extras["kv_receiver"], args.kv_timeout_s)
+
+    def address(self) -> str:
+        """host:port of this worker's gRPC server (changes when the actor restarts)."""
+        return self.started.address
+
+    def info(self) -> dict[str, Any]:
+        import ray
+
+        return {"role": self.role, "worker_id": self.worker_id, "address": self.started.address,
+                "pid": os.getpid(), "node_id": ray.get_runtime_context().get_node_id(),
+                "draining": self.started.drain.draining, "idle": self.started.is_idle()}
+
+    def drain(self) -> None:
+        """Report unhealthy and refuse new requests; the ones held here keep being served."""
+        self.started.start_draining()
+
+    def is_idle(self) -> bool:
+        return bool(self.started.is_idle())
+
+    def stop(self) -> None:
+        """Drain (bounded by --drain-timeout-s), stop the server and the engine."""
+        self.started.stop()
+
+    def receive_kv(self, header: dict[str, Any], refs: list[Any]) -> dict[str, Any]:
+        """The "ray" KV backend's receiving end: one request's header and [ObjectRef] (decode, --kv-backend ray)."""
+        if self._ray_receiver is None:
+            return {"ok": False, "error": f"{self.worker_id} does not take KV through Ray", "bytes_received": 0}
+        return dict(self._ray_receiver.receive(header, refs))
+
+
+class RouterActor:
+    """The router (public gRPC API) inside a Ray actor; ``config`` holds RouterConfig fields."""
+
+    def __init__(self, config: dict[str, Any]) -> None:
+        from router.config import RouterConfig
+        from router.server import serve
+        from telemetry.logs import configure_logging
+
+        configure_logging("router", config.pop("log_level", "INFO"), config.pop("log_format", "text"))
+        self.config = RouterConfig(**config)
+        self.server, self.port = serve(self.config)
+
+    def address(self) -> str:
+        return self.server.address
+
+    def add_worker(self, address: str, role: str) -> None:
+        from router.worker_pool import WorkerEndpoint
+
+        self.server.pool.add(WorkerEndpoint(address, role))
+
+    def remove_worker(self, address: str) -> bool:
+        return self.server.pool.remove(address)
+
+    def workers(self) -> dict[str, str]:
+        """Address -> role of every worker the router routes to."""
+        return self.server.pool.addresses()
+
+    def status(self) -> list[dict[str, Any]]:
+        """What the router knows about each worker (address, role, healthy, in flight)."""
+        from google.protobuf.json_format import MessageToDict
+
+        return [MessageToDict(info, preserving_proto_field_name=True) for info in self.server.pool.snapshot()]
+
+    def stop(self) -> None:
+        self.server.stop(5.0)
