@@ -1,15 +1,21 @@
-"""A fixed pool of KV-cache blocks with reference counts.
+"""A fixed pool of KV-cache blocks with reference counts and an optional prefix cache.
 
 Blocks are integers in [0, num_blocks). A block is free when its reference count is 0. Reference
 counts above 1 let several sequences share a block (prefix sharing); `free` drops one reference and
 returns the block to the free list when the count reaches 0. The pool holds no tensors: `KVCache`
 owns the memory, the pool owns the bookkeeping.
+
+Prefix cache: a full block whose K/V were computed can be registered under the hash of every token
+up to its end (`cache_block`). When its last reference goes, it is kept, evictable, in LRU order
+instead of being freed; `lookup` hands cached blocks of a prompt's longest cached prefix out again.
+Allocation evicts least recently used cached blocks when the free list runs short, so cached
+blocks never reduce what can be allocated (`num_free` counts them).
 """
 
 from __future__ import annotations
 
-from collections import deque
-from collections.abc import Iterable
+from collections import OrderedDict, deque
+from collections.abc import Iterable, Sequence
 
 
 class NoFreeBlocksError(RuntimeError):
@@ -19,6 +25,15 @@ class NoFreeBlocksError(RuntimeError):
 def blocks_for_tokens(num_tokens: int, block_size: int) -> int:
     """How many blocks hold `num_tokens` tokens."""
     return -(-num_tokens // block_size)
+
+
+def block_hashes(token_ids: Sequence[int], block_size: int) -> list[int]:
+    """Chained hash of each FULL block: hash i covers tokens [0, (i + 1) * block_size)."""
+    hashes, previous = [], 0
+    for start in range(0, len(token_ids) - block_size + 1, block_size):
+        previous = hash((previous, tuple(token_ids[start : start + block_size])))
+        hashes.append(previous)
+    return hashes
 
 
 class BlockPool:
@@ -33,24 +48,35 @@ class BlockPool:
         self.block_size = block_size
         self._free: deque[int] = deque(range(num_blocks))
         self._ref_counts = [0] * num_blocks
+        self._hash_of: dict[int, int] = {}  # cached block -> prefix hash
+        self._block_of: dict[int, int] = {}  # prefix hash -> cached block
+        self._evictable: OrderedDict[int, None] = OrderedDict()  # cached, unreferenced, LRU first
+        self.cache_hits = 0  # blocks handed out again by lookup
 
     @property
     def num_free(self) -> int:
-        return len(self._free)
+        """Blocks that can be allocated now (free, or cached and evictable)."""
+        return len(self._free) + len(self._evictable)
 
     @property
     def num_used(self) -> int:
-        return self.num_blocks - len(self._free)
+        return self.num_blocks - self.num_free
+
+    @property
+    def num_cached(self) -> int:
+        return len(self._block_of)
 
     def can_allocate(self, num_blocks: int) -> bool:
-        return num_blocks <= len(self._free)
+        return num_blocks <= self.num_free
 
     def allocate(self, num_blocks: int) -> list[int]:
         """Take `num_blocks` free blocks (reference count 1 each), all or nothing."""
         if num_blocks < 0:
             raise ValueError(f"cannot allocate {num_blocks} blocks")
         if not self.can_allocate(num_blocks):
-            raise NoFreeBlocksError(f"asked for {num_blocks} KV blocks, {len(self._free)} free")
+            raise NoFreeBlocksError(f"asked for {num_blocks} KV blocks, {self.num_free} free")
+        while len(self._free) < num_blocks:
+            self._evict_one()
         blocks = [self._free.popleft() for _ in range(num_blocks)]
         for block in blocks:
             self._ref_counts[block] = 1
@@ -70,7 +96,39 @@ class BlockPool:
                 raise ValueError(f"double free of KV block {block}")
             self._ref_counts[block] -= 1
             if self._ref_counts[block] == 0:
-                self._free.append(block)
+                if block in self._hash_of:
+                    self._evictable[block] = None
+                else:
+                    self._free.append(block)
+
+    # ----- prefix cache -----------------------------------------------------------------------
+    def cache_block(self, block: int, prefix_hash: int) -> None:
+        """Register a used, fully computed block under its prefix hash (first registration wins)."""
+        if self._ref_counts[block] <= 0:
+            raise ValueError(f"block {block} is free; only computed blocks in use can be cached")
+        if prefix_hash in self._block_of or block in self._hash_of:
+            return
+        self._block_of[prefix_hash] = block
+        self._hash_of[block] = prefix_hash
+
+    def lookup(self, hashes: Sequence[int]) -> list[int]:
+        """Take a reference on the cached blocks of the longest cached prefix of `hashes`."""
+        hits = []
+        for prefix_hash in hashes:
+            block = self._block_of.get(prefix_hash)
+            if block is None:
+                break
+            if self._ref_counts[block] == 0:
+                del self._evictable[block]
+            self._ref_counts[block] += 1
+            hits.append(block)
+        self.cache_hits += len(hits)
+        return hits
+
+    def _evict_one(self) -> None:
+        block, _ = self._evictable.popitem(last=False)
+        del self._block_of[self._hash_of.pop(block)]
+        self._free.append(block)
 
     def ref_count(self, block: int) -> int:
         return self._ref_counts[block]
@@ -78,5 +136,5 @@ class BlockPool:
     def assert_all_free(self) -> None:
         """Raise AssertionError naming the leaked blocks unless every block is free (use when idle)."""
         leaked = [b for b, count in enumerate(self._ref_counts) if count != 0]
-        if leaked or len(self._free) != self.num_blocks:
+        if leaked or self.num_free != self.num_blocks:
             raise AssertionError(f"{len(leaked)} KV blocks leaked: {leaked[:16]}")

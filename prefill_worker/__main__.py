@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import argparse
 
+from grpc_health.v1 import health_pb2
+
 from engine.config import EngineConfig
 from engine.metrics import WorkerMetrics
 from engine.model_fetch import resolve_model
@@ -19,8 +21,6 @@ from engine.worker_runtime import (
     make_server,
     serve_until_signal,
 )
-from grpc_health.v1 import health_pb2
-
 from pdserve.v1 import worker_pb2_grpc
 from prefill_worker.faults import FAULT_MODES, FaultInjector
 from prefill_worker.servicer import PrefillServicer
@@ -37,7 +37,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--threads", type=int, default=None, help="torch threads for this process")
     ap.add_argument("--kv-cache-mb", type=int, default=256)
     ap.add_argument("--block-size", type=int, default=16)
-    ap.add_argument("--max-batched-tokens", type=int, default=4096)
+    ap.add_argument("--max-batched-tokens", type=int, default=4096, help="token budget of one prefill pass")
+    ap.add_argument("--prefill-chunk-tokens", type=int, default=512,
+                    help="at most this many tokens of one prompt per pass, so long prompts do not block short "
+                         "ones (0: whole prompts)")
+    ap.add_argument("--prefix-caching", action=argparse.BooleanOptionalAction, default=True,
+                    help="reuse the K/V of prompt prefixes computed before (default on)")
     ap.add_argument("--dtype", default="float32")
     ap.add_argument("--request-timeout-s", type=float, default=300.0)
     ap.add_argument("--kv-timeout-s", type=float, default=60.0, help="deadline of one KV transfer")
@@ -58,7 +63,9 @@ def start_worker(args: argparse.Namespace) -> StartedWorker:
     loaded = load_model(resolve_model(args.model), config.torch_dtype)
     metrics = WorkerMetrics()
     faults = FaultInjector(args.inject_kv_fault, args.inject_kv_fault_count)
-    worker = PrefillWorker(loaded, config, transfer_timeout_s=args.kv_timeout_s, metrics=metrics, faults=faults)
+    worker = PrefillWorker(loaded, config, transfer_timeout_s=args.kv_timeout_s, metrics=metrics, faults=faults,
+                           prefill_chunk_tokens=args.prefill_chunk_tokens or None,
+                           prefix_caching=args.prefix_caching)
     endpoint = start_metrics_endpoint(metrics.registry, args.metrics_port)
     drain = Drain()
     server = make_server(max_workers=256)

@@ -65,5 +65,6 @@ class PrefillServicer(worker_pb2_grpc.PrefillWorkerServicer):
             pid=os.getpid(), queue_depth=w.queue_depth, queued_prompt_tokens=w.queued_tokens,
             kv_blocks_used=w.pool.num_used, kv_blocks_total=w.pool.num_blocks, healthy=not self.drain.draining,
             prefill_tokens_computed=w.runner.num_prefill_tokens, kv_bytes_sent=w.kv_bytes_sent,
-            requests_finished=w.requests_finished,
+            requests_finished=w.requests_finished, prefix_cache_hit_blocks=w.pool.cache_hits,
+            prefix_cache_blocks=w.pool.num_cached,
         )

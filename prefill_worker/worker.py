@@ -9,7 +9,7 @@ from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 
-from engine.block_pool import BlockPool, blocks_for_tokens
+from engine.block_pool import BlockPool, block_hashes, blocks_for_tokens
 from engine.config import EngineConfig
 from engine.llm_engine import build_cache
 from engine.metrics import WorkerMetrics
@@ -34,6 +34,11 @@ class PrefillJob:
     output_index: int = 0  # output position of the token sampled here (> 0 for resumed requests)
     enqueued_at: float = field(default_factory=time.perf_counter)
     future: Future = field(default_factory=Future)
+    # set on admission (loop thread)
+    blocks: list[int] = field(default_factory=list)
+    hashes: list[int] = field(default_factory=list)  # prefix hash of each full block of the prompt
+    num_computed: int = 0  # prompt tokens whose K/V are in `blocks`
+    started_at: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -48,7 +53,8 @@ class PrefillResult:
 class PrefillWorker:
     def __init__(self, loaded: LoadedModel, config: EngineConfig, transfer_timeout_s: float = 60.0,
                  max_queue: int = 1024, metrics: WorkerMetrics | None = None,
-                 faults: FaultInjector | None = None) -> None:
+                 faults: FaultInjector | None = None, prefill_chunk_tokens: int | None = None,
+                 prefix_caching: bool = False) -> None:
         self.loaded = loaded
         self.config = config
         self.kv_cache = build_cache(loaded, config)
@@ -58,6 +64,9 @@ class PrefillWorker:
         self.max_queue = max_queue
         self.faults = faults or FaultInjector(None, 0)
         self._queue: deque[PrefillJob] = deque()
+        self._active: list[PrefillJob] = []  # admitted, prompt partly computed (chunked prefill)
+        self.prefill_chunk_tokens = prefill_chunk_tokens
+        self.prefix_caching = prefix_caching
         self._cond = threading.Condition()
         self._transfers = ThreadPoolExecutor(max_workers=8, thread_name_prefix="kv-send")
         self._stopped = False
@@ -83,15 +92,18 @@ class PrefillWorker:
 
     @property
     def queue_depth(self) -> int:
-        return len(self._queue)
+        """Requests waiting or being prefilled here."""
+        return len(self._queue) + len(self._active)
 
     @property
     def queued_tokens(self) -> int:
-        return sum(len(j.prompt_ids) for j in list(self._queue))
+        """Prompt tokens still to compute here."""
+        pending = list(self._queue) + list(self._active)
+        return sum(len(j.prompt_ids) - j.num_computed for j in pending)
 
     def idle(self) -> bool:
         """Nothing queued, computing or being shipped (used to finish draining)."""
-        return not self._queue and self.pool.num_used == 0
+        return not self._queue and not self._active and self.pool.num_used == 0
 
     def stop(self) -> None:
         with self._cond:
@@ -103,58 +115,94 @@ class PrefillWorker:
     # ----- loop thread ------------------------------------------------------------------------
     def _loop(self) -> None:
         while True:
-            batch = self._next_batch()
-            if batch is None:
+            step = self._next_step()
+            if step is None:
                 return
             try:
-                self._prefill(batch)
+                self._prefill(step)
             except Exception as exc:  # a failing pass fails its requests, not the worker
                 log.exception("prefill pass failed")
-                for job, blocks in batch:
-                    self._release(blocks)
+                for job, _ in step:
+                    self._active.remove(job)
+                    self._release(job.blocks)
                     job.future.set_exception(exc)
 
-    def _next_batch(self) -> list[tuple[PrefillJob, list[int]]] | None:
-        """Wait for jobs; take FIFO within the token budget and the free blocks; allocate them."""
+    def _next_step(self) -> list[tuple[PrefillJob, int]] | None:
+        """Wait for work; admit queued jobs (blocks allocated, cached prefix reused) and pick the
+        tokens of this pass: each active job gets at most `prefill_chunk_tokens`, FIFO, within the
+        token budget. Returns (job, number of new tokens) pairs."""
         with self._cond:
             while True:
                 if self._stopped:
                     return None
-                batch = self._take_batch()
-                if batch:
-                    return batch
+                self._admit()
+                step = self._plan_step()
+                if step:
+                    return step
                 self._cond.wait(timeout=0.5)
 
-    def _take_batch(self) -> list[tuple[PrefillJob, list[int]]]:
-        batch: list[tuple[PrefillJob, list[int]]] = []
-        budget = self.config.max_num_batched_tokens
+    def _admit(self) -> None:
         while self._queue:
             job = self._queue[0]
+            hashes = block_hashes(job.prompt_ids, self.pool.block_size) if self.prefix_caching else []
             needed = blocks_for_tokens(len(job.prompt_ids), self.pool.block_size)
-            if not job.future.cancelled():
-                if (batch and len(job.prompt_ids) > budget) or not self.pool.can_allocate(needed):
-                    break
+            if not job.future.cancelled() and not self.pool.can_allocate(needed):
+                return
             self._queue.popleft()
             if not job.future.set_running_or_notify_cancel():  # cancelled while queued
                 continue
-            batch.append((job, self.pool.allocate(needed)))
-            budget -= len(job.prompt_ids)
-        return batch
+            hits = self.pool.lookup(hashes[: (len(job.prompt_ids) - 1) // self.pool.block_size])
+            job.blocks = hits + self.pool.allocate(needed - len(hits))
+            job.hashes = hashes
+            job.num_computed = len(hits) * self.pool.block_size
+            job.started_at = time.perf_counter()
+            self._active.append(job)
 
-    def _prefill(self, batch: list[tuple[PrefillJob, list[int]]]) -> None:
+    def _plan_step(self) -> list[tuple[PrefillJob, int]]:
+        step, budget = [], self.config.max_num_batched_tokens
+        chunk = self.prefill_chunk_tokens or budget
+        for job in self._active:
+            n = min(len(job.prompt_ids) - job.num_computed, chunk, budget)
+            if n <= 0:
+                break
+            step.append((job, n))
+            budget -= n
+        return step
+
+    def _prefill(self, step: list[tuple[PrefillJob, int]]) -> None:
         start = time.perf_counter()
-        logits = self.runner.forward([StepInput(j.prompt_ids, 0, blocks) for j, blocks in batch])
-        first = sample(logits, [j.params for j, _ in batch], [j.output_index for j, _ in batch])
-        prefill_s = time.perf_counter() - start
-        self._observe_batch(batch, start)
-        for (job, blocks), token in zip(batch, first, strict=True):
-            self._transfers.submit(self._ship, job, blocks, token, start - job.enqueued_at, prefill_s)
+        items = [StepInput(j.prompt_ids[j.num_computed : j.num_computed + n], j.num_computed, j.blocks)
+                 for j, n in step]
+        logits = self.runner.forward(items)
+        done = []
+        for row, (job, n) in enumerate(step):
+            job.num_computed += n
+            self._register_full_blocks(job)
+            if job.num_computed == len(job.prompt_ids):
+                done.append((row, job))
+        self._observe_step(step, start)
+        if not done:
+            return
+        first = sample(logits[[row for row, _ in done]], [j.params for _, j in done],
+                       [j.output_index for _, j in done])
+        now = time.perf_counter()
+        for (_, job), token in zip(done, first, strict=True):
+            with self._cond:
+                self._active.remove(job)
+            self._transfers.submit(self._ship, job, job.blocks, token, job.started_at - job.enqueued_at,
+                                   now - job.started_at)
 
-    def _observe_batch(self, batch: list[tuple[PrefillJob, list[int]]], start: float) -> None:
-        self.metrics.prefill_batch_size.observe(len(batch))
-        self.metrics.prompt_tokens.inc(sum(len(job.prompt_ids) for job, _ in batch))
-        for job, _ in batch:
-            self.metrics.queue_time.observe(max(0.0, start - job.enqueued_at))
+    def _register_full_blocks(self, job: PrefillJob) -> None:
+        with self._cond:
+            for index in range(min(len(job.hashes), job.num_computed // self.pool.block_size)):
+                self.pool.cache_block(job.blocks[index], job.hashes[index])
+
+    def _observe_step(self, step: list[tuple[PrefillJob, int]], start: float) -> None:
+        self.metrics.prefill_batch_size.observe(len(step))
+        self.metrics.prompt_tokens.inc(sum(n for _, n in step))
+        for job, _ in step:
+            if job.started_at == start:
+                self.metrics.queue_time.observe(max(0.0, start - job.enqueued_at))
 
     # ----- transfer threads -------------------------------------------------------------------
     def spec_for(self, request_id: str, num_tokens: int) -> KvSpec:

@@ -53,3 +53,39 @@ def test_blocks_for_tokens() -> None:
 def test_bad_sizes(args: tuple[int, int]) -> None:
     with pytest.raises(ValueError):
         BlockPool(*args)
+
+
+def test_prefix_cache_keeps_freed_blocks_until_evicted() -> None:
+    from engine.block_pool import block_hashes
+
+    pool = BlockPool(4, 2)
+    prompt = [1, 2, 3, 4, 5]
+    hashes = block_hashes(prompt, 2)
+    assert len(hashes) == 2  # only full blocks
+    blocks = pool.allocate(3)
+    for block, h in zip(blocks, hashes, strict=False):
+        pool.cache_block(block, h)
+    pool.free(blocks)
+    pool.assert_all_free()  # cached blocks hold no reference and count as free
+    assert pool.num_cached == 2
+    again = pool.lookup(block_hashes([1, 2, 3, 4, 9, 9], 2))
+    assert again == blocks[:2] and pool.cache_hits == 2
+    assert pool.lookup(block_hashes([7, 7], 2)) == []
+    pool.free(again)
+    pool.allocate(4)  # needs every block: the cached ones are evicted
+    assert pool.num_cached == 0 and pool.lookup(hashes) == []
+
+
+def test_shared_prefix_blocks_are_reference_counted() -> None:
+    from engine.block_pool import block_hashes
+
+    pool = BlockPool(8, 2)
+    hashes = block_hashes([1, 2, 3, 4], 2)
+    first = pool.allocate(2)
+    for block, h in zip(first, hashes, strict=True):
+        pool.cache_block(block, h)
+    second = pool.lookup(hashes)  # a second request shares them while the first still runs
+    assert second == first and all(pool.ref_count(b) == 2 for b in first)
+    pool.free(first)
+    pool.allocate(6)  # all non-shared blocks: the shared ones must survive
+    assert pool.lookup(hashes[:1]) == first[:1]

@@ -1,0 +1,76 @@
+"""Chunked prefill and the prefix cache on a real prefill worker: same tokens, nothing leaked."""
+
+from __future__ import annotations
+
+import threading
+from concurrent.futures import ThreadPoolExecutor
+
+from cluster.local import LocalCluster, LocalClusterConfig
+from engine.config import EngineConfig
+from engine.llm_engine import LLMEngine
+from engine.sampling_params import SamplingParams
+from engine.tokenization import encode_text
+
+from e2e_helpers import generate, wait_idle, worker_info
+
+SHARED = "You are a careful assistant. Answer briefly and precisely. " * 12
+
+
+def _expected(default_model, prompts: list[str], max_tokens: int) -> list[list[int]]:  # noqa: ANN001
+    engine = LLMEngine(default_model, EngineConfig(num_blocks=1024))
+    ids = [encode_text(default_model.tokenizer, p) for p in prompts]
+    return engine.generate(ids, SamplingParams(max_tokens=max_tokens, ignore_eos=True))
+
+
+def test_chunked_prefill_and_prefix_hits_give_the_same_tokens(default_model) -> None:  # noqa: ANN001
+    prompts = [SHARED + q for q in ("What is a river?", "Name a sea.", "What is flour?", "Who was the miller?")]
+    expected = _expected(default_model, prompts, 6)
+    config = LocalClusterConfig(prefill=1, decode=1, threads_per_worker=1,
+                                prefill_args=("--prefill-chunk-tokens", "48"))
+    with LocalCluster(config) as cluster:
+        roles = [(w.role, w.address) for w in cluster.workers]
+        prefill = dict(roles)["prefill"]
+        first = generate(cluster.router_address, prompts[0], 6, ignore_eos=True)
+        assert worker_info(prefill, "prefill").prefix_cache_hit_blocks == 0
+        rest = [generate(cluster.router_address, p, 6, ignore_eos=True) for p in prompts[1:]]
+        assert [r.token_ids for r in [first, *rest]] == expected
+        info = worker_info(prefill, "prefill")
+        assert info.prefix_cache_hit_blocks >= 3 * 8  # the shared prefix spans many full blocks
+        assert info.prefill_tokens_computed < sum(len(encode_text(default_model.tokenizer, p)) for p in prompts)
+        wait_idle(roles)
+
+
+def test_short_prompt_is_not_stuck_behind_a_long_one() -> None:
+    config = LocalClusterConfig(prefill=1, decode=1, threads_per_worker=1,
+                                prefill_args=("--prefill-chunk-tokens", "64", "--no-prefix-caching"))
+    with LocalCluster(config) as cluster:
+        finished: list[str] = []
+        lock = threading.Lock()
+
+        def run(name: str, prompt: str) -> None:
+            generate(cluster.router_address, prompt, 1)
+            with lock:
+                finished.append(name)
+
+        with ThreadPoolExecutor(2) as pool:
+            long = pool.submit(run, "long", "The river ran past the old mill at evening. " * 120)
+            prefill = [w.address for w in cluster.workers if w.role == "prefill"][0]
+            while worker_info(prefill, "prefill").queue_depth == 0 and not long.done():
+                pass  # the long prompt is being prefilled, chunk by chunk
+            pool.submit(run, "short", "Hello there").result()
+            long.result()
+        assert finished == ["short", "long"]
+
+
+def test_eviction_under_pressure_leaks_nothing(default_model) -> None:  # noqa: ANN001
+    prompts = [f"Story number {i}: " + "the mill and the river and the sea " * 20 for i in range(12)]
+    expected = _expected(default_model, prompts, 3)
+    config = LocalClusterConfig(prefill=1, decode=1, threads_per_worker=1, prefill_args=("--kv-cache-mb", "8"))
+    with LocalCluster(config) as cluster:
+        roles = [(w.role, w.address) for w in cluster.workers]
+        with ThreadPoolExecutor(4) as pool:
+            results = list(pool.map(lambda p: generate(cluster.router_address, p, 3, ignore_eos=True), prompts))
+        assert [r.token_ids for r in results] == expected
+        infos = wait_idle(roles)
+        prefill = [i for i in infos if i.kv_blocks_total and i.prefix_cache_blocks][0]
+        assert prefill.prefix_cache_blocks <= prefill.kv_blocks_total and prefill.kv_blocks_used == 0
