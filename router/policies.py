@@ -14,6 +14,7 @@ Load definitions (lower is better):
 
 from __future__ import annotations
 
+import hashlib
 import threading
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
@@ -25,7 +26,8 @@ PREFILL = "prefill"
 DECODE = "decode"
 COLOCATED = "colocated"
 ROLES = (PREFILL, DECODE, COLOCATED)
-POLICY_NAMES = ("round_robin", "least_loaded")
+POLICY_NAMES = ("round_robin", "least_loaded", "prefix_affinity")
+PREFIX_KEY_CHARS = 256  # how much of a prompt decides its prefill worker under prefix_affinity
 CHARS_PER_TOKEN_ESTIMATE = 4
 MESSAGE_OVERHEAD_TOKENS = 8
 
@@ -64,10 +66,16 @@ def decode_load(candidate: Candidate) -> tuple[float, int]:
 class Policy(ABC):
     """Chooses one healthy worker among candidates; unhealthy candidates are never chosen."""
 
-    def pick(self, candidates: Sequence[Candidate]) -> Candidate | None:
-        """Return a healthy candidate, or None when no candidate is healthy."""
+    def pick(self, candidates: Sequence[Candidate], key: str = "") -> Candidate | None:
+        """Return a healthy candidate, or None when no candidate is healthy. `key` identifies the
+        request's prompt prefix; only prefix-aware policies use it."""
         healthy = [c for c in candidates if c.healthy]
-        return self._choose(healthy) if healthy else None
+        if not healthy:
+            return None
+        return self._choose_for(healthy, key) if key else self._choose(healthy)
+
+    def _choose_for(self, healthy: Sequence[Candidate], key: str) -> Candidate:
+        return self._choose(healthy)
 
     @abstractmethod
     def _choose(self, healthy: Sequence[Candidate]) -> Candidate:
@@ -101,12 +109,46 @@ class LeastLoaded(Policy):
         return self._tie_breaker._choose(tied)
 
 
+class PrefixAffinity(LeastLoaded):
+    """Requests whose prompts start alike go to the same prefill worker (rendezvous hashing of the
+    prefix key), so its prefix cache serves them; a worker already `max_imbalance_tokens` more loaded
+    than the least loaded one is passed over (bounded load). No key: least loaded."""
+
+    def __init__(self, max_imbalance_tokens: int = 4096) -> None:
+        super().__init__(prefill_load)
+        self._max_imbalance = max_imbalance_tokens
+
+    def _choose_for(self, healthy: Sequence[Candidate], key: str) -> Candidate:
+        ranked = sorted(healthy, key=lambda c: hashlib.blake2b(f"{key}|{c.address}".encode(), digest_size=8).digest(),
+                        reverse=True)
+        lightest = min(prefill_load(c)[0] for c in healthy)
+        for candidate in ranked:
+            if prefill_load(candidate)[0] - lightest <= self._max_imbalance:
+                return candidate
+        return self._choose(healthy)
+
+
+def prefix_key(request: router_pb2.GenerateRequest) -> str:
+    """What decides prefix affinity: the start of the prompt (text, first chat turns, or token ids)."""
+    kind = request.WhichOneof("input")
+    if kind == "token_ids":
+        return ",".join(map(str, request.token_ids.ids[: PREFIX_KEY_CHARS // 4]))
+    if kind == "messages":
+        turns = "".join(f"<{m.role}>{m.content}" for m in request.messages.messages)
+        return turns[:PREFIX_KEY_CHARS]
+    return request.prompt[:PREFIX_KEY_CHARS]
+
+
 def make_policy(name: str, stage: str) -> Policy:
     """Build the policy called ``name`` for ``stage`` (PREFILL or DECODE); ValueError if unknown."""
     if stage not in (PREFILL, DECODE):
         raise ValueError(f"stage must be {PREFILL!r} or {DECODE!r}, got {stage!r}")
     if name == "round_robin":
         return RoundRobin()
+    if name == "prefix_affinity":
+        if stage != PREFILL:
+            raise ValueError("prefix_affinity is a prefill policy")
+        return PrefixAffinity()
     if name == "least_loaded":
         return LeastLoaded(prefill_load if stage == PREFILL else decode_load)
     raise ValueError(f"policy must be one of {', '.join(POLICY_NAMES)}, got {name!r}")

@@ -30,7 +30,7 @@ from pdserve.v1 import common_pb2, router_pb2, router_pb2_grpc, worker_pb2
 from router.auth import BearerTokenInterceptor
 from router.config import MAX_RECEIVE_MESSAGE_BYTES, RouterConfig
 from router.metrics import RequestClock, RouterMetrics
-from router.policies import DECODE, PREFILL, estimate_prompt_tokens, make_policy
+from router.policies import DECODE, PREFILL, estimate_prompt_tokens, make_policy, prefix_key
 from router.validation import InvalidRequest, validate_generate_request
 from router.worker_pool import Lease, NoHealthyWorker, WorkerPool
 from telemetry.grpc_logging import RequestLoggingInterceptor
@@ -138,7 +138,8 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
         while True:
             try:
                 return self._pool.assign(
-                    self._decode_policy, self._prefill_policy, estimate_prompt_tokens(request), frozenset(avoid)
+                    self._decode_policy, self._prefill_policy, estimate_prompt_tokens(request), frozenset(avoid),
+                    prefix_key(request),
                 )
             except NoHealthyWorker as exc:
                 if time.monotonic() >= deadline or not context.is_active():

@@ -210,7 +210,8 @@ class WorkerPool:
             return [s.candidate() for s in self._workers.values() if s.endpoint.role in roles]
 
     def assign(
-        self, decode_policy: Policy, prefill_policy: Policy, prompt_tokens: int, avoid: frozenset[str] = frozenset()
+        self, decode_policy: Policy, prefill_policy: Policy, prompt_tokens: int, avoid: frozenset[str] = frozenset(),
+        prefix_key: str = "",
     ) -> Lease:
         """Pick a decode (or colocated) worker and, unless colocated, a prefill worker; count them in
         flight. Workers in `avoid` (they just failed this request) are picked only when no other
@@ -221,7 +222,7 @@ class WorkerPool:
                 raise NoHealthyWorker(self._missing_message((DECODE, COLOCATED), "decode"))
             prefill_address = ""
             if decode.role == DECODE:
-                prefill = prefill_policy.pick(self._candidates_locked((PREFILL,), avoid))
+                prefill = prefill_policy.pick(self._candidates_locked((PREFILL,), avoid), prefix_key)
                 if prefill is None:
                     raise NoHealthyWorker(self._missing_message((PREFILL,), "prefill"))
                 prefill_address = prefill.address

@@ -92,3 +92,29 @@ def test_estimate_prompt_tokens() -> None:
     assert estimate_prompt_tokens(router_pb2.GenerateRequest(prompt="a" * 40)) == 10
     chat = common_pb2.ChatMessages(messages=[common_pb2.ChatMessage(role="user", content="a" * 40)])
     assert estimate_prompt_tokens(router_pb2.GenerateRequest(messages=chat)) == 18
+
+
+def test_prefix_affinity_sends_a_shared_prefix_to_one_worker_and_spreads_others() -> None:
+    from router.policies import PrefixAffinity, prefix_key
+
+    policy = PrefixAffinity(max_imbalance_tokens=1000)
+    workers = [_c(f"10.0.0.{i}:1") for i in range(4)]
+    shared = "You are a helpful assistant. " * 20
+    keys = [prefix_key(router_pb2.GenerateRequest(prompt=shared + q)) for q in ("a?", "b?", "c?")]
+    assert len({policy.pick(workers, k).address for k in keys}) == 1  # type: ignore[union-attr]
+    spread = {policy.pick(workers, f"prompt {i}").address for i in range(40)}  # type: ignore[union-attr]
+    assert len(spread) == 4
+    favourite = policy.pick(workers, keys[0])
+    assert favourite is not None
+    loaded = [_c(w.address, queued_prompt_tokens=5000 if w.address == favourite.address else 0) for w in workers]
+    assert policy.pick(loaded, keys[0]).address != favourite.address  # type: ignore[union-attr]
+
+
+def test_prefix_affinity_is_prefill_only() -> None:
+    from router.config import RouterConfig
+    from router.policies import make_policy
+
+    with pytest.raises(ValueError, match="prefill"):
+        make_policy("prefix_affinity", "decode")
+    with pytest.raises(ValueError, match="decode_policy"):
+        RouterConfig(decode_policy="prefix_affinity")
