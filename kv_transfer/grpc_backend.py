@@ -279,7 +279,23 @@ class KvTransferServicer(kv_pb2_grpc.KvTransferServicer, KvReceiver):
             return KvAck(
                 request_id=request_id, ok=False, error=f"request_id {request_id!r} is already being received"
             )
+        if first.header.shm_name:  # same-host shared-memory backend: one control frame
+            return self._receive_shm(pending, first)
         return self._receive(pending, itertools.chain([first], frames))
+
+    def _receive_shm(self, pending: GrpcPendingKv, frame: KvFrame) -> KvAck:
+        from kv_transfer.shm_backend import check_header, read_segment
+
+        error = check_header(frame.header, pending.spec)
+        if not error:
+            try:
+                if pending.succeed(read_segment(frame.header, pending.spec), frame.header.first_token_id):
+                    return KvAck(request_id=pending.request_id, ok=True, bytes_received=pending.spec.nbytes)
+                error = pending.error() or "KV intake already finished"
+            except (OSError, ValueError) as err:
+                error = f"shm segment {frame.header.shm_name!r}: {err}"
+        pending.fail(f"invalid shm KV for {pending.request_id!r}: {error}", cancel_stream=False)
+        return KvAck(request_id=pending.request_id, ok=False, error=pending.error() or error)
 
     def _receive(self, pending: GrpcPendingKv, frames: Iterator[KvFrame]) -> KvAck:
         assembler = FrameAssembler(pending.spec, self.max_total_bytes)
