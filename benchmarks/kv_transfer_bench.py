@@ -2,7 +2,8 @@
 
 Part 1 (--bandwidth): in one process, a real gRPC KvTransfer server on loopback receives the K/V
 of an N-token prompt of the default model's geometry; we time `send` (framing, checksums, gRPC,
-validation, reassembly) against `torch.Tensor.copy_` of the same bytes (warm, same process).
+validation, reassembly) against `torch.Tensor.copy_` of the same bytes (warm, same process), and
+the "ray" backend: ray.put here + ray.get in a worker actor on the same node, until its ack.
 Part 2 (--ttft): against a real 1P1D service (separate processes), the share of time-to-first-token
 spent in KV transfer for prompts of 128, 512 and 2048 tokens, from the per-request timings.
 
@@ -60,20 +61,35 @@ def grpc_seconds(backend: str, receiver: KvTransferServicer, address: str, token
     return statistics.median(times)
 
 
-def bandwidth(tokens_list: list[int], repeats: int) -> None:
+def ray_seconds(tokens: int, repeats: int) -> float:
+    """ray.put in this process + ray.get in a worker actor of this node (the "ray" backend, end to end)."""
+    from cluster.ray_kv_bench import ray_send_seconds
+
+    return ray_send_seconds(lambda: kv_for(tokens), repeats)
+
+
+def bandwidth(tokens_list: list[int], repeats: int, with_ray: bool = True) -> None:
     receiver = KvTransferServicer()
     server = make_server(16, grpc_message_options())
     receiver.add_to_server(server)
     address = f"127.0.0.1:{server.add_insecure_port('127.0.0.1:0')}"
     server.start()
-    print(f"{'tokens':>7} {'MiB':>8} {'memcpy GB/s':>12} {'grpc GB/s':>10} {'grpc/memcpy':>12}")
+    print(f"{'tokens':>7} {'MiB':>8} {'memcpy GB/s':>12} {'grpc GB/s':>10} {'grpc/memcpy':>12}"
+          f" {'shm GB/s':>9} {'shm/memcpy':>11}"
+          + (f" {'ray GB/s':>9} {'ray/memcpy':>11}" if with_ray else ""))
     try:
         for tokens in tokens_list:
             spec, kv = kv_for(tokens)
             mem = memcpy_seconds(kv, repeats)
             net = grpc_seconds("grpc", receiver, address, tokens, repeats)
             gb = spec.nbytes / 1e9
-            print(f"{tokens:7d} {spec.nbytes / 2**20:8.1f} {gb / mem:12.2f} {gb / net:10.2f} {mem / net:12.3f}")
+            shm = grpc_seconds("shm", receiver, address, tokens, repeats)
+            line = (f"{tokens:7d} {spec.nbytes / 2**20:8.1f} {gb / mem:12.2f} {gb / net:10.2f} {mem / net:12.3f}"
+                    f" {gb / shm:9.2f} {mem / shm:11.3f}")
+            if with_ray:
+                obj = ray_seconds(tokens, repeats)
+                line += f" {gb / obj:9.2f} {mem / obj:11.3f}"
+            print(line, flush=True)
     finally:
         receiver.close()
         server.stop(0)
@@ -106,11 +122,12 @@ def main() -> None:
     ap.add_argument("--ttft", action="store_true")
     ap.add_argument("--tokens", type=int, nargs="+", default=[128, 512, 2048])
     ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--no-ray", action="store_true", help="skip the Ray object-store backend")
     args = ap.parse_args()
     if not (args.bandwidth or args.ttft):
         args.bandwidth = args.ttft = True
     if args.bandwidth:
-        bandwidth(args.tokens, args.repeats)
+        bandwidth(args.tokens, args.repeats, with_ray=not args.no_ray)
     if args.ttft:
         ttft_share(args.tokens, args.repeats)
 

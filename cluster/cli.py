@@ -1,6 +1,9 @@
 """The `pdserve` command line: serve a local cluster, generate, show status, fetch the default model.
 
     pdserve serve [--prefill N --decode M] [--colocated K] [--model PATH] [--port P] ...
+    pdserve serve --ray [--address ADDR] --prefill N --decode M [--kv-backend ray|grpc] [--gpus-per-worker G]
+                  [--placement pack|spread] ...
+    pdserve scale --prefill N --decode M [--address ADDR]
     pdserve generate [--url ADDR] [--max-tokens N] [--chat] [--json] ... PROMPT
     pdserve status [--url ADDR] [--json]
     pdserve model fetch [--force]
@@ -63,7 +66,35 @@ def _add_serve(commands: argparse._SubParsersAction) -> None:
     serve.add_argument("--metrics", action="store_true", help="Prometheus /metrics on every process (free ports)")
     serve.add_argument("--log-format", choices=("text", "json"), default="text", help="log lines of every process")
     serve.add_argument("--log-level", default="INFO")
+    _add_ray_serve_args(serve)
     serve.set_defaults(func=_cmd_serve)
+
+
+def _add_ray_serve_args(serve: argparse.ArgumentParser) -> None:
+    ray = serve.add_argument_group("Ray deployment (see docs/ray.md)")
+    ray.add_argument("--ray", action="store_true", help="run the router and workers as Ray actors")
+    ray.add_argument("--address", default=None,
+                     help="Ray cluster to join (e.g. auto); default: start a local Ray instance")
+    ray.add_argument("--kv-backend", choices=("grpc", "ray"), default="grpc",
+                     help="how KV moves from prefill to decode workers (ray: the object store)")
+    ray.add_argument("--gpus-per-worker", type=float, default=None, help="GPUs per worker actor (default: 1 CPU)")
+    ray.add_argument("--placement", choices=("pack", "spread"), default="pack", help="placement group strategy")
+    ray.add_argument("--worker-host", default="127.0.0.1",
+                     help="interface of the workers' gRPC servers; 'node' = the node's IP (needed across nodes)")
+    ray.add_argument("--prefill-resource", default=None, metavar="NAME",
+                     help="custom Ray resource each prefill worker needs (e.g. prefill_gpu)")
+    ray.add_argument("--decode-resource", default=None, metavar="NAME",
+                     help="custom Ray resource each decode worker needs (e.g. decode_gpu)")
+    ray.add_argument("--max-restarts", type=int, default=3, help="restarts of a worker actor that died")
+
+
+def _add_scale(commands: argparse._SubParsersAction) -> None:
+    scale = commands.add_parser("scale", help="resize the pools of a running `serve --ray` deployment")
+    scale.add_argument("--prefill", type=int, required=True)
+    scale.add_argument("--decode", type=int, required=True)
+    scale.add_argument("--address", default="auto", help="Ray cluster of the deployment (default: auto)")
+    scale.add_argument("--timeout", type=float, default=900.0, metavar="S")
+    scale.set_defaults(func=_cmd_scale)
 
 
 def _add_generate(commands: argparse._SubParsersAction) -> None:
@@ -103,7 +134,7 @@ def _add_model(commands: argparse._SubParsersAction) -> None:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="pdserve", description="Disaggregated prefill/decode LLM serving.")
     commands = parser.add_subparsers(dest="command", required=True)
-    for add in (_add_serve, _add_generate, _add_status, _add_model, add_bench, add_sweep, add_plan):
+    for add in (_add_serve, _add_scale, _add_generate, _add_status, _add_model, add_bench, add_sweep, add_plan):
         add(commands)
     return parser
 
@@ -137,7 +168,78 @@ def _interrupt(_signum: int, _frame: FrameType | None) -> None:
     raise KeyboardInterrupt
 
 
+def ray_cluster_config(args: argparse.Namespace):  # noqa: ANN201 - cluster.ray_cluster.RayClusterConfig
+    """RayClusterConfig from `pdserve serve --ray` arguments (imports ray)."""
+    from cluster.ray_cluster import RayClusterConfig
+
+    if args.colocated:
+        raise ValueError("--colocated is not supported with --ray")
+    return RayClusterConfig(
+        prefill=1 if args.prefill is None else args.prefill, decode=1 if args.decode is None else args.decode,
+        model=args.model, address=args.address, host=args.host, port=args.port, worker_host=args.worker_host,
+        kv_backend=args.kv_backend, gpus_per_worker=args.gpus_per_worker, placement=args.placement,
+        prefill_resource=args.prefill_resource, decode_resource=args.decode_resource,
+        threads_per_worker=args.threads_per_worker, kv_cache_mb=args.kv_cache_mb,
+        prefill_policy=args.prefill_policy, decode_policy=args.decode_policy, max_restarts=args.max_restarts,
+        startup_timeout_s=args.startup_timeout, log_level=args.log_level,
+    )
+
+
+def _cmd_serve_ray(args: argparse.Namespace) -> int:
+    from cluster.ray_cluster import RayCluster
+
+    try:
+        config = ray_cluster_config(args)
+    except ValueError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    signal.signal(signal.SIGTERM, _interrupt)
+    try:
+        cluster = RayCluster(config)
+    except KeyboardInterrupt:
+        return 0
+    except Exception as exc:  # noqa: BLE001 - Ray raises many kinds; report and fail
+        print(f"error: {type(exc).__name__}: {exc}", file=sys.stderr)
+        return 1
+    try:
+        print(f"router: {cluster.router_address}")
+        print(format_table(("name", "role", "address"), [[w["name"], w["role"], w["address"]]
+                                                          for w in cluster.workers()]))
+        print("`pdserve scale --prefill N --decode M` resizes; Ctrl-C (or SIGTERM) stops everything.", flush=True)
+        while True:
+            time.sleep(3600)
+    except KeyboardInterrupt:
+        print("pdserve: shutting down", file=sys.stderr, flush=True)
+    finally:
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, signal.SIG_IGN)
+        cluster.stop()
+    return 0
+
+
+def _cmd_scale(args: argparse.Namespace) -> int:
+    import ray
+
+    from cluster.ray_cluster import get_controller
+
+    if args.prefill < 1 or args.decode < 1:
+        print("error: need --prefill >= 1 and --decode >= 1", file=sys.stderr)
+        return 2
+    try:
+        controller = get_controller(args.address)
+        result = ray.get(controller.scale.remote(args.prefill, args.decode), timeout=args.timeout)
+        workers = ray.get(controller.workers.remote())
+    except Exception as exc:  # noqa: BLE001 - no deployment, Ray unreachable, scale failed
+        print(f"error: {type(exc).__name__}: {exc}", file=sys.stderr)
+        return 1
+    print(f"added: {', '.join(result['added']) or '-'}  removed: {', '.join(result['removed']) or '-'}")
+    print(format_table(("name", "role", "address"), [[w["name"], w["role"], w["address"]] for w in workers]))
+    return 0
+
+
 def _cmd_serve(args: argparse.Namespace) -> int:
+    if args.ray:
+        return _cmd_serve_ray(args)
     try:
         config = cluster_config(args)
     except ValueError as exc:

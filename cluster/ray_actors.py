@@ -53,7 +53,8 @@ class WorkerActor:
 
         return {"role": self.role, "worker_id": self.worker_id, "address": self.started.address,
                 "pid": os.getpid(), "node_id": ray.get_runtime_context().get_node_id(),
-                "draining": self.started.drain.draining, "idle": self.started.is_idle()}
+                "draining": self.started.drain.draining, "idle": self.started.is_idle(),
+                "ray_kv_transfers": self._ray_receiver.transfers_received if self._ray_receiver else 0}
 
     def drain(self) -> None:
         """Report unhealthy and refuse new requests; the ones held here keep being served."""

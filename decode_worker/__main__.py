@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import argparse
 
+from grpc_health.v1 import health_pb2
+
 from decode_worker.servicer import DecodeServicer
 from decode_worker.worker import DecodeWorker
 from engine.config import EngineConfig
@@ -24,8 +26,6 @@ from engine.worker_runtime import (
     make_server,
     serve_until_signal,
 )
-from grpc_health.v1 import health_pb2
-
 from kv_transfer import KvTransferServicer, grpc_message_options
 from pdserve.v1 import worker_pb2_grpc
 from telemetry.prometheus import start_metrics_endpoint
@@ -52,8 +52,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                     help="how long a remote prefill (queue, compute, KV transfer) may take before it is retried")
     ap.add_argument("--drain-timeout-s", type=float, default=30.0,
                     help="on SIGTERM, stop taking requests and finish those in flight for at most this long")
-    ap.add_argument("--kv-backend", default="grpc",
-                    help="how prefill workers ship KV here: grpc (to this worker's port) or ray (object store)")
+    ap.add_argument("--kv-backend", default="auto", choices=("auto", "grpc", "shm", "ray"),
+                    help="how prefill workers ship KV here: grpc (streamed to this worker's port), shm (same-host "
+                         "shared memory), ray (object store), or auto: shm when the prefill worker is on this host, "
+                         "else grpc (default)")
     ap.add_argument("--kv-target", default="",
                     help="where prefill workers send KV (default: this worker's gRPC address; "
                          "ray:<actor name> for the ray backend)")

@@ -30,6 +30,7 @@ from pdserve.v1 import common_pb2, router_pb2, worker_pb2, worker_pb2_grpc
 
 log = logging.getLogger(__name__)
 
+LOCAL_HOSTS = frozenset({"127.0.0.1", "localhost", "[::1]", "::1"})
 #: Prefix of the details of an UNAVAILABLE status caused by the prefill side (worker or KV transfer).
 PREFILL_FAILURE = "prefill failed on"
 #: Statuses from a prefill worker that are the request's own fault: passed on, never retried.
@@ -131,7 +132,8 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
         call = self._prefill_stub(prefill_address).Prefill.future(
             worker_pb2.PrefillRequest(
                 request_id=request_id, prompt_token_ids=tokens, params=sampling_params_to_pb(params),
-                kv_target_address=self.kv_target, kv_backend=self.kv_backend, decode_worker_id=self.worker_id,
+                kv_target_address=self.kv_target, kv_backend=self._backend_for(prefill_address),
+                decode_worker_id=self.worker_id,
                 output_index=len(resume_ids),
             ),
             timeout=max(0.1, kv_deadline - time.perf_counter()),
@@ -150,6 +152,15 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
             context.abort(grpc.StatusCode.UNAVAILABLE, f"{PREFILL_FAILURE} {prefill_address}: {reason}")
         timings.MergeFrom(response.timings)
         self._wait(self.worker.commit(request_id, kv, first_token), deadline, context)
+
+    def _backend_for(self, prefill_address: str) -> str:
+        """The KV backend for one transfer: `auto` means shared memory when the prefill worker runs on
+        this host (loopback or the same host name as ours), the gRPC stream otherwise."""
+        if self.kv_backend != "auto":
+            return self.kv_backend
+        prefill_host = prefill_address.rsplit(":", 1)[0]
+        same_host = prefill_host in LOCAL_HOSTS or prefill_host == self.address.rsplit(":", 1)[0]
+        return "shm" if same_host else "grpc"
 
     def _prefill_stub(self, address: str) -> worker_pb2_grpc.PrefillWorkerStub:
         stub = self._prefill_channels.get(address)

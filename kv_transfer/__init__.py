@@ -19,7 +19,7 @@ from kv_transfer.base import (
 )
 from kv_transfer.framing import FrameAssembler, KvFrameError, encode_frames
 from kv_transfer.grpc_backend import GrpcKvSender, KvTransferServicer, grpc_message_options
-
+from kv_transfer.shm_backend import ShmKvSender  # registers the "shm" backend
 
 
 def _ray_sender(target_address: str) -> KvSender:
@@ -39,6 +39,7 @@ register_backend("ray", _ray_sender, _ray_receiver)
 __all__ = [
     "FrameAssembler",
     "GrpcKvSender",
+    "ShmKvSender",
     "KvBackend",
     "KvFrameError",
     "KvReceiver",

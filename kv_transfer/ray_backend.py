@@ -1,8 +1,8 @@
 """Ray object-store KV transfer backend ("ray"), for workers running as Ray actors.
 
 Sender (prefill worker): :class:`RayKvSender` ``ray.put``s the request's KV as a flat uint8 numpy
-array (C order, so any dtype incl. bfloat16 travels as plain bytes), then calls the decode actor
-named by the target (``ray:<actor name>``, namespace :data:`NAMESPACE`) with a plain dict header
+array (C order, so any dtype incl. bfloat16 travels as plain bytes), then calls ``receive_kv`` of the decode
+actor named by the target (``ray:<actor name>``, namespace :data:`NAMESPACE`) with a plain dict header
 (the fields of ``KvHeader`` that describe a whole payload) and the ObjectRef wrapped in a list (so
 Ray hands the ref over instead of resolving it). It returns once the receiver answered, after
 which the caller frees its blocks and the ref goes out of scope.
@@ -110,8 +110,9 @@ class RayKvSender(KvSender):
             ack = ray.get(call, timeout=timeout_s)
         except GetTimeoutError as exc:
             ray.cancel(call)
-            raise KvTransferError(f"KV {spec.request_id!r} to {self.target_address}: no answer in {timeout_s}s") from exc
-        except RayError as exc:
+            raise KvTransferError(
+                f"KV {spec.request_id!r} to {self.target_address}: no answer in {timeout_s}s") from exc
+        except Exception as exc:  # noqa: BLE001 - RayError, or a submit to an actor that is gone
             with self._lock:
                 self._actor = None  # look the actor up again next time (it may have been replaced)
             raise KvTransferError(f"KV {spec.request_id!r} to {self.target_address} failed: {exc}") from exc
@@ -142,6 +143,8 @@ class RayKvReceiver(KvReceiver):
     def __init__(self, intake: KvTransferServicer | None = None, get_timeout_s: float = 60.0) -> None:
         self.intake = intake or KvTransferServicer()
         self.get_timeout_s = get_timeout_s
+        self.transfers_received = 0  # intakes completed through this backend
+        self.bytes_received = 0
 
     def expect(self, spec: KvSpec, deadline_s: float):  # noqa: ANN201 - the intake's PendingKv
         return self.intake.expect(spec, deadline_s)
@@ -157,14 +160,15 @@ class RayKvReceiver(KvReceiver):
             return _ack(False, f"invalid KV header: {exc}")
         if not isinstance(refs, list) or len(refs) != 1 or not isinstance(refs[0], ray.ObjectRef):
             return _ack(False, "expected exactly one ObjectRef in a list")
-        ref = refs[0]
-        refs.clear()
+        held = [refs.pop()]
         try:
-            self.intake.deliver(spec, lambda: self._fetch(spec, ref), first_token_id)
+            self.intake.deliver(spec, lambda: self._fetch(spec, held[0]), first_token_id)
         except KvTransferError as exc:
             return _ack(False, str(exc))
         finally:
-            del ref  # release our reference; the tensor handed on keeps the shared memory mapped
+            held.clear()  # release our reference; the tensor handed on keeps the shared memory mapped
+        self.transfers_received += 1
+        self.bytes_received += spec.nbytes
         return _ack(True, "", spec.nbytes)
 
     def _fetch(self, spec: KvSpec, ref: ray.ObjectRef) -> torch.Tensor:

@@ -231,3 +231,28 @@ def test_collect_assembles_stream() -> None:
 def test_format_table_aligns() -> None:
     table = format_table(("a", "bb"), [["xxx", "1"], ["y", "22"]])
     assert table.splitlines() == ["a    bb", "xxx  1", "y    22"]
+
+
+def test_serve_ray_flags_and_scale() -> None:
+    from cluster.cli import ray_cluster_config
+
+    args = _parse("serve", "--ray", "--address", "auto", "--prefill", "2", "--decode", "3", "--kv-backend", "ray",
+                  "--gpus-per-worker", "1", "--placement", "spread", "--decode-resource", "decode_gpu")
+    config = ray_cluster_config(args)
+    assert (config.prefill, config.decode, config.kv_backend, config.placement) == (2, 3, "ray", "spread")
+    assert config.address == "auto" and config.resources("decode") == {"GPU": 1.0, "decode_gpu": 1.0}
+    assert config.resources("prefill") == {"GPU": 1.0}
+    assert "--kv-target" in config.worker_argv("decode", "decode-0", "127.0.0.1")
+    assert ray_cluster_config(_parse("serve", "--ray")).resources("prefill") == {"CPU": 1.0}
+    with pytest.raises(ValueError):
+        ray_cluster_config(_parse("serve", "--ray", "--colocated", "1"))
+    with pytest.raises(SystemExit):
+        _parse("serve", "--ray", "--kv-backend", "shm")
+    scale = _parse("scale", "--prefill", "2", "--decode", "1")
+    assert (scale.prefill, scale.decode, scale.address) == (2, 1, "auto")
+
+
+def test_scale_without_deployment_fails_cleanly(capsys) -> None:  # noqa: ANN001
+    from cluster.cli import main
+
+    assert main(["scale", "--prefill", "0", "--decode", "1"]) == 2

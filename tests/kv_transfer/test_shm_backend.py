@@ -38,7 +38,7 @@ def _segments() -> set[str]:
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_roundtrip_is_bit_exact_and_leaves_no_segment(receiver, dtype: torch.dtype) -> None:  # noqa: ANN001
+def test_roundtrip_is_bit_exact_and_segments_are_unlinked_at_exit(receiver, dtype: torch.dtype) -> None:  # noqa: ANN001
     servicer, address = receiver
     before = _segments()
     spec, kv = _spec(f"r-{dtype}", dtype)
@@ -46,7 +46,10 @@ def test_roundtrip_is_bit_exact_and_leaves_no_segment(receiver, dtype: torch.dty
     get_backend("shm").sender_factory(address).send(spec, kv, 11, timeout_s=10)
     got, first = pending.wait(5)
     assert torch.equal(got.view(torch.uint8), kv.view(torch.uint8)) and first == 11
-    assert _segments() == before
+    from kv_transfer.shm_backend import _POOL
+
+    _POOL.close()  # what runs at exit: no segment of ours survives it
+    assert _segments() <= before
 
 
 def test_mismatched_header_fails_only_that_intake(receiver) -> None:  # noqa: ANN001

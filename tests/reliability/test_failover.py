@@ -77,7 +77,7 @@ def test_broken_kv_transfer_is_prefilled_again(fault: str, default_model) -> Non
     expected = _expected(default_model, prompts, 8)
     config = LocalClusterConfig(prefill=1, decode=1, threads_per_worker=1,
                                 prefill_args=("--inject-kv-fault", fault, "--inject-kv-fault-count", "2"),
-                                decode_args=("--kv-timeout-s", "4"))
+                                decode_args=("--kv-timeout-s", "4", "--kv-backend", "grpc"))
     with LocalCluster(config) as cluster:
         results = _run_all(cluster.router_address, prompts, 8)
         assert [r.token_ids for r in results] == expected

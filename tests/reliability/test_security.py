@@ -146,11 +146,11 @@ def _ca_and_leaf(tmp: Path) -> dict[str, str]:
 
 
 def test_internal_mtls_between_router_and_workers(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    from e2e_helpers import generate, wait_idle, worker_info
+    from cluster.local import LocalCluster, LocalClusterConfig
     from pdserve import transport
     from pdserve.v1 import worker_pb2, worker_pb2_grpc
 
-    from cluster.local import LocalCluster, LocalClusterConfig
+    from e2e_helpers import generate, wait_idle, worker_info
 
     files = _ca_and_leaf(tmp_path)
     monkeypatch.setenv(transport.ENV_CERT, files["cert"])

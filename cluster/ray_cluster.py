@@ -1,0 +1,415 @@
+"""RayCluster: the router and the prefill/decode pools as Ray actors, kept in shape by a controller.
+
+Layout (namespace :data:`NAMESPACE`):
+- ``pdserve-controller`` (detached, named): creates a placement group (PACK or SPREAD) with one
+  bundle for the router and one per initial worker, the worker actors (``prefill-0``,
+  ``decode-0``, ...; ``max_restarts`` each) and the router actor (``pdserve-router``). A watcher
+  thread asks every worker for its ``address()`` each ``poll_interval_s``: a restarted worker (new
+  port) is re-registered with the router, a worker that died for good is removed. ``scale()``
+  adds workers (registered once they serve) and drains removed ones: ``drain()`` makes the worker
+  report unhealthy and refuse new requests, so the router stops routing to it; once idle (or
+  after ``drain_timeout_s``) it leaves the router and its actor is killed.
+- Workers and the router keep their gRPC servers; they bind to ``worker_host`` (loopback unless
+  told otherwise; ``node`` binds the node's IP, needed when actors span nodes).
+
+The driver-side :class:`RayCluster` starts a local Ray instance when none is running and no
+address is given (and shuts it down on ``stop()``), creates the controller and waits for the
+router. ``pdserve scale`` finds the controller by name from another process.
+"""
+
+from __future__ import annotations
+
+import atexit
+import logging
+import os
+import threading
+import time
+from dataclasses import dataclass
+from types import TracebackType
+from typing import Any
+
+import ray
+from ray.exceptions import ActorDiedError, RayError
+from ray.util.placement_group import placement_group, remove_placement_group
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+from cluster.ray_actors import RouterActor, WorkerActor
+from router.policies import POLICY_NAMES
+
+log = logging.getLogger(__name__)
+
+NAMESPACE = "pdserve"  # kv_transfer.ray_backend.NAMESPACE (not imported: it pulls torch)
+CONTROLLER_NAME = "pdserve-controller"
+ROUTER_NAME = "pdserve-router"
+KV_BACKENDS = ("grpc", "ray")
+PLACEMENTS = {"pack": "PACK", "spread": "SPREAD"}
+ROLES = ("prefill", "decode")
+
+
+@dataclass(frozen=True)
+class RayClusterConfig:
+    """Topology, resources and worker settings of a Ray deployment."""
+
+    prefill: int = 1
+    decode: int = 1
+    model: str | None = None
+    address: str | None = None  # Ray cluster to join; None starts a local instance (unless one is running)
+    host: str = "127.0.0.1"  # router's public interface
+    port: int = 50051  # router's public port (0 picks one)
+    worker_host: str = "127.0.0.1"  # interface of workers' gRPC servers; "node" = the node's IP
+    kv_backend: str = "grpc"
+    gpus_per_worker: float | None = None  # else each worker declares num_cpus=1
+    prefill_resource: str | None = None  # custom resource (1 unit) each prefill worker needs, e.g. prefill_gpu
+    decode_resource: str | None = None
+    placement: str = "pack"
+    threads_per_worker: int | None = None
+    kv_cache_mb: int | None = None
+    prefill_policy: str = "round_robin"
+    decode_policy: str = "round_robin"
+    prefill_args: tuple[str, ...] = ()
+    decode_args: tuple[str, ...] = ()
+    max_restarts: int = 3
+    poll_interval_s: float = 1.0
+    drain_timeout_s: float = 60.0
+    startup_timeout_s: float = 300.0
+    log_level: str = "INFO"
+
+    def __post_init__(self) -> None:
+        if self.prefill < 1 or self.decode < 1:
+            raise ValueError(f"need prefill >= 1 and decode >= 1, got {self.prefill} and {self.decode}")
+        if self.kv_backend not in KV_BACKENDS:
+            raise ValueError(f"kv_backend must be one of {', '.join(KV_BACKENDS)}, got {self.kv_backend!r}")
+        if self.placement not in PLACEMENTS:
+            raise ValueError(f"placement must be one of {', '.join(PLACEMENTS)}, got {self.placement!r}")
+        if self.gpus_per_worker is not None and not self.gpus_per_worker > 0:
+            raise ValueError(f"gpus_per_worker must be > 0, got {self.gpus_per_worker}")
+        for name in ("prefill_policy", "decode_policy"):
+            if getattr(self, name) not in POLICY_NAMES:
+                raise ValueError(f"{name} must be one of {', '.join(POLICY_NAMES)}, got {getattr(self, name)!r}")
+        if not 0 <= self.port <= 65535:
+            raise ValueError(f"port must be in [0, 65535], got {self.port}")
+        if self.max_restarts < 0:
+            raise ValueError(f"max_restarts must be >= 0, got {self.max_restarts}")
+        for name in ("poll_interval_s", "drain_timeout_s", "startup_timeout_s"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
+
+    @property
+    def local_num_cpus(self) -> int:
+        """Logical CPUs of a local Ray instance: the machine's, but at least 4x what the initial placement
+        group takes (router + workers), so that scaling up finds room (they are scheduling units only)."""
+        needed = 1 + (0 if self.gpus_per_worker else self.prefill + self.decode)
+        return max(os.cpu_count() or 1, 4 * needed)
+
+    def resources(self, role: str) -> dict[str, float]:
+        """What one worker of `role` declares: GPUs when configured, else one CPU; plus its custom resource."""
+        needs: dict[str, float] = {"GPU": self.gpus_per_worker} if self.gpus_per_worker else {"CPU": 1.0}
+        custom = self.prefill_resource if role == "prefill" else self.decode_resource
+        if custom:
+            needs[custom] = 1.0
+        return needs
+
+    def worker_argv(self, role: str, worker_id: str, host: str) -> list[str]:
+        """The worker's command-line flags (the same flags `python -m <role>_worker` takes)."""
+        argv = ["--host", host, "--port", "0", "--worker-id", worker_id, "--log-level", self.log_level]
+        argv += ["--threads", str(self.threads_per_worker)] if self.threads_per_worker else []
+        argv += ["--model", self.model] if self.model else []
+        argv += ["--kv-cache-mb", str(self.kv_cache_mb)] if self.kv_cache_mb else []
+        if role == "decode":
+            argv += ["--drain-timeout-s", str(self.drain_timeout_s), "--kv-backend", self.kv_backend]
+            argv += ["--kv-target", f"ray:{worker_id}"] if self.kv_backend == "ray" else []
+            return argv + list(self.decode_args)
+        return argv + ["--drain-timeout-s", str(self.drain_timeout_s)] + list(self.prefill_args)
+
+
+@dataclass
+class _Worker:
+    name: str
+    role: str
+    handle: Any  # ray ActorHandle
+    address: str = ""  # as registered with the router ("" before it serves)
+    probe: Any = None  # pending address() call of the watcher
+    draining: bool = False
+
+
+def _host_for(config: RayClusterConfig) -> str:
+    return ray.util.get_node_ip_address() if config.worker_host == "node" else config.worker_host
+
+
+class Controller:
+    """Owns the deployment (wrapped as the named detached actor ``pdserve-controller``)."""
+
+    def __init__(self, config: RayClusterConfig) -> None:
+        logging.basicConfig(level=config.log_level, format="%(asctime)s controller %(levelname)s %(message)s")
+        self.config = config
+        self._workers: list[_Worker] = []
+        self._lock = threading.Lock()  # guards _workers
+        self._scale_lock = threading.Lock()  # one scale() at a time
+        self._next_index = dict.fromkeys(ROLES, 0)
+        self._stop = threading.Event()
+        roles = ["prefill"] * config.prefill + ["decode"] * config.decode
+        bundles = [{"CPU": 1.0}] + [config.resources(role) for role in roles]
+        self._pg = placement_group(bundles, strategy=PLACEMENTS[config.placement], name="pdserve")
+        try:
+            ray.get(self._pg.ready(), timeout=config.startup_timeout_s)
+        except ray.exceptions.GetTimeoutError:
+            remove_placement_group(self._pg)
+            raise RuntimeError(f"placement group {bundles} ({config.placement}) not placed within "
+                               f"{config.startup_timeout_s:.0f} s: not enough resources in the cluster") from None
+        self._router: Any = None
+        try:
+            for i, role in enumerate(roles):
+                self._workers.append(self._new_worker(role, bundle=i + 1))
+            self._wait_serving(self._workers)
+            self._router = self._start_router(self._workers)
+        except BaseException:
+            self.shutdown()
+            raise
+        self._watcher = threading.Thread(target=self._watch, name="pdserve-watch", daemon=True)
+        self._watcher.start()
+
+    # ----- actors ----------------------------------------------------------------------------
+    def _new_worker(self, role: str, bundle: int | None = None) -> _Worker:
+        index = self._next_index[role]
+        self._next_index[role] += 1
+        name = f"{role}-{index}"
+        options: dict[str, Any] = {
+            "name": name, "namespace": NAMESPACE, "max_restarts": self.config.max_restarts,
+            "max_concurrency": 64,  # a threaded actor: KV intake calls run while others wait
+        }
+        resources = self.config.resources(role)
+        options["num_gpus" if "GPU" in resources else "num_cpus"] = resources.pop("GPU", resources.pop("CPU", 1.0))
+        if resources:
+            options["resources"] = resources
+        if bundle is not None:
+            options["scheduling_strategy"] = PlacementGroupSchedulingStrategy(self._pg, bundle)
+        elif self.config.placement == "spread":
+            options["scheduling_strategy"] = "SPREAD"
+        argv = self.config.worker_argv(role, name, _host_for(self.config))
+        handle = _RemoteWorker.options(**options).remote(role, argv)
+        return _Worker(name, role, handle)
+
+    def _wait_serving(self, workers: list[_Worker]) -> None:
+        addresses = ray.get([w.handle.address.remote() for w in workers], timeout=self.config.startup_timeout_s)
+        for worker, address in zip(workers, addresses, strict=True):
+            worker.address = address
+
+    def _start_router(self, workers: list[_Worker]) -> Any:  # noqa: ANN401 - ray ActorHandle
+        config = {
+            "host": self.config.host, "port": self.config.port,
+            "prefill": tuple(w.address for w in workers if w.role == "prefill"),
+            "decode": tuple(w.address for w in workers if w.role == "decode"),
+            "prefill_policy": self.config.prefill_policy, "decode_policy": self.config.decode_policy,
+            "log_level": self.config.log_level,
+        }
+        router = _RemoteRouter.options(
+            name=ROUTER_NAME, namespace=NAMESPACE, num_cpus=1, max_concurrency=16,
+            scheduling_strategy=PlacementGroupSchedulingStrategy(self._pg, 0),
+        ).remote(config)
+        self.router_address_value = ray.get(router.address.remote(), timeout=self.config.startup_timeout_s)
+        return router
+
+    # ----- queries ---------------------------------------------------------------------------
+    def router_address(self) -> str:
+        return self.router_address_value
+
+    def workers(self) -> list[dict[str, Any]]:
+        """name, role, address (as the router knows it) and draining of every worker, in start order."""
+        with self._lock:
+            return [{"name": w.name, "role": w.role, "address": w.address, "draining": w.draining}
+                    for w in self._workers]
+
+    def worker_info(self) -> list[dict[str, Any]]:
+        """Each live worker's own info() (pid, node, idle, ...)."""
+        with self._lock:
+            workers = list(self._workers)
+        infos = []
+        for worker in workers:
+            try:
+                infos.append({"name": worker.name, **ray.get(worker.handle.info.remote(), timeout=10)})
+            except RayError as exc:
+                infos.append({"name": worker.name, "role": worker.role, "error": str(exc)})
+        return infos
+
+    # ----- watching --------------------------------------------------------------------------
+    def _watch(self) -> None:
+        while not self._stop.wait(self.config.poll_interval_s):
+            try:
+                self.check_workers()
+            except Exception:  # noqa: BLE001 - keep watching
+                log.exception("watch pass failed")
+
+    def check_workers(self) -> None:
+        """One watcher pass: ask each worker its address; re-register moved ones, drop dead ones."""
+        with self._lock:
+            workers = [w for w in self._workers if not w.draining]
+        for worker in workers:
+            if worker.probe is None:
+                worker.probe = worker.handle.address.remote()
+            ready, _ = ray.wait([worker.probe], timeout=0)
+            if not ready:
+                continue
+            probe, worker.probe = worker.probe, None
+            try:
+                address = ray.get(probe)
+            except ActorDiedError:
+                log.warning("worker %s died for good; removing it from the router", worker.name)
+                self._forget(worker)
+                continue
+            except RayError:  # restarting: ask again next pass
+                continue
+            if address != worker.address:
+                self._reregister(worker, address)
+
+    def _reregister(self, worker: _Worker, address: str) -> None:
+        log.warning("worker %s moved from %s to %s (restarted); updating the router", worker.name,
+                    worker.address, address)
+        if worker.address:
+            ray.get(self._router.remove_worker.remote(worker.address))
+        ray.get(self._router.add_worker.remote(address, worker.role))
+        worker.address = address
+
+    def _forget(self, worker: _Worker) -> None:
+        with self._lock:
+            if worker in self._workers:
+                self._workers.remove(worker)
+        if worker.address:
+            ray.get(self._router.remove_worker.remote(worker.address))
+
+    # ----- scaling ---------------------------------------------------------------------------
+    def scale(self, prefill: int, decode: int) -> dict[str, list[str]]:
+        """Grow or shrink each pool to the given size; returns the names added and removed."""
+        if prefill < 1 or decode < 1:
+            raise ValueError(f"need prefill >= 1 and decode >= 1, got {prefill} and {decode}")
+        with self._scale_lock:
+            with self._lock:
+                current = {r: [w for w in self._workers if w.role == r and not w.draining] for r in ROLES}
+            targets = {"prefill": prefill, "decode": decode}
+            added = [self._new_worker(r) for r in ROLES for _ in range(targets[r] - len(current[r]))]
+            removed = [w for r in ROLES for w in current[r][targets[r]:]]
+            if added:
+                try:
+                    self._wait_serving(added)
+                except BaseException:  # e.g. no resources for them: take them back, keep the rest as is
+                    for worker in added:
+                        ray.kill(worker.handle, no_restart=True)
+                    raise
+                for worker in added:
+                    ray.get(self._router.add_worker.remote(worker.address, worker.role))
+                with self._lock:
+                    self._workers.extend(added)
+            self._retire(removed)
+        return {"added": [w.name for w in added], "removed": [w.name for w in removed]}
+
+    def _retire(self, workers: list[_Worker]) -> None:
+        """Drain, wait until idle (at most drain_timeout_s), deregister and kill each worker."""
+        if not workers:
+            return
+        for worker in workers:
+            worker.draining = True
+        ray.get([w.handle.drain.remote() for w in workers], timeout=30)
+        time.sleep(2 * 0.5 + 0.2)  # two router health polls: it has stopped routing to them
+        deadline = time.monotonic() + self.config.drain_timeout_s
+        pending = list(workers)
+        while pending and time.monotonic() < deadline:
+            idle = ray.get([w.handle.is_idle.remote() for w in pending], timeout=30)
+            pending = [w for w, done in zip(pending, idle, strict=True) if not done]
+            time.sleep(0.2)
+        for worker in workers:
+            self._forget(worker)
+            try:
+                ray.get(worker.handle.stop.remote(), timeout=10)
+            except RayError as exc:
+                log.warning("stopping %s: %s", worker.name, exc)
+            ray.kill(worker.handle, no_restart=True)
+            log.info("worker %s retired", worker.name)
+
+    # ----- teardown --------------------------------------------------------------------------
+    def shutdown(self) -> None:
+        """Stop the router and every worker, release the placement group."""
+        self._stop.set()
+        if self._router is not None:
+            try:
+                ray.get(self._router.stop.remote(), timeout=15)
+            except RayError as exc:
+                log.warning("stopping the router: %s", exc)
+            ray.kill(self._router, no_restart=True)
+        with self._lock:
+            workers, self._workers = self._workers, []
+        for worker in workers:
+            ray.kill(worker.handle, no_restart=True)
+        remove_placement_group(self._pg)
+
+
+_RemoteWorker = ray.remote(WorkerActor)
+_RemoteRouter = ray.remote(RouterActor)
+_RemoteController = ray.remote(Controller)
+
+
+def get_controller(address: str | None = "auto") -> Any:  # noqa: ANN401 - ray ActorHandle
+    """The running deployment's controller (connects to Ray at `address` unless connected)."""
+    if not ray.is_initialized():
+        ray.init(address=address, namespace=NAMESPACE, log_to_driver=False)
+    return ray.get_actor(CONTROLLER_NAME, namespace=NAMESPACE)
+
+
+class RayCluster:
+    """Driver-side handle: starts the deployment on construction; ``stop()`` tears it down (idempotent)."""
+
+    def __init__(self, config: RayClusterConfig) -> None:
+        self.config = config
+        self._own_ray = False
+        self._stopped = False
+        if not ray.is_initialized():
+            local = {"num_cpus": config.local_num_cpus} if config.address is None else {}
+            ray.init(address=config.address, namespace=NAMESPACE, include_dashboard=False, **local)
+            self._own_ray = config.address is None
+        atexit.register(self.stop)
+        try:
+            self._controller = _RemoteController.options(
+                name=CONTROLLER_NAME, namespace=NAMESPACE, lifetime="detached", num_cpus=0, max_concurrency=16,
+            ).remote(config)
+            self.router_address: str = ray.get(self._controller.router_address.remote(),
+                                               timeout=config.startup_timeout_s + 60)
+        except BaseException:
+            self.stop()
+            raise
+
+    @property
+    def controller(self) -> Any:  # noqa: ANN401 - ray ActorHandle
+        return self._controller
+
+    def workers(self) -> list[dict[str, Any]]:
+        return list(ray.get(self._controller.workers.remote()))
+
+    def worker_info(self) -> list[dict[str, Any]]:
+        return list(ray.get(self._controller.worker_info.remote()))
+
+    def scale(self, prefill: int, decode: int) -> dict[str, list[str]]:
+        """Resize the pools (blocks until added workers serve and removed ones are drained and gone)."""
+        timeout = self.config.startup_timeout_s + self.config.drain_timeout_s + 60
+        return dict(ray.get(self._controller.scale.remote(prefill, decode), timeout=timeout))
+
+    def stop(self) -> None:
+        if self._stopped:
+            return
+        self._stopped = True
+        atexit.unregister(self.stop)
+        controller = getattr(self, "_controller", None)
+        if controller is not None:
+            try:
+                ray.get(controller.shutdown.remote(), timeout=60)
+            except RayError as exc:
+                log.warning("controller shutdown: %s", exc)
+            ray.kill(controller, no_restart=True)
+        if self._own_ray:
+            ray.shutdown()
+
+    def __enter__(self) -> RayCluster:
+        return self
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self.stop()
+
