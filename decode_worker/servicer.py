@@ -151,7 +151,8 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
             reason = pending.error() or (exc.details() if isinstance(exc, grpc.RpcError) else str(exc))
             context.abort(grpc.StatusCode.UNAVAILABLE, f"{PREFILL_FAILURE} {prefill_address}: {reason}")
         timings.MergeFrom(response.timings)
-        self._wait(self.worker.commit(request_id, kv, first_token), deadline, context)
+        self._wait(self.worker.commit(request_id, kv, first_token, self._backend_for(prefill_address)), deadline,
+                   context)
 
     def _backend_for(self, prefill_address: str) -> str:
         """The KV backend for one transfer: `auto` means shared memory when the prefill worker runs on

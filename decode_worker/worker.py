@@ -107,10 +107,10 @@ class DecodeWorker:
         self._inbox.put(lambda: self._try_reserve(pending, first=True))
         return future
 
-    def commit(self, request_id: str, kv: torch.Tensor, first_token: int) -> Future:
-        """The prompt's KV arrived: copy it into the reserved blocks and start decoding."""
+    def commit(self, request_id: str, kv: torch.Tensor, first_token: int, backend: str = "grpc") -> Future:
+        """The prompt's KV arrived (through `backend`): copy it into the reserved blocks, start decoding."""
         self.kv_bytes_received += kv.numel() * kv.element_size()
-        self.metrics.kv_transferred("grpc", "receive", kv.numel() * kv.element_size(), None)
+        self.metrics.kv_transferred(backend, "receive", kv.numel() * kv.element_size(), None)
         return self.run_on_loop(lambda: self._commit(request_id, kv, first_token))
 
     def abort(self, request_id: str) -> None:

@@ -156,6 +156,7 @@ class PrefillWorker:
             job.hashes = hashes
             job.num_computed = len(hits) * self.pool.block_size
             job.started_at = time.perf_counter()
+            self.metrics.queue_time.observe(max(0.0, job.started_at - job.enqueued_at))
             self._active.append(job)
 
     def _plan_step(self) -> list[tuple[PrefillJob, int]]:
@@ -200,9 +201,7 @@ class PrefillWorker:
     def _observe_step(self, step: list[tuple[PrefillJob, int]], start: float) -> None:
         self.metrics.prefill_batch_size.observe(len(step))
         self.metrics.prompt_tokens.inc(sum(n for _, n in step))
-        for job, _ in step:
-            if job.started_at == start:
-                self.metrics.queue_time.observe(max(0.0, start - job.enqueued_at))
+
 
     # ----- transfer threads -------------------------------------------------------------------
     def spec_for(self, request_id: str, num_tokens: int) -> KvSpec:

@@ -179,10 +179,11 @@ def test_metrics_move_with_traffic(cluster: LocalCluster, client: openai.OpenAI,
     assert moved("prefill-0", "pdserve_prefill_batch_size_count") >= 1
     assert moved("prefill-0", "pdserve_request_queue_time_seconds_count") == 1
     assert moved("prefill-0", "pdserve_prompt_tokens_total") == got.usage.prompt_tokens
-    assert moved("prefill-0", "pdserve_kv_transfer_bytes_total{backend=grpc,direction=send}") > 0
-    assert moved("prefill-0", "pdserve_kv_transfer_seconds_count{backend=grpc,direction=send}") == 1
-    assert moved("decode-0", "pdserve_kv_transfer_bytes_total{backend=grpc,direction=receive}") == \
-        moved("prefill-0", "pdserve_kv_transfer_bytes_total{backend=grpc,direction=send}")
+    # the workers share this host, so the decode worker asked for the shared-memory backend
+    assert moved("prefill-0", "pdserve_kv_transfer_bytes_total{backend=shm,direction=send}") > 0
+    assert moved("prefill-0", "pdserve_kv_transfer_seconds_count{backend=shm,direction=send}") == 1
+    assert moved("decode-0", "pdserve_kv_transfer_bytes_total{backend=shm,direction=receive}") == \
+        moved("prefill-0", "pdserve_kv_transfer_bytes_total{backend=shm,direction=send}")
     assert moved("decode-0", "pdserve_generation_tokens_total") == 8
     assert moved("decode-0", "pdserve_decode_batch_size_count") >= 7
     assert after["decode-0"]["pdserve_kv_blocks_total"] > 0 and after["decode-0"]["pdserve_kv_blocks_used"] == 0
