@@ -104,7 +104,7 @@ class DecodeWorker:
         future: Future = Future()
         pending = _PendingReservation(request_id, prompt_ids, params, resume_ids,
                                       time.monotonic() + self.admission_timeout_s, future)
-        self._inbox.put(lambda: self._try_reserve(pending, first=True))
+        self._inbox.put(lambda: None if self._try_reserve(pending, first=True) else None)
         return future
 
     def commit(self, request_id: str, kv: torch.Tensor, first_token: int, backend: str = "grpc") -> Future:

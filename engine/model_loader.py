@@ -98,9 +98,8 @@ def load_model(path: str | Path, dtype: torch.dtype = torch.float32, device: str
     path = Path(path)
     config = check_supported(path)
     attention.register()
-    model = AutoModelForCausalLM.from_pretrained(
-        path, dtype=dtype, attn_implementation=attention.ATTN_IMPLEMENTATION
-    ).to(device).eval()
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation=attention.ATTN_IMPLEMENTATION)
+    model = model.to(torch.device(device)).eval()  # type: ignore[arg-type]  # transformers types .to oddly
     tokenizer = AutoTokenizer.from_pretrained(path)
     return LoadedModel(
         model=model, tokenizer=tokenizer, path=path, fingerprint=fingerprint(model),

@@ -163,6 +163,10 @@ class PendingKv(abc.ABC):
     def add_done_callback(self, fn: Callable[[PendingKv], None]) -> None:
         """Call ``fn(self)`` once complete (immediately if already complete); any thread."""
 
+    @abc.abstractmethod
+    def error(self) -> str:
+        """The failure message, or "" if not failed (yet)."""
+
 
 class KvSender(abc.ABC):
     """Prefill side. Thread-safe; one instance may serve many concurrent sends."""
