@@ -34,14 +34,15 @@ def median_ttft(client: PdserveClient, prompts: list[list[int]]) -> float:
     return statistics.median(ttft(client, p) for p in prompts[1:])
 
 
-def disagg(lengths: list[int], repeats: int, threads: int) -> None:
+def disagg(lengths: list[int], repeats: int, threads: int, kv_backend: str, kv_streaming: str) -> None:
     rng = random.Random(0)
     prompts = {n: [random_ids(n, rng) for _ in range(repeats + 1)] for n in lengths}
     results: dict[str, dict[int, float]] = {}
     configs = {
         "colocated": LocalClusterConfig(prefill=0, decode=0, colocated=1, threads_per_worker=threads),
         "1p1d": LocalClusterConfig(prefill=1, decode=1, threads_per_worker=threads,
-                                   prefill_args=("--no-prefix-caching",)),
+                                   prefill_args=("--no-prefix-caching", "--kv-streaming", kv_streaming),
+                                   decode_args=("--kv-backend", kv_backend)),
     }
     for name, config in configs.items():
         with LocalCluster(config) as cluster, PdserveClient(cluster.router_address) as client:
@@ -73,11 +74,14 @@ def main() -> None:
     ap.add_argument("--prefix-length", type=int, default=1024)
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--threads", type=int, default=2, help="torch threads per worker")
+    ap.add_argument("--kv-backend", default="auto", help="decode workers' --kv-backend for the 1p1d runs")
+    ap.add_argument("--kv-streaming", default="request", help="prefill workers' --kv-streaming (request|layer)")
     args = ap.parse_args()
     if not (args.disagg or args.prefix):
         args.disagg = args.prefix = True
     if args.disagg:
-        disagg(args.lengths, args.repeats, args.threads)
+        print(f"1p1d: --kv-backend {args.kv_backend} --kv-streaming {args.kv_streaming}")
+        disagg(args.lengths, args.repeats, args.threads, args.kv_backend, args.kv_streaming)
     if args.prefix:
         prefix(args.prefix_length, args.repeats, args.threads)
 

@@ -142,7 +142,8 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
         pending.add_done_callback(lambda p: call.cancel() if p.error() else None)  # stalled or bad KV
         try:
             response = call.result()
-            kv, first_token = pending.wait(timeout=max(0.1, kv_deadline - time.perf_counter()))
+            kv, _ = pending.wait(timeout=max(0.1, kv_deadline - time.perf_counter()))
+            first_token = response.first_token_id  # layer-wise frames cannot carry it: the response does
         except (grpc.RpcError, grpc.FutureCancelledError, KvTransferError) as exc:
             pending.cancel("prefill failed")
             call.cancel()

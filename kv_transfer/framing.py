@@ -24,7 +24,7 @@ views, never through pickle or torch serialization.
 from __future__ import annotations
 
 import zlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import torch
@@ -96,6 +96,28 @@ def encode_frames(
     if first_token_id < 0:
         raise ValueError(f"first_token_id: must be >= 0, got {first_token_id}")
     return _frames(spec, tensor_bytes(kv), first_token_id, plan_frames(spec, max_frame_bytes))
+
+
+def encode_frames_as_ready(
+    spec: KvSpec,
+    buf: torch.Tensor,
+    first_token_id: int,
+    wait_layers: Callable[[int], None],
+    max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES,
+) -> Iterator[KvFrame]:
+    """Layer-wise streaming: frames of at most one layer each, taken from ``buf`` while it is still
+    being filled. Before each frame, ``wait_layers(n)`` blocks until layers [0, n) of ``buf`` hold
+    their final bytes (and raises to abort the stream)."""
+    if tuple(buf.shape) != spec.shape or dtype_name(buf.dtype) != spec.dtype or not buf.is_contiguous():
+        raise ValueError("buf: must be a contiguous tensor of the spec's shape and dtype")
+    plan = plan_frames(spec, min(max_frame_bytes, spec.layer_nbytes))
+    raw = tensor_bytes(buf)  # a view: bytes are read when each frame is built
+    for index, rng in enumerate(plan):
+        wait_layers(rng.layer_end)
+        start = rng.layer_start * spec.layer_nbytes + rng.byte_offset
+        chunk = raw[start : start + rng.byte_length]
+        yield KvFrame(header=_header(spec, rng, index, len(plan), zlib.crc32(chunk), first_token_id),
+                      data=chunk.tobytes())
 
 
 def _frames(spec: KvSpec, raw: memoryview, first_token_id: int, plan: list[FrameRange]) -> Iterator[KvFrame]:

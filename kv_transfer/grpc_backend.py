@@ -77,6 +77,10 @@ class GrpcKvSender(KvSender):
         frames = encode_frames(spec, kv, first_token_id, self.max_frame_bytes)
         if frame_filter is not None:
             frames = frame_filter(frames)
+        return self.send_frames(spec, frames, timeout_s)
+
+    def send_frames(self, spec: KvSpec, frames: Iterator[KvFrame], timeout_s: float) -> KvAck:
+        """Stream frames already built (by `send`, or as layers land for layer-wise streaming)."""
         try:
             ack: KvAck = self._stub.PushKv(frames, timeout=timeout_s)
         except grpc.RpcError as err:

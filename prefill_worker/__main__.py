@@ -41,6 +41,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--prefill-chunk-tokens", type=int, default=512,
                     help="at most this many tokens of one prompt per pass, so long prompts do not block short "
                          "ones (0: whole prompts)")
+    ap.add_argument("--kv-streaming", choices=("request", "layer"), default="request",
+                    help="layer: ship each layer's K/V (gRPC backend) while the prefill pass still runs")
     ap.add_argument("--prefix-caching", action=argparse.BooleanOptionalAction, default=True,
                     help="reuse the K/V of prompt prefixes computed before (default on)")
     ap.add_argument("--dtype", default="float32")
@@ -65,7 +67,7 @@ def start_worker(args: argparse.Namespace) -> StartedWorker:
     faults = FaultInjector(args.inject_kv_fault, args.inject_kv_fault_count)
     worker = PrefillWorker(loaded, config, transfer_timeout_s=args.kv_timeout_s, metrics=metrics, faults=faults,
                            prefill_chunk_tokens=args.prefill_chunk_tokens or None,
-                           prefix_caching=args.prefix_caching)
+                           prefix_caching=args.prefix_caching, kv_streaming=args.kv_streaming)
     endpoint = start_metrics_endpoint(metrics.registry, args.metrics_port)
     drain = Drain()
     server = make_server(max_workers=256)

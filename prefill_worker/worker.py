@@ -6,8 +6,11 @@ import logging
 import threading
 import time
 from collections import deque
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
+
+import torch
 
 from engine.block_pool import BlockPool, block_hashes, blocks_for_tokens
 from engine.config import EngineConfig
@@ -19,7 +22,10 @@ from engine.sampler import sample
 from engine.sampling_params import SamplingParams
 from kv_transfer import KvSpec, get_backend
 from kv_transfer.base import dtype_name
+from kv_transfer.framing import encode_frames_as_ready
+from kv_transfer.grpc_backend import get_sender
 from prefill_worker.faults import FaultInjector
+from prefill_worker.layer_stream import LayerStream
 
 log = logging.getLogger(__name__)
 
@@ -54,7 +60,7 @@ class PrefillWorker:
     def __init__(self, loaded: LoadedModel, config: EngineConfig, transfer_timeout_s: float = 60.0,
                  max_queue: int = 1024, metrics: WorkerMetrics | None = None,
                  faults: FaultInjector | None = None, prefill_chunk_tokens: int | None = None,
-                 prefix_caching: bool = False) -> None:
+                 prefix_caching: bool = False, kv_streaming: str = "request") -> None:
         self.loaded = loaded
         self.config = config
         self.kv_cache = build_cache(loaded, config)
@@ -67,6 +73,9 @@ class PrefillWorker:
         self._active: list[PrefillJob] = []  # admitted, prompt partly computed (chunked prefill)
         self.prefill_chunk_tokens = prefill_chunk_tokens
         self.prefix_caching = prefix_caching
+        if kv_streaming not in ("request", "layer"):
+            raise ValueError(f"kv_streaming must be 'request' or 'layer', got {kv_streaming!r}")
+        self.kv_streaming = kv_streaming
         self._cond = threading.Condition()
         self._transfers = ThreadPoolExecutor(max_workers=8, thread_name_prefix="kv-send")
         self._stopped = False
@@ -174,7 +183,13 @@ class PrefillWorker:
         start = time.perf_counter()
         items = [StepInput(j.prompt_ids[j.num_computed : j.num_computed + n], j.num_computed, j.blocks)
                  for j, n in step]
-        logits = self.runner.forward(items)
+        streams = self._open_layer_streams(step)
+        try:
+            logits = self.runner.forward(items, on_layer_done=self._layer_callback(streams) if streams else None)
+        except BaseException as exc:
+            for stream in streams.values():
+                stream.fail(exc)
+            raise
         done = []
         for row, (job, n) in enumerate(step):
             job.num_computed += n
@@ -190,8 +205,52 @@ class PrefillWorker:
         for (_, job), token in zip(done, first, strict=True):
             with self._cond:
                 self._active.remove(job)
-            self._transfers.submit(self._ship, job, job.blocks, token, job.started_at - job.enqueued_at,
-                                   now - job.started_at)
+            if job.request_id in streams:
+                streams[job.request_id].finish(token)
+            else:
+                self._transfers.submit(self._ship, job, job.blocks, token, job.started_at - job.enqueued_at,
+                                       now - job.started_at)
+
+    # ----- layer-wise streaming (loop thread side) -----------------------------------------------
+    def _open_layer_streams(self, step: list[tuple[PrefillJob, int]]) -> dict[str, LayerStream]:
+        """Start a layer-wise transfer for each gRPC job this pass completes (`--kv-streaming layer`)."""
+        streams: dict[str, LayerStream] = {}
+        if self.kv_streaming != "layer":
+            return streams
+        for job, n in step:
+            if job.num_computed + n == len(job.prompt_ids) and job.kv_backend == "grpc":
+                spec = self.spec_for(job.request_id, len(job.prompt_ids))
+                stream = LayerStream(torch.empty(spec.shape, dtype=spec.torch_dtype), self.transfer_timeout_s)
+                streams[job.request_id] = stream
+                self._transfers.submit(self._ship_layers, job, spec, stream)
+        return streams
+
+    def _layer_callback(self, streams: dict[str, LayerStream]) -> Callable[[int], None]:
+        jobs = [j for j in self._active if j.request_id in streams]
+
+        def on_layer_done(layer: int) -> None:
+            for job in jobs:
+                stream = streams[job.request_id]
+                stream.buffer[layer] = self.kv_cache.kv[layer, :, job.blocks]  # [2, n, block, heads, dim]
+                stream.layer_done(layer)
+
+        return on_layer_done
+
+    def _ship_layers(self, job: PrefillJob, spec: KvSpec, stream: LayerStream) -> None:
+        """Transfer thread: stream frames as layers land, then answer with the first token."""
+        start = time.perf_counter()
+        try:
+            frames = encode_frames_as_ready(spec, stream.buffer, 0, stream.wait_layers)
+            get_sender(job.kv_target).send_frames(spec, frames, timeout_s=self.transfer_timeout_s)
+            token = stream.first_token()
+        except Exception as exc:
+            log.warning("request_id=%s: layer-wise KV transfer to %s failed: %s", job.request_id, job.kv_target, exc)
+            self.metrics.kv_failed(job.kv_backend, "send")
+            job.future.set_exception(exc)
+            return
+        finally:
+            self._release(job.blocks)
+        self._finish_job(job, spec, token, start, time.perf_counter() - job.started_at)
 
     def _register_full_blocks(self, job: PrefillJob) -> None:
         with self._cond:
@@ -232,10 +291,15 @@ class PrefillWorker:
             return
         finally:
             self._release(blocks)
+        self._finish_job(job, spec, token, start, prefill_s)
+
+    def _finish_job(self, job: PrefillJob, spec: KvSpec, token: int, transfer_start: float, prefill_s: float) -> None:
+        """The decode side acknowledged the KV: account it and answer the Prefill call."""
         self.kv_bytes_sent += spec.nbytes
         self.requests_finished += 1
-        transfer_s = time.perf_counter() - start
+        transfer_s = time.perf_counter() - transfer_start
         self.metrics.kv_transferred(job.kv_backend, "send", spec.nbytes, transfer_s)
+        queue_s = job.started_at - job.enqueued_at
         job.future.set_result(PrefillResult(token, queue_s, prefill_s, transfer_s, spec.nbytes))
 
     def _release(self, blocks: list[int]) -> None:

@@ -74,3 +74,20 @@ def test_eviction_under_pressure_leaks_nothing(default_model) -> None:  # noqa: 
         infos = wait_idle(roles)
         prefill = [i for i in infos if i.kv_blocks_total and i.prefix_cache_blocks][0]
         assert prefill.prefix_cache_blocks <= prefill.kv_blocks_total and prefill.kv_blocks_used == 0
+
+
+def test_layer_wise_streaming_gives_the_same_tokens(default_model) -> None:  # noqa: ANN001
+    prompts = [SHARED + "Tell me about the sea.", "Hello", "The capital of France is " * 30]
+    expected = _expected(default_model, prompts, 6)
+    config = LocalClusterConfig(prefill=1, decode=1, threads_per_worker=1,
+                                prefill_args=("--kv-streaming", "layer", "--prefill-chunk-tokens", "64"),
+                                decode_args=("--kv-backend", "grpc"))
+    with LocalCluster(config) as cluster:
+        with ThreadPoolExecutor(3) as pool:
+            results = list(pool.map(lambda p: generate(cluster.router_address, p, 6, ignore_eos=True), prompts))
+        assert [r.token_ids for r in results] == expected
+        roles = [(w.role, w.address) for w in cluster.workers]
+        wait_idle(roles)
+        address = dict(roles)
+        sent = worker_info(address["prefill"], "prefill").kv_bytes_sent
+        assert sent > 0 and sent == worker_info(address["decode"], "decode").kv_bytes_received
