@@ -206,13 +206,11 @@ def _cmd_serve_ray(args: argparse.Namespace) -> int:
         print(format_table(("name", "role", "address"), [[w["name"], w["role"], w["address"]]
                                                           for w in cluster.workers()]))
         print("`pdserve scale --prefill N --decode M` resizes; Ctrl-C (or SIGTERM) stops everything.", flush=True)
-        while True:
-            time.sleep(3600)
+        _wait_for_interrupt()
     except KeyboardInterrupt:
         print("pdserve: shutting down", file=sys.stderr, flush=True)
     finally:
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            signal.signal(sig, signal.SIG_IGN)
+        _ignore_signals()
         cluster.stop()
     return 0
 
@@ -256,15 +254,25 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     try:
         _print_cluster(cluster.router_address, [w._asdict() for w in cluster.workers])
         _print_extras(cluster.http_address, cluster.metrics_addresses)
-        while True:
-            time.sleep(3600)
+        _wait_for_interrupt()
     except KeyboardInterrupt:
         print("pdserve: shutting down", file=sys.stderr, flush=True)
     finally:
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            signal.signal(sig, signal.SIG_IGN)
+        _ignore_signals()
         cluster.stop()
     return 0
+
+
+def _wait_for_interrupt() -> None:
+    """Sleep until Ctrl-C or SIGTERM (both raise KeyboardInterrupt in `serve`)."""
+    while True:
+        time.sleep(3600)
+
+
+def _ignore_signals() -> None:
+    """While stopping, a second Ctrl-C must not interrupt the clean shutdown."""
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, signal.SIG_IGN)
 
 
 def _print_cluster(router_address: str, workers: list[dict[str, object]]) -> None:

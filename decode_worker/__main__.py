@@ -20,6 +20,7 @@ from engine.worker_runtime import (
     StartedWorker,
     add_health,
     add_observability_args,
+    add_worker_args,
     announce_ready,
     bind,
     configure_process,
@@ -33,25 +34,16 @@ from telemetry.prometheus import start_metrics_endpoint
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(prog="python -m decode_worker", description=__doc__)
-    ap.add_argument("--model", default=None, help="local Hugging Face folder (default: the default model)")
-    ap.add_argument("--host", default="127.0.0.1")
-    ap.add_argument("--port", type=int, default=0, help="0 picks a free port")
-    ap.add_argument("--worker-id", default="decode-0")
-    ap.add_argument("--threads", type=int, default=None, help="torch threads for this process")
+    add_worker_args(ap, worker_id="decode-0", kv_cache_mb=512)
     ap.add_argument("--colocated", action="store_true", help="prefill every request here (classic server)")
     ap.add_argument("--local-prefill-threshold", type=int, default=0,
                     help="prompts shorter than this many tokens are prefilled here (0: off)")
-    ap.add_argument("--kv-cache-mb", type=int, default=512)
-    ap.add_argument("--block-size", type=int, default=16)
     ap.add_argument("--max-num-seqs", type=int, default=64)
     ap.add_argument("--max-batched-tokens", type=int, default=4096)
-    ap.add_argument("--dtype", default="float32")
     ap.add_argument("--request-timeout-s", type=float, default=600.0)
     ap.add_argument("--admission-timeout-s", type=float, default=30.0)
     ap.add_argument("--kv-timeout-s", type=float, default=120.0,
                     help="how long a remote prefill (queue, compute, KV transfer) may take before it is retried")
-    ap.add_argument("--drain-timeout-s", type=float, default=30.0,
-                    help="on SIGTERM, stop taking requests and finish those in flight for at most this long")
     ap.add_argument("--kv-backend", default="auto", choices=("auto", "grpc", "shm", "ray"),
                     help="how prefill workers ship KV here: grpc (streamed to this worker's port), shm (same-host "
                          "shared memory), ray (object store), or auto: shm when the prefill worker is on this host, "

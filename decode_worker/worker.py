@@ -59,6 +59,7 @@ class DecodeWorker:
         self._streams: dict[str, queue.SimpleQueue[TokenOutput | StreamError]] = {}
         self._reservations: list[_PendingReservation] = []
         self._stopped = threading.Event()
+        self._counter_lock = threading.Lock()
         self.kv_bytes_received = 0
         self.requests_finished = 0
         self.metrics = metrics or WorkerMetrics()
@@ -109,7 +110,8 @@ class DecodeWorker:
 
     def commit(self, request_id: str, kv: torch.Tensor, first_token: int, backend: str = "grpc") -> Future:
         """The prompt's KV arrived (through `backend`): copy it into the reserved blocks, start decoding."""
-        self.kv_bytes_received += kv.numel() * kv.element_size()
+        with self._counter_lock:  # gRPC threads commit concurrently
+            self.kv_bytes_received += kv.numel() * kv.element_size()
         self.metrics.kv_transferred(backend, "receive", kv.numel() * kv.element_size(), None)
         return self.run_on_loop(lambda: self._commit(request_id, kv, first_token))
 

@@ -68,6 +68,20 @@ def sampling_params_to_pb(params: SamplingParams) -> common_pb2.SamplingParams:
     return pb
 
 
+def add_worker_args(ap: argparse.ArgumentParser, worker_id: str, kv_cache_mb: int) -> None:
+    """Flags every worker role takes: model, address, identity, threads, KV memory, shutdown."""
+    ap.add_argument("--model", default=None, help="local Hugging Face folder (default: the default model)")
+    ap.add_argument("--host", default="127.0.0.1", help="bind address (loopback unless told otherwise)")
+    ap.add_argument("--port", type=int, default=0, help="0 picks a free port")
+    ap.add_argument("--worker-id", default=worker_id)
+    ap.add_argument("--threads", type=int, default=None, help="torch threads for this process")
+    ap.add_argument("--kv-cache-mb", type=int, default=kv_cache_mb, help="KV cache memory of this worker")
+    ap.add_argument("--block-size", type=int, default=16, help="tokens per KV block (same on every worker)")
+    ap.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"))
+    ap.add_argument("--drain-timeout-s", type=float, default=30.0,
+                    help="on SIGTERM, stop taking requests and finish those in flight for at most this long")
+
+
 def add_observability_args(ap: argparse.ArgumentParser) -> None:
     """--log-level, --log-format and --metrics-port, the same on both worker roles."""
     ap.add_argument("--log-level", default="INFO")

@@ -15,6 +15,7 @@ from engine.worker_runtime import (
     StartedWorker,
     add_health,
     add_observability_args,
+    add_worker_args,
     announce_ready,
     bind,
     configure_process,
@@ -30,13 +31,7 @@ from telemetry.prometheus import start_metrics_endpoint
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(prog="python -m prefill_worker", description=__doc__)
-    ap.add_argument("--model", default=None, help="local Hugging Face folder (default: the default model)")
-    ap.add_argument("--host", default="127.0.0.1")
-    ap.add_argument("--port", type=int, default=0, help="0 picks a free port")
-    ap.add_argument("--worker-id", default="prefill-0")
-    ap.add_argument("--threads", type=int, default=None, help="torch threads for this process")
-    ap.add_argument("--kv-cache-mb", type=int, default=256)
-    ap.add_argument("--block-size", type=int, default=16)
+    add_worker_args(ap, worker_id="prefill-0", kv_cache_mb=256)
     ap.add_argument("--max-batched-tokens", type=int, default=4096, help="token budget of one prefill pass")
     ap.add_argument("--prefill-chunk-tokens", type=int, default=512,
                     help="at most this many tokens of one prompt per pass, so long prompts do not block short "
@@ -45,14 +40,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                     help="layer: ship each layer's K/V (gRPC backend) while the prefill pass still runs")
     ap.add_argument("--prefix-caching", action=argparse.BooleanOptionalAction, default=True,
                     help="reuse the K/V of prompt prefixes computed before (default on)")
-    ap.add_argument("--dtype", default="float32")
     ap.add_argument("--request-timeout-s", type=float, default=300.0)
     ap.add_argument("--kv-timeout-s", type=float, default=60.0, help="deadline of one KV transfer")
     ap.add_argument("--inject-kv-fault", choices=FAULT_MODES, default=None,
                     help="testing only: corrupt or stall the KV stream of the next transfers")
     ap.add_argument("--inject-kv-fault-count", type=int, default=1)
-    ap.add_argument("--drain-timeout-s", type=float, default=30.0,
-                    help="on SIGTERM, stop taking requests and finish those in flight for at most this long")
     add_observability_args(ap)
     return ap.parse_args(argv)
 

@@ -295,8 +295,9 @@ class PrefillWorker:
 
     def _finish_job(self, job: PrefillJob, spec: KvSpec, token: int, transfer_start: float, prefill_s: float) -> None:
         """The decode side acknowledged the KV: account it and answer the Prefill call."""
-        self.kv_bytes_sent += spec.nbytes
-        self.requests_finished += 1
+        with self._cond:  # transfer threads finish concurrently: keep the counters exact
+            self.kv_bytes_sent += spec.nbytes
+            self.requests_finished += 1
         transfer_s = time.perf_counter() - transfer_start
         self.metrics.kv_transferred(job.kv_backend, "send", spec.nbytes, transfer_s)
         queue_s = job.started_at - job.enqueued_at
