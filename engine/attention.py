@@ -9,6 +9,7 @@ each sequence's queries to that sequence's cached keys/values.
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections.abc import Iterator
 from dataclasses import dataclass
 
@@ -39,9 +40,11 @@ class AttentionBatch:
     block_tables: torch.Tensor
     is_decode: bool
 
-    @property
-    def context_lens_tensor(self) -> torch.Tensor:
-        return torch.tensor(self.context_lens, dtype=torch.long)
+    @functools.cached_property
+    def decode_mask(self) -> torch.Tensor:
+        """[B, 1, 1, S] True where a key position is inside its sequence (built once per pass)."""
+        lengths = torch.tensor(self.context_lens, dtype=torch.long)
+        return (torch.arange(max(self.context_lens)).unsqueeze(0) < lengths.unsqueeze(1))[:, None, None, :]
 
 
 _current: AttentionBatch | None = None
@@ -62,10 +65,9 @@ def _paged_context(kv_cache: KVCache, layer: int, block_tables: torch.Tensor, le
     torch.Tensor, torch.Tensor
 ]:
     """Keys and values of B sequences: ([B, H, length, D], [B, H, length, D])."""
-    # [B, nb, block_size, H, D] -> [B, nb*block_size, H, D] -> [B, H, length, D]
-    k = kv_cache.kv[layer, 0][block_tables].flatten(1, 2)[:, :length].transpose(1, 2)
-    v = kv_cache.kv[layer, 1][block_tables].flatten(1, 2)[:, :length].transpose(1, 2)
-    return k, v
+    # one gather for keys and values: [2, B, nb, block_size, H, D] -> [2, B, H, length, D]
+    kv = kv_cache.kv[layer][:, block_tables].flatten(2, 3)[:, :, :length].transpose(2, 3)
+    return kv[0], kv[1]
 
 
 def _decode_attention(batch: AttentionBatch, layer: int, query: torch.Tensor, scaling: float) -> torch.Tensor:
@@ -73,9 +75,8 @@ def _decode_attention(batch: AttentionBatch, layer: int, query: torch.Tensor, sc
     max_len = max(batch.context_lens)
     k, v = _paged_context(batch.kv_cache, layer, batch.block_tables, max_len)
     q = query[0].transpose(0, 1).unsqueeze(2)  # [B, Hq, 1, D]
-    mask = torch.arange(max_len).unsqueeze(0) < batch.context_lens_tensor.unsqueeze(1)  # [B, S]
     out = F.scaled_dot_product_attention(
-        q, k.to(q.dtype), v.to(q.dtype), attn_mask=mask[:, None, None, :], scale=scaling, enable_gqa=True
+        q, k.to(q.dtype), v.to(q.dtype), attn_mask=batch.decode_mask, scale=scaling, enable_gqa=True
     )  # [B, Hq, 1, D]
     return out.transpose(1, 2).transpose(0, 1)  # [1, B, Hq, D]
 
