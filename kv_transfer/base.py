@@ -25,7 +25,7 @@ import math
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
 import torch
 
@@ -196,6 +196,33 @@ class KvReceiver(abc.ABC):
 
     def close(self) -> None:  # noqa: B027 - optional hook, no-op by default
         """Fail every pending intake and stop background work."""
+
+
+SenderT = TypeVar("SenderT", bound=KvSender)
+
+
+class SenderCache(Generic[SenderT]):
+    """One sender (and its channel or actor handle) per target address, shared by every thread of
+    the process: backends use it as their sender factory so no transfer opens its own connection."""
+
+    def __init__(self, factory: Callable[[str], SenderT]) -> None:
+        self._factory = factory
+        self._senders: dict[str, SenderT] = {}
+        self._lock = threading.Lock()
+
+    def get(self, target_address: str) -> SenderT:
+        with self._lock:
+            sender = self._senders.get(target_address)
+            if sender is None:
+                sender = self._senders[target_address] = self._factory(target_address)
+            return sender
+
+    def close_all(self) -> None:
+        with self._lock:
+            senders = list(self._senders.values())
+            self._senders.clear()
+        for sender in senders:
+            sender.close()
 
 
 @dataclass(frozen=True)

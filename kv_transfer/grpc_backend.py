@@ -31,7 +31,15 @@ from collections.abc import Callable, Iterable, Iterator
 import grpc
 import torch
 
-from kv_transfer.base import KvReceiver, KvSender, KvSpec, KvTransferError, PendingKv, register_backend
+from kv_transfer.base import (
+    KvReceiver,
+    KvSender,
+    KvSpec,
+    KvTransferError,
+    PendingKv,
+    SenderCache,
+    register_backend,
+)
 from kv_transfer.framing import (
     DEFAULT_MAX_FRAME_BYTES,
     DEFAULT_MAX_TOTAL_BYTES,
@@ -98,26 +106,17 @@ class GrpcKvSender(KvSender):
         self._channel.close()
 
 
-_SENDERS: dict[str, GrpcKvSender] = {}
-_SENDERS_LOCK = threading.Lock()
+_SENDERS: SenderCache[GrpcKvSender] = SenderCache(GrpcKvSender)
 
 
 def get_sender(target_address: str) -> GrpcKvSender:
     """Return the process-wide cached sender (and channel) for ``target_address``."""
-    with _SENDERS_LOCK:
-        sender = _SENDERS.get(target_address)
-        if sender is None:
-            sender = _SENDERS[target_address] = GrpcKvSender(target_address)
-        return sender
+    return _SENDERS.get(target_address)
 
 
 def close_senders() -> None:
     """Close every cached sender (process shutdown, tests)."""
-    with _SENDERS_LOCK:
-        senders = list(_SENDERS.values())
-        _SENDERS.clear()
-    for sender in senders:
-        sender.close()
+    _SENDERS.close_all()
 
 
 class GrpcPendingKv(PendingKv):

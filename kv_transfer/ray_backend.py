@@ -33,7 +33,7 @@ import ray
 import torch
 from ray.exceptions import GetTimeoutError, ObjectLostError, RayError
 
-from kv_transfer.base import KvReceiver, KvSender, KvSpec, KvTransferError, register_backend
+from kv_transfer.base import KvReceiver, KvSender, KvSpec, KvTransferError, SenderCache, register_backend
 from kv_transfer.grpc_backend import KvTransferServicer
 from pdserve.v1.kv_pb2 import KvAck
 
@@ -124,17 +124,12 @@ class RayKvSender(KvSender):
         return KvAck(request_id=spec.request_id, ok=True, bytes_received=spec.nbytes)
 
 
-_SENDERS: dict[str, RayKvSender] = {}
-_SENDERS_LOCK = threading.Lock()
+_SENDERS: SenderCache[RayKvSender] = SenderCache(RayKvSender)
 
 
 def get_sender(target_address: str) -> RayKvSender:
     """The process-wide cached sender for ``target_address`` (``ray:<actor name>``)."""
-    with _SENDERS_LOCK:
-        sender = _SENDERS.get(target_address)
-        if sender is None:
-            sender = _SENDERS[target_address] = RayKvSender(target_address)
-        return sender
+    return _SENDERS.get(target_address)
 
 
 class RayKvReceiver(KvReceiver):

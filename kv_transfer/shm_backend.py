@@ -24,7 +24,7 @@ from multiprocessing import resource_tracker, shared_memory
 import grpc
 import torch
 
-from kv_transfer.base import KvSender, KvSpec, KvTransferError, dtype_name, register_backend
+from kv_transfer.base import KvSender, KvSpec, KvTransferError, SenderCache, dtype_name, register_backend
 from pdserve.transport import open_channel
 from pdserve.v1 import kv_pb2_grpc
 from pdserve.v1.kv_pb2 import KvAck, KvFrame, KvHeader
@@ -178,4 +178,6 @@ def read_segment(header: KvHeader, spec: KvSpec) -> torch.Tensor:
     return out
 
 
-register_backend(BACKEND_NAME, ShmKvSender, lambda *args: None)
+_SENDERS: SenderCache[ShmKvSender] = SenderCache(ShmKvSender)  # one control channel per decode worker
+
+register_backend(BACKEND_NAME, _SENDERS.get, lambda *args: None)
