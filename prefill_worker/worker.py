@@ -244,9 +244,7 @@ class PrefillWorker:
             get_sender(job.kv_target).send_frames(spec, frames, timeout_s=self.transfer_timeout_s)
             token = stream.first_token()
         except Exception as exc:
-            log.warning("request_id=%s: layer-wise KV transfer to %s failed: %s", job.request_id, job.kv_target, exc)
-            self.metrics.kv_failed(job.kv_backend, "send")
-            job.future.set_exception(exc)
+            self._fail_transfer(job, exc)
             return
         finally:
             self._release(job.blocks)
@@ -285,13 +283,18 @@ class PrefillWorker:
                 log.warning("request_id=%s: injecting a KV fault (%s)", job.request_id, fault.__name__)
                 sender.send(spec, kv, token, timeout_s=self.transfer_timeout_s, frame_filter=fault)  # type: ignore[call-arg]
         except Exception as exc:
-            log.warning("request %s: KV transfer to %s failed: %s", job.request_id, job.kv_target, exc)
-            self.metrics.kv_failed(job.kv_backend, "send")
-            job.future.set_exception(exc)
+            self._fail_transfer(job, exc)
             return
         finally:
             self._release(blocks)
         self._finish_job(job, spec, token, start, prefill_s)
+
+    def _fail_transfer(self, job: PrefillJob, exc: Exception) -> None:
+        """The KV did not reach the decode side: count it and fail the Prefill call (blocks are freed
+        by the caller's `finally`)."""
+        log.warning("request_id=%s: KV transfer to %s failed: %s", job.request_id, job.kv_target, exc)
+        self.metrics.kv_failed(job.kv_backend, "send")
+        job.future.set_exception(exc)
 
     def _finish_job(self, job: PrefillJob, spec: KvSpec, token: int, transfer_start: float, prefill_s: float) -> None:
         """The decode side acknowledged the KV: account it and answer the Prefill call."""
