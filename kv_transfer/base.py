@@ -25,7 +25,7 @@ import math
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Generic, TypeVar
+from typing import TYPE_CHECKING, Any, Generic, Protocol, TypeVar
 
 import torch
 
@@ -67,8 +67,10 @@ class KvSpec:
     """What one request's KV payload looks like; both sides must agree on every field.
 
     shape is ``(num_layers, 2, n_blocks, block_size, num_kv_heads, head_dim)`` with
-    ``n_blocks == ceil(num_tokens / block_size)``. Only the first ``num_tokens`` token slots
-    are meaningful; the rest of the last block is shipped but must be ignored.
+    ``n_blocks == ceil(num_tokens / block_size) - block_offset``: the payload holds blocks
+    ``[block_offset, ceil(num_tokens / block_size))`` of the request's block table, the receiver
+    already holding the first ``block_offset`` (a cached prefix). Only slots of the first
+    ``num_tokens`` tokens are meaningful; the rest of the last block is shipped but must be ignored.
     """
 
     request_id: str
@@ -77,6 +79,7 @@ class KvSpec:
     shape: tuple[int, ...]
     block_size: int
     num_tokens: int
+    block_offset: int = 0
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "shape", tuple(int(d) for d in self.shape))
@@ -97,9 +100,12 @@ class KvSpec:
         if self.shape[3] != self.block_size:
             raise ValueError(f"shape: dim 3 must equal block_size {self.block_size}, got {self.shape}")
         n_blocks = math.ceil(self.num_tokens / self.block_size)
-        if self.shape[2] != n_blocks:
+        if not 0 <= self.block_offset < n_blocks:
+            raise ValueError(f"block_offset: must be in [0, {n_blocks}), got {self.block_offset}")
+        if self.shape[2] != n_blocks - self.block_offset:
             raise ValueError(
-                f"shape: dim 2 must be ceil(num_tokens / block_size) = {n_blocks}, got {self.shape}"
+                f"shape: dim 2 must be ceil(num_tokens / block_size) - block_offset = "
+                f"{n_blocks - self.block_offset}, got {self.shape}"
             )
 
     @property
@@ -168,8 +174,22 @@ class PendingKv(abc.ABC):
         """The failure message, or "" if not failed (yet)."""
 
 
+class LayerSource(Protocol):
+    """A request's K/V filled layer by layer while its prefill pass still runs (layer-wise streaming).
+
+    ``buffer`` has the spec's shape; ``wait_layers(n)`` blocks until layers [0, n) hold their final
+    bytes and raises if the pass failed or took too long."""
+
+    buffer: torch.Tensor
+
+    def wait_layers(self, count: int) -> None: ...
+
+
 class KvSender(abc.ABC):
     """Prefill side. Thread-safe; one instance may serve many concurrent sends."""
+
+    #: True when :meth:`send_layers` ships layers while the pass still runs.
+    supports_layer_streaming = False
 
     @abc.abstractmethod
     def send(self, spec: KvSpec, kv: torch.Tensor, first_token_id: int, timeout_s: float) -> KvAck:
@@ -178,6 +198,11 @@ class KvSender(abc.ABC):
         Raises KvTransferError on refusal, invalid data, RPC error or after ``timeout_s``.
         Frees nothing: the caller frees its blocks after this returns or raises.
         """
+
+    def send_layers(self, spec: KvSpec, source: LayerSource, timeout_s: float) -> KvAck:
+        """Ship ``source.buffer`` layer by layer as its layers become ready; the first token travels
+        in the PrefillResponse (receivers see 0). Same contract as :meth:`send` otherwise."""
+        raise KvTransferError(f"{type(self).__name__} cannot stream KV layer by layer")
 
     def close(self) -> None:  # noqa: B027 - optional hook, no-op by default
         """Release connections; the sender must not be used afterwards."""

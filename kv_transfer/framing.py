@@ -136,6 +136,7 @@ def _header(spec: KvSpec, rng: FrameRange, index: int, total: int, crc: int, fir
         shape=list(spec.shape),
         block_size=spec.block_size,
         num_tokens=spec.num_tokens,
+        block_offset=spec.block_offset,
         layer_start=rng.layer_start,
         layer_end=rng.layer_end,
         byte_offset=rng.byte_offset,
@@ -219,7 +220,7 @@ class FrameAssembler:
 
     def _check_identity(self, h: KvHeader) -> None:
         exp = self.expected
-        for field in ("request_id", "model_fingerprint", "dtype", "block_size", "num_tokens"):
+        for field in ("request_id", "model_fingerprint", "dtype", "block_size", "num_tokens", "block_offset"):
             got, want = getattr(h, field), getattr(exp, field)
             if got != want:
                 raise KvFrameError(field, f"expected {want!r}, got {got!r}")

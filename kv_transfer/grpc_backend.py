@@ -36,6 +36,7 @@ from kv_transfer.base import (
     KvSender,
     KvSpec,
     KvTransferError,
+    LayerSource,
     PendingKv,
     SenderCache,
     register_backend,
@@ -46,6 +47,7 @@ from kv_transfer.framing import (
     FrameAssembler,
     KvFrameError,
     encode_frames,
+    encode_frames_as_ready,
 )
 from pdserve.transport import open_channel
 from pdserve.v1 import kv_pb2_grpc
@@ -64,6 +66,8 @@ def grpc_message_options(max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES) -> list
 
 class GrpcKvSender(KvSender):
     """Pushes KV to one receiver address over a single (thread-safe) cached channel."""
+
+    supports_layer_streaming = True
 
     def __init__(self, target_address: str, max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES) -> None:
         self.target_address = target_address
@@ -86,6 +90,10 @@ class GrpcKvSender(KvSender):
         if frame_filter is not None:
             frames = frame_filter(frames)
         return self.send_frames(spec, frames, timeout_s)
+
+    def send_layers(self, spec: KvSpec, source: LayerSource, timeout_s: float) -> KvAck:
+        """Layer-wise streaming: each frame is built once the layers it covers are ready."""
+        return self.send_frames(spec, encode_frames_as_ready(spec, source.buffer, 0, source.wait_layers), timeout_s)
 
     def send_frames(self, spec: KvSpec, frames: Iterator[KvFrame], timeout_s: float) -> KvAck:
         """Stream frames already built (by `send`, or as layers land for layer-wise streaming)."""

@@ -41,7 +41,7 @@ BACKEND_NAME = "ray"
 TARGET_PREFIX = "ray:"
 NAMESPACE = "pdserve"
 HEADER_FIELDS = ("request_id", "model_fingerprint", "dtype", "shape", "block_size", "num_tokens",
-                 "first_token_id", "total_bytes")
+                 "block_offset", "first_token_id", "total_bytes")
 
 
 def actor_name(target: str) -> str:
@@ -55,14 +55,14 @@ def header_for(spec: KvSpec, first_token_id: int) -> dict[str, Any]:
     """The plain-dict header of one payload (what ``KvHeader`` says about a whole transfer)."""
     return {"request_id": spec.request_id, "model_fingerprint": spec.model_fingerprint, "dtype": spec.dtype,
             "shape": list(spec.shape), "block_size": spec.block_size, "num_tokens": spec.num_tokens,
-            "first_token_id": int(first_token_id), "total_bytes": spec.nbytes}
+            "block_offset": spec.block_offset, "first_token_id": int(first_token_id), "total_bytes": spec.nbytes}
 
 
 def spec_from_header(header: object) -> tuple[KvSpec, int]:
     """Validate a received header; ValueError naming the field otherwise."""
     if not isinstance(header, dict) or set(header) != set(HEADER_FIELDS):
         raise ValueError(f"header: need exactly the fields {HEADER_FIELDS}")
-    for name in ("block_size", "num_tokens", "first_token_id", "total_bytes"):
+    for name in ("block_size", "num_tokens", "block_offset", "first_token_id", "total_bytes"):
         if type(header[name]) is not int:
             raise ValueError(f"{name}: must be an int, got {type(header[name]).__name__}")
     shape = header["shape"]
@@ -70,7 +70,7 @@ def spec_from_header(header: object) -> tuple[KvSpec, int]:
         raise ValueError("shape: must be a list of ints")
     spec = KvSpec(request_id=header["request_id"], model_fingerprint=header["model_fingerprint"],
                   dtype=header["dtype"], shape=tuple(shape), block_size=header["block_size"],
-                  num_tokens=header["num_tokens"])
+                  num_tokens=header["num_tokens"], block_offset=header["block_offset"])
     if header["total_bytes"] != spec.nbytes:
         raise ValueError(f"total_bytes: {header['total_bytes']} != {spec.nbytes} implied by shape and dtype")
     if header["first_token_id"] < 0:

@@ -94,7 +94,8 @@ _POOL = SegmentPool()
 def header_for(spec: KvSpec, first_token_id: int, shm_name: str) -> KvHeader:
     return KvHeader(
         request_id=spec.request_id, model_fingerprint=spec.model_fingerprint, dtype=spec.dtype,
-        shape=list(spec.shape), block_size=spec.block_size, num_tokens=spec.num_tokens, layer_start=0,
+        shape=list(spec.shape), block_size=spec.block_size, num_tokens=spec.num_tokens,
+        block_offset=spec.block_offset, layer_start=0,
         layer_end=spec.num_layers, byte_offset=0, byte_length=spec.nbytes, frame_index=0, total_frames=1,
         first_token_id=first_token_id, last=True, shm_name=shm_name,
     )
@@ -137,6 +138,7 @@ def check_header(header: KvHeader, spec: KvSpec) -> str:
         ("model_fingerprint", header.model_fingerprint, spec.model_fingerprint),
         ("dtype", header.dtype, spec.dtype), ("shape", tuple(header.shape), spec.shape),
         ("block_size", header.block_size, spec.block_size), ("num_tokens", header.num_tokens, spec.num_tokens),
+        ("block_offset", header.block_offset, spec.block_offset),
         ("byte_length", header.byte_length, spec.nbytes),
     ]
     for field, got, want in checks:

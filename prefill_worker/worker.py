@@ -21,9 +21,7 @@ from engine.model_runner import ModelRunner, StepInput
 from engine.sampler import sample
 from engine.sampling_params import SamplingParams
 from kv_transfer import KvSpec, get_backend
-from kv_transfer.base import dtype_name
-from kv_transfer.framing import encode_frames_as_ready
-from kv_transfer.grpc_backend import get_sender
+from kv_transfer.base import KvSender, dtype_name
 from prefill_worker.faults import FaultInjector
 from prefill_worker.layer_stream import LayerStream
 
@@ -213,12 +211,13 @@ class PrefillWorker:
 
     # ----- layer-wise streaming (loop thread side) -----------------------------------------------
     def _open_layer_streams(self, step: list[tuple[PrefillJob, int]]) -> dict[str, LayerStream]:
-        """Start a layer-wise transfer for each gRPC job this pass completes (`--kv-streaming layer`)."""
+        """Start a layer-wise transfer for each job this pass completes whose backend can stream layers
+        (`--kv-streaming layer`); the others ship after the pass, as with `request`."""
         streams: dict[str, LayerStream] = {}
         if self.kv_streaming != "layer":
             return streams
         for job, n in step:
-            if job.num_computed + n == len(job.prompt_ids) and job.kv_backend == "grpc":
+            if job.num_computed + n == len(job.prompt_ids) and self._can_stream_layers(job):
                 spec = self.spec_for(job.request_id, len(job.prompt_ids))
                 stream = LayerStream(torch.empty(spec.shape, dtype=spec.torch_dtype), self.transfer_timeout_s)
                 streams[job.request_id] = stream
@@ -240,8 +239,7 @@ class PrefillWorker:
         """Transfer thread: stream frames as layers land, then answer with the first token."""
         start = time.perf_counter()
         try:
-            frames = encode_frames_as_ready(spec, stream.buffer, 0, stream.wait_layers)
-            get_sender(job.kv_target).send_frames(spec, frames, timeout_s=self.transfer_timeout_s)
+            self._sender(job).send_layers(spec, stream, timeout_s=self.transfer_timeout_s)
             token = stream.first_token()
         except Exception as exc:
             self._fail_transfer(job, exc)
@@ -275,7 +273,7 @@ class PrefillWorker:
         try:
             spec = self.spec_for(job.request_id, len(job.prompt_ids))
             kv = self.kv_cache.gather(blocks)
-            sender = get_backend(job.kv_backend).sender_factory(job.kv_target)
+            sender = self._sender(job)
             fault = self.faults.next_filter()
             if fault is None:
                 sender.send(spec, kv, token, timeout_s=self.transfer_timeout_s)
@@ -288,6 +286,16 @@ class PrefillWorker:
         finally:
             self._release(blocks)
         self._finish_job(job, spec, token, start, prefill_s)
+
+    def _can_stream_layers(self, job: PrefillJob) -> bool:
+        try:
+            return self._sender(job).supports_layer_streaming
+        except Exception:  # noqa: BLE001 - a bad backend or target fails the job in `_ship`, not the pass
+            return False
+
+    @staticmethod
+    def _sender(job: PrefillJob) -> KvSender:
+        return get_backend(job.kv_backend).sender_factory(job.kv_target)
 
     def _fail_transfer(self, job: PrefillJob, exc: Exception) -> None:
         """The KV did not reach the decode side: count it and fail the Prefill call (blocks are freed

@@ -7,7 +7,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class KvHeader(_message.Message):
-    __slots__ = ("request_id", "model_fingerprint", "dtype", "shape", "block_size", "num_tokens", "layer_start", "layer_end", "byte_offset", "byte_length", "frame_index", "total_frames", "checksum", "first_token_id", "last", "shm_name")
+    __slots__ = ("request_id", "model_fingerprint", "dtype", "shape", "block_size", "num_tokens", "layer_start", "layer_end", "byte_offset", "byte_length", "frame_index", "total_frames", "checksum", "first_token_id", "last", "shm_name", "block_offset")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     MODEL_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
     DTYPE_FIELD_NUMBER: _ClassVar[int]
@@ -24,6 +24,7 @@ class KvHeader(_message.Message):
     FIRST_TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
     LAST_FIELD_NUMBER: _ClassVar[int]
     SHM_NAME_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_OFFSET_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     model_fingerprint: str
     dtype: str
@@ -40,7 +41,8 @@ class KvHeader(_message.Message):
     first_token_id: int
     last: bool
     shm_name: str
-    def __init__(self, request_id: _Optional[str] = ..., model_fingerprint: _Optional[str] = ..., dtype: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., block_size: _Optional[int] = ..., num_tokens: _Optional[int] = ..., layer_start: _Optional[int] = ..., layer_end: _Optional[int] = ..., byte_offset: _Optional[int] = ..., byte_length: _Optional[int] = ..., frame_index: _Optional[int] = ..., total_frames: _Optional[int] = ..., checksum: _Optional[int] = ..., first_token_id: _Optional[int] = ..., last: _Optional[bool] = ..., shm_name: _Optional[str] = ...) -> None: ...
+    block_offset: int
+    def __init__(self, request_id: _Optional[str] = ..., model_fingerprint: _Optional[str] = ..., dtype: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., block_size: _Optional[int] = ..., num_tokens: _Optional[int] = ..., layer_start: _Optional[int] = ..., layer_end: _Optional[int] = ..., byte_offset: _Optional[int] = ..., byte_length: _Optional[int] = ..., frame_index: _Optional[int] = ..., total_frames: _Optional[int] = ..., checksum: _Optional[int] = ..., first_token_id: _Optional[int] = ..., last: _Optional[bool] = ..., shm_name: _Optional[str] = ..., block_offset: _Optional[int] = ...) -> None: ...
 
 class KvFrame(_message.Message):
     __slots__ = ("header", "data")
