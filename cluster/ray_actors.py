@@ -5,7 +5,8 @@ decode_worker`` build (their ``start_worker``), from the same command-line flags
 deployment modes share one code path: the worker serves gRPC on its own port, and the router
 talks to it as it talks to a local process. The actor adds what a launcher needs: ``address()``,
 ``info()``, ``drain()``, ``is_idle()``, ``stop()``; a decode actor also takes KV from the Ray
-object store (``receive_kv``, the "ray" KV backend's receiving end).
+object store (``receive_kv`` for a whole request, ``receive_kv_part`` for layer-wise parts: the "ray" KV
+backend's receiving end).
 
 The router actor serves the public gRPC API; ``add_worker`` / ``remove_worker`` change its worker
 set at runtime (the controller calls them when workers are added, removed or restarted).
@@ -54,7 +55,8 @@ class WorkerActor:
         return {"role": self.role, "worker_id": self.worker_id, "address": self.started.address,
                 "pid": os.getpid(), "node_id": ray.get_runtime_context().get_node_id(),
                 "draining": self.started.drain.draining, "idle": self.started.is_idle(),
-                "ray_kv_transfers": self._ray_receiver.transfers_received if self._ray_receiver else 0}
+                "ray_kv_transfers": self._ray_receiver.transfers_received if self._ray_receiver else 0,
+                "ray_kv_parts": self._ray_receiver.parts_received if self._ray_receiver else 0}
 
     def drain(self) -> None:
         """Report unhealthy and refuse new requests; the ones held here keep being served."""
@@ -72,6 +74,13 @@ class WorkerActor:
         if self._ray_receiver is None:
             return {"ok": False, "error": f"{self.worker_id} does not take KV through Ray", "bytes_received": 0}
         return dict(self._ray_receiver.receive(header, refs))
+
+    def receive_kv_part(self, header: dict[str, Any], part: dict[str, Any], refs: list[Any]) -> dict[str, Any]:
+        """Layer-wise receiving end: one part (a layer range and its [ObjectRef]) of a request, or the
+        sender's abort; parts arrive in any order and concurrently (the actor is threaded)."""
+        if self._ray_receiver is None:
+            return {"ok": False, "error": f"{self.worker_id} does not take KV through Ray", "bytes_received": 0}
+        return dict(self._ray_receiver.receive_part(header, part, refs))
 
 
 class RouterActor:
