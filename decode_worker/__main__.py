@@ -48,6 +48,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                     help="how prefill workers ship KV here: grpc (streamed to this worker's port), shm (same-host "
                          "shared memory), ray (object store), or auto: shm when the prefill worker is on this host, "
                          "else grpc (default)")
+    ap.add_argument("--prefix-caching", action=argparse.BooleanOptionalAction, default=True,
+                    help="keep the K/V blocks of received prompts; a later prompt with the same prefix has only "
+                         "the blocks this worker lacks shipped (default on)")
     ap.add_argument("--kv-target", default="",
                     help="where prefill workers send KV (default: this worker's gRPC address; "
                          "ray:<actor name> for the ray backend)")
@@ -60,7 +63,7 @@ def start_worker(args: argparse.Namespace) -> StartedWorker:
     args.host:args.port. Shared by `main` (a process) and the Ray actor (`cluster.ray_actors`)."""
     config = EngineConfig(model=args.model, dtype=args.dtype, block_size=args.block_size,
                           kv_cache_memory_mb=args.kv_cache_mb, max_num_seqs=args.max_num_seqs,
-                          max_num_batched_tokens=args.max_batched_tokens)
+                          max_num_batched_tokens=args.max_batched_tokens, prefix_caching=args.prefix_caching)
     loaded = load_model(resolve_model(args.model), config.torch_dtype)
     metrics = WorkerMetrics()
     worker = DecodeWorker(loaded, config, admission_timeout_s=args.admission_timeout_s, metrics=metrics)

@@ -123,18 +123,18 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
         """Reserve, then have `prefill_address` compute the K/V of prompt + resumed tokens and push
         them here. A failure on the prefill side ends with UNAVAILABLE and details starting with
         PREFILL_FAILURE, so the router prefills the request again elsewhere."""
-        self._wait(self.worker.reserve(request_id, prompt_ids, params, resume_ids), deadline, context)
+        seq = self._wait(self.worker.reserve(request_id, prompt_ids, params, resume_ids), deadline, context)
         tokens = prompt_ids + resume_ids
         kv_deadline = min(deadline, time.perf_counter() + self.kv_timeout_s)
-        pending = self.kv_receiver.expect(self.worker.expected_spec(request_id, len(tokens)),
-                                          deadline_s=max(0.1, kv_deadline - time.perf_counter()))
+        spec = self.worker.expected_spec(request_id, len(tokens), seq.num_reused_blocks)
+        pending = self.kv_receiver.expect(spec, deadline_s=max(0.1, kv_deadline - time.perf_counter()))
         context.add_callback(lambda: pending.cancel("client cancelled"))
         call = self._prefill_stub(prefill_address).Prefill.future(
             worker_pb2.PrefillRequest(
                 request_id=request_id, prompt_token_ids=tokens, params=sampling_params_to_pb(params),
                 kv_target_address=self.kv_target, kv_backend=self._backend_for(prefill_address),
                 decode_worker_id=self.worker_id,
-                output_index=len(resume_ids),
+                output_index=len(resume_ids), kv_block_offset=spec.block_offset,
             ),
             timeout=max(0.1, kv_deadline - time.perf_counter()),
         )
@@ -215,6 +215,7 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
             running_requests=s["running"], healthy=not self.drain.draining, kv_address=self.address,
             prefill_tokens_computed=s["prefill_tokens_computed"],
             kv_bytes_received=self.worker.kv_bytes_received, requests_finished=self.worker.requests_finished,
+            prefix_cache_hit_blocks=s["prefix_cache_hit_blocks"], prefix_cache_blocks=s["prefix_cache_blocks"],
         )
 
     def Abort(self, request: worker_pb2.AbortRequest, context: grpc.ServicerContext) -> worker_pb2.AbortResponse:  # noqa: N802

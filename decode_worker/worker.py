@@ -119,13 +119,14 @@ class DecodeWorker:
         """End the request wherever it is; its blocks are freed. Safe to call more than once."""
         self._inbox.put(lambda: self._abort(request_id))
 
-    def expected_spec(self, request_id: str, num_tokens: int) -> KvSpec:
+    def expected_spec(self, request_id: str, num_tokens: int, block_offset: int = 0) -> KvSpec:
+        """The payload for `num_tokens` tokens of which the first `block_offset` blocks are held here."""
         s = self.engine.kv_cache.shape
-        n = blocks_for_tokens(num_tokens, s.block_size)
+        n = blocks_for_tokens(num_tokens, s.block_size) - block_offset
         return KvSpec(
             request_id=request_id, model_fingerprint=self.loaded.fingerprint, dtype=dtype_name(s.dtype),
             shape=(s.num_layers, 2, n, s.block_size, s.num_kv_heads, s.head_dim),
-            block_size=s.block_size, num_tokens=num_tokens,
+            block_size=s.block_size, num_tokens=num_tokens, block_offset=block_offset,
         )
 
     def idle(self) -> bool:
@@ -143,6 +144,7 @@ class DecodeWorker:
             "queue_depth": len(self._reservations) + len(e.scheduler.waiting),
             "running": len(e.sequences), "kv_used": e.pool.num_used, "kv_total": e.pool.num_blocks,
             "prefill_tokens_computed": e.runner.num_prefill_tokens,
+            "prefix_cache_hit_blocks": e.pool.cache_hits, "prefix_cache_blocks": e.pool.num_cached,
         }
 
     # ----- loop thread ------------------------------------------------------------------------

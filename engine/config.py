@@ -30,6 +30,7 @@ class EngineConfig:
     max_num_batched_tokens: int = 4096
     max_model_len: int | None = None
     num_threads: int | None = None
+    prefix_caching: bool = False
 
     def __post_init__(self) -> None:
         if self.dtype not in _DTYPES:

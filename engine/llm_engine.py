@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.block_pool import BlockPool
+from engine.block_pool import BlockPool, block_hashes
 from engine.config import EngineConfig
 from engine.kv_cache import KVCache
 from engine.model_loader import LoadedModel
@@ -87,19 +87,34 @@ class LLMEngine:
 
     def reserve(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
                 resume_ids: list[int] | None = None) -> Sequence | None:
-        """Hold blocks for tokens whose K/V will arrive from elsewhere; None if the pool is full."""
+        """Hold blocks for tokens whose K/V will arrive from elsewhere; None if the pool is full.
+
+        With prefix caching, the leading full blocks this engine already holds for the same tokens
+        (from an earlier transfer) are shared instead: `seq.num_reused_blocks` of them, never the
+        block of the last token, so at least one block always arrives."""
         seq = self.new_sequence(request_id, prompt_ids, params, resume_ids)
         seq.status = SequenceStatus.RESERVED
+        if self.config.prefix_caching:
+            hashes = block_hashes(seq.all_ids, self.pool.block_size)
+            seq.block_table = self.pool.lookup(hashes[: (seq.num_tokens - 1) // self.pool.block_size])
+            seq.num_reused_blocks = len(seq.block_table)
         if not self.scheduler.grow(seq, seq.num_tokens + 1):
+            self.pool.free(seq.block_table)
+            seq.block_table, seq.num_reused_blocks = [], 0
             del self.sequences[request_id]
             return None
         return seq
 
     def commit_prefilled(self, seq: Sequence, kv_blocks: torch.Tensor, first_token: int) -> TokenOutput:
-        """K/V of every token so far arrived ([L, 2, n_blocks, block_size, H, D]): start decoding."""
-        n = len(kv_blocks[0, 0])
-        self.kv_cache.scatter(seq.block_table[:n], kv_blocks)
+        """K/V arrived for blocks [num_reused_blocks, ...) of every token so far
+        ([L, 2, n_blocks, block_size, H, D]): store them, start decoding."""
+        offset = seq.num_reused_blocks
+        self.kv_cache.scatter(seq.block_table[offset : offset + len(kv_blocks[0, 0])], kv_blocks)
         seq.num_cached = seq.num_tokens
+        if self.config.prefix_caching:  # full blocks are never written again: later requests may share them
+            for block, prefix_hash in zip(seq.block_table, block_hashes(seq.all_ids, self.pool.block_size),
+                                          strict=False):
+                self.pool.cache_block(block, prefix_hash)
         out = self._append(seq, first_token)
         if not seq.is_finished:
             self.scheduler.add_running(seq)

@@ -29,6 +29,7 @@ class Sequence:
     output_ids: list[int] = field(default_factory=list)
     block_table: list[int] = field(default_factory=list)
     num_cached: int = 0  # tokens whose K/V are in this engine's cache
+    num_reused_blocks: int = 0  # leading blocks of a reservation taken from this engine's prefix cache
     status: SequenceStatus = SequenceStatus.WAITING
     arrival_time: float = field(default_factory=time.perf_counter)
     first_token_time: float | None = None

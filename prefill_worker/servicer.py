@@ -30,6 +30,7 @@ class PrefillServicer(worker_pb2_grpc.PrefillWorkerServicer):
                 request_id=request.request_id, prompt_ids=list(request.prompt_token_ids),
                 params=sampling_params_from_pb(request.params), kv_target=request.kv_target_address,
                 kv_backend=request.kv_backend or "grpc", output_index=request.output_index,
+                kv_block_offset=request.kv_block_offset,
             )
             if not job.request_id or not job.prompt_ids or not job.kv_target:
                 raise ValueError("request_id, prompt_token_ids and kv_target_address are required")

@@ -36,6 +36,7 @@ class PrefillJob:
     kv_target: str
     kv_backend: str = "grpc"
     output_index: int = 0  # output position of the token sampled here (> 0 for resumed requests)
+    kv_block_offset: int = 0  # leading blocks the decode worker already holds: not shipped
     enqueued_at: float = field(default_factory=time.perf_counter)
     future: Future = field(default_factory=Future)
     # set on admission (loop thread)
@@ -90,6 +91,10 @@ class PrefillWorker:
         """Queue a prompt; the future yields a PrefillResult once the decode side holds the KV."""
         if len(job.prompt_ids) > self.pool.num_blocks * self.pool.block_size:
             raise ValueError(f"prompt of {len(job.prompt_ids)} tokens does not fit this worker's KV pool")
+        num_blocks = blocks_for_tokens(len(job.prompt_ids), self.pool.block_size)
+        if not 0 <= job.kv_block_offset < num_blocks:
+            raise ValueError(f"kv_block_offset: must be in [0, {num_blocks}) for a prompt of "
+                             f"{len(job.prompt_ids)} tokens, got {job.kv_block_offset}")
         with self._cond:
             if len(self._queue) >= self.max_queue:
                 raise OverflowError(f"prefill queue is full ({self.max_queue} requests)")
@@ -218,7 +223,7 @@ class PrefillWorker:
             return streams
         for job, n in step:
             if job.num_computed + n == len(job.prompt_ids) and self._can_stream_layers(job):
-                spec = self.spec_for(job.request_id, len(job.prompt_ids))
+                spec = self.spec_for(job)
                 stream = LayerStream(torch.empty(spec.shape, dtype=spec.torch_dtype), self.transfer_timeout_s)
                 streams[job.request_id] = stream
                 self._transfers.submit(self._ship_layers, job, spec, stream)
@@ -230,7 +235,8 @@ class PrefillWorker:
         def on_layer_done(layer: int) -> None:
             for job in jobs:
                 stream = streams[job.request_id]
-                stream.buffer[layer] = self.kv_cache.kv[layer, :, job.blocks]  # [2, n, block, heads, dim]
+                # [2, n, block, heads, dim]
+                stream.buffer[layer] = self.kv_cache.kv[layer, :, job.blocks[job.kv_block_offset :]]
                 stream.layer_done(layer)
 
         return on_layer_done
@@ -259,20 +265,21 @@ class PrefillWorker:
 
 
     # ----- transfer threads -------------------------------------------------------------------
-    def spec_for(self, request_id: str, num_tokens: int) -> KvSpec:
+    def spec_for(self, job: PrefillJob) -> KvSpec:
+        """What this job ships: its prompt's blocks from `kv_block_offset` on."""
         s = self.kv_cache.shape
-        n = blocks_for_tokens(num_tokens, s.block_size)
+        n = blocks_for_tokens(len(job.prompt_ids), s.block_size) - job.kv_block_offset
         return KvSpec(
-            request_id=request_id, model_fingerprint=self.loaded.fingerprint, dtype=dtype_name(s.dtype),
+            request_id=job.request_id, model_fingerprint=self.loaded.fingerprint, dtype=dtype_name(s.dtype),
             shape=(s.num_layers, 2, n, s.block_size, s.num_kv_heads, s.head_dim),
-            block_size=s.block_size, num_tokens=num_tokens,
+            block_size=s.block_size, num_tokens=len(job.prompt_ids), block_offset=job.kv_block_offset,
         )
 
     def _ship(self, job: PrefillJob, blocks: list[int], token: int, queue_s: float, prefill_s: float) -> None:
         start = time.perf_counter()
         try:
-            spec = self.spec_for(job.request_id, len(job.prompt_ids))
-            kv = self.kv_cache.gather(blocks)
+            spec = self.spec_for(job)
+            kv = self.kv_cache.gather(blocks[job.kv_block_offset :])
             sender = self._sender(job)
             fault = self.faults.next_filter()
             if fault is None:

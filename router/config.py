@@ -43,8 +43,6 @@ class RouterConfig:
         for name in ("prefill_policy", "decode_policy"):
             if getattr(self, name) not in POLICY_NAMES:
                 raise ValueError(f"{name} must be one of {', '.join(POLICY_NAMES)}, got {getattr(self, name)!r}")
-        if self.decode_policy == "prefix_affinity":
-            raise ValueError("decode_policy: prefix_affinity applies to prefill workers only")
         if self.decode and not self.prefill:
             raise ValueError("decode workers need at least one prefill worker (or use colocated workers)")
         for name in ("max_stream_timeout_s", "info_timeout_s", "poll_interval_s"):

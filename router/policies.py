@@ -110,20 +110,25 @@ class LeastLoaded(Policy):
 
 
 class PrefixAffinity(LeastLoaded):
-    """Requests whose prompts start alike go to the same prefill worker (rendezvous hashing of the
-    prefix key), so its prefix cache serves them; a worker already `max_imbalance_tokens` more loaded
-    than the least loaded one is passed over (bounded load). No key: least loaded."""
+    """Requests whose prompts start alike go to the same worker (rendezvous hashing of the prefix
+    key), so its prefix cache serves them: a prefill worker's computed prefix, or a decode worker's
+    received prefix blocks, which then are not shipped again. A worker whose load exceeds the least
+    loaded one's by more than `max_imbalance` is passed over (bounded load). No key: least loaded.
 
-    def __init__(self, max_imbalance_tokens: int = 4096) -> None:
-        super().__init__(prefill_load)
-        self._max_imbalance = max_imbalance_tokens
+    Loads: prefill workers in pending prompt tokens (default bound 4096), decode workers in running
+    requests plus KV fraction (default bound 8)."""
+
+    def __init__(self, load: Callable[[Candidate], tuple[float, int]] = prefill_load,
+                 max_imbalance: float = 4096) -> None:
+        super().__init__(load)
+        self._max_imbalance = max_imbalance
 
     def _choose_for(self, healthy: Sequence[Candidate], key: str) -> Candidate:
         ranked = sorted(healthy, key=lambda c: hashlib.blake2b(f"{key}|{c.address}".encode(), digest_size=8).digest(),
                         reverse=True)
-        lightest = min(prefill_load(c)[0] for c in healthy)
+        lightest = min(self._load(c)[0] for c in healthy)
         for candidate in ranked:
-            if prefill_load(candidate)[0] - lightest <= self._max_imbalance:
+            if self._load(candidate)[0] - lightest <= self._max_imbalance:
                 return candidate
         return self._choose(healthy)
 
@@ -146,9 +151,7 @@ def make_policy(name: str, stage: str) -> Policy:
     if name == "round_robin":
         return RoundRobin()
     if name == "prefix_affinity":
-        if stage != PREFILL:
-            raise ValueError("prefix_affinity is a prefill policy")
-        return PrefixAffinity()
+        return PrefixAffinity() if stage == PREFILL else PrefixAffinity(decode_load, max_imbalance=8)
     if name == "least_loaded":
         return LeastLoaded(prefill_load if stage == PREFILL else decode_load)
     raise ValueError(f"policy must be one of {', '.join(POLICY_NAMES)}, got {name!r}")

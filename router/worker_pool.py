@@ -217,7 +217,7 @@ class WorkerPool:
         flight. Workers in `avoid` (they just failed this request) are picked only when no other
         healthy one is left. Raises NoHealthyWorker when a needed stage has no healthy worker."""
         with self._lock:
-            decode = decode_policy.pick(self._candidates_locked((DECODE, COLOCATED), avoid))
+            decode = decode_policy.pick(self._candidates_locked((DECODE, COLOCATED), avoid), prefix_key)
             if decode is None:
                 raise NoHealthyWorker(self._missing_message((DECODE, COLOCATED), "decode"))
             prefill_address = ""

@@ -5,7 +5,10 @@ from __future__ import annotations
 import threading
 from concurrent.futures import ThreadPoolExecutor
 
+import pytest
+
 from cluster.local import LocalCluster, LocalClusterConfig
+from engine.block_pool import blocks_for_tokens
 from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine
 from engine.sampling_params import SamplingParams
@@ -91,3 +94,35 @@ def test_layer_wise_streaming_gives_the_same_tokens(default_model) -> None:  # n
         address = dict(roles)
         sent = worker_info(address["prefill"], "prefill").kv_bytes_sent
         assert sent > 0 and sent == worker_info(address["decode"], "decode").kv_bytes_received
+
+
+def _common_prefix(a: list[int], b: list[int]) -> int:
+    n = 0
+    while n < min(len(a), len(b)) and a[n] == b[n]:
+        n += 1
+    return n
+
+
+@pytest.mark.parametrize(("backend", "streaming"), [("shm", "request"), ("grpc", "layer")])
+def test_decode_worker_receives_only_the_blocks_it_lacks(default_model, backend: str, streaming: str) -> None:  # noqa: ANN001
+    prompts = [SHARED + "What is a river?", SHARED + "Name a sea, please."]
+    ids = [encode_text(default_model.tokenizer, p) for p in prompts]
+    expected = _expected(default_model, prompts, 6)
+    block_bytes = default_model.kv_shape(16).bytes_per_block
+    config = LocalClusterConfig(prefill=1, decode=1, threads_per_worker=1,
+                                prefill_args=("--kv-streaming", streaming), decode_args=("--kv-backend", backend))
+    with LocalCluster(config) as cluster:
+        roles = [(w.role, w.address) for w in cluster.workers]
+        decode = dict(roles)["decode"]
+        received = []
+        for prompt in prompts:
+            before = worker_info(decode, "decode").kv_bytes_received
+            result = generate(cluster.router_address, prompt, 6, ignore_eos=True)
+            received.append((result.token_ids, worker_info(decode, "decode").kv_bytes_received - before))
+        assert [tokens for tokens, _ in received] == expected
+        reused = min(_common_prefix(ids[0], ids[1]) // 16, (len(ids[1]) - 1) // 16)
+        assert reused >= 8
+        assert received[0][1] == blocks_for_tokens(len(ids[0]), 16) * block_bytes
+        assert received[1][1] == (blocks_for_tokens(len(ids[1]), 16) - reused) * block_bytes
+        assert worker_info(decode, "decode").prefix_cache_hit_blocks == reused
+        wait_idle(roles)

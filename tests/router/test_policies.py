@@ -97,7 +97,7 @@ def test_estimate_prompt_tokens() -> None:
 def test_prefix_affinity_sends_a_shared_prefix_to_one_worker_and_spreads_others() -> None:
     from router.policies import PrefixAffinity, prefix_key
 
-    policy = PrefixAffinity(max_imbalance_tokens=1000)
+    policy = PrefixAffinity(max_imbalance=1000)
     workers = [_c(f"10.0.0.{i}:1") for i in range(4)]
     shared = "You are a helpful assistant. " * 20
     keys = [prefix_key(router_pb2.GenerateRequest(prompt=shared + q)) for q in ("a?", "b?", "c?")]
@@ -110,11 +110,16 @@ def test_prefix_affinity_sends_a_shared_prefix_to_one_worker_and_spreads_others(
     assert policy.pick(loaded, keys[0]).address != favourite.address  # type: ignore[union-attr]
 
 
-def test_prefix_affinity_is_prefill_only() -> None:
+def test_decode_prefix_affinity_keeps_a_prefix_on_one_decode_worker_within_a_load_bound() -> None:
     from router.config import RouterConfig
-    from router.policies import make_policy
+    from router.policies import make_policy, prefix_key
 
-    with pytest.raises(ValueError, match="prefill"):
-        make_policy("prefix_affinity", "decode")
-    with pytest.raises(ValueError, match="decode_policy"):
-        RouterConfig(decode_policy="prefix_affinity")
+    policy = make_policy("prefix_affinity", "decode")
+    assert RouterConfig(decode_policy="prefix_affinity").decode_policy == "prefix_affinity"
+    workers = [_c(f"10.0.0.{i}:1") for i in range(3)]
+    shared = "System: answer briefly. " * 20
+    keys = [prefix_key(router_pb2.GenerateRequest(prompt=shared + q)) for q in ("x", "y", "z")]
+    chosen = {policy.pick(workers, k).address for k in keys}  # type: ignore[union-attr]
+    assert len(chosen) == 1
+    busy = [_c(w.address, running_requests=20 if w.address in chosen else 0) for w in workers]
+    assert policy.pick(busy, keys[0]).address not in chosen  # type: ignore[union-attr]
