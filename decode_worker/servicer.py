@@ -25,6 +25,7 @@ from engine.sampling_params import SamplingParams
 from engine.tokenization import encode_chat, encode_text
 from engine.worker_runtime import Drain, finish_reason_to_pb, sampling_params_from_pb, sampling_params_to_pb
 from kv_transfer import KvTransferError, KvTransferServicer
+from kv_transfer.shm_backend import InPlaceKv
 from pdserve.transport import open_channel
 from pdserve.v1 import common_pb2, router_pb2, worker_pb2, worker_pb2_grpc
 
@@ -35,6 +36,15 @@ LOCAL_HOSTS = frozenset({"127.0.0.1", "localhost", "[::1]", "::1"})
 PREFILL_FAILURE = "prefill failed on"
 #: Statuses from a prefill worker that are the request's own fault: passed on, never retried.
 CLIENT_ERRORS = frozenset({grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.RESOURCE_EXHAUSTED})
+CALL_ENDED = "the Prefill call ended before the KV arrived"
+
+
+def _call_error(call: grpc.Future) -> grpc.RpcError | None:
+    """The error a finished Prefill call ended with, if any."""
+    if not call.done() or call.cancelled():
+        return None
+    error = call.exception()
+    return error if isinstance(error, grpc.RpcError) else None
 
 
 def prompt_ids_from_pb(loaded: LoadedModel, request: worker_pb2.DecodeRequest) -> list[int]:
@@ -125,35 +135,49 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
         PREFILL_FAILURE, so the router prefills the request again elsewhere."""
         seq = self._wait(self.worker.reserve(request_id, prompt_ids, params, resume_ids), deadline, context)
         tokens = prompt_ids + resume_ids
+        backend = self._backend_for(prefill_address)
+        in_place = backend == "shm"  # blocks are copied from the prefill worker's shared memory into ours
         kv_deadline = min(deadline, time.perf_counter() + self.kv_timeout_s)
         spec = self.worker.expected_spec(request_id, len(tokens), seq.num_reused_blocks)
-        pending = self.kv_receiver.expect(spec, deadline_s=max(0.1, kv_deadline - time.perf_counter()))
+        pending = self.kv_receiver.expect(spec, deadline_s=max(0.1, kv_deadline - time.perf_counter()),
+                                          in_place=in_place)
         context.add_callback(lambda: pending.cancel("client cancelled"))
         call = self._prefill_stub(prefill_address).Prefill.future(
             worker_pb2.PrefillRequest(
                 request_id=request_id, prompt_token_ids=tokens, params=sampling_params_to_pb(params),
-                kv_target_address=self.kv_target, kv_backend=self._backend_for(prefill_address),
-                decode_worker_id=self.worker_id,
+                kv_target_address=self.kv_target, kv_backend=backend, decode_worker_id=self.worker_id,
                 output_index=len(resume_ids), kv_block_offset=spec.block_offset,
             ),
             timeout=max(0.1, kv_deadline - time.perf_counter()),
         )
         context.add_callback(call.cancel)
         pending.add_done_callback(lambda p: call.cancel() if p.error() else None)  # stalled or bad KV
+        call.add_done_callback(lambda c: pending.cancel(CALL_ENDED) if not pending.done() else None)
+        kv = None
         try:
-            response = call.result()
-            kv, _ = pending.wait(timeout=max(0.1, kv_deadline - time.perf_counter()))
-            first_token = response.first_token_id  # layer-wise frames cannot carry it: the response does
+            if in_place:  # the ack (and so the response) waits for our copy: commit first
+                kv, first_token = pending.wait(timeout=max(0.1, kv_deadline - time.perf_counter()))
+                self._wait(self.worker.commit(request_id, kv, first_token, backend, spec.nbytes), deadline, context)
+                response = call.result()
+            else:
+                response = call.result()
+                kv, _ = pending.wait(timeout=max(0.1, kv_deadline - time.perf_counter()))
+                first_token = response.first_token_id  # layer-wise frames cannot carry it: the response does
+                self._wait(self.worker.commit(request_id, kv, first_token, backend), deadline, context)
         except (grpc.RpcError, grpc.FutureCancelledError, KvTransferError) as exc:
             pending.cancel("prefill failed")
             call.cancel()
-            if isinstance(exc, grpc.RpcError) and exc.code() in CLIENT_ERRORS:
-                context.abort(exc.code(), f"prefill worker {prefill_address}: {exc.details()}")
-            reason = pending.error() or (exc.details() if isinstance(exc, grpc.RpcError) else str(exc))
-            context.abort(grpc.StatusCode.UNAVAILABLE, f"{PREFILL_FAILURE} {prefill_address}: {reason}")
+            rpc_error = exc if isinstance(exc, grpc.RpcError) else _call_error(call)
+            if rpc_error is not None and rpc_error.code() in CLIENT_ERRORS:
+                context.abort(rpc_error.code(), f"prefill worker {prefill_address}: {rpc_error.details()}")
+            reason = pending.error()
+            if rpc_error is not None and (not reason or CALL_ENDED in reason):
+                reason = rpc_error.details()
+            context.abort(grpc.StatusCode.UNAVAILABLE, f"{PREFILL_FAILURE} {prefill_address}: {reason or exc}")
+        finally:
+            if isinstance(kv, InPlaceKv):
+                kv.release()  # no-op once copied; otherwise the prefill worker stops waiting for us
         timings.MergeFrom(response.timings)
-        self._wait(self.worker.commit(request_id, kv, first_token, self._backend_for(prefill_address)), deadline,
-                   context)
 
     def _backend_for(self, prefill_address: str) -> str:
         """The KV backend for one transfer: `auto` means shared memory when the prefill worker runs on

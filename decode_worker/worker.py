@@ -15,7 +15,7 @@ import torch
 
 from engine.block_pool import blocks_for_tokens
 from engine.config import EngineConfig
-from engine.llm_engine import LLMEngine, TokenOutput
+from engine.llm_engine import BlockWriter, LLMEngine, TokenOutput
 from engine.metrics import WorkerMetrics
 from engine.model_loader import LoadedModel
 from engine.sampling_params import SamplingParams
@@ -108,11 +108,14 @@ class DecodeWorker:
         self._inbox.put(lambda: None if self._try_reserve(pending, first=True) else None)
         return future
 
-    def commit(self, request_id: str, kv: torch.Tensor, first_token: int, backend: str = "grpc") -> Future:
-        """The prompt's KV arrived (through `backend`): copy it into the reserved blocks, start decoding."""
+    def commit(self, request_id: str, kv: torch.Tensor | BlockWriter, first_token: int, backend: str = "grpc",
+               nbytes: int | None = None) -> Future:
+        """The prompt's KV arrived (through `backend`): a tensor to copy into the reserved blocks, or a
+        writer that copies it there from shared memory (`nbytes` then says how much). Start decoding."""
+        size = kv.numel() * kv.element_size() if isinstance(kv, torch.Tensor) else int(nbytes or 0)
         with self._counter_lock:  # gRPC threads commit concurrently
-            self.kv_bytes_received += kv.numel() * kv.element_size()
-        self.metrics.kv_transferred(backend, "receive", kv.numel() * kv.element_size(), None)
+            self.kv_bytes_received += size
+        self.metrics.kv_transferred(backend, "receive", size, None)
         return self.run_on_loop(lambda: self._commit(request_id, kv, first_token))
 
     def abort(self, request_id: str) -> None:
@@ -220,7 +223,7 @@ class DecodeWorker:
     def _retry_reservations(self) -> None:
         self._reservations = [p for p in self._reservations if not self._try_reserve(p, first=False)]
 
-    def _commit(self, request_id: str, kv: torch.Tensor, first_token: int) -> None:
+    def _commit(self, request_id: str, kv: torch.Tensor | BlockWriter, first_token: int) -> None:
         seq: Sequence | None = self.engine.sequences.get(request_id)
         if seq is None:
             raise KeyError(f"request {request_id} has no reservation (aborted?)")

@@ -8,9 +8,83 @@ workers, is `kv[:, :, block_ids]` -> [num_layers, 2, len(block_ids), block_size,
 
 from __future__ import annotations
 
+import atexit
+import logging
+import math
+import os
+import shutil
+import uuid
 from dataclasses import dataclass
+from multiprocessing import resource_tracker, shared_memory
 
 import torch
+
+log = logging.getLogger(__name__)
+
+#: Every pdserve shared-memory segment starts with this (KV caches and transfer staging segments).
+SHM_PREFIX = "pdserve-kv-"
+SHM_DIR = "/dev/shm"
+
+
+def untrack_segment(segment: shared_memory.SharedMemory) -> None:
+    """Python's resource tracker would unlink segments it saw opened; ownership is ours."""
+    try:
+        resource_tracker.unregister(segment._name, "shared_memory")  # type: ignore[attr-defined]
+    except Exception:  # noqa: BLE001 - best effort
+        pass
+
+
+def remove_stale_segments() -> int:
+    """Unlink pdserve segments (`pdserve-kv-[cache-]<pid>-*`) whose creating process is gone (killed
+    workers cannot unlink their own); returns how many were removed."""
+    if not os.path.isdir(SHM_DIR):
+        return 0
+    removed = 0
+    for name in os.listdir(SHM_DIR):
+        if not name.startswith(SHM_PREFIX):
+            continue
+        pid_text = name[len(SHM_PREFIX):].removeprefix("cache-").split("-", 1)[0]
+        if not pid_text.isdigit() or _alive(int(pid_text)):
+            continue
+        try:
+            os.unlink(os.path.join(SHM_DIR, name))
+            removed += 1
+        except OSError:
+            pass
+    return removed
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def _shared_zeros(shape: tuple[int, ...], dtype: torch.dtype) -> tuple[torch.Tensor, str] | None:
+    """A zero tensor in a new shared-memory segment (unlinked at exit), or None when /dev/shm is
+    missing or too small."""
+    nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+    if not os.path.isdir(SHM_DIR) or shutil.disk_usage(SHM_DIR).free < nbytes + 64 * 2**20:
+        log.warning("KV cache stays in private memory: %s lacks %d MiB free", SHM_DIR, nbytes >> 20)
+        return None
+    remove_stale_segments()
+    segment = shared_memory.SharedMemory(name=f"{SHM_PREFIX}cache-{os.getpid()}-{uuid.uuid4().hex[:12]}",
+                                         create=True, size=nbytes)
+    untrack_segment(segment)
+    atexit.register(_unlink, segment)
+    tensor = torch.frombuffer(segment.buf, dtype=torch.uint8, count=nbytes).view(dtype).view(shape)
+    return tensor, segment.name
+
+
+def _unlink(segment: shared_memory.SharedMemory) -> None:
+    try:
+        segment.unlink()
+    except OSError:
+        pass
 
 
 @dataclass(frozen=True)
@@ -33,14 +107,18 @@ class KVCacheShape:
 class KVCache:
     """Owns the K/V memory; knows nothing about which sequence uses which block."""
 
-    def __init__(self, shape: KVCacheShape, num_blocks: int, device: str = "cpu") -> None:
+    def __init__(self, shape: KVCacheShape, num_blocks: int, device: str = "cpu", shared: bool = False) -> None:
+        """`shared`: put the memory in a named shared-memory segment (`shm_name`) so a decode worker on
+        this host can copy blocks straight out of it (CPU only; falls back to private memory)."""
         self.shape = shape
         self.num_blocks = num_blocks
-        # [L, 2, num_blocks, block_size, kv_heads, head_dim]
-        self.kv = torch.zeros(
-            shape.num_layers, 2, num_blocks, shape.block_size, shape.num_kv_heads, shape.head_dim,
-            dtype=shape.dtype, device=device,
-        )
+        self.shm_name: str | None = None
+        dims = (shape.num_layers, 2, num_blocks, shape.block_size, shape.num_kv_heads, shape.head_dim)
+        placed = _shared_zeros(dims, shape.dtype) if shared and device == "cpu" else None
+        if placed is not None:
+            self.kv, self.shm_name = placed
+        else:  # [L, 2, num_blocks, block_size, kv_heads, head_dim]
+            self.kv = torch.zeros(dims, dtype=shape.dtype, device=device)
 
     def layer_slots(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Keys and values of one layer as flat slot views: ([slots, heads, dim], [slots, heads, dim])."""

@@ -8,12 +8,12 @@ goes through `Scheduler.remove`, which frees the sequence's blocks.
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 import torch
 
-from engine.block_pool import BlockPool, block_hashes
+from engine.block_pool import BlockPool, block_hashes, blocks_for_tokens
 from engine.config import EngineConfig
 from engine.kv_cache import KVCache
 from engine.model_loader import LoadedModel
@@ -25,6 +25,9 @@ from engine.sequence import Sequence, SequenceStatus
 from engine.stop_checker import FINISH_ABORT, FINISH_LENGTH
 
 log = logging.getLogger(__name__)
+
+#: Writes a request's received K/V into (the cache tensor, the block ids to fill).
+BlockWriter = Callable[[torch.Tensor, list[int]], None]
 
 
 @dataclass(frozen=True)
@@ -39,11 +42,11 @@ class TokenOutput:
     num_output_tokens: int
 
 
-def build_cache(loaded: LoadedModel, config: EngineConfig) -> KVCache:
-    """A KV cache sized by `num_blocks` or by the memory budget."""
+def build_cache(loaded: LoadedModel, config: EngineConfig, shared: bool = False) -> KVCache:
+    """A KV cache sized by `num_blocks` or by the memory budget (`shared`: in shared memory)."""
     shape = loaded.kv_shape(config.block_size)
     num_blocks = config.num_blocks or shape.blocks_for_budget(config.kv_cache_memory_mb * 2**20)
-    return KVCache(shape, num_blocks, device=config.device)
+    return KVCache(shape, num_blocks, device=config.device, shared=shared)
 
 
 class LLMEngine:
@@ -105,11 +108,16 @@ class LLMEngine:
             return None
         return seq
 
-    def commit_prefilled(self, seq: Sequence, kv_blocks: torch.Tensor, first_token: int) -> TokenOutput:
-        """K/V arrived for blocks [num_reused_blocks, ...) of every token so far
-        ([L, 2, n_blocks, block_size, H, D]): store them, start decoding."""
+    def commit_prefilled(self, seq: Sequence, kv_blocks: torch.Tensor | BlockWriter, first_token: int) -> TokenOutput:
+        """K/V arrived for blocks [num_reused_blocks, ...) of every token so far: a tensor
+        [L, 2, n_blocks, block_size, H, D] to store, or a writer that copies them straight into
+        `(cache tensor, block ids)`. Then start decoding."""
         offset = seq.num_reused_blocks
-        self.kv_cache.scatter(seq.block_table[offset : offset + len(kv_blocks[0, 0])], kv_blocks)
+        targets = seq.block_table[offset : blocks_for_tokens(seq.num_tokens, self.pool.block_size)]
+        if isinstance(kv_blocks, torch.Tensor):
+            self.kv_cache.scatter(targets, kv_blocks)
+        else:
+            kv_blocks(self.kv_cache.kv, targets)
         seq.num_cached = seq.num_tokens
         if self.config.prefix_caching:  # full blocks are never written again: later requests may share them
             for block, prefix_hash in zip(seq.block_table, block_hashes(seq.all_ids, self.pool.block_size),

@@ -30,6 +30,7 @@ from typing import TYPE_CHECKING, Any, Generic, Protocol, TypeVar
 import torch
 
 if TYPE_CHECKING:
+    from engine.kv_cache import KVCache
     from pdserve.v1.kv_pb2 import KvAck
 
 #: Wire dtype names -> torch dtypes. Only these are accepted.
@@ -198,6 +199,12 @@ class KvSender(abc.ABC):
         Raises KvTransferError on refusal, invalid data, RPC error or after ``timeout_s``.
         Frees nothing: the caller frees its blocks after this returns or raises.
         """
+
+    def send_blocks(self, spec: KvSpec, cache: KVCache, block_ids: list[int], first_token_id: int,
+                    timeout_s: float) -> KvAck:
+        """Ship blocks `block_ids` of a worker's KV cache (the spec's blocks, in order). Backends that
+        can read the cache in place override this; the default gathers a copy and `send`s it."""
+        return self.send(spec, cache.gather(block_ids), first_token_id, timeout_s)
 
     def send_layers(self, spec: KvSpec, source: LayerSource, timeout_s: float) -> KvAck:
         """Ship ``source.buffer`` layer by layer as its layers become ready; the first token travels

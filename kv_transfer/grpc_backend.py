@@ -139,6 +139,7 @@ class GrpcPendingKv(PendingKv):
         self._on_finish = on_finish
         self._claimed = False
         self._context: grpc.ServicerContext | None = None
+        self.in_place = False  # see KvTransferServicer.expect
 
     @property
     def request_id(self) -> str:
@@ -216,13 +217,18 @@ class KvTransferServicer(kv_pb2_grpc.KvTransferServicer, KvReceiver):
         """Register this servicer on ``server`` (built with ``grpc_message_options``)."""
         kv_pb2_grpc.add_KvTransferServicer_to_server(self, server)
 
-    def expect(self, spec: KvSpec, deadline_s: float) -> GrpcPendingKv:
-        """Register an intake for ``spec.request_id`` failing ``deadline_s`` seconds from now."""
+    def expect(self, spec: KvSpec, deadline_s: float, in_place: bool = False) -> GrpcPendingKv:
+        """Register an intake for ``spec.request_id`` failing ``deadline_s`` seconds from now.
+
+        ``in_place``: the consumer can copy shared-memory K/V straight into its cache: an "shm"
+        transfer then completes the intake with a ``kv_transfer.shm_backend.InPlaceKv`` (a callable
+        ``(cache tensor, block ids)``, or ``release()`` it) instead of a tensor."""
         if deadline_s <= 0:
             raise ValueError(f"deadline_s must be > 0, got {deadline_s}")
         if spec.nbytes > self.max_total_bytes:
             raise ValueError(f"KV payload of {spec.nbytes} bytes exceeds limit {self.max_total_bytes}")
         pending = GrpcPendingKv(spec, deadline_s, self._forget)
+        pending.in_place = in_place
         with self._cond:
             if self._closed:
                 raise KvTransferError("KV receiver is closed")
@@ -291,16 +297,27 @@ class KvTransferServicer(kv_pb2_grpc.KvTransferServicer, KvReceiver):
                 request_id=request_id, ok=False, error=f"request_id {request_id!r} is already being received"
             )
         if first.header.shm_name:  # same-host shared-memory backend: one control frame
-            return self._receive_shm(pending, first)
+            return self._receive_shm(pending, first, context)
         return self._receive(pending, itertools.chain([first], frames))
 
-    def _receive_shm(self, pending: GrpcPendingKv, frame: KvFrame) -> KvAck:
-        from kv_transfer.shm_backend import check_header, read_segment
+    def _receive_shm(self, pending: GrpcPendingKv, frame: KvFrame, context: grpc.ServicerContext) -> KvAck:
+        from kv_transfer.shm_backend import ACK_MARGIN_S, InPlaceKv, check_header, read_segment, source_blocks
 
         error = check_header(frame.header, pending.spec)
         if not error:
             try:
-                if pending.succeed(read_segment(frame.header, pending.spec), frame.header.first_token_id):
+                if pending.in_place:  # the consumer copies into its cache; ack once it did
+                    source, ids = source_blocks(frame.header, pending.spec)
+                    kv = InPlaceKv(source, ids, pending.spec.nbytes)
+                    if pending.succeed(kv, frame.header.first_token_id):  # type: ignore[arg-type]
+                        remaining = context.time_remaining()
+                        budget = pending.deadline_s if remaining is None else remaining - ACK_MARGIN_S
+                        if kv.wait_consumed(budget):
+                            return KvAck(request_id=pending.request_id, ok=True,
+                                         bytes_received=pending.spec.nbytes)
+                        return KvAck(request_id=pending.request_id, ok=False,
+                                     error="the decode worker did not take the KV (request ended or timed out)")
+                elif pending.succeed(read_segment(frame.header, pending.spec), frame.header.first_token_id):
                     return KvAck(request_id=pending.request_id, ok=True, bytes_received=pending.spec.nbytes)
                 error = pending.error() or "KV intake already finished"
             except (OSError, ValueError) as err:

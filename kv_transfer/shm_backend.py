@@ -1,11 +1,19 @@
-"""Same-host shared-memory KV backend ("shm").
+"""Same-host shared-memory KV backend ("shm"): one copy from the prefill worker's cache blocks
+into the decode worker's cache blocks.
 
-Sender (prefill worker): copies the request's K/V once into a shared-memory segment and sends one
-control frame over the gRPC `PushKv` stream naming it (`KvHeader.shm_name`, no data).
+Sender (prefill worker): its KV cache lives in a shared-memory segment (`KVCache(shared=True)`), so
+it copies nothing: it sends one control frame over the gRPC `PushKv` stream naming the segment
+(`KvHeader.shm_name`), the segment's block count and the ids of the request's blocks in it. A
+tensor that is not in shared memory (or a cache that could not be placed there) is first copied
+into a reusable staging segment. Either way the sender's blocks stay untouched until the ack.
 Receiver (decode worker, `KvTransferServicer`): checks every header field against its pending
-intake, maps the segment (mappings are cached), checks its size, copies the bytes out and acks.
-The sender reuses a segment only after its ack (or an error) came back and unlinks all of them at
-exit; a killed sender can leave `pdserve-kv-<pid>-*` segments behind in /dev/shm.
+intake and maps the segment (mappings are cached). For an intake registered `in_place` (the decode
+worker's) it hands the consumer an `InPlaceKv`, which copies the blocks straight into the decode
+cache's reserved blocks on the decode loop thread; the ack waits for that copy (or the consumer
+giving up), so the sender frees its blocks only when the bytes are no longer read. Otherwise it
+copies the blocks out into a new tensor and acks.
+Segments are unlinked at exit; a killed worker's `pdserve-kv-[cache-]<pid>-*` segments are removed
+by the next worker that creates a cache on this host (`engine.kv_cache.remove_stale_segments`).
 
 Only for workers on one host: the receiver opens segments by name, so it accepts only names with
 this backend's prefix and sizes that hold the expected K/V. Bytes in local memory cross no link,
@@ -17,28 +25,26 @@ from __future__ import annotations
 import atexit
 import os
 import threading
+import time
 import uuid
 from collections import OrderedDict
-from multiprocessing import resource_tracker, shared_memory
+from multiprocessing import shared_memory
 
 import grpc
 import torch
 
+from engine.kv_cache import SHM_PREFIX, KVCache
+from engine.kv_cache import untrack_segment as _untrack
 from kv_transfer.base import KvSender, KvSpec, KvTransferError, SenderCache, dtype_name, register_backend
 from pdserve.transport import open_channel
 from pdserve.v1 import kv_pb2_grpc
 from pdserve.v1.kv_pb2 import KvAck, KvFrame, KvHeader
 
 BACKEND_NAME = "shm"
-SEGMENT_PREFIX = "pdserve-kv-"
-
-
-def _untrack(segment: shared_memory.SharedMemory) -> None:
-    """Python's resource tracker would unlink segments it saw opened; ownership is ours."""
-    try:
-        resource_tracker.unregister(segment._name, "shared_memory")  # type: ignore[attr-defined]
-    except Exception:  # noqa: BLE001 - best effort
-        pass
+SEGMENT_PREFIX = SHM_PREFIX
+#: The receiver acks this long before the sender's deadline at the latest, so a sender never
+#: frees blocks that are still being read.
+ACK_MARGIN_S = 1.0
 
 
 class SegmentPool:
@@ -91,13 +97,20 @@ class SegmentPool:
 _POOL = SegmentPool()
 
 
-def header_for(spec: KvSpec, first_token_id: int, shm_name: str) -> KvHeader:
+def header_for(spec: KvSpec, first_token_id: int, shm_name: str, block_ids: list[int] | None = None,
+               num_blocks: int | None = None) -> KvHeader:
+    """The control frame: the request's blocks are `block_ids` of the segment `shm_name`, which holds
+    `num_blocks` blocks laid out as [L, 2, num_blocks, block_size, H, D] (default: exactly the
+    spec's blocks, in order)."""
+    n = spec.shape[2]
     return KvHeader(
         request_id=spec.request_id, model_fingerprint=spec.model_fingerprint, dtype=spec.dtype,
         shape=list(spec.shape), block_size=spec.block_size, num_tokens=spec.num_tokens,
         block_offset=spec.block_offset, layer_start=0,
         layer_end=spec.num_layers, byte_offset=0, byte_length=spec.nbytes, frame_index=0, total_frames=1,
         first_token_id=first_token_id, last=True, shm_name=shm_name,
+        shm_block_ids=list(range(n)) if block_ids is None else block_ids,
+        shm_num_blocks=n if num_blocks is None else num_blocks,
     )
 
 
@@ -108,24 +121,37 @@ class ShmKvSender(KvSender):
         self._stub = kv_pb2_grpc.KvTransferStub(self._channel)
 
     def send(self, spec: KvSpec, kv: torch.Tensor, first_token_id: int, timeout_s: float) -> KvAck:
+        """Stage `kv` in a reusable segment (one copy), then hand it over."""
         if tuple(kv.shape) != spec.shape or dtype_name(kv.dtype) != spec.dtype:
             raise ValueError("shape/dtype: tensor does not match its spec")
         segment = _POOL.acquire(spec.nbytes)
         try:
             view = torch.frombuffer(segment.buf, dtype=torch.uint8, count=spec.nbytes)
-            view.copy_(kv.contiguous().view(-1).view(torch.uint8))  # the one copy
+            view.copy_(kv.contiguous().view(-1).view(torch.uint8))
             del view
-            frame = KvFrame(header=header_for(spec, first_token_id, segment.name))
-            try:
-                ack: KvAck = self._stub.PushKv(iter([frame]), timeout=timeout_s)
-            except grpc.RpcError as err:
-                raise KvTransferError(f"shm PushKv {spec.request_id!r} to {self.target_address} failed: "
-                                      f"{err.code().name}: {err.details()}") from err
-            if not ack.ok:
-                raise KvTransferError(f"shm PushKv {spec.request_id!r} refused: {ack.error}")
-            return ack
+            return self._push(spec, header_for(spec, first_token_id, segment.name), timeout_s)
         finally:
             _POOL.release(segment)  # reused only after the receiver acked (or gave up on) this transfer
+
+    def send_blocks(self, spec: KvSpec, cache: KVCache, block_ids: list[int], first_token_id: int,
+                    timeout_s: float) -> KvAck:
+        """Blocks of a cache in shared memory travel by name: no copy here, one on the receiver."""
+        if cache.shm_name is None:
+            return super().send_blocks(spec, cache, block_ids, first_token_id, timeout_s)
+        if len(block_ids) != spec.shape[2]:
+            raise ValueError(f"block_ids: {len(block_ids)} blocks for a spec of {spec.shape[2]}")
+        return self._push(spec, header_for(spec, first_token_id, cache.shm_name, block_ids, cache.num_blocks),
+                          timeout_s)
+
+    def _push(self, spec: KvSpec, header: KvHeader, timeout_s: float) -> KvAck:
+        try:
+            ack: KvAck = self._stub.PushKv(iter([KvFrame(header=header)]), timeout=timeout_s)
+        except grpc.RpcError as err:
+            raise KvTransferError(f"shm PushKv {spec.request_id!r} to {self.target_address} failed: "
+                                  f"{err.code().name}: {err.details()}") from err
+        if not ack.ok:
+            raise KvTransferError(f"shm PushKv {spec.request_id!r} refused: {ack.error}")
+        return ack
 
     def close(self) -> None:
         self._channel.close()
@@ -139,6 +165,7 @@ def check_header(header: KvHeader, spec: KvSpec) -> str:
         ("dtype", header.dtype, spec.dtype), ("shape", tuple(header.shape), spec.shape),
         ("block_size", header.block_size, spec.block_size), ("num_tokens", header.num_tokens, spec.num_tokens),
         ("block_offset", header.block_offset, spec.block_offset),
+        ("shm_block_ids", len(header.shm_block_ids), spec.shape[2]),
         ("byte_length", header.byte_length, spec.nbytes),
     ]
     for field, got, want in checks:
@@ -148,6 +175,10 @@ def check_header(header: KvHeader, spec: KvSpec) -> str:
         return f"shm_name: {header.shm_name!r} is not a pdserve KV segment"
     if header.first_token_id < 0:
         return f"first_token_id: must be >= 0, got {header.first_token_id}"
+    if not 0 < header.shm_num_blocks <= 2**24:
+        return f"shm_num_blocks: must be in [1, 2**24], got {header.shm_num_blocks}"
+    if any(not 0 <= b < header.shm_num_blocks for b in header.shm_block_ids):
+        return f"shm_block_ids: every id must be in [0, {header.shm_num_blocks})"
     return ""
 
 
@@ -169,15 +200,82 @@ def _mapped(name: str) -> shared_memory.SharedMemory:
         return segment
 
 
-def read_segment(header: KvHeader, spec: KvSpec) -> torch.Tensor:
-    """Copy the segment's bytes into a new tensor of the spec's shape (raises OSError/ValueError)."""
+def source_blocks(header: KvHeader, spec: KvSpec) -> tuple[torch.Tensor, list[int]]:
+    """The sender's segment as [L, 2, shm_num_blocks, block_size, H, D] (a view) and the request's
+    block ids in it; header checked with `check_header` first (raises OSError/ValueError)."""
     segment = _mapped(header.shm_name)
-    if segment.size < spec.nbytes:
-        raise ValueError(f"shm segment holds {segment.size} bytes, expected {spec.nbytes}")
-    out = torch.empty(spec.shape, dtype=spec.torch_dtype)
-    source = torch.frombuffer(segment.buf, dtype=torch.uint8, count=spec.nbytes)
-    out.view(-1).view(torch.uint8).copy_(source)
-    return out
+    block_bytes = spec.nbytes // spec.shape[2]
+    needed = header.shm_num_blocks * block_bytes
+    if segment.size < needed:
+        raise ValueError(f"shm segment holds {segment.size} bytes, {header.shm_num_blocks} blocks need {needed}")
+    shape = (spec.shape[0], 2, header.shm_num_blocks, *spec.shape[3:])
+    view = torch.frombuffer(segment.buf, dtype=torch.uint8, count=needed).view(spec.torch_dtype).view(shape)
+    return view, list(header.shm_block_ids)
+
+
+def read_segment(header: KvHeader, spec: KvSpec) -> torch.Tensor:
+    """Copy the request's blocks out of the segment into a new tensor of the spec's shape."""
+    view, ids = source_blocks(header, spec)
+    return view.index_select(2, torch.tensor(ids, dtype=torch.long))
+
+
+def copy_blocks(dst: torch.Tensor, dst_ids: list[int], src: torch.Tensor, src_ids: list[int]) -> None:
+    """dst[:, :, dst_ids] = src[:, :, src_ids] for [L, 2, blocks, ...] tensors, in one pass over the
+    bytes: runs of consecutive ids on both sides are copied as one strided slice."""
+    if len(dst_ids) != len(src_ids):
+        raise ValueError(f"{len(src_ids)} source blocks for {len(dst_ids)} destination blocks")
+    i = 0
+    while i < len(src_ids):
+        run = 1
+        while (i + run < len(src_ids) and src_ids[i + run] == src_ids[i] + run
+               and dst_ids[i + run] == dst_ids[i] + run):
+            run += 1
+        dst[:, :, dst_ids[i] : dst_ids[i] + run].copy_(src[:, :, src_ids[i] : src_ids[i] + run])
+        i += run
+
+
+class InPlaceKv:
+    """Received K/V still in the sender's shared memory. The consumer calls it with (its cache
+    tensor, the block ids to fill) to copy the blocks straight in, or `release()`s it; the receiver
+    acks only after either (`wait_consumed`), and never lets a copy start after it gave up."""
+
+    def __init__(self, source: torch.Tensor, block_ids: list[int], nbytes: int) -> None:
+        self._source, self._block_ids, self.nbytes = source, block_ids, nbytes
+        self._state = "pending"  # -> copying -> copied | failed;  pending -> released
+        self._cond = threading.Condition()
+
+    def __call__(self, kv: torch.Tensor, block_ids: list[int]) -> None:
+        with self._cond:
+            if self._state != "pending":
+                raise KvTransferError(f"shared-memory KV no longer readable ({self._state})")
+            self._state = "copying"
+        copied = False
+        try:
+            copy_blocks(kv, block_ids, self._source, self._block_ids)
+            copied = True
+        finally:
+            with self._cond:
+                self._state = "copied" if copied else "failed"
+                self._cond.notify_all()
+
+    def release(self) -> None:
+        """The consumer will not copy (aborted, failed): let the sender go."""
+        with self._cond:
+            if self._state == "pending":
+                self._state = "released"
+                self._cond.notify_all()
+
+    def wait_consumed(self, timeout_s: float) -> bool:
+        """Receiver side: True once copied. After `timeout_s` (or a release) no copy can start any
+        more; a copy under way is waited for."""
+        deadline = time.monotonic() + max(0.0, timeout_s)
+        with self._cond:
+            self._cond.wait_for(lambda: self._state not in ("pending", "copying"),
+                                max(0.0, deadline - time.monotonic()))
+            if self._state == "pending":
+                self._state = "released"
+            self._cond.wait_for(lambda: self._state != "copying")
+            return self._state == "copied"
 
 
 _SENDERS: SenderCache[ShmKvSender] = SenderCache(ShmKvSender)  # one control channel per decode worker

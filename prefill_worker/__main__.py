@@ -40,6 +40,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                     help="layer: ship each layer's K/V (gRPC backend) while the prefill pass still runs")
     ap.add_argument("--prefix-caching", action=argparse.BooleanOptionalAction, default=True,
                     help="reuse the K/V of prompt prefixes computed before (default on)")
+    ap.add_argument("--shared-kv-cache", action=argparse.BooleanOptionalAction, default=True,
+                    help="keep the KV cache in shared memory, so decode workers on this host copy blocks "
+                         "straight out of it (shm backend; default on, falls back when /dev/shm is too small)")
     ap.add_argument("--request-timeout-s", type=float, default=300.0)
     ap.add_argument("--kv-timeout-s", type=float, default=60.0, help="deadline of one KV transfer")
     ap.add_argument("--inject-kv-fault", choices=FAULT_MODES, default=None,
@@ -59,7 +62,8 @@ def start_worker(args: argparse.Namespace) -> StartedWorker:
     faults = FaultInjector(args.inject_kv_fault, args.inject_kv_fault_count)
     worker = PrefillWorker(loaded, config, transfer_timeout_s=args.kv_timeout_s, metrics=metrics, faults=faults,
                            prefill_chunk_tokens=args.prefill_chunk_tokens or None,
-                           prefix_caching=args.prefix_caching, kv_streaming=args.kv_streaming)
+                           prefix_caching=args.prefix_caching, kv_streaming=args.kv_streaming,
+                           shared_kv_cache=args.shared_kv_cache)
     endpoint = start_metrics_endpoint(metrics.registry, args.metrics_port)
     drain = Drain()
     server = make_server(max_workers=256)

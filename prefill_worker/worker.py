@@ -59,10 +59,11 @@ class PrefillWorker:
     def __init__(self, loaded: LoadedModel, config: EngineConfig, transfer_timeout_s: float = 60.0,
                  max_queue: int = 1024, metrics: WorkerMetrics | None = None,
                  faults: FaultInjector | None = None, prefill_chunk_tokens: int | None = None,
-                 prefix_caching: bool = False, kv_streaming: str = "request") -> None:
+                 prefix_caching: bool = False, kv_streaming: str = "request", shared_kv_cache: bool = False) -> None:
         self.loaded = loaded
         self.config = config
-        self.kv_cache = build_cache(loaded, config)
+        # in shared memory, same-host decode workers copy blocks straight out of it ("shm" backend)
+        self.kv_cache = build_cache(loaded, config, shared=shared_kv_cache)
         self.pool = BlockPool(self.kv_cache.num_blocks, config.block_size)
         self.runner = ModelRunner(loaded, self.kv_cache)
         self.transfer_timeout_s = transfer_timeout_s
@@ -279,14 +280,15 @@ class PrefillWorker:
         start = time.perf_counter()
         try:
             spec = self.spec_for(job)
-            kv = self.kv_cache.gather(blocks[job.kv_block_offset :])
+            shipped = blocks[job.kv_block_offset :]
             sender = self._sender(job)
             fault = self.faults.next_filter()
             if fault is None:
-                sender.send(spec, kv, token, timeout_s=self.transfer_timeout_s)
+                sender.send_blocks(spec, self.kv_cache, shipped, token, timeout_s=self.transfer_timeout_s)
             else:
                 log.warning("request_id=%s: injecting a KV fault (%s)", job.request_id, fault.__name__)
-                sender.send(spec, kv, token, timeout_s=self.transfer_timeout_s, frame_filter=fault)  # type: ignore[call-arg]
+                sender.send(spec, self.kv_cache.gather(shipped), token, timeout_s=self.transfer_timeout_s,
+                            frame_filter=fault)  # type: ignore[call-arg]
         except Exception as exc:
             self._fail_transfer(job, exc)
             return

@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x13pdserve/v1/kv.proto\x12\npdserve.v1\"\xdc\x02\n\x08KvHeader\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x19\n\x11model_fingerprint\x18\x02 \x01(\t\x12\r\n\x05\x64type\x18\x03 \x01(\t\x12\r\n\x05shape\x18\x04 \x03(\x03\x12\x12\n\nblock_size\x18\x05 \x01(\x05\x12\x12\n\nnum_tokens\x18\x06 \x01(\x05\x12\x13\n\x0blayer_start\x18\x07 \x01(\x05\x12\x11\n\tlayer_end\x18\x08 \x01(\x05\x12\x13\n\x0b\x62yte_offset\x18\t \x01(\x03\x12\x13\n\x0b\x62yte_length\x18\n \x01(\x03\x12\x13\n\x0b\x66rame_index\x18\x0b \x01(\x05\x12\x14\n\x0ctotal_frames\x18\x0c \x01(\x05\x12\x10\n\x08\x63hecksum\x18\r \x01(\r\x12\x16\n\x0e\x66irst_token_id\x18\x0e \x01(\x05\x12\x0c\n\x04last\x18\x0f \x01(\x08\x12\x10\n\x08shm_name\x18\x10 \x01(\t\x12\x14\n\x0c\x62lock_offset\x18\x11 \x01(\x05\"=\n\x07KvFrame\x12$\n\x06header\x18\x01 \x01(\x0b\x32\x14.pdserve.v1.KvHeader\x12\x0c\n\x04\x64\x61ta\x18\x02 \x01(\x0c\"N\n\x05KvAck\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\n\n\x02ok\x18\x02 \x01(\x08\x12\r\n\x05\x65rror\x18\x03 \x01(\t\x12\x16\n\x0e\x62ytes_received\x18\x04 \x01(\x03\x32@\n\nKvTransfer\x12\x32\n\x06PushKv\x12\x13.pdserve.v1.KvFrame\x1a\x11.pdserve.v1.KvAck(\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x13pdserve/v1/kv.proto\x12\npdserve.v1\"\x8b\x03\n\x08KvHeader\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x19\n\x11model_fingerprint\x18\x02 \x01(\t\x12\r\n\x05\x64type\x18\x03 \x01(\t\x12\r\n\x05shape\x18\x04 \x03(\x03\x12\x12\n\nblock_size\x18\x05 \x01(\x05\x12\x12\n\nnum_tokens\x18\x06 \x01(\x05\x12\x13\n\x0blayer_start\x18\x07 \x01(\x05\x12\x11\n\tlayer_end\x18\x08 \x01(\x05\x12\x13\n\x0b\x62yte_offset\x18\t \x01(\x03\x12\x13\n\x0b\x62yte_length\x18\n \x01(\x03\x12\x13\n\x0b\x66rame_index\x18\x0b \x01(\x05\x12\x14\n\x0ctotal_frames\x18\x0c \x01(\x05\x12\x10\n\x08\x63hecksum\x18\r \x01(\r\x12\x16\n\x0e\x66irst_token_id\x18\x0e \x01(\x05\x12\x0c\n\x04last\x18\x0f \x01(\x08\x12\x10\n\x08shm_name\x18\x10 \x01(\t\x12\x14\n\x0c\x62lock_offset\x18\x11 \x01(\x05\x12\x15\n\rshm_block_ids\x18\x12 \x03(\x05\x12\x16\n\x0eshm_num_blocks\x18\x13 \x01(\x05\"=\n\x07KvFrame\x12$\n\x06header\x18\x01 \x01(\x0b\x32\x14.pdserve.v1.KvHeader\x12\x0c\n\x04\x64\x61ta\x18\x02 \x01(\x0c\"N\n\x05KvAck\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\n\n\x02ok\x18\x02 \x01(\x08\x12\r\n\x05\x65rror\x18\x03 \x01(\t\x12\x16\n\x0e\x62ytes_received\x18\x04 \x01(\x03\x32@\n\nKvTransfer\x12\x32\n\x06PushKv\x12\x13.pdserve.v1.KvFrame\x1a\x11.pdserve.v1.KvAck(\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -32,11 +32,11 @@ _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'pdserve.v1.kv_pb2', _global
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_KVHEADER']._serialized_start=36
-  _globals['_KVHEADER']._serialized_end=384
-  _globals['_KVFRAME']._serialized_start=386
-  _globals['_KVFRAME']._serialized_end=447
-  _globals['_KVACK']._serialized_start=449
-  _globals['_KVACK']._serialized_end=527
-  _globals['_KVTRANSFER']._serialized_start=529
-  _globals['_KVTRANSFER']._serialized_end=593
+  _globals['_KVHEADER']._serialized_end=431
+  _globals['_KVFRAME']._serialized_start=433
+  _globals['_KVFRAME']._serialized_end=494
+  _globals['_KVACK']._serialized_start=496
+  _globals['_KVACK']._serialized_end=574
+  _globals['_KVTRANSFER']._serialized_start=576
+  _globals['_KVTRANSFER']._serialized_end=640
 # @@protoc_insertion_point(module_scope)
