@@ -75,3 +75,138 @@ def test_foreign_segment_names_are_refused(receiver) -> None:  # noqa: ANN001
     assert not ack.ok and "shm_name" in ack.error
     with pytest.raises(KvTransferError):
         pending.wait(1)
+
+
+def _cache(num_blocks: int = 12, shared: bool = True):  # noqa: ANN202
+    from engine.kv_cache import KVCache, KVCacheShape
+
+    cache = KVCache(KVCacheShape(num_layers=3, num_kv_heads=2, head_dim=8, block_size=16, dtype=torch.float32),
+                    num_blocks, shared=shared)
+    cache.kv.copy_(torch.randn(cache.kv.shape))
+    return cache
+
+
+def _blocks_spec(request_id: str, n: int) -> KvSpec:
+    return KvSpec(request_id=request_id, model_fingerprint="fp", dtype="float32", shape=(3, 2, n, 16, 2, 8),
+                  block_size=16, num_tokens=16 * n - 3)
+
+
+def test_shared_cache_blocks_are_copied_once_straight_into_the_consumer_blocks(receiver) -> None:  # noqa: ANN001
+    import threading
+
+    servicer, address = receiver
+    source = _cache()
+    assert source.shm_name is not None and source.shm_name in _segments()
+    src_ids = [7, 8, 2, 3, 4, 10]  # runs and gaps
+    spec = _blocks_spec("in-place", len(src_ids))
+    pending = servicer.expect(spec, deadline_s=10, in_place=True)
+    acks: list = []
+    sender = threading.Thread(target=lambda: acks.append(
+        ShmKvSender(address).send_blocks(spec, source, src_ids, 9, timeout_s=10)))
+    sender.start()
+    kv, first = pending.wait(5)
+    assert first == 9 and not isinstance(kv, torch.Tensor)
+    sender.join(0.3)
+    assert sender.is_alive() and not acks  # the ack waits until the consumer copied the blocks
+    dest = torch.zeros(3, 2, 20, 16, 2, 8)
+    dst_ids = [0, 1, 5, 6, 7, 19]
+    kv(dest, dst_ids)
+    sender.join(5)
+    assert acks and acks[0].ok
+    assert torch.equal(dest[:, :, dst_ids], source.kv[:, :, src_ids])
+    untouched = [b for b in range(20) if b not in dst_ids]
+    assert not dest[:, :, untouched].any()
+
+
+def test_a_released_in_place_intake_fails_the_sender_and_cannot_copy_late(receiver) -> None:  # noqa: ANN001
+    import threading
+
+    servicer, address = receiver
+    source = _cache()
+    spec = _blocks_spec("released", 2)
+    pending = servicer.expect(spec, deadline_s=10, in_place=True)
+    errors: list[Exception] = []
+
+    def send() -> None:
+        try:
+            ShmKvSender(address).send_blocks(spec, source, [0, 1], 1, timeout_s=10)
+        except KvTransferError as exc:
+            errors.append(exc)
+
+    thread = threading.Thread(target=send)
+    thread.start()
+    kv, _ = pending.wait(5)
+    kv.release()
+    thread.join(5)
+    assert errors and "did not take" in str(errors[0])
+    with pytest.raises(KvTransferError, match="no longer readable"):
+        kv(torch.zeros(3, 2, 4, 16, 2, 8), [0, 1])
+
+
+def test_a_cache_in_private_memory_goes_through_a_staging_segment(receiver) -> None:  # noqa: ANN001
+    servicer, address = receiver
+    source = _cache(shared=False)
+    assert source.shm_name is None
+    spec = _blocks_spec("staged", 3)
+    pending = servicer.expect(spec, deadline_s=10)  # not in place: the consumer gets a tensor
+    ShmKvSender(address).send_blocks(spec, source, [5, 1, 9], 4, timeout_s=10)
+    got, first = pending.wait(5)
+    assert first == 4 and torch.equal(got, source.kv[:, :, [5, 1, 9]])
+
+
+@pytest.mark.parametrize(("field", "header_change"), [
+    ("shm_block_ids", {"shm_block_ids": [0, 99]}),
+    ("shm_block_ids", {"shm_block_ids": [0]}),
+    ("shm_num_blocks", {"shm_num_blocks": 0}),
+    ("blocks need", {"shm_num_blocks": 10_000, "shm_block_ids": [0, 1]}),
+])
+def test_block_ids_outside_the_segment_are_refused(receiver, field: str, header_change: dict) -> None:  # noqa: ANN001
+    servicer, address = receiver
+    source = _cache()
+    spec = _blocks_spec(f"evil-{field}-{len(header_change)}", 2)
+    pending = servicer.expect(spec, deadline_s=10, in_place=True)
+    header = header_for(spec, 1, source.shm_name, [0, 1], source.num_blocks)
+    for key, value in header_change.items():
+        header.ClearField(key)
+        if isinstance(value, list):
+            getattr(header, key).extend(value)
+        else:
+            setattr(header, key, value)
+    ack = kv_pb2_grpc.KvTransferStub(__import__("grpc").insecure_channel(address)).PushKv(
+        iter([KvFrame(header=header)]), timeout=5)
+    assert not ack.ok and field in ack.error
+    with pytest.raises(KvTransferError):
+        pending.wait(1)
+
+
+def test_copy_blocks_matches_fancy_indexing() -> None:
+    import random
+
+    from kv_transfer.shm_backend import copy_blocks
+
+    rng = random.Random(3)
+    src = torch.randn(2, 2, 30, 4, 1, 2)
+    for _ in range(20):
+        n = rng.randrange(1, 12)
+        src_ids, dst_ids = rng.sample(range(30), n), rng.sample(range(25), n)
+        src_ids[: n // 2] = sorted(src_ids[: n // 2])
+        dst = torch.zeros(2, 2, 25, 4, 1, 2)
+        copy_blocks(dst, dst_ids, src, src_ids)
+        expected = torch.zeros_like(dst)
+        expected[:, :, dst_ids] = src[:, :, src_ids]
+        assert torch.equal(dst, expected)
+
+
+def test_segments_of_dead_processes_are_removed() -> None:
+    from multiprocessing import shared_memory
+
+    from engine.kv_cache import remove_stale_segments, untrack_segment
+
+    dead_pid = 2**22 + 12345  # above the default pid_max: no such process
+    names = [f"{SEGMENT_PREFIX}cache-{dead_pid}-x", f"{SEGMENT_PREFIX}{dead_pid}-y", f"{SEGMENT_PREFIX}{os.getpid()}-z"]
+    for name in names:
+        untrack_segment(shared_memory.SharedMemory(name=name, create=True, size=4096))
+    assert remove_stale_segments() >= 2
+    left = _segments()
+    assert names[0] not in left and names[1] not in left and names[2] in left
+    os.unlink(f"/dev/shm/{names[2]}")
