@@ -4,6 +4,9 @@ Part 1 (--bandwidth): in one process, a real gRPC KvTransfer server on loopback 
 of an N-token prompt of the default model's geometry; we time `send` (framing, checksums, gRPC,
 validation, reassembly) against `torch.Tensor.copy_` of the same bytes (warm, same process), and
 the "ray" backend: ray.put here + ray.get in a worker actor on the same node, until its ack.
+"shm" sends a tensor and receives a tensor (staging segment, two copies); "shm c2c" is what the
+serving path does: blocks of a prefill cache in shared memory copied straight into blocks of a
+decode cache, timed until the ack (which waits for that copy).
 Part 2 (--ttft): against a real 1P1D service (separate processes), the share of time-to-first-token
 spent in KV transfer for prompts of 128, 512 and 2048 tokens, from the per-request timings.
 
@@ -61,6 +64,39 @@ def grpc_seconds(backend: str, receiver: KvTransferServicer, address: str, token
     return statistics.median(times)
 
 
+def shm_in_place_seconds(receiver: KvTransferServicer, address: str, tokens: int, repeats: int) -> float:
+    """What a 1P1D pair on one host does: from blocks of a prefill cache in shared memory straight
+    into reserved blocks of a decode cache (a consumer thread copies, the ack waits for it)."""
+    import threading
+
+    from engine.kv_cache import KVCache, KVCacheShape
+    from kv_transfer.shm_backend import ShmKvSender
+
+    g = SMOLLM2
+    n = -(-tokens // g["block_size"])
+    shape = KVCacheShape(num_layers=g["layers"], num_kv_heads=g["kv_heads"], head_dim=g["head_dim"],
+                         block_size=g["block_size"], dtype=torch.float32)
+    source, dest = KVCache(shape, 2 * n, shared=True), KVCache(shape, 2 * n)
+    source.kv.copy_(torch.randn(source.kv.shape))
+    src_ids, dst_ids = list(range(n // 2, n // 2 + n)), list(range(n, 2 * n))  # as a pool hands them out
+    sender, times = ShmKvSender(address), []
+    for i in range(repeats + 1):
+        spec = KvSpec(request_id=uuid.uuid4().hex, model_fingerprint="bench", dtype="float32",
+                      shape=(g["layers"], 2, n, g["block_size"], g["kv_heads"], g["head_dim"]),
+                      block_size=g["block_size"], num_tokens=tokens)
+        pending = receiver.expect(spec, deadline_s=60, in_place=True)
+        consumer = threading.Thread(target=lambda p=pending: p.wait(60)[0](dest.kv, dst_ids))
+        consumer.start()
+        start = time.perf_counter()
+        sender.send_blocks(spec, source, src_ids, 0, timeout_s=60)
+        if i:
+            times.append(time.perf_counter() - start)
+        consumer.join()
+        assert torch.equal(dest.kv[:, :, dst_ids], source.kv[:, :, src_ids])
+    sender.close()
+    return statistics.median(times)
+
+
 def ray_seconds(tokens: int, repeats: int) -> float:
     """ray.put in this process + ray.get in a worker actor of this node (the "ray" backend, end to end)."""
     from cluster.ray_kv_bench import ray_send_seconds
@@ -75,7 +111,7 @@ def bandwidth(tokens_list: list[int], repeats: int, with_ray: bool = True) -> No
     address = f"127.0.0.1:{server.add_insecure_port('127.0.0.1:0')}"
     server.start()
     print(f"{'tokens':>7} {'MiB':>8} {'memcpy GB/s':>12} {'grpc GB/s':>10} {'grpc/memcpy':>12}"
-          f" {'shm GB/s':>9} {'shm/memcpy':>11}"
+          f" {'shm GB/s':>9} {'shm/memcpy':>11} {'shm c2c GB/s':>13} {'c2c/memcpy':>11}"
           + (f" {'ray GB/s':>9} {'ray/memcpy':>11}" if with_ray else ""))
     try:
         for tokens in tokens_list:
@@ -84,8 +120,9 @@ def bandwidth(tokens_list: list[int], repeats: int, with_ray: bool = True) -> No
             net = grpc_seconds("grpc", receiver, address, tokens, repeats)
             gb = spec.nbytes / 1e9
             shm = grpc_seconds("shm", receiver, address, tokens, repeats)
+            c2c = shm_in_place_seconds(receiver, address, tokens, repeats)
             line = (f"{tokens:7d} {spec.nbytes / 2**20:8.1f} {gb / mem:12.2f} {gb / net:10.2f} {mem / net:12.3f}"
-                    f" {gb / shm:9.2f} {mem / shm:11.3f}")
+                    f" {gb / shm:9.2f} {mem / shm:11.3f} {gb / c2c:13.2f} {mem / c2c:11.3f}")
             if with_ray:
                 obj = ray_seconds(tokens, repeats)
                 line += f" {gb / obj:9.2f} {mem / obj:11.3f}"

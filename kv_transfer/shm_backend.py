@@ -216,7 +216,9 @@ def source_blocks(header: KvHeader, spec: KvSpec) -> tuple[torch.Tensor, list[in
 def read_segment(header: KvHeader, spec: KvSpec) -> torch.Tensor:
     """Copy the request's blocks out of the segment into a new tensor of the spec's shape."""
     view, ids = source_blocks(header, spec)
-    return view.index_select(2, torch.tensor(ids, dtype=torch.long))
+    out = torch.empty(spec.shape, dtype=spec.torch_dtype)
+    copy_blocks(out, list(range(len(ids))), view, ids)
+    return out
 
 
 def copy_blocks(dst: torch.Tensor, dst_ids: list[int], src: torch.Tensor, src_ids: list[int]) -> None:
