@@ -9,8 +9,14 @@ Prints output tokens/s for:
   hf-static       one padded `generate` call for the whole batch (left padding)
   pdserve         our paged engine, all prompts submitted together (continuous batching)
 and the ratios against both baselines. Each system runs --repeats times; the median is reported
-with the spread (min-max). Usage:
+with the spread (min-max).
+
+--batch-size B (default: all of --num-seqs) caps how many requests run at once: HF runs the
+requests as consecutive static batches of B, pdserve with max_num_seqs B (a finished request's
+slot goes to the next waiting one). With --num-seqs equal to B this is one batch for both, and
+the only difference is that pdserve's batch shrinks as requests finish. Usage:
   python benchmarks/decode_throughput.py --num-seqs 16 --min-tokens 16 --max-tokens 128
+  python benchmarks/decode_throughput.py --num-seqs 96 --batch-size 32 --min-tokens 16 --max-tokens 128
 """
 
 from __future__ import annotations
@@ -49,6 +55,11 @@ def hf_sequential(model, prompts: list[list[int]], lengths: list[int]) -> int:  
     return total
 
 
+def hf_static_batches(model, prompts: list[list[int]], lengths: list[int], batch: int) -> int:  # noqa: ANN001
+    """Consecutive static batches of `batch` requests."""
+    return sum(hf_static(model, prompts[i : i + batch], lengths[i : i + batch]) for i in range(0, len(prompts), batch))
+
+
 def hf_static(model, prompts: list[list[int]], lengths: list[int]) -> int:  # noqa: ANN001
     width, longest = max(len(p) for p in prompts), max(lengths)
     ids = torch.tensor([[0] * (width - len(p)) + p for p in prompts])
@@ -76,6 +87,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default=None, help="local HF folder (default: the default model)")
     ap.add_argument("--num-seqs", type=int, default=16)
+    ap.add_argument("--batch-size", type=int, default=None, help="most requests at once (default: --num-seqs)")
     ap.add_argument("--min-tokens", type=int, default=64)
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--min-words", type=int, default=4)
@@ -90,14 +102,15 @@ def main() -> None:
     path = resolve_model(args.model)
     loaded = load_model(path)
     hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="sdpa").eval()
-    engine = LLMEngine(loaded, EngineConfig(max_num_seqs=max(64, args.num_seqs)))
+    batch = args.batch_size or args.num_seqs
+    engine = LLMEngine(loaded, EngineConfig(max_num_seqs=batch))
     prompts = make_prompts(loaded.tokenizer, args.num_seqs, args.min_words, args.max_words, args.seed)
     rng = random.Random(args.seed + 1)
     lengths = [rng.randint(args.min_tokens, args.max_tokens) for _ in prompts]
-    print(f"model={path.name} seqs={args.num_seqs} output_tokens={args.min_tokens}-{args.max_tokens} "
+    print(f"model={path.name} seqs={args.num_seqs} batch={batch} output_tokens={args.min_tokens}-{args.max_tokens} "
           f"prompt_lens={min(map(len, prompts))}-{max(map(len, prompts))} threads={torch.get_num_threads()}")
     systems: dict[str, Callable[[], int]] = {
-        "hf-static": lambda: hf_static(hf, prompts, lengths),
+        "hf-static": lambda: hf_static_batches(hf, prompts, lengths, batch),
         "pdserve": lambda: pdserve(engine, prompts, lengths),
     }
     if not args.skip_sequential:

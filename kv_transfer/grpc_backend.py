@@ -238,6 +238,11 @@ class KvTransferServicer(kv_pb2_grpc.KvTransferServicer, KvReceiver):
             self._cond.notify_all()
         return pending
 
+    def pending(self, request_id: str) -> GrpcPendingKv | None:
+        """The registered, not yet complete intake of ``request_id``, or None."""
+        with self._cond:
+            return self._pending.get(request_id)
+
     def num_pending(self) -> int:
         """Intakes registered and not yet complete."""
         with self._cond:
@@ -257,8 +262,7 @@ class KvTransferServicer(kv_pb2_grpc.KvTransferServicer, KvReceiver):
         backends, e.g. "ray"). ``kv`` may be a callable that fetches the tensor: it runs only after
         the intake was found, claimed and its spec matched. Every check failure fails THAT intake
         (the owner then frees its blocks) and raises KvTransferError; so does an unknown request id."""
-        with self._cond:
-            pending = self._pending.get(spec.request_id)
+        pending = self.pending(spec.request_id)
         if pending is None:
             raise KvTransferError(f"unknown request_id {spec.request_id!r}: no pending KV intake")
         if not pending.claim(None):  # type: ignore[arg-type]
@@ -284,8 +288,7 @@ class KvTransferServicer(kv_pb2_grpc.KvTransferServicer, KvReceiver):
         if first is None:
             return KvAck(ok=False, error="empty KV stream")
         request_id = first.header.request_id
-        with self._cond:
-            pending = self._pending.get(request_id)
+        pending = self.pending(request_id)
         if pending is None:
             return KvAck(
                 request_id=request_id,

@@ -415,7 +415,7 @@ class RayKvReceiver(KvReceiver):
             asm = self._assemblies.get(rid)
             creator = asm is None
             if asm is None:
-                pending = _registered(self.intake, rid)
+                pending = self.intake.pending(rid)
                 if pending is None:
                     return None, f"unknown request_id {rid!r}: no pending KV intake"
                 asm = self._assemblies[rid] = _Assembly(pending)
@@ -459,7 +459,7 @@ class RayKvReceiver(KvReceiver):
             return message
         with self._lock:
             asm = self._assemblies.get(request_id)
-            pending = _registered(self.intake, request_id) if asm is None else None
+            pending = self.intake.pending(request_id) if asm is None else None
         if asm is not None:
             return self._fail(asm, message)
         if pending is not None and pending.claim(None):  # type: ignore[arg-type]  # no gRPC stream to cancel
@@ -489,14 +489,6 @@ class RayKvReceiver(KvReceiver):
         if not isinstance(array, np.ndarray) or array.dtype != np.uint8 or array.ndim != 1:
             raise KvTransferError(f"KV payload must be a flat uint8 numpy array, got {type(array).__name__}")
         return array
-
-
-def _registered(intake: KvTransferServicer, request_id: str) -> GrpcPendingKv | None:
-    """The pending intake of ``request_id`` in ``intake``'s registry, or None. KvTransferServicer has no
-    public lookup (``deliver`` claims and completes in one go), so this reads its registry under its lock
-    (a leaf lock: the registry calls nothing while holding it)."""
-    with intake._cond:
-        return intake._pending.get(request_id)
 
 
 def _bytes_of(buffer: torch.Tensor) -> np.ndarray:
