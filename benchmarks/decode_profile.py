@@ -64,10 +64,14 @@ def main() -> None:
     loaded = load_model(resolve_model(None))
     weight_bytes = sum(p.numel() * p.element_size() for p in loaded.model.parameters())
     with torch.inference_mode():
+        with profile(activities=[ProfilerActivity.CPU]):  # the profiler's own first-use set-up
+            torch.ones(8).sum()
         for batch in args.batch:
             engine = running_engine(loaded, batch, args.context)
             step_time(engine, 2)
             median = step_time(engine, args.steps)
+            with profile(activities=[ProfilerActivity.CPU]):
+                engine.step()  # warm the profiled path too
             with profile(activities=[ProfilerActivity.CPU]) as prof:
                 engine.step()
             print(f"\nbatch {batch}: {median * 1e3:.1f} ms per decode step, {batch / median:.0f} tokens/s")
