@@ -30,7 +30,8 @@ class AttentionBatch:
     slot_mapping: [T] cache slot of every new token.
     query_lens / context_lens: per sequence, new tokens and total tokens (cached + new).
     block_tables: [B, max_blocks] padded block ids (decode path and prefix-reading prefill).
-    is_decode: every sequence has exactly one new token.
+    num_decode: the first `num_decode` sequences are decoding (one new token after a cached
+    context); the rest are prefills (a mixed pass runs both). is_decode: all of them decode.
     """
 
     kv_cache: KVCache
@@ -38,13 +39,18 @@ class AttentionBatch:
     query_lens: list[int]
     context_lens: list[int]
     block_tables: torch.Tensor
-    is_decode: bool
+    num_decode: int
+
+    @property
+    def is_decode(self) -> bool:
+        return self.num_decode == len(self.query_lens)
 
     @functools.cached_property
     def decode_mask(self) -> torch.Tensor:
-        """[B, 1, 1, S] True where a key position is inside its sequence (built once per pass)."""
-        lengths = torch.tensor(self.context_lens, dtype=torch.long)
-        return (torch.arange(max(self.context_lens)).unsqueeze(0) < lengths.unsqueeze(1))[:, None, None, :]
+        """[Bd, 1, 1, S] True where a key position is inside its decoding sequence (built once per pass)."""
+        context = self.context_lens[: self.num_decode]
+        lengths = torch.tensor(context, dtype=torch.long)
+        return (torch.arange(max(context)).unsqueeze(0) < lengths.unsqueeze(1))[:, None, None, :]
 
 
 _current: AttentionBatch | None = None
@@ -76,9 +82,10 @@ def _paged_context(kv_cache: KVCache, layer: int, block_tables: torch.Tensor, le
 
 
 def _decode_attention(batch: AttentionBatch, layer: int, query: torch.Tensor, scaling: float) -> torch.Tensor:
-    """query [1, Hq, B, D] -> output [1, B, Hq, D]."""
-    max_len = max(batch.context_lens)
-    k, v = _paged_context(batch.kv_cache, layer, batch.block_tables, max_len)
+    """The decoding sequences: query [1, Hq, Bd, D] -> output [1, Bd, Hq, D]."""
+    nd = batch.num_decode
+    max_len = max(batch.context_lens[:nd])
+    k, v = _paged_context(batch.kv_cache, layer, batch.block_tables[:nd], max_len)
     q = query[0].transpose(0, 1).unsqueeze(2)  # [B, Hq, 1, D]
     out = F.scaled_dot_product_attention(
         q, k.to(q.dtype), v.to(q.dtype), attn_mask=batch.decode_mask, scale=scaling, enable_gqa=True
@@ -90,9 +97,11 @@ def _prefill_attention(
     batch: AttentionBatch, layer: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
     scaling: float,
 ) -> torch.Tensor:
-    """query [1, Hq, T, D], key/value [1, Hkv, T, D] -> output [1, T, Hq, D]."""
+    """The prefilling sequences (those after the first `num_decode`): query [1, Hq, T, D],
+    key/value [1, Hkv, T, D] of their tokens -> output [1, T, Hq, D]."""
     outputs, start = [], 0
-    for i, (q_len, ctx_len) in enumerate(zip(batch.query_lens, batch.context_lens, strict=True)):
+    for i in range(batch.num_decode, len(batch.query_lens)):
+        q_len, ctx_len = batch.query_lens[i], batch.context_lens[i]
         q = query[:, :, start : start + q_len]
         if q_len == ctx_len:  # no cached prefix: attend to the fresh keys, causally
             k, v = key[:, :, start : start + q_len], value[:, :, start : start + q_len]
@@ -128,9 +137,14 @@ def paged_attention_forward(
     k_slots, v_slots = batch.kv_cache.layer_slots(layer)
     k_slots[batch.slot_mapping] = key[0].transpose(0, 1).to(k_slots.dtype)  # [T, Hkv, D]
     v_slots[batch.slot_mapping] = value[0].transpose(0, 1).to(v_slots.dtype)
+    nd = batch.num_decode
     if batch.is_decode:
         return _decode_attention(batch, layer, query, scale), None
-    return _prefill_attention(batch, layer, query, key, value, scale), None
+    if nd == 0:
+        return _prefill_attention(batch, layer, query, key, value, scale), None
+    decoded = _decode_attention(batch, layer, query[:, :, :nd], scale)  # mixed pass: decodes come first
+    prefilled = _prefill_attention(batch, layer, query[:, :, nd:], key[:, :, nd:], value[:, :, nd:], scale)
+    return torch.cat([decoded, prefilled], dim=1), None
 
 
 def _no_mask(*args: object, **kwargs: object) -> None:

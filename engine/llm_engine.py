@@ -141,16 +141,16 @@ class LLMEngine:
         return self.scheduler.has_work
 
     def step(self) -> list[TokenOutput]:
-        """Run one pass: a prefill of waiting sequences if any can start, else a decode step."""
-        outputs = [self._finish(seq, FINISH_LENGTH, None) for seq in self._drain_overflowed()]
-        prefill = self.scheduler.schedule_prefill()
-        if prefill:
-            return outputs + self._run(prefill, [self.scheduler.prefill_tokens(s) for s in prefill])
+        """Run one pass: a decode step of every running sequence plus, in the same pass, prefills of
+        waiting sequences that fit the remaining token budget and batch slots (mixed batch: a
+        request joining mid-run costs no pass of its own)."""
         decode = self.scheduler.schedule_decode()
-        outputs += [self._finish(seq, FINISH_LENGTH, None) for seq in self._drain_overflowed()]
-        if decode:
-            outputs += self._run(decode, [[s.output_ids[-1]] for s in decode])
-        return outputs
+        outputs = [self._finish(seq, FINISH_LENGTH, None) for seq in self._drain_overflowed()]
+        prefill = self.scheduler.schedule_prefill(self.config.max_num_batched_tokens - len(decode))
+        if not decode and not prefill:
+            return outputs
+        new_tokens = [[s.output_ids[-1]] for s in decode] + [self.scheduler.prefill_tokens(s) for s in prefill]
+        return outputs + self._run(decode + prefill, new_tokens)
 
     def _drain_overflowed(self) -> list[Sequence]:
         seqs, self.scheduler.overflowed = self.scheduler.overflowed, []

@@ -39,7 +39,7 @@ class ModelRunner:
         self.kv_cache = kv_cache
         self.block_size = kv_cache.shape.block_size
         self.num_forward_passes = 0
-        self.num_prefill_tokens = 0  # tokens that went through a pass with more than one new token
+        self.num_prefill_tokens = 0  # new tokens of sequences that were not decoding (prompts, recomputes)
 
     def _slots(self, item: StepInput) -> torch.Tensor:
         table = torch.tensor(item.block_table, dtype=torch.long)
@@ -57,7 +57,8 @@ class ModelRunner:
             query_lens=[len(i.token_ids) for i in items],
             context_lens=[i.num_cached + len(i.token_ids) for i in items],
             block_tables=tables,
-            is_decode=all(len(i.token_ids) == 1 and i.num_cached > 0 for i in items),
+            num_decode=next((n for n, i in enumerate(items) if len(i.token_ids) != 1 or i.num_cached == 0),
+                            len(items)),
         )
 
     @torch.inference_mode()
@@ -85,6 +86,5 @@ class ModelRunner:
                     on_layer_done(index)
         hidden = inner.norm(hidden[0, last.to(device)])  # [N, E]
         self.num_forward_passes += 1
-        if not batch.is_decode:
-            self.num_prefill_tokens += int(input_ids.shape[1])
+        self.num_prefill_tokens += sum(batch.query_lens[batch.num_decode :])
         return self.model.lm_head(hidden).float()  # [N, V]

@@ -51,10 +51,11 @@ class Scheduler:
         seq.block_table.extend(self.pool.allocate(missing))
         return True
 
-    def schedule_prefill(self) -> list[Sequence]:
-        """Take waiting sequences FIFO while tokens, batch slots and blocks allow."""
+    def schedule_prefill(self, budget: int | None = None) -> list[Sequence]:
+        """Take waiting sequences FIFO while tokens (`budget`, default the whole pass budget), batch
+        slots and blocks allow. The first one is taken whatever its length (so none starves)."""
         batch: list[Sequence] = []
-        budget = self.config.max_num_batched_tokens
+        budget = self.config.max_num_batched_tokens if budget is None else budget
         while self.waiting and len(self.running) + len(batch) < self.config.max_num_seqs:
             seq = self.waiting[0]
             num_new = len(self.prefill_tokens(seq))
