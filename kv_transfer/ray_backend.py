@@ -193,9 +193,7 @@ class RayKvSender(KvSender):
             raise KvTransferError(f"KV {spec.request_id!r} to {self.target_address} failed: {exc}") from exc
         finally:
             refs.clear()  # our ref: the object is freed once the receiver dropped its own
-        if not isinstance(ack, dict) or not ack.get("ok"):
-            error = ack.get("error") if isinstance(ack, dict) else f"bad answer {ack!r}"
-            raise KvTransferError(f"KV {spec.request_id!r} refused by {self.target_address}: {error}")
+        _check_acks([ack], f"KV {spec.request_id!r} refused by {self.target_address}")
         return KvAck(request_id=spec.request_id, ok=True, bytes_received=spec.nbytes)
 
     def send_layers(self, spec: KvSpec, source: LayerSource, timeout_s: float) -> KvAck:
@@ -229,8 +227,8 @@ class RayKvSender(KvSender):
                 calls.append(actor.receive_kv_part.remote(header, part_for(spec, start, end),
                                                           [ray.put(payload_of(buf[start:end]))]))
                 done, calls = ray.wait(calls, num_returns=len(calls), timeout=0)
-                _check_part_acks(ray.get(done), where)  # a refused part ends the send early
-            _check_part_acks(ray.get(calls, timeout=max(0.0, deadline - time.monotonic())), where)
+                _check_acks(ray.get(done), f"{where}: part refused")  # a refused part ends the send early
+            _check_acks(ray.get(calls, timeout=max(0.0, deadline - time.monotonic())), f"{where}: part refused")
         except KvTransferError:
             raise
         except GetTimeoutError as exc:
@@ -252,11 +250,12 @@ class RayKvSender(KvSender):
         return KvTransferError(f"{where}: {reason}")
 
 
-def _check_part_acks(acks: list[Any], where: str) -> None:
+def _check_acks(acks: list[Any], refused: str) -> None:
+    """Raise KvTransferError(f"{refused}: <why>") for the first answer of a receiver that is not ok."""
     for ack in acks:
         if not isinstance(ack, dict) or not ack.get("ok"):
             error = ack.get("error") if isinstance(ack, dict) else f"bad answer {ack!r}"
-            raise KvTransferError(f"{where}: part refused: {error}")
+            raise KvTransferError(f"{refused}: {error}")
 
 
 _SENDERS: SenderCache[RayKvSender] = SenderCache(RayKvSender)
@@ -381,7 +380,7 @@ class RayKvReceiver(KvReceiver):
                 raise KvTransferError(f"part_bytes: payload has {array.nbytes} bytes, expected {nbytes} for "
                                       f"layers [{start}, {end})")
             # Disjoint layer ranges: parts copy concurrently, outside the lock.
-            _bytes_of(buffer)[start * spec.layer_nbytes : end * spec.layer_nbytes] = array
+            payload_of(buffer)[start * spec.layer_nbytes : end * spec.layer_nbytes] = array  # a view: writes land
         except KvTransferError as exc:
             return _ack(False, self._fail(asm, f"invalid KV part for {rid!r}: {exc}"))
         finally:
@@ -489,11 +488,6 @@ class RayKvReceiver(KvReceiver):
         if not isinstance(array, np.ndarray) or array.dtype != np.uint8 or array.ndim != 1:
             raise KvTransferError(f"KV payload must be a flat uint8 numpy array, got {type(array).__name__}")
         return array
-
-
-def _bytes_of(buffer: torch.Tensor) -> np.ndarray:
-    """The bytes of a contiguous CPU tensor as a writable flat uint8 numpy view."""
-    return buffer.view(-1).view(torch.uint8).numpy()
 
 
 def _ack(ok: bool, error: str, bytes_received: int = 0) -> dict[str, Any]:
