@@ -21,7 +21,6 @@ from engine.model_loader import LoadedModel
 from engine.sampling_params import SamplingParams
 from engine.sequence import Sequence
 from kv_transfer import KvSpec
-from kv_transfer.base import dtype_name
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -124,13 +123,8 @@ class DecodeWorker:
 
     def expected_spec(self, request_id: str, num_tokens: int, block_offset: int = 0) -> KvSpec:
         """The payload for `num_tokens` tokens of which the first `block_offset` blocks are held here."""
-        s = self.engine.kv_cache.shape
-        n = blocks_for_tokens(num_tokens, s.block_size) - block_offset
-        return KvSpec(
-            request_id=request_id, model_fingerprint=self.loaded.fingerprint, dtype=dtype_name(s.dtype),
-            shape=(s.num_layers, 2, n, s.block_size, s.num_kv_heads, s.head_dim),
-            block_size=s.block_size, num_tokens=num_tokens, block_offset=block_offset,
-        )
+        return KvSpec.for_cache(request_id, self.loaded.fingerprint, self.engine.kv_cache.shape, num_tokens,
+                                block_offset)
 
     def idle(self) -> bool:
         """No request open here (used to finish draining)."""

@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING, Any, Generic, Protocol, TypeVar
 import torch
 
 if TYPE_CHECKING:
-    from engine.kv_cache import KVCache
+    from engine.kv_cache import KVCache, KVCacheShape
     from pdserve.v1.kv_pb2 import KvAck
 
 #: Wire dtype names -> torch dtypes. Only these are accepted.
@@ -108,6 +108,15 @@ class KvSpec:
                 f"shape: dim 2 must be ceil(num_tokens / block_size) - block_offset = "
                 f"{n_blocks - self.block_offset}, got {self.shape}"
             )
+
+    @classmethod
+    def for_cache(cls, request_id: str, model_fingerprint: str, cache: KVCacheShape, num_tokens: int,
+                  block_offset: int = 0) -> KvSpec:
+        """The payload of `num_tokens` tokens of a cache of geometry `cache`, from block `block_offset` on."""
+        n = math.ceil(num_tokens / cache.block_size) - block_offset
+        return cls(request_id=request_id, model_fingerprint=model_fingerprint, dtype=dtype_name(cache.dtype),
+                   shape=(cache.num_layers, 2, n, cache.block_size, cache.num_kv_heads, cache.head_dim),
+                   block_size=cache.block_size, num_tokens=num_tokens, block_offset=block_offset)
 
     @property
     def torch_dtype(self) -> torch.dtype:

@@ -21,7 +21,7 @@ from engine.model_runner import ModelRunner, StepInput
 from engine.sampler import sample
 from engine.sampling_params import SamplingParams
 from kv_transfer import KvSpec, get_backend
-from kv_transfer.base import KvSender, dtype_name
+from kv_transfer.base import KvSender
 from prefill_worker.faults import FaultInjector
 from prefill_worker.layer_stream import LayerStream
 
@@ -268,13 +268,8 @@ class PrefillWorker:
     # ----- transfer threads -------------------------------------------------------------------
     def spec_for(self, job: PrefillJob) -> KvSpec:
         """What this job ships: its prompt's blocks from `kv_block_offset` on."""
-        s = self.kv_cache.shape
-        n = blocks_for_tokens(len(job.prompt_ids), s.block_size) - job.kv_block_offset
-        return KvSpec(
-            request_id=job.request_id, model_fingerprint=self.loaded.fingerprint, dtype=dtype_name(s.dtype),
-            shape=(s.num_layers, 2, n, s.block_size, s.num_kv_heads, s.head_dim),
-            block_size=s.block_size, num_tokens=len(job.prompt_ids), block_offset=job.kv_block_offset,
-        )
+        return KvSpec.for_cache(job.request_id, self.loaded.fingerprint, self.kv_cache.shape, len(job.prompt_ids),
+                                job.kv_block_offset)
 
     def _ship(self, job: PrefillJob, blocks: list[int], token: int, queue_s: float, prefill_s: float) -> None:
         start = time.perf_counter()
