@@ -20,7 +20,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import IO
 
-READY_PREFIX = "PDSERVE_READY"
+from pdserve.serving import READY_PREFIX  # the one definition, shared by every process
+
 STDERR_TAIL_BYTES = 4000
 
 

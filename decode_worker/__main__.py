@@ -17,6 +17,7 @@ from engine.model_fetch import resolve_model
 from engine.model_loader import load_model
 from engine.worker_runtime import (
     Drain,
+    LivenessWatch,
     StartedWorker,
     add_health,
     add_observability_args,
@@ -54,6 +55,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--kv-target", default="",
                     help="where prefill workers send KV (default: this worker's gRPC address; "
                          "ray:<actor name> for the ray backend)")
+    ap.add_argument("--inject-loop-death-after-steps", type=int, default=None, metavar="N",
+                    help="testing only: the engine loop thread dies after N decode steps (liveness tests)")
     add_observability_args(ap)
     return ap.parse_args(argv)
 
@@ -66,11 +69,12 @@ def start_worker(args: argparse.Namespace) -> StartedWorker:
                           max_num_batched_tokens=args.max_batched_tokens, prefix_caching=args.prefix_caching)
     loaded = load_model(resolve_model(args.model), config.torch_dtype)
     metrics = WorkerMetrics()
-    worker = DecodeWorker(loaded, config, admission_timeout_s=args.admission_timeout_s, metrics=metrics)
+    worker = DecodeWorker(loaded, config, admission_timeout_s=args.admission_timeout_s, metrics=metrics,
+                          die_after_steps=args.inject_loop_death_after_steps)
     endpoint = start_metrics_endpoint(metrics.registry, args.metrics_port)
     kv_receiver = KvTransferServicer()
     drain = Drain()
-    server = make_server(max_workers=256, options=grpc_message_options())
+    server = make_server(control_threads=32, options=grpc_message_options(), name=args.worker_id)
     address = bind(server, args.host, args.port)
     servicer = DecodeServicer(worker, kv_receiver, args.worker_id, address, args.colocated,
                               args.local_prefill_threshold, args.request_timeout_s, args.kv_timeout_s, drain,
@@ -80,8 +84,10 @@ def start_worker(args: argparse.Namespace) -> StartedWorker:
     health = add_health(server)
     server.start()
     health.set("", health_pb2.HealthCheckResponse.SERVING)
+    liveness = LivenessWatch(health, lambda: worker.dead_reason)
 
     def close() -> None:
+        liveness.stop()
         kv_receiver.close()
         worker.stop()
         if endpoint:

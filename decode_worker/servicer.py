@@ -1,24 +1,28 @@
 """Thin gRPC face of the decode worker: DecodeWorker.Generate/GetInfo/Abort.
 
-Generate, for a remote prefill: tokenize -> reserve blocks -> expect the KV -> ask the prefill
-worker -> commit the KV -> stream tokens. Every wait has a deadline; every early exit aborts the
-request, which frees whatever it holds.
+Generate is a coroutine on the server's event loop (no thread per stream). For a remote prefill:
+tokenize -> reserve blocks -> expect the KV -> ask the prefill worker -> commit the KV -> stream
+tokens, which the engine loop thread hands to the event loop as they come. Every wait has a
+deadline; every early exit (error, client gone) aborts the request, which frees whatever it holds.
+
+Statuses: a request that broke its decode step ends INTERNAL; a worker that cannot serve (draining,
+engine loop dead, prefill side failed) answers UNAVAILABLE, so the router retries elsewhere.
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import os
-import queue
 import time
 import uuid
-from collections.abc import Iterator
-from concurrent.futures import CancelledError
-from concurrent.futures import TimeoutError as FutureTimeout
+from collections.abc import AsyncIterator, Callable
+from concurrent.futures import Future
+from typing import Any
 
 import grpc
 
-from decode_worker.worker import AdmissionError, DecodeWorker, StreamError
+from decode_worker.worker import AdmissionError, DecodeWorker, StreamError, WorkerDead
 from engine.llm_engine import TokenOutput
 from engine.model_loader import LoadedModel
 from engine.sampling_params import SamplingParams
@@ -26,25 +30,63 @@ from engine.tokenization import encode_chat, encode_text
 from engine.worker_runtime import Drain, finish_reason_to_pb, sampling_params_from_pb, sampling_params_to_pb
 from kv_transfer import KvTransferError, KvTransferServicer
 from kv_transfer.shm_backend import InPlaceKv
-from pdserve.transport import open_channel
+from pdserve.serving import PREFILL_FAILURE
+from pdserve.transport import open_aio_channel
 from pdserve.v1 import common_pb2, router_pb2, worker_pb2, worker_pb2_grpc
 
 log = logging.getLogger(__name__)
 
 LOCAL_HOSTS = frozenset({"127.0.0.1", "localhost", "[::1]", "::1"})
-#: Prefix of the details of an UNAVAILABLE status caused by the prefill side (worker or KV transfer).
-PREFILL_FAILURE = "prefill failed on"
 #: Statuses from a prefill worker that are the request's own fault: passed on, never retried.
 CLIENT_ERRORS = frozenset({grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.RESOURCE_EXHAUSTED})
 CALL_ENDED = "the Prefill call ended before the KV arrived"
 
 
-def _call_error(call: grpc.Future) -> grpc.RpcError | None:
-    """The error a finished Prefill call ended with, if any."""
+_DEADLINE = object()  # put on a request's item queue when its deadline passes
+
+
+async def _call_error(call: grpc.aio.UnaryUnaryCall) -> tuple[grpc.StatusCode, str] | None:
+    """The status a finished Prefill call ended with, if it failed."""
     if not call.done() or call.cancelled():
         return None
-    error = call.exception()
-    return error if isinstance(error, grpc.RpcError) else None
+    code = await call.code()
+    return None if code == grpc.StatusCode.OK else (code, await call.details() or code.name)
+
+
+async def _prefill_response(call: grpc.aio.UnaryUnaryCall, pending: Any) -> worker_pb2.PrefillResponse:
+    """The Prefill answer; a call we cancelled because the KV intake failed raises that failure."""
+    try:
+        return await call
+    except asyncio.CancelledError:
+        if call.cancelled() and pending.error():
+            raise KvTransferError(pending.error()) from None
+        raise
+
+
+async def _kv_of(pending: Any, timeout_s: float) -> tuple[Any, int]:
+    """Wait (without a thread) until the KV intake completes; its result, or KvTransferError."""
+    loop = asyncio.get_running_loop()
+    done: asyncio.Future[None] = loop.create_future()
+
+    def on_done(_pending: Any) -> None:
+        loop.call_soon_threadsafe(lambda: None if done.done() else done.set_result(None))
+
+    pending.add_done_callback(on_done)
+    try:
+        await asyncio.wait_for(done, timeout=max(0.0, timeout_s))
+    except asyncio.TimeoutError:
+        raise KvTransferError(f"KV for {pending.request_id!r} not complete after waiting {timeout_s:.1f}s") from None
+    return pending.wait(0)
+
+
+def _sink_to(loop: asyncio.AbstractEventLoop, items: asyncio.Queue) -> Callable[[Any], None]:
+    """A StreamSink that hands items from the engine loop thread to `items` on `loop`."""
+    def sink(item: Any) -> None:
+        try:
+            loop.call_soon_threadsafe(items.put_nowait, item)
+        except RuntimeError:  # the event loop is closed: the server is gone
+            pass
+    return sink
 
 
 def prompt_ids_from_pb(loaded: LoadedModel, request: worker_pb2.DecodeRequest) -> list[int]:
@@ -76,15 +118,21 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
         self.request_timeout_s = request_timeout_s
         self.kv_timeout_s = kv_timeout_s
         self.drain = drain or Drain()
-        self._prefill_channels: dict[str, worker_pb2_grpc.PrefillWorkerStub] = {}
+        self._prefill_stubs: dict[str, worker_pb2_grpc.PrefillWorkerStub] = {}  # event-loop channels
+
+    def unhealthy_reason(self) -> str:
+        """Why this worker takes no new requests ("" when it does)."""
+        if self.worker.dead_reason:
+            return self.worker.dead_reason
+        return "draining" if self.drain.draining else ""
 
     # ----- Generate --------------------------------------------------------------------------
-    def Generate(  # noqa: N802
-        self, request: worker_pb2.DecodeRequest, context: grpc.ServicerContext
-    ) -> Iterator[router_pb2.GenerateResponse]:
+    async def Generate(  # noqa: N802
+        self, request: worker_pb2.DecodeRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[router_pb2.GenerateResponse]:
         start = time.perf_counter()
-        if self.drain.draining:
-            context.abort(grpc.StatusCode.UNAVAILABLE, f"decode worker {self.worker_id} is draining")
+        if reason := self.unhealthy_reason():
+            await context.abort(grpc.StatusCode.UNAVAILABLE, f"decode worker {self.worker_id}: {reason}")
         request_id = request.request_id or uuid.uuid4().hex
         try:
             prompt_ids = prompt_ids_from_pb(self.worker.loaded, request)
@@ -93,47 +141,54 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
             if len(resume_ids) >= params.max_tokens:
                 raise ValueError("resume_output_ids: as many tokens as max_tokens; nothing left to do")
         except ValueError as exc:
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         deadline = start + self._timeout(context)
-        stream = self.worker.open_stream(request_id)
-        context.add_callback(lambda: self.worker.abort(request_id))
+        loop = asyncio.get_running_loop()
+        items: asyncio.Queue = asyncio.Queue()
+        timer = loop.call_later(max(0.0, deadline - time.perf_counter()), items.put_nowait, _DEADLINE)
+        self.worker.open_stream(request_id, _sink_to(loop, items))
         timings = common_pb2.Timings()
         try:
             if self._prefill_locally(request, prompt_ids):
-                self._wait(self.worker.add_local(request_id, prompt_ids, params, resume_ids), deadline, context)
+                await self._wait(self.worker.add_local(request_id, prompt_ids, params, resume_ids), deadline, context)
             else:
-                self._remote_prefill(request_id, request.prefill_address, prompt_ids, resume_ids, params,
-                                     deadline, context, timings)
-            yield from self._stream(request_id, stream, deadline, context, timings, start)
+                await self._remote_prefill(request_id, request.prefill_address, prompt_ids, resume_ids, params,
+                                           deadline, context, timings)
+            async for response in self._stream(request_id, items, context, timings, start):
+                yield response
         finally:
+            timer.cancel()
             self.worker.close_stream(request_id)
             self.worker.abort(request_id)
 
     def _prefill_locally(self, request: worker_pb2.DecodeRequest, prompt_ids: list[int]) -> bool:
         return self.colocated or not request.prefill_address or len(prompt_ids) < self.local_prefill_threshold
 
-    def _timeout(self, context: grpc.ServicerContext) -> float:
+    def _timeout(self, context: grpc.aio.ServicerContext) -> float:
         remaining = context.time_remaining()
         return self.request_timeout_s if remaining is None else min(remaining, self.request_timeout_s)
 
-    def _wait(self, future, deadline: float, context: grpc.ServicerContext):  # noqa: ANN001, ANN202
+    async def _wait(self, future: Future, deadline: float, context: grpc.aio.ServicerContext) -> Any:
+        """Await an engine-loop future within the deadline, mapping its failure to a status."""
         try:
-            return future.result(timeout=max(0.0, deadline - time.perf_counter()))
+            return await asyncio.wait_for(asyncio.wrap_future(future), timeout=max(0.0, deadline - time.perf_counter()))
         except AdmissionError as exc:
-            context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))
+        except WorkerDead as exc:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, f"decode worker {self.worker_id}: {exc}")
         except ValueError as exc:
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
-        except (FutureTimeout, CancelledError):
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        except asyncio.TimeoutError:
             future.cancel()
-            context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, "request deadline passed while waiting")
+            await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, "request deadline passed while waiting")
 
-    def _remote_prefill(self, request_id: str, prefill_address: str, prompt_ids: list[int],
-                        resume_ids: list[int], params: SamplingParams, deadline: float,
-                        context: grpc.ServicerContext, timings: common_pb2.Timings) -> None:
+    async def _remote_prefill(self, request_id: str, prefill_address: str, prompt_ids: list[int],
+                              resume_ids: list[int], params: SamplingParams, deadline: float,
+                              context: grpc.aio.ServicerContext, timings: common_pb2.Timings) -> None:
         """Reserve, then have `prefill_address` compute the K/V of prompt + resumed tokens and push
         them here. A failure on the prefill side ends with UNAVAILABLE and details starting with
         PREFILL_FAILURE, so the router prefills the request again elsewhere."""
-        seq = self._wait(self.worker.reserve(request_id, prompt_ids, params, resume_ids), deadline, context)
+        seq = await self._wait(self.worker.reserve(request_id, prompt_ids, params, resume_ids), deadline, context)
         tokens = prompt_ids + resume_ids
         backend = self._backend_for(prefill_address)
         in_place = backend == "shm"  # blocks are copied from the prefill worker's shared memory into ours
@@ -141,8 +196,7 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
         spec = self.worker.expected_spec(request_id, len(tokens), seq.num_reused_blocks)
         pending = self.kv_receiver.expect(spec, deadline_s=max(0.1, kv_deadline - time.perf_counter()),
                                           in_place=in_place)
-        context.add_callback(lambda: pending.cancel("client cancelled"))
-        call = self._prefill_stub(prefill_address).Prefill.future(
+        call = self._prefill_stub(prefill_address).Prefill(
             worker_pb2.PrefillRequest(
                 request_id=request_id, prompt_token_ids=tokens, params=sampling_params_to_pb(params),
                 kv_target_address=self.kv_target, kv_backend=backend, decode_worker_id=self.worker_id,
@@ -150,34 +204,46 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
             ),
             timeout=max(0.1, kv_deadline - time.perf_counter()),
         )
-        context.add_callback(call.cancel)
-        pending.add_done_callback(lambda p: call.cancel() if p.error() else None)  # stalled or bad KV
+        loop = asyncio.get_running_loop()
+        pending.add_done_callback(lambda p: loop.call_soon_threadsafe(call.cancel) if p.error() else None)
         call.add_done_callback(lambda c: pending.cancel(CALL_ENDED) if not pending.done() else None)
         kv = None
         try:
             if in_place:  # the ack (and so the response) waits for our copy: commit first
-                kv, first_token = pending.wait(timeout=max(0.1, kv_deadline - time.perf_counter()))
-                self._wait(self.worker.commit(request_id, kv, first_token, backend, spec.nbytes), deadline, context)
-                response = call.result()
+                kv, first_token = await _kv_of(pending, kv_deadline - time.perf_counter())
+                await self._wait(self.worker.commit(request_id, kv, first_token, backend, spec.nbytes), deadline,
+                                 context)
+                response = await _prefill_response(call, pending)
             else:
-                response = call.result()
-                kv, _ = pending.wait(timeout=max(0.1, kv_deadline - time.perf_counter()))
+                response = await _prefill_response(call, pending)
+                kv, _ = await _kv_of(pending, kv_deadline - time.perf_counter())
                 first_token = response.first_token_id  # layer-wise frames cannot carry it: the response does
-                self._wait(self.worker.commit(request_id, kv, first_token, backend), deadline, context)
-        except (grpc.RpcError, grpc.FutureCancelledError, KvTransferError) as exc:
+                await self._wait(self.worker.commit(request_id, kv, first_token, backend), deadline, context)
+        except (grpc.aio.AioRpcError, KvTransferError) as exc:
             pending.cancel("prefill failed")
             call.cancel()
-            rpc_error = exc if isinstance(exc, grpc.RpcError) else _call_error(call)
-            if rpc_error is not None and rpc_error.code() in CLIENT_ERRORS:
-                context.abort(rpc_error.code(), f"prefill worker {prefill_address}: {rpc_error.details()}")
-            reason = pending.error()
-            if rpc_error is not None and (not reason or CALL_ENDED in reason):
-                reason = rpc_error.details()
-            context.abort(grpc.StatusCode.UNAVAILABLE, f"{PREFILL_FAILURE} {prefill_address}: {reason or exc}")
+            await self._prefill_failed(exc, call, pending, prefill_address, context)
         finally:
             if isinstance(kv, InPlaceKv):
                 kv.release()  # no-op once copied; otherwise the prefill worker stops waiting for us
+            if not pending.done():
+                pending.cancel("request ended")  # the client left meanwhile
+            call.cancel()
         timings.MergeFrom(response.timings)
+
+    async def _prefill_failed(self, exc: Exception, call: grpc.aio.UnaryUnaryCall, pending: Any,
+                              prefill_address: str, context: grpc.aio.ServicerContext) -> None:
+        """Pass the request's own faults on; report everything else as the prefill side's failure."""
+        if isinstance(exc, grpc.aio.AioRpcError):
+            status: tuple[grpc.StatusCode, str] | None = (exc.code(), exc.details() or exc.code().name)
+        else:
+            status = await _call_error(call)
+        if status is not None and status[0] in CLIENT_ERRORS:
+            await context.abort(status[0], f"prefill worker {prefill_address}: {status[1]}")
+        reason = pending.error()
+        if status is not None and (not reason or CALL_ENDED in reason):
+            reason = status[1]
+        await context.abort(grpc.StatusCode.UNAVAILABLE, f"{PREFILL_FAILURE} {prefill_address}: {reason or exc}")
 
     def _backend_for(self, prefill_address: str) -> str:
         """The KV backend for one transfer: `auto` means shared memory when the prefill worker runs on
@@ -189,25 +255,22 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
         return "shm" if same_host else "grpc"
 
     def _prefill_stub(self, address: str) -> worker_pb2_grpc.PrefillWorkerStub:
-        stub = self._prefill_channels.get(address)
+        stub = self._prefill_stubs.get(address)
         if stub is None:
-            stub = worker_pb2_grpc.PrefillWorkerStub(open_channel(address))
-            self._prefill_channels[address] = stub
+            stub = worker_pb2_grpc.PrefillWorkerStub(open_aio_channel(address))
+            self._prefill_stubs[address] = stub
         return stub
 
-    def _stream(self, request_id: str, stream: queue.SimpleQueue, deadline: float,
-                context: grpc.ServicerContext, timings: common_pb2.Timings,
-                start: float) -> Iterator[router_pb2.GenerateResponse]:
+    async def _stream(self, request_id: str, items: asyncio.Queue, context: grpc.aio.ServicerContext,
+                      timings: common_pb2.Timings, start: float) -> AsyncIterator[router_pb2.GenerateResponse]:
         first_at: float | None = None
-        while context.is_active():
-            if time.perf_counter() > deadline:
-                context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, "request deadline passed while decoding")
-            try:
-                item = stream.get(timeout=0.1)
-            except queue.Empty:
-                continue
+        while True:
+            item = await items.get()
+            if item is _DEADLINE:
+                await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, "request deadline passed while decoding")
             if isinstance(item, StreamError):
-                context.abort(grpc.StatusCode.INTERNAL, item.message)
+                code = grpc.StatusCode.UNAVAILABLE if item.worker_failed else grpc.StatusCode.INTERNAL
+                await context.abort(code, f"decode worker {self.worker_id}: {item.message}")
             first_at = first_at or time.perf_counter()
             yield self._response(request_id, item, timings, start, first_at)
             if item.finish_reason is not None:
@@ -233,13 +296,15 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
     def GetInfo(self, request: worker_pb2.InfoRequest, context: grpc.ServicerContext) -> common_pb2.WorkerInfo:  # noqa: N802
         s = self.worker.stats()
         role = common_pb2.WORKER_ROLE_COLOCATED if self.colocated else common_pb2.WORKER_ROLE_DECODE
+        reason = self.unhealthy_reason()
         return common_pb2.WorkerInfo(
             worker_id=self.worker_id, role=role, address=self.address, pid=os.getpid(),
             queue_depth=s["queue_depth"], kv_blocks_used=s["kv_used"], kv_blocks_total=s["kv_total"],
-            running_requests=s["running"], healthy=not self.drain.draining, kv_address=self.address,
+            running_requests=s["running"], healthy=not reason, unhealthy_reason=reason, kv_address=self.address,
             prefill_tokens_computed=s["prefill_tokens_computed"],
             kv_bytes_received=self.worker.kv_bytes_received, requests_finished=self.worker.requests_finished,
             prefix_cache_hit_blocks=s["prefix_cache_hit_blocks"], prefix_cache_blocks=s["prefix_cache_blocks"],
+            max_running_requests=self.worker.engine.config.max_num_seqs,
         )
 
     def Abort(self, request: worker_pb2.AbortRequest, context: grpc.ServicerContext) -> worker_pb2.AbortResponse:  # noqa: N802

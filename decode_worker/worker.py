@@ -1,4 +1,10 @@
-"""The decode worker's core, independent of gRPC: the engine loop and per-request streams."""
+"""The decode worker's core, independent of gRPC: the engine loop and per-request streams.
+
+Outputs reach the serving side through a sink per request (`open_stream`): the loop thread calls
+it with each TokenOutput (or a StreamError), and the gRPC side's sink hands the item to its event
+loop (`call_soon_threadsafe`); nothing polls. If the loop thread itself dies, `dead_reason` says
+why, every open stream gets a retryable StreamError and the worker reports itself unhealthy.
+"""
 
 from __future__ import annotations
 
@@ -6,6 +12,7 @@ import logging
 import queue
 import threading
 import time
+import weakref
 from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass
@@ -26,15 +33,25 @@ log = logging.getLogger(__name__)
 T = TypeVar("T")
 
 
+class WorkerDead(RuntimeError):
+    """The engine loop thread is gone; nothing handed to it will run."""
+
+
 class AdmissionError(RuntimeError):
     """The KV pool cannot hold the request before its admission deadline, or the queue is full."""
 
 
 @dataclass(frozen=True)
 class StreamError:
-    """Put on a request's stream when it ends abnormally."""
+    """Put on a request's stream when it ends abnormally. `worker_failed`: the worker itself broke
+    (its loop died): the router should retry elsewhere. Otherwise the request broke its step."""
 
     message: str
+    worker_failed: bool = False
+
+
+#: Receives a request's outputs on the loop thread; must not block.
+StreamSink = Callable[["TokenOutput | StreamError"], None]
 
 
 @dataclass
@@ -49,13 +66,18 @@ class _PendingReservation:
 
 class DecodeWorker:
     def __init__(self, loaded: LoadedModel, config: EngineConfig, admission_timeout_s: float = 30.0,
-                 max_waiting: int = 1024, metrics: WorkerMetrics | None = None) -> None:
+                 max_waiting: int = 1024, metrics: WorkerMetrics | None = None,
+                 die_after_steps: int | None = None) -> None:
         self.loaded = loaded
         self.engine = LLMEngine(loaded, config)
         self.admission_timeout_s = admission_timeout_s
         self.max_waiting = max_waiting
         self._inbox: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
-        self._streams: dict[str, queue.SimpleQueue[TokenOutput | StreamError]] = {}
+        self._streams: dict[str, StreamSink] = {}
+        self.dead_reason = ""  # set once if the loop thread dies
+        self._die_after_steps = die_after_steps  # fault injection (tests): the loop dies after this many steps
+        self._steps = 0
+        self._futures: weakref.WeakSet[Future] = weakref.WeakSet()  # failed at once if the loop dies
         self._reservations: list[_PendingReservation] = []
         self._stopped = threading.Event()
         self._counter_lock = threading.Lock()
@@ -81,13 +103,20 @@ class DecodeWorker:
                 except BaseException as exc:  # noqa: BLE001 - handed to the caller
                     future.set_exception(exc)
 
+        self._track(future)
         self._inbox.put(call)
         return future
 
-    def open_stream(self, request_id: str) -> queue.SimpleQueue[TokenOutput | StreamError]:
-        stream: queue.SimpleQueue[TokenOutput | StreamError] = queue.SimpleQueue()
-        self._streams[request_id] = stream
-        return stream
+    def _track(self, future: Future) -> None:
+        if self.dead_reason:
+            future.set_exception(WorkerDead(self.dead_reason))
+        self._futures.add(future)
+
+    def open_stream(self, request_id: str, sink: StreamSink) -> None:
+        """Send `request_id`'s outputs to `sink` (called on the loop thread) until close_stream."""
+        self._streams[request_id] = sink
+        if self.dead_reason:
+            sink(StreamError(self.dead_reason, worker_failed=True))
 
     def close_stream(self, request_id: str) -> None:
         self._streams.pop(request_id, None)
@@ -104,6 +133,7 @@ class DecodeWorker:
         future: Future = Future()
         pending = _PendingReservation(request_id, prompt_ids, params, resume_ids,
                                       time.monotonic() + self.admission_timeout_s, future)
+        self._track(future)
         self._inbox.put(lambda: None if self._try_reserve(pending, first=True) else None)
         return future
 
@@ -146,11 +176,29 @@ class DecodeWorker:
 
     # ----- loop thread ------------------------------------------------------------------------
     def _loop(self) -> None:
-        while not self._stopped.is_set():
-            self._drain_inbox(block=not self.engine.has_work and not self._reservations)
-            self._retry_reservations()
-            if self.engine.has_work:
-                self._step()
+        try:
+            while not self._stopped.is_set():
+                self._drain_inbox(block=not self.engine.has_work and not self._reservations)
+                self._retry_reservations()
+                if self.engine.has_work:
+                    self._step()
+                    self._count_step()
+        except BaseException as exc:  # noqa: BLE001 - the loop is gone: say so, fail every stream over
+            self.dead_reason = f"engine loop died: {type(exc).__name__}: {exc}"
+            log.critical("decode worker %s", self.dead_reason, exc_info=True)
+            for sink in list(self._streams.values()):
+                sink(StreamError(self.dead_reason, worker_failed=True))
+            for future in list(self._futures):
+                if not future.done():
+                    try:
+                        future.set_exception(WorkerDead(self.dead_reason))
+                    except Exception:  # noqa: BLE001 - raced with its completion or cancellation
+                        pass
+
+    def _count_step(self) -> None:
+        self._steps += 1
+        if self._die_after_steps is not None and self._steps >= self._die_after_steps:
+            raise RuntimeError(f"injected engine loop death after {self._steps} steps")
 
     def _drain_inbox(self, block: bool) -> None:
         try:
@@ -181,9 +229,9 @@ class DecodeWorker:
     def _emit(self, out: TokenOutput) -> None:
         if out.token_id >= 0:
             self.metrics.generation_tokens.inc()
-        stream = self._streams.get(out.request_id)
-        if stream is not None:
-            stream.put(out)
+        sink = self._streams.get(out.request_id)
+        if sink is not None:
+            sink(out)
         if out.finish_reason is not None:
             self.requests_finished += 1
 
@@ -231,6 +279,6 @@ class DecodeWorker:
 
     def _fail(self, request_id: str, message: str) -> None:
         self.engine.abort(request_id)
-        stream = self._streams.get(request_id)
-        if stream is not None:
-            stream.put(StreamError(message))
+        sink = self._streams.get(request_id)
+        if sink is not None:
+            sink(StreamError(message))

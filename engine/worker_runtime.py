@@ -1,34 +1,36 @@
-"""Process plumbing shared by both worker roles: threads, gRPC server, health, READY line,
-signals, and the protobuf <-> engine conversions both roles need.
+"""Process plumbing shared by both worker roles: threads, the event-loop gRPC server, health and
+liveness, READY line, signals, and the protobuf <-> engine conversions both roles need.
 
 The launcher (`cluster.local`) reads exactly one line `PDSERVE_READY {json}` from a worker's
 stdout once it serves; everything else a worker says goes to stderr.
+
+Liveness: a worker whose engine loop thread died reports NOT_SERVING on gRPC health and
+`healthy: false` (with `unhealthy_reason`) in GetInfo, and refuses new requests with UNAVAILABLE, so
+the router stops routing to it and fails its requests over (`LivenessWatch`).
 """
 
 from __future__ import annotations
 
 import argparse
-import json
-import os
+import logging
 import signal
 import threading
 import time
 from collections.abc import Callable
-from concurrent import futures
 from dataclasses import dataclass, field
 
-import grpc
 import torch
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from engine.sampling_params import SamplingParams
 from engine.stop_checker import FINISH_ABORT, FINISH_ERROR, FINISH_LENGTH, FINISH_STOP, FINISH_STOP_STRING
+from pdserve.serving import AioServer, RequestParseInterceptor, ready_line
 from pdserve.transport import add_port
 from pdserve.v1 import common_pb2
 from telemetry.grpc_logging import RequestLoggingInterceptor
 from telemetry.logs import LOG_FORMATS, configure_logging
 
-READY_PREFIX = "PDSERVE_READY "
+log = logging.getLogger(__name__)
 
 _FINISH_TO_PB = {
     FINISH_STOP: common_pb2.FINISH_REASON_STOP,
@@ -98,19 +100,46 @@ def configure_process(num_threads: int | None, log_level: str = "INFO", log_form
         torch.set_num_threads(num_threads)
 
 
-def make_server(max_workers: int, options: list[tuple[str, int]] | None = None) -> grpc.Server:
-    """A gRPC server whose calls carrying a request_id are logged at start and finish."""
-    return grpc.server(futures.ThreadPoolExecutor(max_workers=max_workers), options=options or [],
-                       interceptors=[RequestLoggingInterceptor()])
+def make_server(control_threads: int, options: list[tuple[str, int]] | None = None,
+                name: str = "worker") -> AioServer:
+    """An event-loop gRPC server (streams are coroutines; `control_threads` serve GetInfo, Abort,
+    PushKv and health) whose calls carrying a request_id are logged at start and finish."""
+    return AioServer(name, options=options or [], interceptors=[RequestParseInterceptor(), RequestLoggingInterceptor()],
+                     control_threads=control_threads)
 
 
-def add_health(server: grpc.Server) -> health.HealthServicer:
+def add_health(server: AioServer) -> health.HealthServicer:
     servicer = health.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(servicer, server)
     return servicer
 
 
-def bind(server: grpc.Server, host: str, port: int) -> str:
+class LivenessWatch:
+    """Turns a dead engine loop into NOT_SERVING: checks `dead_reason()` every `interval_s` in a
+    daemon thread; once it returns a reason, health goes NOT_SERVING for good."""
+
+    def __init__(self, health_servicer: health.HealthServicer, dead_reason: Callable[[], str],
+                 interval_s: float = 0.2) -> None:
+        self._health = health_servicer
+        self._dead_reason = dead_reason
+        self._interval_s = interval_s
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="liveness", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.wait(self._interval_s):
+            reason = self._dead_reason()
+            if reason:
+                log.error("engine loop is dead (%s): reporting NOT_SERVING", reason)
+                self._health.set("", health_pb2.HealthCheckResponse.NOT_SERVING)
+                return
+
+    def stop(self) -> None:
+        self._stop.set()
+
+
+def bind(server: AioServer, host: str, port: int) -> str:
     bound = add_port(server, f"{host}:{port}")  # mTLS when the deployment configures it
     if bound == 0:
         raise OSError(f"cannot bind {host}:{port}")
@@ -118,8 +147,7 @@ def bind(server: grpc.Server, host: str, port: int) -> str:
 
 
 def announce_ready(address: str, worker_id: str, **extra: object) -> None:
-    print(READY_PREFIX + json.dumps({"address": address, "worker_id": worker_id, "pid": os.getpid(), **extra}),
-          flush=True)
+    print(ready_line(address, worker_id, **extra), flush=True)
 
 
 class Drain:
@@ -138,7 +166,7 @@ class Drain:
         self._event.set()
 
 
-def serve_until_signal(server: grpc.Server, health_servicer: health.HealthServicer, drain: Drain,
+def serve_until_signal(server: AioServer, health_servicer: health.HealthServicer, drain: Drain,
                        is_idle: Callable[[], bool], grace_s: float = 30.0) -> None:
     """Block until SIGTERM/SIGINT, then drain: report NOT_SERVING, refuse new requests, wait until
     `is_idle()` or `grace_s` passed, and only then stop the server."""
@@ -150,7 +178,7 @@ def serve_until_signal(server: grpc.Server, health_servicer: health.HealthServic
     drain_then_stop(server, health_servicer, drain, is_idle, grace_s)
 
 
-def drain_then_stop(server: grpc.Server, health_servicer: health.HealthServicer, drain: Drain,
+def drain_then_stop(server: AioServer, health_servicer: health.HealthServicer, drain: Drain,
                     is_idle: Callable[[], bool], grace_s: float) -> None:
     """Refuse new requests, report NOT_SERVING, wait until `is_idle()` or `grace_s`, stop the server."""
     drain.start()
@@ -158,7 +186,7 @@ def drain_then_stop(server: grpc.Server, health_servicer: health.HealthServicer,
     deadline = time.monotonic() + grace_s
     while not is_idle() and time.monotonic() < deadline:
         time.sleep(0.05)
-    server.stop(1.0).wait()
+    server.stop(1.0)
 
 
 @dataclass
@@ -167,7 +195,7 @@ class StartedWorker:
 
     `stop()` drains (at most `drain_timeout_s`), stops the server and the engine; idempotent."""
 
-    server: grpc.Server
+    server: AioServer
     address: str
     health: health.HealthServicer
     drain: Drain

@@ -12,6 +12,7 @@ from engine.model_fetch import resolve_model
 from engine.model_loader import load_model
 from engine.worker_runtime import (
     Drain,
+    LivenessWatch,
     StartedWorker,
     add_health,
     add_observability_args,
@@ -66,15 +67,17 @@ def start_worker(args: argparse.Namespace) -> StartedWorker:
                            shared_kv_cache=args.shared_kv_cache)
     endpoint = start_metrics_endpoint(metrics.registry, args.metrics_port)
     drain = Drain()
-    server = make_server(max_workers=256)
+    server = make_server(control_threads=32, name=args.worker_id)
     address = bind(server, args.host, args.port)
     servicer = PrefillServicer(worker, args.worker_id, address, args.request_timeout_s, drain)
     worker_pb2_grpc.add_PrefillWorkerServicer_to_server(servicer, server)
     health = add_health(server)
     server.start()
     health.set("", health_pb2.HealthCheckResponse.SERVING)
+    liveness = LivenessWatch(health, lambda: "" if worker.loop_alive() else "engine loop died")
 
     def close() -> None:
+        liveness.stop()
         worker.stop()
         if endpoint:
             endpoint.stop()

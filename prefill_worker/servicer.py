@@ -1,9 +1,12 @@
-"""Thin gRPC face of the prefill worker: protobuf -> PrefillJob -> core -> protobuf."""
+"""Thin gRPC face of the prefill worker: protobuf -> PrefillJob -> core -> protobuf.
+
+Prefill is a coroutine on the server's event loop: a queued prompt holds no thread. When the caller
+goes away, the job is cancelled (dropped if still queued)."""
 
 from __future__ import annotations
 
+import asyncio
 import os
-from concurrent.futures import CancelledError
 
 import grpc
 
@@ -22,9 +25,16 @@ class PrefillServicer(worker_pb2_grpc.PrefillWorkerServicer):
         self.request_timeout_s = request_timeout_s
         self.drain = drain or Drain()
 
-    def Prefill(self, request: worker_pb2.PrefillRequest, context: grpc.ServicerContext) -> worker_pb2.PrefillResponse:  # noqa: N802
-        if self.drain.draining:
-            context.abort(grpc.StatusCode.UNAVAILABLE, f"prefill worker {self.worker_id} is draining")
+    def unhealthy_reason(self) -> str:
+        """Why this worker takes no new requests ("" when it does)."""
+        if not self.worker.loop_alive():
+            return "engine loop died"
+        return "draining" if self.drain.draining else ""
+
+    async def Prefill(self, request: worker_pb2.PrefillRequest,  # noqa: N802
+                      context: grpc.aio.ServicerContext) -> worker_pb2.PrefillResponse:
+        if reason := self.unhealthy_reason():
+            await context.abort(grpc.StatusCode.UNAVAILABLE, f"prefill worker {self.worker_id}: {reason}")
         try:
             job = PrefillJob(
                 request_id=request.request_id, prompt_ids=list(request.prompt_token_ids),
@@ -36,23 +46,22 @@ class PrefillServicer(worker_pb2_grpc.PrefillWorkerServicer):
                 raise ValueError("request_id, prompt_token_ids and kv_target_address are required")
             future = self.worker.submit(job)
         except OverflowError as exc:
-            context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))
         except ValueError as exc:
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
-        context.add_callback(future.cancel)  # the caller went away: drop the job if still queued
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         remaining = context.time_remaining()
         timeout = min(self.request_timeout_s, remaining) if remaining is not None else self.request_timeout_s
-        try:
-            result = future.result(timeout=timeout)
-        except CancelledError:
-            context.abort(grpc.StatusCode.CANCELLED, "prefill cancelled")
-        except TimeoutError:
+        try:  # a cancelled call cancels the wrapped future, which drops the job if still queued
+            result = await asyncio.wait_for(asyncio.wrap_future(future), timeout=timeout)
+        except asyncio.TimeoutError:
             future.cancel()
-            context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, f"prefill did not finish in {timeout:.1f}s")
+            await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, f"prefill did not finish in {timeout:.1f}s")
         except KvTransferError as exc:
-            context.abort(grpc.StatusCode.UNAVAILABLE, f"KV transfer failed: {exc}")
+            await context.abort(grpc.StatusCode.UNAVAILABLE, f"KV transfer failed: {exc}")
+        except asyncio.CancelledError:
+            raise
         except Exception as exc:  # noqa: BLE001 - report, keep serving
-            context.abort(grpc.StatusCode.INTERNAL, f"prefill failed: {exc}")
+            await context.abort(grpc.StatusCode.INTERNAL, f"prefill failed: {exc}")
         return worker_pb2.PrefillResponse(
             request_id=job.request_id, first_token_id=result.first_token_id, kv_bytes=result.kv_bytes,
             timings=common_pb2.Timings(queue_s=result.queue_s, prefill_s=result.prefill_s,
@@ -64,7 +73,8 @@ class PrefillServicer(worker_pb2_grpc.PrefillWorkerServicer):
         return common_pb2.WorkerInfo(
             worker_id=self.worker_id, role=common_pb2.WORKER_ROLE_PREFILL, address=self.address,
             pid=os.getpid(), queue_depth=w.queue_depth, queued_prompt_tokens=w.queued_tokens,
-            kv_blocks_used=w.pool.num_used, kv_blocks_total=w.pool.num_blocks, healthy=not self.drain.draining,
+            kv_blocks_used=w.pool.num_used, kv_blocks_total=w.pool.num_blocks, healthy=not self.unhealthy_reason(),
+            unhealthy_reason=self.unhealthy_reason(),
             prefill_tokens_computed=w.runner.num_prefill_tokens, kv_bytes_sent=w.kv_bytes_sent,
             requests_finished=w.requests_finished, prefix_cache_hit_blocks=w.pool.cache_hits,
             prefix_cache_blocks=w.pool.num_cached,

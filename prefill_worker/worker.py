@@ -103,6 +103,10 @@ class PrefillWorker:
             self._cond.notify()
         return job.future
 
+    def loop_alive(self) -> bool:
+        """False once the loop thread died (not after a clean stop)."""
+        return self._thread.is_alive() or self._stopped
+
     @property
     def queue_depth(self) -> int:
         """Requests waiting or being prefilled here."""

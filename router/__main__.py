@@ -9,7 +9,6 @@ SIGTERM / SIGINT stop the server gracefully (open streams get 5 s) and exit 0.
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import os
 import signal
@@ -17,14 +16,14 @@ import sys
 import threading
 from typing import Any
 
+from pdserve.serving import ready_line
 from router.auth import load_token
 from router.config import RouterConfig
 from router.policies import POLICY_NAMES
-from router.server import serve
+from router.server import RouterServer, serve
 from telemetry.logs import LOG_FORMATS, configure_logging
 from telemetry.prometheus import start_metrics_endpoint
 
-READY_PREFIX = "PDSERVE_READY"
 STOP_GRACE_S = 5.0
 
 
@@ -49,8 +48,11 @@ def build_parser() -> argparse.ArgumentParser:
         type=int,
         default=256,
         metavar="N",
-        help="Generate streams served at once; more get RESOURCE_EXHAUSTED (default 256)",
+        help="requests at workers at once; more wait in the admission queue (default 256)",
     )
+    parser.add_argument("--max-queued-requests", type=int, default=4096, metavar="N",
+                        help="requests waiting for a decode slot; one more is refused with RESOURCE_EXHAUSTED "
+                             "(HTTP 429, with a retry-after hint) (default 4096)")
     parser.add_argument("--max-attempts", type=int, default=3, metavar="N",
                         help="a request is tried on at most N (decode, prefill) pairs when workers fail (default 3)")
     parser.add_argument("--http-port", type=int, default=None, metavar="PORT",
@@ -79,6 +81,7 @@ def config_from_args(args: argparse.Namespace) -> RouterConfig:
         decode_policy=args.decode_policy,
         max_stream_timeout_s=args.max_stream_timeout,
         max_concurrent_streams=args.max_concurrent_streams,
+        max_queued_requests=args.max_queued_requests,
         max_attempts=args.max_attempts,
         auth_token=load_token(args.auth_token_file, os.environ.get("PDSERVE_AUTH_TOKEN")),
         tls_cert_file=args.tls_cert,
@@ -87,11 +90,6 @@ def config_from_args(args: argparse.Namespace) -> RouterConfig:
         metrics_port=args.metrics_port,
         model_name=args.model_name,
     )
-
-
-def ready_line(address: str, worker_id: str, pid: int, **extra: Any) -> str:
-    """The one stdout line announcing a serving pdserve process."""
-    return f"{READY_PREFIX} {json.dumps({'address': address, 'worker_id': worker_id, 'pid': pid, **extra})}"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -105,9 +103,9 @@ def main(argv: list[str] | None = None) -> int:
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda _signum, _frame: stop.set())
-    server, port = serve(config)
-    extras = start_extras(config, server.bridge_port or port, server.metrics.prom.registry)
-    print(ready_line(server.address, "router", os.getpid(), **extras.addresses), flush=True)
+    server, _port = serve(config)
+    extras = start_extras(config, server)
+    print(ready_line(server.address, "router", **extras.addresses), flush=True)
     stop.wait()
     logging.getLogger(__name__).info("stopping (grace %.0f s)", STOP_GRACE_S)
     extras.stop()
@@ -130,22 +128,15 @@ class Extras:
             stop()
 
 
-def start_extras(config: RouterConfig, grpc_port: int, registry: Any) -> Extras:
-    """Start what config asks for besides the gRPC server (imported lazily: aiohttp only when asked)."""
+def start_extras(config: RouterConfig, server: RouterServer) -> Extras:
+    """Start the /metrics endpoint when config asks for it; name the HTTP API the server started."""
     extras = Extras()
-    endpoint = start_metrics_endpoint(registry, config.metrics_port)
+    endpoint = start_metrics_endpoint(server.metrics.prom.registry, config.metrics_port)
     if endpoint is not None:
         extras.addresses["metrics_address"] = f"{endpoint.host}:{endpoint.port}"
         extras.on_stop(endpoint.stop)
-    if config.http_port is not None:
-        from router.http_api import OpenAIHttpServer, loopback_target
-
-        http = OpenAIHttpServer(loopback_target(config.host, grpc_port), config.model_name, config.host,
-                                config.http_port, max_streams=config.max_concurrent_streams,
-                                timeout_s=config.max_stream_timeout_s)
-        http_port = http.start()
-        extras.addresses["http_address"] = f"{config.host}:{http_port}"
-        extras.on_stop(http.stop)
+    if server.http_port is not None:
+        extras.addresses["http_address"] = f"{config.host}:{server.http_port}"
     return extras
 
 

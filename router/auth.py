@@ -1,51 +1,72 @@
-"""Bearer-token authentication of the public Router API.
+"""Bearer-token authentication of the public Router API (gRPC and HTTP alike).
 
 With a token configured, every call to a `pdserve.v1.Router` method must carry the metadata
-`authorization: Bearer <token>`; anything else is refused with UNAUTHENTICATED before the servicer
-runs. Health checks and reflection stay open (load balancers and grpcurl need them). Tokens are
-compared in constant time.
+`authorization: Bearer <token>` (HTTP: the `Authorization` header); anything else is refused with
+UNAUTHENTICATED (HTTP 401) before any routing code runs. Health checks and reflection stay open
+(load balancers and grpcurl need them). Tokens are compared in constant time.
 """
 
 from __future__ import annotations
 
 import hmac
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import grpc
 
 PROTECTED_PREFIX = "/pdserve.v1.Router/"
+UNAUTHENTICATED_MESSAGE = "missing or wrong bearer token (metadata 'authorization')"
 
 
-def _deny(request: Any, context: grpc.ServicerContext) -> Any:
-    context.abort(grpc.StatusCode.UNAUTHENTICATED, "missing or wrong bearer token (metadata 'authorization')")
+async def _deny(request: Any, context: grpc.aio.ServicerContext) -> Any:
+    await context.abort(grpc.StatusCode.UNAUTHENTICATED, UNAUTHENTICATED_MESSAGE)
 
 
-class BearerTokenInterceptor(grpc.ServerInterceptor):
+async def _deny_stream(request: Any, context: grpc.aio.ServicerContext) -> Any:
+    await context.abort(grpc.StatusCode.UNAUTHENTICATED, UNAUTHENTICATED_MESSAGE)
+    yield  # pragma: no cover - makes this an async generator, as streaming handlers are
+
+
+class BearerToken:
+    """One configured token and the constant-time check of a presented header value."""
+
     def __init__(self, token: str) -> None:
         if not token:
             raise ValueError("auth token must not be empty")
         self._expected = f"Bearer {token}".encode()
 
+    def accepts(self, header_value: str | bytes | None) -> bool:
+        if header_value is None:
+            return False
+        given = header_value if isinstance(header_value, bytes) else header_value.encode()
+        return hmac.compare_digest(given, self._expected)
+
     def authorized(self, metadata: tuple[tuple[str, str | bytes], ...] | None) -> bool:
         for key, value in metadata or ():
             if key == "authorization":
-                given = value if isinstance(value, bytes) else value.encode()
-                return hmac.compare_digest(given, self._expected)
+                return self.accepts(value)
         return False
 
-    def intercept_service(
-        self, continuation: Callable[[grpc.HandlerCallDetails], grpc.RpcMethodHandler | None],
+
+class BearerTokenInterceptor(grpc.aio.ServerInterceptor):
+    def __init__(self, token: str) -> None:
+        self.token = BearerToken(token)
+
+    def authorized(self, metadata: tuple[tuple[str, str | bytes], ...] | None) -> bool:
+        return self.token.authorized(metadata)
+
+    async def intercept_service(
+        self, continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler | None]],
         handler_call_details: grpc.HandlerCallDetails,
     ) -> grpc.RpcMethodHandler | None:
-        handler = continuation(handler_call_details)
+        handler = await continuation(handler_call_details)
         if handler is None or not handler_call_details.method.startswith(PROTECTED_PREFIX):
             return handler
         if self.authorized(handler_call_details.invocation_metadata):
             return handler
         if handler.response_streaming:
             return grpc.unary_stream_rpc_method_handler(
-                _deny, handler.request_deserializer, handler.response_serializer)
+                _deny_stream, handler.request_deserializer, handler.response_serializer)
         return grpc.unary_unary_rpc_method_handler(_deny, handler.request_deserializer, handler.response_serializer)
 
 

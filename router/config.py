@@ -28,7 +28,8 @@ class RouterConfig:
     max_stream_timeout_s: float = 600.0
     info_timeout_s: float = 2.0
     poll_interval_s: float = 0.5
-    max_concurrent_streams: int = 256
+    max_concurrent_streams: int = 256  # requests at workers at once; more wait in the admission queue
+    max_queued_requests: int = 4096  # requests waiting for a decode slot; one more is refused (429)
     max_attempts: int = 3  # a request is tried on at most this many (decode, prefill) pairs
     auth_token: str | None = None  # when set, Router calls need "authorization: Bearer <token>"
     tls_cert_file: str | None = None  # PEM certificate chain: serve the public port over TLS
@@ -60,6 +61,8 @@ class RouterConfig:
             raise ValueError("auth_token must not be empty")
         if self.max_attempts < 1:
             raise ValueError(f"max_attempts must be >= 1, got {self.max_attempts}")
+        if self.max_queued_requests < 1:
+            raise ValueError(f"max_queued_requests must be >= 1, got {self.max_queued_requests}")
         if self.max_concurrent_streams < 1:
             raise ValueError(f"max_concurrent_streams must be >= 1, got {self.max_concurrent_streams}")
         self.endpoints()  # validates addresses and uniqueness

@@ -1,37 +1,38 @@
-"""The router's OpenAI-compatible HTTP front end (aiohttp, in its own thread and event loop).
+"""The router's OpenAI-compatible HTTP front end (aiohttp, on the router's own event loop).
 
 Endpoints: ``POST /v1/completions``, ``POST /v1/chat/completions`` (both with ``stream``: server-sent
 events ``data: {chunk}`` then ``data: [DONE]``), ``GET /v1/models``, ``GET /health``.
 
 Invariants:
-- Every generation goes through the router's own gRPC ``Generate`` over a loopback channel, so
-  validation, worker selection, relaying, metrics and request logging are the gRPC path's.
-- One request id per request: the ``X-Request-Id`` header when given, else a new one; it is the gRPC
-  ``request_id`` (so it shows in the logs of router, prefill and decode worker), the suffix of the
-  answer's ``id`` and the ``X-Request-Id`` response header.
-- When the HTTP client goes away (or the handler ends for any reason) the gRPC call is cancelled, so the
+- Every generation calls the router's own `RouterCore.generate` directly (no loopback gRPC hop), so
+  validation, admission queueing, worker selection, relaying, metrics and failover are the gRPC path's.
+- One client request id per request: the ``X-Request-Id`` header when given, else a new one; it is
+  the ``request_id`` label (logged beside the router's internal id), the suffix of the answer's ``id``
+  and the ``X-Request-Id`` response header.
+- With a token configured every ``/v1/*`` endpoint needs ``Authorization: Bearer <token>`` (401
+  otherwise); ``/health`` stays open. With a certificate configured the API is served over HTTPS.
+- When the HTTP client goes away (or the handler ends for any reason) the generation is closed, so the
   workers free the request's KV blocks.
+- A refusal by the admission queue is 429 with a ``Retry-After`` header.
 - Errors are OpenAI's error object with the HTTP status mapped from the gRPC status (see
   ``router.openai_protocol.error_from_grpc``).
 """
 
 from __future__ import annotations
 
-import asyncio
 import json
 import logging
-import threading
+import ssl
 import time
 import uuid
-from collections.abc import Awaitable, Callable
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
-import grpc
 from aiohttp import web
 
-from pdserve.v1 import common_pb2, router_pb2, router_pb2_grpc
-from router.config import MAX_RECEIVE_MESSAGE_BYTES
+from pdserve.v1 import common_pb2, router_pb2
+from router.auth import BearerToken
+from router.core import RouterCore, RouterError
 from router.openai_protocol import (
     CHAT,
     COMPLETION,
@@ -53,44 +54,38 @@ SERVING_ROLES = (common_pb2.WORKER_ROLE_DECODE, common_pb2.WORKER_ROLE_COLOCATED
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 
-def loopback_target(host: str, port: int) -> str:
-    """Address to reach a server bound to ``host:port`` from this process."""
-    return f"127.0.0.1:{port}" if host in ("", "0.0.0.0", "::", "[::]") else f"{host}:{port}"
+def _error_response(error: OpenAIError, request_id: str | None = None,
+                    retry_after_s: float | None = None) -> web.Response:
+    headers = {"X-Request-Id": request_id} if request_id else {}
+    if retry_after_s is not None:
+        headers["Retry-After"] = str(int(retry_after_s))
+    return web.json_response(error.body(), status=error.status, headers=headers or None)
 
 
-def _error_response(error: OpenAIError, request_id: str | None = None) -> web.Response:
-    headers = {"X-Request-Id": request_id} if request_id else None
-    return web.json_response(error.body(), status=error.status, headers=headers)
+def _router_error(exc: RouterError, request_id: str | None = None) -> web.Response:
+    return _error_response(error_from_grpc(exc.code, exc.details), request_id, exc.retry_after_s)
 
 
 class OpenAIHttpServer:
-    """Serves the OpenAI API on ``host:port`` by calling the router at ``grpc_target``."""
+    """Serves the OpenAI API on ``host:port`` from a `RouterCore`; start and stop on the core's loop."""
 
-    def __init__(self, grpc_target: str, model_name: str, host: str = "127.0.0.1", port: int = 0,
-                 max_streams: int = 256, timeout_s: float = 600.0) -> None:
+    def __init__(self, core: RouterCore, model_name: str, host: str = "127.0.0.1", port: int = 0,
+                 auth_token: str | None = None, timeout_s: float = 600.0, tls_cert_file: str | None = None,
+                 tls_key_file: str | None = None) -> None:
+        self._core = core
         self.model_name = model_name
         self.host = host
         self.port = port
         self.timeout_s = timeout_s
+        self._token = BearerToken(auth_token) if auth_token else None
+        self._tls = (tls_cert_file, tls_key_file) if tls_cert_file and tls_key_file else None
         self._created = int(time.time())
-        self._channel = grpc.insecure_channel(
-            grpc_target, options=[("grpc.max_receive_message_length", MAX_RECEIVE_MESSAGE_BYTES)])
-        self._stub = router_pb2_grpc.RouterStub(self._channel)
-        self._pool = ThreadPoolExecutor(max_workers=max_streams, thread_name_prefix="http-relay")
-        self._loop = asyncio.new_event_loop()
         self._runner: web.AppRunner | None = None
-        self._thread = threading.Thread(target=self._loop.run_forever, name="http-api", daemon=True)
 
     # ----- lifecycle ----------------------------------------------------------------------------
-    def start(self) -> int:
+    async def start(self) -> int:
         """Bind and serve; return the bound port (OSError when it cannot bind)."""
-        self._thread.start()
-        self.port = asyncio.run_coroutine_threadsafe(self._start(), self._loop).result(timeout=30)
-        log.info("OpenAI-compatible HTTP API on http://%s:%d/v1 (model %s)", self.host, self.port, self.model_name)
-        return self.port
-
-    async def _start(self) -> int:
-        app = web.Application(client_max_size=MAX_BODY_BYTES)
+        app = web.Application(client_max_size=MAX_BODY_BYTES, middlewares=[self._auth])
         app.add_routes([
             web.post("/v1/completions", self._completions),
             web.post("/v1/chat/completions", self._chat_completions),
@@ -99,33 +94,45 @@ class OpenAIHttpServer:
         ])
         self._runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
         await self._runner.setup()
-        site = web.TCPSite(self._runner, self.host, self.port)
+        site = web.TCPSite(self._runner, self.host, self.port, ssl_context=self._ssl_context())
         await site.start()
-        return int(self._runner.addresses[0][1])
+        self.port = int(self._runner.addresses[0][1])
+        scheme = "https" if self._tls else "http"
+        log.info("OpenAI-compatible HTTP API on %s://%s:%d/v1 (model %s)", scheme, self.host, self.port,
+                 self.model_name)
+        return self.port
 
-    def stop(self) -> None:
-        """Stop serving, cancel open generations, end the thread. Idempotent."""
-        if self._thread.is_alive():
-            if self._runner is not None:
-                asyncio.run_coroutine_threadsafe(self._runner.cleanup(), self._loop).result(timeout=10)
-            self._loop.call_soon_threadsafe(self._loop.stop)
-            self._thread.join(timeout=10)
-        self._channel.close()
-        self._pool.shutdown(wait=False, cancel_futures=True)
+    def _ssl_context(self) -> ssl.SSLContext | None:
+        if self._tls is None:
+            return None
+        context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+        context.load_cert_chain(*self._tls)
+        return context
+
+    async def stop(self) -> None:
+        """Stop serving; open generations are cancelled (their KV is freed). Idempotent."""
+        if self._runner is not None:
+            runner, self._runner = self._runner, None
+            await runner.cleanup()
 
     # ----- endpoints ------------------------------------------------------------------------------
+    @web.middleware
+    async def _auth(self, request: web.Request, handler: Handler) -> web.StreamResponse:
+        if self._token is None or not request.path.startswith("/v1/"):
+            return await handler(request)
+        if self._token.accepts(request.headers.get("Authorization")):
+            return await handler(request)
+        return _error_response(OpenAIError(401, "missing or wrong bearer token (header 'Authorization')"))
+
     async def _models(self, _request: web.Request) -> web.Response:
         model = {"id": self.model_name, "object": "model", "created": self._created, "owned_by": "pdserve"}
         return web.json_response({"object": "list", "data": [model]})
 
     async def _health(self, _request: web.Request) -> web.Response:
-        try:
-            status = await self._in_thread(
-                lambda: self._stub.GetStatus(router_pb2.StatusRequest(), timeout=5.0))
-        except grpc.RpcError as exc:
-            return _error_response(error_from_grpc(exc.code(), exc.details() or ""))
+        status = self._core.status()
         serving = [w for w in status.workers if w.healthy and w.role in SERVING_ROLES]
-        body = {"status": "ok" if serving else "unavailable", "healthy_workers": len(serving)}
+        body = {"status": "ok" if serving else "unavailable", "healthy_workers": len(serving),
+                "queued_requests": status.queued_requests}
         return web.json_response(body, status=200 if serving else 503)
 
     async def _completions(self, request: web.Request) -> web.StreamResponse:
@@ -144,30 +151,23 @@ class OpenAIHttpServer:
             parsed = parse_request(kind, body, self.model_name, request_id)
         except OpenAIError as exc:
             return _error_response(exc, request_id)
-        auth = request.headers.get("Authorization")
-        call = self._stub.Generate(parsed.grpc_request, timeout=self.timeout_s,
-                                   metadata=(("authorization", auth),) if auth else None)
+        responses = self._core.generate(parsed.grpc_request, self.timeout_s)
         try:
             if parsed.stream:
-                return await self._stream(request, parsed, call)
-            return await self._collect(parsed, call)
-        except grpc.RpcError as exc:
-            return _error_response(error_from_grpc(exc.code(), exc.details() or ""), request_id)
+                return await self._stream(request, parsed, responses)
+            return await self._collect(parsed, responses)
+        except RouterError as exc:
+            return _router_error(exc, request_id)
         except OpenAIError as exc:
             return _error_response(exc, request_id)
         finally:
-            call.cancel()  # no-op once finished; frees the workers when the client left early
+            await responses.aclose()  # frees the workers when the client left early
 
     # ----- relaying -------------------------------------------------------------------------------
-    async def _in_thread(self, fn: Callable[[], Any]) -> Any:
-        return await asyncio.get_running_loop().run_in_executor(self._pool, fn)
-
-    async def _next(self, call: Any) -> router_pb2.GenerateResponse | None:
-        return await self._in_thread(lambda: next(call, None))
-
-    async def _collect(self, parsed: ParsedRequest, call: Any) -> web.Response:
+    async def _collect(self, parsed: ParsedRequest,
+                       responses: AsyncIterator[router_pb2.GenerateResponse]) -> web.Response:
         texts: list[str] = []
-        while (response := await self._next(call)) is not None:
+        async for response in responses:
             texts.append(response.text)
             reason = finish_reason(response)
             if reason is not None:
@@ -176,8 +176,9 @@ class OpenAIHttpServer:
                 return web.json_response(answer, headers={"X-Request-Id": parsed.grpc_request.request_id})
         raise OpenAIError(500, "the generation ended without a finish reason")
 
-    async def _stream(self, request: web.Request, parsed: ParsedRequest, call: Any) -> web.StreamResponse:
-        first = await self._next(call)  # errors before the first token still get a plain error answer
+    async def _stream(self, request: web.Request, parsed: ParsedRequest,
+                      responses: AsyncIterator[router_pb2.GenerateResponse]) -> web.StreamResponse:
+        first = await anext(responses, None)  # errors before the first token still get a plain error answer
         request_id, kind = parsed.grpc_request.request_id, parsed.kind
         created = int(time.time())
         out = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
@@ -197,11 +198,11 @@ class OpenAIHttpServer:
                     if parsed.include_usage:
                         await send.data(usage_chunk(kind, request_id, self.model_name, created, usage(response)))
                     break
-                response = await self._next(call)
+                response = await anext(responses, None)
             else:
                 raise OpenAIError(500, "the generation ended without a finish reason")
-        except grpc.RpcError as exc:
-            await send.data(error_from_grpc(exc.code(), exc.details() or "").body())
+        except RouterError as exc:
+            await send.data(error_from_grpc(exc.code, exc.details).body())
         except OpenAIError as exc:
             await send.data(exc.body())
         await send.done()

@@ -118,6 +118,9 @@ class RequestClock:
             self._metrics.record(self._metrics.itl, now - self._last_token_at)
         self._last_token_at = now
 
+    def elapsed_s(self) -> float:
+        return time.monotonic() - self.start
+
     def count_tokens(self, prompt_tokens: int, completion_tokens: int) -> None:
         """Count the usage reported with the request's last response."""
         self._metrics.count_tokens(prompt_tokens, completion_tokens)

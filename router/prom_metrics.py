@@ -3,7 +3,8 @@
 Same definitions as the in-memory series of ``router.metrics`` (``vllm bench serve``): TTFT = request
 received -> first token-carrying response, ITL = gap between token-carrying responses, E2E = request
 received -> last response. Token counters come from the decode worker's final ``usage``.
-``pdserve_failovers_total`` counts requests moved to another worker after a failure.
+``pdserve_num_requests_waiting`` and ``pdserve_request_queue_time_seconds`` describe the admission
+queue. ``pdserve_failovers_total`` counts requests moved to another worker after a failure.
 """
 
 from __future__ import annotations
@@ -33,5 +34,11 @@ class RouterPrometheus:
         self.requests_running = Gauge("pdserve_num_requests_running", "Generate streams open", registry=r)
         self.requests = Counter("pdserve_requests", "Ended Generate streams by outcome (finish reason or status)",
                                 ["outcome"], registry=r)
+        self.requests_waiting = Gauge("pdserve_num_requests_waiting",
+                                      "Requests in the router's admission queue, waiting for a decode slot",
+                                      registry=r)
+        self.queue_time = Histogram("pdserve_request_queue_time_seconds",
+                                    "Request received -> admitted to a worker (router queue)",
+                                    buckets=LATENCY_BUCKETS, registry=r)
         self.failovers = Counter("pdserve_failovers", "Requests moved to another worker after a failure",
                                  registry=r)

@@ -7,19 +7,24 @@ Invariants:
 - Picking workers and incrementing their in-flight counters happen under one lock (``assign``).
 - Every Lease is released exactly once (``Lease.release`` is idempotent); in-flight counters never go
   negative and are back to 0 when no request is in flight.
+- With ``require_room``, a decode worker is picked only while its router-side in-flight count is below
+  its slots (`slots_of`: the sequences it decodes at once, as it reports them, plus room for those
+  still prefilling); when every healthy one is full, ``assign`` raises `Busy` and the router queues.
+- ``on_change`` (if set) is called after every poll and every release: capacity may have changed.
 """
 
 from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import grpc
 
 from pdserve.transport import open_channel
 from pdserve.v1 import common_pb2, worker_pb2, worker_pb2_grpc
+from router.admission import Busy
 from router.policies import COLOCATED, DECODE, PREFILL, ROLES, Candidate, Policy
 
 log = logging.getLogger(__name__)
@@ -55,7 +60,6 @@ class _WorkerState:
 
     endpoint: WorkerEndpoint
     channel: grpc.Channel
-    decode_stub: worker_pb2_grpc.DecodeWorkerStub | None
     info_call: grpc.UnaryUnaryMultiCallable
     info: common_pb2.WorkerInfo | None = None
     healthy: bool = False
@@ -82,13 +86,16 @@ class Lease:
     """The workers assigned to one request; counts as in flight on both until released."""
 
     decode_address: str
-    decode_stub: worker_pb2_grpc.DecodeWorkerStub
     prefill_address: str  # empty when the decode worker is colocated
     prompt_tokens: int
     _pool: WorkerPool
     _prefill_pending: bool = True
     _released: bool = False
     _lock: threading.Lock = field(default_factory=threading.Lock)
+
+    @property
+    def released(self) -> bool:
+        return self._released
 
     def prefill_done(self) -> None:
         """The first token arrived: the prompt no longer loads the prefill worker (idempotent)."""
@@ -121,6 +128,11 @@ class WorkerPool:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._workers = {e.address: _open(e) for e in endpoints}
+        self.on_change: Callable[[], None] | None = None
+
+    def _changed(self) -> None:
+        if self.on_change is not None:
+            self.on_change()
 
     def start(self) -> None:
         """Poll every worker once (waits at most info_timeout_s), then keep polling in the background."""
@@ -174,6 +186,7 @@ class WorkerPool:
         }
         for address, future in futures.items():
             self._record_poll(address, future)
+        self._changed()
 
     def _poll_loop(self) -> None:
         while not self._stop.wait(self._poll_interval_s):
@@ -211,13 +224,20 @@ class WorkerPool:
 
     def assign(
         self, decode_policy: Policy, prefill_policy: Policy, prompt_tokens: int, avoid: frozenset[str] = frozenset(),
-        prefix_key: str = "",
+        prefix_key: str = "", require_room: bool = False,
     ) -> Lease:
         """Pick a decode (or colocated) worker and, unless colocated, a prefill worker; count them in
         flight. Workers in `avoid` (they just failed this request) are picked only when no other
-        healthy one is left. Raises NoHealthyWorker when a needed stage has no healthy worker."""
+        healthy one is left. Raises NoHealthyWorker when a needed stage has no healthy worker, and
+        (with `require_room`) Busy when every healthy decode worker is full."""
         with self._lock:
-            decode = decode_policy.pick(self._candidates_locked((DECODE, COLOCATED), avoid), prefix_key)
+            candidates = self._candidates_locked((DECODE, COLOCATED), avoid)
+            if require_room:
+                roomy = [c for c in candidates if self._has_room_locked(c.address)]
+                if not roomy and any(c.healthy for c in candidates):
+                    raise Busy("every healthy decode worker is at capacity")
+                candidates = roomy or candidates
+            decode = decode_policy.pick(candidates, prefix_key)
             if decode is None:
                 raise NoHealthyWorker(self._missing_message((DECODE, COLOCATED), "decode"))
             prefill_address = ""
@@ -227,6 +247,17 @@ class WorkerPool:
                     raise NoHealthyWorker(self._missing_message((PREFILL,), "prefill"))
                 prefill_address = prefill.address
             return self._lease_locked(decode.address, prefill_address, prompt_tokens)
+
+    def _has_room_locked(self, address: str) -> bool:
+        state = self._workers[address]
+        slots = slots_of(state.info)
+        return slots == 0 or state.in_flight < slots
+
+    def total_slots(self) -> int:
+        """Requests the healthy decode and colocated workers take at once (0: unknown / no limit)."""
+        with self._lock:
+            return sum(slots_of(s.info) for s in self._workers.values()
+                       if s.endpoint.role != PREFILL and s.healthy)
 
     def _candidates_locked(self, roles: Sequence[str], avoid: frozenset[str] = frozenset()) -> list[Candidate]:
         states = [s for s in self._workers.values() if s.endpoint.role in roles]
@@ -253,8 +284,7 @@ class WorkerPool:
         if prefill_address:
             target.in_flight += 1
         target.in_flight_prompt_tokens += prompt_tokens
-        assert decode.decode_stub is not None  # decode/colocated workers always have one
-        return Lease(decode_address, decode.decode_stub, prefill_address, prompt_tokens, self)
+        return Lease(decode_address, prefill_address, prompt_tokens, self)
 
     def _end_prefill(self, lease: Lease) -> None:
         with self._lock:
@@ -269,6 +299,7 @@ class WorkerPool:
         with self._lock:
             if lease.decode_address in self._workers:  # else removed while the request ran
                 self._workers[lease.decode_address].in_flight -= 1
+        self._changed()
 
     def snapshot(self) -> list[common_pb2.WorkerInfo]:
         """Latest WorkerInfo of every worker, with address, role and healthy as the router sees them."""
@@ -281,13 +312,18 @@ class WorkerPool:
             return sum(s.in_flight for s in self._workers.values() if s.endpoint.role != PREFILL)
 
 
+def slots_of(info: common_pb2.WorkerInfo | None) -> int:
+    """Requests a decode worker is given at once: the sequences it decodes together plus a quarter
+    more (at least 2) that are still being prefilled; 0 when it does not say (no limit)."""
+    running = info.max_running_requests if info is not None else 0
+    return running + max(2, running // 4) if running > 0 else 0
+
+
 def _open(endpoint: WorkerEndpoint) -> _WorkerState:
     channel = open_channel(endpoint.address)
     if endpoint.role == PREFILL:
-        stub = worker_pb2_grpc.PrefillWorkerStub(channel)
-        return _WorkerState(endpoint, channel, None, stub.GetInfo)
-    decode_stub = worker_pb2_grpc.DecodeWorkerStub(channel)
-    return _WorkerState(endpoint, channel, decode_stub, decode_stub.GetInfo)
+        return _WorkerState(endpoint, channel, worker_pb2_grpc.PrefillWorkerStub(channel).GetInfo)
+    return _WorkerState(endpoint, channel, worker_pb2_grpc.DecodeWorkerStub(channel).GetInfo)
 
 
 def _status_info(state: _WorkerState) -> common_pb2.WorkerInfo:

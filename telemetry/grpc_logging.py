@@ -1,100 +1,129 @@
 """A gRPC server interceptor that traces requests by id: one log line at start, one at finish.
 
-It wraps every unary-request method whose request message has a ``request_id`` field. With
-``assign_missing_ids`` (the router) an empty ``request_id`` is filled with a fresh one *before* the
-servicer runs, so the same id travels to the decode and prefill workers and back to the client.
-Lines read ``<method> start request_id=<id>`` and ``<method> finish request_id=<id> status=<CODE>
-seconds=<s>``; the id is also the ``request_id`` field of JSON log lines.
+It wraps every unary-request method whose request message has a ``request_id`` field, on the
+event-loop servers every pdserve process runs (`grpc.aio`): coroutine handlers, async-generator
+handlers, and plain handlers that run on the server's control thread pool alike. Lines read
+``<method> start request_id=<id>`` and ``<method> finish request_id=<id> status=<CODE> seconds=<s>``;
+the id is also the ``request_id`` field of JSON log lines.
+
+Invariant: an id reaches a log line only through `safe_id`, which escapes control characters and
+cuts it to MAX_ID_CHARS, so a client cannot forge log lines with the ids it sends (the router logs
+client ids before it validates them).
 """
 
 from __future__ import annotations
 
+import inspect
 import logging
 import time
-import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 import grpc
 
 log = logging.getLogger("pdserve.trace")
 
+#: Longest id written to a log line (longer ones are cut and marked).
+MAX_ID_CHARS = 128
 
-def _status_name(context: grpc.ServicerContext, error: BaseException | None) -> str:
+
+def safe_id(value: object) -> str:
+    """``value`` as one printable log token: control characters escaped, at most MAX_ID_CHARS."""
+    text = str(value)
+    if not text.isprintable():
+        text = text.encode("unicode_escape").decode("ascii")
+    return text if len(text) <= MAX_ID_CHARS else text[:MAX_ID_CHARS] + "..."
+
+
+def _status_name(context: Any, error: BaseException | None) -> str:
     code = context.code() if hasattr(context, "code") else None
     if isinstance(code, grpc.StatusCode):
         return code.name
+    if isinstance(code, int) and code != 0:  # grpc.aio reports the raw status number
+        return next((c.name for c in grpc.StatusCode if c.value[0] == code), str(code))
     if error is not None:
-        return "CANCELLED" if isinstance(error, GeneratorExit) else "UNKNOWN"
+        return "CANCELLED" if isinstance(error, (GeneratorExit, _cancelled_errors())) else "UNKNOWN"
     return "OK"
 
 
-class RequestLoggingInterceptor(grpc.ServerInterceptor):
+def _cancelled_errors() -> type[BaseException]:
+    import asyncio
+
+    return asyncio.CancelledError
+
+
+class RequestLoggingInterceptor(grpc.aio.ServerInterceptor):
     """Logs start/finish of every call carrying a ``request_id`` (see the module docstring)."""
 
-    def __init__(self, assign_missing_ids: bool = False) -> None:
-        self._assign = assign_missing_ids
-
-    def intercept_service(
-        self, continuation: Callable[[grpc.HandlerCallDetails], grpc.RpcMethodHandler | None],
+    async def intercept_service(
+        self, continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler | None]],
         handler_call_details: grpc.HandlerCallDetails,
     ) -> grpc.RpcMethodHandler | None:
-        handler = continuation(handler_call_details)
+        handler = await continuation(handler_call_details)
         if handler is None or handler.request_streaming:
             return handler
         method = handler_call_details.method.rsplit("/", 1)[-1]
         if handler.unary_unary is not None:
             return grpc.unary_unary_rpc_method_handler(
-                self._wrap_unary(method, handler.unary_unary), handler.request_deserializer,
-                handler.response_serializer)
-        if handler.unary_stream is not None:
+                _wrap_unary(method, handler.unary_unary), handler.request_deserializer, handler.response_serializer)
+        if handler.unary_stream is not None and inspect.isasyncgenfunction(handler.unary_stream):
             return grpc.unary_stream_rpc_method_handler(
-                self._wrap_stream(method, handler.unary_stream), handler.request_deserializer,
+                _wrap_stream(method, handler.unary_stream), handler.request_deserializer,
                 handler.response_serializer)
         return handler
 
-    def _request_id(self, request: Any) -> str | None:
-        if not hasattr(request, "request_id"):
-            return None
-        if not request.request_id and self._assign:
-            request.request_id = uuid.uuid4().hex
-        return str(request.request_id)
 
-    def _wrap_unary(self, method: str, behavior: Callable[..., Any]) -> Callable[..., Any]:
-        def wrapped(request: Any, context: grpc.ServicerContext) -> Any:
-            request_id = self._request_id(request)
+def _request_id(request: Any) -> str | None:
+    return safe_id(request.request_id) if hasattr(request, "request_id") else None
+
+
+def _wrap_unary(method: str, behavior: Callable[..., Any]) -> Callable[..., Any]:
+    if inspect.iscoroutinefunction(behavior):
+        async def wrapped_async(request: Any, context: Any) -> Any:
+            request_id = _request_id(request)
             if request_id is None:
-                return behavior(request, context)
-            start = _log_start(method, request_id)
-            error: BaseException | None = None
+                return await behavior(request, context)
+            start, error = _log_start(method, request_id), None
             try:
-                return behavior(request, context)
+                return await behavior(request, context)
             except BaseException as exc:
                 error = exc
                 raise
             finally:
                 _log_finish(method, request_id, start, _status_name(context, error))
 
-        return wrapped
+        return wrapped_async
 
-    def _wrap_stream(self, method: str, behavior: Callable[..., Iterator[Any]]) -> Callable[..., Iterator[Any]]:
-        def wrapped(request: Any, context: grpc.ServicerContext) -> Iterator[Any]:
-            request_id = self._request_id(request)
-            if request_id is None:
-                yield from behavior(request, context)
-                return
-            start = _log_start(method, request_id)
-            error: BaseException | None = None
-            try:
-                yield from behavior(request, context)
-            except BaseException as exc:
-                error = exc
-                raise
-            finally:
-                status = "CANCELLED" if error is None and not context.is_active() else _status_name(context, error)
-                _log_finish(method, request_id, start, status)
+    def wrapped(request: Any, context: Any) -> Any:
+        request_id = _request_id(request)
+        if request_id is None:
+            return behavior(request, context)
+        start, error = _log_start(method, request_id), None
+        try:
+            return behavior(request, context)
+        except BaseException as exc:
+            error = exc
+            raise
+        finally:
+            _log_finish(method, request_id, start, _status_name(context, error))
 
-        return wrapped
+    return wrapped
+
+
+def _wrap_stream(method: str, behavior: Callable[..., AsyncIterator[Any]]) -> Callable[..., AsyncIterator[Any]]:
+    async def wrapped(request: Any, context: Any) -> AsyncIterator[Any]:
+        request_id = _request_id(request)
+        start, error = _log_start(method, request_id or "-"), None
+        try:
+            async for response in behavior(request, context):
+                yield response
+        except BaseException as exc:
+            error = exc
+            raise
+        finally:
+            _log_finish(method, request_id or "-", start, _status_name(context, error))
+
+    return wrapped
 
 
 def _log_start(method: str, request_id: str) -> float:

@@ -67,3 +67,13 @@ def add_port(server: grpc.Server, address: str) -> int:
         require_client_auth=True,
     )
     return server.add_secure_port(address, credentials)
+
+
+def open_aio_channel(address: str, options: list[tuple[str, int]] | None = None) -> grpc.aio.Channel:
+    """An event-loop channel to another pdserve process (mTLS when configured); create it on the loop
+    that will use it."""
+    tls = internal_tls()
+    if tls is None:
+        return grpc.aio.insecure_channel(address, options=options)
+    credentials = grpc.ssl_channel_credentials(tls.root_certificates, tls.private_key, tls.certificate_chain)
+    return grpc.aio.secure_channel(address, credentials, options=options)

@@ -8,18 +8,20 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("request_id", "prompt", "messages", "token_ids", "params")
+    __slots__ = ("request_id", "prompt", "messages", "token_ids", "params", "priority")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_FIELD_NUMBER: _ClassVar[int]
     MESSAGES_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     PARAMS_FIELD_NUMBER: _ClassVar[int]
+    PRIORITY_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt: str
     messages: _common_pb2.ChatMessages
     token_ids: _common_pb2.TokenIds
     params: _common_pb2.SamplingParams
-    def __init__(self, request_id: _Optional[str] = ..., prompt: _Optional[str] = ..., messages: _Optional[_Union[_common_pb2.ChatMessages, _Mapping]] = ..., token_ids: _Optional[_Union[_common_pb2.TokenIds, _Mapping]] = ..., params: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ...) -> None: ...
+    priority: int
+    def __init__(self, request_id: _Optional[str] = ..., prompt: _Optional[str] = ..., messages: _Optional[_Union[_common_pb2.ChatMessages, _Mapping]] = ..., token_ids: _Optional[_Union[_common_pb2.TokenIds, _Mapping]] = ..., params: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., priority: _Optional[int] = ...) -> None: ...
 
 class GenerateResponse(_message.Message):
     __slots__ = ("request_id", "text", "token_ids", "finish_reason", "usage", "timings", "error")
@@ -44,11 +46,19 @@ class StatusRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class StatusResponse(_message.Message):
-    __slots__ = ("workers", "in_flight_requests", "total_requests")
+    __slots__ = ("workers", "in_flight_requests", "total_requests", "queued_requests", "max_queued_requests", "dequeued_requests", "queue_time_s_sum")
     WORKERS_FIELD_NUMBER: _ClassVar[int]
     IN_FLIGHT_REQUESTS_FIELD_NUMBER: _ClassVar[int]
     TOTAL_REQUESTS_FIELD_NUMBER: _ClassVar[int]
+    QUEUED_REQUESTS_FIELD_NUMBER: _ClassVar[int]
+    MAX_QUEUED_REQUESTS_FIELD_NUMBER: _ClassVar[int]
+    DEQUEUED_REQUESTS_FIELD_NUMBER: _ClassVar[int]
+    QUEUE_TIME_S_SUM_FIELD_NUMBER: _ClassVar[int]
     workers: _containers.RepeatedCompositeFieldContainer[_common_pb2.WorkerInfo]
     in_flight_requests: int
     total_requests: int
-    def __init__(self, workers: _Optional[_Iterable[_Union[_common_pb2.WorkerInfo, _Mapping]]] = ..., in_flight_requests: _Optional[int] = ..., total_requests: _Optional[int] = ...) -> None: ...
+    queued_requests: int
+    max_queued_requests: int
+    dequeued_requests: int
+    queue_time_s_sum: float
+    def __init__(self, workers: _Optional[_Iterable[_Union[_common_pb2.WorkerInfo, _Mapping]]] = ..., in_flight_requests: _Optional[int] = ..., total_requests: _Optional[int] = ..., queued_requests: _Optional[int] = ..., max_queued_requests: _Optional[int] = ..., dequeued_requests: _Optional[int] = ..., queue_time_s_sum: _Optional[float] = ...) -> None: ...

@@ -1,0 +1,179 @@
+"""The event-loop gRPC server every pdserve process runs (router, prefill and decode workers).
+
+A `grpc.aio` server lives on an asyncio event loop in a thread of its own (`LoopThread`), so
+callers (launchers, Ray actors, tests) keep a plain blocking API: `start()`, `stop(grace)`,
+`wait_for_termination()`.
+
+Invariants:
+- Streaming calls (Router.Generate, DecodeWorker.Generate, PrefillWorker.Prefill) are coroutines on
+  the loop: an open stream holds no thread, so a thousand of them cost a thousand small tasks.
+- Plain (non-async) handlers, the control plane (GetInfo, Abort, PushKv, health), run on a thread
+  pool of their own (`control_threads`) that streams never occupy, so they answer while every
+  stream is open.
+- Engine threads hand results to the loop with `LoopThread.call` (`call_soon_threadsafe`); nothing
+  polls a queue.
+
+Hand-written (not generated); imports only grpc and the standard library.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import json
+import os
+import threading
+from collections.abc import Awaitable, Callable, Sequence
+from concurrent import futures
+from typing import Any, TypeVar
+
+import grpc
+
+T = TypeVar("T")
+
+#: Threads for the non-streaming handlers of one server (GetInfo, Abort, PushKv, health).
+CONTROL_THREADS = 32
+#: Start of the one stdout line a pdserve process prints once it serves: ``PDSERVE_READY {json}``
+#: (address, worker_id, pid, role and optional extra addresses); the launchers wait for it.
+READY_PREFIX = "PDSERVE_READY"
+#: Start of the details of a decode worker's UNAVAILABLE status when the prefill side failed (the
+#: prefill worker or the KV transfer): the router then avoids that prefill worker on the retry.
+PREFILL_FAILURE = "prefill failed on"
+
+
+class LoopThread:
+    """An asyncio event loop running forever in a daemon thread."""
+
+    def __init__(self, name: str) -> None:
+        self.loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        asyncio.set_event_loop(self.loop)
+        self.loop.run_forever()
+
+    def run(self, coro: Awaitable[T], timeout: float | None = None) -> T:
+        """Run a coroutine on the loop from another thread and return its result."""
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)  # type: ignore[arg-type]
+
+    def call(self, fn: Callable[..., Any], *args: Any) -> None:
+        """Schedule ``fn(*args)`` on the loop (any thread; a no-op once the loop is closed)."""
+        try:
+            self.loop.call_soon_threadsafe(fn, *args)
+        except RuntimeError:  # loop closed: the server is gone, nobody listens
+            pass
+
+    @property
+    def in_loop(self) -> bool:
+        return threading.current_thread() is self._thread
+
+    def close(self) -> None:
+        """Stop the loop and join its thread (idempotent)."""
+        if self.loop.is_closed():
+            return
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self._thread.join(timeout=10)
+        if not self._thread.is_alive():
+            self.loop.close()
+
+
+class AioServer:
+    """A `grpc.aio.Server` on its own `LoopThread`, driven through a blocking API."""
+
+    def __init__(self, name: str, options: Sequence[tuple[str, Any]] = (),
+                 interceptors: Sequence[grpc.aio.ServerInterceptor] = (),
+                 control_threads: int = CONTROL_THREADS) -> None:
+        self.loop_thread = LoopThread(name)
+        self._control = futures.ThreadPoolExecutor(max_workers=control_threads, thread_name_prefix=f"{name}-ctl")
+        self._stopped = threading.Event()
+        self.server: grpc.aio.Server = self.loop_thread.run(self._create(list(options), list(interceptors)))
+
+    async def _create(self, options: list[tuple[str, Any]],
+                      interceptors: list[grpc.aio.ServerInterceptor]) -> grpc.aio.Server:
+        return grpc.aio.server(migration_thread_pool=self._control, options=options, interceptors=interceptors)
+
+    @property
+    def loop(self) -> asyncio.AbstractEventLoop:
+        return self.loop_thread.loop
+
+    def register(self, add: Callable[[grpc.aio.Server], None]) -> None:
+        """Add servicers, e.g. ``server.register(lambda s: add_FooServicer_to_server(foo, s))``."""
+        async def _add() -> None:
+            add(self.server)
+        self.loop_thread.run(_add())
+
+    def add_generic_rpc_handlers(self, handlers: Sequence[grpc.GenericRpcHandler]) -> None:
+        """What the generated ``add_*Servicer_to_server`` functions call."""
+        self.register(lambda s: s.add_generic_rpc_handlers(handlers))
+
+    def add_registered_method_handlers(self, service_name: str, method_handlers: dict[str, Any]) -> None:
+        self.register(lambda s: s.add_registered_method_handlers(service_name, method_handlers))
+
+    def add_insecure_port(self, address: str) -> int:
+        return self.server.add_insecure_port(address)
+
+    def add_secure_port(self, address: str, credentials: grpc.ServerCredentials) -> int:
+        return self.server.add_secure_port(address, credentials)
+
+    def start(self) -> None:
+        self.loop_thread.run(self.server.start(), timeout=30)
+
+    def stop(self, grace: float | None = None) -> None:
+        """Stop taking calls, give open ones ``grace`` seconds, then end them; blocks (idempotent)."""
+        if self._stopped.is_set():
+            return
+        try:
+            self.loop_thread.run(self.server.stop(grace), timeout=(grace or 0) + 30)
+        finally:
+            self._stopped.set()
+            self._control.shutdown(wait=False, cancel_futures=True)
+            self.loop_thread.close()
+
+    def wait_for_termination(self, timeout: float | None = None) -> bool:
+        """Block until `stop()` finished (True) or ``timeout`` passed (False)."""
+        return self._stopped.wait(timeout)
+
+
+def ready_line(address: str, worker_id: str, **extra: Any) -> str:
+    """The READY line announcing this serving process (see READY_PREFIX)."""
+    payload = {"address": address, "worker_id": worker_id, "pid": os.getpid(), **extra}
+    return f"{READY_PREFIX} {json.dumps(payload)}"
+
+
+class RequestParseInterceptor(grpc.aio.ServerInterceptor):
+    """Answers a unary request that does not parse (e.g. a string field with invalid UTF-8) with
+    INVALID_ARGUMENT naming the message type, instead of grpc.aio's UNKNOWN. Put it first in the
+    interceptor list: it parses the bytes itself and hands the message to the rest of the chain."""
+
+    async def intercept_service(
+        self, continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler | None]],
+        handler_call_details: grpc.HandlerCallDetails,
+    ) -> grpc.RpcMethodHandler | None:
+        handler = await continuation(handler_call_details)
+        if handler is None or handler.request_streaming or handler.request_deserializer is None:
+            return handler
+        parse = handler.request_deserializer
+        if handler.unary_unary is not None and inspect.iscoroutinefunction(handler.unary_unary):
+            behavior = handler.unary_unary
+
+            async def unary(raw: bytes, context: grpc.aio.ServicerContext) -> Any:
+                return await behavior(await _parse(parse, raw, context), context)
+
+            return grpc.unary_unary_rpc_method_handler(unary, None, handler.response_serializer)
+        if handler.unary_stream is not None and inspect.isasyncgenfunction(handler.unary_stream):
+            stream_behavior = handler.unary_stream
+
+            async def stream(raw: bytes, context: grpc.aio.ServicerContext) -> Any:
+                async for response in stream_behavior(await _parse(parse, raw, context), context):
+                    yield response
+
+            return grpc.unary_stream_rpc_method_handler(stream, None, handler.response_serializer)
+        return handler
+
+
+async def _parse(parse: Callable[[bytes], Any], raw: bytes, context: grpc.aio.ServicerContext) -> Any:
+    try:
+        return parse(raw)
+    except Exception as exc:  # noqa: BLE001 - protobuf's DecodeError and friends
+        await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"request does not parse: {exc}")

@@ -1,0 +1,295 @@
+"""The router's request path, shared by the gRPC servicer and the OpenAI HTTP API: validate, queue
+for a decode slot, relay the decode worker's stream, fail over.
+
+Runs on the router's event loop (`pdserve.serving.LoopThread`); every open request is a coroutine,
+not a thread. Errors leave as `RouterError(code, details)`, which each front end maps to its own
+status (gRPC status, HTTP status).
+
+Invariants:
+- Validation runs before anything else, so invalid requests fail with INVALID_ARGUMENT even when no
+  worker is reachable.
+- The router assigns every request an internal id (a fresh uuid) that workers key on; the client's
+  id is only a label, echoed in each response and logged beside the internal id. Two requests with
+  the same client id never touch each other.
+- Admission: a request waits in the `AdmissionQueue` until a decode worker has room; it is refused
+  (RESOURCE_EXHAUSTED with a retry-after hint) only when the queue is full or the predicted wait
+  exceeds the request's own deadline.
+- Exactly one DecodeWorker.Generate call per attempt, with a deadline; when the client leaves, that
+  call is cancelled (the decode worker then cancels its prefill call and frees the KV).
+- Failover: UNAVAILABLE (worker down, draining, engine loop dead, prefill side failed) marks that
+  worker suspect and resumes the request elsewhere with the tokens already delivered. INTERNAL or
+  UNKNOWN (a request that breaks a worker's step) is retried once on another worker without
+  suspecting anyone; failing the same way twice, it is a poison request and fails.
+- The worker lease of a request is released on every exit path.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+
+import grpc
+
+from pdserve.serving import PREFILL_FAILURE
+from pdserve.transport import open_aio_channel
+from pdserve.v1 import common_pb2, router_pb2, worker_pb2, worker_pb2_grpc
+from router.admission import AdmissionQueue, Busy, QueueFull
+from router.config import MAX_RECEIVE_MESSAGE_BYTES, RouterConfig
+from router.metrics import RequestClock, RouterMetrics
+from router.policies import DECODE, PREFILL, estimate_prompt_tokens, make_policy, prefix_key
+from router.validation import InvalidRequest, validate_generate_request
+from router.worker_pool import Lease, NoHealthyWorker, WorkerPool
+from telemetry.grpc_logging import safe_id
+
+log = logging.getLogger(__name__)
+
+#: Statuses from a decode worker that mean "a worker failed", not "the request is wrong".
+RETRYABLE = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.INTERNAL, grpc.StatusCode.UNKNOWN})
+#: Statuses of a request that broke a worker's step (not the worker itself): never suspect the worker.
+REQUEST_FAULTS = frozenset({grpc.StatusCode.INTERNAL, grpc.StatusCode.UNKNOWN})
+#: After a failure, how long to wait for some worker of the needed role to be healthy again.
+RECOVERY_WAIT_S = 3.0
+
+
+class RouterError(Exception):
+    """How a request failed: a gRPC status code, its details, and for refusals a retry-after hint."""
+
+    def __init__(self, code: grpc.StatusCode, details: str, retry_after_s: float | None = None) -> None:
+        super().__init__(details)
+        self.code = code
+        self.details = details
+        self.retry_after_s = retry_after_s
+
+
+@dataclass(frozen=True)
+class _Failure:
+    address: str  # the worker to avoid next time
+    code: grpc.StatusCode
+    details: str
+
+
+@dataclass
+class _Attempt:
+    """What one relay attempt ended with: nothing (done) or a failure worth retrying."""
+
+    failure: _Failure | None = None
+
+
+@dataclass
+class _Request:
+    """One request's router-side state across attempts."""
+
+    request: router_pb2.GenerateRequest
+    internal_id: str
+    echo_id: str
+    deadline: float
+    clock: RequestClock
+    outcome: str = "CANCELLED"
+    delivered: list[int] = field(default_factory=list)  # token ids the client already has
+    avoid: set[str] = field(default_factory=set)
+    request_faults: int = 0
+
+    def remaining_s(self) -> float:
+        return max(0.0, self.deadline - time.monotonic())
+
+
+class RouterCore:
+    """Pool + policies + admission queue + relaying; create it on the event loop that serves it."""
+
+    def __init__(self, config: RouterConfig, pool: WorkerPool, metrics: RouterMetrics) -> None:
+        self._config = config
+        self.pool = pool
+        self.metrics = metrics
+        self._prefill_policy = make_policy(config.prefill_policy, PREFILL)
+        self._decode_policy = make_policy(config.decode_policy, DECODE)
+        self.admission: AdmissionQueue[Lease] = AdmissionQueue(config.max_queued_requests, self._release)
+        self._dispatched = 0  # leases held (requests at a worker)
+        self._stubs: dict[str, tuple[grpc.aio.Channel, worker_pb2_grpc.DecodeWorkerStub]] = {}
+
+    # ----- public --------------------------------------------------------------------------------
+    async def generate(self, request: router_pb2.GenerateRequest,
+                       timeout_s: float | None = None) -> AsyncIterator[router_pb2.GenerateResponse]:
+        """Serve one request; yields its responses. Raises RouterError when it fails."""
+        try:
+            validate_generate_request(request)
+        except InvalidRequest as exc:
+            raise RouterError(grpc.StatusCode.INVALID_ARGUMENT, str(exc)) from None
+        cap = self._config.max_stream_timeout_s
+        state = _Request(request, uuid.uuid4().hex, "", time.monotonic() + min(timeout_s or cap, cap),
+                         RequestClock(self.metrics))
+        state.echo_id = request.request_id or state.internal_id
+        log.info("request_id=%s internal_id=%s received", safe_id(state.echo_id), state.internal_id,
+                 extra={"request_id": state.echo_id, "internal_id": state.internal_id})
+        self.metrics.started()
+        try:
+            async for response in self._attempts(state):
+                yield response
+        except RouterError as exc:
+            state.outcome = exc.code.name
+            raise
+        finally:
+            self.metrics.finished(state.outcome)
+
+    def status(self) -> router_pb2.StatusResponse:
+        return router_pb2.StatusResponse(
+            workers=self.pool.snapshot(), in_flight_requests=self.metrics.in_flight,
+            total_requests=self.metrics.total_requests, queued_requests=len(self.admission),
+            max_queued_requests=self.admission.max_queued, dequeued_requests=self.admission.admitted,
+            queue_time_s_sum=self.admission.queue_time_s_sum,
+        )
+
+    def wake(self) -> None:
+        """Capacity may have changed (a poll, a release): admit queued requests that now fit."""
+        self.admission.wake()
+        self.metrics.prom.requests_waiting.set(len(self.admission))
+
+    async def close(self) -> None:
+        for channel, _ in self._stubs.values():
+            await channel.close()
+        self._stubs.clear()
+
+    # ----- attempts ------------------------------------------------------------------------------
+    async def _attempts(self, state: _Request) -> AsyncIterator[router_pb2.GenerateResponse]:
+        for attempt in range(self._config.max_attempts):
+            if attempt:
+                state.internal_id = uuid.uuid4().hex  # a fresh key: the failed attempt may still be aborting
+                self.metrics.failed_over()
+                await asyncio.sleep(min(1.0, 0.1 * 2**attempt))  # let health polls catch up with a dead worker
+            lease = await self._acquire(state, retry=attempt > 0)
+            admitted_at = time.monotonic()
+            result = _Attempt()
+            try:
+                async for response in self._relay(state, lease, result):
+                    yield response
+            finally:
+                self._release(lease)
+                self.admission.finished(time.monotonic() - admitted_at, self.pool.total_slots())
+            if result.failure is None:
+                return
+            self._on_failure(state, attempt, result.failure)
+        raise RouterError(grpc.StatusCode.UNAVAILABLE,
+                          f"gave up after {self._config.max_attempts} attempts; last: {result.failure.details}")
+
+    def _on_failure(self, state: _Request, attempt: int, failure: _Failure) -> None:
+        """Decide whether to retry: a worker failure suspects the worker; a request fault twice is poison."""
+        log.warning("request_id=%s internal_id=%s attempt %d failed on %s: %s; %d tokens delivered so far",
+                    safe_id(state.echo_id), state.internal_id, attempt + 1, failure.address, failure.details,
+                    len(state.delivered))
+        state.avoid.add(failure.address)
+        if failure.code in REQUEST_FAULTS:
+            state.request_faults += 1
+            if state.request_faults >= 2:
+                raise RouterError(failure.code, f"request failed the same way on two workers (not retried "
+                                                f"further): {failure.details}")
+            return
+        self.pool.suspect(failure.address)
+
+    async def _acquire(self, state: _Request, retry: bool) -> Lease:
+        """Wait in the admission queue for a worker pair. After a failure, wait a few health polls for
+        a worker that was only suspected to come back."""
+        recovery_deadline = time.monotonic() + (RECOVERY_WAIT_S if retry else 0.0)
+        while True:
+            try:
+                lease = await asyncio.wait_for(
+                    self.admission.acquire(lambda: self._assign(state), state.request.priority, retry,
+                                           state.remaining_s()),
+                    timeout=state.remaining_s())
+            except QueueFull as exc:
+                raise RouterError(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc), exc.retry_after_s) from None
+            except (asyncio.TimeoutError, TimeoutError):
+                raise RouterError(grpc.StatusCode.DEADLINE_EXCEEDED,
+                                  "request deadline passed while waiting for a decode slot") from None
+            except NoHealthyWorker as exc:
+                if time.monotonic() >= recovery_deadline:
+                    raise RouterError(grpc.StatusCode.UNAVAILABLE, str(exc)) from None
+                await asyncio.sleep(0.1)
+                continue
+            finally:
+                self.metrics.prom.requests_waiting.set(len(self.admission))
+            self.metrics.prom.queue_time.observe(state.clock.elapsed_s())
+            return lease
+
+    def _assign(self, state: _Request) -> Lease:
+        if self._dispatched >= self._config.max_concurrent_streams:
+            raise Busy(f"{self._dispatched} requests at workers (--max-concurrent-streams)")
+        lease = self.pool.assign(self._decode_policy, self._prefill_policy, estimate_prompt_tokens(state.request),
+                                 frozenset(state.avoid), prefix_key(state.request), require_room=True)
+        self._dispatched += 1
+        return lease
+
+    def _release(self, lease: Lease) -> None:
+        """Give a lease back (idempotent through Lease.release)."""
+        if not lease.released:
+            self._dispatched -= 1
+        lease.release()
+
+    # ----- relaying ------------------------------------------------------------------------------
+    async def _relay(self, state: _Request, lease: Lease,
+                     result: _Attempt) -> AsyncIterator[router_pb2.GenerateResponse]:
+        """Relay one decode worker's stream; on a retryable failure set `result.failure` and stop."""
+        decode_request = _decode_request(state, lease)
+        call = self._stub(lease.decode_address).Generate(decode_request, timeout=max(0.001, state.remaining_s()))
+        try:
+            async for response in call:
+                finished = _stamp(response, state, lease)
+                state.delivered.extend(response.token_ids)
+                if finished:
+                    state.outcome = common_pb2.FinishReason.Name(response.finish_reason)
+                yield response
+                if finished:
+                    return
+        except grpc.aio.AioRpcError as exc:
+            details = exc.details() or exc.code().name
+            if exc.code() not in RETRYABLE:
+                log.info("decode worker %s failed: %s: %s", lease.decode_address, exc.code().name, details)
+                raise RouterError(exc.code(), details or f"decode worker {lease.decode_address} failed") from None
+            failed = lease.prefill_address if details.startswith(PREFILL_FAILURE) else lease.decode_address
+            result.failure = _Failure(failed, exc.code(), f"{exc.code().name}: {details}")
+            return
+        finally:
+            call.cancel()
+        result.failure = _Failure(lease.decode_address, grpc.StatusCode.UNAVAILABLE,
+                                  f"decode worker {lease.decode_address} ended the stream early")
+
+    def _stub(self, address: str) -> worker_pb2_grpc.DecodeWorkerStub:
+        entry = self._stubs.get(address)
+        if entry is None:
+            channel = open_aio_channel(address, [("grpc.max_receive_message_length", MAX_RECEIVE_MESSAGE_BYTES)])
+            entry = self._stubs[address] = (channel, worker_pb2_grpc.DecodeWorkerStub(channel))
+        return entry[1]
+
+
+def _stamp(response: router_pb2.GenerateResponse, state: _Request, lease: Lease) -> bool:
+    """Fill router-side fields of one relayed response; return True if it is the last one."""
+    response.request_id = state.echo_id
+    if response.text or response.token_ids:
+        state.clock.on_tokens()
+        lease.prefill_done()
+    if response.finish_reason == common_pb2.FINISH_REASON_UNSPECIFIED:
+        return False
+    response.timings.ttft_s = state.clock.ttft_s
+    response.timings.e2e_s = state.clock.finish()
+    state.clock.count_tokens(response.usage.prompt_tokens, response.usage.completion_tokens)
+    return True
+
+
+def _decode_request(state: _Request, lease: Lease) -> worker_pb2.DecodeRequest:
+    request = state.request
+    decode_request = worker_pb2.DecodeRequest(
+        request_id=state.internal_id, client_request_id=request.request_id, prefill_address=lease.prefill_address,
+        resume_output_ids=state.delivered,
+    )
+    kind = request.WhichOneof("input")
+    if kind == "prompt":
+        decode_request.prompt = request.prompt
+    elif kind == "messages":
+        decode_request.messages.CopyFrom(request.messages)
+    else:
+        decode_request.token_ids.CopyFrom(request.token_ids)
+    if request.HasField("params"):
+        decode_request.params.CopyFrom(request.params)
+    return decode_request
