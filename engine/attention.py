@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import threading
 from collections.abc import Iterator
 from dataclasses import dataclass
 
@@ -53,18 +54,23 @@ class AttentionBatch:
         return (torch.arange(max(context)).unsqueeze(0) < lengths.unsqueeze(1))[:, None, None, :]
 
 
-_current: AttentionBatch | None = None
+class _PassState(threading.local):
+    """The batch of the forward pass running on this thread (several engines may share a process)."""
+
+    batch: AttentionBatch | None = None
+
+
+_current = _PassState()
 
 
 @contextlib.contextmanager
 def attention_batch(batch: AttentionBatch) -> Iterator[None]:
-    """Make `batch` the one every attention layer sees during a forward pass."""
-    global _current
-    previous, _current = _current, batch
+    """Make `batch` the one every attention layer sees during a forward pass on this thread."""
+    previous, _current.batch = _current.batch, batch
     try:
         yield
     finally:
-        _current = previous
+        _current.batch = previous
 
 
 def _paged_context(kv_cache: KVCache, layer: int, block_tables: torch.Tensor, length: int) -> tuple[
@@ -129,7 +135,7 @@ def paged_attention_forward(
     **kwargs: object,
 ) -> tuple[torch.Tensor, None]:
     """The registered attention function (transformers' signature). Shapes: q [1, Hq, T, D]."""
-    batch = _current
+    batch = _current.batch
     if batch is None:
         raise RuntimeError("paged attention called outside a pdserve forward pass")
     layer = int(module.layer_idx)  # type: ignore[arg-type]

@@ -86,9 +86,8 @@ class RouterServer:
         self.pool.on_change = None
         if self._http is not None:
             self.grpc_server.loop_thread.run(self._http.stop(), timeout=30)
-        loop_thread = self.grpc_server.loop_thread
-        if not loop_thread.loop.is_closed():
-            loop_thread.run(self.core.close(), timeout=10)
+        if not self.grpc_server.wait_for_termination(0):
+            self.grpc_server.loop_thread.run(self.core.close(), timeout=10)
         self.grpc_server.stop(grace)
         self.pool.close()
 

@@ -69,13 +69,12 @@ class LoopThread:
         return threading.current_thread() is self._thread
 
     def close(self) -> None:
-        """Stop the loop and join its thread (idempotent)."""
-        if self.loop.is_closed():
+        """Stop the loop and join its thread (idempotent). The loop is left stopped, not closed:
+        grpc's completion-queue poller may still post late events of finished calls to it."""
+        if not self._thread.is_alive():
             return
         self.loop.call_soon_threadsafe(self.loop.stop)
         self._thread.join(timeout=10)
-        if not self._thread.is_alive():
-            self.loop.close()
 
 
 class AioServer:

@@ -1,0 +1,238 @@
+"""The router's admission queue: requests wait for a decode slot (FCFS within a priority, retries
+first) and are refused only when the bounded queue is full or the predicted wait exceeds the
+request's deadline."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+
+import grpc
+import pytest
+from router_fakes import FakeDecode, FakePrefill
+
+from pdserve.v1 import common_pb2, router_pb2
+from router.admission import AdmissionQueue, Busy, QueueFull
+from router.config import RouterConfig
+
+
+class Slots:
+    """`assign` callables over a fixed number of slots; leases are slot tokens."""
+
+    def __init__(self, n: int) -> None:
+        self.free = n
+        self.order: list[str] = []
+
+    def assign(self, name: str):  # noqa: ANN201
+        def take() -> str:
+            if self.free == 0:
+                raise Busy("full")
+            self.free -= 1
+            self.order.append(name)
+            return name
+        return take
+
+
+def run(coro):  # noqa: ANN001, ANN201
+    return asyncio.run(coro)
+
+
+def test_waiters_are_admitted_by_priority_then_arrival_and_retries_first() -> None:
+    async def scenario() -> list[str]:
+        slots = Slots(0)
+        queue: AdmissionQueue[str] = AdmissionQueue(10, release=lambda _: None)
+        tasks = [asyncio.create_task(queue.acquire(slots.assign(name), priority=prio, retry=retry))
+                 for name, prio, retry in (("a", 0, False), ("b", 5, False), ("c", 0, False), ("d", 0, True))]
+        await asyncio.sleep(0.01)
+        assert len(queue) == 4
+        for _ in range(4):
+            slots.free += 1
+            queue.wake()
+        await asyncio.gather(*tasks)
+        return slots.order
+
+    assert run(scenario()) == ["d", "b", "a", "c"]
+
+
+def test_head_of_line_is_never_overtaken_and_cancelled_waiters_are_skipped() -> None:
+    async def scenario() -> tuple[list[str], int]:
+        slots = Slots(0)
+        queue: AdmissionQueue[str] = AdmissionQueue(10, release=lambda _: None)
+        first = asyncio.create_task(queue.acquire(slots.assign("first")))
+        gone = asyncio.create_task(queue.acquire(slots.assign("gone")))
+        last = asyncio.create_task(queue.acquire(slots.assign("last")))
+        await asyncio.sleep(0.01)
+        gone.cancel()
+        await asyncio.sleep(0.01)
+        slots.free = 2
+        queue.wake()
+        await asyncio.gather(first, last)
+        return slots.order, len(queue)
+
+    order, left = run(scenario())
+    assert order == ["first", "last"] and left == 0
+
+
+def test_a_full_queue_refuses_at_once_with_a_retry_hint() -> None:
+    async def scenario() -> QueueFull:
+        slots = Slots(0)
+        queue: AdmissionQueue[str] = AdmissionQueue(2, release=lambda _: None)
+        waiting = [asyncio.create_task(queue.acquire(slots.assign(str(i)))) for i in range(2)]
+        await asyncio.sleep(0.01)
+        with pytest.raises(QueueFull) as refused:
+            await queue.acquire(slots.assign("third"))
+        for task in waiting:
+            task.cancel()
+        await asyncio.gather(*waiting, return_exceptions=True)
+        return refused.value
+
+    refused = run(scenario())
+    assert "queue full" in str(refused) and refused.retry_after_s >= 1
+
+
+def test_a_request_that_cannot_be_served_before_its_deadline_is_refused() -> None:
+    async def scenario() -> None:
+        slots = Slots(0)
+        queue: AdmissionQueue[str] = AdmissionQueue(100, release=lambda _: None)
+        queue.finished(service_time_s=10.0, slots=1)  # each request holds the only slot ~10 s
+        waiting = asyncio.create_task(queue.acquire(slots.assign("w")))
+        await asyncio.sleep(0.01)
+        assert queue.predicted_wait_s() == pytest.approx(20.0)
+        with pytest.raises(QueueFull, match="deadline"):
+            await queue.acquire(slots.assign("late"), deadline_s=5.0)
+        slots.free = 1
+        queue.wake()  # a request with enough time still queues and is served
+        assert await waiting == "w"
+
+    run(scenario())
+
+
+def test_a_lease_granted_to_a_waiter_that_just_left_is_released() -> None:
+    async def scenario() -> list[str]:
+        released: list[str] = []
+        slots = Slots(0)
+        queue: AdmissionQueue[str] = AdmissionQueue(10, release=released.append)
+        task = asyncio.create_task(queue.acquire(slots.assign("x")))
+        await asyncio.sleep(0.01)
+        slots.free = 1
+        queue.wake()  # grants the lease ...
+        task.cancel()  # ... in the same tick the client leaves
+        await asyncio.gather(task, return_exceptions=True)
+        return released
+
+    assert run(scenario()) == ["x"]
+
+
+class HoldingDecode(FakeDecode):
+    """Streams one token, then holds the stream open until `release` is set; reports 1 slot."""
+
+    def __init__(self) -> None:
+        super().__init__(info=common_pb2.WorkerInfo(healthy=True, max_running_requests=1))
+        self.release = threading.Event()
+        self.open = 0
+        self._lock = threading.Lock()
+
+    def Generate(self, request, context):  # noqa: ANN001, ANN201, N802
+        with self._lock:
+            self.open += 1
+        self.requests.append(request)
+        yield router_pb2.GenerateResponse(text="x", token_ids=[1])
+        self.release.wait(30)
+        yield router_pb2.GenerateResponse(text="y", token_ids=[2], finish_reason=common_pb2.FINISH_REASON_LENGTH,
+                                          usage=common_pb2.Usage(prompt_tokens=1, completion_tokens=2))
+
+
+def _consume(stub, request_id: str = "", priority: int = 0, timeout: float = 60):  # noqa: ANN001, ANN202
+    request = router_pb2.GenerateRequest(request_id=request_id, prompt="hi", priority=priority)
+    return list(stub.Generate(request, timeout=timeout))
+
+
+def test_router_queues_beyond_worker_slots_instead_of_refusing(fake_server, start_router) -> None:  # noqa: ANN001
+    decode = HoldingDecode()
+    server, stub = start_router(RouterConfig(prefill=(fake_server(FakePrefill()),), decode=(fake_server(decode),),
+                                             poll_interval_s=0.1))
+    from concurrent.futures import ThreadPoolExecutor
+
+    with ThreadPoolExecutor(8) as pool:
+        futures = [pool.submit(_consume, stub, f"r{i}") for i in range(8)]
+        deadline = time.monotonic() + 20
+        while stub.GetStatus(router_pb2.StatusRequest(), timeout=5).queued_requests < 5:
+            assert time.monotonic() < deadline, "requests were not queued"
+            time.sleep(0.05)
+        status = stub.GetStatus(router_pb2.StatusRequest(), timeout=5)
+        assert decode.open == 3  # 1 slot + 2 prefilling allowance (router.worker_pool.slots_of)
+        assert status.max_queued_requests == 4096 and status.in_flight_requests == 8
+        decode.release.set()
+        results = [f.result(timeout=60) for f in futures]
+    assert all(r[-1].finish_reason == common_pb2.FINISH_REASON_LENGTH for r in results)
+    assert sorted(r[0].request_id for r in results) == sorted(f"r{i}" for i in range(8))
+    status = stub.GetStatus(router_pb2.StatusRequest(), timeout=5)
+    assert status.queued_requests == 0 and status.dequeued_requests == 8 and status.queue_time_s_sum > 0
+
+
+def test_router_refuses_with_retry_after_only_when_its_queue_is_full(fake_server, start_router) -> None:  # noqa: ANN001
+    decode = HoldingDecode()
+    _server, stub = start_router(RouterConfig(prefill=(fake_server(FakePrefill()),),
+                                              decode=(fake_server(decode),), max_queued_requests=2))
+    from concurrent.futures import ThreadPoolExecutor
+
+    with ThreadPoolExecutor(5) as pool:
+        futures = [pool.submit(_consume, stub) for _ in range(5)]  # 3 at the worker, 2 queued
+        deadline = time.monotonic() + 20
+        while stub.GetStatus(router_pb2.StatusRequest(), timeout=5).queued_requests < 2:
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        call = stub.Generate(router_pb2.GenerateRequest(prompt="one too many"), timeout=10)
+        with pytest.raises(grpc.RpcError) as refused:
+            list(call)
+        decode.release.set()
+        assert all(f.result(timeout=60)[-1].finish_reason for f in futures)
+    assert refused.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert "queue full" in refused.value.details()
+    assert int(dict(refused.value.trailing_metadata())["retry-after"]) >= 1
+
+
+def test_duplicate_client_ids_get_distinct_internal_ids(fake_server, start_router) -> None:  # noqa: ANN001
+    decode = FakeDecode()
+    _server, stub = start_router(RouterConfig(prefill=(fake_server(FakePrefill()),), decode=(fake_server(decode),)))
+    first, second = _consume(stub, "dup1"), _consume(stub, "dup1")
+    assert first[0].request_id == second[0].request_id == "dup1"  # the client's label is echoed
+    internal = [r.request_id for r in decode.requests]
+    assert len(set(internal)) == 2 and "dup1" not in internal  # workers key on the router's ids
+    assert [r.client_request_id for r in decode.requests] == ["dup1", "dup1"]
+
+
+class FailingDecode(FakeDecode):
+    """Fails every request with `code` (a request that breaks this worker's step, or a dead worker)."""
+
+    def __init__(self, code: grpc.StatusCode) -> None:
+        super().__init__()
+        self.code = code
+
+    def Generate(self, request, context):  # noqa: ANN001, ANN201, N802
+        self.requests.append(request)
+        context.abort(self.code, "decode step failed: poison")
+        yield  # pragma: no cover
+
+
+def test_a_poison_request_fails_after_two_workers_and_suspects_nobody(fake_server, start_router) -> None:  # noqa: ANN001
+    workers = [FailingDecode(grpc.StatusCode.INTERNAL) for _ in range(3)]
+    _server, stub = start_router(RouterConfig(prefill=(fake_server(FakePrefill()),),
+                                              decode=tuple(fake_server(w) for w in workers), max_attempts=3))
+    with pytest.raises(grpc.RpcError) as failed:
+        _consume(stub)
+    assert failed.value.code() == grpc.StatusCode.INTERNAL
+    assert "same way on two workers" in failed.value.details()
+    assert sum(len(w.requests) for w in workers) == 2  # not retried across the whole pool
+    status = stub.GetStatus(router_pb2.StatusRequest(), timeout=5)
+    assert all(w.healthy for w in status.workers)  # nobody marked suspect
+
+
+def test_a_request_fault_on_one_worker_is_retried_on_another(fake_server, start_router) -> None:  # noqa: ANN001
+    bad, good = FailingDecode(grpc.StatusCode.INTERNAL), FakeDecode()
+    _server, stub = start_router(RouterConfig(prefill=(fake_server(FakePrefill()),),
+                                              decode=(fake_server(bad), fake_server(good))))
+    results = [_consume(stub) for _ in range(2)]  # round robin: each starts on `bad`, then moves on
+    assert all("".join(r.text for r in res) == "Hello world" for res in results)
+    assert len(bad.requests) == 2 and len(good.requests) == 2  # `bad` was not suspected: it kept its turn

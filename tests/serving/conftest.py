@@ -1,0 +1,54 @@
+"""Fixtures for serving-core tests: real workers and a real router, in this process, on loopback.
+
+Workers are started with their own `start_worker` (the code a worker process and a Ray actor run),
+so the gRPC servers, engine loop threads and KV paths are the real ones; only the process boundary
+is skipped, to keep these tests fast.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import grpc
+import pytest
+
+from engine.worker_runtime import StartedWorker
+from pdserve.v1 import router_pb2_grpc
+from router.config import RouterConfig
+from router.server import RouterServer, serve
+
+
+@pytest.fixture
+def start_colocated(tiny_llama_dir: Path) -> Iterator[Callable[..., StartedWorker]]:
+    """Start a colocated decode worker on the tiny Llama model with extra flags; stopped afterwards."""
+    from decode_worker.__main__ import parse_args, start_worker
+
+    started: list[StartedWorker] = []
+
+    def start(*flags: str) -> StartedWorker:
+        args = parse_args(["--model", str(tiny_llama_dir), "--colocated", "--kv-cache-mb", "16",
+                           "--drain-timeout-s", "1", *flags])
+        worker = start_worker(args)
+        started.append(worker)
+        return worker
+
+    yield start
+    for worker in started:
+        worker.stop()
+
+
+@pytest.fixture
+def start_router() -> Iterator[Callable[[RouterConfig], tuple[RouterServer, router_pb2_grpc.RouterStub]]]:
+    started: list[tuple[RouterServer, grpc.Channel]] = []
+
+    def start(config: RouterConfig) -> tuple[RouterServer, router_pb2_grpc.RouterStub]:
+        server, port = serve(config)
+        channel = grpc.insecure_channel(f"127.0.0.1:{port}")
+        started.append((server, channel))
+        return server, router_pb2_grpc.RouterStub(channel)
+
+    yield start
+    for server, channel in started:
+        channel.close()
+        server.stop(grace=None)
