@@ -5,7 +5,8 @@ Starts a local deployment (default 2 prefill + 2 decode workers), sends --reques
 them mid-stream, and SIGKILLs one decode worker after --kill-after-s seconds. Reports:
   lost requests   accepted, not cancelled by us, and not completed (goal 0)
   leaked blocks   KV blocks still used on the surviving workers once idle (goal 0)
-  memory growth   RSS of each surviving process at the end vs after warm-up
+  memory growth   RSS of each surviving process at the end vs after --rss-from completed requests
+                  (after warm-up with --rss-from 0)
 Not part of the tests (it takes minutes). Example:
   python benchmarks/soak.py --requests 2000 --concurrency 16
 """
@@ -79,7 +80,9 @@ def main() -> None:
     ap.add_argument("--requests", type=int, default=2000)
     ap.add_argument("--concurrency", type=int, default=16)
     ap.add_argument("--cancel-rate", type=float, default=0.1)
-    ap.add_argument("--kill-after-s", type=float, default=30.0)
+    ap.add_argument("--kill-after-s", type=float, default=30.0, help="0: kill nothing")
+    ap.add_argument("--rss-from", type=int, default=0, metavar="N",
+                    help="measure memory growth from the moment N requests have ended (e.g. 500)")
     ap.add_argument("--prefill", type=int, default=2)
     ap.add_argument("--decode", type=int, default=2)
     ap.add_argument("--seed", type=int, default=0)
@@ -91,26 +94,40 @@ def main() -> None:
         for _ in range(8):  # warm-up
             one_request(stub, rng, 0.0)
         pids = {w.worker_id: w.pid for w in cluster.workers}
-        start_rss = {name: rss_mb(pid) for name, pid in pids.items()}
+        pids["router"] = next(p.pid for p in cluster._processes if p.name == "router")  # noqa: SLF001
+        start_rss: dict[str, float] = {}
+        ended = [0]
+        lock = threading.Lock()
+
+        def run_one(seed: int) -> str:
+            outcome = one_request(stub, random.Random(seed), args.cancel_rate)
+            with lock:
+                ended[0] += 1
+                if ended[0] == max(1, args.rss_from):
+                    start_rss.update({name: rss_mb(pid) for name, pid in pids.items()})
+            return outcome
+
         victim = next(w for w in cluster.workers if w.role == "decode")
         killer = threading.Timer(args.kill_after_s, lambda: os.kill(victim.pid, signal.SIGKILL))
-        killer.start()
+        if args.kill_after_s > 0:
+            killer.start()
         seeds = [rng.randrange(1 << 30) for _ in range(args.requests)]
         start = time.monotonic()
         with ThreadPoolExecutor(args.concurrency) as pool:
-            outcomes = Counter(pool.map(lambda s: one_request(stub, random.Random(s), args.cancel_rate), seeds))
+            outcomes = Counter(pool.map(run_one, seeds))
         elapsed = time.monotonic() - start
         killer.cancel()
-        survivors = [w for w in cluster.workers if w.pid != victim.pid]
+        survivors = [w for w in cluster.workers if w.pid != victim.pid or args.kill_after_s <= 0]
         leaked = idle_blocks(survivors)
         lost = sum(n for k, n in outcomes.items() if k.startswith("lost"))
         print(f"requests {args.requests} in {elapsed:.0f} s; outcomes {dict(outcomes)}")
-        print(f"killed decode worker {victim.worker_id} (pid {victim.pid}) at {args.kill_after_s:.0f} s")
+        if args.kill_after_s > 0:
+            print(f"killed decode worker {victim.worker_id} (pid {victim.pid}) at {args.kill_after_s:.0f} s")
         print(f"lost requests: {lost}   leaked KV blocks: {leaked}")
-        for w in survivors:
-            end = rss_mb(w.pid)
-            print(f"  {w.worker_id:12s} RSS {start_rss[w.worker_id]:7.0f} MB -> {end:7.0f} MB "
-                  f"({end - start_rss[w.worker_id]:+.0f} MB)")
+        print(f"memory from request {max(1, args.rss_from)} to {args.requests}:")
+        for name in [w.worker_id for w in survivors] + ["router"]:
+            end = rss_mb(pids[name])
+            print(f"  {name:12s} RSS {start_rss[name]:7.0f} MB -> {end:7.0f} MB ({end - start_rss[name]:+.0f} MB)")
 
 
 if __name__ == "__main__":

@@ -339,12 +339,21 @@ def _cmd_status(args: argparse.Namespace) -> int:
             "workers": rows,
             "in_flight_requests": status.in_flight_requests,
             "total_requests": status.total_requests,
+            "queued_requests": status.queued_requests,
+            "max_queued_requests": status.max_queued_requests,
+            "mean_queue_time_s": _mean_queue_time(status),
         }
         print(json.dumps(doc))
         return 0
     print(format_table(STATUS_COLUMNS, [_status_cells(r) for r in rows]))
-    print(f"in flight: {status.in_flight_requests}  total requests: {status.total_requests}")
+    print(f"in flight: {status.in_flight_requests}  total requests: {status.total_requests}  "
+          f"queued: {status.queued_requests}/{status.max_queued_requests}  "
+          f"mean queue time: {_mean_queue_time(status):.3f} s")
     return 0
+
+
+def _mean_queue_time(status: router_pb2.StatusResponse) -> float:
+    return status.queue_time_s_sum / status.dequeued_requests if status.dequeued_requests else 0.0
 
 
 def _status_cells(row: dict[str, object]) -> list[str]:

@@ -1,0 +1,161 @@
+"""Router overhead per token: a stream through the router (gRPC, and the OpenAI HTTP API) against the
+same stream straight from the decode worker, measured in one run.
+
+A stand-in decode worker (a separate process, no model: it only answers DecodeWorker.Generate and
+GetInfo) sends `--tokens` tokens per stream, one every `--interval-ms`, each carrying its send time
+(ns since the epoch) as its text. The client (this process, asyncio) opens K concurrent streams
+(`--streams`, e.g. 1 and 256) three ways and records, for every token, receive time - send time:
+
+  direct   DecodeWorker.Generate on the stand-in
+  router   Router.Generate on a real router process (`python -m router --colocated STAND-IN`)
+  http     POST /v1/completions with stream=true on that router's HTTP API
+
+Added latency per token = p50(router) - p50(direct), and p50(http) - p50(router). The stand-in
+keeps the engine out of the picture, so what is left is the relay itself. Example:
+
+  python benchmarks/router_overhead.py --streams 1 256 --tokens 50 --interval-ms 20
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import aiohttp
+import grpc
+
+from cluster.processes import ManagedProcess
+from pdserve.v1 import common_pb2, router_pb2, router_pb2_grpc, worker_pb2, worker_pb2_grpc
+
+STAND_IN = r'''
+import asyncio, sys, time, grpc
+from pdserve.serving import ready_line
+from pdserve.v1 import common_pb2, router_pb2, worker_pb2_grpc
+
+TOKENS, INTERVAL = int(sys.argv[1]), float(sys.argv[2]) / 1000
+
+class StandIn(worker_pb2_grpc.DecodeWorkerServicer):
+    async def Generate(self, request, context):
+        n = request.params.max_tokens or TOKENS
+        for i in range(n):
+            await asyncio.sleep(INTERVAL)
+            last = i == n - 1
+            yield router_pb2.GenerateResponse(
+                text=f"{time.time_ns()} ", token_ids=[i % 100],
+                finish_reason=common_pb2.FINISH_REASON_LENGTH if last else 0,
+                usage=common_pb2.Usage(prompt_tokens=1, completion_tokens=n) if last else None)
+
+    def GetInfo(self, request, context):
+        return common_pb2.WorkerInfo(healthy=True, role=common_pb2.WORKER_ROLE_COLOCATED)
+
+async def main():
+    server = grpc.aio.server()
+    worker_pb2_grpc.add_DecodeWorkerServicer_to_server(StandIn(), server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    print(ready_line(f"127.0.0.1:{port}", "stand-in"), flush=True)
+    await server.wait_for_termination()
+
+asyncio.run(main())
+'''
+
+
+def _latencies(texts: list[str], received_ns: list[int]) -> list[float]:
+    """ms from each token's send stamp to its arrival here."""
+    out = []
+    for text, at in zip(texts, received_ns, strict=True):
+        for stamp in text.split():
+            out.append((at - int(stamp)) / 1e6)
+    return out
+
+
+async def _grpc_stream(call) -> list[float]:  # noqa: ANN001
+    texts, received = [], []
+    async for response in call:
+        if response.text:
+            texts.append(response.text)
+            received.append(time.time_ns())
+    return _latencies(texts, received)
+
+
+async def _http_stream(session: aiohttp.ClientSession, url: str, tokens: int) -> list[float]:
+    body = {"model": "default", "prompt": "x", "max_tokens": tokens, "stream": True}
+    texts, received = [], []
+    async with session.post(url, json=body) as response:
+        response.raise_for_status()
+        async for line in response.content:
+            if line.startswith(b"data: {"):
+                text = json.loads(line[6:])["choices"][0]["text"]
+                if text:
+                    texts.append(text)
+                    received.append(time.time_ns())
+    return _latencies(texts, received)
+
+
+async def measure(mode: str, streams: int, tokens: int, stand_in: str, router: str, http: str) -> list[float]:
+    params = common_pb2.SamplingParams(max_tokens=tokens)
+    if mode == "http":
+        connector = aiohttp.TCPConnector(limit=streams)
+        async with aiohttp.ClientSession(connector=connector) as session:
+            runs = await asyncio.gather(*(_http_stream(session, f"http://{http}/v1/completions", tokens)
+                                          for _ in range(streams)))
+    else:
+        async with grpc.aio.insecure_channel(stand_in if mode == "direct" else router) as channel:
+            if mode == "direct":
+                stub = worker_pb2_grpc.DecodeWorkerStub(channel)
+                calls = [stub.Generate(worker_pb2.DecodeRequest(request_id=f"d{i}", prompt="x", params=params))
+                         for i in range(streams)]
+            else:
+                stub = router_pb2_grpc.RouterStub(channel)
+                calls = [stub.Generate(router_pb2.GenerateRequest(prompt="x", params=params)) for _ in range(streams)]
+            runs = await asyncio.gather(*(_grpc_stream(c) for c in calls))
+    return [x for run in runs for x in run]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--streams", type=int, nargs="+", default=[1, 256])
+    ap.add_argument("--tokens", type=int, default=50, help="tokens per stream")
+    ap.add_argument("--interval-ms", type=float, default=20.0, help="gap between a stream's tokens")
+    ap.add_argument("--repeats", type=int, default=3, help="rounds of (direct, router, http) per stream count")
+    args = ap.parse_args()
+    logs = Path(tempfile.mkdtemp(prefix="pdserve-overhead-"))
+    stand_in = ManagedProcess("stand-in", [sys.executable, "-c", STAND_IN, str(args.tokens), str(args.interval_ms)],
+                              logs / "stand-in.log")
+    processes = [stand_in]
+    try:
+        stand_in_address = str(stand_in.wait_ready(60)["address"])
+        router = ManagedProcess("router", [sys.executable, "-m", "router", "--port", "0", "--http-port", "0",
+                                           "--colocated", stand_in_address, "--max-concurrent-streams", "1024",
+                                           "--log-level", "WARNING"], logs / "router.log")
+        processes.append(router)
+        ready = router.wait_ready(60)
+        router_address, http_address = str(ready["address"]), str(ready["http_address"])
+        print(f"{'streams':>7} {'mode':>6} {'p50 ms':>8} {'p90 ms':>8} {'added p50 ms':>13}")
+        for streams in args.streams:
+            samples: dict[str, list[float]] = {"direct": [], "router": [], "http": []}
+            for _ in range(args.repeats):  # interleaved, so drift hits every mode alike
+                for mode in samples:
+                    samples[mode] += asyncio.run(measure(mode, streams, args.tokens, stand_in_address,
+                                                         router_address, http_address))
+            p50 = {m: statistics.median(v) for m, v in samples.items()}
+            for mode, values in samples.items():
+                base = {"direct": None, "router": "direct", "http": "router"}[mode]
+                added = f"{p50[mode] - p50[base]:13.3f}" if base else f"{'':>13}"
+                p90 = statistics.quantiles(values, n=10)[-1]
+                print(f"{streams:>7} {mode:>6} {p50[mode]:8.3f} {p90:8.3f} {added}  (vs {base or '-'})")
+    finally:
+        for process in processes:
+            process.terminate()
+        subprocess.run(["true"], check=False)
+
+
+if __name__ == "__main__":
+    main()
