@@ -197,8 +197,9 @@ class GrpcPendingKv(PendingKv):
             self._future.set_exception(KvTransferError(message))
             context = self._context
         self._on_finish(self)
-        if cancel_stream and context is not None:
-            context.cancel()
+        cancel = getattr(context, "cancel", None)  # grpc.aio runs PushKv with a context that cannot cancel
+        if cancel_stream and cancel is not None:
+            cancel()
         return True
 
 
