@@ -5,24 +5,30 @@ rule is vLLM's `check_logprobs_close`: both sides decode greedily and record the
 probabilities at each position; the tokens must be equal until the first position where they
 differ, and there each side's token must be within the other side's top-k. After that first
 difference the sequences may diverge and are not compared further.
+
+PDSERVE_TEST_DEVICE=cuda runs the comparison on a GPU (benchmarks/gpu_check.sh does), in float32
+as well as bfloat16.
 """
 
 from __future__ import annotations
 
 import math
+import os
 from pathlib import Path
 
 import pytest
 import torch
+from test_hf_equivalence import PROMPTS, _encode
 from transformers import AutoModelForCausalLM
 
-from engine.model_loader import LoadedModel, load_model
+from engine.model_loader import load_model
 from engine.model_runner import StepInput
 from engine.sampler import sample
 from engine.sampling_params import SamplingParams
-from test_hf_equivalence import PROMPTS, _encode
 
 MAX_TOKENS = 8
+DEVICE = os.environ.get("PDSERVE_TEST_DEVICE", "cpu")
+DTYPES = ["bfloat16", "float32"] if DEVICE.startswith("cuda") else ["bfloat16"]
 TOP_K = 5
 
 TopK = dict[int, float]  # token id -> log probability, the k most likely tokens of one position
@@ -73,8 +79,8 @@ def pdserve_greedy(engine, prompts: list[list[int]], max_tokens: int) -> list[tu
 
 def hf_greedy(model, prompt: list[int], max_tokens: int, eos: list[int]) -> tuple[list[int], list[TopK]]:  # noqa: ANN001
     with torch.no_grad():
-        out = model.generate(torch.tensor([prompt]), do_sample=False, max_new_tokens=max_tokens, eos_token_id=eos,
-                             pad_token_id=eos[0], output_logits=True, return_dict_in_generate=True)
+        out = model.generate(torch.tensor([prompt], device=DEVICE), do_sample=False, max_new_tokens=max_tokens,
+                             eos_token_id=eos, pad_token_id=eos[0], output_logits=True, return_dict_in_generate=True)
     ids = out.sequences[0, len(prompt):].tolist()
     return ids, [top_k(step[0], TOP_K) for step in out.logits]
 
@@ -89,22 +95,19 @@ def test_rule_accepts_a_swap_within_top_k_and_rejects_one_outside() -> None:
         check_logprobs_close([close], [outside])
 
 
-@pytest.fixture(scope="module")
-def default_model_bf16(default_model_dir: Path) -> LoadedModel:
-    return load_model(default_model_dir, torch.bfloat16)
-
-
 @pytest.mark.slow
 @pytest.mark.timeout(1800)  # bf16 matrix multiplies are slow on CPUs without native bf16 (AVX2)
-def test_bf16_greedy_is_close_to_hf_bf16(default_model_dir: Path, default_model_bf16: LoadedModel,
-                                         make_engine) -> None:  # noqa: ANN001
-    hf = AutoModelForCausalLM.from_pretrained(default_model_dir, dtype=torch.bfloat16,
-                                              attn_implementation="sdpa").eval()
-    prompts = [_encode(default_model_bf16, kind, text) for kind, text in PROMPTS]
-    engine = make_engine(default_model_bf16, dtype="bfloat16")
-    assert engine.kv_cache.kv.dtype == torch.bfloat16
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_greedy_is_close_to_hf_in_the_same_dtype(dtype: str, default_model_dir: Path, make_engine) -> None:  # noqa: ANN001
+    torch_dtype = getattr(torch, dtype)
+    loaded = load_model(default_model_dir, torch_dtype, DEVICE)
+    hf = AutoModelForCausalLM.from_pretrained(default_model_dir, dtype=torch_dtype,
+                                              attn_implementation="sdpa").to(DEVICE).eval()
+    prompts = [_encode(loaded, kind, text) for kind, text in PROMPTS]
+    engine = make_engine(loaded, dtype=dtype, device=DEVICE)
+    assert engine.kv_cache.kv.dtype == torch_dtype and engine.kv_cache.device.type == DEVICE.split(":")[0]
     ours = pdserve_greedy(engine, prompts, MAX_TOKENS)
-    eos = sorted(default_model_bf16.eos_token_ids)
+    eos = sorted(loaded.eos_token_ids)
     ref = [hf_greedy(hf, p, MAX_TOKENS, eos) for p in prompts]
     check_logprobs_close(ours, ref)
     matched = sum(o[0][: len(r[0])] == r[0] for o, r in zip(ours, ref, strict=True))
