@@ -86,8 +86,9 @@ def run_served(args: argparse.Namespace) -> float:
     clusters = {}
     try:
         for dtype in DTYPES:
-            config = LocalClusterConfig(colocated=1, threads_per_worker=args.threads, device="cpu", dtype=dtype,
-                                        http_port=0, kv_cache_mb=args.kv_cache_mb, model=args.model,
+            config = LocalClusterConfig(prefill=0, decode=0, colocated=1, threads_per_worker=args.threads,
+                                        device="cpu", dtype=dtype, http_port=0, kv_cache_mb=args.kv_cache_mb,
+                                        model=args.model,
                                         decode_args=("--max-num-seqs", str(args.num_prompts)))
             clusters[dtype] = LocalCluster(config).__enter__()
         name = clusters["float32"].config.served_model_name
