@@ -8,6 +8,7 @@ the median and the spread (min-max) and the bf16/fp32 ratio of the medians:
            the same time, one per dtype; each repeat sends --num-prompts chat prompts x
            --max-tokens output tokens (EOS ignored, greedy) all at once and counts output tok/s.
   prefill  the engine in this process prefills one --prefill-tokens prompt: prompt tok/s.
+  matmul   one linear layer of the model's shapes (576 -> 1536) for --rows rows: GFLOP/s.
   decode   the batch-1 decode step: step time, bytes read per step (weights + the context's K/V)
            against a same-run measured read bandwidth (a 256 MiB sum), the torch profiler's top
            operators for one bf16 step, and the step with `torch.compile`d MLPs (--compile).
@@ -18,6 +19,7 @@ the median and the spread (min-max) and the bf16/fp32 ratio of the medians:
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import statistics
 import time
@@ -101,6 +103,26 @@ def run_served(args: argparse.Namespace) -> float:
             cluster.stop()
     return report(f"served: {args.num_prompts} chat prompts x {args.max_tokens} tokens at once, "
                   f"colocated, {args.threads} threads", "output tok/s", results)
+
+
+# --- matmul ---------------------------------------------------------------------------------------
+
+def linear_gflops(rows: int, dtype: str, repeats: int = 5) -> float:
+    x = torch.randn(rows, 576).to(getattr(torch, dtype))
+    w = torch.randn(1536, 576).to(getattr(torch, dtype))
+    torch.nn.functional.linear(x, w)
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        torch.nn.functional.linear(x, w)
+        times.append(time.perf_counter() - start)
+    return 2 * rows * 576 * 1536 / statistics.median(times) / 1e9
+
+
+def run_matmul(args: argparse.Namespace) -> None:
+    for rows in args.rows:
+        results = interleaved(args.repeats, functools.partial(linear_gflops, rows))
+        report(f"linear 576 -> 1536, {rows} rows", "GFLOP/s", results)
 
 
 # --- in-process engine ----------------------------------------------------------------------------
@@ -209,8 +231,9 @@ def run_decode(args: argparse.Namespace, models: dict[str, LoadedModel]) -> None
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--only", nargs="+", choices=("served", "prefill", "decode"),
-                    default=["served", "prefill", "decode"])
+    ap.add_argument("--only", nargs="+", choices=("served", "matmul", "prefill", "decode"),
+                    default=["served", "matmul", "prefill", "decode"])
+    ap.add_argument("--rows", type=int, nargs="+", default=[1, 32, 512])
     ap.add_argument("--model", default=None)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--threads", type=int, default=2)
@@ -228,6 +251,8 @@ def main() -> None:
           f"{torch.get_num_threads()} threads")
     if "served" in args.only:
         run_served(args)
+    if "matmul" in args.only:
+        run_matmul(args)
     if {"prefill", "decode"} & set(args.only):
         models = {d: load(d, args.model) for d in DTYPES}
         with torch.inference_mode():
