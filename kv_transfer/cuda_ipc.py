@@ -174,6 +174,7 @@ def import_tensor(d: IpcDescriptor, expected_shape: tuple[int, ...], expected_dt
         raise ValueError(f"descriptor: {d.shape} {d.dtype} is not the expected {expected_shape} {expected_dtype}")
     if not torch.cuda.is_available() or d.device >= torch.cuda.device_count():
         raise IpcUnavailable(f"CUDA device {d.device} is not visible in this process")
+    torch.cuda.init()  # opening an IPC handle needs an initialised CUDA context
     storage = torch.UntypedStorage._new_shared_cuda(  # type: ignore[attr-defined]
         d.device, d.memory_handle, d.storage_size_bytes, d.storage_offset_bytes, d.ref_counter_handle,
         d.ref_counter_offset, d.event_handle or None, d.event_sync_required,
