@@ -30,6 +30,7 @@ import grpc
 from cluster.capacity.cli import add_bench, add_plan, add_sweep
 from cluster.client import DEFAULT_ADDRESS, PdserveClient, build_request, collect, sampling_params, status_rows
 from cluster.local import ClusterStartError, LocalCluster, LocalClusterConfig
+from pdserve.devices import DEVICE_HELP, DTYPE_HELP, DTYPE_NAMES, check_device_name
 from pdserve.v1 import router_pb2
 
 POLICIES = ("round_robin", "least_loaded")
@@ -53,6 +54,8 @@ def _add_serve(commands: argparse._SubParsersAction) -> None:
     serve.add_argument("--host", default="127.0.0.1", help="router interface (workers always use loopback)")
     serve.add_argument("--port", type=int, default=50051, help="router port (0 picks a free one)")
     serve.add_argument("--threads-per-worker", type=int, default=None, help="default: CPUs / workers")
+    serve.add_argument("--device", default="auto", type=check_device_name, help="every worker's: " + DEVICE_HELP)
+    serve.add_argument("--dtype", default="auto", choices=DTYPE_NAMES, help="every worker's: " + DTYPE_HELP)
     serve.add_argument("--prefill-policy", choices=POLICIES, default="round_robin")
     serve.add_argument("--decode-policy", choices=POLICIES, default="round_robin")
     serve.add_argument("--kv-cache-mb", type=int, default=None, help="KV cache size per worker")
@@ -150,6 +153,7 @@ def cluster_config(args: argparse.Namespace) -> LocalClusterConfig:
         host=args.host,
         port=args.port,
         threads_per_worker=args.threads_per_worker,
+        device=args.device, dtype=args.dtype,
         prefill_policy=args.prefill_policy,
         decode_policy=args.decode_policy,
         kv_cache_mb=args.kv_cache_mb,
@@ -180,6 +184,7 @@ def ray_cluster_config(args: argparse.Namespace):  # noqa: ANN201 - cluster.ray_
         kv_backend=args.kv_backend, gpus_per_worker=args.gpus_per_worker, placement=args.placement,
         prefill_resource=args.prefill_resource, decode_resource=args.decode_resource,
         threads_per_worker=args.threads_per_worker, kv_cache_mb=args.kv_cache_mb,
+        device=args.device, dtype=args.dtype,
         prefill_policy=args.prefill_policy, decode_policy=args.decode_policy, max_restarts=args.max_restarts,
         startup_timeout_s=args.startup_timeout, log_level=args.log_level,
     )

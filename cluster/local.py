@@ -26,6 +26,7 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from cluster.processes import ManagedProcess, ProcessStartError, stop_all
+from pdserve.devices import worker_flags
 from pdserve.transport import open_channel
 from router.policies import POLICY_NAMES
 from telemetry.logs import LOG_FORMATS
@@ -61,6 +62,8 @@ class LocalClusterConfig:
     host: str = "127.0.0.1"
     port: int = 0
     threads_per_worker: int | None = None
+    device: str = "cpu"  # every worker's --device and --dtype (pdserve.devices names; "auto" allowed)
+    dtype: str = "auto"
     prefill_policy: str = "round_robin"
     decode_policy: str = "round_robin"
     kv_cache_mb: int | None = None
@@ -87,6 +90,7 @@ class LocalClusterConfig:
             raise ValueError(f"port must be in [0, 65535], got {self.port}")
         if self.threads_per_worker is not None and self.threads_per_worker < 1:
             raise ValueError(f"threads_per_worker must be >= 1, got {self.threads_per_worker}")
+        worker_flags(self.device, self.dtype)  # ValueError on a bad name
         for name in ("prefill_policy", "decode_policy"):
             if getattr(self, name) not in POLICY_NAMES:
                 raise ValueError(f"{name} must be one of {', '.join(POLICY_NAMES)}, got {getattr(self, name)!r}")
@@ -133,6 +137,7 @@ def worker_argv(config: LocalClusterConfig, role: str, worker_id: str) -> list[s
     """Command line of one worker process."""
     argv = [sys.executable, "-m", ROLE_MODULES[role], "--host", WORKER_HOST, "--port", "0"]
     argv += ["--worker-id", worker_id, "--threads", str(config.threads)]
+    argv += worker_flags(config.device, config.dtype)
     if role == "colocated":
         argv.append("--colocated")
     if config.model is not None:

@@ -34,6 +34,7 @@ from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from cluster.ray_actors import RouterActor, WorkerActor
+from pdserve.devices import worker_flags
 from router.policies import POLICY_NAMES
 
 log = logging.getLogger(__name__)
@@ -64,6 +65,8 @@ class RayClusterConfig:
     placement: str = "pack"
     threads_per_worker: int | None = None
     kv_cache_mb: int | None = None
+    device: str = "cpu"  # every worker's --device and --dtype (the CLI passes "auto"); Ray picks which GPU
+    dtype: str = "auto"
     prefill_policy: str = "round_robin"
     decode_policy: str = "round_robin"
     prefill_args: tuple[str, ...] = ()
@@ -83,6 +86,7 @@ class RayClusterConfig:
             raise ValueError(f"placement must be one of {', '.join(PLACEMENTS)}, got {self.placement!r}")
         if self.gpus_per_worker is not None and not self.gpus_per_worker > 0:
             raise ValueError(f"gpus_per_worker must be > 0, got {self.gpus_per_worker}")
+        worker_flags(self.device, self.dtype)  # ValueError on a bad name
         for name in ("prefill_policy", "decode_policy"):
             if getattr(self, name) not in POLICY_NAMES:
                 raise ValueError(f"{name} must be one of {', '.join(POLICY_NAMES)}, got {getattr(self, name)!r}")
@@ -115,6 +119,7 @@ class RayClusterConfig:
         argv += ["--threads", str(self.threads_per_worker)] if self.threads_per_worker else []
         argv += ["--model", self.model] if self.model else []
         argv += ["--kv-cache-mb", str(self.kv_cache_mb)] if self.kv_cache_mb else []
+        argv += worker_flags(self.device, self.dtype)
         if role == "decode":
             argv += ["--drain-timeout-s", str(self.drain_timeout_s), "--kv-backend", self.kv_backend]
             argv += ["--kv-target", f"ray:{worker_id}"] if self.kv_backend == "ray" else []

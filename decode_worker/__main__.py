@@ -64,10 +64,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def start_worker(args: argparse.Namespace) -> StartedWorker:
     """Load the model, build the worker, its KV receiver and gRPC server, start serving on
     args.host:args.port. Shared by `main` (a process) and the Ray actor (`cluster.ray_actors`)."""
-    config = EngineConfig(model=args.model, dtype=args.dtype, block_size=args.block_size,
+    config = EngineConfig(model=args.model, dtype=args.dtype, device=args.device, block_size=args.block_size,
                           kv_cache_memory_mb=args.kv_cache_mb, max_num_seqs=args.max_num_seqs,
                           max_num_batched_tokens=args.max_batched_tokens, prefix_caching=args.prefix_caching)
-    loaded = load_model(resolve_model(args.model), config.torch_dtype)
+    loaded = load_model(resolve_model(args.model), config.torch_dtype, config.device)
     metrics = WorkerMetrics()
     worker = DecodeWorker(loaded, config, admission_timeout_s=args.admission_timeout_s, metrics=metrics,
                           die_after_steps=args.inject_loop_death_after_steps)

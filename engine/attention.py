@@ -28,7 +28,7 @@ ATTN_IMPLEMENTATION = "pdserve_paged"
 class AttentionBatch:
     """What attention needs to know about the packed batch.
 
-    slot_mapping: [T] cache slot of every new token.
+    slot_mapping: [T] cache slot of every new token (on the KV cache's device, like block_tables).
     query_lens / context_lens: per sequence, new tokens and total tokens (cached + new).
     block_tables: [B, max_blocks] padded block ids (decode path and prefix-reading prefill).
     num_decode: the first `num_decode` sequences are decoding (one new token after a cached
@@ -50,8 +50,9 @@ class AttentionBatch:
     def decode_mask(self) -> torch.Tensor:
         """[Bd, 1, 1, S] True where a key position is inside its decoding sequence (built once per pass)."""
         context = self.context_lens[: self.num_decode]
-        lengths = torch.tensor(context, dtype=torch.long)
-        return (torch.arange(max(context)).unsqueeze(0) < lengths.unsqueeze(1))[:, None, None, :]
+        device = self.block_tables.device
+        lengths = torch.tensor(context, dtype=torch.long, device=device)
+        return (torch.arange(max(context), device=device).unsqueeze(0) < lengths.unsqueeze(1))[:, None, None, :]
 
 
 class _PassState(threading.local):
@@ -114,8 +115,8 @@ def _prefill_attention(
             out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scaling, enable_gqa=True)
         else:  # cached prefix (chunked prefill, prefix cache): read it from the pages
             k, v = _paged_context(batch.kv_cache, layer, batch.block_tables[i : i + 1], ctx_len)
-            q_pos = torch.arange(ctx_len - q_len, ctx_len).unsqueeze(1)
-            mask = torch.arange(ctx_len).unsqueeze(0) <= q_pos  # [q_len, ctx_len]
+            q_pos = torch.arange(ctx_len - q_len, ctx_len, device=q.device).unsqueeze(1)
+            mask = torch.arange(ctx_len, device=q.device).unsqueeze(0) <= q_pos  # [q_len, ctx_len]
             out = F.scaled_dot_product_attention(
                 q, k.to(q.dtype), v.to(q.dtype), attn_mask=mask, scale=scaling, enable_gqa=True
             )

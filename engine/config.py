@@ -1,4 +1,11 @@
-"""Engine configuration: one frozen dataclass, validated on construction."""
+"""Engine configuration: one frozen dataclass, validated on construction.
+
+Device and dtype: `device` is "auto", "cpu", "cuda" or "cuda:N"; `dtype` is "auto", "float32",
+"bfloat16" or "float16". Both are resolved once, in `__post_init__`, so every consumer sees a
+concrete value: "auto" device is "cuda" when CUDA is available, else "cpu"; "auto" dtype is
+bfloat16 on CUDA and float32 on CPU (float32 on CPU keeps the token-for-token match with Hugging
+Face). Weights, the KV pool, attention and sampling all follow the resolved pair.
+"""
 
 from __future__ import annotations
 
@@ -6,7 +13,32 @@ from dataclasses import dataclass
 
 import torch
 
+from pdserve.devices import check_device_name, check_dtype_name
+
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def resolve_device(device: str, cuda_count: int | None = None) -> str:
+    """"auto" -> "cuda" when CUDA is available else "cpu"; "cuda[:N]" is checked against the
+    visible GPUs (ValueError naming the problem). `cuda_count` overrides torch's count (tests)."""
+    check_device_name(device)
+    count = torch.cuda.device_count() if cuda_count is None else cuda_count
+    if device == "auto":
+        return "cuda" if count > 0 else "cpu"
+    if device.startswith("cuda"):
+        if count == 0:
+            raise ValueError(f"device {device!r}: CUDA is not available on this machine (use --device cpu)")
+        index = int(device.split(":")[1]) if ":" in device else 0
+        if index >= count:
+            raise ValueError(f"device {device!r}: only {count} CUDA device(s) visible")
+    return device
+
+
+def resolve_dtype(dtype: str, device: str) -> str:
+    """"auto" -> "bfloat16" on a CUDA device, "float32" on CPU; other names are checked."""
+    if check_dtype_name(dtype) == "auto":
+        return "bfloat16" if device.startswith("cuda") else "float32"
+    return dtype
 
 
 @dataclass(frozen=True)
@@ -14,6 +46,8 @@ class EngineConfig:
     """How one worker's engine runs.
 
     model: local Hugging Face folder, or None for the default model.
+    dtype / device: as given ("auto" allowed); after construction always the resolved values
+        (see the module docstring). The library default device is the CPU; the CLI's is "auto".
     kv_cache_memory_mb: memory budget of the KV cache; the block count is derived from it unless
         num_blocks is given.
     max_num_seqs: most sequences in one decode batch.
@@ -21,7 +55,7 @@ class EngineConfig:
     """
 
     model: str | None = None
-    dtype: str = "float32"
+    dtype: str = "auto"
     device: str = "cpu"
     block_size: int = 16
     kv_cache_memory_mb: int = 512
@@ -33,8 +67,9 @@ class EngineConfig:
     prefix_caching: bool = False
 
     def __post_init__(self) -> None:
-        if self.dtype not in _DTYPES:
-            raise ValueError(f"dtype must be one of {sorted(_DTYPES)}, got {self.dtype!r}")
+        device = resolve_device(self.device)
+        object.__setattr__(self, "device", device)
+        object.__setattr__(self, "dtype", resolve_dtype(self.dtype, device))
         if self.block_size <= 0 or self.block_size & (self.block_size - 1):
             raise ValueError(f"block_size must be a positive power of two, got {self.block_size}")
         if self.kv_cache_memory_mb <= 0:
@@ -51,3 +86,7 @@ class EngineConfig:
     @property
     def torch_dtype(self) -> torch.dtype:
         return _DTYPES[self.dtype]
+
+    @property
+    def torch_device(self) -> torch.device:
+        return torch.device(self.device)

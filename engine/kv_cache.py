@@ -4,6 +4,12 @@
 second axis holds keys, 1 values. Token t of a sequence lives in slot
 `block_table[t // block_size] * block_size + t % block_size`. A request's K/V, as shipped between
 workers, is `kv[:, :, block_ids]` -> [num_layers, 2, len(block_ids), block_size, heads, head_dim].
+
+Device: `kv` lives on the engine's device (CPU or one CUDA device). What crosses a process
+boundary is always a host tensor: `gather` stages device blocks through pinned host memory (the
+CUDA caching host allocator reuses those buffers) and `scatter` copies host blocks up to the
+device. On a CPU cache both are the plain copies they always were. The dtype of shipped K/V must
+equal the cache's: a mismatch is refused, never converted silently.
 """
 
 from __future__ import annotations
@@ -80,6 +86,22 @@ def _shared_zeros(shape: tuple[int, ...], dtype: torch.dtype) -> tuple[torch.Ten
     return tensor, segment.name
 
 
+def host_empty(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """An uninitialised host tensor for K/V on its way to or from a device: pinned (page-locked, so
+    device copies run asynchronously at full speed) when CUDA is available, plain otherwise."""
+    return torch.empty(shape, dtype=dtype, pin_memory=torch.cuda.is_available())
+
+
+def to_host(tensor: torch.Tensor) -> torch.Tensor:
+    """`tensor` itself when on the CPU, else a copy in pinned host memory (waits for the copy)."""
+    if tensor.device.type == "cpu":
+        return tensor
+    staged = host_empty(tuple(tensor.shape), tensor.dtype)
+    staged.copy_(tensor, non_blocking=True)
+    torch.cuda.current_stream(tensor.device).synchronize()
+    return staged
+
+
 def _unlink(segment: shared_memory.SharedMemory) -> None:
     try:
         segment.unlink()
@@ -126,17 +148,30 @@ class KVCache:
         flat = self.kv[layer].view(2, self.num_blocks * s.block_size, s.num_kv_heads, s.head_dim)
         return flat[0], flat[1]
 
-    def gather(self, block_ids: list[int]) -> torch.Tensor:
-        """A request's K/V: [L, 2, len(block_ids), block_size, heads, dim] (a copy)."""
+    @property
+    def device(self) -> torch.device:
+        return self.kv.device
+
+    def gather_on_device(self, block_ids: list[int]) -> torch.Tensor:
+        """A request's K/V on the cache's device: [L, 2, len(block_ids), block_size, heads, dim] (a copy)."""
         return self.kv[:, :, block_ids].contiguous()
 
+    def gather(self, block_ids: list[int]) -> torch.Tensor:
+        """A request's K/V as a host tensor (a copy; staged through pinned memory from a device)."""
+        return to_host(self.gather_on_device(block_ids))
+
     def scatter(self, block_ids: list[int], blocks: torch.Tensor) -> None:
-        """Write shipped K/V (as returned by `gather`) into this cache's `block_ids`."""
+        """Write shipped K/V (as returned by `gather`, on any device) into this cache's `block_ids`.
+        ValueError when its shape or dtype differs from this cache's."""
         expected = (self.shape.num_layers, 2, len(block_ids), self.shape.block_size,
                     self.shape.num_kv_heads, self.shape.head_dim)
         if tuple(blocks.shape) != expected:
             raise ValueError(f"K/V shape {tuple(blocks.shape)} does not fit blocks of shape {expected}")
-        self.kv[:, :, block_ids] = blocks.to(self.kv.dtype)
+        if blocks.dtype != self.kv.dtype:
+            raise ValueError(f"dtype: shipped K/V is {blocks.dtype}, this cache holds {self.kv.dtype} "
+                             "(run prefill and decode workers with the same --dtype)")
+        ids = torch.tensor(block_ids, dtype=torch.long, device=self.kv.device)
+        self.kv.index_copy_(2, ids, blocks.to(self.kv.device, non_blocking=True))
 
     @property
     def nbytes(self) -> int:

@@ -30,6 +30,15 @@ class StepInput:
 LayerCallback = Callable[[int], None]
 
 
+def _check_same_place(loaded: LoadedModel, kv_cache: KVCache) -> None:
+    """Weights and K/V must share one device and one dtype (ValueError naming both otherwise)."""
+    weight = next(loaded.model.parameters())
+    if weight.device != kv_cache.kv.device:
+        raise ValueError(f"device: weights are on {weight.device}, the KV cache on {kv_cache.kv.device}")
+    if weight.dtype != kv_cache.kv.dtype:
+        raise ValueError(f"dtype: weights are {weight.dtype}, the KV cache {kv_cache.kv.dtype}")
+
+
 class ModelRunner:
     """Owns no scheduling state: callers decide what runs; this computes it."""
 
@@ -38,6 +47,8 @@ class ModelRunner:
         self.model = loaded.model
         self.kv_cache = kv_cache
         self.block_size = kv_cache.shape.block_size
+        self.device = kv_cache.kv.device  # weights, K/V and every index tensor of a pass live here
+        _check_same_place(loaded, kv_cache)
         self.num_forward_passes = 0
         self.num_prefill_tokens = 0  # new tokens of sequences that were not decoding (prompts, recomputes)
 
@@ -53,10 +64,10 @@ class ModelRunner:
             tables[row, : len(item.block_table)] = torch.tensor(item.block_table, dtype=torch.long)
         return AttentionBatch(
             kv_cache=self.kv_cache,
-            slot_mapping=torch.cat([self._slots(i) for i in items]),
+            slot_mapping=torch.cat([self._slots(i) for i in items]).to(self.device),
             query_lens=[len(i.token_ids) for i in items],
             context_lens=[i.num_cached + len(i.token_ids) for i in items],
-            block_tables=tables,
+            block_tables=tables.to(self.device),
             num_decode=next((n for n, i in enumerate(items) if len(i.token_ids) != 1 or i.num_cached == 0),
                             len(items)),
         )
@@ -70,7 +81,7 @@ class ModelRunner:
             if len(item.block_table) * self.block_size < item.num_cached + len(item.token_ids):
                 raise ValueError("block table too short for the tokens of this pass")
         batch = self._batch(items)
-        device = self.kv_cache.kv.device
+        device = self.device
         input_ids = torch.tensor([[t for i in items for t in i.token_ids]], device=device)  # [1, T]
         positions = torch.cat(
             [torch.arange(i.num_cached, i.num_cached + len(i.token_ids)) for i in items]

@@ -3,6 +3,10 @@
 A seeded request draws its i-th output token from a generator seeded by (seed, i) alone, so the
 draw never depends on the batch it ran in, nor on where an interrupted request is resumed.
 Unseeded requests draw from the process's generator.
+
+Device: greedy rows take their argmax where the logits are (one small copy back); rows that draw
+are moved to the CPU first and draw from CPU generators, so a seeded request yields the same
+tokens whichever device computed its logits (given the same logits).
 """
 
 from __future__ import annotations
@@ -37,16 +41,18 @@ def sample_one(logits: torch.Tensor, params: SamplingParams, step: int) -> int:
     """Draw one token id from logits [V] for output position `step`."""
     if params.greedy:
         return int(torch.argmax(logits))
-    logits = _filter_top_k_top_p(logits.float() / params.temperature, params.top_k, params.top_p)
+    logits = _filter_top_k_top_p(logits.float().cpu() / params.temperature, params.top_k, params.top_p)
     probs = torch.softmax(logits, dim=-1)
     generator = None
     if params.seed is not None:
-        generator = torch.Generator(device=logits.device).manual_seed(step_seed(params.seed, step))
+        generator = torch.Generator().manual_seed(step_seed(params.seed, step))
     return int(torch.multinomial(probs, 1, generator=generator))
 
 
 def sample(logits: torch.Tensor, params: list[SamplingParams], steps: list[int]) -> list[int]:
-    """logits: [B, V]; one SamplingParams and output position per row -> B token ids."""
+    """logits: [B, V] on any device; one SamplingParams and output position per row -> B token ids."""
     if all(p.greedy for p in params):
         return torch.argmax(logits, dim=-1).tolist()
+    if logits.device.type != "cpu":
+        logits = logits.float().cpu()  # one copy for the whole batch, not one per row
     return [sample_one(logits[i], p, s) for i, (p, s) in enumerate(zip(params, steps, strict=True))]

@@ -24,6 +24,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from engine.sampling_params import SamplingParams
 from engine.stop_checker import FINISH_ABORT, FINISH_ERROR, FINISH_LENGTH, FINISH_STOP, FINISH_STOP_STRING
+from pdserve.devices import DEVICE_HELP, DTYPE_HELP, DTYPE_NAMES, check_device_name
 from pdserve.serving import AioServer, RequestParseInterceptor, ready_line
 from pdserve.transport import add_port
 from pdserve.v1 import common_pb2
@@ -79,7 +80,8 @@ def add_worker_args(ap: argparse.ArgumentParser, worker_id: str, kv_cache_mb: in
     ap.add_argument("--threads", type=int, default=None, help="torch threads for this process")
     ap.add_argument("--kv-cache-mb", type=int, default=kv_cache_mb, help="KV cache memory of this worker")
     ap.add_argument("--block-size", type=int, default=16, help="tokens per KV block (same on every worker)")
-    ap.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"))
+    ap.add_argument("--device", default="auto", type=check_device_name, help=DEVICE_HELP)
+    ap.add_argument("--dtype", default="auto", choices=DTYPE_NAMES, help=DTYPE_HELP)
     ap.add_argument("--drain-timeout-s", type=float, default=30.0,
                     help="on SIGTERM, stop taking requests and finish those in flight for at most this long")
 

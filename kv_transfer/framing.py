@@ -29,6 +29,7 @@ from dataclasses import dataclass
 
 import torch
 
+from engine.kv_cache import host_empty, to_host
 from kv_transfer.base import KvSpec, dtype_name
 from pdserve.v1.kv_pb2 import KvFrame, KvHeader
 
@@ -73,8 +74,9 @@ def plan_frames(spec: KvSpec, max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES) ->
 
 
 def tensor_bytes(kv: torch.Tensor) -> memoryview:
-    """Return a read-only uint8 memoryview of ``kv`` in C order (copies only if needed)."""
-    flat = kv.detach().cpu().contiguous().reshape(-1)
+    """Return a read-only uint8 memoryview of ``kv`` in C order (copies only if needed; a device
+    tensor is staged through pinned host memory)."""
+    flat = to_host(kv.detach()).contiguous().reshape(-1)
     return flat.view(torch.uint8).numpy().data.toreadonly()
 
 
@@ -159,7 +161,7 @@ class FrameAssembler:
         if expected.nbytes > max_total_bytes:
             raise KvFrameError("shape", f"payload of {expected.nbytes} bytes exceeds limit {max_total_bytes}")
         self.expected = expected
-        self._buf = torch.empty(expected.shape, dtype=expected.torch_dtype)
+        self._buf = host_empty(expected.shape, expected.torch_dtype)  # pinned when a GPU may take it
         self._dst = self._buf.reshape(-1).view(torch.uint8).numpy().data
         self._received = 0
         self._next_index = 0
@@ -220,7 +222,10 @@ class FrameAssembler:
 
     def _check_identity(self, h: KvHeader) -> None:
         exp = self.expected
-        for field in ("request_id", "model_fingerprint", "dtype", "block_size", "num_tokens", "block_offset"):
+        if h.dtype != exp.dtype:  # before the fingerprint (which covers the dtype) so the cause is named
+            raise KvFrameError("dtype", f"sender's K/V is {h.dtype!r}, this worker's cache holds {exp.dtype!r}: "
+                               "prefill and decode workers must run the same --dtype")
+        for field in ("request_id", "model_fingerprint", "block_size", "num_tokens", "block_offset"):
             got, want = getattr(h, field), getattr(exp, field)
             if got != want:
                 raise KvFrameError(field, f"expected {want!r}, got {got!r}")

@@ -161,8 +161,9 @@ def check_header(header: KvHeader, spec: KvSpec) -> str:
     """"" when the control frame matches the expected intake, else the first mismatch."""
     checks = [
         ("request_id", header.request_id, spec.request_id),
+        ("dtype", header.dtype, spec.dtype),  # before the fingerprint (which covers it): names the cause
         ("model_fingerprint", header.model_fingerprint, spec.model_fingerprint),
-        ("dtype", header.dtype, spec.dtype), ("shape", tuple(header.shape), spec.shape),
+        ("shape", tuple(header.shape), spec.shape),
         ("block_size", header.block_size, spec.block_size), ("num_tokens", header.num_tokens, spec.num_tokens),
         ("block_offset", header.block_offset, spec.block_offset),
         ("shm_block_ids", len(header.shm_block_ids), spec.shape[2]),

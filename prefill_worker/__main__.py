@@ -56,9 +56,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def start_worker(args: argparse.Namespace) -> StartedWorker:
     """Load the model, build the worker and its gRPC server, start serving on args.host:args.port.
     Shared by `main` (a process) and the Ray actor (`cluster.ray_actors`)."""
-    config = EngineConfig(model=args.model, dtype=args.dtype, block_size=args.block_size,
+    config = EngineConfig(model=args.model, dtype=args.dtype, device=args.device, block_size=args.block_size,
                           kv_cache_memory_mb=args.kv_cache_mb, max_num_batched_tokens=args.max_batched_tokens)
-    loaded = load_model(resolve_model(args.model), config.torch_dtype)
+    loaded = load_model(resolve_model(args.model), config.torch_dtype, config.device)
     metrics = WorkerMetrics()
     faults = FaultInjector(args.inject_kv_fault, args.inject_kv_fault_count)
     worker = PrefillWorker(loaded, config, transfer_timeout_s=args.kv_timeout_s, metrics=metrics, faults=faults,

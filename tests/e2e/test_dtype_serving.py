@@ -1,0 +1,54 @@
+"""--dtype end to end, real processes on loopback with a tiny model: a bf16 1P1D deployment ships
+bf16 K/V (half the bytes of fp32) and answers what a bf16 engine in this process answers; a
+prefill worker whose dtype differs from its decode worker's is refused with the cause named."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import grpc
+import pytest
+import torch
+
+from cluster.local import LocalCluster, LocalClusterConfig
+from engine.config import EngineConfig
+from engine.llm_engine import LLMEngine
+from engine.model_loader import load_model
+from engine.sampling_params import SamplingParams
+from engine.tokenization import encode_text
+
+from e2e_helpers import generate, worker_info
+
+PROMPTS = ["the river ran past the old mill " * 6, "hello", "children played on its banks until evening"]
+MAX_TOKENS = 6
+
+
+def _cluster(model: Path, dtype: str, prefill_args: tuple[str, ...] = ()) -> LocalCluster:
+    return LocalCluster(LocalClusterConfig(model=str(model), prefill=1, decode=1, threads_per_worker=1,
+                                           device="cpu", dtype=dtype, prefill_args=prefill_args,
+                                           decode_args=("--kv-backend", "grpc")))
+
+
+@pytest.mark.slow
+def test_bf16_1p1d_ships_bf16_kv_and_matches_the_engine(tiny_llama_dir: Path) -> None:
+    loaded = load_model(tiny_llama_dir, torch.bfloat16)
+    engine = LLMEngine(loaded, EngineConfig(dtype="bfloat16", num_blocks=64))
+    ids = [encode_text(loaded.tokenizer, p) for p in PROMPTS]
+    expected = [engine.generate([p], SamplingParams(max_tokens=MAX_TOKENS))[0] for p in ids]
+    shape = loaded.kv_shape(16)
+    with _cluster(tiny_llama_dir, "bfloat16") as cluster:
+        got = [generate(cluster.router_address, p, MAX_TOKENS).token_ids for p in PROMPTS]
+        decode = next(w for w in cluster.workers if w[0] == "decode")
+        received = worker_info(decode[2], "decode").kv_bytes_received
+    assert got == expected
+    assert shape.dtype == torch.bfloat16
+    assert received == sum(math.ceil(len(p) / 16) for p in ids) * shape.bytes_per_block  # 2 bytes a value
+
+
+@pytest.mark.slow
+def test_prefill_and_decode_of_different_dtypes_are_refused(tiny_llama_dir: Path) -> None:
+    with _cluster(tiny_llama_dir, "float32", prefill_args=("--dtype", "bfloat16")) as cluster:
+        with pytest.raises(grpc.RpcError) as err:
+            generate(cluster.router_address, PROMPTS[0], MAX_TOKENS, timeout=60)
+        assert "dtype" in (err.value.details() or "")
