@@ -21,6 +21,8 @@ Invariants:
   UNKNOWN (a request that breaks a worker's step) is retried once on another worker without
   suspecting anyone; failing the same way twice, it is a poison request and fails.
 - The worker lease of a request is released on every exit path.
+- Each request logs one start and one finish line (`Generate start request_id=<client id>
+  internal_id=<id>`), for gRPC and HTTP alike; workers log the internal id.
 """
 
 from __future__ import annotations
@@ -43,7 +45,7 @@ from router.metrics import RequestClock, RouterMetrics
 from router.policies import DECODE, PREFILL, estimate_prompt_tokens, make_policy, prefix_key
 from router.validation import InvalidRequest, validate_generate_request
 from router.worker_pool import Lease, NoHealthyWorker, WorkerPool
-from telemetry.grpc_logging import safe_id
+from telemetry.grpc_logging import log_finish, log_start, safe_id
 
 log = logging.getLogger(__name__)
 
@@ -122,8 +124,7 @@ class RouterCore:
         state = _Request(request, uuid.uuid4().hex, "", time.monotonic() + min(timeout_s or cap, cap),
                          RequestClock(self.metrics))
         state.echo_id = request.request_id or state.internal_id
-        log.info("request_id=%s internal_id=%s received", safe_id(state.echo_id), state.internal_id,
-                 extra={"request_id": state.echo_id, "internal_id": state.internal_id})
+        started = log_start("Generate", safe_id(state.echo_id), state.internal_id, label="internal_id")
         self.metrics.started()
         try:
             async for response in self._attempts(state):
@@ -133,6 +134,7 @@ class RouterCore:
             raise
         finally:
             self.metrics.finished(state.outcome)
+            log_finish("Generate", safe_id(state.echo_id), started, _status_of(state.outcome))
 
     def status(self) -> router_pb2.StatusResponse:
         return router_pb2.StatusResponse(
@@ -261,6 +263,11 @@ class RouterCore:
             channel = open_aio_channel(address, [("grpc.max_receive_message_length", MAX_RECEIVE_MESSAGE_BYTES)])
             entry = self._stubs[address] = (channel, worker_pb2_grpc.DecodeWorkerStub(channel))
         return entry[1]
+
+
+def _status_of(outcome: str) -> str:
+    """A finish reason (the stream ended normally) is status OK; a status code name is itself."""
+    return outcome if outcome in grpc.StatusCode.__members__ else "OK"
 
 
 def _stamp(response: router_pb2.GenerateResponse, state: _Request, lease: Lease) -> bool:

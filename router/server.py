@@ -25,7 +25,6 @@ from router.config import MAX_RECEIVE_MESSAGE_BYTES, RouterConfig
 from router.core import RouterCore, RouterError
 from router.metrics import RouterMetrics
 from router.worker_pool import WorkerPool
-from telemetry.grpc_logging import RequestLoggingInterceptor
 
 log = logging.getLogger(__name__)
 
@@ -139,7 +138,8 @@ def serve(config: RouterConfig) -> tuple[RouterServer, int]:
 
 
 def _interceptors(config: RouterConfig) -> list[grpc.aio.ServerInterceptor]:
-    interceptors: list[grpc.aio.ServerInterceptor] = [RequestParseInterceptor(), RequestLoggingInterceptor()]
+    # no RequestLoggingInterceptor: RouterCore logs each request's start and finish, for gRPC and HTTP
+    interceptors: list[grpc.aio.ServerInterceptor] = [RequestParseInterceptor()]
     if config.auth_token:
         interceptors.insert(0, BearerTokenInterceptor(config.auth_token))
     return interceptors

@@ -77,20 +77,25 @@ def _request_id(request: Any) -> str | None:
     return safe_id(request.request_id) if hasattr(request, "request_id") else None
 
 
+def _client_id(request: Any) -> str:
+    """The client's own id of a request (a worker's DecodeRequest carries it as a label), or ""."""
+    return safe_id(request.client_request_id) if getattr(request, "client_request_id", "") else ""
+
+
 def _wrap_unary(method: str, behavior: Callable[..., Any]) -> Callable[..., Any]:
     if inspect.iscoroutinefunction(behavior):
         async def wrapped_async(request: Any, context: Any) -> Any:
             request_id = _request_id(request)
             if request_id is None:
                 return await behavior(request, context)
-            start, error = _log_start(method, request_id), None
+            start, error = log_start(method, request_id, _client_id(request)), None
             try:
                 return await behavior(request, context)
             except BaseException as exc:
                 error = exc
                 raise
             finally:
-                _log_finish(method, request_id, start, _status_name(context, error))
+                log_finish(method, request_id, start, _status_name(context, error))
 
         return wrapped_async
 
@@ -98,14 +103,14 @@ def _wrap_unary(method: str, behavior: Callable[..., Any]) -> Callable[..., Any]
         request_id = _request_id(request)
         if request_id is None:
             return behavior(request, context)
-        start, error = _log_start(method, request_id), None
+        start, error = log_start(method, request_id, _client_id(request)), None
         try:
             return behavior(request, context)
         except BaseException as exc:
             error = exc
             raise
         finally:
-            _log_finish(method, request_id, start, _status_name(context, error))
+            log_finish(method, request_id, start, _status_name(context, error))
 
     return wrapped
 
@@ -113,7 +118,7 @@ def _wrap_unary(method: str, behavior: Callable[..., Any]) -> Callable[..., Any]
 def _wrap_stream(method: str, behavior: Callable[..., AsyncIterator[Any]]) -> Callable[..., AsyncIterator[Any]]:
     async def wrapped(request: Any, context: Any) -> AsyncIterator[Any]:
         request_id = _request_id(request)
-        start, error = _log_start(method, request_id or "-"), None
+        start, error = log_start(method, request_id or "-", _client_id(request)), None
         try:
             async for response in behavior(request, context):
                 yield response
@@ -121,17 +126,24 @@ def _wrap_stream(method: str, behavior: Callable[..., AsyncIterator[Any]]) -> Ca
             error = exc
             raise
         finally:
-            _log_finish(method, request_id or "-", start, _status_name(context, error))
+            log_finish(method, request_id or "-", start, _status_name(context, error))
 
     return wrapped
 
 
-def _log_start(method: str, request_id: str) -> float:
-    log.info("%s start request_id=%s", method, request_id, extra={"request_id": request_id, "method": method})
+def log_start(method: str, request_id: str, client_id: str = "", label: str = "client_request_id") -> float:
+    """The start line of one call; `client_id` (already `safe_id`-ed) is logged as `label` beside it."""
+    extra = {"request_id": request_id, "method": method}
+    if client_id:
+        extra[label] = client_id
+        log.info("%s start request_id=%s %s=%s", method, request_id, label, client_id, extra=extra)
+    else:
+        log.info("%s start request_id=%s", method, request_id, extra=extra)
     return time.monotonic()
 
 
-def _log_finish(method: str, request_id: str, start: float, status: str) -> None:
+def log_finish(method: str, request_id: str, start: float, status: str) -> None:
+    """The finish line of one call: its status and duration."""
     seconds = time.monotonic() - start
     log.info("%s finish request_id=%s status=%s seconds=%.3f", method, request_id, status, seconds,
              extra={"request_id": request_id, "method": method, "status": status, "seconds": round(seconds, 6)})

@@ -197,15 +197,23 @@ def test_request_id_in_every_process_log(cluster: LocalCluster, client: openai.O
     assert got.id == f"cmpl-{request_id}"
     wait_idle(cluster)
     deadline = time.monotonic() + 10
-    for name in ("router", "prefill-0", "decode-0"):
+    internal_id = ""
+    for name in ("router", "prefill-0", "decode-0"):  # the router names the internal id the workers key on
+        traced = request_id if name == "router" else internal_id
         while True:
             records = _json_records(cluster.log_dir / f"{name}.log")
-            events = [r["message"].split()[1] for r in records if r.get("request_id") == request_id]
+            mine = [r for r in records if r.get("request_id") == traced]
+            events = [r["message"].split()[1] for r in mine]
             if "finish" in events or time.monotonic() > deadline:
                 break
             time.sleep(0.2)
         assert "start" in events and "finish" in events, f"{name}: {events}"
         assert all(r["process"] == name for r in records)
+        if name == "router":
+            internal_id = next(str(r["internal_id"]) for r in mine if "internal_id" in r)
+            assert internal_id and internal_id != request_id
+        if name == "decode-0":  # the client's id travels to the decode worker as a label
+            assert any(r.get("client_request_id") == request_id for r in mine)
 
 
 def _json_records(path: Path) -> list[dict[str, object]]:

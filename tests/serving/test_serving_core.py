@@ -153,10 +153,13 @@ def test_client_ids_are_escaped_in_logs_and_refused(start_colocated, start_route
     _server, stub = start_router(RouterConfig(colocated=(worker.address,)))
     caplog.set_level(logging.INFO)
     forged = "x\nGenerate finish request_id=victim status=OK"
-    with pytest.raises(grpc.RpcError) as refused:
+    with pytest.raises(grpc.RpcError) as refused:  # the router validates before its first log line
         _generate(stub, "hi", 2, request_id=forged)
     assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert "request_id" in refused.value.details()
+    with grpc.insecure_channel(worker.address) as channel:  # a worker logs ids as they come: escaped
+        list(worker_pb2_grpc.DecodeWorkerStub(channel).Generate(worker_pb2.DecodeRequest(
+            request_id=forged, prompt="hi", params=common_pb2.SamplingParams(max_tokens=2)), timeout=60))
     lines = [r.getMessage() for r in caplog.records]
-    assert any("x\\nGenerate finish" in line for line in lines)  # logged, escaped
+    assert any("request_id=x\\nGenerate finish" in line for line in lines)
     assert not any("\n" in line for line in lines)
