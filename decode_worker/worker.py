@@ -1,4 +1,11 @@
-"""The decode worker's core, independent of gRPC: the engine loop and per-request streams."""
+"""The decode worker's core, independent of gRPC: the engine loop and per-request streams.
+
+The engine is the same one a prefill worker runs (one scheduler and block pool for every role),
+here without a KV connector: what it prefills (colocated, or a prompt under the local-prefill
+threshold) it keeps decoding, and what it reserves it decodes once the K/V arrived. A step that
+fails because of one sequence fails that sequence only (the engine isolates it); its stream gets
+a StreamError.
+"""
 
 from __future__ import annotations
 
@@ -15,6 +22,7 @@ import torch
 
 from engine.block_pool import blocks_for_tokens
 from engine.config import EngineConfig
+from engine.engine_loop import EngineLoop
 from engine.llm_engine import BlockWriter, LLMEngine, TokenOutput
 from engine.metrics import WorkerMetrics
 from engine.model_loader import LoadedModel
@@ -54,35 +62,24 @@ class DecodeWorker:
         self.engine = LLMEngine(loaded, config)
         self.admission_timeout_s = admission_timeout_s
         self.max_waiting = max_waiting
-        self._inbox: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
         self._streams: dict[str, queue.SimpleQueue[TokenOutput | StreamError]] = {}
         self._reservations: list[_PendingReservation] = []
-        self._stopped = threading.Event()
         self._counter_lock = threading.Lock()
         self.kv_bytes_received = 0
         self.requests_finished = 0
         self.metrics = metrics or WorkerMetrics()
         self.metrics.bind_gauges(
             running=lambda: len(self.engine.scheduler.running),
-            waiting=lambda: len(self._reservations) + len(self.engine.scheduler.waiting),
+            waiting=lambda: self.queue_depth,
             blocks_used=lambda: self.engine.pool.num_used, blocks_total=lambda: self.engine.pool.num_blocks)
-        self._thread = threading.Thread(target=self._loop, name="decode-loop", daemon=True)
-        self._thread.start()
+        self.loop = EngineLoop("decode-loop", self._iteration,
+                               lambda: self.engine.has_work or bool(self._reservations))
+        self.loop.start()
 
     # ----- called from gRPC threads ----------------------------------------------------------
     def run_on_loop(self, fn: Callable[[], T]) -> Future:
         """Run `fn` on the loop thread; the future carries its result or exception."""
-        future: Future = Future()
-
-        def call() -> None:
-            if future.set_running_or_notify_cancel():
-                try:
-                    future.set_result(fn())
-                except BaseException as exc:  # noqa: BLE001 - handed to the caller
-                    future.set_exception(exc)
-
-        self._inbox.put(call)
-        return future
+        return self.loop.call(fn)
 
     def open_stream(self, request_id: str) -> queue.SimpleQueue[TokenOutput | StreamError]:
         stream: queue.SimpleQueue[TokenOutput | StreamError] = queue.SimpleQueue()
@@ -104,7 +101,7 @@ class DecodeWorker:
         future: Future = Future()
         pending = _PendingReservation(request_id, prompt_ids, params, resume_ids,
                                       time.monotonic() + self.admission_timeout_s, future)
-        self._inbox.put(lambda: None if self._try_reserve(pending, first=True) else None)
+        self.loop.post(lambda: self._try_reserve(pending, first=True))
         return future
 
     def commit(self, request_id: str, kv: torch.Tensor | BlockWriter, first_token: int, backend: str = "grpc",
@@ -119,7 +116,7 @@ class DecodeWorker:
 
     def abort(self, request_id: str) -> None:
         """End the request wherever it is; its blocks are freed. Safe to call more than once."""
-        self._inbox.put(lambda: self._abort(request_id))
+        self.loop.post(lambda: self._abort(request_id))
 
     def expected_spec(self, request_id: str, num_tokens: int, block_offset: int = 0) -> KvSpec:
         """The payload for `num_tokens` tokens of which the first `block_offset` blocks are held here."""
@@ -131,43 +128,33 @@ class DecodeWorker:
         return not self._streams and not self.engine.sequences
 
     def stop(self) -> None:
-        self._stopped.set()
-        self._inbox.put(lambda: None)
-        self._thread.join(timeout=10)
+        self.loop.stop()
+
+    @property
+    def queue_depth(self) -> int:
+        """Requests waiting for blocks, or for their prompt to be (fully) prefilled here."""
+        scheduler = self.engine.scheduler
+        return len(self._reservations) + len(scheduler.waiting) + len(scheduler.prefilling)
 
     def stats(self) -> dict[str, Any]:
         e = self.engine
         return {
-            "queue_depth": len(self._reservations) + len(e.scheduler.waiting),
+            "queue_depth": self.queue_depth,
             "running": len(e.sequences), "kv_used": e.pool.num_used, "kv_total": e.pool.num_blocks,
             "prefill_tokens_computed": e.runner.num_prefill_tokens,
             "prefix_cache_hit_blocks": e.pool.cache_hits, "prefix_cache_blocks": e.pool.num_cached,
         }
 
     # ----- loop thread ------------------------------------------------------------------------
-    def _loop(self) -> None:
-        while not self._stopped.is_set():
-            self._drain_inbox(block=not self.engine.has_work and not self._reservations)
-            self._retry_reservations()
-            if self.engine.has_work:
-                self._step()
-
-    def _drain_inbox(self, block: bool) -> None:
-        try:
-            call = self._inbox.get(timeout=0.05) if block else self._inbox.get_nowait()
-        except queue.Empty:
-            return
-        while True:
-            call()
-            try:
-                call = self._inbox.get_nowait()
-            except queue.Empty:
-                return
+    def _iteration(self) -> None:
+        self._retry_reservations()
+        if self.engine.has_work:
+            self._step()
 
     def _step(self) -> None:
         try:
             outputs = self.engine.step()
-        except Exception as exc:  # a failed pass ends the requests in it, not the worker
+        except Exception as exc:  # noqa: BLE001 - the engine isolates failing sequences; this is a bug in it
             log.exception("decode step failed")
             for request_id in list(self.engine.sequences):
                 self._fail(request_id, f"decode step failed: {exc}")
@@ -176,7 +163,10 @@ class DecodeWorker:
         if generated:
             self.metrics.decode_batch_size.observe(generated)
         for out in outputs:
-            self._emit(out)
+            if out.error is not None:  # its pass failed with it alone: the others went on
+                self._fail(out.request_id, f"decode step failed: {out.error}")
+            else:
+                self._emit(out)
 
     def _emit(self, out: TokenOutput) -> None:
         if out.token_id >= 0:
