@@ -99,7 +99,6 @@ def _wait_idle(worker: PrefillWorker) -> None:
     raise AssertionError("prefill worker not idle")
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("streaming", ["request", "layer"])
 def test_shipped_kv_and_first_tokens_match_a_whole_prompt_pass(make_worker, receiver, tiny_llama,
                                                               streaming: str) -> None:  # noqa: ANN001
@@ -121,7 +120,6 @@ def test_shipped_kv_and_first_tokens_match_a_whole_prompt_pass(make_worker, rece
     assert worker.runner.num_prefill_tokens < sum(len(p) for p in prompts.values())  # "b" reused "a"'s blocks
 
 
-@pytest.mark.slow
 def test_forward_failure_under_layer_streaming_frees_each_block_once(make_worker, receiver, tiny_llama,
                                                                     monkeypatch) -> None:  # noqa: ANN001
     servicer, address = receiver
@@ -155,7 +153,6 @@ def test_forward_failure_under_layer_streaming_frees_each_block_once(make_worker
     assert worker.engine.sequences == {} and not worker.engine.has_work
 
 
-@pytest.mark.slow
 def test_a_poisoned_prompt_fails_alone_in_a_shared_pass(make_worker, receiver, tiny_llama, monkeypatch) -> None:  # noqa: ANN001
     servicer, address = receiver
     good = {"g1": list(range(20, 45)), "g2": list(range(300, 310)), "g3": PREFIX}
