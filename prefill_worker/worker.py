@@ -18,8 +18,10 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections.abc import Callable
 from concurrent.futures import Future, InvalidStateError, ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
+from functools import partial
 from itertools import count
 
 import torch
@@ -234,7 +236,7 @@ class PrefillWorker(KvConnector):
                 spec = self.spec_for(job)
                 stream = LayerStream(torch.empty(spec.shape, dtype=spec.torch_dtype), self.transfer_timeout_s)
                 self._streams[seq.request_id] = stream
-                self._transfers.submit(self._ship_layers, job, seq, spec, stream)
+                self._transfers.submit(self._transfer, job, seq, partial(self._send_layers, job, spec, stream))
                 streaming.append((stream, seq.block_table[job.kv_block_offset :]))
         if not streaming:
             return None
@@ -265,7 +267,8 @@ class PrefillWorker(KvConnector):
         if stream is not None:
             stream.finish(first_token)  # its transfer thread is already sending
         else:
-            self._transfers.submit(self._ship, job, seq, list(seq.block_table[job.kv_block_offset :]), first_token)
+            shipped = list(seq.block_table[job.kv_block_offset :])
+            self._transfers.submit(self._transfer, job, seq, partial(self._send_blocks, job, shipped, first_token))
 
     # ----- transfer threads -------------------------------------------------------------------
     def spec_for(self, job: PrefillJob) -> KvSpec:
@@ -273,18 +276,13 @@ class PrefillWorker(KvConnector):
         return KvSpec.for_cache(job.request_id, self.loaded.fingerprint, self.kv_cache.shape, len(job.prompt_ids),
                                 job.kv_block_offset)
 
-    def _ship(self, job: PrefillJob, seq: Sequence, shipped: list[int], token: int) -> None:
+    def _transfer(self, job: PrefillJob, seq: Sequence, send: Callable[[], tuple[KvSpec, int]]) -> None:
+        """Run `send` (it returns what it shipped and the first token), answer the Prefill call,
+        and in every case have the loop thread release `seq`'s blocks. Frees nothing itself: if a
+        failed pass already ended `seq` in the engine, the release is a no-op."""
         start = time.perf_counter()
         try:
-            spec = self.spec_for(job)
-            sender = self._sender(job)
-            fault = self.faults.next_filter()
-            if fault is None:
-                sender.send_blocks(spec, self.kv_cache, shipped, token, timeout_s=self.transfer_timeout_s)
-            else:
-                log.warning("request_id=%s: injecting a KV fault (%s)", job.request_id, fault.__name__)
-                sender.send(spec, self.kv_cache.gather(shipped), token, timeout_s=self.transfer_timeout_s,
-                            frame_filter=fault)  # type: ignore[call-arg]
+            spec, token = send()
         except Exception as exc:  # noqa: BLE001 - reported to the caller
             self._fail_transfer(job, exc)
         else:
@@ -292,24 +290,28 @@ class PrefillWorker(KvConnector):
         finally:
             self.loop.post(lambda: self._release(job, seq))
 
-    def _ship_layers(self, job: PrefillJob, seq: Sequence, spec: KvSpec, stream: LayerStream) -> None:
-        """Stream frames as layers land, then answer with the first token. Frees nothing itself: a
-        failed pass already ended `seq` in the engine, so the posted release is then a no-op."""
-        start = time.perf_counter()
-        try:
-            self._sender(job).send_layers(spec, stream, timeout_s=self.transfer_timeout_s)
-            token = stream.first_token()
-        except Exception as exc:  # noqa: BLE001 - reported to the caller
-            self._fail_transfer(job, exc)
+    def _send_blocks(self, job: PrefillJob, shipped: list[int], token: int) -> tuple[KvSpec, int]:
+        """Ship the job's blocks once its pass is over (`--kv-streaming request`)."""
+        spec = self.spec_for(job)
+        sender = self._sender(job)
+        fault = self.faults.next_filter()
+        if fault is None:
+            sender.send_blocks(spec, self.kv_cache, shipped, token, timeout_s=self.transfer_timeout_s)
         else:
-            self._finish_job(job, spec, token, start)
-        finally:
-            self.loop.post(lambda: self._release(job, seq))
+            log.warning("request_id=%s: injecting a KV fault (%s)", job.request_id, fault.__name__)
+            sender.send(spec, self.kv_cache.gather(shipped), token, timeout_s=self.transfer_timeout_s,
+                        frame_filter=fault)  # type: ignore[call-arg]
+        return spec, token
+
+    def _send_layers(self, job: PrefillJob, spec: KvSpec, stream: LayerStream) -> tuple[KvSpec, int]:
+        """Stream frames as the pass fills `stream` layer by layer, then take the first token."""
+        self._sender(job).send_layers(spec, stream, timeout_s=self.transfer_timeout_s)
+        return spec, stream.first_token()
 
     def _can_stream_layers(self, job: PrefillJob) -> bool:
         try:
             return self._sender(job).supports_layer_streaming
-        except Exception:  # noqa: BLE001 - a bad backend or target fails the job in `_ship`, not the pass
+        except Exception:  # noqa: BLE001 - a bad backend or target fails the job in `_send_blocks`, not the pass
             return False
 
     @staticmethod
