@@ -4,6 +4,7 @@ code, holding a finished prompt's blocks until its K/V are released."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from engine.kv_connector import KvConnector
@@ -17,6 +18,7 @@ PROMPTS = [PREFIX + [7, 8, 9], PREFIX + [60, 61], list(range(100, 170)), [5, 6]]
 PARAMS = SamplingParams(max_tokens=12, ignore_eos=True)
 
 
+@pytest.mark.slow
 def test_chunked_prefill_and_prefix_cache_give_the_same_tokens(tiny_llama, make_engine) -> None:  # noqa: ANN001
     expected = make_engine(tiny_llama).generate(PROMPTS, PARAMS)
     engine = make_engine(tiny_llama, prefill_chunk_tokens=16, prefix_caching=True)
@@ -40,6 +42,7 @@ def test_chunks_of_a_long_prompt_share_passes_with_decoding_sequences(tiny_llama
     assert shapes[:5] == [(1, 16), (1, 16), (1, 16), (1, 16), (1, 6)]  # 70 tokens in chunks of 16
 
 
+@pytest.mark.slow
 def test_preempting_prefilling_and_running_work_keeps_the_tokens(tiny_llama, make_engine) -> None:  # noqa: ANN001
     prompts = [PREFIX + [7, 8, 9], PREFIX + [60, 61], list(range(100, 140)), [5, 6]]
     params = SamplingParams(max_tokens=24, ignore_eos=True)

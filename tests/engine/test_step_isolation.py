@@ -3,6 +3,7 @@ pass without it (bisecting), and every other sequence's tokens equal an undistur
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from engine.llm_engine import LLMEngine
@@ -56,6 +57,7 @@ def test_a_decode_step_failing_because_of_one_sequence_fails_only_it(tiny_llama,
     # the fixture checks that every block is back in the pool and no request is left
 
 
+@pytest.mark.slow
 def test_a_prefill_chunk_failing_fails_only_its_prompt(tiny_llama, make_engine) -> None:  # noqa: ANN001
     undisturbed = _run(make_engine(tiny_llama, prefill_chunk_tokens=8))
     engine = make_engine(tiny_llama, prefill_chunk_tokens=8)
