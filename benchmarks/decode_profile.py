@@ -29,7 +29,7 @@ def running_engine(loaded, batch: int, context: int) -> LLMEngine:  # noqa: ANN0
     for i in range(batch):
         engine.add_request(str(i), [100 + (i + j) % 1000 for j in range(context)],
                            SamplingParams(max_tokens=10_000, ignore_eos=True))
-    while engine.scheduler.waiting:
+    while engine.scheduler.waiting or engine.scheduler.prefilling:
         engine.step()  # prefills
     return engine
 

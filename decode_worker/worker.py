@@ -1,18 +1,23 @@
 """The decode worker's core, independent of gRPC: the engine loop and per-request streams.
 
+The engine is the same one a prefill worker runs (one scheduler and block pool for every role),
+here without a KV connector: what it prefills (colocated, or a prompt under the local-prefill
+threshold) it keeps decoding, and what it reserves it decodes once the K/V arrived. A step that
+fails because of one sequence fails that sequence only (the engine isolates it); its stream gets
+a StreamError.
+
 Outputs reach the serving side through a sink per request (`open_stream`): the loop thread calls
 it with each TokenOutput (or a StreamError), and the gRPC side's sink hands the item to its event
 loop (`call_soon_threadsafe`); nothing polls. If the loop thread itself dies, `dead_reason` says
-why, every open stream gets a retryable StreamError and the worker reports itself unhealthy.
+why, every open stream gets a StreamError with `worker_failed` (the router fails it over), every
+pending call fails with `LoopDead`, and the worker reports itself unhealthy.
 """
 
 from __future__ import annotations
 
 import logging
-import queue
 import threading
 import time
-import weakref
 from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass
@@ -22,6 +27,7 @@ import torch
 
 from engine.block_pool import blocks_for_tokens
 from engine.config import EngineConfig
+from engine.engine_loop import EngineLoop, LoopDead
 from engine.llm_engine import BlockWriter, LLMEngine, TokenOutput
 from engine.metrics import WorkerMetrics
 from engine.model_loader import LoadedModel
@@ -33,12 +39,12 @@ log = logging.getLogger(__name__)
 T = TypeVar("T")
 
 
-class WorkerDead(RuntimeError):
-    """The engine loop thread is gone; nothing handed to it will run."""
-
-
 class AdmissionError(RuntimeError):
     """The KV pool cannot hold the request before its admission deadline, or the queue is full."""
+
+
+#: The loop thread died: what `reserve`, `commit` and friends fail with then.
+WorkerDead = LoopDead
 
 
 @dataclass(frozen=True)
@@ -72,45 +78,31 @@ class DecodeWorker:
         self.engine = LLMEngine(loaded, config)
         self.admission_timeout_s = admission_timeout_s
         self.max_waiting = max_waiting
-        self._inbox: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
         self._streams: dict[str, StreamSink] = {}
-        self.dead_reason = ""  # set once if the loop thread dies
-        self._die_after_steps = die_after_steps  # fault injection (tests): the loop dies after this many steps
-        self._steps = 0
-        self._futures: weakref.WeakSet[Future] = weakref.WeakSet()  # failed at once if the loop dies
         self._reservations: list[_PendingReservation] = []
-        self._stopped = threading.Event()
         self._counter_lock = threading.Lock()
         self.kv_bytes_received = 0
         self.requests_finished = 0
         self.metrics = metrics or WorkerMetrics()
         self.metrics.bind_gauges(
             running=lambda: len(self.engine.scheduler.running),
-            waiting=lambda: len(self._reservations) + len(self.engine.scheduler.waiting),
+            waiting=lambda: self.queue_depth,
             blocks_used=lambda: self.engine.pool.num_used, blocks_total=lambda: self.engine.pool.num_blocks)
-        self._thread = threading.Thread(target=self._loop, name="decode-loop", daemon=True)
-        self._thread.start()
+        self.loop = EngineLoop("decode-loop", self._iteration,
+                               lambda: self.engine.has_work or bool(self._reservations),
+                               die_after_iterations=die_after_steps)
+        self.loop.on_death = self._on_loop_death
+        self.loop.start()
+
+    @property
+    def dead_reason(self) -> str:
+        """Why the engine loop died ("" while it runs)."""
+        return self.loop.dead_reason
 
     # ----- called from gRPC threads ----------------------------------------------------------
     def run_on_loop(self, fn: Callable[[], T]) -> Future:
         """Run `fn` on the loop thread; the future carries its result or exception."""
-        future: Future = Future()
-
-        def call() -> None:
-            if future.set_running_or_notify_cancel():
-                try:
-                    future.set_result(fn())
-                except BaseException as exc:  # noqa: BLE001 - handed to the caller
-                    future.set_exception(exc)
-
-        self._track(future)
-        self._inbox.put(call)
-        return future
-
-    def _track(self, future: Future) -> None:
-        if self.dead_reason:
-            future.set_exception(WorkerDead(self.dead_reason))
-        self._futures.add(future)
+        return self.loop.call(fn)
 
     def open_stream(self, request_id: str, sink: StreamSink) -> None:
         """Send `request_id`'s outputs to `sink` (called on the loop thread) until close_stream."""
@@ -133,8 +125,8 @@ class DecodeWorker:
         future: Future = Future()
         pending = _PendingReservation(request_id, prompt_ids, params, resume_ids,
                                       time.monotonic() + self.admission_timeout_s, future)
-        self._track(future)
-        self._inbox.put(lambda: None if self._try_reserve(pending, first=True) else None)
+        self.loop.track(future)
+        self.loop.post(lambda: self._try_reserve(pending, first=True))
         return future
 
     def commit(self, request_id: str, kv: torch.Tensor | BlockWriter, first_token: int, backend: str = "grpc",
@@ -149,7 +141,7 @@ class DecodeWorker:
 
     def abort(self, request_id: str) -> None:
         """End the request wherever it is; its blocks are freed. Safe to call more than once."""
-        self._inbox.put(lambda: self._abort(request_id))
+        self.loop.post(lambda: self._abort(request_id))
 
     def expected_spec(self, request_id: str, num_tokens: int, block_offset: int = 0) -> KvSpec:
         """The payload for `num_tokens` tokens of which the first `block_offset` blocks are held here."""
@@ -161,61 +153,33 @@ class DecodeWorker:
         return not self._streams and not self.engine.sequences
 
     def stop(self) -> None:
-        self._stopped.set()
-        self._inbox.put(lambda: None)
-        self._thread.join(timeout=10)
+        self.loop.stop()
+
+    @property
+    def queue_depth(self) -> int:
+        """Requests waiting for blocks, or for their prompt to be (fully) prefilled here."""
+        scheduler = self.engine.scheduler
+        return len(self._reservations) + len(scheduler.waiting) + len(scheduler.prefilling)
 
     def stats(self) -> dict[str, Any]:
         e = self.engine
         return {
-            "queue_depth": len(self._reservations) + len(e.scheduler.waiting),
+            "queue_depth": self.queue_depth,
             "running": len(e.sequences), "kv_used": e.pool.num_used, "kv_total": e.pool.num_blocks,
             "prefill_tokens_computed": e.runner.num_prefill_tokens,
             "prefix_cache_hit_blocks": e.pool.cache_hits, "prefix_cache_blocks": e.pool.num_cached,
         }
 
     # ----- loop thread ------------------------------------------------------------------------
-    def _loop(self) -> None:
-        try:
-            while not self._stopped.is_set():
-                self._drain_inbox(block=not self.engine.has_work and not self._reservations)
-                self._retry_reservations()
-                if self.engine.has_work:
-                    self._step()
-                    self._count_step()
-        except BaseException as exc:  # noqa: BLE001 - the loop is gone: say so, fail every stream over
-            self.dead_reason = f"engine loop died: {type(exc).__name__}: {exc}"
-            log.critical("decode worker %s", self.dead_reason, exc_info=True)
-            for sink in list(self._streams.values()):
-                sink(StreamError(self.dead_reason, worker_failed=True))
-            for future in list(self._futures):
-                if not future.done():
-                    try:
-                        future.set_exception(WorkerDead(self.dead_reason))
-                    except Exception:  # noqa: BLE001 - raced with its completion or cancellation
-                        pass
-
-    def _count_step(self) -> None:
-        self._steps += 1
-        if self._die_after_steps is not None and self._steps >= self._die_after_steps:
-            raise RuntimeError(f"injected engine loop death after {self._steps} steps")
-
-    def _drain_inbox(self, block: bool) -> None:
-        try:
-            call = self._inbox.get(timeout=0.05) if block else self._inbox.get_nowait()
-        except queue.Empty:
-            return
-        while True:
-            call()
-            try:
-                call = self._inbox.get_nowait()
-            except queue.Empty:
-                return
+    def _iteration(self) -> None:
+        self._retry_reservations()
+        if self.engine.has_work:
+            self._step()
 
     def _step(self) -> None:
         try:
             outputs = self.engine.step()
-        except Exception as exc:  # a failed pass ends the requests in it, not the worker
+        except Exception as exc:  # noqa: BLE001 - the engine isolates failing sequences; this is a bug in it
             log.exception("decode step failed")
             for request_id in list(self.engine.sequences):
                 self._fail(request_id, f"decode step failed: {exc}")
@@ -224,7 +188,10 @@ class DecodeWorker:
         if generated:
             self.metrics.decode_batch_size.observe(generated)
         for out in outputs:
-            self._emit(out)
+            if out.error is not None:  # its pass failed with it alone: the others went on
+                self._fail(out.request_id, f"decode step failed: {out.error}")
+            else:
+                self._emit(out)
 
     def _emit(self, out: TokenOutput) -> None:
         if out.token_id >= 0:
@@ -282,3 +249,7 @@ class DecodeWorker:
         sink = self._streams.get(request_id)
         if sink is not None:
             sink(StreamError(message))
+
+    def _on_loop_death(self, reason: str) -> None:
+        for sink in list(self._streams.values()):
+            sink(StreamError(reason, worker_failed=True))

@@ -51,7 +51,9 @@ class EngineConfig:
     kv_cache_memory_mb: memory budget of the KV cache; the block count is derived from it unless
         num_blocks is given.
     max_num_seqs: most sequences in one decode batch.
-    max_num_batched_tokens: most prompt tokens in one prefill pass.
+    max_num_batched_tokens: most tokens (prompt chunks plus one per decoding sequence) in one pass.
+    prefill_chunk_tokens: most prompt tokens of one sequence in one pass (chunked prefill), or None
+        for as many as the pass budget allows.
     """
 
     model: str | None = None
@@ -65,6 +67,7 @@ class EngineConfig:
     max_model_len: int | None = None
     num_threads: int | None = None
     prefix_caching: bool = False
+    prefill_chunk_tokens: int | None = None
 
     def __post_init__(self) -> None:
         device = resolve_device(self.device)
@@ -80,6 +83,8 @@ class EngineConfig:
             raise ValueError(f"max_num_seqs must be positive, got {self.max_num_seqs}")
         if self.max_num_batched_tokens <= 0:
             raise ValueError(f"max_num_batched_tokens must be positive, got {self.max_num_batched_tokens}")
+        if self.prefill_chunk_tokens is not None and self.prefill_chunk_tokens <= 0:
+            raise ValueError(f"prefill_chunk_tokens must be positive, got {self.prefill_chunk_tokens}")
         if self.num_threads is not None and self.num_threads <= 0:
             raise ValueError(f"num_threads must be positive, got {self.num_threads}")
 

@@ -1,8 +1,18 @@
-"""The engine one worker runs: a model, its paged cache, a scheduler, sampling and stopping.
+"""The engine every worker runs: a model, its paged cache, a scheduler, sampling and stopping.
+
+One engine serves every role. Without a `KvConnector` it prefills and keeps decoding (decode and
+colocated workers); with one (a prefill worker) each finished prefill is handed to the connector
+and its blocks are held until `release_handoff`. Chunked prefill, the prefix cache and preemption
+live in the scheduler, the same for both.
 
 Not thread-safe by design: one loop thread owns an engine and calls `step()`; other threads hand
-it work through the worker's own queues. Every path that ends a sequence (finish, abort, overflow)
-goes through `Scheduler.remove`, which frees the sequence's blocks.
+it work through the worker's own queues. Every path that ends a sequence (finish, abort, overflow,
+error, hand-off released) goes through `Scheduler.remove`, which frees the sequence's blocks.
+
+Step isolation: a pass that raises is retried without the sequences that make it fail. The engine
+splits the pass in halves and runs each alone, recursively, so a sequence that fails alone is
+failed alone (an output with `error` set) while every other sequence's tokens come from passes
+that succeeded, as in an undisturbed run.
 """
 
 from __future__ import annotations
@@ -16,13 +26,14 @@ import torch
 from engine.block_pool import BlockPool, block_hashes, blocks_for_tokens
 from engine.config import EngineConfig
 from engine.kv_cache import KVCache
+from engine.kv_connector import KvConnector
 from engine.model_loader import LoadedModel
 from engine.model_runner import ModelRunner, StepInput
 from engine.sampler import sample
 from engine.sampling_params import SamplingParams
-from engine.scheduler import Scheduler
+from engine.scheduler import PassItem, ScheduledPass, Scheduler
 from engine.sequence import Sequence, SequenceStatus
-from engine.stop_checker import FINISH_ABORT, FINISH_LENGTH
+from engine.stop_checker import FINISH_ABORT, FINISH_ERROR, FINISH_LENGTH
 
 log = logging.getLogger(__name__)
 
@@ -40,6 +51,7 @@ class TokenOutput:
     finish_reason: str | None
     num_prompt_tokens: int
     num_output_tokens: int
+    error: str | None = None  # set (with finish_reason "error", token_id -1) when a pass failed it
 
 
 def build_cache(loaded: LoadedModel, config: EngineConfig, shared: bool = False) -> KVCache:
@@ -50,41 +62,61 @@ def build_cache(loaded: LoadedModel, config: EngineConfig, shared: bool = False)
 
 
 class LLMEngine:
-    def __init__(self, loaded: LoadedModel, config: EngineConfig) -> None:
+    def __init__(self, loaded: LoadedModel, config: EngineConfig, connector: KvConnector | None = None,
+                 shared_kv_cache: bool = False) -> None:
+        """`connector`: hand finished prefills to it instead of decoding them (a prefill worker).
+        `shared_kv_cache`: put the KV cache in shared memory (same-host peers read it in place)."""
         self.loaded = loaded
         self.config = config
-        self.kv_cache = build_cache(loaded, config)
+        self.connector = connector
+        self.kv_cache = build_cache(loaded, config, shared=shared_kv_cache)
         self.pool = BlockPool(self.kv_cache.num_blocks, config.block_size)
         self.runner = ModelRunner(loaded, self.kv_cache)
-        self.scheduler = Scheduler(config, self.pool)
+        self.scheduler = Scheduler(config, self.pool, keeps_decoding=connector is None)
         self.max_model_len = min(config.max_model_len or loaded.max_model_len, loaded.max_model_len)
-        self.sequences: dict[str, Sequence] = {}
+        self.sequences: dict[str, Sequence] = {}  # every sequence not finished, handed-off ones included
+        self.last_pass: ScheduledPass | None = None  # what the latest step planned (for metrics)
 
     # ----- admission -------------------------------------------------------------------------
+    def check_request(self, prompt_ids: list[int], resume_ids: list[int] | None = None) -> None:
+        """ValueError naming what is wrong with a request; reads only immutable state, so any
+        thread may call it."""
+        resume_ids = resume_ids or []
+        num_tokens = len(prompt_ids) + len(resume_ids)
+        if not prompt_ids:
+            raise ValueError("prompt must have at least one token")
+        if num_tokens >= self.max_model_len:
+            raise ValueError(f"prompt has {num_tokens} tokens; the model's context is {self.max_model_len}")
+        vocab = self.loaded.config.vocab_size
+        if any(not 0 <= t < vocab for t in prompt_ids + resume_ids):
+            raise ValueError(f"token ids must be in [0, {vocab})")
+
+    def check_fits_pool(self, num_tokens: int) -> None:
+        """ValueError if `num_tokens` tokens can never be prefilled here, even with the pool to themselves."""
+        if blocks_for_tokens(num_tokens, self.pool.block_size) > self.pool.num_blocks:
+            raise ValueError(f"prompt of {num_tokens} tokens does not fit this worker's KV pool "
+                             f"({self.pool.num_blocks} blocks of {self.pool.block_size} tokens)")
+
     def new_sequence(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
                      resume_ids: list[int] | None = None) -> Sequence:
         """A validated sequence; `resume_ids` are output tokens already delivered (failover)."""
         resume_ids = resume_ids or []
         if request_id in self.sequences:
             raise ValueError(f"request id {request_id!r} is already in this engine")
-        if not prompt_ids:
-            raise ValueError("prompt must have at least one token")
-        if len(prompt_ids) + len(resume_ids) >= self.max_model_len:
-            raise ValueError(
-                f"prompt has {len(prompt_ids) + len(resume_ids)} tokens; the model's context is {self.max_model_len}"
-            )
-        vocab = self.loaded.config.vocab_size
-        if any(not 0 <= t < vocab for t in prompt_ids + resume_ids):
-            raise ValueError(f"token ids must be in [0, {vocab})")
+        self.check_request(prompt_ids, resume_ids)
         seq = Sequence.create(request_id, prompt_ids, params, self.loaded.tokenizer, self.loaded.eos_token_ids)
         seq.replay(resume_ids)
         self.sequences[request_id] = seq
         return seq
 
     def add_request(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
-                    resume_ids: list[int] | None = None) -> Sequence:
-        """Queue a request for local prefill and decode (resumed ones recompute their outputs' K/V)."""
+                    resume_ids: list[int] | None = None, output_index: int = 0) -> Sequence:
+        """Queue a request for prefill here (resumed ones recompute their outputs' K/V).
+        `output_index`: output position of the token sampled after the prompt, when the prompt
+        already ends with earlier outputs (a prefill worker computing a resumed request)."""
+        self.check_fits_pool(len(prompt_ids) + len(resume_ids or []))
         seq = self.new_sequence(request_id, prompt_ids, params, resume_ids)
+        seq.output_index_base = output_index
         self.scheduler.add_waiting(seq)
         return seq
 
@@ -120,19 +152,27 @@ class LLMEngine:
             kv_blocks(self.kv_cache.kv, targets)
         seq.num_cached = seq.num_tokens
         if self.config.prefix_caching:  # full blocks are never written again: later requests may share them
-            for block, prefix_hash in zip(seq.block_table, block_hashes(seq.all_ids, self.pool.block_size),
-                                          strict=False):
-                self.pool.cache_block(block, prefix_hash)
+            seq.prefix_hashes = block_hashes(seq.all_ids, self.pool.block_size)
+            self.scheduler.cache_computed_blocks(seq, 0)
         out = self._append(seq, first_token)
         if not seq.is_finished:
             self.scheduler.add_running(seq)
         return out
 
     def abort(self, request_id: str) -> None:
-        """End a request wherever it is and free its blocks (no-op if unknown)."""
-        seq = self.sequences.pop(request_id, None)
-        if seq is not None:
+        """End a request wherever it is and free its blocks (no-op if unknown). A handed-off
+        sequence is left alone: its K/V may still be read; `release_handoff` frees it."""
+        seq = self.sequences.get(request_id)
+        if seq is not None and seq.status is not SequenceStatus.HANDED_OFF:
+            del self.sequences[request_id]
             seq.finish(FINISH_ABORT)
+            self.scheduler.remove(seq)
+
+    def release_handoff(self, seq: Sequence) -> None:
+        """The K/V of handed-off `seq` left (or failed to): free its blocks. Idempotent, and a no-op
+        for a sequence the engine already ended (e.g. failed with its pass)."""
+        if self.sequences.get(seq.request_id) is seq and seq.status is SequenceStatus.HANDED_OFF:
+            del self.sequences[seq.request_id]
             self.scheduler.remove(seq)
 
     # ----- stepping --------------------------------------------------------------------------
@@ -141,34 +181,81 @@ class LLMEngine:
         return self.scheduler.has_work
 
     def step(self) -> list[TokenOutput]:
-        """Run one pass: a decode step of every running sequence plus, in the same pass, prefills of
-        waiting sequences that fit the remaining token budget and batch slots (mixed batch: a
-        request joining mid-run costs no pass of its own)."""
-        decode = self.scheduler.schedule_decode()
-        outputs = [self._finish(seq, FINISH_LENGTH, None) for seq in self._drain_overflowed()]
-        prefill = self.scheduler.schedule_prefill(self.config.max_num_batched_tokens - len(decode))
-        if not decode and not prefill:
-            return outputs
-        new_tokens = [[s.output_ids[-1]] for s in decode] + [self.scheduler.prefill_tokens(s) for s in prefill]
-        return outputs + self._run(decode + prefill, new_tokens)
+        """Run one pass: a decode step of every running sequence plus, in the same pass, prompt
+        chunks that fit the remaining token budget and batch slots (mixed batch: a request joining
+        mid-run costs no pass of its own)."""
+        planned = self.scheduler.schedule()
+        self.last_pass = planned
+        outputs = [self._finish(seq, FINISH_LENGTH) for seq in self._drain_overflowed()]
+        if planned.items:
+            outputs += self._run(planned.items)
+        return outputs
 
     def _drain_overflowed(self) -> list[Sequence]:
         seqs, self.scheduler.overflowed = self.scheduler.overflowed, []
         return seqs
 
-    def _run(self, seqs: list[Sequence], new_tokens: list[list[int]]) -> list[TokenOutput]:
-        items = [StepInput(t, s.num_cached, s.block_table) for s, t in zip(seqs, new_tokens, strict=True)]
-        logits = self.runner.forward(items)
-        for seq, tokens in zip(seqs, new_tokens, strict=True):
-            seq.num_cached += len(tokens)
-        # recomputed (preempted) sequences already have their next input token: no sampling
-        fresh = [i for i, s in enumerate(seqs) if s.num_cached == s.num_tokens]
-        tokens = sample(logits[fresh], [seqs[i].params for i in fresh], [len(seqs[i].output_ids) for i in fresh])
-        outputs = [self._append(seqs[i], tok) for i, tok in zip(fresh, tokens, strict=True)]
-        for seq in seqs:
-            if seq.status is SequenceStatus.WAITING and not seq.is_finished:
+    def _run(self, items: list[PassItem]) -> list[TokenOutput]:
+        """Compute a pass and apply it; if it raises, isolate the sequences that make it fail."""
+        try:
+            sampled = self._compute(items)
+        except Exception as exc:  # noqa: BLE001 - a failing pass fails only the sequences that cause it
+            return self._isolate(items, exc)
+        return self._apply(items, sampled)
+
+    def _compute(self, items: list[PassItem]) -> list[int]:
+        """Forward pass and sampling, with no change to any sequence: a failed attempt leaves
+        nothing to undo (K/V slots it wrote are rewritten by the retry). Returns one token per
+        item that samples, in order."""
+        completing = [item.seq for item in items if item.completes_prefill]
+        on_layer = self.connector.layer_hook(completing) if self.connector and completing else None
+        logits = self.runner.forward(
+            [StepInput(item.token_ids, item.seq.num_cached, item.seq.block_table) for item in items],
+            on_layer_done=on_layer)
+        rows = [row for row, item in enumerate(items) if item.samples]
+        return sample(logits[rows], [items[r].seq.params for r in rows], [items[r].seq.next_output_index for r in rows])
+
+    def _isolate(self, items: list[PassItem], error: Exception) -> list[TokenOutput]:
+        """Fail what cannot be retried (K/V already streaming, or a pass of one sequence); retry the
+        rest, whole if some were dropped, else in halves."""
+        completing = [item.seq for item in items if item.completes_prefill]
+        streamed = self.connector.pass_failed(completing, error) if self.connector and completing else []
+        lost = {id(seq) for seq in streamed}
+        if len(items) == 1:
+            lost.add(id(items[0].seq))
+        outputs = [self._fail(item.seq, error) for item in items if id(item.seq) in lost]
+        rest = [item for item in items if id(item.seq) not in lost]
+        if not rest:
+            return outputs
+        log.warning("a pass of %d sequences failed (%s); retrying %d of them apart", len(items), error, len(rest))
+        if len(rest) < len(items):
+            return outputs + self._run(rest)
+        half = len(rest) // 2
+        return outputs + self._run(rest[:half]) + self._run(rest[half:])
+
+    def _apply(self, items: list[PassItem], sampled: list[int]) -> list[TokenOutput]:
+        """Advance every sequence of a successful pass; emit (or hand off) the sampled tokens."""
+        tokens = iter(sampled)
+        outputs = []
+        for item in items:
+            seq, done_prefill, samples = item.seq, item.completes_prefill, item.samples
+            before, seq.num_cached = seq.num_cached, seq.num_cached + len(item.token_ids)
+            if item.is_prefill:
+                self.scheduler.cache_computed_blocks(seq, before)
+            if done_prefill:
+                self.scheduler.finish_prefill(seq)
+            if samples and self.connector is not None:
+                self._hand_off(seq, next(tokens))
+                continue
+            if samples:
+                outputs.append(self._append(seq, next(tokens)))
+            if done_prefill and not seq.is_finished:
                 self.scheduler.add_running(seq)
         return outputs
+
+    def _hand_off(self, seq: Sequence, first_token: int) -> None:
+        seq.status = SequenceStatus.HANDED_OFF
+        self.connector.prefill_done(seq, first_token)  # type: ignore[union-attr]
 
     def _append(self, seq: Sequence, token_id: int) -> TokenOutput:
         text = seq.append_token(token_id)
@@ -179,11 +266,21 @@ class LLMEngine:
             self.scheduler.remove(seq)
         return self._output(seq, token_id, text)
 
-    def _finish(self, seq: Sequence, reason: str, token_id: int | None) -> TokenOutput:
+    def _finish(self, seq: Sequence, reason: str) -> TokenOutput:
         text = seq.finish(reason)
         self.sequences.pop(seq.request_id, None)
         self.scheduler.remove(seq)
-        return self._output(seq, -1 if token_id is None else token_id, text)
+        return self._output(seq, -1, text)
+
+    def _fail(self, seq: Sequence, error: Exception) -> TokenOutput:
+        """End `seq` because a pass failed with it alone (or its K/V already left): blocks freed."""
+        log.warning("request_id=%s: failed by its forward pass: %s", seq.request_id, error)
+        seq.finish(FINISH_ERROR)
+        self.sequences.pop(seq.request_id, None)
+        self.scheduler.remove(seq)
+        return TokenOutput(request_id=seq.request_id, token_id=-1, text="", finish_reason=FINISH_ERROR,
+                           num_prompt_tokens=len(seq.prompt_ids), num_output_tokens=len(seq.output_ids),
+                           error=str(error) or type(error).__name__)
 
     @staticmethod
     def _output(seq: Sequence, token_id: int, text: str) -> TokenOutput:
@@ -205,6 +302,8 @@ class LLMEngine:
             self.add_request(rid, prompt, p)
         while self.has_work:
             for out in self.step():
+                if out.error is not None:
+                    raise RuntimeError(f"request {out.request_id} failed: {out.error}")
                 if out.token_id >= 0:
                     results[out.request_id].append(out.token_id)
         return [results[rid] for rid in ids]

@@ -1,32 +1,89 @@
-"""Continuous-batching scheduler: who gets blocks, who runs in the next pass.
+"""Continuous-batching scheduler of every worker role: who gets blocks, what runs in the next pass.
 
-Waiting sequences are prefilled first-come first-served within a token budget; running sequences
-then take one decode step each. When the pool cannot give a running sequence the block its next
-token needs, the newest running sequence is preempted: its blocks are freed and it waits to be
-recomputed (prompt plus the tokens it already has), so nothing crashes and nothing is lost.
+A pass (`schedule`) is planned in two phases:
+1. Decode: every running sequence gets room for one more token. When the pool cannot give it a
+   block, newer work is preempted (sequences still prefilling first, newest first, then the newest
+   running one): its blocks are freed and it waits to be recomputed (prompt plus the tokens it
+   already has), so nothing crashes and nothing is lost.
+2. Prefill: the rest of the token budget (`max_num_batched_tokens`) goes to prompts, first come
+   first served: sequences already prefilling continue, then waiting ones are admitted. Each gets
+   at most `prefill_chunk_tokens` tokens per pass (chunked prefill: a long prompt cannot hold short
+   ones back). Admission allocates blocks for every token the sequence must prefill, taking the
+   blocks of its longest cached prefix from the pool (prefix caching); the blocks it computes are
+   registered for later prompts as soon as they are full.
+
+Roles: a prefill worker's engine hands each finished prefill off (`keeps_decoding=False`); its
+sequences never decode, so admission keeps no blocks of headroom for their growth. Decode and
+colocated workers keep decoding. Nothing else differs.
+
+Invariant: blocks are taken only by `grow` and `_admit` and given back only by `preempt` and
+`remove`, each of which empties the sequence's block table, so no block is freed twice.
 """
 
 from __future__ import annotations
 
+import time
 from collections import deque
+from dataclasses import dataclass
 
-from engine.block_pool import BlockPool, blocks_for_tokens
+from engine.block_pool import BlockPool, block_hashes, blocks_for_tokens
 from engine.config import EngineConfig
 from engine.sequence import Sequence, SequenceStatus
 
 
+@dataclass(frozen=True)
+class PassItem:
+    """One sequence's share of a pass: the tokens whose K/V it computes."""
+
+    seq: Sequence
+    token_ids: list[int]
+    is_prefill: bool
+
+    @property
+    def completes_prefill(self) -> bool:
+        """This pass computes the last of the tokens the sequence had to prefill."""
+        return self.is_prefill and self.seq.num_cached + len(self.token_ids) == len(self.seq.prefill_ids)
+
+    @property
+    def samples(self) -> bool:
+        """After this pass every token of the sequence is cached: its next token is sampled. (A
+        recomputed sequence is not sampled: it already holds its next input token.)"""
+        return self.seq.num_cached + len(self.token_ids) == self.seq.num_tokens
+
+
+@dataclass(frozen=True)
+class ScheduledPass:
+    """What one forward pass computes: decode steps first (the model runner relies on the order)."""
+
+    items: list[PassItem]
+
+    @property
+    def num_decode(self) -> int:
+        return sum(1 for item in self.items if not item.is_prefill)
+
+    @property
+    def num_prefill_seqs(self) -> int:
+        return len(self.items) - self.num_decode
+
+    @property
+    def num_prefill_tokens(self) -> int:
+        return sum(len(item.token_ids) for item in self.items if item.is_prefill)
+
+
 class Scheduler:
-    def __init__(self, config: EngineConfig, pool: BlockPool) -> None:
+    def __init__(self, config: EngineConfig, pool: BlockPool, keeps_decoding: bool = True) -> None:
         self.config = config
         self.pool = pool
-        self.waiting: deque[Sequence] = deque()
-        self.running: list[Sequence] = []
+        self.keeps_decoding = keeps_decoding
+        self.waiting: deque[Sequence] = deque()  # no blocks yet (or preempted), FIFO
+        self.prefilling: list[Sequence] = []  # admitted, K/V of their prefix partly computed, FIFO
+        self.running: list[Sequence] = []  # decoding, oldest first
         self.num_preemptions = 0
         self.overflowed: list[Sequence] = []  # alone and still too long for the pool: must finish
 
     @property
     def has_work(self) -> bool:
-        return bool(self.waiting or self.running)
+        return bool(self.waiting or self.prefilling or self.running)
 
     def add_waiting(self, seq: Sequence) -> None:
         seq.status = SequenceStatus.WAITING
@@ -36,10 +93,9 @@ class Scheduler:
         seq.status = SequenceStatus.RUNNING
         self.running.append(seq)
 
-    def prefill_tokens(self, seq: Sequence) -> list[int]:
-        """Tokens a waiting sequence must compute: the prompt, or everything but the last token
-        of a preempted sequence (which re-enters decode with that token as its input)."""
-        return seq.all_ids[:-1] if seq.output_ids else seq.prompt_ids
+    def pending_prefill_tokens(self) -> int:
+        """Tokens still to prefill here (safe to call from any thread: it reads copies)."""
+        return sum(len(s.prefill_ids) - s.num_cached for s in [*list(self.waiting), *list(self.prefilling)])
 
     def grow(self, seq: Sequence, num_tokens: int) -> bool:
         """Give `seq` blocks for `num_tokens` tokens in total; False if the pool cannot."""
@@ -51,52 +107,115 @@ class Scheduler:
         seq.block_table.extend(self.pool.allocate(missing))
         return True
 
-    def schedule_prefill(self, budget: int | None = None) -> list[Sequence]:
-        """Take waiting sequences FIFO while tokens (`budget`, default the whole pass budget), batch
-        slots and blocks allow. The first one is taken whatever its length (so none starves)."""
-        batch: list[Sequence] = []
-        budget = self.config.max_num_batched_tokens if budget is None else budget
-        while self.waiting and len(self.running) + len(batch) < self.config.max_num_seqs:
-            seq = self.waiting[0]
-            num_new = len(self.prefill_tokens(seq))
-            if batch and num_new > budget:
-                break
-            # keep a block of headroom per running sequence so prefill does not force preemption
-            headroom = len(self.running) + len(batch)
-            needed = blocks_for_tokens(num_new, self.pool.block_size) + headroom
-            if not self.pool.can_allocate(needed) or not self.grow(seq, num_new):
-                break
-            self.waiting.popleft()
-            batch.append(seq)
-            budget -= num_new
-        return batch
+    # ----- planning a pass ---------------------------------------------------------------------
+    def schedule(self) -> ScheduledPass:
+        """Plan the next pass: a decode step of every running sequence, then prompt chunks within
+        the remaining token budget and batch slots."""
+        decode = self.schedule_decode()
+        items = [PassItem(seq, [seq.output_ids[-1]], is_prefill=False) for seq in decode]
+        budget = self.config.max_num_batched_tokens - len(decode)
+        for seq, num_new in self.schedule_prefill(budget):
+            start = seq.num_cached
+            items.append(PassItem(seq, seq.prefill_ids[start : start + num_new], is_prefill=True))
+        return ScheduledPass(items)
 
     def schedule_decode(self) -> list[Sequence]:
-        """Make room for one more token in each running sequence, preempting the newest if needed."""
+        """Make room for one more token in each running sequence, preempting newer work if needed."""
         scheduled: list[Sequence] = []
         while self.running:
             seq = self.running.pop(0)
-            while not self.grow(seq, seq.num_tokens):
-                if self.running:  # preempt the newest sequence not yet in this step
-                    self.preempt(self.running.pop())
-                    continue
-                if scheduled:  # `seq` is itself the newest: it waits
-                    self.preempt(seq)
-                else:  # alone with the whole pool and still too long
-                    self._overflow(seq)
-                break
-            else:
+            if self._make_room(seq, scheduled):
                 scheduled.append(seq)
         self.running = scheduled
         return list(scheduled)
 
+    def _make_room(self, seq: Sequence, scheduled: list[Sequence]) -> bool:
+        while not self.grow(seq, seq.num_tokens):
+            victim = self._newest_preemptible()
+            if victim is not None:
+                self.preempt(victim)
+                continue
+            if scheduled:  # `seq` is itself the newest: it waits
+                self.preempt(seq)
+            else:  # alone with the whole pool and still too long
+                self._overflow(seq)
+            return False
+        return True
+
+    def _newest_preemptible(self) -> Sequence | None:
+        """Newest work not yet in this pass: a sequence still prefilling, else a running one."""
+        if self.prefilling:
+            return self.prefilling.pop()
+        if self.running:
+            return self.running.pop()
+        return None
+
+    def schedule_prefill(self, budget: int) -> list[tuple[Sequence, int]]:
+        """(sequence, new tokens) pairs within `budget` tokens: prefilling sequences continue FIFO,
+        then waiting ones are admitted FIFO while slots and blocks allow."""
+        chunks: list[tuple[Sequence, int]] = []
+        for seq in self.prefilling:
+            num_new = self._chunk_size(seq, budget)
+            if num_new == 0:
+                break
+            chunks.append((seq, num_new))
+            budget -= num_new
+        while budget > 0 and self.waiting and self._has_slot() and self._admit(self.waiting[0]):
+            seq = self.waiting.popleft()
+            self.prefilling.append(seq)
+            num_new = self._chunk_size(seq, budget)
+            chunks.append((seq, num_new))
+            budget -= num_new
+        return chunks
+
+    def _chunk_size(self, seq: Sequence, budget: int) -> int:
+        chunk = self.config.prefill_chunk_tokens or self.config.max_num_batched_tokens
+        return max(0, min(len(seq.prefill_ids) - seq.num_cached, chunk, budget))
+
+    def _has_slot(self) -> bool:
+        return len(self.running) + len(self.prefilling) < self.config.max_num_seqs
+
+    def _admit(self, seq: Sequence) -> bool:
+        """Allocate blocks for every token `seq` must prefill (its cached prefix's blocks shared, the
+        last token always computed); False, touching nothing, if the pool cannot."""
+        tokens = seq.prefill_ids
+        needed = blocks_for_tokens(len(tokens), self.pool.block_size)
+        # keep a block of headroom per sequence that will decode, so prefill does not force preemption
+        headroom = len(self.running) + len(self.prefilling) if self.keeps_decoding else 0
+        if not self.pool.can_allocate(needed + headroom):
+            return False
+        hashes = block_hashes(tokens, self.pool.block_size) if self.config.prefix_caching else []
+        hits = self.pool.lookup(hashes[: (len(tokens) - 1) // self.pool.block_size])
+        seq.block_table = hits + self.pool.allocate(needed - len(hits))
+        seq.prefix_hashes = hashes
+        seq.num_cached = len(hits) * self.pool.block_size
+        seq.status = SequenceStatus.PREFILLING
+        if seq.scheduled_time is None:
+            seq.scheduled_time = time.perf_counter()
+        return True
+
+    # ----- after a pass ------------------------------------------------------------------------
+    def cache_computed_blocks(self, seq: Sequence, num_cached_before: int) -> None:
+        """Register the blocks of `seq.prefix_hashes` that became full of computed K/V since
+        `num_cached_before` tokens were cached, so later prompts with the same prefix share them."""
+        first = num_cached_before // self.pool.block_size
+        last = min(len(seq.prefix_hashes), seq.num_cached // self.pool.block_size)
+        for index in range(first, last):
+            self.pool.cache_block(seq.block_table[index], seq.prefix_hashes[index])
+
+    def finish_prefill(self, seq: Sequence) -> None:
+        """`seq`'s prefix is computed: it leaves the prefilling list (the engine decides where to)."""
+        self.prefilling.remove(seq)
+
+    # ----- ending and preempting -----------------------------------------------------------------
     def _overflow(self, seq: Sequence) -> None:
         """`seq` cannot grow even with the pool to itself: it ends (the engine reports 'length')."""
         self.remove(seq)
         self.overflowed.append(seq)
 
     def preempt(self, seq: Sequence) -> None:
-        """Free `seq`'s blocks and queue it for recomputation ahead of new arrivals."""
+        """Free the blocks of `seq` (already out of the running or prefilling list) and queue it for
+        recomputation ahead of new arrivals."""
         self.pool.free(seq.block_table)
         seq.block_table = []
         seq.num_cached = 0
@@ -105,11 +224,10 @@ class Scheduler:
         self.num_preemptions += 1
 
     def remove(self, seq: Sequence) -> None:
-        """Take `seq` out of every queue and free its blocks (finish, abort, error)."""
-        if seq in self.running:
-            self.running.remove(seq)
-        if seq in self.waiting:
-            self.waiting.remove(seq)
+        """Take `seq` out of every queue and free its blocks (finish, abort, error, hand-off done)."""
+        for queue in (self.running, self.prefilling, self.waiting):
+            if seq in queue:
+                queue.remove(seq)
         if seq.block_table:
             self.pool.free(seq.block_table)
             seq.block_table = []

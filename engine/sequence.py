@@ -1,4 +1,11 @@
-"""One request's state inside an engine: tokens, blocks, stop state, text stream."""
+"""One request's state inside an engine: tokens, blocks, stop state, text stream.
+
+Life cycle (the scheduler moves a sequence along it; `status` says where it is):
+WAITING (queued, no blocks) -> PREFILLING (blocks for every token to prefill held, K/V computed
+chunk by chunk) -> RUNNING (decoding), or HANDED_OFF on a prefill worker (prompt computed, first
+token sampled, blocks held until its K/V are shipped) -> FINISHED. A preempted sequence goes back
+to WAITING; RESERVED is a decode worker's sequence whose K/V arrive from a prefill worker.
+"""
 
 from __future__ import annotations
 
@@ -14,12 +21,14 @@ from engine.stop_checker import StopChecker
 
 class SequenceStatus(enum.Enum):
     WAITING = "waiting"  # queued for (re)computation of its prefix
+    PREFILLING = "prefilling"  # admitted: blocks held, K/V of its prefix computed chunk by chunk
     RESERVED = "reserved"  # blocks held, K/V arriving from a prefill worker
     RUNNING = "running"  # in the decode batch
+    HANDED_OFF = "handed_off"  # prefill worker: prompt computed, blocks held while its K/V are shipped
     FINISHED = "finished"
 
 
-@dataclass
+@dataclass(eq=False)  # identity: a sequence is one request's state, never equal to another's
 class Sequence:
     request_id: str
     prompt_ids: list[int]
@@ -30,8 +39,13 @@ class Sequence:
     block_table: list[int] = field(default_factory=list)
     num_cached: int = 0  # tokens whose K/V are in this engine's cache
     num_reused_blocks: int = 0  # leading blocks of a reservation taken from this engine's prefix cache
+    prefix_hashes: list[int] = field(default_factory=list)  # of each full block it prefills (prefix caching)
+    # output position of the first token sampled here: > 0 when `prompt_ids` already end with
+    # earlier outputs (a prefill worker computing a resumed request's K/V); seeds depend on it
+    output_index_base: int = 0
     status: SequenceStatus = SequenceStatus.WAITING
     arrival_time: float = field(default_factory=time.perf_counter)
+    scheduled_time: float | None = None  # first admitted for prefill (queue time ends here)
     first_token_time: float | None = None
 
     @classmethod
@@ -51,6 +65,17 @@ class Sequence:
     @property
     def all_ids(self) -> list[int]:
         return self.prompt_ids + self.output_ids
+
+    @property
+    def prefill_ids(self) -> list[int]:
+        """Tokens whose K/V an admitted sequence computes before it decodes: the prompt, or all but
+        the last token of a preempted or resumed one (that token is the input of its next step)."""
+        return self.all_ids[:-1] if self.output_ids else self.prompt_ids
+
+    @property
+    def next_output_index(self) -> int:
+        """Output position of the next token to sample (per-request seeds are keyed on it)."""
+        return self.output_index_base + len(self.output_ids)
 
     @property
     def finish_reason(self) -> str | None:

@@ -1,31 +1,49 @@
-"""The prefill worker's core, independent of gRPC: a queue, a batching loop, a transfer pool."""
+"""The prefill worker's core, independent of gRPC: the shared engine in its prefill role, plus the
+KV hand-off.
+
+The engine (`engine.llm_engine`) queues, admits, chunks and computes prompts with the same
+scheduler, block pool and prefix cache as a decode or colocated worker. This worker is its
+`KvConnector`: once a prompt's K/V are complete and its first token sampled, a transfer thread
+ships the blocks to the decode worker that asked; with `--kv-streaming layer` the frames leave
+while the pass that completes the prompt still runs.
+
+Threads: gRPC threads call `submit`; one loop thread (`EngineLoop`) owns the engine; transfer
+threads ship. Blocks are freed only by the engine on the loop thread: a transfer thread, when its
+transfer ended (acknowledged or failed), posts `release_handoff` for that very sequence, which is a
+no-op if the engine already ended it (a failed pass), so no block is ever freed twice.
+"""
 
 from __future__ import annotations
 
 import logging
 import threading
 import time
-from collections import deque
 from collections.abc import Callable
-from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass, field
+from concurrent.futures import Future, InvalidStateError, ThreadPoolExecutor
+from dataclasses import dataclass, field, replace
+from functools import partial
+from itertools import count
 
 import torch
 
-from engine.block_pool import BlockPool, block_hashes, blocks_for_tokens
+from engine.block_pool import blocks_for_tokens
 from engine.config import EngineConfig
-from engine.llm_engine import build_cache
+from engine.engine_loop import EngineLoop
+from engine.kv_connector import KvConnector
+from engine.llm_engine import LLMEngine
 from engine.metrics import WorkerMetrics
 from engine.model_loader import LoadedModel
-from engine.model_runner import ModelRunner, StepInput
-from engine.sampler import sample
+from engine.model_runner import LayerCallback
 from engine.sampling_params import SamplingParams
+from engine.sequence import Sequence, SequenceStatus
 from kv_transfer import KvSpec, get_backend
 from kv_transfer.base import KvSender
 from prefill_worker.faults import FaultInjector
 from prefill_worker.layer_stream import LayerStream
 
 log = logging.getLogger(__name__)
+
+KV_STREAMING_MODES = ("request", "layer")
 
 
 @dataclass
@@ -39,11 +57,9 @@ class PrefillJob:
     kv_block_offset: int = 0  # leading blocks the decode worker already holds: not shipped
     enqueued_at: float = field(default_factory=time.perf_counter)
     future: Future = field(default_factory=Future)
-    # set on admission (loop thread)
-    blocks: list[int] = field(default_factory=list)
-    hashes: list[int] = field(default_factory=list)  # prefix hash of each full block of the prompt
-    num_computed: int = 0  # prompt tokens whose K/V are in `blocks`
-    started_at: float = 0.0
+    # set on the loop thread
+    seq: Sequence | None = None  # its sequence in the engine, once queued there
+    prefill_s: float = 0.0  # admission -> first token
 
 
 @dataclass(frozen=True)
@@ -55,219 +71,208 @@ class PrefillResult:
     kv_bytes: int
 
 
-class PrefillWorker:
+def _settle(future: Future, result: object = None, error: BaseException | None = None) -> None:
+    """Complete `future` unless the caller cancelled it meanwhile."""
+    try:
+        if error is not None:
+            future.set_exception(error)
+        else:
+            future.set_result(result)
+    except InvalidStateError:
+        pass
+
+
+class PrefillWorker(KvConnector):
     def __init__(self, loaded: LoadedModel, config: EngineConfig, transfer_timeout_s: float = 60.0,
                  max_queue: int = 1024, metrics: WorkerMetrics | None = None,
                  faults: FaultInjector | None = None, prefill_chunk_tokens: int | None = None,
                  prefix_caching: bool = False, kv_streaming: str = "request", shared_kv_cache: bool = False) -> None:
+        if kv_streaming not in KV_STREAMING_MODES:
+            raise ValueError(f"kv_streaming must be one of {KV_STREAMING_MODES}, got {kv_streaming!r}")
         self.loaded = loaded
-        self.config = config
+        self.config = replace(config, prefix_caching=prefix_caching or config.prefix_caching,
+                              prefill_chunk_tokens=prefill_chunk_tokens or config.prefill_chunk_tokens)
         # in shared memory, same-host decode workers copy blocks straight out of it ("shm" backend)
-        self.kv_cache = build_cache(loaded, config, shared=shared_kv_cache)
-        self.pool = BlockPool(self.kv_cache.num_blocks, config.block_size)
-        self.runner = ModelRunner(loaded, self.kv_cache)
+        self.engine = LLMEngine(loaded, self.config, connector=self, shared_kv_cache=shared_kv_cache)
         self.transfer_timeout_s = transfer_timeout_s
         self.max_queue = max_queue
         self.faults = faults or FaultInjector(None, 0)
-        self._queue: deque[PrefillJob] = deque()
-        self._active: list[PrefillJob] = []  # admitted, prompt partly computed (chunked prefill)
-        self.prefill_chunk_tokens = prefill_chunk_tokens
-        self.prefix_caching = prefix_caching
-        if kv_streaming not in ("request", "layer"):
-            raise ValueError(f"kv_streaming must be 'request' or 'layer', got {kv_streaming!r}")
         self.kv_streaming = kv_streaming
-        self._cond = threading.Condition()
-        self._transfers = ThreadPoolExecutor(max_workers=8, thread_name_prefix="kv-send")
-        self._stopped = False
+        self._jobs: dict[str, PrefillJob] = {}  # engine key -> job, until its blocks are released (loop thread)
+        self._streams: dict[str, LayerStream] = {}  # engine key -> layer stream of the pass running (loop thread)
+        self._keys = count()
+        self._lock = threading.Lock()  # guards the counters below (gRPC and transfer threads)
+        self._incoming_jobs = 0  # submitted, not yet in the engine
+        self._incoming_tokens = 0
         self.kv_bytes_sent = 0
         self.requests_finished = 0
+        self._transfers = ThreadPoolExecutor(max_workers=8, thread_name_prefix="kv-send")
         self.metrics = metrics or WorkerMetrics()
-        self.metrics.bind_gauges(running=lambda: 0, waiting=lambda: len(self._queue),
+        self.metrics.bind_gauges(running=lambda: 0, waiting=lambda: self.queue_depth,
                                  blocks_used=lambda: self.pool.num_used, blocks_total=lambda: self.pool.num_blocks)
-        self._thread = threading.Thread(target=self._loop, name="prefill-loop", daemon=True)
-        self._thread.start()
+        self.loop = EngineLoop("prefill-loop", self._step, lambda: self.engine.has_work)
+        self.loop.start()
 
     # ----- public, thread-safe ---------------------------------------------------------------
+    @property
+    def pool(self):  # noqa: ANN201 - the engine's BlockPool
+        return self.engine.pool
+
+    @property
+    def runner(self):  # noqa: ANN201 - the engine's ModelRunner
+        return self.engine.runner
+
+    @property
+    def kv_cache(self):  # noqa: ANN201 - the engine's KVCache
+        return self.engine.kv_cache
+
     def submit(self, job: PrefillJob) -> Future:
-        """Queue a prompt; the future yields a PrefillResult once the decode side holds the KV."""
-        if len(job.prompt_ids) > self.pool.num_blocks * self.pool.block_size:
-            raise ValueError(f"prompt of {len(job.prompt_ids)} tokens does not fit this worker's KV pool")
+        """Queue a prompt; the future yields a PrefillResult once the decode side holds the KV.
+        Cancelling the future drops the job wherever it is (a transfer under way runs to its end)."""
+        self._check(job)
+        with self._lock:
+            if self.queue_depth >= self.max_queue:
+                raise OverflowError(f"prefill queue is full ({self.max_queue} requests)")
+            self._incoming_jobs += 1
+            self._incoming_tokens += len(job.prompt_ids)
+        self.loop.post(lambda: self._enqueue(job))
+        job.future.add_done_callback(lambda f: self.loop.post(lambda: self._cancel(job)) if f.cancelled() else None)
+        return job.future
+
+    def _check(self, job: PrefillJob) -> None:
+        self.engine.check_fits_pool(len(job.prompt_ids))
         num_blocks = blocks_for_tokens(len(job.prompt_ids), self.pool.block_size)
         if not 0 <= job.kv_block_offset < num_blocks:
             raise ValueError(f"kv_block_offset: must be in [0, {num_blocks}) for a prompt of "
                              f"{len(job.prompt_ids)} tokens, got {job.kv_block_offset}")
-        with self._cond:
-            if len(self._queue) >= self.max_queue:
-                raise OverflowError(f"prefill queue is full ({self.max_queue} requests)")
-            self._queue.append(job)
-            self._cond.notify()
-        return job.future
 
     def loop_alive(self) -> bool:
         """False once the loop thread died (not after a clean stop)."""
-        return self._thread.is_alive() or self._stopped
+        return not self.loop.dead_reason
 
     @property
     def queue_depth(self) -> int:
         """Requests waiting or being prefilled here."""
-        return len(self._queue) + len(self._active)
+        scheduler = self.engine.scheduler
+        return self._incoming_jobs + len(scheduler.waiting) + len(scheduler.prefilling)
 
     @property
     def queued_tokens(self) -> int:
         """Prompt tokens still to compute here."""
-        pending = list(self._queue) + list(self._active)
-        return sum(len(j.prompt_ids) - j.num_computed for j in pending)
+        return self._incoming_tokens + self.engine.scheduler.pending_prefill_tokens()
 
     def idle(self) -> bool:
         """Nothing queued, computing or being shipped (used to finish draining)."""
-        return not self._queue and not self._active and self.pool.num_used == 0
+        return not self._incoming_jobs and not self._jobs and self.pool.num_used == 0
 
     def stop(self) -> None:
-        with self._cond:
-            self._stopped = True
-            self._cond.notify_all()
-        self._thread.join(timeout=10)
+        self.loop.stop()
         self._transfers.shutdown(wait=True, cancel_futures=True)
 
     # ----- loop thread ------------------------------------------------------------------------
-    def _loop(self) -> None:
-        while True:
-            step = self._next_step()
-            if step is None:
-                return
-            try:
-                self._prefill(step)
-            except Exception as exc:  # a failing pass fails its requests, not the worker
-                log.exception("prefill pass failed")
-                for job, _ in step:
-                    self._active.remove(job)
-                    self._release(job.blocks)
-                    job.future.set_exception(exc)
-
-    def _next_step(self) -> list[tuple[PrefillJob, int]] | None:
-        """Wait for work; admit queued jobs (blocks allocated, cached prefix reused) and pick the
-        tokens of this pass: each active job gets at most `prefill_chunk_tokens`, FIFO, within the
-        token budget. Returns (job, number of new tokens) pairs."""
-        with self._cond:
-            while True:
-                if self._stopped:
-                    return None
-                self._admit()
-                step = self._plan_step()
-                if step:
-                    return step
-                self._cond.wait(timeout=0.5)
-
-    def _admit(self) -> None:
-        while self._queue:
-            job = self._queue[0]
-            hashes = block_hashes(job.prompt_ids, self.pool.block_size) if self.prefix_caching else []
-            needed = blocks_for_tokens(len(job.prompt_ids), self.pool.block_size)
-            if not job.future.cancelled() and not self.pool.can_allocate(needed):
-                return
-            self._queue.popleft()
-            if not job.future.set_running_or_notify_cancel():  # cancelled while queued
-                continue
-            hits = self.pool.lookup(hashes[: (len(job.prompt_ids) - 1) // self.pool.block_size])
-            job.blocks = hits + self.pool.allocate(needed - len(hits))
-            job.hashes = hashes
-            job.num_computed = len(hits) * self.pool.block_size
-            job.started_at = time.perf_counter()
-            self.metrics.queue_time.observe(max(0.0, job.started_at - job.enqueued_at))
-            self._active.append(job)
-
-    def _plan_step(self) -> list[tuple[PrefillJob, int]]:
-        step, budget = [], self.config.max_num_batched_tokens
-        chunk = self.prefill_chunk_tokens or budget
-        for job in self._active:
-            n = min(len(job.prompt_ids) - job.num_computed, chunk, budget)
-            if n <= 0:
-                break
-            step.append((job, n))
-            budget -= n
-        return step
-
-    def _prefill(self, step: list[tuple[PrefillJob, int]]) -> None:
-        start = time.perf_counter()
-        items = [StepInput(j.prompt_ids[j.num_computed : j.num_computed + n], j.num_computed, j.blocks)
-                 for j, n in step]
-        streams = self._open_layer_streams(step)
-        try:
-            logits = self.runner.forward(items, on_layer_done=self._layer_callback(streams) if streams else None)
-        except BaseException as exc:
-            for stream in streams.values():
-                stream.fail(exc)
-            raise
-        done = []
-        for row, (job, n) in enumerate(step):
-            job.num_computed += n
-            self._register_full_blocks(job)
-            if job.num_computed == len(job.prompt_ids):
-                done.append((row, job))
-        self._observe_step(step, start)
-        if not done:
+    def _enqueue(self, job: PrefillJob) -> None:
+        with self._lock:
+            self._incoming_jobs -= 1
+            self._incoming_tokens -= len(job.prompt_ids)
+        if job.future.cancelled():
             return
-        first = sample(logits[[row for row, _ in done]], [j.params for _, j in done],
-                       [j.output_index for _, j in done])
-        now = time.perf_counter()
-        for (_, job), token in zip(done, first, strict=True):
-            with self._cond:
-                self._active.remove(job)
-            if job.request_id in streams:
-                streams[job.request_id].finish(token)
-            else:
-                self._transfers.submit(self._ship, job, job.blocks, token, job.started_at - job.enqueued_at,
-                                       now - job.started_at)
+        key = job.request_id if job.request_id not in self.engine.sequences else f"{job.request_id}#{next(self._keys)}"
+        try:
+            job.seq = self.engine.add_request(key, job.prompt_ids, job.params, output_index=job.output_index)
+        except ValueError as exc:
+            _settle(job.future, error=exc)
+            return
+        self._jobs[key] = job
 
-    # ----- layer-wise streaming (loop thread side) -----------------------------------------------
-    def _open_layer_streams(self, step: list[tuple[PrefillJob, int]]) -> dict[str, LayerStream]:
-        """Start a layer-wise transfer for each job this pass completes whose backend can stream layers
-        (`--kv-streaming layer`); the others ship after the pass, as with `request`."""
-        streams: dict[str, LayerStream] = {}
+    def _cancel(self, job: PrefillJob) -> None:
+        """The caller gave up: drop the job (a handed-off one ends when its transfer does)."""
+        if job.seq is not None and self._jobs.get(job.seq.request_id) is job:
+            self.engine.abort(job.seq.request_id)
+            if job.seq.request_id not in self.engine.sequences:
+                del self._jobs[job.seq.request_id]
+
+    def _step(self) -> None:
+        try:
+            outputs = self.engine.step()
+        except Exception as exc:  # noqa: BLE001 - the engine isolates failing sequences; this is a bug in it
+            log.exception("prefill step failed")
+            self._fail_all(exc)
+            return
+        self._observe_pass()
+        for out in outputs:  # a prefill engine hands every first token off: only failures come back
+            job = self._jobs.pop(out.request_id, None)
+            if job is not None:
+                _settle(job.future, error=RuntimeError(out.error or out.finish_reason))
+
+    def _fail_all(self, exc: Exception) -> None:
+        """A step raised outside the engine's isolation: fail every job still computing."""
+        for stream in self._streams.values():
+            stream.fail(exc)
+        self._streams.clear()
+        for key, job in list(self._jobs.items()):
+            if job.seq is not None and job.seq.status is not SequenceStatus.HANDED_OFF:
+                self.engine.abort(key)
+                del self._jobs[key]
+                _settle(job.future, error=exc)
+
+    def _observe_pass(self) -> None:
+        planned = self.engine.last_pass
+        if planned is not None and planned.num_prefill_seqs:
+            self.metrics.prefill_batch_size.observe(planned.num_prefill_seqs)
+            self.metrics.prompt_tokens.inc(planned.num_prefill_tokens)
+
+    def _release(self, job: PrefillJob, seq: Sequence) -> None:
+        """The transfer of `seq` ended: its blocks go back to the pool (cached ones stay reusable)."""
+        self.engine.release_handoff(seq)
+        if self._jobs.get(seq.request_id) is job:
+            del self._jobs[seq.request_id]
+
+    # ----- KvConnector (loop thread, inside engine.step) ----------------------------------------
+    def layer_hook(self, completing: list[Sequence]) -> LayerCallback | None:
+        """Start a layer-wise transfer for each prompt this pass completes whose backend can stream
+        layers (`--kv-streaming layer`); the others ship after the pass, as with `request`."""
         if self.kv_streaming != "layer":
-            return streams
-        for job, n in step:
-            if job.num_computed + n == len(job.prompt_ids) and self._can_stream_layers(job):
+            return None
+        streaming = []
+        for seq in completing:
+            job = self._jobs[seq.request_id]
+            if self._can_stream_layers(job):
                 spec = self.spec_for(job)
                 stream = LayerStream(torch.empty(spec.shape, dtype=spec.torch_dtype), self.transfer_timeout_s)
-                streams[job.request_id] = stream
-                self._transfers.submit(self._ship_layers, job, spec, stream)
-        return streams
-
-    def _layer_callback(self, streams: dict[str, LayerStream]) -> Callable[[int], None]:
-        jobs = [j for j in self._active if j.request_id in streams]
+                self._streams[seq.request_id] = stream
+                self._transfers.submit(self._transfer, job, seq, partial(self._send_layers, job, spec, stream))
+                streaming.append((stream, seq.block_table[job.kv_block_offset :]))
+        if not streaming:
+            return None
 
         def on_layer_done(layer: int) -> None:
-            for job in jobs:
-                stream = streams[job.request_id]
-                # [2, n, block, heads, dim]
-                stream.buffer[layer] = self.kv_cache.kv[layer, :, job.blocks[job.kv_block_offset :]]
+            for stream, blocks in streaming:
+                stream.buffer[layer] = self.kv_cache.kv[layer, :, blocks]  # [2, n, block, heads, dim]
                 stream.layer_done(layer)
 
         return on_layer_done
 
-    def _ship_layers(self, job: PrefillJob, spec: KvSpec, stream: LayerStream) -> None:
-        """Transfer thread: stream frames as layers land, then answer with the first token."""
-        start = time.perf_counter()
-        try:
-            self._sender(job).send_layers(spec, stream, timeout_s=self.transfer_timeout_s)
-            token = stream.first_token()
-        except Exception as exc:
-            self._fail_transfer(job, exc)
-            return
-        finally:
-            self._release(job.blocks)
-        self._finish_job(job, spec, token, start, time.perf_counter() - job.started_at)
+    def pass_failed(self, completing: list[Sequence], error: Exception) -> list[Sequence]:
+        """Streams of the failed pass carry partial K/V: fail them; the engine fails their sequences."""
+        lost = []
+        for seq in completing:
+            stream = self._streams.pop(seq.request_id, None)
+            if stream is not None:
+                stream.fail(error)
+                lost.append(seq)
+        return lost
 
-    def _register_full_blocks(self, job: PrefillJob) -> None:
-        with self._cond:
-            for index in range(min(len(job.hashes), job.num_computed // self.pool.block_size)):
-                self.pool.cache_block(job.blocks[index], job.hashes[index])
-
-    def _observe_step(self, step: list[tuple[PrefillJob, int]], start: float) -> None:
-        self.metrics.prefill_batch_size.observe(len(step))
-        self.metrics.prompt_tokens.inc(sum(n for _, n in step))
-
+    def prefill_done(self, seq: Sequence, first_token: int) -> None:
+        job = self._jobs[seq.request_id]
+        started = seq.scheduled_time or job.enqueued_at
+        job.prefill_s = time.perf_counter() - started
+        self.metrics.queue_time.observe(max(0.0, started - job.enqueued_at))
+        stream = self._streams.pop(seq.request_id, None)
+        if stream is not None:
+            stream.finish(first_token)  # its transfer thread is already sending
+        else:
+            shipped = list(seq.block_table[job.kv_block_offset :])
+            self._transfers.submit(self._transfer, job, seq, partial(self._send_blocks, job, shipped, first_token))
 
     # ----- transfer threads -------------------------------------------------------------------
     def spec_for(self, job: PrefillJob) -> KvSpec:
@@ -275,30 +280,42 @@ class PrefillWorker:
         return KvSpec.for_cache(job.request_id, self.loaded.fingerprint, self.kv_cache.shape, len(job.prompt_ids),
                                 job.kv_block_offset)
 
-    def _ship(self, job: PrefillJob, blocks: list[int], token: int, queue_s: float, prefill_s: float) -> None:
+    def _transfer(self, job: PrefillJob, seq: Sequence, send: Callable[[], tuple[KvSpec, int]]) -> None:
+        """Run `send` (it returns what it shipped and the first token), answer the Prefill call,
+        and in every case have the loop thread release `seq`'s blocks. Frees nothing itself: if a
+        failed pass already ended `seq` in the engine, the release is a no-op."""
         start = time.perf_counter()
         try:
-            spec = self.spec_for(job)
-            shipped = blocks[job.kv_block_offset :]
-            sender = self._sender(job)
-            fault = self.faults.next_filter()
-            if fault is None:
-                sender.send_blocks(spec, self.kv_cache, shipped, token, timeout_s=self.transfer_timeout_s)
-            else:
-                log.warning("request_id=%s: injecting a KV fault (%s)", job.request_id, fault.__name__)
-                sender.send(spec, self.kv_cache.gather(shipped), token, timeout_s=self.transfer_timeout_s,
-                            frame_filter=fault)  # type: ignore[call-arg]
-        except Exception as exc:
+            spec, token = send()
+        except Exception as exc:  # noqa: BLE001 - reported to the caller
             self._fail_transfer(job, exc)
-            return
+        else:
+            self._finish_job(job, spec, token, start)
         finally:
-            self._release(blocks)
-        self._finish_job(job, spec, token, start, prefill_s)
+            self.loop.post(lambda: self._release(job, seq))
+
+    def _send_blocks(self, job: PrefillJob, shipped: list[int], token: int) -> tuple[KvSpec, int]:
+        """Ship the job's blocks once its pass is over (`--kv-streaming request`)."""
+        spec = self.spec_for(job)
+        sender = self._sender(job)
+        fault = self.faults.next_filter()
+        if fault is None:
+            sender.send_blocks(spec, self.kv_cache, shipped, token, timeout_s=self.transfer_timeout_s)
+        else:
+            log.warning("request_id=%s: injecting a KV fault (%s)", job.request_id, fault.__name__)
+            sender.send(spec, self.kv_cache.gather(shipped), token, timeout_s=self.transfer_timeout_s,
+                        frame_filter=fault)  # type: ignore[call-arg]
+        return spec, token
+
+    def _send_layers(self, job: PrefillJob, spec: KvSpec, stream: LayerStream) -> tuple[KvSpec, int]:
+        """Stream frames as the pass fills `stream` layer by layer, then take the first token."""
+        self._sender(job).send_layers(spec, stream, timeout_s=self.transfer_timeout_s)
+        return spec, stream.first_token()
 
     def _can_stream_layers(self, job: PrefillJob) -> bool:
         try:
             return self._sender(job).supports_layer_streaming
-        except Exception:  # noqa: BLE001 - a bad backend or target fails the job in `_ship`, not the pass
+        except Exception:  # noqa: BLE001 - a bad backend or target fails the job in `_send_blocks`, not the pass
             return False
 
     @staticmethod
@@ -306,24 +323,17 @@ class PrefillWorker:
         return get_backend(job.kv_backend).sender_factory(job.kv_target)
 
     def _fail_transfer(self, job: PrefillJob, exc: Exception) -> None:
-        """The KV did not reach the decode side: count it and fail the Prefill call (blocks are freed
-        by the caller's `finally`)."""
+        """The KV did not reach the decode side: count it and fail the Prefill call."""
         log.warning("request_id=%s: KV transfer to %s failed: %s", job.request_id, job.kv_target, exc)
         self.metrics.kv_failed(job.kv_backend, "send")
-        job.future.set_exception(exc)
+        _settle(job.future, error=exc)
 
-    def _finish_job(self, job: PrefillJob, spec: KvSpec, token: int, transfer_start: float, prefill_s: float) -> None:
+    def _finish_job(self, job: PrefillJob, spec: KvSpec, token: int, transfer_start: float) -> None:
         """The decode side acknowledged the KV: account it and answer the Prefill call."""
-        with self._cond:  # transfer threads finish concurrently: keep the counters exact
+        with self._lock:  # transfer threads finish concurrently: keep the counters exact
             self.kv_bytes_sent += spec.nbytes
             self.requests_finished += 1
         transfer_s = time.perf_counter() - transfer_start
         self.metrics.kv_transferred(job.kv_backend, "send", spec.nbytes, transfer_s)
-        queue_s = job.started_at - job.enqueued_at
-        job.future.set_result(PrefillResult(token, queue_s, prefill_s, transfer_s, spec.nbytes))
-
-    def _release(self, blocks: list[int]) -> None:
-        with self._cond:
-            self.pool.free(blocks)
-            self._cond.notify()
-
+        queue_s = max(0.0, (job.seq.scheduled_time or job.enqueued_at) - job.enqueued_at) if job.seq else 0.0
+        _settle(job.future, PrefillResult(token, queue_s, job.prefill_s, transfer_s, spec.nbytes))
