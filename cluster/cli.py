@@ -22,14 +22,15 @@ import os
 import signal
 import sys
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator
 from types import FrameType
 
 import grpc
 
-from cluster.capacity.cli import add_bench, add_plan, add_sweep
+from capacity.cli import add_bench, add_plan, add_sweep
 from cluster.client import DEFAULT_ADDRESS, PdserveClient, build_request, collect, sampling_params, status_rows
 from cluster.local import ClusterStartError, LocalCluster, LocalClusterConfig
+from cluster.tables import format_table
 from pdserve.v1 import router_pb2
 
 POLICIES = ("round_robin", "least_loaded")
@@ -351,13 +352,6 @@ def _status_cells(row: dict[str, object]) -> list[str]:
     kv = f"{row['kv_used']}/{row['kv_total']}"
     healthy = "yes" if row["healthy"] else "NO"
     return [str(row[k]) for k in ("role", "worker_id", "address", "pid", "queue")] + [kv, str(row["running"]), healthy]
-
-
-def format_table(headers: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
-    """Plain text table with left-aligned columns separated by two spaces."""
-    widths = [max([len(h)] + [len(r[i]) for r in rows]) for i, h in enumerate(headers)]
-    lines = [headers, *rows]
-    return "\n".join("  ".join(cell.ljust(w) for cell, w in zip(line, widths, strict=True)).rstrip() for line in lines)
 
 
 def _add_auth_args(parser: argparse.ArgumentParser) -> None:

@@ -6,8 +6,8 @@ import math
 
 import pytest
 
-from cluster.capacity.cli import bench_config
-from cluster.capacity.sweep import best_config, sweep_configs, threads_per_worker
+from capacity.cli import bench_config
+from capacity.sweep import best_config, sweep_configs, threads_per_worker
 from cluster.cli import build_parser
 
 

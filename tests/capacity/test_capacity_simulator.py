@@ -5,10 +5,10 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from cluster.capacity.arrivals import arrival_times
-from cluster.capacity.planner import Models, Workload, candidates, plan
-from cluster.capacity.simulator import Deployment, LatencyModel, simulate
-from cluster.capacity.workload import LengthDist
+from capacity.arrivals import arrival_times
+from capacity.planner import Models, Workload, candidates, plan
+from capacity.simulator import Deployment, LatencyModel, simulate
+from capacity.workload import LengthDist
 
 
 def test_md1_mean_wait() -> None:

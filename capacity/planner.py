@@ -17,10 +17,10 @@ from typing import Any
 
 import numpy as np
 
-from cluster.capacity.arrivals import arrival_times
-from cluster.capacity.metrics import summarize
-from cluster.capacity.simulator import Deployment, LatencyModel, simulate
-from cluster.capacity.workload import LengthDist
+from capacity.arrivals import arrival_times
+from capacity.metrics import summarize
+from capacity.simulator import Deployment, LatencyModel, simulate
+from capacity.workload import LengthDist
 
 
 @dataclass(frozen=True)
@@ -175,7 +175,7 @@ def _rel(predicted: float, measured: float) -> float:
 def load_models(profile: dict[str, Any], prefill_profile: dict[str, Any] | None = None,
                 decode_profile: dict[str, Any] | None = None) -> Models:
     """Models from one profile, or per-device profiles for the prefill and decode pools."""
-    from cluster.capacity.profiler import latency_model
+    from capacity.profiler import latency_model
 
     base = latency_model(profile)
     prefill = latency_model(prefill_profile) if prefill_profile else base

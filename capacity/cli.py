@@ -13,9 +13,10 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from cluster.capacity.arrivals import parse_rate
-from cluster.capacity.metrics import parse_slo
-from cluster.capacity.workload import length_dist
+from capacity.arrivals import parse_rate
+from capacity.metrics import parse_slo
+from capacity.workload import length_dist
+from cluster.tables import format_table
 
 DEFAULT_URL = "127.0.0.1:50051"
 
@@ -94,7 +95,7 @@ def _rates(text: str) -> list[float]:
 
 
 def bench_config(args: argparse.Namespace, url: str) -> Any:
-    from cluster.capacity.bench import BenchConfig
+    from capacity.bench import BenchConfig
 
     return BenchConfig(
         url=url, input_len=length_dist(args.input_len, args.input_hist, "128"),
@@ -106,7 +107,7 @@ def bench_config(args: argparse.Namespace, url: str) -> Any:
 
 
 def _cmd_bench(args: argparse.Namespace) -> int:
-    from cluster.capacity.bench import print_summary, run_bench
+    from capacity.bench import print_summary, run_bench
 
     try:
         config = bench_config(args, args.url)
@@ -121,7 +122,7 @@ def _cmd_bench(args: argparse.Namespace) -> int:
 
 
 def _cmd_sweep(args: argparse.Namespace) -> int:
-    from cluster.capacity.sweep import run_sweep
+    from capacity.sweep import run_sweep
 
     try:
         config = bench_config(args, "")
@@ -130,8 +131,8 @@ def _cmd_sweep(args: argparse.Namespace) -> int:
         return 2
     doc = run_sweep(config, args.workers, args.rates, Path(args.output_dir), args.model,
                     log=lambda s: print(s, file=sys.stderr, flush=True))
-    from cluster.capacity.sweep import csv_row
-    from cluster.cli import format_table
+    from capacity.sweep import csv_row
+
 
     cols = ("config", "rate", "goodput", "slo_attainment_all", "ttft_p90_ms", "tpot_mean_ms", "itl_p99_ms")
     rows = [[_fmt(csv_row(p)[c]) for c in cols] for p in doc["points"]]
@@ -145,7 +146,7 @@ def _fmt(value: object) -> str:
 
 
 def _cmd_profile(args: argparse.Namespace) -> int:
-    from cluster.capacity.profiler import run_profile
+    from capacity.profiler import run_profile
 
     doc = run_profile(args.model, args.threads, args.repeats, progress=lambda s: print(s, file=sys.stderr))
     Path(args.output).write_text(json.dumps(doc, indent=1))
@@ -158,8 +159,8 @@ def _load_json(path: str | None) -> dict[str, Any] | None:
 
 
 def _cmd_simulate(args: argparse.Namespace) -> int:
-    from cluster.capacity.planner import Workload, format_rows, load_models, plan
-    from cluster.cli import format_table
+    from capacity.planner import Workload, format_rows, load_models, plan
+
 
     models = load_models(_load_json(args.profile) or {}, _load_json(args.profile_prefill),
                          _load_json(args.profile_decode))
@@ -186,8 +187,8 @@ def _cmd_simulate(args: argparse.Namespace) -> int:
 
 
 def _cmd_validate(args: argparse.Namespace) -> int:
-    from cluster.capacity.planner import VALIDATED, load_models, validate
-    from cluster.cli import format_table
+    from capacity.planner import VALIDATED, load_models, validate
+
 
     models = load_models(_load_json(args.profile) or {})
     result = validate(models, _load_json(args.sweep) or {}, args.repeats)

@@ -22,7 +22,7 @@ from typing import Any
 
 import numpy as np
 
-from cluster.capacity.simulator import LatencyModel
+from capacity.simulator import LatencyModel
 
 PREFILL_TOKENS = (32, 128, 256, 512, 1024)
 DECODE_BATCHES = (1, 4, 16)

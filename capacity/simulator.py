@@ -27,7 +27,7 @@ from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
-from cluster.capacity.metrics import RequestRecord
+from capacity.metrics import RequestRecord
 
 
 @dataclass(frozen=True)

@@ -19,9 +19,9 @@ from typing import Any
 import grpc
 import numpy as np
 
-from cluster.capacity.arrivals import arrival_times
-from cluster.capacity.metrics import LATENCY_METRICS, RequestRecord, summarize
-from cluster.capacity.workload import LengthDist, corpus_token_ids, cut_prompts
+from capacity.arrivals import arrival_times
+from capacity.metrics import LATENCY_METRICS, RequestRecord, summarize
+from capacity.workload import LengthDist, corpus_token_ids, cut_prompts
 from cluster.client import build_request, sampling_params
 from pdserve.v1 import common_pb2, router_pb2_grpc
 

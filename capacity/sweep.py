@@ -18,7 +18,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from cluster.capacity.bench import BenchConfig, load_corpus_ids, run_bench
+from capacity.bench import BenchConfig, load_corpus_ids, run_bench
 
 CSV_COLUMNS = (
     "config", "prefill", "decode", "colocated", "rate", "completed", "failed", "request_throughput",
@@ -76,7 +76,7 @@ def best_config(points: Sequence[dict[str, Any]]) -> str:
 
 
 def write_outputs(output_dir: Path, doc: dict[str, Any]) -> None:
-    from cluster.capacity.plots import write_plots
+    from capacity.plots import write_plots
 
     output_dir.mkdir(parents=True, exist_ok=True)
     (output_dir / "results.json").write_text(json.dumps(doc, indent=1))
