@@ -1,41 +1,74 @@
-"""`pdserve plan simulate|validate`: DistServe-style search over deployments with the simulator.
+"""`pdserve plan simulate|validate`: search deployments with the simulator, and check it against sweeps.
 
-A deployment meets the SLOs at a rate when its SLO attainment (fraction of requests meeting every
-SLO, i.e. the tail: attainment >= 0.9 means the p90 latencies are within the SLOs) is at least
-``target``. The search tries total worker counts n = 1..max_workers in order and, for each n, every
-split xPyD (x + y = n) and colocated xn; the recommendation is the smallest n with a deployment that
-meets the target (ties: highest attainment), together with its goodput per worker, i.e. the
-highest rate it sustains at the target divided by n (found by bisection).
+Search (`plan`). A deployment meets the SLOs at a rate when every tail SLO holds on the simulated
+run (e.g. TTFT p90 <= 500 ms, TPOT p90 <= 50 ms) and, if per-request SLOs are given, their
+attainment is at least ``target``. Round robin gives each of m identical slices of a deployment
+1/m of the traffic, so a deployment (p*m)P(q*m)D at rate r behaves as m copies of pPqD at r/m.
+The search therefore simulates only small slices: every ratio p:q with p + q <= ``max_slice``
+(gcd 1) and one colocated worker. For each slice it finds by bisection the highest rate that
+meets the SLOs (its goodput; per worker: divided by p + q). A deployment of n workers of a family
+sustains (n / slice size) * slice goodput; the cost of a search is independent of the largest
+deployment considered (256 workers plan as fast as 8). The Pareto front is the set of deployment
+sizes n (over all families) where adding workers raises the sustained goodput; the recommendation
+is the smallest deployment that sustains the offered rate (ties: highest goodput per worker), and
+it is simulated whole at the offered rate when it has at most ``verify_max_workers`` workers.
+
+Validation (`validate`). Every measured sweep point is replayed: the same arrival times, prompt
+and output lengths as the measured requests, the same deployment, the profile's pass times, the
+sweep's speedup as overhead scale and its warm-up count as the round-robin offset. Relative error
+= (predicted - measured) / measured per metric; measured goodput carries a bootstrap 95%
+confidence interval (resampling its requests).
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
 from capacity.arrivals import arrival_times
-from capacity.metrics import summarize
-from capacity.simulator import Deployment, LatencyModel, simulate
+from capacity.metrics import RequestRecord, bootstrap_goodput, summarize
+from capacity.simulator import Deployment, Timing, simulate
 from capacity.workload import LengthDist
+from engine.sim_profile import Profile
+
+TAIL_METRICS = ("ttft", "tpot", "itl", "e2e")
+TAIL_STATS = ("p90", "p99", "mean", "median")
 
 
 @dataclass(frozen=True)
-class Models:
-    """Latency models of the prefill pool and of the decode / colocated pool, and engine limits."""
+class TailSlo:
+    """A latency statistic that must stay within a limit, e.g. TTFT p90 <= 0.5 s."""
 
-    prefill: LatencyModel
-    decode: LatencyModel
-    engine: dict[str, int]
+    metric: str
+    stat: str
+    limit_s: float
 
-    def deployment(self, prefill: int = 0, decode: int = 0, colocated: int = 0) -> Deployment:
-        e = self.engine
-        return Deployment(prefill, decode, colocated, prefill_token_budget=e["max_batched_tokens"],
-                          max_num_seqs=e["max_num_seqs"], kv_capacity_tokens=e["decode_kv_capacity_tokens"],
-                          block_size=e["block_size"])
+    @property
+    def key(self) -> str:
+        return f"{self.metric}_{self.stat}_ms"
+
+    def met(self, summary: Mapping[str, Any]) -> bool:
+        return float(summary[f"{self.metric}_ms"][self.stat]) <= self.limit_s * 1000
+
+
+def parse_tail_slo(items: Sequence[str]) -> list[TailSlo]:
+    """``["ttft_p90_ms=500", "tpot_p90_ms=50"]`` -> TailSlos (ValueError naming the bad item)."""
+    out = []
+    for item in items:
+        name, sep, value = item.partition("=")
+        parts = name.strip().split("_")
+        if not sep or len(parts) != 3 or parts[0] not in TAIL_METRICS or parts[1] not in TAIL_STATS or parts[2] != "ms":
+            raise ValueError(f"tail SLO must look like ttft_p90_ms=500 (metrics {TAIL_METRICS}, stats "
+                             f"{TAIL_STATS}), got {item!r}")
+        limit = float(value)
+        if not limit > 0:
+            raise ValueError(f"tail SLO {name} must be > 0 ms, got {value}")
+        out.append(TailSlo(parts[0], parts[1], limit / 1000))
+    return out
 
 
 @dataclass(frozen=True)
@@ -45,125 +78,208 @@ class Workload:
     burstiness: float = 1.0
 
 
-def simulate_summary(models: Models, dep: Deployment, workload: Workload, rate: float, num_requests: int,
-                     slos: dict[str, float], seed: int = 0) -> dict[str, Any]:
+@dataclass(frozen=True)
+class Slos:
+    """Per-request SLOs (seconds, with an attainment target) and tail SLOs; at least one of them."""
+
+    per_request: Mapping[str, float]
+    tail: tuple[TailSlo, ...] = ()
+    target: float = 0.9
+
+    def __post_init__(self) -> None:
+        if not self.per_request and not self.tail:
+            raise ValueError("planning needs at least one SLO (--slo or --tail-slo)")
+        if not 0 < self.target <= 1:
+            raise ValueError(f"target must be in (0, 1], got {self.target}")
+
+    def met(self, summary: Mapping[str, Any]) -> bool:
+        if summary["completed"] == 0:
+            return False
+        if self.per_request and (summary["slo_attainment_all"] or 0.0) < self.target:
+            return False
+        return all(t.met(summary) for t in self.tail)
+
+
+def timing_for(profile: Profile, prefill_profile: Profile | None = None, decode_profile: Profile | None = None,
+               overhead_scale: float = 1.0, rr_offset: int = 0) -> Timing:
+    """Timing of one profile, or of per-pool profiles (the KV links are the prefill side's)."""
+    return Timing(prefill_profile or profile, decode_profile or profile, overhead_scale, rr_offset=rr_offset)
+
+
+def simulate_summary(timing: Timing, dep: Deployment, workload: Workload, rate: float, num_requests: int,
+                     slos: Mapping[str, float], seed: int = 0) -> dict[str, Any]:
     """Simulate ``num_requests`` requests arriving at ``rate``; return the metrics summary."""
     rng = np.random.default_rng(seed)
     inputs = workload.input_len.sample(rng, num_requests)
     outputs = workload.output_len.sample(rng, num_requests)
     arrivals = arrival_times(num_requests, rate, workload.burstiness, seed + 1)
-    records = simulate(dep, arrivals, inputs, outputs, models.prefill, models.decode)
-    duration = max(r.send_time + (r.e2e or 0.0) for r in records)
-    return summarize(records, duration, slos)
+    records = simulate(dep, arrivals, inputs, outputs, timing)
+    return summarize(records, _duration(records), slos)
 
 
-def candidates(n: int, colocated: bool = True) -> list[tuple[int, int, int]]:
-    """(prefill, decode, colocated) counts with n workers in total."""
-    out = [(x, n - x, 0) for x in range(1, n)]
-    return out + [(0, 0, n)] if colocated else out
+def _duration(records: Sequence[RequestRecord]) -> float:
+    return max(r.send_time + (r.e2e or 0.0) for r in records)
 
 
-def prefill_saturated(models: Models, workload: Workload, rate: float, prefill: int) -> bool:
-    """True when the prefill pool alone cannot keep up (utilization >= 1): skip without simulating."""
-    return prefill > 0 and rate * models.prefill.prefill_s(round(workload.input_len.mean)) >= prefill
+# ----- search --------------------------------------------------------------------------------------
+def slices(max_slice: int) -> list[Deployment]:
+    """Colocated x1 and every pPqD with p + q <= max_slice and gcd(p, q) = 1."""
+    out = [Deployment(colocated=1)]
+    for size in range(2, max_slice + 1):
+        out += [Deployment(p, size - p) for p in range(1, size) if math.gcd(p, size - p) == 1]
+    return out
 
 
-def max_rate(models: Models, dep: Deployment, workload: Workload, slos: dict[str, float], target: float,
-             num_requests: int, seed: int, hi: float) -> float:
-    """Highest rate (bisection, 8 rounds in [0, hi*4]) with attainment >= target."""
-    lo, hi = 0.0, hi * 4
-    for _ in range(8):
+def slice_requests(dep: Deployment, num_requests: int) -> int:
+    """Requests to simulate for a slice: at least 50 per worker so that queues reach steady state."""
+    return max(num_requests, 50 * dep.num_workers)
+
+
+def max_rate(timing: Timing, dep: Deployment, workload: Workload, slos: Slos, num_requests: int, seed: int,
+             rounds: int = 6) -> float:
+    """Highest rate meeting the SLOs: doubling from a guess, then bisection (0 when none does)."""
+    n = slice_requests(dep, num_requests)
+
+    def ok(rate: float) -> bool:
+        return slos.met(simulate_summary(timing, dep, workload, rate, n, slos.per_request, seed))
+
+    lo, hi = 0.0, _rate_guess(timing, dep, workload)
+    for _ in range(30):
+        if not ok(hi):
+            break
+        lo, hi = hi, hi * 2
+    else:
+        return lo
+    for _ in range(rounds):
         mid = (lo + hi) / 2
-        attained = simulate_summary(models, dep, workload, mid, num_requests, slos, seed)["slo_attainment_all"]
-        lo, hi = (mid, hi) if attained is not None and attained >= target else (lo, mid)
+        lo, hi = (mid, hi) if ok(mid) else (lo, mid)
     return lo
 
 
-def plan(models: Models, workload: Workload, rate: float, slos: dict[str, float], target: float = 0.9,
-         max_workers: int = 64, num_requests: int = 400, seed: int = 0) -> dict[str, Any]:
-    """Search deployments; return every evaluated row and the recommendations (best overall,
-    best disaggregated, best colocated: the smallest n meeting ``target`` in each family)."""
-    if not slos:
-        raise ValueError("planning needs at least one SLO")
-    rows: list[dict[str, Any]] = []
-    best: dict[str, dict[str, Any]] = {}
-    for n in range(1, max_workers + 1):
-        for p, d, c in candidates(n):
-            family = "colocated" if c else "disaggregated"
-            if family in best:
-                continue
-            dep = models.deployment(p, d, c)
-            if prefill_saturated(models, workload, rate, p):
-                rows.append({"config": dep.name, "workers": n, "attainment": 0.0, "skipped": "prefill saturated"})
-                continue
-            rows.append(_row(dep, simulate_summary(models, dep, workload, rate, num_requests, slos, seed)))
-        for family in ("disaggregated", "colocated"):
-            feasible = [r for r in rows if r["workers"] == n and _family(r) == family and r["attainment"] >= target]
-            if family not in best and feasible:
-                best[family] = max(feasible, key=lambda r: (r["attainment"], r["goodput"]))
-        if len(best) == 2:
-            break
-    result: dict[str, Any] = {"rate": rate, "target": target, "rows": rows}
-    for family, row in best.items():
-        dep = _parse_name(models, row["config"])
-        sustained = max_rate(models, dep, workload, slos, target, num_requests, seed, rate)
-        row["max_rate_at_target"] = sustained
-        row["goodput_per_worker"] = sustained / dep.num_workers
-        result[f"best_{family}"] = row
+def _rate_guess(timing: Timing, dep: Deployment, workload: Workload) -> float:
+    """A rate near the slice's prefill capacity (unbatched), to start the search from."""
+    prompt = max(1, round(workload.input_len.mean))
+    profile = timing.decode if dep.colocated else timing.prefill
+    return max(1e-3, (dep.prefill or dep.colocated) / max(1e-9, profile.pass_s([(prompt, 0)], 0, 0)) / 4)
+
+
+def plan(timing: Timing, workload: Workload, rate: float, slos: Slos, max_workers: int = 64,
+         num_requests: int = 300, seed: int = 0, max_slice: int = 5, verify_max_workers: int = 32) -> dict[str, Any]:
+    """Search slices, size each family for ``rate``, build the Pareto front; see the module docstring."""
+    if not rate > 0 or max_workers < 1:
+        raise ValueError("rate must be > 0 and max_workers >= 1")
+    rows = []
+    for dep in slices(max_slice):
+        slice_rate = max_rate(timing, dep, workload, slos, num_requests, seed)
+        per_worker = slice_rate / dep.num_workers
+        copies = math.ceil(rate / slice_rate) if slice_rate > 0 else None
+        sized = _scaled(dep, copies) if copies and copies * dep.num_workers <= max_workers else None
+        rows.append({"slice": dep.name, "slice_workers": dep.num_workers, "slice_goodput": slice_rate,
+                     "goodput_per_worker": per_worker, "deployment": sized.name if sized else None,
+                     "workers": sized.num_workers if sized else None,
+                     "sustains": copies * slice_rate if sized and copies else None})
+    result: dict[str, Any] = {"rate": rate, "max_workers": max_workers, "rows": rows,
+                              "pareto_front": pareto_front(rows, max_workers)}
+    for family in ("disaggregated", "colocated"):
+        feasible = [r for r in rows if r["workers"] and ("P" in r["slice"]) == (family == "disaggregated")]
+        if feasible:
+            result[f"best_{family}"] = min(feasible, key=lambda r: (r["workers"], -r["goodput_per_worker"]))
     chosen = [result[k] for k in ("best_disaggregated", "best_colocated") if k in result]
     if chosen:
-        result["recommended"] = min(chosen, key=lambda r: (r["workers"], -r["goodput_per_worker"]))
+        best = min(chosen, key=lambda r: (r["workers"], -r["goodput_per_worker"]))
+        result["recommended"] = dict(best)
+        if best["workers"] <= verify_max_workers:
+            whole = simulate_summary(timing, Deployment.parse(best["deployment"]), workload, rate,
+                                     max(num_requests, 50 * best["workers"]), slos.per_request, seed)
+            result["recommended"]["verified"] = {"slos_met": slos.met(whole), **_latency_row(whole)}
     return result
 
 
-def _family(row: dict[str, Any]) -> str:
-    return "colocated" if row["config"].startswith("colocated") else "disaggregated"
+def _scaled(dep: Deployment, copies: int) -> Deployment:
+    return Deployment(dep.prefill * copies, dep.decode * copies, dep.colocated * copies)
 
 
-def _row(dep: Deployment, s: dict[str, Any]) -> dict[str, Any]:
-    return {
-        "config": dep.name, "workers": dep.num_workers, "attainment": s["slo_attainment_all"],
-        "goodput": s["goodput"], "ttft_p90_ms": s["ttft_ms"]["p90"], "ttft_p99_ms": s["ttft_ms"]["p99"],
-        "tpot_p90_ms": s["tpot_ms"]["p90"], "tpot_p99_ms": s["tpot_ms"]["p99"], "itl_p99_ms": s["itl_ms"]["p99"],
-    }
+def pareto_front(rows: Sequence[Mapping[str, Any]], max_workers: int) -> list[dict[str, Any]]:
+    """Deployment sizes n <= max_workers where the best sustained goodput over all families rises:
+    [{workers, deployment, goodput}], increasing in both."""
+    best_at: dict[int, tuple[float, str]] = {}
+    for r in rows:
+        size, rate = r["slice_workers"], r["slice_goodput"]
+        if rate <= 0:
+            continue
+        for copies in range(1, max_workers // size + 1):
+            n, total = copies * size, copies * rate
+            if total > best_at.get(n, (0.0, ""))[0]:
+                best_at[n] = (total, _scaled(Deployment.parse(r["slice"]), copies).name)
+    front, best = [], 0.0
+    for n in sorted(best_at):
+        total, name = best_at[n]
+        if total > best:
+            front.append({"workers": n, "deployment": name, "goodput": total})
+            best = total
+    return front
 
 
-def _parse_name(models: Models, name: str) -> Deployment:
-    if name.startswith("colocated x"):
-        return models.deployment(colocated=int(name.removeprefix("colocated x")))
-    p, _, d = name.removesuffix("D").partition("P")
-    return models.deployment(int(p), int(d))
+def _latency_row(s: Mapping[str, Any]) -> dict[str, Any]:
+    return {"attainment": s["slo_attainment_all"], "goodput": s["goodput"], "ttft_p90_ms": s["ttft_ms"]["p90"],
+            "ttft_p99_ms": s["ttft_ms"]["p99"], "tpot_p90_ms": s["tpot_ms"]["p90"], "itl_p99_ms": s["itl_ms"]["p99"]}
 
 
+def format_rows(rows: Sequence[Mapping[str, Any]]) -> list[list[str]]:
+    return [[r["slice"], f"{r['slice_goodput']:.3f}", f"{r['goodput_per_worker']:.3f}", r["deployment"] or "-",
+             str(r["workers"] or "-")] for r in rows]
+
+
+# ----- validation -------------------------------------------------------------------------------------
 VALIDATED = (("goodput", None), ("ttft_ms", "mean"), ("ttft_ms", "p90"), ("tpot_ms", "mean"), ("itl_ms", "p99"))
+HEADLINE = ("goodput", "ttft_ms_p90", "tpot_ms_mean", "itl_ms_p99")
 
 
-def validate(models: Models, sweep: dict[str, Any], repeats: int = 20) -> dict[str, Any]:
-    """Predict every measured sweep point (mean over ``repeats`` simulated runs of the same size)
-    and report predicted, measured and relative error per metric, plus the mean absolute error."""
+def replay_trace(point: Mapping[str, Any], output_len: LengthDist) -> tuple[list[float], list[int], list[int]]:
+    """Arrival times, prompt and output lengths of a measured point's requests (failed requests,
+    whose output length is unknown, get the distribution's mean)."""
+    records = sorted(point["records"], key=lambda r: r["send_time"])
+    fallback = max(1, round(output_len.mean))
+    return ([float(r["send_time"]) for r in records], [int(r["prompt_tokens"]) for r in records],
+            [int(r["output_tokens"]) if not r["error"] and r["output_tokens"] else fallback for r in records])
+
+
+def validate(timing: Timing, sweep: Mapping[str, Any]) -> dict[str, Any]:
+    """Predict every measured point of a sweep by replaying its trace; errors per metric and their mean."""
     bench = sweep["bench"]
-    workload = Workload(LengthDist.from_json(bench["input_len"]), LengthDist.from_json(bench["output_len"]),
-                        float(bench["burstiness"]))
+    output_len = LengthDist.from_json(bench["output_len"])
     slos = {k: v / 1000 for k, v in bench["slos_ms"].items()}
+    timing = Timing(timing.prefill, timing.decode, float(bench.get("speedup", 1.0)), timing.backend,
+                    int(bench.get("warmup", 0)))
     points = []
     for point in sweep["points"]:
-        dep = models.deployment(point["prefill"], point["decode"], point["colocated"])
-        sims = [simulate_summary(models, dep, workload, point["rate"], bench["num_prompts"], slos, seed)
-                for seed in range(repeats)]
-        row: dict[str, Any] = {"config": point["config"], "rate": point["rate"]}
+        dep = Deployment(point["prefill"], point["decode"], point["colocated"])
+        arrivals, inputs, outputs = replay_trace(point, output_len)
+        predicted_records = simulate(dep, arrivals, inputs, outputs, timing)
+        predicted = summarize(predicted_records, _duration(predicted_records), slos)
+        measured = point["summary"]
+        records = [RequestRecord.from_json(r) for r in point["records"]]
+        row: dict[str, Any] = {"config": point["config"], "rate": point["rate"],
+                               "goodput_ci95": list(bootstrap_goodput(records, measured["duration_s"], slos))}
         for metric, stat in VALIDATED:
             key = metric if stat is None else f"{metric}_{stat}"
-            measured = _get(point["summary"], metric, stat)
-            predicted = float(np.mean([_get(s, metric, stat) for s in sims]))
-            row[key] = {"measured": measured, "predicted": predicted, "rel_error": _rel(predicted, measured)}
+            m, p = _get(measured, metric, stat), _get(predicted, metric, stat)
+            row[key] = {"measured": m, "predicted": p, "rel_error": _rel(p, m)}
         points.append(row)
     keys = [m if s is None else f"{m}_{s}" for m, s in VALIDATED]
-    mape = {k: float(np.mean([abs(p[k]["rel_error"]) for p in points if not math.isnan(p[k]["rel_error"])]))
-            for k in keys}
-    return {"points": points, "mean_abs_rel_error": mape}
+    mape = {k: _mean_abs([p[k]["rel_error"] for p in points]) for k in keys}
+    return {"profile": {"prefill": timing.prefill.name, "decode": timing.decode.name},
+            "speedup": timing.overhead_scale, "points": points, "mean_abs_rel_error": mape,
+            "max_abs_rel_error": {k: max((abs(p[k]["rel_error"]) for p in points
+                                          if not math.isnan(p[k]["rel_error"])), default=math.nan) for k in keys}}
 
 
-def _get(summary: dict[str, Any], metric: str, stat: str | None) -> float:
+def _mean_abs(values: Sequence[float]) -> float:
+    kept = [abs(v) for v in values if not math.isnan(v)]
+    return float(np.mean(kept)) if kept else math.nan
+
+
+def _get(summary: Mapping[str, Any], metric: str, stat: str | None) -> float:
     value = summary[metric] if stat is None else summary[metric][stat]
     return float(value or 0.0)
 
@@ -172,26 +288,26 @@ def _rel(predicted: float, measured: float) -> float:
     return (predicted - measured) / measured if measured else math.nan
 
 
-def load_models(profile: dict[str, Any], prefill_profile: dict[str, Any] | None = None,
-                decode_profile: dict[str, Any] | None = None) -> Models:
-    """Models from one profile, or per-device profiles for the prefill and decode pools."""
-    from capacity.profiler import latency_model
+# ----- calibration of the serving stack's overhead -------------------------------------------------
+def calibrate_overhead(profile: Profile, sweep: Mapping[str, Any]) -> Profile:
+    """`profile` with ``overhead`` measured on a calibration sweep of a sim cluster (another run than
+    the one being validated): per pass, the mean excess TPOT over the prediction without overhead;
+    per request, the mean excess TTFT left once the per-pass overhead is in the model. Both are
+    converted to wall seconds (divided by the sweep's speedup) and never negative."""
+    from dataclasses import replace
 
-    base = latency_model(profile)
-    prefill = latency_model(prefill_profile) if prefill_profile else base
-    decode = latency_model(decode_profile) if decode_profile else base
-    # the KV transfer is paid on the prefill side's schedule: keep the base profile's link
-    prefill = LatencyModel(prefill.prefill, prefill.decode, base.transfer, base.kv_bytes_per_token)
-    engine = (decode_profile or profile)["engine"]
-    return Models(prefill, decode, dict(engine))
+    from engine.sim_profile import Overhead
+
+    speedup = float(sweep["bench"].get("speedup", 1.0))
+    base = replace(profile, overhead=Overhead())
+    first = validate(timing_for(base), sweep)["points"]
+    per_pass = _mean_excess(first, "tpot_ms_mean") / 1000 / speedup
+    with_pass = replace(profile, overhead=Overhead(per_pass_s=per_pass))
+    second = validate(timing_for(with_pass), sweep)["points"]
+    per_request = _mean_excess(second, "ttft_ms_mean") / 1000 / speedup
+    return replace(profile, overhead=Overhead(per_pass_s=per_pass, per_request_s=per_request))
 
 
-def format_rows(rows: Sequence[dict[str, Any]]) -> list[list[str]]:
-    out = []
-    for r in rows:
-        if "skipped" in r:
-            out.append([r["config"], str(r["workers"]), "-", "-", "-", "-", r["skipped"]])
-            continue
-        out.append([r["config"], str(r["workers"]), f"{100 * r['attainment']:.1f}%", f"{r['goodput']:.3f}",
-                    f"{r['ttft_p90_ms']:.0f}", f"{r['tpot_p90_ms']:.0f}", ""])
-    return out
+def _mean_excess(points: Sequence[Mapping[str, Any]], key: str) -> float:
+    excess = [p[key]["measured"] - p[key]["predicted"] for p in points]
+    return max(0.0, float(np.mean(excess))) if excess else 0.0

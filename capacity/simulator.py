@@ -1,21 +1,33 @@
-"""Discrete-event simulation of a pdserve deployment (heapq event queue, times in seconds).
+"""Discrete-event simulation of a pdserve deployment (heapq event queue, times in profile seconds).
 
-Model (mirrors the code paths of the workers, at the granularity of forward passes):
+The model follows the workers' code paths pass by pass, with the pass times of a profile
+(`engine.sim_profile`), so that it predicts what a sim-engine cluster measures:
 
-* Router: round robin over decode workers and over prefill workers (colocated: over colocated workers).
-* Decode worker, disaggregated: admits a request when its KV pool can hold prompt + output tokens
-  (FIFO admission queue otherwise; no preemption is modelled), then the prefill worker gets it.
-  Continuous batching: one step = one token for every running sequence (at most ``max_num_seqs``),
-  lasting ``decode_s(batch, mean context)``. A prompt whose KV arrived joins at the next step
-  boundary (at once when idle), and its first token is emitted then.
-* Prefill worker: FIFO queue; a pass takes queued prompts within a token budget (the first always)
-  and lasts ``prefill_s(batch tokens)``; each prompt's KV transfer then takes ``transfer_s(tokens)``
-  without blocking the next pass (the worker ships KV from a thread pool).
-* Colocated worker: one engine; a prefill pass of waiting prompts has priority over a decode step
-  (``LLMEngine.step``); first tokens are emitted at the end of their prefill pass.
+* Router: round robin over prefill workers and, independently, over decode (or colocated) workers,
+  starting after the warm-up requests (``Timing.rr_offset``).
+* Worker loops (`DecodeWorker._loop`, `PrefillWorker._loop`): work that arrives while a pass runs
+  (a reservation, a commit of arrived KV, a new local request) is taken at the end of that pass;
+  an idle worker takes it at once.
+* Decode worker, disaggregated: reserves blocks for prompt + 1 tokens (parked, retried after every
+  pass, when the pool is full), then hands the request to its prefill worker. Arrived KV is
+  committed between passes: the first token is emitted then, and the sequence decodes from the
+  next pass. A pass is `LLMEngine.step`: one token for every running sequence (growing its blocks,
+  preempting the newest when the pool is empty), plus, in the same pass, recomputation of
+  preempted sequences within the token budget (a mixed pass).
+* Prefill worker: admits queued prompts FIFO when its pool holds them, then runs passes of at most
+  ``prefill_chunk_tokens`` per prompt within ``max_batched_tokens`` (chunked prefill); a finished
+  prompt's KV reaches its decode worker ``transfer_s`` later, without blocking the next pass.
+* Colocated worker: the same engine with local prefills: new prompts join the decode pass (mixed
+  batch) within the token budget, batch slots and free blocks (one block of headroom per running
+  sequence), and their first token is emitted at the end of that pass.
+* Overhead: every pass takes ``overhead.per_pass_s * overhead_scale`` more, and every token of a
+  request reaches the client ``overhead.per_request_s * overhead_scale`` after it is emitted
+  (``overhead_scale`` is the sim cluster's speedup when predicting a sim sweep: wall-clock overhead
+  reads K times larger in profile time).
 
 Per-request results are ``metrics.RequestRecord``s, so the simulated summary uses the very same
-metric code as the load generator.
+metric code as the load generator. Not modelled: prefix-cache hits, request deadlines and admission
+timeouts, the transfer thread pool's size, CPU contention between processes.
 """
 
 from __future__ import annotations
@@ -28,41 +40,20 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from capacity.metrics import RequestRecord
+from engine.sim_profile import Profile
 
 
-@dataclass(frozen=True)
-class LatencyModel:
-    """Fitted latencies: prefill a + b*tokens + c*tokens^2; decode step a + b*batch + c*batch*mean_ctx;
-    KV transfer a + b*bytes with ``kv_bytes_per_token``."""
-
-    prefill: tuple[float, float, float]
-    decode: tuple[float, float, float]
-    transfer: tuple[float, float] = (0.0, 0.0)
-    kv_bytes_per_token: float = 0.0
-
-    def prefill_s(self, tokens: int) -> float:
-        a, b, c = self.prefill
-        return max(0.0, a + b * tokens + c * tokens * tokens)
-
-    def decode_s(self, batch: int, mean_ctx: float) -> float:
-        a, b, c = self.decode
-        return max(0.0, a + b * batch + c * batch * mean_ctx)
-
-    def transfer_s(self, tokens: int) -> float:
-        return max(0.0, self.transfer[0] + self.transfer[1] * tokens * self.kv_bytes_per_token)
+def blocks_for(tokens: int, block_size: int) -> int:
+    return math.ceil(tokens / block_size)
 
 
 @dataclass(frozen=True)
 class Deployment:
-    """Worker counts and engine limits of one simulated configuration."""
+    """Worker counts of one simulated configuration."""
 
     prefill: int = 0
     decode: int = 0
     colocated: int = 0
-    prefill_token_budget: int = 4096
-    max_num_seqs: int = 64
-    kv_capacity_tokens: int = 10**9
-    block_size: int = 16
 
     def __post_init__(self) -> None:
         if min(self.prefill, self.decode, self.colocated) < 0:
@@ -80,25 +71,49 @@ class Deployment:
     def name(self) -> str:
         return f"colocated x{self.colocated}" if self.colocated else f"{self.prefill}P{self.decode}D"
 
+    @classmethod
+    def parse(cls, name: str) -> Deployment:
+        """``"3P5D"`` or ``"colocated x4"``."""
+        try:
+            if name.startswith("colocated x"):
+                return cls(colocated=int(name.removeprefix("colocated x")))
+            p, _, d = name.removesuffix("D").partition("P")
+            return cls(int(p), int(d))
+        except ValueError:
+            raise ValueError(f"deployment must look like 3P5D or 'colocated x4', got {name!r}") from None
 
-@dataclass
+
+@dataclass(frozen=True)
+class Timing:
+    """Profiles of the two pools and how to read the serving stack's overhead."""
+
+    prefill: Profile  # prefill workers (and the KV links)
+    decode: Profile  # decode and colocated workers
+    overhead_scale: float = 1.0
+    backend: str = "shm"
+    rr_offset: int = 0
+
+
+@dataclass(eq=False)  # identity: requests are removed from lists by who they are
 class SimRequest:
     index: int
     arrival: float
     input_len: int
     output_len: int
     token_times: list[float] = field(default_factory=list)
-    prefill_start: float | None = None
+    blocks: int = 0  # blocks held on the decode / colocated worker
+    recompute: bool = False  # preempted: its next pass recomputes prompt + outputs
+
+    @property
+    def num_tokens(self) -> int:
+        return self.input_len + len(self.token_times)
 
     @property
     def done(self) -> bool:
         return len(self.token_times) >= self.output_len
 
-    def blocks(self, block_size: int) -> int:
-        return math.ceil((self.input_len + self.output_len) / block_size)
-
-    def record(self) -> RequestRecord:
-        times = self.token_times
+    def record(self, latency: float) -> RequestRecord:
+        times = [t + latency for t in self.token_times]
         itl = [b - a for a, b in itertools.pairwise(times)]
         return RequestRecord(self.index, self.arrival, self.input_len, len(times), times[0] - self.arrival,
                              itl, times[-1] - self.arrival)
@@ -119,163 +134,226 @@ class EventLoop:
             fn()
 
 
-class _KvPool:
-    """Blocks of one worker's KV cache with a FIFO admission queue."""
+class _Loop:
+    """A worker's loop thread: calls arriving during a pass run when it ends (`_drain`)."""
 
-    def __init__(self, dep: Deployment) -> None:
-        self.free = max(1, dep.kv_capacity_tokens // dep.block_size)
-        self.block_size = dep.block_size
-        self.waiting: deque[tuple[SimRequest, Callable[[SimRequest], None]]] = deque()
-
-    def admit(self, req: SimRequest, then: Callable[[SimRequest], None]) -> None:
-        self.waiting.append((req, then))
-        self._drain()
-
-    def release(self, req: SimRequest) -> None:
-        self.free += req.blocks(self.block_size)
-        self._drain()
-
-    def _drain(self) -> None:
-        while self.waiting and self.waiting[0][0].blocks(self.block_size) <= self.free:
-            req, then = self.waiting.popleft()
-            self.free -= req.blocks(self.block_size)
-            then(req)
-
-
-class _Engine:
-    """Continuous batching shared by decode and colocated workers (subclasses pick the next pass)."""
-
-    def __init__(self, loop: EventLoop, model: LatencyModel, dep: Deployment) -> None:
-        self.loop, self.model, self.dep = loop, model, dep
-        self.kv = _KvPool(dep)
-        self.running: list[SimRequest] = []
+    def __init__(self, loop: EventLoop, profile: Profile, scale: float) -> None:
+        self.loop, self.profile = loop, profile
+        self.limits = profile.engine
+        self.pass_overhead = profile.overhead.per_pass_s * scale
+        self.free = profile.engine.num_blocks
         self.busy = False
+        self.inbox: deque[Callable[[], None]] = deque()
 
+    def call(self, fn: Callable[[], None]) -> None:
+        self.inbox.append(fn)
+        if not self.busy:
+            self._iterate()
+
+    def _iterate(self) -> None:
+        while self.inbox:
+            self.inbox.popleft()()
+        self._after_inbox()
+        self._start_pass()
+
+    def _after_inbox(self) -> None:
+        """Hook between the inbox and the next pass (decode: retry parked reservations)."""
+
+    def _start_pass(self) -> None:
+        raise NotImplementedError
+
+    def _run_pass(self, seconds: float, then: Callable[[], None]) -> None:
+        self.busy = True
+
+        def end() -> None:
+            then()
+            self.busy = False
+            self._iterate()
+
+        self.loop.at(self.loop.now + seconds + self.pass_overhead, end)
+
+
+class _EngineWorker(_Loop):
+    """Decode or colocated worker: `LLMEngine` (scheduler + block pool) behind the loop."""
+
+    def __init__(self, loop: EventLoop, profile: Profile, scale: float) -> None:
+        super().__init__(loop, profile, scale)
+        self.running: list[SimRequest] = []
+        self.waiting: deque[SimRequest] = deque()
+        self.parked: list[tuple[SimRequest, Callable[[], None]]] = []
+
+    # ----- blocks ------------------------------------------------------------------------------
+    def _grow(self, req: SimRequest, tokens: int) -> bool:
+        missing = blocks_for(tokens, self.limits.block_size) - req.blocks
+        if missing <= 0:
+            return True
+        if missing > self.free:
+            return False
+        self.free -= missing
+        req.blocks += missing
+        return True
+
+    def _release(self, req: SimRequest) -> None:
+        self.free += req.blocks
+        req.blocks = 0
+
+    # ----- disaggregated: reservation, then KV commit ------------------------------------------
+    def reserve(self, req: SimRequest, then: Callable[[], None]) -> None:
+        self.call(lambda: self._try_reserve(req, then) or self.parked.append((req, then)))
+
+    def _try_reserve(self, req: SimRequest, then: Callable[[], None]) -> bool:
+        if not self._grow(req, req.input_len + 1):
+            return False
+        then()
+        return True
+
+    def _after_inbox(self) -> None:
+        self.parked = [(r, t) for r, t in self.parked if not self._try_reserve(r, t)]
+
+    def commit(self, req: SimRequest) -> None:
+        self.call(lambda: self._commit(req))
+
+    def _commit(self, req: SimRequest) -> None:
+        self._emit(req)
+        if not req.done:
+            self.running.append(req)
+
+    # ----- colocated ---------------------------------------------------------------------------
+    def add_local(self, req: SimRequest) -> None:
+        self.call(lambda: self.waiting.append(req))
+
+    # ----- the pass ------------------------------------------------------------------------------
     def _emit(self, req: SimRequest) -> None:
         req.token_times.append(self.loop.now)
         if req.done:
             if req in self.running:
                 self.running.remove(req)
-            self.kv.release(req)
+            self._release(req)
 
-    def _decode_step(self) -> bool:
-        batch = self.running[: self.dep.max_num_seqs]
-        if not batch:
-            return False
-        mean_ctx = sum(r.input_len + len(r.token_times) for r in batch) / len(batch)
-        self._busy_until(self.loop.now + self.model.decode_s(len(batch), mean_ctx), lambda: self._end_decode(batch))
-        return True
+    def _schedule_decode(self) -> list[SimRequest]:
+        scheduled: list[SimRequest] = []
+        while self.running:
+            req = self.running.pop(0)
+            while not self._grow(req, req.num_tokens):
+                if self.running:
+                    self._preempt(self.running.pop())
+                    continue
+                if scheduled:
+                    self._preempt(req)
+                else:  # alone and too long for the pool: ends (finish reason "length")
+                    self._release(req)
+                    req.output_len = len(req.token_times)
+                break
+            else:
+                scheduled.append(req)
+        self.running = scheduled
+        return list(scheduled)
 
-    def _end_decode(self, batch: list[SimRequest]) -> None:
-        for req in batch:
+    def _preempt(self, req: SimRequest) -> None:
+        self._release(req)
+        req.recompute = True
+        self.waiting.appendleft(req)
+
+    def _prefill_tokens(self, req: SimRequest) -> int:
+        return req.num_tokens - 1 if req.token_times else req.input_len
+
+    def _schedule_prefill(self, budget: int) -> list[SimRequest]:
+        batch: list[SimRequest] = []
+        while self.waiting and len(self.running) + len(batch) < self.limits.max_num_seqs:
+            req = self.waiting[0]
+            new = self._prefill_tokens(req)
+            if batch and new > budget:
+                break
+            needed = blocks_for(new, self.limits.block_size) + len(self.running) + len(batch)
+            if self.free < needed or not self._grow(req, new):
+                break
+            self.waiting.popleft()
+            batch.append(req)
+            budget -= new
+        return batch
+
+    def _start_pass(self) -> None:
+        decode = self._schedule_decode()
+        prefill = self._schedule_prefill(self.limits.max_batched_tokens - len(decode))
+        if not decode and not prefill:
+            return
+        items = [(self._prefill_tokens(r), 0) for r in prefill]
+        seconds = self.profile.pass_s(items, len(decode), sum(r.num_tokens for r in decode))
+        self._run_pass(seconds, lambda: self._end_pass(decode, prefill))
+
+    def _end_pass(self, decode: list[SimRequest], prefill: list[SimRequest]) -> None:
+        for req in decode:
             self._emit(req)
-        self.busy = False
-        self.kick()
-
-    def _busy_until(self, time: float, fn: Callable[[], None]) -> None:
-        self.busy = True
-        self.loop.at(time, fn)
-
-    def _join(self, req: SimRequest) -> None:
-        """First token of ``req`` now; it decodes from the next step on."""
-        self.running.append(req)
-        self._emit(req)
-
-    def kick(self) -> None:
-        raise NotImplementedError
+        for req in prefill:
+            fresh = not req.recompute
+            req.recompute = False
+            if fresh:
+                self._emit(req)
+            if not req.done:
+                self.running.append(req)
 
 
-class _DecodeWorker(_Engine):
-    def __init__(self, loop: EventLoop, model: LatencyModel, dep: Deployment) -> None:
-        super().__init__(loop, model, dep)
-        self.arrived: list[SimRequest] = []
-
-    def on_kv(self, req: SimRequest) -> None:
-        self.arrived.append(req)
-        self.kick()
-
-    def kick(self) -> None:
-        if self.busy:
-            return
-        arrived, self.arrived = self.arrived, []
-        for req in arrived:
-            self._join(req)
-        self._decode_step()
+@dataclass(eq=False)
+class _PrefillJob:
+    req: SimRequest
+    target: _EngineWorker
+    blocks: int = 0
+    computed: int = 0
 
 
-class _ColocatedWorker(_Engine):
-    def __init__(self, loop: EventLoop, model: LatencyModel, dep: Deployment) -> None:
-        super().__init__(loop, model, dep)
-        self.waiting: deque[SimRequest] = deque()
+class _PrefillWorker(_Loop):
+    """`PrefillWorker`: FIFO admission by free blocks, chunked passes, KV shipped after each prompt."""
 
-    def submit(self, req: SimRequest) -> None:
-        self.kv.admit(req, self._queue)
+    def __init__(self, loop: EventLoop, profile: Profile, scale: float, backend: str) -> None:
+        super().__init__(loop, profile, scale)
+        self.backend = backend
+        self.queue: deque[_PrefillJob] = deque()
+        self.active: list[_PrefillJob] = []
 
-    def _queue(self, req: SimRequest) -> None:
-        self.waiting.append(req)
-        self.kick()
+    def submit(self, req: SimRequest, target: _EngineWorker) -> None:
+        self.call(lambda: self.queue.append(_PrefillJob(req, target)))
 
-    def kick(self) -> None:
-        if self.busy:
-            return
-        batch = _take_batch(self.waiting, self.dep.prefill_token_budget, self.dep.max_num_seqs - len(self.running))
-        if batch:
-            for req in batch:
-                req.prefill_start = self.loop.now
-            tokens = sum(r.input_len for r in batch)
-            self._busy_until(self.loop.now + self.model.prefill_s(tokens), lambda: self._end_prefill(batch))
-        else:
-            self._decode_step()
+    def _admit(self) -> None:
+        while self.queue:
+            job = self.queue[0]
+            needed = blocks_for(job.req.input_len, self.limits.block_size)
+            if needed > self.free:
+                return
+            self.queue.popleft()
+            self.free -= needed
+            job.blocks = needed
+            self.active.append(job)
 
-    def _end_prefill(self, batch: list[SimRequest]) -> None:
-        for req in batch:
-            self._join(req)
-        self.busy = False
-        self.kick()
+    def _start_pass(self) -> None:
+        self._admit()
+        step: list[tuple[_PrefillJob, int]] = []
+        budget = self.limits.max_batched_tokens
+        for job in self.active:
+            n = min(job.req.input_len - job.computed, self.limits.prefill_chunk_tokens, budget)
+            if n <= 0:
+                break
+            step.append((job, n))
+            budget -= n
+        if step:
+            seconds = self.profile.pass_s([(n, job.computed) for job, n in step], 0, 0)
+            self._run_pass(seconds, lambda: self._end_pass(step))
 
+    def _end_pass(self, step: list[tuple[_PrefillJob, int]]) -> None:
+        for job, n in step:
+            job.computed += n
+            if job.computed == job.req.input_len:
+                self.active.remove(job)
+                delay = self.profile.transfer_s(self.backend, job.req.input_len)
+                self.loop.at(self.loop.now + delay, self._delivered(job))
 
-class _PrefillWorker:
-    def __init__(self, loop: EventLoop, model: LatencyModel, dep: Deployment) -> None:
-        self.loop, self.model, self.dep = loop, model, dep
-        self.queue: deque[tuple[SimRequest, _DecodeWorker]] = deque()
-        self.busy = False
+    def _delivered(self, job: _PrefillJob) -> Callable[[], None]:
+        def deliver() -> None:
+            self.free += job.blocks
+            job.target.commit(job.req)
+            if not self.busy:
+                self._iterate()
 
-    def submit(self, req: SimRequest, target: _DecodeWorker) -> None:
-        self.queue.append((req, target))
-        self.kick()
-
-    def kick(self) -> None:
-        if self.busy or not self.queue:
-            return
-        reqs = _take_batch(deque(r for r, _ in self.queue), self.dep.prefill_token_budget, len(self.queue))
-        batch = [self.queue.popleft() for _ in reqs]
-        for req, _ in batch:
-            req.prefill_start = self.loop.now
-        self.busy = True
-        done = self.loop.now + self.model.prefill_s(sum(r.input_len for r, _ in batch))
-        self.loop.at(done, lambda: self._end(batch))
-
-    def _end(self, batch: list[tuple[SimRequest, _DecodeWorker]]) -> None:
-        for req, target in batch:
-            self.loop.at(self.loop.now + self.model.transfer_s(req.input_len), _deliver(target, req))
-        self.busy = False
-        self.kick()
-
-
-def _deliver(target: _DecodeWorker, req: SimRequest) -> Callable[[], None]:
-    return lambda: target.on_kv(req)
-
-
-def _take_batch(queue: deque[SimRequest], budget: int, max_count: int) -> list[SimRequest]:
-    """FIFO within a token budget; the first prompt always fits an empty batch."""
-    batch: list[SimRequest] = []
-    while queue and len(batch) < max_count:
-        if batch and queue[0].input_len > budget:
-            break
-        req = queue.popleft()
-        budget -= req.input_len
-        batch.append(req)
-    return batch
+        return deliver
 
 
 def simulate(
@@ -283,31 +361,31 @@ def simulate(
     arrivals: Sequence[float],
     input_lens: Sequence[int],
     output_lens: Sequence[int],
-    prefill_model: LatencyModel,
-    decode_model: LatencyModel | None = None,
+    timing: Timing,
 ) -> list[RequestRecord]:
     """Run every request to completion; return their records (send_time = arrival)."""
-    decode_model = decode_model or prefill_model
     loop = EventLoop()
-    reqs = [SimRequest(i, t, n, max(1, m)) for i, (t, n, m) in enumerate(zip(arrivals, input_lens, output_lens,
-                                                                             strict=True))]
-    if dep.colocated:
-        workers = [_ColocatedWorker(loop, decode_model, dep) for _ in range(dep.colocated)]
-        for req in reqs:
-            loop.at(req.arrival, _submit_colocated(workers[req.index % len(workers)], req))
-    else:
-        prefills = [_PrefillWorker(loop, prefill_model, dep) for _ in range(dep.prefill)]
-        decodes = [_DecodeWorker(loop, decode_model, dep) for _ in range(dep.decode)]
-        for req in reqs:
-            p, d = prefills[req.index % len(prefills)], decodes[req.index % len(decodes)]
-            loop.at(req.arrival, _submit_disaggregated(p, d, req))
+    reqs = [SimRequest(i, t, max(1, n), max(1, m))
+            for i, (t, n, m) in enumerate(zip(arrivals, input_lens, output_lens, strict=True))]
+    scale = timing.overhead_scale
+    engines = [_EngineWorker(loop, timing.decode, scale) for _ in range(dep.colocated or dep.decode)]
+    prefills = [_PrefillWorker(loop, timing.prefill, scale, timing.backend) for _ in range(dep.prefill)]
+    for req in reqs:
+        slot = req.index + timing.rr_offset
+        engine = engines[slot % len(engines)]
+        if dep.colocated:
+            loop.at(req.arrival, _bind(engine.add_local, req))
+        else:
+            prefill = prefills[slot % len(prefills)]
+            loop.at(req.arrival, _bind_reserve(engine, prefill, req))
     loop.run()
-    return [r.record() for r in reqs]
+    latency = timing.decode.overhead.per_request_s * scale
+    return [r.record(latency) for r in reqs]
 
 
-def _submit_colocated(worker: _ColocatedWorker, req: SimRequest) -> Callable[[], None]:
-    return lambda: worker.submit(req)
+def _bind(fn: Callable[[SimRequest], None], req: SimRequest) -> Callable[[], None]:
+    return lambda: fn(req)
 
 
-def _submit_disaggregated(p: _PrefillWorker, d: _DecodeWorker, req: SimRequest) -> Callable[[], None]:
-    return lambda: d.kv.admit(req, lambda r: p.submit(r, d))
+def _bind_reserve(engine: _EngineWorker, prefill: _PrefillWorker, req: SimRequest) -> Callable[[], None]:
+    return lambda: engine.reserve(req, lambda: prefill.submit(req, engine))

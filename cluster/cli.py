@@ -29,6 +29,7 @@ import grpc
 
 from capacity.cli import add_bench, add_plan, add_sweep
 from cluster.client import DEFAULT_ADDRESS, PdserveClient, build_request, collect, sampling_params, status_rows
+from cluster.engine_flags import add_engine_flags, engine_worker_args
 from cluster.local import ClusterStartError, LocalCluster, LocalClusterConfig
 from cluster.tables import format_table
 from pdserve.v1 import router_pb2
@@ -68,6 +69,7 @@ def _add_serve(commands: argparse._SubParsersAction) -> None:
     serve.add_argument("--log-format", choices=("text", "json"), default="text", help="log lines of every process")
     serve.add_argument("--log-level", default="INFO")
     _add_ray_serve_args(serve)
+    add_engine_flags(serve)
     serve.set_defaults(func=_cmd_serve)
 
 
@@ -143,6 +145,7 @@ def build_parser() -> argparse.ArgumentParser:
 def cluster_config(args: argparse.Namespace) -> LocalClusterConfig:
     """LocalClusterConfig from `pdserve serve` arguments; prefill/decode default to 1 without colocated."""
     default_pd = 0 if args.colocated > 0 else 1
+    engine_args = engine_worker_args(args)
     return LocalClusterConfig(
         model=args.model,
         prefill=default_pd if args.prefill is None else args.prefill,
@@ -162,6 +165,8 @@ def cluster_config(args: argparse.Namespace) -> LocalClusterConfig:
         metrics=args.metrics,
         log_format=args.log_format,
         log_level=args.log_level,
+        prefill_args=engine_args,
+        decode_args=engine_args,
     )
 
 
@@ -175,6 +180,7 @@ def ray_cluster_config(args: argparse.Namespace):  # noqa: ANN201 - cluster.ray_
 
     if args.colocated:
         raise ValueError("--colocated is not supported with --ray")
+    engine_args = engine_worker_args(args)
     return RayClusterConfig(
         prefill=1 if args.prefill is None else args.prefill, decode=1 if args.decode is None else args.decode,
         model=args.model, address=args.address, host=args.host, port=args.port, worker_host=args.worker_host,
@@ -183,6 +189,7 @@ def ray_cluster_config(args: argparse.Namespace):  # noqa: ANN201 - cluster.ray_
         threads_per_worker=args.threads_per_worker, kv_cache_mb=args.kv_cache_mb,
         prefill_policy=args.prefill_policy, decode_policy=args.decode_policy, max_restarts=args.max_restarts,
         startup_timeout_s=args.startup_timeout, log_level=args.log_level,
+        prefill_args=engine_args, decode_args=engine_args,
     )
 
 

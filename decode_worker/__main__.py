@@ -15,6 +15,7 @@ from engine.config import EngineConfig
 from engine.metrics import WorkerMetrics
 from engine.model_fetch import resolve_model
 from engine.model_loader import load_model
+from engine.sim_runner import add_engine_args, load_sim_worker
 from engine.worker_runtime import (
     Drain,
     StartedWorker,
@@ -55,6 +56,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                     help="where prefill workers send KV (default: this worker's gRPC address; "
                          "ray:<actor name> for the ray backend)")
     add_observability_args(ap)
+    add_engine_args(ap)
     return ap.parse_args(argv)
 
 
@@ -64,7 +66,10 @@ def start_worker(args: argparse.Namespace) -> StartedWorker:
     config = EngineConfig(model=args.model, dtype=args.dtype, block_size=args.block_size,
                           kv_cache_memory_mb=args.kv_cache_mb, max_num_seqs=args.max_num_seqs,
                           max_num_batched_tokens=args.max_batched_tokens, prefix_caching=args.prefix_caching)
-    loaded = load_model(resolve_model(args.model), config.torch_dtype)
+    if args.engine == "sim":
+        config, loaded = load_sim_worker(args, config)
+    else:
+        loaded = load_model(resolve_model(args.model), config.torch_dtype)
     metrics = WorkerMetrics()
     worker = DecodeWorker(loaded, config, admission_timeout_s=args.admission_timeout_s, metrics=metrics)
     endpoint = start_metrics_endpoint(metrics.registry, args.metrics_port)

@@ -17,7 +17,8 @@ from engine.block_pool import BlockPool, block_hashes, blocks_for_tokens
 from engine.config import EngineConfig
 from engine.kv_cache import KVCache
 from engine.model_loader import LoadedModel
-from engine.model_runner import ModelRunner, StepInput
+from engine.model_runner import StepInput
+from engine.runners import build_runner
 from engine.sampler import sample
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler
@@ -55,7 +56,7 @@ class LLMEngine:
         self.config = config
         self.kv_cache = build_cache(loaded, config)
         self.pool = BlockPool(self.kv_cache.num_blocks, config.block_size)
-        self.runner = ModelRunner(loaded, self.kv_cache)
+        self.runner = build_runner(loaded, self.kv_cache)
         self.scheduler = Scheduler(config, self.pool)
         self.max_model_len = min(config.max_model_len or loaded.max_model_len, loaded.max_model_len)
         self.sequences: dict[str, Sequence] = {}

@@ -17,7 +17,8 @@ from engine.config import EngineConfig
 from engine.llm_engine import build_cache
 from engine.metrics import WorkerMetrics
 from engine.model_loader import LoadedModel
-from engine.model_runner import ModelRunner, StepInput
+from engine.model_runner import StepInput
+from engine.runners import build_runner
 from engine.sampler import sample
 from engine.sampling_params import SamplingParams
 from kv_transfer import KvSpec, get_backend
@@ -65,7 +66,7 @@ class PrefillWorker:
         # in shared memory, same-host decode workers copy blocks straight out of it ("shm" backend)
         self.kv_cache = build_cache(loaded, config, shared=shared_kv_cache)
         self.pool = BlockPool(self.kv_cache.num_blocks, config.block_size)
-        self.runner = ModelRunner(loaded, self.kv_cache)
+        self.runner = build_runner(loaded, self.kv_cache)
         self.transfer_timeout_s = transfer_timeout_s
         self.max_queue = max_queue
         self.faults = faults or FaultInjector(None, 0)
