@@ -168,7 +168,7 @@ def plan(timing: Timing, workload: Workload, rate: float, slos: Slos, max_worker
     """Search slices, size each family for ``rate``, build the Pareto front; see the module docstring."""
     if not rate > 0 or max_workers < 1:
         raise ValueError("rate must be > 0 and max_workers >= 1")
-    rows = []
+    rows: list[dict[str, Any]] = []
     for dep in slices(max_slice):
         slice_rate = max_rate(timing, dep, workload, slos, num_requests, seed)
         per_worker = slice_rate / dep.num_workers

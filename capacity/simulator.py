@@ -199,7 +199,11 @@ class _EngineWorker(_Loop):
 
     # ----- disaggregated: reservation, then KV commit ------------------------------------------
     def reserve(self, req: SimRequest, then: Callable[[], None]) -> None:
-        self.call(lambda: self._try_reserve(req, then) or self.parked.append((req, then)))
+        self.call(lambda: self._reserve_or_park(req, then))
+
+    def _reserve_or_park(self, req: SimRequest, then: Callable[[], None]) -> None:
+        if not self._try_reserve(req, then):
+            self.parked.append((req, then))
 
     def _try_reserve(self, req: SimRequest, then: Callable[[], None]) -> bool:
         if not self._grow(req, req.input_len + 1):

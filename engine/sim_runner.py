@@ -171,7 +171,7 @@ def add_engine_args(ap: argparse.ArgumentParser) -> None:
                        help="sim engine: every modelled duration is divided by this (default 1)")
 
 
-def load_sim_worker(args: argparse.Namespace, config: EngineConfig) -> tuple[EngineConfig, SimLoadedModel]:
+def load_sim_worker(args: argparse.Namespace, config: EngineConfig) -> tuple[EngineConfig, LoadedModel]:
     """For `--engine sim`: the profile's engine limits applied to `config`, and the sim model.
     One torch thread: a sim worker only waits."""
     from engine.model_fetch import resolve_model
