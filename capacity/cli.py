@@ -96,6 +96,8 @@ def add_plan(commands: argparse._SubParsersAction) -> None:
     val = sub.add_parser("validate", help="replay a sweep's requests in the simulator; report the errors")
     val.add_argument("--profile", required=True)
     val.add_argument("--sweep", required=True, help="results.json of `pdserve sweep`")
+    val.add_argument("--no-prefix-cache", action="store_true",
+                     help="do not model the prefill workers' prefix caches (no tokenizer needed)")
     val.add_argument("--output", default=None, metavar="FILE")
     val.set_defaults(func=_cmd_validate)
     cal = sub.add_parser("calibrate", help="measure the serving stack's overhead from a calibration sweep "
@@ -220,11 +222,12 @@ def _cmd_simulate(args: argparse.Namespace) -> int:
 
 
 def _cmd_validate(args: argparse.Namespace) -> int:
-    from capacity.planner import HEADLINE, VALIDATED, timing_for, validate
+    from capacity.planner import HEADLINE, VALIDATED, sweep_prompts, timing_for, validate
 
     try:
         timing = timing_for(_load_profile(args.profile))
-        result = validate(timing, json.loads(Path(args.sweep).read_text()))
+        sweep = json.loads(Path(args.sweep).read_text())
+        result = validate(timing, sweep, None if args.no_prefix_cache else sweep_prompts(sweep))
     except (ValueError, OSError, KeyError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
@@ -241,10 +244,11 @@ def _cmd_validate(args: argparse.Namespace) -> int:
 
 
 def _cmd_calibrate(args: argparse.Namespace) -> int:
-    from capacity.planner import calibrate_overhead
+    from capacity.planner import calibrate_overhead, sweep_prompts
 
     try:
-        profile = calibrate_overhead(_load_profile(args.profile), json.loads(Path(args.sweep).read_text()))
+        sweep = json.loads(Path(args.sweep).read_text())
+        profile = calibrate_overhead(_load_profile(args.profile), sweep, sweep_prompts(sweep))
     except (ValueError, OSError, KeyError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

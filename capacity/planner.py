@@ -23,7 +23,7 @@ confidence interval (resampling its requests).
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -31,7 +31,7 @@ import numpy as np
 
 from capacity.arrivals import arrival_times
 from capacity.metrics import RequestRecord, bootstrap_goodput, summarize
-from capacity.simulator import Deployment, Timing, simulate
+from capacity.simulator import Deployment, PrefixCache, Timing, simulate
 from capacity.workload import LengthDist
 from engine.sim_profile import Profile
 
@@ -235,43 +235,98 @@ VALIDATED = (("goodput", None), ("ttft_ms", "mean"), ("ttft_ms", "p90"), ("tpot_
 HEADLINE = ("goodput", "ttft_ms_p90", "tpot_ms_mean", "itl_ms_p99")
 
 
-def replay_trace(point: Mapping[str, Any], output_len: LengthDist) -> tuple[list[float], list[int], list[int]]:
-    """Arrival times, prompt and output lengths of a measured point's requests (failed requests,
-    whose output length is unknown, get the distribution's mean)."""
+def replay_trace(point: Mapping[str, Any],
+                 output_len: LengthDist) -> tuple[list[float], list[int], list[int], list[int]]:
+    """Arrival times, prompt and output lengths and request indices of a measured point's requests,
+    in arrival order (failed requests, whose output length is unknown, get the distribution's mean)."""
     records = sorted(point["records"], key=lambda r: r["send_time"])
     fallback = max(1, round(output_len.mean))
     return ([float(r["send_time"]) for r in records], [int(r["prompt_tokens"]) for r in records],
-            [int(r["output_tokens"]) if not r["error"] and r["output_tokens"] else fallback for r in records])
+            [int(r["output_tokens"]) if not r["error"] and r["output_tokens"] else fallback for r in records],
+            [int(r["index"]) for r in records])
 
 
-def validate(timing: Timing, sweep: Mapping[str, Any]) -> dict[str, Any]:
-    """Predict every measured point of a sweep by replaying its trace; errors per metric and their mean."""
+PromptSource = Callable[[Mapping[str, Any]], tuple[list[list[int]], list[list[int]]]]
+
+
+def sweep_prompts(sweep: Mapping[str, Any]) -> PromptSource:
+    """The token ids `bench` sent at a sweep point, regenerated from its seed and the corpus as cut
+    by the model's tokenizer: (measured prompts by request index, warm-up prompts)."""
+    from capacity.bench import BenchConfig, load_corpus_ids, plan_requests
+
+    bench = sweep["bench"]
+    corpus = load_corpus_ids(bench.get("model"))
+    config = BenchConfig(url="", input_len=LengthDist.from_json(bench["input_len"]),
+                         output_len=LengthDist.from_json(bench["output_len"]), num_prompts=int(bench["num_prompts"]))
+    warmup, seed = int(bench.get("warmup", 0)), int(bench["seed"])
+
+    def prompts(point: Mapping[str, Any]) -> tuple[list[list[int]], list[list[int]]]:
+        measured = [p.prompt_ids for p in plan_requests(config, corpus, config.num_prompts, seed)]
+        warm = [p.prompt_ids for p in plan_requests(config, corpus, warmup, seed + 1000)] if warmup else []
+        return measured, warm
+
+    return prompts
+
+
+def validate(timing: Timing, sweep: Mapping[str, Any], prompts: PromptSource | None = None) -> dict[str, Any]:
+    """Predict every measured point of a sweep by replaying its trace; errors per metric and their mean.
+
+    With `prompts` (see `sweep_prompts`) the prefill workers' prefix caches are modelled too: they
+    persist across the rates of one configuration (one cluster serves them all, and `bench` sends
+    the same prompts at every rate), warm-up prompts included, each prompt cached on the worker
+    round robin sent it to."""
     bench = sweep["bench"]
     output_len = LengthDist.from_json(bench["output_len"])
     slos = {k: v / 1000 for k, v in bench["slos_ms"].items()}
-    timing = Timing(timing.prefill, timing.decode, float(bench.get("speedup", 1.0)), timing.backend,
-                    int(bench.get("warmup", 0)))
+    speedup, warmup = float(bench.get("speedup", 1.0)), int(bench.get("warmup", 0))
+    caches: dict[str, list[PrefixCache]] = {}
     points = []
     for point in sweep["points"]:
         dep = Deployment(point["prefill"], point["decode"], point["colocated"])
-        arrivals, inputs, outputs = replay_trace(point, output_len)
-        predicted_records = simulate(dep, arrivals, inputs, outputs, timing)
+        arrivals, inputs, outputs, indices = replay_trace(point, output_len)
+        sent_before = int(point.get("rate_index", 0)) * (warmup + len(point["records"]))
+        hashes, worker_caches = None, None
+        if prompts is not None and dep.prefill:
+            worker_caches = caches.setdefault(point["config"], [PrefixCache(timing.prefill.engine.num_blocks)
+                                                                for _ in range(dep.prefill)])
+            hashes = _warm_and_hash(prompts(point), worker_caches, sent_before, indices, inputs,
+                                    timing.prefill.engine.block_size)
+        point_timing = Timing(timing.prefill, timing.decode, speedup, timing.backend, sent_before + warmup)
+        predicted_records = simulate(dep, arrivals, inputs, outputs, point_timing, hashes, worker_caches)
         predicted = summarize(predicted_records, _duration(predicted_records), slos)
-        measured = point["summary"]
-        records = [RequestRecord.from_json(r) for r in point["records"]]
-        row: dict[str, Any] = {"config": point["config"], "rate": point["rate"],
-                               "goodput_ci95": list(bootstrap_goodput(records, measured["duration_s"], slos))}
-        for metric, stat in VALIDATED:
-            key = metric if stat is None else f"{metric}_{stat}"
-            m, p = _get(measured, metric, stat), _get(predicted, metric, stat)
-            row[key] = {"measured": m, "predicted": p, "rel_error": _rel(p, m)}
-        points.append(row)
+        points.append(_compare(point, predicted, slos))
     keys = [m if s is None else f"{m}_{s}" for m, s in VALIDATED]
     mape = {k: _mean_abs([p[k]["rel_error"] for p in points]) for k in keys}
-    return {"profile": {"prefill": timing.prefill.name, "decode": timing.decode.name},
-            "speedup": timing.overhead_scale, "points": points, "mean_abs_rel_error": mape,
+    return {"profile": {"prefill": timing.prefill.name, "decode": timing.decode.name}, "speedup": speedup,
+            "prefix_cache_modelled": prompts is not None, "points": points, "mean_abs_rel_error": mape,
             "max_abs_rel_error": {k: max((abs(p[k]["rel_error"]) for p in points
                                           if not math.isnan(p[k]["rel_error"])), default=math.nan) for k in keys}}
+
+
+def _warm_and_hash(prompts: tuple[list[list[int]], list[list[int]]], caches: list[PrefixCache], sent_before: int,
+                   indices: Sequence[int], inputs: Sequence[int], block_size: int) -> list[list[int]]:
+    """Cache the warm-up prompts where round robin sent them; return the measured prompts' block
+    hashes in replay order (ValueError when the regenerated prompts do not match the records)."""
+    from engine.block_pool import block_hashes
+
+    measured, warm = prompts
+    for j, ids in enumerate(warm):
+        caches[(sent_before + j) % len(caches)].add(block_hashes(ids, block_size))
+    if any(len(measured[i]) != n for i, n in zip(indices, inputs, strict=True)):
+        raise ValueError("regenerated prompts do not match the recorded prompt lengths (another corpus or tokenizer?)")
+    return [block_hashes(measured[i], block_size) for i in indices]
+
+
+def _compare(point: Mapping[str, Any], predicted: Mapping[str, Any], slos: Mapping[str, float]) -> dict[str, Any]:
+    measured = point["summary"]
+    records = [RequestRecord.from_json(r) for r in point["records"]]
+    row: dict[str, Any] = {"config": point["config"], "rate": point["rate"],
+                           "goodput_ci95": list(bootstrap_goodput(records, measured["duration_s"], slos))}
+    for metric, stat in VALIDATED:
+        key = metric if stat is None else f"{metric}_{stat}"
+        m, p = _get(measured, metric, stat), _get(predicted, metric, stat)
+        row[key] = {"measured": m, "predicted": p, "rel_error": _rel(p, m)}
+    return row
 
 
 def _mean_abs(values: Sequence[float]) -> float:
@@ -289,7 +344,7 @@ def _rel(predicted: float, measured: float) -> float:
 
 
 # ----- calibration of the serving stack's overhead -------------------------------------------------
-def calibrate_overhead(profile: Profile, sweep: Mapping[str, Any]) -> Profile:
+def calibrate_overhead(profile: Profile, sweep: Mapping[str, Any], prompts: PromptSource | None = None) -> Profile:
     """`profile` with ``overhead`` measured on a calibration sweep of a sim cluster (another run than
     the one being validated): per pass, the mean excess TPOT over the prediction without overhead;
     per request, the mean excess TTFT left once the per-pass overhead is in the model. Both are
@@ -300,10 +355,10 @@ def calibrate_overhead(profile: Profile, sweep: Mapping[str, Any]) -> Profile:
 
     speedup = float(sweep["bench"].get("speedup", 1.0))
     base = replace(profile, overhead=Overhead())
-    first = validate(timing_for(base), sweep)["points"]
+    first = validate(timing_for(base), sweep, prompts)["points"]
     per_pass = _mean_excess(first, "tpot_ms_mean") / 1000 / speedup
     with_pass = replace(profile, overhead=Overhead(per_pass_s=per_pass))
-    second = validate(timing_for(with_pass), sweep)["points"]
+    second = validate(timing_for(with_pass), sweep, prompts)["points"]
     per_request = _mean_excess(second, "ttft_ms_mean") / 1000 / speedup
     return replace(profile, overhead=Overhead(per_pass_s=per_pass, per_request_s=per_request))
 

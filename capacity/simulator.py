@@ -35,7 +35,7 @@ from __future__ import annotations
 import heapq
 import itertools
 import math
-from collections import deque
+from collections import OrderedDict, deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
@@ -83,6 +83,33 @@ class Deployment:
             raise ValueError(f"deployment must look like 3P5D or 'colocated x4', got {name!r}") from None
 
 
+class PrefixCache:
+    """A prefill worker's cached prompt blocks, by chained block hash (`engine.block_pool.block_hashes`),
+    least recently used evicted beyond `capacity_blocks`. Survives across `simulate` calls, as a
+    worker's cache survives across the rates of a sweep."""
+
+    def __init__(self, capacity_blocks: int) -> None:
+        self.capacity_blocks = capacity_blocks
+        self._blocks: OrderedDict[int, None] = OrderedDict()
+
+    def hits(self, hashes: Sequence[int]) -> int:
+        """Length of the longest cached prefix of `hashes` (those blocks become most recent)."""
+        count = 0
+        for h in hashes:
+            if h not in self._blocks:
+                break
+            self._blocks.move_to_end(h)
+            count += 1
+        return count
+
+    def add(self, hashes: Sequence[int]) -> None:
+        for h in hashes:
+            self._blocks[h] = None
+            self._blocks.move_to_end(h)
+        while len(self._blocks) > self.capacity_blocks:
+            self._blocks.popitem(last=False)
+
+
 @dataclass(frozen=True)
 class Timing:
     """Profiles of the two pools and how to read the serving stack's overhead."""
@@ -103,6 +130,7 @@ class SimRequest:
     token_times: list[float] = field(default_factory=list)
     blocks: int = 0  # blocks held on the decode / colocated worker
     recompute: bool = False  # preempted: its next pass recomputes prompt + outputs
+    block_hashes: Sequence[int] = ()  # chained hashes of the prompt's full blocks (prefix cache)
 
     @property
     def num_tokens(self) -> int:
@@ -308,9 +336,11 @@ class _PrefillJob:
 class _PrefillWorker(_Loop):
     """`PrefillWorker`: FIFO admission by free blocks, chunked passes, KV shipped after each prompt."""
 
-    def __init__(self, loop: EventLoop, profile: Profile, scale: float, backend: str) -> None:
+    def __init__(self, loop: EventLoop, profile: Profile, scale: float, backend: str,
+                 cache: PrefixCache | None = None) -> None:
         super().__init__(loop, profile, scale)
         self.backend = backend
+        self.cache = cache
         self.queue: deque[_PrefillJob] = deque()
         self.active: list[_PrefillJob] = []
 
@@ -320,12 +350,15 @@ class _PrefillWorker(_Loop):
     def _admit(self) -> None:
         while self.queue:
             job = self.queue[0]
-            needed = blocks_for(job.req.input_len, self.limits.block_size)
+            bs = self.limits.block_size
+            needed = blocks_for(job.req.input_len, bs)
             if needed > self.free:
                 return
             self.queue.popleft()
-            self.free -= needed
-            job.blocks = needed
+            hits = self.cache.hits(job.req.block_hashes[: (job.req.input_len - 1) // bs]) if self.cache else 0
+            self.free -= needed - hits
+            job.blocks = needed - hits
+            job.computed = hits * bs
             self.active.append(job)
 
     def _start_pass(self) -> None:
@@ -345,6 +378,8 @@ class _PrefillWorker(_Loop):
     def _end_pass(self, step: list[tuple[_PrefillJob, int]]) -> None:
         for job, n in step:
             job.computed += n
+            if self.cache is not None:
+                self.cache.add(job.req.block_hashes[: job.computed // self.limits.block_size])
             if job.computed == job.req.input_len:
                 self.active.remove(job)
                 delay = self.profile.transfer_s(self.backend, job.req.input_len)
@@ -366,14 +401,20 @@ def simulate(
     input_lens: Sequence[int],
     output_lens: Sequence[int],
     timing: Timing,
+    prompt_hashes: Sequence[Sequence[int]] | None = None,
+    prefix_caches: Sequence[PrefixCache] | None = None,
 ) -> list[RequestRecord]:
-    """Run every request to completion; return their records (send_time = arrival)."""
+    """Run every request to completion; return their records (send_time = arrival). With
+    `prompt_hashes` (each prompt's full-block hashes) and one `PrefixCache` per prefill worker,
+    prefill workers skip the cached prefix of a prompt, as with `--prefix-caching`."""
     loop = EventLoop()
-    reqs = [SimRequest(i, t, max(1, n), max(1, m))
-            for i, (t, n, m) in enumerate(zip(arrivals, input_lens, output_lens, strict=True))]
+    hashes = prompt_hashes or [()] * len(arrivals)
+    reqs = [SimRequest(i, t, max(1, n), max(1, m), block_hashes=h)
+            for i, (t, n, m, h) in enumerate(zip(arrivals, input_lens, output_lens, hashes, strict=True))]
     scale = timing.overhead_scale
     engines = [_EngineWorker(loop, timing.decode, scale) for _ in range(dep.colocated or dep.decode)]
-    prefills = [_PrefillWorker(loop, timing.prefill, scale, timing.backend) for _ in range(dep.prefill)]
+    caches = list(prefix_caches) if prefix_caches is not None else [None] * dep.prefill
+    prefills = [_PrefillWorker(loop, timing.prefill, scale, timing.backend, cache) for cache in caches[: dep.prefill]]
     for req in reqs:
         slot = req.index + timing.rr_offset
         engine = engines[slot % len(engines)]

@@ -117,3 +117,19 @@ def test_validate_replays_the_measured_trace() -> None:
     assert point["goodput_ci95"][0] <= point["goodput"]["measured"] <= point["goodput_ci95"][1]
     assert set(result["mean_abs_rel_error"]) >= {"goodput", "ttft_ms_p90", "tpot_ms_mean", "itl_ms_p99"}
     assert isinstance(RequestRecord.from_json(sweep["points"][0]["records"][0]), RequestRecord)
+
+
+def test_prefix_cache_skips_the_cached_blocks_of_a_repeated_prompt() -> None:
+    from capacity.simulator import PrefixCache
+
+    # 1 ms per prompt token; the same 160-token prompt twice: the second computes only its last block
+    timing = timing_for(make_profile(prefill=(0.0, 0.001, 0.0)))
+    hashes = [list(range(1, 11))] * 2  # ten full blocks of 16 tokens
+    caches = [PrefixCache(capacity_blocks=100)]
+    first, second = simulate(Deployment(1, 1), [0.0, 1.0], [160, 160], [1, 1], timing, hashes, caches)
+    assert first.ttft == pytest.approx(0.16) and second.ttft == pytest.approx(0.016)
+    (third,) = simulate(Deployment(1, 1), [0.0], [160], [1], timing, hashes[:1], caches)  # the cache persists
+    assert third.ttft == pytest.approx(0.016)
+    small = PrefixCache(capacity_blocks=3)
+    small.add([1, 2, 3, 4])
+    assert small.hits([1, 2]) == 0 and small.hits([2, 3, 4]) == 3  # least recently used went first
