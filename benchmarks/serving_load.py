@@ -23,8 +23,8 @@ from collections import Counter
 
 import aiohttp
 
-from cluster.capacity.bench import BenchConfig, run_bench
-from cluster.capacity.workload import LengthDist
+from capacity.bench import BenchConfig, run_bench
+from capacity.workload import LengthDist
 from cluster.local import LocalCluster, LocalClusterConfig
 from pdserve.transport import open_channel
 from pdserve.v1 import common_pb2, worker_pb2, worker_pb2_grpc
@@ -54,8 +54,8 @@ def rss_mb(pid: int) -> float:
     return float("nan")
 
 
-async def _one_http(session: aiohttp.ClientSession, url: str, i: int) -> str:
-    body = {"model": "default", "prompt": f"Tell me about the river number {i}", "max_tokens": 8 + i % 25,
+async def _one_http(session: aiohttp.ClientSession, url: str, i: int, model: str) -> str:
+    body = {"model": model, "prompt": f"Tell me about the river number {i}", "max_tokens": 8 + i % 25,
             "stream": True, "ignore_eos": True}
     try:
         async with session.post(url, json=body) as response:
@@ -77,8 +77,10 @@ async def http_phase(http_address: str, requests: int, concurrency: int) -> Coun
     connector = aiohttp.TCPConnector(limit=concurrency)
     timeout = aiohttp.ClientTimeout(total=3600)
     async with aiohttp.ClientSession(connector=connector, timeout=timeout) as session:
+        async with session.get(f"http://{http_address}/v1/models") as response:
+            model = (await response.json())["data"][0]["id"]
         url = f"http://{http_address}/v1/completions"
-        outcomes = await asyncio.gather(*(_one_http(session, url, i) for i in range(requests)))
+        outcomes = await asyncio.gather(*(_one_http(session, url, i, model) for i in range(requests)))
     return Counter(outcomes)
 
 

@@ -22,14 +22,16 @@ import os
 import signal
 import sys
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator
 from types import FrameType
 
 import grpc
 
-from cluster.capacity.cli import add_bench, add_plan, add_sweep
+from capacity.cli import add_bench, add_plan, add_sweep
 from cluster.client import DEFAULT_ADDRESS, PdserveClient, build_request, collect, sampling_params, status_rows
+from cluster.engine_flags import add_engine_flags, engine_worker_args
 from cluster.local import ClusterStartError, LocalCluster, LocalClusterConfig
+from cluster.tables import format_table
 from pdserve.devices import DEVICE_HELP, DTYPE_HELP, DTYPE_NAMES, check_device_name
 from pdserve.v1 import router_pb2
 
@@ -70,6 +72,7 @@ def _add_serve(commands: argparse._SubParsersAction) -> None:
     serve.add_argument("--log-format", choices=("text", "json"), default="text", help="log lines of every process")
     serve.add_argument("--log-level", default="INFO")
     _add_ray_serve_args(serve)
+    add_engine_flags(serve)
     serve.set_defaults(func=_cmd_serve)
 
 
@@ -145,6 +148,7 @@ def build_parser() -> argparse.ArgumentParser:
 def cluster_config(args: argparse.Namespace) -> LocalClusterConfig:
     """LocalClusterConfig from `pdserve serve` arguments; prefill/decode default to 1 without colocated."""
     default_pd = 0 if args.colocated > 0 else 1
+    engine_args = engine_worker_args(args)
     return LocalClusterConfig(
         model=args.model,
         prefill=default_pd if args.prefill is None else args.prefill,
@@ -165,6 +169,8 @@ def cluster_config(args: argparse.Namespace) -> LocalClusterConfig:
         metrics=args.metrics,
         log_format=args.log_format,
         log_level=args.log_level,
+        prefill_args=engine_args,
+        decode_args=engine_args,
     )
 
 
@@ -178,6 +184,7 @@ def ray_cluster_config(args: argparse.Namespace):  # noqa: ANN201 - cluster.ray_
 
     if args.colocated:
         raise ValueError("--colocated is not supported with --ray")
+    engine_args = engine_worker_args(args)
     return RayClusterConfig(
         prefill=1 if args.prefill is None else args.prefill, decode=1 if args.decode is None else args.decode,
         model=args.model, address=args.address, host=args.host, port=args.port, worker_host=args.worker_host,
@@ -187,6 +194,7 @@ def ray_cluster_config(args: argparse.Namespace):  # noqa: ANN201 - cluster.ray_
         device=args.device, dtype=args.dtype,
         prefill_policy=args.prefill_policy, decode_policy=args.decode_policy, max_restarts=args.max_restarts,
         startup_timeout_s=args.startup_timeout, log_level=args.log_level,
+        prefill_args=engine_args, decode_args=engine_args,
     )
 
 
@@ -365,13 +373,6 @@ def _status_cells(row: dict[str, object]) -> list[str]:
     kv = f"{row['kv_used']}/{row['kv_total']}"
     healthy = "yes" if row["healthy"] else "NO"
     return [str(row[k]) for k in ("role", "worker_id", "address", "pid", "queue")] + [kv, str(row["running"]), healthy]
-
-
-def format_table(headers: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
-    """Plain text table with left-aligned columns separated by two spaces."""
-    widths = [max([len(h)] + [len(r[i]) for r in rows]) for i, h in enumerate(headers)]
-    lines = [headers, *rows]
-    return "\n".join("  ".join(cell.ljust(w) for cell, w in zip(line, widths, strict=True)).rstrip() for line in lines)
 
 
 def _add_auth_args(parser: argparse.ArgumentParser) -> None:

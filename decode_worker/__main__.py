@@ -15,6 +15,7 @@ from engine.config import EngineConfig
 from engine.metrics import WorkerMetrics
 from engine.model_fetch import resolve_model
 from engine.model_loader import load_model
+from engine.sim_runner import add_engine_args, load_sim_worker
 from engine.worker_runtime import (
     Drain,
     LivenessWatch,
@@ -58,6 +59,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--inject-loop-death-after-steps", type=int, default=None, metavar="N",
                     help="testing only: the engine loop thread dies after N decode steps (liveness tests)")
     add_observability_args(ap)
+    add_engine_args(ap)
     return ap.parse_args(argv)
 
 
@@ -67,7 +69,10 @@ def start_worker(args: argparse.Namespace) -> StartedWorker:
     config = EngineConfig(model=args.model, dtype=args.dtype, device=args.device, block_size=args.block_size,
                           kv_cache_memory_mb=args.kv_cache_mb, max_num_seqs=args.max_num_seqs,
                           max_num_batched_tokens=args.max_batched_tokens, prefix_caching=args.prefix_caching)
-    loaded = load_model(resolve_model(args.model), config.torch_dtype, config.device)
+    if args.engine == "sim":
+        config, loaded = load_sim_worker(args, config)
+    else:
+        loaded = load_model(resolve_model(args.model), config.torch_dtype, config.device)
     metrics = WorkerMetrics()
     worker = DecodeWorker(loaded, config, admission_timeout_s=args.admission_timeout_s, metrics=metrics,
                           die_after_steps=args.inject_loop_death_after_steps)

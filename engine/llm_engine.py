@@ -28,7 +28,8 @@ from engine.config import EngineConfig
 from engine.kv_cache import KVCache
 from engine.kv_connector import KvConnector
 from engine.model_loader import LoadedModel
-from engine.model_runner import ModelRunner, StepInput
+from engine.model_runner import StepInput
+from engine.runners import build_runner
 from engine.sampler import sample
 from engine.sampling_params import SamplingParams
 from engine.scheduler import PassItem, ScheduledPass, Scheduler
@@ -71,7 +72,7 @@ class LLMEngine:
         self.connector = connector
         self.kv_cache = build_cache(loaded, config, shared=shared_kv_cache)
         self.pool = BlockPool(self.kv_cache.num_blocks, config.block_size)
-        self.runner = ModelRunner(loaded, self.kv_cache)
+        self.runner = build_runner(loaded, self.kv_cache)
         self.scheduler = Scheduler(config, self.pool, keeps_decoding=connector is None)
         self.max_model_len = min(config.max_model_len or loaded.max_model_len, loaded.max_model_len)
         self.sequences: dict[str, Sequence] = {}  # every sequence not finished, handed-off ones included

@@ -10,6 +10,7 @@ from engine.config import EngineConfig
 from engine.metrics import WorkerMetrics
 from engine.model_fetch import resolve_model
 from engine.model_loader import load_model
+from engine.sim_runner import add_engine_args, load_sim_worker
 from engine.worker_runtime import (
     Drain,
     LivenessWatch,
@@ -23,6 +24,7 @@ from engine.worker_runtime import (
     make_server,
     serve_until_signal,
 )
+from kv_transfer.modelled import install_modelled_links
 from pdserve.v1 import worker_pb2_grpc
 from prefill_worker.faults import FAULT_MODES, FaultInjector
 from prefill_worker.servicer import PrefillServicer
@@ -50,6 +52,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                     help="testing only: corrupt or stall the KV stream of the next transfers")
     ap.add_argument("--inject-kv-fault-count", type=int, default=1)
     add_observability_args(ap)
+    add_engine_args(ap)
     return ap.parse_args(argv)
 
 
@@ -58,11 +61,17 @@ def start_worker(args: argparse.Namespace) -> StartedWorker:
     Shared by `main` (a process) and the Ray actor (`cluster.ray_actors`)."""
     config = EngineConfig(model=args.model, dtype=args.dtype, device=args.device, block_size=args.block_size,
                           kv_cache_memory_mb=args.kv_cache_mb, max_num_batched_tokens=args.max_batched_tokens)
-    loaded = load_model(resolve_model(args.model), config.torch_dtype, config.device)
+    chunk_tokens = args.prefill_chunk_tokens or None
+    if args.engine == "sim":  # the profile's limits; KV hand-offs take its modelled time
+        config, loaded = load_sim_worker(args, config)
+        chunk_tokens = loaded.model.profile.engine.prefill_chunk_tokens
+        install_modelled_links(loaded.model.profile, args.speedup)
+    else:
+        loaded = load_model(resolve_model(args.model), config.torch_dtype, config.device)
     metrics = WorkerMetrics()
     faults = FaultInjector(args.inject_kv_fault, args.inject_kv_fault_count)
     worker = PrefillWorker(loaded, config, transfer_timeout_s=args.kv_timeout_s, metrics=metrics, faults=faults,
-                           prefill_chunk_tokens=args.prefill_chunk_tokens or None,
+                           prefill_chunk_tokens=chunk_tokens,
                            prefix_caching=args.prefix_caching, kv_streaming=args.kv_streaming,
                            shared_kv_cache=args.shared_kv_cache)
     endpoint = start_metrics_endpoint(metrics.registry, args.metrics_port)

@@ -7,8 +7,8 @@ import math
 import numpy as np
 import pytest
 
-from cluster.capacity.arrivals import arrival_times, parse_rate
-from cluster.capacity.workload import LengthDist, cut_prompts, length_dist
+from capacity.arrivals import arrival_times, parse_rate
+from capacity.workload import LengthDist, cut_prompts, length_dist
 
 
 def gaps(times: list[float]) -> np.ndarray:

@@ -6,8 +6,8 @@ import math
 
 import pytest
 
-from cluster.capacity.cli import bench_config
-from cluster.capacity.sweep import best_config, sweep_configs, threads_per_worker
+from capacity.cli import bench_config
+from capacity.sweep import best_config, sweep_configs, threads_per_worker
 from cluster.cli import build_parser
 
 
@@ -48,3 +48,33 @@ def test_sweep_configs() -> None:
     assert threads_per_worker(2, cores=16) == 8
     points = [{"config": "a", "summary": {"goodput": 1.0}}, {"config": "b", "summary": {"goodput": 1.5}}]
     assert best_config(points) == "b"
+
+
+def test_engine_flags_reach_every_worker_and_the_bench(tmp_path) -> None:  # noqa: ANN001
+    from capacity.bench import to_profile_time
+    from capacity.metrics import RequestRecord
+    from capacity.sweep import select_configs
+    from cluster.cli import cluster_config, ray_cluster_config
+
+    profile = tmp_path / "p.json"
+    profile.write_text("{}")
+    args = build_parser().parse_args(["serve", "--engine", "sim", "--profile", str(profile), "--speedup", "4",
+                                      "--prefill", "2", "--decode", "3"])
+    flags = ("--engine", "sim", "--profile", str(profile.resolve()), "--speedup", "4.0")
+    local = cluster_config(args)
+    assert local.prefill_args == local.decode_args == flags
+    pytest.importorskip("ray")
+    ray = ray_cluster_config(args)
+    assert ray.prefill_args == ray.decode_args == flags
+    for bad in (["--profile", str(profile)], ["--engine", "sim"], ["--engine", "sim", "--profile", "missing.json"],
+                ["--engine", "sim", "--profile", str(profile), "--speedup", "0"]):
+        with pytest.raises(ValueError):
+            cluster_config(build_parser().parse_args(["serve", *bad]))
+    bench = bench_config(build_parser().parse_args(["bench", "--speedup", "4", "--rate", "2"]), "h:1")
+    assert bench.speedup == 4.0 and bench.to_json()["speedup"] == 4.0
+    wall = RequestRecord(0, 1.0, 10, 3, ttft=0.5, itl=[0.1, 0.2], e2e=0.8)
+    scaled = to_profile_time(wall, 4.0)
+    assert (scaled.send_time, scaled.ttft, scaled.itl, scaled.e2e) == (4.0, 2.0, [0.4, 0.8], 3.2)
+    assert [c.name for c in select_configs(6, "1P5D,colocated x6")] == ["1P5D", "colocated x6"]
+    with pytest.raises(ValueError, match="unknown"):
+        select_configs(6, "2P2D")

@@ -1,62 +1,135 @@
-"""The discrete-event simulator: an M/D/1 queue, hand-checkable single requests, the planner."""
+"""The discrete-event simulator: an M/D/1 queue, hand-checkable timelines of the workers' code paths,
+the planner's search (deterministic under a seed) and trace-replay validation."""
 
 from __future__ import annotations
 
 import numpy as np
 import pytest
+from sim_profiles import make_profile
 
-from cluster.capacity.arrivals import arrival_times
-from cluster.capacity.planner import Models, Workload, candidates, plan
-from cluster.capacity.simulator import Deployment, LatencyModel, simulate
-from cluster.capacity.workload import LengthDist
+from capacity.arrivals import arrival_times
+from capacity.metrics import RequestRecord
+from capacity.planner import Slos, Workload, parse_tail_slo, plan, slices, timing_for, validate
+from capacity.simulator import Deployment, Timing, simulate
+from capacity.workload import LengthDist
+from engine.sim_profile import Overhead
 
 
 def test_md1_mean_wait() -> None:
-    service, rate, n = 0.1, 5.0, 100_000  # rho = 0.5
+    service, rate, n = 0.1, 5.0, 20_000  # rho = 0.5
     rho, mu = rate * service, 1 / service
-    model = LatencyModel((service, 0.0, 0.0), (0.0, 0.0, 0.0))
-    # one prefill worker, a budget of one prompt per pass, no transfer, one output token
-    records = simulate(Deployment(1, 1, prefill_token_budget=8), arrival_times(n, rate, 1.0, 3), [8] * n, [1] * n,
-                       model)
+    # one prefill worker, one prompt per pass (the budget), no transfer, one output token
+    timing = timing_for(make_profile(prefill=(service, 0.0, 0.0), max_batched_tokens=8))
+    records = simulate(Deployment(1, 1), arrival_times(n, rate, 1.0, 3), [8] * n, [1] * n, timing)
     wq = float(np.mean([r.ttft for r in records])) - service
-    assert wq == pytest.approx(rho / (2 * mu * (1 - rho)), rel=0.05)
+    assert wq == pytest.approx(rho / (2 * mu * (1 - rho)), rel=0.08)
 
 
 def test_single_request_timeline() -> None:
-    # prefill 0.5 s, transfer 0.1 s, decode steps 0.05 s; 4 output tokens
-    model = LatencyModel((0.5, 0.0, 0.0), (0.05, 0.0, 0.0), (0.1, 0.0), 1.0)
-    (r,) = simulate(Deployment(1, 1), [1.0], [100], [4], model)
+    # prefill pass 0.5 s, transfer 0.1 s, decode steps 0.05 s; 4 output tokens
+    timing = timing_for(make_profile(prefill=(0.5, 0.0, 0.0), decode=(0.05, 0.0, 0.0), transfer_s=0.1))
+    (r,) = simulate(Deployment(1, 1), [1.0], [100], [4], timing)
     assert r.ttft == pytest.approx(0.6) and r.itl == pytest.approx([0.05] * 3)
     assert r.e2e == pytest.approx(0.75) and r.tpot == pytest.approx(0.05) and r.output_tokens == 4
-    (c,) = simulate(Deployment(colocated=1), [1.0], [100], [4], model)
+    (c,) = simulate(Deployment(colocated=1), [1.0], [100], [4], timing)
     assert c.ttft == pytest.approx(0.5) and c.e2e == pytest.approx(0.65)
 
 
-def test_colocated_prefill_stalls_decode() -> None:
-    # request 0 decodes; request 1's long prefill (1 s) lands in the middle: one ITL of about 1 s
-    model = LatencyModel((0.0, 0.001, 0.0), (0.01, 0.0, 0.0))
-    r0, _ = simulate(Deployment(colocated=1), [0.0, 0.1], [10, 1000], [20, 2], model)
-    assert max(r0.itl) == pytest.approx(1.0 + 0.01, abs=0.011)
-    d0, _ = simulate(Deployment(1, 1), [0.0, 0.1], [10, 1000], [20, 2], model)
+def test_overhead_is_scaled_and_added_per_pass_and_per_request() -> None:
+    profile = make_profile(prefill=(0.5, 0.0, 0.0), decode=(0.05, 0.0, 0.0), overhead=Overhead(0.01, 0.1))
+    (r,) = simulate(Deployment(colocated=1), [0.0], [100], [3], Timing(profile, profile, overhead_scale=2.0))
+    assert r.ttft == pytest.approx(0.5 + 0.02 + 0.2) and r.itl == pytest.approx([0.07, 0.07])
+
+
+def test_chunked_prefill_lets_a_short_prompt_pass_a_long_one() -> None:
+    # 1 ms per token, chunks of 100 tokens: the 1000-token prompt takes 10 passes, the short one
+    # arriving just after shares the second pass and finishes long before
+    timing = timing_for(make_profile(prefill=(0.0, 0.001, 0.0), prefill_chunk_tokens=100))
+    long, short = simulate(Deployment(1, 1), [0.0, 0.01], [1000, 10], [1, 1], timing)
+    assert short.ttft == pytest.approx(0.1 + 0.11 - 0.01)
+    assert long.ttft == pytest.approx(1.0 + 0.01)
+
+
+def test_colocated_prompt_joins_the_decode_pass() -> None:
+    # request 0 decodes; request 1's 1000-token prefill runs inside one mixed pass: one ITL of about 1 s
+    timing = timing_for(make_profile(prefill=(0.0, 0.001, 0.0), decode=(0.01, 0.0, 0.0)))
+    r0, _ = simulate(Deployment(colocated=1), [0.0, 0.1], [10, 1000], [20, 2], timing)
+    assert max(r0.itl) == pytest.approx(1.0 + 0.01 - 0.0, abs=0.011)
+    d0, _ = simulate(Deployment(1, 1), [0.0, 0.1], [10, 1000], [20, 2], timing)
     assert max(d0.itl) == pytest.approx(0.01)
 
 
-def test_kv_capacity_queues_admission() -> None:
-    model = LatencyModel((0.0, 0.0, 0.0), (0.1, 0.0, 0.0))
-    dep = Deployment(colocated=1, kv_capacity_tokens=32, block_size=16)  # one request (16 + 16 tokens) at a time
-    a, b = simulate(dep, [0.0, 0.0], [16, 16], [16, 16], model)
-    assert b.ttft == pytest.approx(a.e2e)
+def test_kv_capacity_parks_the_reservation() -> None:
+    # the decode pool holds 2 blocks: the second request (16 + 1 tokens -> 2 blocks) waits for the first
+    timing = timing_for(make_profile(decode=(0.1, 0.0, 0.0), kv_capacity_tokens=32))
+    a, b = simulate(Deployment(1, 1), [0.0, 0.0], [16, 16], [10, 10], timing)
+    assert a.output_tokens == 10 and b.ttft == pytest.approx(a.e2e)
 
 
-def test_planner_recommends_and_validates_input() -> None:
-    model = LatencyModel((0.05, 0.001, 0.0), (0.02, 0.005, 0.0), (0.001, 0.0), 1.0)
-    models = Models(model, model, dict(max_batched_tokens=4096, max_num_seqs=64,
-                                       decode_kv_capacity_tokens=10**6, block_size=16))
-    workload = Workload(LengthDist.parse("256"), LengthDist.parse("16"))
-    result = plan(models, workload, rate=8.0, slos={"ttft": 1.0, "tpot": 0.1}, max_workers=8, num_requests=150)
-    rec = result["recommended"]
-    assert rec["attainment"] >= 0.9 and rec["max_rate_at_target"] >= 8.0 * 0.9
-    assert result["best_disaggregated"]["workers"] >= 2
-    assert candidates(3) == [(1, 2, 0), (2, 1, 0), (0, 0, 3)]
+def test_preemption_recomputes_and_every_request_finishes() -> None:
+    # 8 blocks for 4 requests that each grow to 4 blocks: the newest are preempted and recomputed
+    timing = timing_for(make_profile(prefill=(0.01, 0.0, 0.0), decode=(0.01, 0.0, 0.0), kv_capacity_tokens=128))
+    records = simulate(Deployment(colocated=1), [0.0] * 4, [16] * 4, [48] * 4, timing)
+    assert [r.output_tokens for r in records] == [48] * 4
+
+
+def test_planner_is_deterministic_and_recommends_a_deployment_that_holds() -> None:
+    timing = timing_for(make_profile(prefill=(0.02, 2e-4, 0.0), decode=(0.01, 1e-3, 0.0)))
+    workload = Workload(LengthDist.parse("64:256"), LengthDist.parse("8:32"))
+    slos = Slos({}, tuple(parse_tail_slo(["ttft_p90_ms=300", "tpot_p90_ms=40"])))
+    first = plan(timing, workload, rate=40.0, slos=slos, max_workers=256, num_requests=150, seed=7, max_slice=3)
+    again = plan(timing, workload, rate=40.0, slos=slos, max_workers=256, num_requests=150, seed=7, max_slice=3)
+    assert first == again
+    rec = first["recommended"]
+    assert rec["sustains"] >= 40.0 and rec["verified"]["slos_met"]
+    assert rec["verified"]["ttft_p90_ms"] <= 300 and rec["verified"]["tpot_p90_ms"] <= 40
+    front = first["pareto_front"]
+    assert [p["workers"] for p in front] == sorted(p["workers"] for p in front)
+    assert all(a["goodput"] < b["goodput"] for a, b in zip(front, front[1:], strict=False))
+    assert front[-1]["workers"] <= 256 and front[-1]["workers"] > 128
+    assert [d.name for d in slices(3)] == ["colocated x1", "1P1D", "1P2D", "2P1D"]
     with pytest.raises(ValueError):
-        plan(models, workload, rate=1.0, slos={})
+        Slos({})
+    with pytest.raises(ValueError, match="tail SLO"):
+        parse_tail_slo(["ttft_p95_ms=1"])
+
+
+def test_validate_replays_the_measured_trace() -> None:
+    profile = make_profile(prefill=(0.05, 0.0, 0.0), decode=(0.01, 0.0, 0.0))
+    timing = timing_for(profile)
+    arrivals, inputs, outputs = [0.0, 0.3, 0.6], [32, 32, 32], [5, 5, 5]
+    measured = simulate(Deployment(1, 1), arrivals, inputs, outputs, timing)
+    for r in measured:  # the "measurement" is 10% slower in TPOT than the model
+        r.itl = [g * 1.1 for g in r.itl]
+        r.e2e = r.ttft + sum(r.itl)
+    from capacity.metrics import summarize
+
+    slos = {"ttft": 1.0}
+    duration = max(r.send_time + r.e2e for r in measured)
+    sweep = {"bench": {"output_len": {"uniform": [5, 5]}, "slos_ms": {"ttft": 1000.0}, "speedup": 1.0, "warmup": 0},
+             "points": [{"config": "1P1D", "prefill": 1, "decode": 1, "colocated": 0, "rate": 3.3,
+                         "summary": summarize(measured, duration, slos),
+                         "records": [r.to_json() for r in measured]}]}
+    result = validate(timing, sweep)
+    (point,) = result["points"]
+    assert point["tpot_ms_mean"]["rel_error"] == pytest.approx(1 / 1.1 - 1)
+    assert point["ttft_ms_p90"]["rel_error"] == pytest.approx(0.0)
+    assert point["goodput_ci95"][0] <= point["goodput"]["measured"] <= point["goodput_ci95"][1]
+    assert set(result["mean_abs_rel_error"]) >= {"goodput", "ttft_ms_p90", "tpot_ms_mean", "itl_ms_p99"}
+    assert isinstance(RequestRecord.from_json(sweep["points"][0]["records"][0]), RequestRecord)
+
+
+def test_prefix_cache_skips_the_cached_blocks_of_a_repeated_prompt() -> None:
+    from capacity.simulator import PrefixCache
+
+    # 1 ms per prompt token; the same 160-token prompt twice: the second computes only its last block
+    timing = timing_for(make_profile(prefill=(0.0, 0.001, 0.0)))
+    hashes = [list(range(1, 11))] * 2  # ten full blocks of 16 tokens
+    caches = [PrefixCache(capacity_blocks=100)]
+    first, second = simulate(Deployment(1, 1), [0.0, 1.0], [160, 160], [1, 1], timing, hashes, caches)
+    assert first.ttft == pytest.approx(0.16) and second.ttft == pytest.approx(0.016)
+    (third,) = simulate(Deployment(1, 1), [0.0], [160], [1], timing, hashes[:1], caches)  # the cache persists
+    assert third.ttft == pytest.approx(0.016)
+    small = PrefixCache(capacity_blocks=3)
+    small.add([1, 2, 3, 4])
+    assert small.hits([1, 2]) == 0 and small.hits([2, 3, 4]) == 3  # least recently used went first

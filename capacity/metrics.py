@@ -134,3 +134,16 @@ def summarize(
 
 def _fraction(done: Sequence[RequestRecord], metric: str, limit_s: float) -> float:
     return sum(meets(r, metric, limit_s) for r in done) / len(done) if done else 0.0
+
+
+def bootstrap_goodput(records: Sequence[RequestRecord], duration_s: float, slos: Mapping[str, float],
+                      resamples: int = 1000, seed: int = 0) -> tuple[float, float]:
+    """95% percentile-bootstrap interval of goodput (requests resampled with replacement; the
+    duration is held fixed)."""
+    good = np.array([meets_all(r, slos) for r in records], dtype=float)
+    if not len(good):
+        return (0.0, 0.0)
+    rng = np.random.default_rng(seed)
+    draws = rng.integers(0, len(good), size=(resamples, len(good)))
+    rates = good[draws].sum(axis=1) / duration_s
+    return (float(np.percentile(rates, 2.5)), float(np.percentile(rates, 97.5)))

@@ -5,11 +5,18 @@ prompt lengths are exact) and sent at arrival times from ``arrivals``; at most `
 are open at once (a request waiting for a slot is sent, and timed, when it gets one). Warm-up
 requests run first, all at once, and are not recorded. Times are ``time.perf_counter`` on this
 process; metrics follow ``metrics`` (vLLM definitions).
+
+Against a sim cluster started with ``--speedup K`` (every modelled duration divided by K), the run
+is scaled so that it reads in profile time: ``rate`` is in profile time (requests leave K times as
+fast on the wall clock) and every recorded time (send time, TTFT, ITL, E2E, duration) is the wall
+time multiplied by K. Wall-clock overhead of the serving stack is multiplied by K too
+(docs/capacity.md measures it).
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import math
 import time
 from collections.abc import Callable, Sequence
@@ -19,9 +26,9 @@ from typing import Any
 import grpc
 import numpy as np
 
-from cluster.capacity.arrivals import arrival_times
-from cluster.capacity.metrics import LATENCY_METRICS, RequestRecord, summarize
-from cluster.capacity.workload import LengthDist, corpus_token_ids, cut_prompts
+from capacity.arrivals import arrival_times
+from capacity.metrics import LATENCY_METRICS, RequestRecord, summarize
+from capacity.workload import LengthDist, corpus_token_ids, cut_prompts
 from cluster.client import build_request, sampling_params
 from pdserve.v1 import common_pb2, router_pb2_grpc
 
@@ -45,6 +52,9 @@ class BenchConfig:
     slos: dict[str, float] = field(default_factory=dict)
     model: str | None = None
     timeout_s: float = 600.0
+    speedup: float = 1.0  # the sim cluster's --speedup: rates and times are scaled to profile time
+    engine: str = "model"  # recorded with the results: which engine served them
+    profile: str | None = None  # recorded: the sim engine's profile file
 
     def __post_init__(self) -> None:
         if self.num_prompts < 1:
@@ -55,6 +65,8 @@ class BenchConfig:
             raise ValueError(f"max_concurrency must be >= 1, got {self.max_concurrency}")
         if not self.rate > 0 or not self.burstiness > 0:
             raise ValueError("rate and burstiness must be > 0")
+        if not self.speedup > 0:
+            raise ValueError(f"speedup must be > 0, got {self.speedup}")
 
     def to_json(self) -> dict[str, Any]:
         doc = asdict(self)
@@ -132,7 +144,7 @@ async def run_bench_async(
         stub = router_pb2_grpc.RouterStub(channel)
 
         async def guarded(planned: PlannedRequest, index: int, t0: float) -> RequestRecord:
-            await asyncio.sleep(max(0.0, t0 + planned.send_offset - time.perf_counter()))
+            await asyncio.sleep(max(0.0, t0 + planned.send_offset / config.speedup - time.perf_counter()))
             async with semaphore:
                 record = await _one(stub, planned, index, config, t0)
             if on_done is not None and index >= 0:
@@ -145,12 +157,25 @@ async def run_bench_async(
                                    for i, p in enumerate(warm)))
         t0 = time.perf_counter()
         records = await asyncio.gather(*(guarded(p, i, t0) for i, p in enumerate(measured)))
-        duration = time.perf_counter() - t0
+        duration = (time.perf_counter() - t0) * config.speedup
+    records = [to_profile_time(r, config.speedup) for r in records]
     return {
         "config": config.to_json(),
         "summary": summarize(records, duration, config.slos),
         "records": [r.to_json() for r in records],
     }
+
+
+def to_profile_time(record: RequestRecord, speedup: float) -> RequestRecord:
+    """A record measured on the wall clock of a cluster running ``speedup`` times faster, in profile time."""
+    if speedup == 1.0:
+        return record
+
+    def scaled(value: float | None) -> float | None:
+        return None if value is None else value * speedup
+
+    return dataclasses.replace(record, send_time=record.send_time * speedup, ttft=scaled(record.ttft),
+                               itl=[gap * speedup for gap in record.itl], e2e=scaled(record.e2e))
 
 
 def run_bench(config: BenchConfig, corpus_ids: Sequence[int] | None = None, progress: bool = True) -> dict[str, Any]:

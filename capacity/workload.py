@@ -17,7 +17,7 @@ from typing import Any
 
 import numpy as np
 
-from cluster.capacity.corpus import CORPUS
+from capacity.corpus import CORPUS
 
 
 @dataclass(frozen=True)

@@ -18,12 +18,14 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from cluster.capacity.bench import BenchConfig, load_corpus_ids, run_bench
+from capacity.bench import BenchConfig, load_corpus_ids, run_bench
+from capacity.metrics import RequestRecord, bootstrap_goodput
 
 CSV_COLUMNS = (
     "config", "prefill", "decode", "colocated", "rate", "completed", "failed", "request_throughput",
     "output_throughput", "goodput", "slo_attainment_all", "ttft_mean_ms", "ttft_p90_ms", "ttft_p99_ms",
-    "tpot_mean_ms", "tpot_p90_ms", "itl_median_ms", "itl_p99_ms", "e2e_mean_ms",
+    "tpot_mean_ms", "tpot_p90_ms", "itl_median_ms", "itl_p99_ms", "e2e_mean_ms", "goodput_ci95_low",
+    "goodput_ci95_high",
 )
 
 
@@ -47,6 +49,19 @@ def sweep_configs(budget: int) -> list[SweepConfig]:
     return configs + [SweepConfig(f"colocated x{budget}", 0, 0, budget)]
 
 
+def select_configs(budget: int, names: str | None) -> list[SweepConfig]:
+    """The configurations of `budget` named in the comma-separated `names` (all when None)."""
+    configs = sweep_configs(budget)
+    if not names:
+        return configs
+    wanted = [n.strip() for n in names.split(",") if n.strip()]
+    known = {c.name: c for c in configs}
+    unknown = [n for n in wanted if n not in known]
+    if unknown:
+        raise ValueError(f"--configs: unknown {unknown} for {budget} workers; known: {list(known)}")
+    return [known[n] for n in wanted]
+
+
 def threads_per_worker(workers: int, cores: int | None = None) -> int:
     """Torch threads per worker: the CPUs split evenly, at least 1."""
     if cores is None:
@@ -64,6 +79,8 @@ def csv_row(point: dict[str, Any]) -> dict[str, Any]:
         "ttft_mean_ms": s["ttft_ms"]["mean"], "ttft_p90_ms": s["ttft_ms"]["p90"], "ttft_p99_ms": s["ttft_ms"]["p99"],
         "tpot_mean_ms": s["tpot_ms"]["mean"], "tpot_p90_ms": s["tpot_ms"]["p90"],
         "itl_median_ms": s["itl_ms"]["median"], "itl_p99_ms": s["itl_ms"]["p99"], "e2e_mean_ms": s["e2e_ms"]["mean"],
+        "goodput_ci95_low": s.get("goodput_ci95", [None, None])[0],
+        "goodput_ci95_high": s.get("goodput_ci95", [None, None])[1],
     }
 
 
@@ -75,9 +92,21 @@ def best_config(points: Sequence[dict[str, Any]]) -> str:
     return max(best, key=lambda name: best[name])
 
 
-def write_outputs(output_dir: Path, doc: dict[str, Any]) -> None:
-    from cluster.capacity.plots import write_plots
+def add_goodput_cis(doc: dict[str, Any]) -> None:
+    """Give every point's summary a bootstrap 95% interval of its goodput (``goodput_ci95``)."""
+    slos = {k: v / 1000 for k, v in doc["bench"]["slos_ms"].items()}
+    for point in doc["points"]:
+        summary = point["summary"]
+        if "goodput_ci95" not in summary and summary["goodput"] is not None:
+            records = [RequestRecord.from_json(r) for r in point["records"]]
+            summary["goodput_ci95"] = list(bootstrap_goodput(records, summary["duration_s"], slos))
 
+
+def write_outputs(output_dir: Path, doc: dict[str, Any]) -> None:
+    """results.json, results.csv and the plots (goodput intervals are added first when missing)."""
+    from capacity.plots import write_plots
+
+    add_goodput_cis(doc)
     output_dir.mkdir(parents=True, exist_ok=True)
     (output_dir / "results.json").write_text(json.dumps(doc, indent=1))
     with open(output_dir / "results.csv", "w", newline="") as f:
@@ -95,16 +124,21 @@ def run_sweep(
     output_dir: Path,
     model: str | None = None,
     log: Callable[[str], object] = print,
+    worker_args: tuple[str, ...] = (),
+    configs: Sequence[SweepConfig] | None = None,
 ) -> dict[str, Any]:
-    """Run every configuration at every rate; write and return the results document."""
+    """Run every configuration (or `configs`) at every rate; write and return the results document.
+    `worker_args` go to every worker (the sim engine's flags: then one thread per worker)."""
     from cluster.local import LocalCluster, LocalClusterConfig
 
     corpus_ids = load_corpus_ids(model)
-    threads = threads_per_worker(budget)
+    threads = 1 if bench.engine == "sim" else threads_per_worker(budget)
     points: list[dict[str, Any]] = []
-    for config in sweep_configs(budget):
+    for config in configs or sweep_configs(budget):
         cluster_config = LocalClusterConfig(model=model, prefill=config.prefill, decode=config.decode,
-                                            colocated=config.colocated, threads_per_worker=threads)
+                                            colocated=config.colocated, threads_per_worker=threads,
+                                            prefill_args=worker_args, decode_args=worker_args,
+                                            startup_timeout_s=600.0)
         log(f"sweep: starting {config.name} ({threads} thread(s) per worker)")
         with LocalCluster(cluster_config) as cluster:
             for i, rate in enumerate(rates):
@@ -116,6 +150,7 @@ def run_sweep(
                 points.append({**dataclasses.asdict(config), "config": config.name, "rate": rate,
                                "rate_index": i, "summary": summary, "records": result["records"]})
     bench_doc = dataclasses.replace(bench, url="", model=model).to_json()
+    bench_doc["workers"] = budget
     bench_doc["rate"] = None
     doc = {
         "bench": bench_doc,

@@ -13,9 +13,11 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from cluster.capacity.arrivals import parse_rate
-from cluster.capacity.metrics import parse_slo
-from cluster.capacity.workload import length_dist
+from capacity.arrivals import parse_rate
+from capacity.metrics import parse_slo
+from capacity.workload import length_dist
+from cluster.engine_flags import add_engine_flags, engine_worker_args
+from cluster.tables import format_table
 
 DEFAULT_URL = "127.0.0.1:50051"
 
@@ -48,6 +50,7 @@ def add_bench(commands: argparse._SubParsersAction) -> None:
     _add_load(bench)
     bench.add_argument("--output", default=None, metavar="FILE", help="write config, summary and records (JSON)")
     bench.add_argument("--no-progress", action="store_true")
+    add_engine_flags(bench)
     bench.set_defaults(func=_cmd_bench)
 
 
@@ -56,37 +59,53 @@ def add_sweep(commands: argparse._SubParsersAction) -> None:
     sweep.add_argument("--workers", type=int, default=2, help="worker budget")
     sweep.add_argument("--rates", type=_rates, required=True, help="comma-separated rates, e.g. 0.5,1,2")
     _add_load(sweep)
+    sweep.add_argument("--configs", default=None, metavar="NAMES",
+                       help="only these configurations, comma-separated (e.g. 1P5D,3P3D,colocated x6); default all")
     sweep.add_argument("--output-dir", default="sweep-results")
+    add_engine_flags(sweep)
     sweep.set_defaults(func=_cmd_sweep)
 
 
 def add_plan(commands: argparse._SubParsersAction) -> None:
     plan = commands.add_parser("plan", help="profile, simulate and validate deployments")
     sub = plan.add_subparsers(dest="plan_command", required=True)
-    prof = sub.add_parser("profile", help="measure latencies on this machine, fit models")
+    prof = sub.add_parser("profile", help="measure latencies on this machine, write a profile")
     prof.add_argument("--model", default=None)
     prof.add_argument("--threads", type=int, default=1, help="torch threads (match the workers')")
     prof.add_argument("--repeats", type=int, default=3)
+    prof.add_argument("--contention", type=int, default=1, metavar="N",
+                      help="measure while N - 1 co-running helpers keep other cores busy (N workers share the machine)")
     prof.add_argument("--output", default="profile.json")
     prof.set_defaults(func=_cmd_profile)
-    sim = sub.add_parser("simulate", help="search prefill:decode ratios and sizes for a rate")
+    sim = sub.add_parser("simulate", help="search prefill:decode ratios, colocated and sizes for a rate")
     sim.add_argument("--profile", required=True)
     sim.add_argument("--profile-prefill", default=None, help="profile of the prefill device")
     sim.add_argument("--profile-decode", default=None, help="profile of the decode device")
-    sim.add_argument("--rate", type=float, required=True)
+    sim.add_argument("--rate", type=float, required=True, help="offered rate (req/s)")
     _add_workload(sim)
-    sim.add_argument("--target", type=float, default=0.9, help="SLO attainment to reach (0.9: p90 SLOs)")
+    sim.add_argument("--tail-slo", action="append", default=[], metavar="METRIC_STAT_MS=V",
+                     help="tail SLO, e.g. ttft_p90_ms=500, ttft_p99_ms=2000, tpot_p90_ms=50 (repeatable)")
+    sim.add_argument("--target", type=float, default=0.9, help="attainment the --slo SLOs need (0.9: p90)")
     sim.add_argument("--max-workers", type=int, default=64)
-    sim.add_argument("--num-requests", type=int, default=400)
+    sim.add_argument("--max-slice", type=int, default=5, help="largest p+q of the ratios p:q searched")
+    sim.add_argument("--num-requests", type=int, default=300)
     sim.add_argument("--seed", type=int, default=0)
-    sim.add_argument("--output", default=None, metavar="FILE")
+    sim.add_argument("--output", default=None, metavar="FILE", help="JSON of every row, the front, the choice")
+    sim.add_argument("--plot", default=None, metavar="PNG", help="goodput vs workers with the Pareto front")
     sim.set_defaults(func=_cmd_simulate)
-    val = sub.add_parser("validate", help="compare simulator predictions with a sweep")
+    val = sub.add_parser("validate", help="replay a sweep's requests in the simulator; report the errors")
     val.add_argument("--profile", required=True)
     val.add_argument("--sweep", required=True, help="results.json of `pdserve sweep`")
-    val.add_argument("--repeats", type=int, default=20)
+    val.add_argument("--no-prefix-cache", action="store_true",
+                     help="do not model the prefill workers' prefix caches (no tokenizer needed)")
     val.add_argument("--output", default=None, metavar="FILE")
     val.set_defaults(func=_cmd_validate)
+    cal = sub.add_parser("calibrate", help="measure the serving stack's overhead from a calibration sweep "
+                                          "of a sim cluster; write the profile with it")
+    cal.add_argument("--profile", required=True)
+    cal.add_argument("--sweep", required=True, help="results.json of a sim-engine `pdserve sweep`")
+    cal.add_argument("--output", required=True, metavar="FILE")
+    cal.set_defaults(func=_cmd_calibrate)
 
 
 def _rates(text: str) -> list[float]:
@@ -94,21 +113,23 @@ def _rates(text: str) -> list[float]:
 
 
 def bench_config(args: argparse.Namespace, url: str) -> Any:
-    from cluster.capacity.bench import BenchConfig
+    from capacity.bench import BenchConfig
 
     return BenchConfig(
         url=url, input_len=length_dist(args.input_len, args.input_hist, "128"),
         output_len=length_dist(args.output_len, args.output_hist, "64"), num_prompts=args.num_prompts,
         rate=getattr(args, "rate", math.inf), burstiness=args.burstiness, max_concurrency=args.max_concurrency,
         warmup=args.warmup, seed=args.seed, ignore_eos=args.ignore_eos, slos=parse_slo(args.slo),
-        model=args.model, timeout_s=args.timeout,
+        model=args.model, timeout_s=args.timeout, speedup=args.speedup, engine=args.engine,
+        profile=str(Path(args.profile).resolve()) if args.profile else None,
     )
 
 
 def _cmd_bench(args: argparse.Namespace) -> int:
-    from cluster.capacity.bench import print_summary, run_bench
+    from capacity.bench import print_summary, run_bench
 
     try:
+        engine_worker_args(args)  # checks the engine flags
         config = bench_config(args, args.url)
     except (ValueError, OSError) as exc:
         print(f"error: {exc}", file=sys.stderr)
@@ -121,17 +142,18 @@ def _cmd_bench(args: argparse.Namespace) -> int:
 
 
 def _cmd_sweep(args: argparse.Namespace) -> int:
-    from cluster.capacity.sweep import run_sweep
+    from capacity.sweep import run_sweep, select_configs
 
     try:
+        worker_args = engine_worker_args(args)
         config = bench_config(args, "")
+        configs = select_configs(args.workers, args.configs)
     except (ValueError, OSError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     doc = run_sweep(config, args.workers, args.rates, Path(args.output_dir), args.model,
-                    log=lambda s: print(s, file=sys.stderr, flush=True))
-    from cluster.capacity.sweep import csv_row
-    from cluster.cli import format_table
+                    log=lambda s: print(s, file=sys.stderr, flush=True), worker_args=worker_args, configs=configs)
+    from capacity.sweep import csv_row
 
     cols = ("config", "rate", "goodput", "slo_attainment_all", "ttft_p90_ms", "tpot_mean_ms", "itl_p99_ms")
     rows = [[_fmt(csv_row(p)[c]) for c in cols] for p in doc["points"]]
@@ -145,59 +167,91 @@ def _fmt(value: object) -> str:
 
 
 def _cmd_profile(args: argparse.Namespace) -> int:
-    from cluster.capacity.profiler import run_profile
+    from capacity.profiler import run_profile
 
-    doc = run_profile(args.model, args.threads, args.repeats, progress=lambda s: print(s, file=sys.stderr))
-    Path(args.output).write_text(json.dumps(doc, indent=1))
-    print(json.dumps({"fits": doc["fits"], "fit_forms": doc["fit_forms"], "device": doc["device"]}, indent=1))
+    profile = run_profile(args.model, args.threads, args.repeats, args.contention,
+                          progress=lambda s: print(s, file=sys.stderr))
+    profile.save(args.output)
+    doc = profile.to_json()
+    print(json.dumps({k: doc[k] for k in ("name", "prefill", "decode", "transfer", "contention_workers")}, indent=1))
     return 0
 
 
-def _load_json(path: str | None) -> dict[str, Any] | None:
-    return json.loads(Path(path).read_text()) if path else None
+def _load_profile(path: str | None) -> Any:
+    from engine.sim_profile import load_profile
+
+    return load_profile(path) if path else None
 
 
 def _cmd_simulate(args: argparse.Namespace) -> int:
-    from cluster.capacity.planner import Workload, format_rows, load_models, plan
-    from cluster.cli import format_table
+    from capacity.planner import Slos, Workload, format_rows, parse_tail_slo, plan, timing_for
 
-    models = load_models(_load_json(args.profile) or {}, _load_json(args.profile_prefill),
-                         _load_json(args.profile_decode))
-    workload = Workload(length_dist(args.input_len, args.input_hist, "128"),
-                        length_dist(args.output_len, args.output_hist, "64"), args.burstiness)
     try:
-        result = plan(models, workload, args.rate, parse_slo(args.slo), args.target, args.max_workers,
-                      args.num_requests, args.seed)
-    except ValueError as exc:
+        timing = timing_for(_load_profile(args.profile), _load_profile(args.profile_prefill),
+                            _load_profile(args.profile_decode))
+        workload = Workload(length_dist(args.input_len, args.input_hist, "128"),
+                            length_dist(args.output_len, args.output_hist, "64"), args.burstiness)
+        slos = Slos(parse_slo(args.slo), tuple(parse_tail_slo(args.tail_slo)), args.target)
+        result = plan(timing, workload, args.rate, slos, args.max_workers, args.num_requests, args.seed,
+                      args.max_slice)
+    except (ValueError, OSError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    cols = ("config", "workers", "attainment", "goodput", "ttft_p90_ms", "tpot_p90_ms", "note")
+    cols = ("slice", "slice goodput", "goodput/worker", f"deployment for {args.rate:g} req/s", "workers")
     print(format_table(cols, format_rows(result["rows"])))
+    print("pareto front (workers: deployment, goodput): "
+          + ", ".join(f"{p['workers']}: {p['deployment']} {p['goodput']:.2f}" for p in result["pareto_front"]))
     for key in ("best_disaggregated", "best_colocated", "recommended"):
         if key in result:
             r = result[key]
-            print(f"{key}: {r['config']} ({r['workers']} workers, attainment {100 * r['attainment']:.1f}%, "
-                  f"sustains {r['max_rate_at_target']:.2f} req/s = {r['goodput_per_worker']:.3f} req/s per worker)")
+            print(f"{key}: {r['deployment']} ({r['workers']} workers, sustains {r['sustains']:.2f} req/s, "
+                  f"{r['goodput_per_worker']:.3f} req/s per worker)")
+    if "verified" in result.get("recommended", {}):
+        v = result["recommended"]["verified"]
+        print(f"recommended, simulated whole at {args.rate:g} req/s: SLOs met {v['slos_met']}, TTFT p90 "
+              f"{v['ttft_p90_ms']:.1f} ms, TTFT p99 {v['ttft_p99_ms']:.1f} ms, TPOT p90 {v['tpot_p90_ms']:.1f} ms")
     if "recommended" not in result:
-        print(f"no deployment up to {args.max_workers} workers meets the target")
+        print(f"no deployment up to {args.max_workers} workers sustains {args.rate:g} req/s")
     if args.output:
         Path(args.output).write_text(json.dumps(result, indent=1))
+    if args.plot:
+        from capacity.plots import plot_plan
+
+        plot_plan(Path(args.plot), result)
     return 0
 
 
 def _cmd_validate(args: argparse.Namespace) -> int:
-    from cluster.capacity.planner import VALIDATED, load_models, validate
-    from cluster.cli import format_table
+    from capacity.planner import HEADLINE, VALIDATED, sweep_prompts, timing_for, validate
 
-    models = load_models(_load_json(args.profile) or {})
-    result = validate(models, _load_json(args.sweep) or {}, args.repeats)
+    try:
+        timing = timing_for(_load_profile(args.profile))
+        sweep = json.loads(Path(args.sweep).read_text())
+        result = validate(timing, sweep, None if args.no_prefix_cache else sweep_prompts(sweep))
+    except (ValueError, OSError, KeyError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
     keys = [m if s is None else f"{m}_{s}" for m, s in VALIDATED]
     rows = []
     for p in result["points"]:
         cells = [f"{p[k]['measured']:.2f}/{p[k]['predicted']:.2f} ({100 * p[k]['rel_error']:+.0f}%)" for k in keys]
         rows.append([p["config"], _fmt(p["rate"]), *cells])
     print(format_table(("config", "rate", *[f"{k} meas/pred" for k in keys]), rows))
-    print("mean |relative error|: " + ", ".join(f"{k} {100 * v:.0f}%" for k, v in result["mean_abs_rel_error"].items()))
+    print("mean |relative error|: " + ", ".join(f"{k} {100 * result['mean_abs_rel_error'][k]:.1f}%" for k in HEADLINE))
     if args.output:
         Path(args.output).write_text(json.dumps(result, indent=1))
+    return 0
+
+
+def _cmd_calibrate(args: argparse.Namespace) -> int:
+    from capacity.planner import calibrate_overhead, sweep_prompts
+
+    try:
+        sweep = json.loads(Path(args.sweep).read_text())
+        profile = calibrate_overhead(_load_profile(args.profile), sweep, sweep_prompts(sweep))
+    except (ValueError, OSError, KeyError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    profile.save(args.output)
+    print(json.dumps(profile.overhead.to_json()))
     return 0

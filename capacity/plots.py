@@ -1,5 +1,7 @@
-"""PNG plots of a sweep (matplotlib, Agg backend): goodput and SLO attainment vs rate per
-configuration, and TTFT / ITL distributions (CDF per configuration, pooled over rates)."""
+"""PNG plots (matplotlib, Agg backend). A sweep: goodput (with its bootstrap 95% interval as error
+bars) and SLO attainment vs rate per configuration, and TTFT / ITL distributions (CDF per
+configuration, pooled over rates). A plan: sustained goodput vs workers per slice family, with
+the Pareto front and the offered rate."""
 
 from __future__ import annotations
 
@@ -35,10 +37,14 @@ def write_plots(output_dir: Path, doc: dict[str, Any]) -> list[Path]:
 
     fig, ax = plt.subplots(figsize=(6, 4))
     for name, pts in groups.items():
-        ax.plot([p["rate"] for p in pts], [p["summary"]["goodput"] or 0 for p in pts], marker="o", label=name)
+        goodput = [p["summary"]["goodput"] or 0 for p in pts]
+        cis = [p["summary"].get("goodput_ci95") or [g, g] for p, g in zip(pts, goodput, strict=True)]
+        err = [[max(0.0, g - lo) for g, (lo, _) in zip(goodput, cis, strict=True)],
+               [max(0.0, hi - g) for g, (_, hi) in zip(goodput, cis, strict=True)]]
+        ax.errorbar([p["rate"] for p in pts], goodput, yerr=err, marker="o", capsize=3, label=name)
     rates = sorted({p["rate"] for p in doc["points"]})
     ax.plot(rates, rates, ls=":", color="gray", label="offered rate")
-    ax.set(xlabel="request rate (req/s)", ylabel="goodput (req/s)", title="Goodput vs rate")
+    ax.set(xlabel="request rate (req/s)", ylabel="goodput (req/s)", title="Goodput vs rate (95% bootstrap CI)")
     ax.legend()
     save(fig, PLOTS[0])
 
@@ -70,3 +76,31 @@ def write_plots(output_dir: Path, doc: dict[str, Any]) -> list[Path]:
         ax.legend()
         save(fig, filename)
     return written
+
+
+def plot_plan(path: Path, result: dict[str, Any]) -> Path:
+    """Sustained goodput vs workers for every slice family, the Pareto front and the offered rate."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    max_workers = int(result["max_workers"])
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for row in result["rows"]:
+        size, rate = row["slice_workers"], row["slice_goodput"]
+        if rate <= 0:
+            continue
+        sizes = list(range(size, max_workers + 1, size))
+        style = {"ls": "--", "color": "black"} if row["slice"].startswith("colocated") else {"alpha": 0.5}
+        ax.plot(sizes, [rate * n / size for n in sizes], lw=1, label=row["slice"], **style)
+    front = result["pareto_front"]
+    ax.plot([p["workers"] for p in front], [p["goodput"] for p in front], "o-", color="red", lw=2, ms=4,
+            label="Pareto front", drawstyle="steps-post")
+    ax.axhline(result["rate"], color="gray", ls=":", label=f"offered {result['rate']:g} req/s")
+    ax.set(xlabel="workers", ylabel="goodput at the SLOs (req/s)", title="Sustained goodput vs deployment size")
+    ax.legend(fontsize=6, ncol=2)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path

@@ -1,4 +1,5 @@
-"""`pdserve plan profile`: measure this machine with the engine in-process and fit latency models.
+"""`pdserve plan profile`: measure this machine with the engine in-process and fit a profile
+(`engine.sim_profile`, the format the sim engine and the planner read).
 
 * prefill: one packed forward pass over a prompt of N tokens, fitted as a + b*N + c*N^2 (attention);
 * decode step: B sequences of context C each taking one token, fitted as a + b*B + c*B*C (the
@@ -6,8 +7,11 @@
 * KV transfer: the gRPC backend over loopback (a ``KvTransferServicer`` in this process), fitted as
   a + b*bytes.
 
-Each point is the median of ``repeats`` timed runs after one warm-up. The profile (JSON) holds the
-coefficients, the raw points, the KV bytes per token, the workers' engine limits and the device.
+Each point is the median of ``repeats`` timed runs after one warm-up. ``contention`` N > 1 runs N - 1
+helper processes beside the measurement, each keeping one core busy with float32 matrix products
+on one torch thread (what a co-running worker's forward passes do to this one's cores and memory
+bandwidth), so the profile describes a worker that shares the machine with N - 1 others. The
+gRPC transfer fit stands for every backend (shm is measured by `benchmarks/kv_transfer_bench.py`).
 """
 
 from __future__ import annotations
@@ -22,7 +26,7 @@ from typing import Any
 
 import numpy as np
 
-from cluster.capacity.simulator import LatencyModel
+from engine.sim_profile import DecodeCost, EngineLimits, LinkCost, PrefillCost, Profile
 
 PREFILL_TOKENS = (32, 128, 256, 512, 1024)
 DECODE_BATCHES = (1, 4, 16)
@@ -33,6 +37,7 @@ DECODE_KV_CACHE_MB = 512
 MAX_BATCHED_TOKENS = 4096
 MAX_NUM_SEQS = 64
 BLOCK_SIZE = 16
+PREFILL_CHUNK_TOKENS = 512  # prefill_worker --prefill-chunk-tokens default
 
 
 def timed(fn: Callable[[], object], repeats: int) -> float:
@@ -125,54 +130,76 @@ def _profile_transfer(loaded: Any, repeats: int) -> list[dict[str, float]]:
     return points
 
 
-def run_profile(model: str | None = None, threads: int = 1, repeats: int = 3,
-                progress: Callable[[str], object] = print) -> dict[str, Any]:
-    """Measure and fit; return the profile document."""
+CONTENTION_SCRIPT = (
+    "import sys, torch\n"
+    "torch.set_num_threads(1)\n"
+    "a = torch.randn(384, 384)\n"
+    "while True:\n"
+    "    a = torch.tanh(a @ a)\n"
+)
+
+
+def start_contention(count: int) -> list[Any]:
+    """`count` helper processes that each keep one core busy until killed."""
+    import subprocess
+    import sys
+
+    return [subprocess.Popen([sys.executable, "-c", CONTENTION_SCRIPT]) for _ in range(count)]
+
+
+def stop_contention(helpers: list[Any]) -> None:
+    for helper in helpers:
+        helper.kill()
+        helper.wait()
+
+
+def run_profile(model: str | None = None, threads: int = 1, repeats: int = 3, contention: int = 1,
+                progress: Callable[[str], object] = print) -> Profile:
+    """Measure and fit; return the profile (`contention`: workers sharing the machine, this one included)."""
     import torch
 
     from engine.model_fetch import resolve_model
     from engine.model_loader import load_model
 
+    if contention < 1:
+        raise ValueError(f"contention must be >= 1, got {contention}")
     torch.set_num_threads(threads)
     started = time.perf_counter()
     loaded = load_model(resolve_model(model))
-    progress("profiling prefill and decode passes")
-    prefill, decode = _profile_compute(loaded, repeats)
-    progress("profiling KV transfer over loopback gRPC")
-    transfer = _profile_transfer(loaded, repeats)
+    helpers = start_contention(contention - 1)
+    try:
+        progress(f"profiling prefill and decode passes ({contention - 1} co-running helper(s))")
+        prefill, decode = _profile_compute(loaded, repeats)
+        progress("profiling KV transfer over loopback gRPC")
+        transfer = _profile_transfer(loaded, repeats)
+    finally:
+        stop_contention(helpers)
     shape = loaded.kv_shape(BLOCK_SIZE)
-    bytes_per_token = shape.bytes_per_block / BLOCK_SIZE
-    doc = {
-        "model": loaded.path.name,
-        "device": device_description(threads),
-        "fits": {
-            "prefill": fit([[1, p["tokens"], p["tokens"] ** 2] for p in prefill], [p["latency_s"] for p in prefill]),
-            "decode": fit([[1, p["batch"], p["batch"] * p["context"]] for p in decode],
-                          [p["latency_s"] for p in decode]),
-            "transfer": fit([[1, p["bytes"]] for p in transfer], [p["latency_s"] for p in transfer]),
-        },
-        "fit_forms": {
-            "prefill": "a + b*tokens + c*tokens^2",
-            "decode": "a + b*batch + c*batch*mean_context",
-            "transfer": "a + b*bytes",
-        },
-        "kv_bytes_per_token": bytes_per_token,
-        "engine": {
-            "decode_kv_capacity_tokens": int(DECODE_KV_CACHE_MB * 2**20 // shape.bytes_per_block) * BLOCK_SIZE,
-            "max_batched_tokens": MAX_BATCHED_TOKENS,
-            "max_num_seqs": MAX_NUM_SEQS,
-            "block_size": BLOCK_SIZE,
-        },
-        "points": {"prefill": prefill, "decode": decode, "transfer": transfer},
-        "profile_seconds": time.perf_counter() - started,
-    }
-    return doc
+    t0, t1 = fit([[1, p["bytes"]] for p in transfer], [p["latency_s"] for p in transfer])
+    link = LinkCost(max(0.0, t0), 1.0 / max(t1, 1e-15))
+    return Profile(
+        name=f"cpu-{loaded.path.name}-{threads}thread-contention{contention}".lower(),
+        model_name=loaded.path.name, kv_bytes_per_token=shape.bytes_per_block / BLOCK_SIZE,
+        max_model_len=loaded.max_model_len,
+        description=f"{loaded.path.name} on this CPU, {threads} torch thread(s) per worker, measured by "
+                    f"`pdserve plan profile` with {contention} worker(s) sharing the machine",
+        source="measured by pdserve plan profile",
+        device=device_description(threads),
+        prefill=PrefillCost(*_nonnegative(fit([[1, p["tokens"], p["tokens"] ** 2] for p in prefill],
+                                              [p["latency_s"] for p in prefill]))),
+        decode=DecodeCost(*_nonnegative(fit([[1, p["batch"], p["batch"] * p["context"]] for p in decode],
+                                            [p["latency_s"] for p in decode]))),
+        transfer={"grpc": link, "shm": link, "ray": link},
+        engine=EngineLimits(block_size=BLOCK_SIZE,
+                            kv_capacity_tokens=int(DECODE_KV_CACHE_MB * 2**20 // shape.bytes_per_block) * BLOCK_SIZE,
+                            max_num_seqs=MAX_NUM_SEQS, max_batched_tokens=MAX_BATCHED_TOKENS,
+                            prefill_chunk_tokens=PREFILL_CHUNK_TOKENS),
+        contention_workers=contention,
+        points={"prefill": prefill, "decode": decode, "transfer": transfer,
+                "profile_seconds": time.perf_counter() - started},
+    )
 
 
-def latency_model(profile: dict[str, Any]) -> LatencyModel:
-    """The simulator's LatencyModel from a profile document."""
-    fits = profile["fits"]
-    a, b, c = fits["prefill"]
-    d0, d1, d2 = fits["decode"]
-    t0, t1 = fits["transfer"]
-    return LatencyModel((a, b, c), (d0, d1, d2), (t0, t1), float(profile["kv_bytes_per_token"]))
+def _nonnegative(coef: list[float]) -> list[float]:
+    """Least squares may give a tiny negative term on noisy points; a profile's terms are >= 0."""
+    return [max(0.0, c) for c in coef]

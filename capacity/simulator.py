@@ -1,0 +1,436 @@
+"""Discrete-event simulation of a pdserve deployment (heapq event queue, times in profile seconds).
+
+The model follows the workers' code paths pass by pass, with the pass times of a profile
+(`engine.sim_profile`), so that it predicts what a sim-engine cluster measures:
+
+* Router: round robin over prefill workers and, independently, over decode (or colocated) workers,
+  starting after the warm-up requests (``Timing.rr_offset``).
+* Worker loops (`DecodeWorker._loop`, `PrefillWorker._loop`): work that arrives while a pass runs
+  (a reservation, a commit of arrived KV, a new local request) is taken at the end of that pass;
+  an idle worker takes it at once.
+* Decode worker, disaggregated: reserves blocks for prompt + 1 tokens (parked, retried after every
+  pass, when the pool is full), then hands the request to its prefill worker. Arrived KV is
+  committed between passes: the first token is emitted then, and the sequence decodes from the
+  next pass. A pass is `LLMEngine.step`: one token for every running sequence (growing its blocks,
+  preempting the newest when the pool is empty), plus, in the same pass, recomputation of
+  preempted sequences within the token budget (a mixed pass).
+* Prefill worker: admits queued prompts FIFO when its pool holds them, then runs passes of at most
+  ``prefill_chunk_tokens`` per prompt within ``max_batched_tokens`` (chunked prefill); a finished
+  prompt's KV reaches its decode worker ``transfer_s`` later, without blocking the next pass.
+* Colocated worker: the same engine with local prefills: new prompts join the decode pass (mixed
+  batch) within the token budget, batch slots and free blocks (one block of headroom per running
+  sequence), and their first token is emitted at the end of that pass.
+* Overhead: every pass takes ``overhead.per_pass_s * overhead_scale`` more, and every token of a
+  request reaches the client ``overhead.per_request_s * overhead_scale`` after it is emitted
+  (``overhead_scale`` is the sim cluster's speedup when predicting a sim sweep: wall-clock overhead
+  reads K times larger in profile time).
+
+Per-request results are ``metrics.RequestRecord``s, so the simulated summary uses the very same
+metric code as the load generator. Not modelled: prefix-cache hits, request deadlines and admission
+timeouts, the transfer thread pool's size, CPU contention between processes.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+import math
+from collections import OrderedDict, deque
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+from capacity.metrics import RequestRecord
+from engine.sim_profile import Profile
+
+
+def blocks_for(tokens: int, block_size: int) -> int:
+    return math.ceil(tokens / block_size)
+
+
+@dataclass(frozen=True)
+class Deployment:
+    """Worker counts of one simulated configuration."""
+
+    prefill: int = 0
+    decode: int = 0
+    colocated: int = 0
+
+    def __post_init__(self) -> None:
+        if min(self.prefill, self.decode, self.colocated) < 0:
+            raise ValueError("worker counts must be >= 0")
+        if self.colocated and (self.prefill or self.decode):
+            raise ValueError("simulate either colocated workers or prefill + decode pools, not both")
+        if not self.colocated and (self.prefill < 1 or self.decode < 1):
+            raise ValueError("need prefill >= 1 and decode >= 1, or colocated >= 1")
+
+    @property
+    def num_workers(self) -> int:
+        return self.prefill + self.decode + self.colocated
+
+    @property
+    def name(self) -> str:
+        return f"colocated x{self.colocated}" if self.colocated else f"{self.prefill}P{self.decode}D"
+
+    @classmethod
+    def parse(cls, name: str) -> Deployment:
+        """``"3P5D"`` or ``"colocated x4"``."""
+        try:
+            if name.startswith("colocated x"):
+                return cls(colocated=int(name.removeprefix("colocated x")))
+            p, _, d = name.removesuffix("D").partition("P")
+            return cls(int(p), int(d))
+        except ValueError:
+            raise ValueError(f"deployment must look like 3P5D or 'colocated x4', got {name!r}") from None
+
+
+class PrefixCache:
+    """A prefill worker's cached prompt blocks, by chained block hash (`engine.block_pool.block_hashes`),
+    least recently used evicted beyond `capacity_blocks`. Survives across `simulate` calls, as a
+    worker's cache survives across the rates of a sweep."""
+
+    def __init__(self, capacity_blocks: int) -> None:
+        self.capacity_blocks = capacity_blocks
+        self._blocks: OrderedDict[int, None] = OrderedDict()
+
+    def hits(self, hashes: Sequence[int]) -> int:
+        """Length of the longest cached prefix of `hashes` (those blocks become most recent)."""
+        count = 0
+        for h in hashes:
+            if h not in self._blocks:
+                break
+            self._blocks.move_to_end(h)
+            count += 1
+        return count
+
+    def add(self, hashes: Sequence[int]) -> None:
+        for h in hashes:
+            self._blocks[h] = None
+            self._blocks.move_to_end(h)
+        while len(self._blocks) > self.capacity_blocks:
+            self._blocks.popitem(last=False)
+
+
+@dataclass(frozen=True)
+class Timing:
+    """Profiles of the two pools and how to read the serving stack's overhead."""
+
+    prefill: Profile  # prefill workers (and the KV links)
+    decode: Profile  # decode and colocated workers
+    overhead_scale: float = 1.0
+    backend: str = "shm"
+    rr_offset: int = 0
+
+
+@dataclass(eq=False)  # identity: requests are removed from lists by who they are
+class SimRequest:
+    index: int
+    arrival: float
+    input_len: int
+    output_len: int
+    token_times: list[float] = field(default_factory=list)
+    blocks: int = 0  # blocks held on the decode / colocated worker
+    recompute: bool = False  # preempted: its next pass recomputes prompt + outputs
+    block_hashes: Sequence[int] = ()  # chained hashes of the prompt's full blocks (prefix cache)
+
+    @property
+    def num_tokens(self) -> int:
+        return self.input_len + len(self.token_times)
+
+    @property
+    def done(self) -> bool:
+        return len(self.token_times) >= self.output_len
+
+    def record(self, latency: float) -> RequestRecord:
+        times = [t + latency for t in self.token_times]
+        itl = [b - a for a, b in itertools.pairwise(times)]
+        return RequestRecord(self.index, self.arrival, self.input_len, len(times), times[0] - self.arrival,
+                             itl, times[-1] - self.arrival)
+
+
+class EventLoop:
+    def __init__(self) -> None:
+        self.now = 0.0
+        self._heap: list[tuple[float, int, Callable[[], None]]] = []
+        self._seq = itertools.count()
+
+    def at(self, time: float, fn: Callable[[], None]) -> None:
+        heapq.heappush(self._heap, (time, next(self._seq), fn))
+
+    def run(self) -> None:
+        while self._heap:
+            self.now, _, fn = heapq.heappop(self._heap)
+            fn()
+
+
+class _Loop:
+    """A worker's loop thread: calls arriving during a pass run when it ends (`_drain`)."""
+
+    def __init__(self, loop: EventLoop, profile: Profile, scale: float) -> None:
+        self.loop, self.profile = loop, profile
+        self.limits = profile.engine
+        self.pass_overhead = profile.overhead.per_pass_s * scale
+        self.free = profile.engine.num_blocks
+        self.busy = False
+        self.inbox: deque[Callable[[], None]] = deque()
+
+    def call(self, fn: Callable[[], None]) -> None:
+        self.inbox.append(fn)
+        if not self.busy:
+            self._iterate()
+
+    def _iterate(self) -> None:
+        while self.inbox:
+            self.inbox.popleft()()
+        self._after_inbox()
+        self._start_pass()
+
+    def _after_inbox(self) -> None:
+        """Hook between the inbox and the next pass (decode: retry parked reservations)."""
+
+    def _start_pass(self) -> None:
+        raise NotImplementedError
+
+    def _run_pass(self, seconds: float, then: Callable[[], None]) -> None:
+        self.busy = True
+
+        def end() -> None:
+            then()
+            self.busy = False
+            self._iterate()
+
+        self.loop.at(self.loop.now + seconds + self.pass_overhead, end)
+
+
+class _EngineWorker(_Loop):
+    """Decode or colocated worker: `LLMEngine` (scheduler + block pool) behind the loop."""
+
+    def __init__(self, loop: EventLoop, profile: Profile, scale: float) -> None:
+        super().__init__(loop, profile, scale)
+        self.running: list[SimRequest] = []
+        self.waiting: deque[SimRequest] = deque()
+        self.parked: list[tuple[SimRequest, Callable[[], None]]] = []
+
+    # ----- blocks ------------------------------------------------------------------------------
+    def _grow(self, req: SimRequest, tokens: int) -> bool:
+        missing = blocks_for(tokens, self.limits.block_size) - req.blocks
+        if missing <= 0:
+            return True
+        if missing > self.free:
+            return False
+        self.free -= missing
+        req.blocks += missing
+        return True
+
+    def _release(self, req: SimRequest) -> None:
+        self.free += req.blocks
+        req.blocks = 0
+
+    # ----- disaggregated: reservation, then KV commit ------------------------------------------
+    def reserve(self, req: SimRequest, then: Callable[[], None]) -> None:
+        self.call(lambda: self._reserve_or_park(req, then))
+
+    def _reserve_or_park(self, req: SimRequest, then: Callable[[], None]) -> None:
+        if not self._try_reserve(req, then):
+            self.parked.append((req, then))
+
+    def _try_reserve(self, req: SimRequest, then: Callable[[], None]) -> bool:
+        if not self._grow(req, req.input_len + 1):
+            return False
+        then()
+        return True
+
+    def _after_inbox(self) -> None:
+        self.parked = [(r, t) for r, t in self.parked if not self._try_reserve(r, t)]
+
+    def commit(self, req: SimRequest) -> None:
+        self.call(lambda: self._commit(req))
+
+    def _commit(self, req: SimRequest) -> None:
+        self._emit(req)
+        if not req.done:
+            self.running.append(req)
+
+    # ----- colocated ---------------------------------------------------------------------------
+    def add_local(self, req: SimRequest) -> None:
+        self.call(lambda: self.waiting.append(req))
+
+    # ----- the pass ------------------------------------------------------------------------------
+    def _emit(self, req: SimRequest) -> None:
+        req.token_times.append(self.loop.now)
+        if req.done:
+            if req in self.running:
+                self.running.remove(req)
+            self._release(req)
+
+    def _schedule_decode(self) -> list[SimRequest]:
+        scheduled: list[SimRequest] = []
+        while self.running:
+            req = self.running.pop(0)
+            while not self._grow(req, req.num_tokens):
+                if self.running:
+                    self._preempt(self.running.pop())
+                    continue
+                if scheduled:
+                    self._preempt(req)
+                else:  # alone and too long for the pool: ends (finish reason "length")
+                    self._release(req)
+                    req.output_len = len(req.token_times)
+                break
+            else:
+                scheduled.append(req)
+        self.running = scheduled
+        return list(scheduled)
+
+    def _preempt(self, req: SimRequest) -> None:
+        self._release(req)
+        req.recompute = True
+        self.waiting.appendleft(req)
+
+    def _prefill_tokens(self, req: SimRequest) -> int:
+        return req.num_tokens - 1 if req.token_times else req.input_len
+
+    def _schedule_prefill(self, budget: int) -> list[SimRequest]:
+        batch: list[SimRequest] = []
+        while self.waiting and len(self.running) + len(batch) < self.limits.max_num_seqs:
+            req = self.waiting[0]
+            new = self._prefill_tokens(req)
+            if batch and new > budget:
+                break
+            needed = blocks_for(new, self.limits.block_size) + len(self.running) + len(batch)
+            if self.free < needed or not self._grow(req, new):
+                break
+            self.waiting.popleft()
+            batch.append(req)
+            budget -= new
+        return batch
+
+    def _start_pass(self) -> None:
+        decode = self._schedule_decode()
+        prefill = self._schedule_prefill(self.limits.max_batched_tokens - len(decode))
+        if not decode and not prefill:
+            return
+        items = [(self._prefill_tokens(r), 0) for r in prefill]
+        seconds = self.profile.pass_s(items, len(decode), sum(r.num_tokens for r in decode))
+        self._run_pass(seconds, lambda: self._end_pass(decode, prefill))
+
+    def _end_pass(self, decode: list[SimRequest], prefill: list[SimRequest]) -> None:
+        for req in decode:
+            self._emit(req)
+        for req in prefill:
+            fresh = not req.recompute
+            req.recompute = False
+            if fresh:
+                self._emit(req)
+            if not req.done:
+                self.running.append(req)
+
+
+@dataclass(eq=False)
+class _PrefillJob:
+    req: SimRequest
+    target: _EngineWorker
+    blocks: int = 0
+    computed: int = 0
+
+
+class _PrefillWorker(_Loop):
+    """`PrefillWorker`: FIFO admission by free blocks, chunked passes, KV shipped after each prompt."""
+
+    def __init__(self, loop: EventLoop, profile: Profile, scale: float, backend: str,
+                 cache: PrefixCache | None = None) -> None:
+        super().__init__(loop, profile, scale)
+        self.backend = backend
+        self.cache = cache
+        self.queue: deque[_PrefillJob] = deque()
+        self.active: list[_PrefillJob] = []
+
+    def submit(self, req: SimRequest, target: _EngineWorker) -> None:
+        self.call(lambda: self.queue.append(_PrefillJob(req, target)))
+
+    def _admit(self) -> None:
+        while self.queue:
+            job = self.queue[0]
+            bs = self.limits.block_size
+            needed = blocks_for(job.req.input_len, bs)
+            if needed > self.free:
+                return
+            self.queue.popleft()
+            hits = self.cache.hits(job.req.block_hashes[: (job.req.input_len - 1) // bs]) if self.cache else 0
+            self.free -= needed - hits
+            job.blocks = needed - hits
+            job.computed = hits * bs
+            self.active.append(job)
+
+    def _start_pass(self) -> None:
+        self._admit()
+        step: list[tuple[_PrefillJob, int]] = []
+        budget = self.limits.max_batched_tokens
+        for job in self.active:
+            n = min(job.req.input_len - job.computed, self.limits.prefill_chunk_tokens, budget)
+            if n <= 0:
+                break
+            step.append((job, n))
+            budget -= n
+        if step:
+            seconds = self.profile.pass_s([(n, job.computed) for job, n in step], 0, 0)
+            self._run_pass(seconds, lambda: self._end_pass(step))
+
+    def _end_pass(self, step: list[tuple[_PrefillJob, int]]) -> None:
+        for job, n in step:
+            job.computed += n
+            if self.cache is not None:
+                self.cache.add(job.req.block_hashes[: job.computed // self.limits.block_size])
+            if job.computed == job.req.input_len:
+                self.active.remove(job)
+                delay = self.profile.transfer_s(self.backend, job.req.input_len)
+                self.loop.at(self.loop.now + delay, self._delivered(job))
+
+    def _delivered(self, job: _PrefillJob) -> Callable[[], None]:
+        def deliver() -> None:
+            self.free += job.blocks
+            job.target.commit(job.req)
+            if not self.busy:
+                self._iterate()
+
+        return deliver
+
+
+def simulate(
+    dep: Deployment,
+    arrivals: Sequence[float],
+    input_lens: Sequence[int],
+    output_lens: Sequence[int],
+    timing: Timing,
+    prompt_hashes: Sequence[Sequence[int]] | None = None,
+    prefix_caches: Sequence[PrefixCache] | None = None,
+) -> list[RequestRecord]:
+    """Run every request to completion; return their records (send_time = arrival). With
+    `prompt_hashes` (each prompt's full-block hashes) and one `PrefixCache` per prefill worker,
+    prefill workers skip the cached prefix of a prompt, as with `--prefix-caching`."""
+    loop = EventLoop()
+    hashes = prompt_hashes or [()] * len(arrivals)
+    reqs = [SimRequest(i, t, max(1, n), max(1, m), block_hashes=h)
+            for i, (t, n, m, h) in enumerate(zip(arrivals, input_lens, output_lens, hashes, strict=True))]
+    scale = timing.overhead_scale
+    engines = [_EngineWorker(loop, timing.decode, scale) for _ in range(dep.colocated or dep.decode)]
+    caches = list(prefix_caches) if prefix_caches is not None else [None] * dep.prefill
+    prefills = [_PrefillWorker(loop, timing.prefill, scale, timing.backend, cache) for cache in caches[: dep.prefill]]
+    for req in reqs:
+        slot = req.index + timing.rr_offset
+        engine = engines[slot % len(engines)]
+        if dep.colocated:
+            loop.at(req.arrival, _bind(engine.add_local, req))
+        else:
+            prefill = prefills[slot % len(prefills)]
+            loop.at(req.arrival, _bind_reserve(engine, prefill, req))
+    loop.run()
+    latency = timing.decode.overhead.per_request_s * scale
+    return [r.record(latency) for r in reqs]
+
+
+def _bind(fn: Callable[[SimRequest], None], req: SimRequest) -> Callable[[], None]:
+    return lambda: fn(req)
+
+
+def _bind_reserve(engine: _EngineWorker, prefill: _PrefillWorker, req: SimRequest) -> Callable[[], None]:
+    return lambda: engine.reserve(req, lambda: prefill.submit(req, engine))

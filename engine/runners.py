@@ -1,0 +1,19 @@
+"""Which runner does a worker's forward passes: the model (`ModelRunner`) or the profile's timing
+model (`SimRunner`, for a model loaded by `engine.sim_runner.load_sim_model`). The one place that
+chooses; engines and workers call `build_runner` instead of naming a runner class."""
+
+from __future__ import annotations
+
+from engine.kv_cache import KVCache
+from engine.model_loader import LoadedModel
+from engine.model_runner import ModelRunner
+from engine.sim_runner import SimModel, SimRunner
+
+Runner = ModelRunner | SimRunner
+
+
+def build_runner(loaded: LoadedModel, kv_cache: KVCache) -> Runner:
+    """A SimRunner for a sim model, else a ModelRunner."""
+    if isinstance(loaded.model, SimModel):
+        return SimRunner(loaded, kv_cache)
+    return ModelRunner(loaded, kv_cache)
