@@ -28,8 +28,13 @@ from engine.model_loader import LoadedModel
 from engine.sampling_params import SamplingParams
 from engine.tokenization import encode_chat, encode_text
 from engine.trace import token_bytes
-from engine.worker_runtime import (Drain, finish_reason_to_pb, sampling_params_from_pb, sampling_params_to_pb,
-                                   trace_events_to_pb)
+from engine.worker_runtime import (
+    Drain,
+    finish_reason_to_pb,
+    sampling_params_from_pb,
+    sampling_params_to_pb,
+    trace_events_to_pb,
+)
 from kv_transfer import KvTransferError, KvTransferServicer
 from kv_transfer.shm_backend import InPlaceKv
 from pdserve.serving import PREFILL_FAILURE
@@ -150,7 +155,8 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
         timings = common_pb2.Timings(tokenize_s=tokenize_s)
         trace: list[common_pb2.TraceEvent] | None = None  # events not sent yet (traced requests only)
         if request.trace:
-            yield router_pb2.GenerateResponse(request_id=request_id, trace=[self._tokenize_event(prompt_ids, tokenize_s)])
+            tokenized = self._tokenize_event(prompt_ids, tokenize_s)
+            yield router_pb2.GenerateResponse(request_id=request_id, trace=[tokenized])
             trace = []
         deadline = start + self._timeout(context)
         loop = asyncio.get_running_loop()

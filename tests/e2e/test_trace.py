@@ -72,13 +72,13 @@ def test_cli_trace_one_prefill_pass_then_one_decode_step_per_token(
     assert stages[0] == "tokenize" and tokenized is not None
     num_prompt = int(tokenized.group(1))
     assert "<e6 b5> <8e>" in lines[0]  # 济 is split over two byte-level tokens
-    prefills = [line for line, stage in zip(lines, stages) if stage == "prefill"]
+    prefills = [line for line, stage in zip(lines, stages, strict=True) if stage == "prefill"]
     assert len(prefills) == 1
     assert f"pass over {num_prompt} prompt tokens, KV 0 -> {num_prompt}, first token" in prefills[0]
-    decodes = [line for line, stage in zip(lines, stages) if stage == "decode"]
+    decodes = [line for line, stage in zip(lines, stages, strict=True) if stage == "decode"]
     assert [int(re.search(r", KV (\d+),", d).group(1)) for d in decodes] == \
         list(range(num_prompt + 1, num_prompt + MAX_TOKENS))  # one step per further token
-    handoffs = [line for line, stage in zip(lines, stages) if stage == "kv hand-off"]
+    handoffs = [line for line, stage in zip(lines, stages, strict=True) if stage == "kv hand-off"]
     if cluster.config.prefill:
         assert "prefill-0" in prefills[0] and all("decode-0" in d for d in decodes)
         assert len(handoffs) == 1 and re.search(r"(shm|grpc), [\d,]+ bytes", handoffs[0])
