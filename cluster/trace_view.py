@@ -63,12 +63,15 @@ def trace_lines(response: router_pb2.GenerateResponse, elapsed_s: float) -> list
     """The lines for one response: its events, then the finish reason if it is the last one."""
     stamp = f"{elapsed_s * 1e3:9.1f} ms"
     lines = []
-    for event in response.trace:
+    sampled = [i for i, e in enumerate(response.trace) if e.HasField("decode") or e.prefill.samples]
+    for index, event in enumerate(response.trace):
         stage, what = describe(event)
-        lines.append(f"{stamp}  {stage:<11} {event.worker_id or 'router':<10} {what}")
+        if sampled and index == sampled[-1]:  # the token this response carries: what text it streamed
+            what += f" -> streams {json.dumps(response.text, ensure_ascii=False)}"
+        lines.append(f"{stamp}  {stage:<11} {event.worker_id or 'router':<11} {what}")
     if response.finish_reason != common_pb2.FINISH_REASON_UNSPECIFIED:
         reason = FINISH_NAMES.get(response.finish_reason, str(response.finish_reason))
         usage = response.usage
-        lines.append(f"{stamp}  {'finish':<11} {'':<10} {reason}: {usage.prompt_tokens} prompt + "
+        lines.append(f"{stamp}  {'finish':<11} {'':<11} {reason}: {usage.prompt_tokens} prompt + "
                      f"{usage.completion_tokens} generated tokens")
     return lines
