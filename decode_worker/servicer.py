@@ -327,6 +327,8 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
             response.timings.decode_s = now - first_at
             response.timings.e2e_s = now - start
             response.timings.detokenize_s = out.detokenize_s
+            if out.prefill_s and not timings.prefill_s:  # prefilled here (colocated, or a short prompt)
+                response.timings.queue_s, response.timings.prefill_s = out.queue_s, out.prefill_s
         return response
 
     # ----- GetInfo / Abort -------------------------------------------------------------------

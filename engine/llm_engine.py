@@ -56,6 +56,8 @@ class TokenOutput:
     num_output_tokens: int
     error: str | None = None  # set (with finish_reason "error", token_id -1) when a pass failed it
     detokenize_s: float = 0.0  # the request's detokenization time so far
+    queue_s: float = 0.0  # queued -> admitted, when this engine prefilled the prompt (else 0)
+    prefill_s: float = 0.0  # admitted -> first token, when this engine prefilled the prompt (else 0)
     trace: tuple[TraceEvent, ...] = ()  # step-trace events since its previous output (traced requests)
 
 
@@ -296,10 +298,11 @@ class LLMEngine:
 
     @staticmethod
     def _output(seq: Sequence, token_id: int, text: str) -> TokenOutput:
+        queue_s, prefill_s = seq.queue_and_prefill_s if seq.is_finished else (0.0, 0.0)
         return TokenOutput(
             request_id=seq.request_id, token_id=token_id, text=text, finish_reason=seq.finish_reason,
             num_prompt_tokens=len(seq.prompt_ids), num_output_tokens=len(seq.output_ids),
-            detokenize_s=seq.detokenize_s, trace=seq.take_trace(),
+            detokenize_s=seq.detokenize_s, queue_s=queue_s, prefill_s=prefill_s, trace=seq.take_trace(),
         )
 
     # ----- convenience -----------------------------------------------------------------------

@@ -52,6 +52,14 @@ class Sequence:
     detokenize_s: float = 0.0  # time spent turning its output ids into streamed text
     trace: list[TraceEvent] | None = None  # step trace (engine.trace), collected only when asked
 
+    @property
+    def queue_and_prefill_s(self) -> tuple[float, float]:
+        """(queued -> admitted for prefill, admitted -> first token) when this engine prefilled it;
+        (0, 0) for a sequence whose K/V came from elsewhere."""
+        if self.scheduled_time is None or self.first_token_time is None:
+            return 0.0, 0.0
+        return self.scheduled_time - self.arrival_time, self.first_token_time - self.scheduled_time
+
     def take_trace(self) -> tuple[TraceEvent, ...]:
         """The trace events since the last call (empty when untraced)."""
         if not self.trace:

@@ -32,6 +32,7 @@ def test_one_prefill_pass_then_one_decode_step_per_token_kv_growing_by_one(tiny_
     assert all(s.itl_s > 0 for s in steps)
     assert isinstance(outputs[0].trace[0], PrefillPassEvent)  # the pass comes with the first token
     assert 0 < outputs[0].detokenize_s <= outputs[-1].detokenize_s
+    assert outputs[-1].prefill_s > 0 and outputs[-1].queue_s >= 0  # prefilled here: measured on the last output
 
 
 def test_chunked_prefill_traces_every_chunk_contiguously(tiny_model, make_engine) -> None:  # noqa: ANN001
