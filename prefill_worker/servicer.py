@@ -10,6 +10,7 @@ import os
 
 import grpc
 
+from engine.kv_cache import segment_prefix
 from engine.worker_runtime import Drain, sampling_params_from_pb
 from kv_transfer import KvTransferError
 from pdserve.v1 import common_pb2, worker_pb2, worker_pb2_grpc
@@ -40,7 +41,7 @@ class PrefillServicer(worker_pb2_grpc.PrefillWorkerServicer):
                 request_id=request.request_id, prompt_ids=list(request.prompt_token_ids),
                 params=sampling_params_from_pb(request.params), kv_target=request.kv_target_address,
                 kv_backend=request.kv_backend or "grpc", output_index=request.output_index,
-                kv_block_offset=request.kv_block_offset,
+                kv_block_offset=request.kv_block_offset, kv_checksum=request.kv_checksum,
             )
             if not job.request_id or not job.prompt_ids or not job.kv_target:
                 raise ValueError("request_id, prompt_token_ids and kv_target_address are required")
@@ -77,5 +78,5 @@ class PrefillServicer(worker_pb2_grpc.PrefillWorkerServicer):
             unhealthy_reason=self.unhealthy_reason(),
             prefill_tokens_computed=w.runner.num_prefill_tokens, kv_bytes_sent=w.kv_bytes_sent,
             requests_finished=w.requests_finished, prefix_cache_hit_blocks=w.pool.cache_hits,
-            prefix_cache_blocks=w.pool.num_cached,
+            prefix_cache_blocks=w.pool.num_cached, kv_segment_prefix=segment_prefix(),
         )

@@ -55,6 +55,7 @@ class PrefillJob:
     kv_backend: str = "grpc"
     output_index: int = 0  # output position of the token sampled here (> 0 for resumed requests)
     kv_block_offset: int = 0  # leading blocks the decode worker already holds: not shipped
+    kv_checksum: bool = False  # the decode worker asked for a checksum of shared-memory KV
     enqueued_at: float = field(default_factory=time.perf_counter)
     future: Future = field(default_factory=Future)
     # set on the loop thread
@@ -300,7 +301,8 @@ class PrefillWorker(KvConnector):
         sender = self._sender(job)
         fault = self.faults.next_filter()
         if fault is None:
-            sender.send_blocks(spec, self.kv_cache, shipped, token, timeout_s=self.transfer_timeout_s)
+            sender.send_blocks(spec, self.kv_cache, shipped, token, timeout_s=self.transfer_timeout_s,
+                               checksum=job.kv_checksum)
         else:
             log.warning("request_id=%s: injecting a KV fault (%s)", job.request_id, fault.__name__)
             sender.send(spec, self.kv_cache.gather(shipped), token, timeout_s=self.transfer_timeout_s,
