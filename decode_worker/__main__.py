@@ -56,9 +56,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--kv-target", default="",
                     help="where prefill workers send KV (default: this worker's gRPC address; "
                          "ray:<actor name> for the ray backend)")
-    ap.add_argument("--kv-checksum", action="store_true",
-                    help="shm backend: prefill workers send a crc32 of the blocks, checked here over the copied "
-                         "bytes (the gRPC stream always checksums every frame; see docs/security.md for its cost)")
+    ap.add_argument("--kv-checksum", nargs="?", const="xxh3", default="", choices=("xxh3", "crc32"),
+                    help="shm backend: prefill workers send a checksum of the blocks (xxh3 when no algorithm is "
+                         "named), checked here over the copied bytes; the gRPC stream always checksums every "
+                         "frame (see docs/security.md for the cost)")
     ap.add_argument("--inject-loop-death-after-steps", type=int, default=None, metavar="N",
                     help="testing only: the engine loop thread dies after N decode steps (liveness tests)")
     add_observability_args(ap)

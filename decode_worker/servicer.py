@@ -107,9 +107,9 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
     def __init__(self, worker: DecodeWorker, kv_receiver: KvTransferServicer, worker_id: str, address: str,
                  colocated: bool, local_prefill_threshold: int, request_timeout_s: float,
                  kv_timeout_s: float = 120.0, drain: Drain | None = None, kv_backend: str = "grpc",
-                 kv_target: str = "", kv_checksum: bool = False) -> None:
+                 kv_target: str = "", kv_checksum: str = "") -> None:
         self.worker = worker
-        self.kv_checksum = kv_checksum  # ask prefill workers for a crc32 of shared-memory KV, and check it
+        self.kv_checksum = kv_checksum  # algorithm of the checksum asked of shared-memory KV ("": none)
         self.kv_backend = kv_backend  # named in every PrefillRequest: how the prefill worker ships KV here
         self.kv_target = kv_target or address  # e.g. this worker's gRPC address, or "ray:decode-0"
         self.kv_receiver = kv_receiver
@@ -199,13 +199,13 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
         spec = self.worker.expected_spec(request_id, len(tokens), seq.num_reused_blocks)
         pending = self.kv_receiver.expect(spec, deadline_s=max(0.1, kv_deadline - time.perf_counter()),
                                           in_place=in_place, shm_segment_prefix=segment_prefix,
-                                          require_checksum=in_place and self.kv_checksum)
+                                          require_checksum=self.kv_checksum if in_place else "")
         call = self._prefill_stub(prefill_address).Prefill(
             worker_pb2.PrefillRequest(
                 request_id=request_id, prompt_token_ids=tokens, params=sampling_params_to_pb(params),
                 kv_target_address=self.kv_target, kv_backend=backend, decode_worker_id=self.worker_id,
                 output_index=len(resume_ids), kv_block_offset=spec.block_offset,
-                kv_checksum=in_place and self.kv_checksum,
+                kv_checksum=self.kv_checksum if in_place else "",
             ),
             timeout=max(0.1, kv_deadline - time.perf_counter()),
         )

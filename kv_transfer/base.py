@@ -210,11 +210,11 @@ class KvSender(abc.ABC):
         """
 
     def send_blocks(self, spec: KvSpec, cache: KVCache, block_ids: list[int], first_token_id: int,
-                    timeout_s: float, checksum: bool = False) -> KvAck:
+                    timeout_s: float, checksum: str = "") -> KvAck:
         """Ship blocks `block_ids` of a worker's KV cache (the spec's blocks, in order). Backends that
         can read the cache in place override this; the default gathers a copy and `send`s it.
-        `checksum`: the receiver asked for a checksum of the blocks; backends that always checksum
-        ("grpc": crc32 per frame) or never can ("ray") ignore it, "shm" adds a crc32."""
+        `checksum`: the receiver asked for a checksum of the blocks with this algorithm; backends that
+        always checksum ("grpc": crc32 per frame) or cannot ("ray") ignore it; "shm" adds it."""
         return self.send(spec, cache.gather(block_ids), first_token_id, timeout_s)
 
     def send_layers(self, spec: KvSpec, source: LayerSource, timeout_s: float) -> KvAck:

@@ -22,8 +22,10 @@ worker it called for that request (`KvTransferServicer.expect(shm_segment_prefix
 frame naming any other segment (another worker's cache, a foreign segment) is refused before the
 segment is opened, and so is any shm frame for an intake registered without a prefix. Sizes must
 hold the expected K/V. Bytes in local memory cross no link, so by default no checksum is computed;
-with `--kv-checksum` on the decode worker the sender adds a crc32 of the blocks (`shm_checksum`) and
-the receiver checks it over the bytes it copied (`blocks_crc32`).
+with `--kv-checksum [xxh3|crc32]` on the decode worker the sender adds a checksum of the blocks
+(`shm_checksum`) and the receiver checks it over the bytes it copied (`blocks_checksum`). It catches
+blocks that changed between the sender's checksum and the receiver's copy (a writer on the segment,
+a bug); it is no signature: whoever can write the segment can also rewrite the blocks before.
 """
 
 from __future__ import annotations
@@ -103,13 +105,38 @@ class SegmentPool:
 _POOL = SegmentPool()
 
 
-def blocks_crc32(kv: torch.Tensor, block_ids: list[int]) -> int:
-    """zlib.crc32 of blocks `block_ids` of a C-contiguous [L, 2, blocks, ...] tensor, read as
-    kv[l, k|v, block] for each layer, then k before v, then block in the given order. Runs of
+#: --kv-checksum algorithms; xxh3 (64 bit) is several times faster than zlib's crc32.
+CHECKSUM_ALGORITHMS = ("xxh3", "crc32")
+
+
+class _Crc32:
+    def __init__(self) -> None:
+        self.value = 0
+
+    def update(self, data: object) -> None:
+        self.value = zlib.crc32(data, self.value)  # type: ignore[arg-type]
+
+    def intdigest(self) -> int:
+        return self.value
+
+
+def _hasher(algorithm: str) -> object:
+    if algorithm == "crc32":
+        return _Crc32()
+    if algorithm == "xxh3":
+        import xxhash
+
+        return xxhash.xxh3_64()
+    raise ValueError(f"checksum algorithm: {algorithm!r} is not one of {', '.join(CHECKSUM_ALGORITHMS)}")
+
+
+def blocks_checksum(kv: torch.Tensor, block_ids: list[int], algorithm: str) -> int:
+    """Checksum (`algorithm`) of blocks `block_ids` of a C-contiguous [L, 2, blocks, ...] tensor, read
+    as kv[l, k|v, block] for each layer, then k before v, then block in the given order. Runs of
     consecutive ids are one contiguous range each, so this costs one pass over the bytes."""
     if not kv.is_contiguous():
-        raise ValueError("blocks_crc32 needs a contiguous tensor")
-    crc = 0
+        raise ValueError("blocks_checksum needs a contiguous tensor")
+    hasher = _hasher(algorithm)
     for layer in range(kv.shape[0]):
         for side in range(2):
             i = 0
@@ -118,16 +145,16 @@ def blocks_crc32(kv: torch.Tensor, block_ids: list[int]) -> int:
                 while i + run < len(block_ids) and block_ids[i + run] == block_ids[i] + run:
                     run += 1
                 chunk = kv[layer, side, block_ids[i] : block_ids[i] + run].to("cpu")  # a view on a CPU tensor
-                crc = zlib.crc32(chunk.reshape(-1).view(torch.uint8).numpy(), crc)
+                hasher.update(chunk.reshape(-1).view(torch.uint8).numpy())  # type: ignore[attr-defined]
                 i += run
-    return crc
+    return int(hasher.intdigest())  # type: ignore[attr-defined]
 
 
 def header_for(spec: KvSpec, first_token_id: int, shm_name: str, block_ids: list[int] | None = None,
-               num_blocks: int | None = None, checksum: int | None = None) -> KvHeader:
+               num_blocks: int | None = None, checksum: tuple[str, int] | None = None) -> KvHeader:
     """The control frame: the request's blocks are `block_ids` of the segment `shm_name`, which holds
     `num_blocks` blocks laid out as [L, 2, num_blocks, block_size, H, D] (default: exactly the
-    spec's blocks, in order); `checksum`: their `blocks_crc32`, when the receiver asked for one."""
+    spec's blocks, in order); `checksum`: (algorithm, their `blocks_checksum`), when asked for."""
     n = spec.shape[2]
     header = KvHeader(
         request_id=spec.request_id, model_fingerprint=spec.model_fingerprint, dtype=spec.dtype,
@@ -139,7 +166,7 @@ def header_for(spec: KvSpec, first_token_id: int, shm_name: str, block_ids: list
         shm_num_blocks=n if num_blocks is None else num_blocks,
     )
     if checksum is not None:
-        header.shm_checksum = checksum
+        header.shm_checksum_algorithm, header.shm_checksum = checksum
     return header
 
 
@@ -150,8 +177,9 @@ class ShmKvSender(KvSender):
         self._stub = kv_pb2_grpc.KvTransferStub(self._channel)
 
     def send(self, spec: KvSpec, kv: torch.Tensor, first_token_id: int, timeout_s: float,
-             checksum: bool = False) -> KvAck:
-        """Stage `kv` in a reusable segment (one copy), then hand it over (with its crc32 if `checksum`)."""
+             checksum: str = "") -> KvAck:
+        """Stage `kv` in a reusable segment (one copy), then hand it over (with a `checksum` of the
+        blocks when an algorithm is named)."""
         if tuple(kv.shape) != spec.shape or dtype_name(kv.dtype) != spec.dtype:
             raise ValueError("shape/dtype: tensor does not match its spec")
         segment = _POOL.acquire(spec.nbytes)
@@ -159,19 +187,19 @@ class ShmKvSender(KvSender):
             view = torch.frombuffer(segment.buf, dtype=torch.uint8, count=spec.nbytes)
             view.copy_(kv.contiguous().view(-1).view(torch.uint8))
             del view
-            crc = blocks_crc32(kv.contiguous(), list(range(spec.shape[2]))) if checksum else None
+            crc = (checksum, blocks_checksum(kv.contiguous(), list(range(spec.shape[2])), checksum)) if checksum else None
             return self._push(spec, header_for(spec, first_token_id, segment.name, checksum=crc), timeout_s)
         finally:
             _POOL.release(segment)  # reused only after the receiver acked (or gave up on) this transfer
 
     def send_blocks(self, spec: KvSpec, cache: KVCache, block_ids: list[int], first_token_id: int,
-                    timeout_s: float, checksum: bool = False) -> KvAck:
+                    timeout_s: float, checksum: str = "") -> KvAck:
         """Blocks of a cache in shared memory travel by name: no copy here, one on the receiver."""
         if cache.shm_name is None:
             return self.send(spec, cache.gather(block_ids), first_token_id, timeout_s, checksum)
         if len(block_ids) != spec.shape[2]:
             raise ValueError(f"block_ids: {len(block_ids)} blocks for a spec of {spec.shape[2]}")
-        crc = blocks_crc32(cache.kv, block_ids) if checksum else None
+        crc = (checksum, blocks_checksum(cache.kv, block_ids, checksum)) if checksum else None
         return self._push(spec, header_for(spec, first_token_id, cache.shm_name, block_ids, cache.num_blocks, crc),
                           timeout_s)
 
@@ -189,10 +217,11 @@ class ShmKvSender(KvSender):
         self._channel.close()
 
 
-def check_header(header: KvHeader, spec: KvSpec, segment_prefix: str = "", require_checksum: bool = False) -> str:
+def check_header(header: KvHeader, spec: KvSpec, segment_prefix: str = "", require_checksum: str = "") -> str:
     """"" when the control frame matches the expected intake, else the first mismatch. The segment
     must start with `segment_prefix`, that of the prefill worker called for this request (no prefix:
-    no shared-memory KV is accepted); `require_checksum`: the frame must carry `shm_checksum`."""
+    no shared-memory KV is accepted); `require_checksum`: the frame must carry a `shm_checksum` of
+    that algorithm."""
     checks = [
         ("request_id", header.request_id, spec.request_id),
         ("dtype", header.dtype, spec.dtype),  # before the fingerprint (which covers it): names the cause
@@ -214,7 +243,11 @@ def check_header(header: KvHeader, spec: KvSpec, segment_prefix: str = "", requi
         return (f"shm_name: segment {header.shm_name!r} does not belong to the prefill worker called for "
                 f"request {spec.request_id!r} (its segments start with {segment_prefix!r})")
     if require_checksum and not header.HasField("shm_checksum"):
-        return "shm_checksum: missing, and this decode worker requires one (--kv-checksum)"
+        return f"shm_checksum: missing, and this decode worker requires one (--kv-checksum {require_checksum})"
+    if header.HasField("shm_checksum") and header.shm_checksum_algorithm not in CHECKSUM_ALGORITHMS:
+        return f"shm_checksum_algorithm: {header.shm_checksum_algorithm!r} is not one of {CHECKSUM_ALGORITHMS}"
+    if require_checksum and header.shm_checksum_algorithm != require_checksum:
+        return f"shm_checksum_algorithm: got {header.shm_checksum_algorithm!r}, this worker requires {require_checksum!r}"
     if header.first_token_id < 0:
         return f"first_token_id: must be >= 0, got {header.first_token_id}"
     if not 0 < header.shm_num_blocks <= 2**24:
@@ -262,14 +295,21 @@ def read_segment(header: KvHeader, spec: KvSpec) -> torch.Tensor:
     out = torch.empty(spec.shape, dtype=spec.torch_dtype)
     copy_blocks(out, list(range(len(ids))), view, ids)
     if header.HasField("shm_checksum"):
-        check_crc(blocks_crc32(out, list(range(len(ids)))), header.shm_checksum)
+        check_checksum(out, list(range(len(ids))), (header.shm_checksum_algorithm, header.shm_checksum))
     return out
 
 
-def check_crc(got: int, expected: int) -> None:
-    """ValueError naming both values unless the crc32 of the copied blocks is the one announced."""
-    if got != expected:
-        raise ValueError(f"shm_checksum: crc32 of the copied blocks is {got}, the sender announced {expected} "
+def expected_checksum(header: KvHeader) -> tuple[str, int] | None:
+    """(algorithm, value) announced by a control frame, or None."""
+    return (header.shm_checksum_algorithm, header.shm_checksum) if header.HasField("shm_checksum") else None
+
+
+def check_checksum(kv: torch.Tensor, block_ids: list[int], expected: tuple[str, int]) -> None:
+    """ValueError naming both values unless the copied blocks have the announced checksum."""
+    algorithm, value = expected
+    got = blocks_checksum(kv, block_ids, algorithm)
+    if got != value:
+        raise ValueError(f"shm_checksum: {algorithm} of the copied blocks is {got}, the sender announced {value} "
                          "(the segment changed while it was read)")
 
 
@@ -294,9 +334,9 @@ class InPlaceKv:
     acks only after either (`wait_consumed`), and never lets a copy start after it gave up."""
 
     def __init__(self, source: torch.Tensor, block_ids: list[int], nbytes: int,
-                 expected_crc: int | None = None) -> None:
+                 expected_checksum: tuple[str, int] | None = None) -> None:
         self._source, self._block_ids, self.nbytes = source, block_ids, nbytes
-        self._expected_crc = expected_crc  # checked over the destination blocks after the copy
+        self._expected_checksum = expected_checksum  # checked over the destination blocks after the copy
         self._state = "pending"  # -> copying -> copied | failed;  pending -> released
         self._cond = threading.Condition()
         self.error = ""  # why the copy failed, for the sender's ack
@@ -309,8 +349,8 @@ class InPlaceKv:
         copied = False
         try:
             copy_blocks(kv, block_ids, self._source, self._block_ids)
-            if self._expected_crc is not None:
-                check_crc(blocks_crc32(kv, block_ids), self._expected_crc)
+            if self._expected_checksum is not None:
+                check_checksum(kv, block_ids, self._expected_checksum)
             copied = True
         except ValueError as err:
             self.error = str(err)

@@ -13,6 +13,7 @@ import grpc
 from engine.kv_cache import segment_prefix
 from engine.worker_runtime import Drain, sampling_params_from_pb
 from kv_transfer import KvTransferError
+from kv_transfer.shm_backend import CHECKSUM_ALGORITHMS
 from pdserve.v1 import common_pb2, worker_pb2, worker_pb2_grpc
 from prefill_worker.worker import PrefillJob, PrefillWorker
 
@@ -45,6 +46,8 @@ class PrefillServicer(worker_pb2_grpc.PrefillWorkerServicer):
             )
             if not job.request_id or not job.prompt_ids or not job.kv_target:
                 raise ValueError("request_id, prompt_token_ids and kv_target_address are required")
+            if job.kv_checksum and job.kv_checksum not in CHECKSUM_ALGORITHMS:
+                raise ValueError(f"kv_checksum: {job.kv_checksum!r} is not one of {', '.join(CHECKSUM_ALGORITHMS)}")
             future = self.worker.submit(job)
         except OverflowError as exc:
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))

@@ -55,7 +55,7 @@ class PrefillJob:
     kv_backend: str = "grpc"
     output_index: int = 0  # output position of the token sampled here (> 0 for resumed requests)
     kv_block_offset: int = 0  # leading blocks the decode worker already holds: not shipped
-    kv_checksum: bool = False  # the decode worker asked for a checksum of shared-memory KV
+    kv_checksum: str = ""  # checksum algorithm the decode worker asked for ("": none; shm backend)
     enqueued_at: float = field(default_factory=time.perf_counter)
     future: Future = field(default_factory=Future)
     # set on the loop thread

@@ -39,7 +39,7 @@ def workers(tiny_llama_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> I
     """One real prefill worker and two real decode workers (shm backend; one with --kv-checksum)."""
     logs = tmp_path_factory.mktemp("kv-integrity-logs")
     procs = [_start("prefill", tiny_llama_dir, logs), _start("decode", tiny_llama_dir, logs, "--kv-backend", "shm"),
-             _start("decode", tiny_llama_dir, logs, "--kv-backend", "shm", "--kv-checksum")]
+             _start("decode", tiny_llama_dir, logs, "--kv-backend", "shm", "--kv-checksum")]  # xxh3
     try:
         p, d, dc = (str(proc.wait_ready(120)["address"]) for proc in procs)
         yield {"prefill": p, "decode": d, "decode_checksum": dc}

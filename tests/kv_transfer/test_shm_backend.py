@@ -268,7 +268,8 @@ def _send_in_place(servicer, address: str, spec: KvSpec, header) -> tuple[object
     """Push `header` while a consumer copies into a fresh destination; (ack, destination, errors)."""
     import threading
 
-    pending = servicer.expect(spec, deadline_s=10, in_place=True, shm_segment_prefix=OURS, require_checksum=True)
+    algorithm = header.shm_checksum_algorithm or "xxh3"
+    pending = servicer.expect(spec, deadline_s=10, in_place=True, shm_segment_prefix=OURS, require_checksum=algorithm)
     acks: list = []
     thread = threading.Thread(target=lambda: acks.append(_push(address, header)))
     thread.start()
@@ -282,27 +283,31 @@ def _send_in_place(servicer, address: str, spec: KvSpec, header) -> tuple[object
     return acks[0], dest, errors
 
 
-def test_checksum_over_the_copied_blocks(receiver) -> None:  # noqa: ANN001
-    from kv_transfer.shm_backend import blocks_crc32
+@pytest.mark.parametrize("algorithm", ["xxh3", "crc32"])
+def test_checksum_over_the_copied_blocks(receiver, algorithm: str) -> None:  # noqa: ANN001
+    from kv_transfer.shm_backend import blocks_checksum
 
     servicer, address = receiver
     source = _cache()
-    spec = _blocks_spec("crc-ok", 3)
-    crc = blocks_crc32(source.kv, [7, 2, 3])
+    spec = _blocks_spec(f"crc-ok-{algorithm}", 3)
+    crc = (algorithm, blocks_checksum(source.kv, [7, 2, 3], algorithm))
     ack, dest, errors = _send_in_place(servicer, address, spec,
                                        header_for(spec, 1, source.shm_name, [7, 2, 3], source.num_blocks, crc))
     assert ack.ok and not errors and torch.equal(dest[:, :, [4, 5, 6]], source.kv[:, :, [7, 2, 3]])
-    assert blocks_crc32(dest, [4, 5, 6]) == crc
+    assert blocks_checksum(dest, [4, 5, 6], algorithm) == crc[1]
+    whole = source.kv[:, :, [7, 2, 3]].contiguous()  # the order is kv[l, k|v, block]: one pass over a gather
+    assert blocks_checksum(whole, [0, 1, 2], algorithm) == crc[1]
 
 
-def test_blocks_that_do_not_match_their_checksum_are_refused(receiver) -> None:  # noqa: ANN001
-    """Bytes changed after the sender's crc32 (a writer on the segment): the copy is refused."""
-    from kv_transfer.shm_backend import blocks_crc32
+@pytest.mark.parametrize("algorithm", ["xxh3", "crc32"])
+def test_blocks_that_do_not_match_their_checksum_are_refused(receiver, algorithm: str) -> None:  # noqa: ANN001
+    """Bytes changed after the sender's checksum (a writer on the segment): the copy is refused."""
+    from kv_transfer.shm_backend import blocks_checksum
 
     servicer, address = receiver
     source = _cache()
-    spec = _blocks_spec("crc-bad", 2)
-    crc = blocks_crc32(source.kv, [0, 1])
+    spec = _blocks_spec(f"crc-bad-{algorithm}", 2)
+    crc = (algorithm, blocks_checksum(source.kv, [0, 1], algorithm))
     source.kv[2, 1, 1, 3, 0, 0] += 1.0  # one value of the last layer's V changes in shared memory
     ack, _, errors = _send_in_place(servicer, address, spec,
                                     header_for(spec, 1, source.shm_name, [0, 1], source.num_blocks, crc))
@@ -314,7 +319,7 @@ def test_a_frame_without_the_required_checksum_is_refused(receiver) -> None:  # 
     servicer, address = receiver
     source = _cache()
     spec = _blocks_spec("crc-missing", 2)
-    pending = servicer.expect(spec, deadline_s=10, in_place=True, shm_segment_prefix=OURS, require_checksum=True)
+    pending = servicer.expect(spec, deadline_s=10, in_place=True, shm_segment_prefix=OURS, require_checksum="xxh3")
     ack = _push(address, header_for(spec, 1, source.shm_name, [0, 1], source.num_blocks))
     assert not ack.ok and "shm_checksum: missing" in ack.error
     with pytest.raises(KvTransferError):
@@ -325,7 +330,7 @@ def test_the_sender_adds_a_checksum_when_asked_and_a_staged_copy_is_checked(rece
     servicer, address = receiver
     source = _cache(shared=False)  # through a staging segment: read_segment checks the crc
     spec = _blocks_spec("crc-staged", 3)
-    pending = servicer.expect(spec, deadline_s=10, shm_segment_prefix=OURS, require_checksum=True)
-    ShmKvSender(address).send_blocks(spec, source, [5, 1, 9], 4, timeout_s=10, checksum=True)
+    pending = servicer.expect(spec, deadline_s=10, shm_segment_prefix=OURS, require_checksum="crc32")
+    ShmKvSender(address).send_blocks(spec, source, [5, 1, 9], 4, timeout_s=10, checksum="crc32")
     got, _ = pending.wait(5)
     assert torch.equal(got, source.kv[:, :, [5, 1, 9]])

@@ -63,8 +63,8 @@ class PrefillRequest(_message.Message):
     decode_worker_id: str
     output_index: int
     kv_block_offset: int
-    kv_checksum: bool
-    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., params: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., kv_target_address: _Optional[str] = ..., kv_backend: _Optional[str] = ..., decode_worker_id: _Optional[str] = ..., output_index: _Optional[int] = ..., kv_block_offset: _Optional[int] = ..., kv_checksum: _Optional[bool] = ...) -> None: ...
+    kv_checksum: str
+    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., params: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., kv_target_address: _Optional[str] = ..., kv_backend: _Optional[str] = ..., decode_worker_id: _Optional[str] = ..., output_index: _Optional[int] = ..., kv_block_offset: _Optional[int] = ..., kv_checksum: _Optional[str] = ...) -> None: ...
 
 class PrefillResponse(_message.Message):
     __slots__ = ("request_id", "first_token_id", "timings", "kv_bytes")
