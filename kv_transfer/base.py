@@ -144,6 +144,12 @@ class KvSpec:
         return self.num_layers * self.layer_nbytes
 
 
+def check_request_id(request_id: str) -> None:
+    """ValueError unless `request_id` can name a KV transfer (what KvSpec accepts): check it before
+    any work is done for a request."""
+    _check_text("request_id", request_id, MAX_REQUEST_ID_CHARS)
+
+
 def _check_text(field: str, value: str, max_chars: int) -> None:
     if not isinstance(value, str) or not value or len(value) > max_chars:
         raise ValueError(f"{field}: need a non-empty string of at most {max_chars} chars, got {value!r}")

@@ -62,6 +62,8 @@ class PrefillServicer(worker_pb2_grpc.PrefillWorkerServicer):
             await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, f"prefill did not finish in {timeout:.1f}s")
         except KvTransferError as exc:
             await context.abort(grpc.StatusCode.UNAVAILABLE, f"KV transfer failed: {exc}")
+        except ValueError as exc:  # the engine refused the request itself
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         except asyncio.CancelledError:
             raise
         except Exception as exc:  # noqa: BLE001 - report, keep serving

@@ -37,7 +37,7 @@ from engine.model_runner import LayerCallback
 from engine.sampling_params import SamplingParams
 from engine.sequence import Sequence, SequenceStatus
 from kv_transfer import KvSpec, get_backend
-from kv_transfer.base import KvSender
+from kv_transfer.base import KvSender, check_request_id
 from prefill_worker.faults import FaultInjector
 from prefill_worker.layer_stream import LayerStream
 
@@ -141,6 +141,12 @@ class PrefillWorker(KvConnector):
         return job.future
 
     def _check(self, job: PrefillJob) -> None:
+        """Refuse (ValueError) what would only fail after the prefill: an id no KV transfer can carry,
+        an unknown backend, token ids outside the vocabulary, a prompt the pool cannot hold, a block
+        offset outside the prompt."""
+        check_request_id(job.request_id)
+        get_backend(job.kv_backend)
+        self.engine.check_request(job.prompt_ids)
         self.engine.check_fits_pool(len(job.prompt_ids))
         num_blocks = blocks_for_tokens(len(job.prompt_ids), self.pool.block_size)
         if not 0 <= job.kv_block_offset < num_blocks:
