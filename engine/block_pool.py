@@ -6,12 +6,14 @@ returns the block to the free list when the count reaches 0. The pool holds no t
 owns the memory, the pool owns the bookkeeping.
 
 Prefix cache: a full block whose K/V were computed can be registered under the hash of every token
-up to its end (`cache_block`). Block hashes are sha256, chained block by block (`block_hashes`):
-Python's `hash()` of token tuples is 64 bits and unsalted, so colliding prompts can be built and one
-request would be served another's K/V; a sha256 collision cannot be built. When its last reference goes, it is kept, evictable, in LRU order
+up to its end (`cache_block`). When its last reference goes, it is kept, evictable, in LRU order
 instead of being freed; `lookup` hands cached blocks of a prompt's longest cached prefix out again.
 Allocation evicts least recently used cached blocks when the free list runs short, so cached
 blocks never reduce what can be allocated (`num_free` counts them).
+
+Block hashes are sha256, chained block by block (`block_hashes`). Python's `hash()` of token tuples
+is 64 bits and unsalted, so colliding prompts can be built and one request would be served another's
+K/V; a sha256 collision cannot be built.
 """
 
 from __future__ import annotations

@@ -55,8 +55,8 @@ def untrack_segment(segment: shared_memory.SharedMemory) -> None:
 
 
 def remove_stale_segments() -> int:
-    """Unlink pdserve segments (`pdserve-kv-<pid>-*`, or the older `pdserve-kv-cache-<pid>-*`) whose creating process is gone (killed
-    workers cannot unlink their own); returns how many were removed."""
+    """Unlink pdserve segments (`pdserve-kv-<pid>-*`, or the older `pdserve-kv-cache-<pid>-*`) whose
+    creating process is gone (killed workers cannot unlink their own); returns how many were removed."""
     if not os.path.isdir(SHM_DIR):
         return 0
     removed = 0

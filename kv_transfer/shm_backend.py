@@ -187,7 +187,8 @@ class ShmKvSender(KvSender):
             view = torch.frombuffer(segment.buf, dtype=torch.uint8, count=spec.nbytes)
             view.copy_(kv.contiguous().view(-1).view(torch.uint8))
             del view
-            crc = (checksum, blocks_checksum(kv.contiguous(), list(range(spec.shape[2])), checksum)) if checksum else None
+            ids = list(range(spec.shape[2]))
+            crc = (checksum, blocks_checksum(kv.contiguous(), ids, checksum)) if checksum else None
             return self._push(spec, header_for(spec, first_token_id, segment.name, checksum=crc), timeout_s)
         finally:
             _POOL.release(segment)  # reused only after the receiver acked (or gave up on) this transfer
@@ -247,7 +248,8 @@ def check_header(header: KvHeader, spec: KvSpec, segment_prefix: str = "", requi
     if header.HasField("shm_checksum") and header.shm_checksum_algorithm not in CHECKSUM_ALGORITHMS:
         return f"shm_checksum_algorithm: {header.shm_checksum_algorithm!r} is not one of {CHECKSUM_ALGORITHMS}"
     if require_checksum and header.shm_checksum_algorithm != require_checksum:
-        return f"shm_checksum_algorithm: got {header.shm_checksum_algorithm!r}, this worker requires {require_checksum!r}"
+        return (f"shm_checksum_algorithm: got {header.shm_checksum_algorithm!r}, "
+                f"this worker requires {require_checksum!r}")
     if header.first_token_id < 0:
         return f"first_token_id: must be >= 0, got {header.first_token_id}"
     if not 0 < header.shm_num_blocks <= 2**24:

@@ -7,13 +7,12 @@ import os
 import pytest
 import torch
 
+from engine.kv_cache import segment_prefix
 from engine.worker_runtime import make_server
 from kv_transfer import KvSpec, KvTransferError, KvTransferServicer, get_backend, grpc_message_options
-from engine.kv_cache import segment_prefix
 from kv_transfer.shm_backend import SEGMENT_PREFIX, ShmKvSender, header_for
 from pdserve.v1 import kv_pb2_grpc
 from pdserve.v1.kv_pb2 import KvFrame
-
 
 OURS = segment_prefix()  # the segments these tests ship from are this process's
 
@@ -229,8 +228,8 @@ def test_segment_prefixes_are_per_process_and_unguessable() -> None:
 
     ours = segment_prefix()
     assert ours.startswith(f"{SEGMENT_PREFIX}{os.getpid()}-") and len(ours.split("-")[-2]) == 16
-    other = subprocess.run([sys.executable, "-c", "from engine.kv_cache import segment_prefix; print(segment_prefix())"],
-                           capture_output=True, text=True, check=True).stdout.strip()
+    code = "from engine.kv_cache import segment_prefix; print(segment_prefix())"
+    other = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.strip()
     assert other != ours and other.startswith(SEGMENT_PREFIX)
     assert _cache().shm_name.startswith(ours)
 
