@@ -304,7 +304,7 @@ def validate(timing: Timing, sweep: Mapping[str, Any], prompts: PromptSource | N
 
 
 def _warm_and_hash(prompts: tuple[list[list[int]], list[list[int]]], caches: list[PrefixCache], sent_before: int,
-                   indices: Sequence[int], inputs: Sequence[int], block_size: int) -> list[list[int]]:
+                   indices: Sequence[int], inputs: Sequence[int], block_size: int) -> list[list[bytes]]:
     """Cache the warm-up prompts where round robin sent them; return the measured prompts' block
     hashes in replay order (ValueError when the regenerated prompts do not match the records)."""
     from engine.block_pool import block_hashes

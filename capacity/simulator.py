@@ -36,7 +36,7 @@ import heapq
 import itertools
 import math
 from collections import OrderedDict, deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass, field
 
 from capacity.metrics import RequestRecord
@@ -90,9 +90,9 @@ class PrefixCache:
 
     def __init__(self, capacity_blocks: int) -> None:
         self.capacity_blocks = capacity_blocks
-        self._blocks: OrderedDict[int, None] = OrderedDict()
+        self._blocks: OrderedDict[Hashable, None] = OrderedDict()
 
-    def hits(self, hashes: Sequence[int]) -> int:
+    def hits(self, hashes: Sequence[Hashable]) -> int:
         """Length of the longest cached prefix of `hashes` (those blocks become most recent)."""
         count = 0
         for h in hashes:
@@ -102,7 +102,7 @@ class PrefixCache:
             count += 1
         return count
 
-    def add(self, hashes: Sequence[int]) -> None:
+    def add(self, hashes: Sequence[Hashable]) -> None:
         for h in hashes:
             self._blocks[h] = None
             self._blocks.move_to_end(h)
@@ -130,7 +130,7 @@ class SimRequest:
     token_times: list[float] = field(default_factory=list)
     blocks: int = 0  # blocks held on the decode / colocated worker
     recompute: bool = False  # preempted: its next pass recomputes prompt + outputs
-    block_hashes: Sequence[int] = ()  # chained hashes of the prompt's full blocks (prefix cache)
+    block_hashes: Sequence[Hashable] = ()  # chained hashes of the prompt's full blocks (prefix cache)
 
     @property
     def num_tokens(self) -> int:
@@ -401,7 +401,7 @@ def simulate(
     input_lens: Sequence[int],
     output_lens: Sequence[int],
     timing: Timing,
-    prompt_hashes: Sequence[Sequence[int]] | None = None,
+    prompt_hashes: Sequence[Sequence[Hashable]] | None = None,
     prefix_caches: Sequence[PrefixCache] | None = None,
 ) -> list[RequestRecord]:
     """Run every request to completion; return their records (send_time = arrival). With

@@ -56,6 +56,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--kv-target", default="",
                     help="where prefill workers send KV (default: this worker's gRPC address; "
                          "ray:<actor name> for the ray backend)")
+    ap.add_argument("--kv-checksum", nargs="?", const="xxh3", default="", choices=("xxh3", "crc32"),
+                    help="shm backend: prefill workers send a checksum of the blocks (xxh3 when no algorithm is "
+                         "named), checked here over the copied bytes; the gRPC stream always checksums every "
+                         "frame (see docs/security.md for the cost)")
     ap.add_argument("--inject-loop-death-after-steps", type=int, default=None, metavar="N",
                     help="testing only: the engine loop thread dies after N decode steps (liveness tests)")
     add_observability_args(ap)
@@ -83,7 +87,8 @@ def start_worker(args: argparse.Namespace) -> StartedWorker:
     address = bind(server, args.host, args.port)
     servicer = DecodeServicer(worker, kv_receiver, args.worker_id, address, args.colocated,
                               args.local_prefill_threshold, args.request_timeout_s, args.kv_timeout_s, drain,
-                              kv_backend=args.kv_backend, kv_target=args.kv_target or address)
+                              kv_backend=args.kv_backend, kv_target=args.kv_target or address,
+                              kv_checksum=args.kv_checksum)
     worker_pb2_grpc.add_DecodeWorkerServicer_to_server(servicer, server)
     kv_receiver.add_to_server(server)
     health = add_health(server)

@@ -36,6 +36,7 @@ from engine.worker_runtime import (
     trace_events_to_pb,
 )
 from kv_transfer import KvTransferError, KvTransferServicer
+from kv_transfer.shm_backend import SEGMENT_PREFIX as SHM_PREFIX
 from kv_transfer.shm_backend import InPlaceKv
 from pdserve.serving import PREFILL_FAILURE
 from pdserve.transport import open_aio_channel
@@ -113,8 +114,9 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
     def __init__(self, worker: DecodeWorker, kv_receiver: KvTransferServicer, worker_id: str, address: str,
                  colocated: bool, local_prefill_threshold: int, request_timeout_s: float,
                  kv_timeout_s: float = 120.0, drain: Drain | None = None, kv_backend: str = "grpc",
-                 kv_target: str = "") -> None:
+                 kv_target: str = "", kv_checksum: str = "") -> None:
         self.worker = worker
+        self.kv_checksum = kv_checksum  # algorithm of the checksum asked of shared-memory KV ("": none)
         self.kv_backend = kv_backend  # named in every PrefillRequest: how the prefill worker ships KV here
         self.kv_target = kv_target or address  # e.g. this worker's gRPC address, or "ray:decode-0"
         self.kv_receiver = kv_receiver
@@ -126,6 +128,7 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
         self.kv_timeout_s = kv_timeout_s
         self.drain = drain or Drain()
         self._prefill_stubs: dict[str, worker_pb2_grpc.PrefillWorkerStub] = {}  # event-loop channels
+        self._segment_prefixes: dict[str, str] = {}  # prefill address -> its shm segment prefix ("": none)
 
     def unhealthy_reason(self) -> str:
         """Why this worker takes no new requests ("" when it does)."""
@@ -211,20 +214,22 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
         them here. A failure on the prefill side ends with UNAVAILABLE and details starting with
         PREFILL_FAILURE, so the router prefills the request again elsewhere. `trace`: gets the
         prefill worker's pass events and the KV hand-off."""
+        backend, segment_prefix = await self._backend_and_segments(prefill_address, deadline, context)
         seq = await self._wait(self.worker.reserve(request_id, prompt_ids, params, resume_ids, trace is not None),
                                deadline, context)
         tokens = prompt_ids + resume_ids
-        backend = self._backend_for(prefill_address)
         in_place = backend == "shm"  # blocks are copied from the prefill worker's shared memory into ours
         kv_deadline = min(deadline, time.perf_counter() + self.kv_timeout_s)
         spec = self.worker.expected_spec(request_id, len(tokens), seq.num_reused_blocks)
         pending = self.kv_receiver.expect(spec, deadline_s=max(0.1, kv_deadline - time.perf_counter()),
-                                          in_place=in_place)
+                                          in_place=in_place, shm_segment_prefix=segment_prefix,
+                                          require_checksum=self.kv_checksum if in_place else "")
         call = self._prefill_stub(prefill_address).Prefill(
             worker_pb2.PrefillRequest(
                 request_id=request_id, prompt_token_ids=tokens, params=sampling_params_to_pb(params),
                 kv_target_address=self.kv_target, kv_backend=backend, decode_worker_id=self.worker_id,
                 output_index=len(resume_ids), kv_block_offset=spec.block_offset, trace=trace is not None,
+                kv_checksum=self.kv_checksum if in_place else "",
             ),
             timeout=max(0.1, kv_deadline - time.perf_counter()),
         )
@@ -262,6 +267,7 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
     async def _prefill_failed(self, exc: Exception, call: grpc.aio.UnaryUnaryCall, pending: Any,
                               prefill_address: str, context: grpc.aio.ServicerContext) -> None:
         """Pass the request's own faults on; report everything else as the prefill side's failure."""
+        self._segment_prefixes.pop(prefill_address, None)  # it may have restarted: ask it again next time
         if isinstance(exc, grpc.aio.AioRpcError):
             status: tuple[grpc.StatusCode, str] | None = (exc.code(), exc.details() or exc.code().name)
         else:
@@ -272,6 +278,35 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
         if status is not None and (not reason or CALL_ENDED in reason):
             reason = status[1]
         await context.abort(grpc.StatusCode.UNAVAILABLE, f"{PREFILL_FAILURE} {prefill_address}: {reason or exc}")
+
+    async def _backend_and_segments(self, prefill_address: str, deadline: float,
+                                    context: grpc.aio.ServicerContext) -> tuple[str, str]:
+        """The backend for one transfer and, for "shm", the segment prefix of that prefill worker
+        (asked once with GetInfo, then remembered until a prefill there fails): only its segments
+        are accepted for this request. Under `auto`, a prefill worker that reports no prefix (or
+        cannot be asked) ships over gRPC; under `shm` that is the prefill side's failure."""
+        backend = self._backend_for(prefill_address)
+        if backend != "shm":
+            return backend, ""
+        prefix = self._segment_prefixes.get(prefill_address)
+        why = ""
+        if prefix is None:
+            try:
+                info = await self._prefill_stub(prefill_address).GetInfo(
+                    worker_pb2.InfoRequest(), timeout=max(0.1, min(10.0, deadline - time.perf_counter())))
+                prefix = info.kv_segment_prefix
+            except grpc.aio.AioRpcError as exc:
+                prefix, why = "", f"GetInfo failed: {exc.code().name}: {exc.details()}"
+            if not (prefix.startswith(SHM_PREFIX) and len(prefix) > len(SHM_PREFIX)):
+                why, prefix = why or f"it reports no shared-memory segment prefix ({prefix!r})", ""
+            self._segment_prefixes[prefill_address] = prefix
+        if prefix:
+            return backend, prefix
+        if self.kv_backend == "auto":
+            return "grpc", ""
+        await context.abort(grpc.StatusCode.UNAVAILABLE,
+                            f"{PREFILL_FAILURE} {prefill_address}: cannot bind its shm segments: {why or 'no prefix'}")
+        raise AssertionError("unreachable")  # context.abort raises
 
     def _backend_for(self, prefill_address: str) -> str:
         """The KV backend for one transfer: `auto` means shared memory when the prefill worker runs on

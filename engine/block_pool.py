@@ -10,10 +10,16 @@ up to its end (`cache_block`). When its last reference goes, it is kept, evictab
 instead of being freed; `lookup` hands cached blocks of a prompt's longest cached prefix out again.
 Allocation evicts least recently used cached blocks when the free list runs short, so cached
 blocks never reduce what can be allocated (`num_free` counts them).
+
+Block hashes are sha256, chained block by block (`block_hashes`). Python's `hash()` of token tuples
+is 64 bits and unsalted, so colliding prompts can be built and one request would be served another's
+K/V; a sha256 collision cannot be built.
 """
 
 from __future__ import annotations
 
+import hashlib
+import struct
 from collections import OrderedDict, deque
 from collections.abc import Iterable, Sequence
 
@@ -27,11 +33,18 @@ def blocks_for_tokens(num_tokens: int, block_size: int) -> int:
     return -(-num_tokens // block_size)
 
 
-def block_hashes(token_ids: Sequence[int], block_size: int) -> list[int]:
-    """Chained hash of each FULL block: hash i covers tokens [0, (i + 1) * block_size)."""
-    hashes, previous = [], 0
+#: The chain's start value: a version tag, so a change of the scheme never matches old keys.
+_HASH_SEED = hashlib.sha256(b"pdserve.block_hash.v1").digest()
+
+
+def block_hashes(token_ids: Sequence[int], block_size: int) -> list[bytes]:
+    """Chained sha256 of each FULL block: hash i covers tokens [0, (i + 1) * block_size), as
+    sha256(hash i-1 || block_size || the block's token ids as little-endian int64)."""
+    hashes, previous = [], _HASH_SEED
+    size = block_size.to_bytes(8, "little")
     for start in range(0, len(token_ids) - block_size + 1, block_size):
-        previous = hash((previous, tuple(token_ids[start : start + block_size])))
+        block = struct.pack(f"<{block_size}q", *token_ids[start : start + block_size])
+        previous = hashlib.sha256(previous + size + block).digest()
         hashes.append(previous)
     return hashes
 
@@ -48,8 +61,8 @@ class BlockPool:
         self.block_size = block_size
         self._free: deque[int] = deque(range(num_blocks))
         self._ref_counts = [0] * num_blocks
-        self._hash_of: dict[int, int] = {}  # cached block -> prefix hash
-        self._block_of: dict[int, int] = {}  # prefix hash -> cached block
+        self._hash_of: dict[int, bytes] = {}  # cached block -> prefix hash
+        self._block_of: dict[bytes, int] = {}  # prefix hash -> cached block
         self._evictable: OrderedDict[int, None] = OrderedDict()  # cached, unreferenced, LRU first
         self.cache_hits = 0  # blocks handed out again by lookup
 
@@ -102,7 +115,7 @@ class BlockPool:
                     self._free.append(block)
 
     # ----- prefix cache -----------------------------------------------------------------------
-    def cache_block(self, block: int, prefix_hash: int) -> None:
+    def cache_block(self, block: int, prefix_hash: bytes) -> None:
         """Register a used, fully computed block under its prefix hash (first registration wins)."""
         if self._ref_counts[block] <= 0:
             raise ValueError(f"block {block} is free; only computed blocks in use can be cached")
@@ -111,7 +124,7 @@ class BlockPool:
         self._block_of[prefix_hash] = block
         self._hash_of[block] = prefix_hash
 
-    def lookup(self, hashes: Sequence[int]) -> list[int]:
+    def lookup(self, hashes: Sequence[bytes]) -> list[int]:
         """Take a reference on the cached blocks of the longest cached prefix of `hashes`."""
         hits = []
         for prefix_hash in hashes:

@@ -18,6 +18,7 @@ import atexit
 import logging
 import math
 import os
+import secrets
 import shutil
 import uuid
 from dataclasses import dataclass
@@ -30,6 +31,19 @@ log = logging.getLogger(__name__)
 #: Every pdserve shared-memory segment starts with this (KV caches and transfer staging segments).
 SHM_PREFIX = "pdserve-kv-"
 SHM_DIR = "/dev/shm"
+_SEGMENT_PREFIX: tuple[int, str] | None = None  # (pid, prefix) of this process
+
+
+def segment_prefix() -> str:
+    """The prefix of every segment this process creates: `pdserve-kv-<pid>-<64 random bits>-`. A
+    prefill worker reports it (GetInfo `kv_segment_prefix`), and a decode worker accepts a segment
+    for a request only when its name starts with the prefix of the prefill worker it called. The
+    random part keeps names unguessable to anyone who cannot list this host's /dev/shm."""
+    global _SEGMENT_PREFIX
+    pid = os.getpid()
+    if _SEGMENT_PREFIX is None or _SEGMENT_PREFIX[0] != pid:  # a forked child gets its own
+        _SEGMENT_PREFIX = (pid, f"{SHM_PREFIX}{pid}-{secrets.token_hex(8)}-")
+    return _SEGMENT_PREFIX[1]
 
 
 def untrack_segment(segment: shared_memory.SharedMemory) -> None:
@@ -41,8 +55,8 @@ def untrack_segment(segment: shared_memory.SharedMemory) -> None:
 
 
 def remove_stale_segments() -> int:
-    """Unlink pdserve segments (`pdserve-kv-[cache-]<pid>-*`) whose creating process is gone (killed
-    workers cannot unlink their own); returns how many were removed."""
+    """Unlink pdserve segments (`pdserve-kv-<pid>-*`, or the older `pdserve-kv-cache-<pid>-*`) whose
+    creating process is gone (killed workers cannot unlink their own); returns how many were removed."""
     if not os.path.isdir(SHM_DIR):
         return 0
     removed = 0
@@ -78,7 +92,7 @@ def _shared_zeros(shape: tuple[int, ...], dtype: torch.dtype) -> tuple[torch.Ten
         log.warning("KV cache stays in private memory: %s lacks %d MiB free", SHM_DIR, nbytes >> 20)
         return None
     remove_stale_segments()
-    segment = shared_memory.SharedMemory(name=f"{SHM_PREFIX}cache-{os.getpid()}-{uuid.uuid4().hex[:12]}",
+    segment = shared_memory.SharedMemory(name=f"{segment_prefix()}cache-{uuid.uuid4().hex[:12]}",
                                          create=True, size=nbytes)
     untrack_segment(segment)
     atexit.register(_unlink, segment)

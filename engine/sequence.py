@@ -40,7 +40,7 @@ class Sequence:
     block_table: list[int] = field(default_factory=list)
     num_cached: int = 0  # tokens whose K/V are in this engine's cache
     num_reused_blocks: int = 0  # leading blocks of a reservation taken from this engine's prefix cache
-    prefix_hashes: list[int] = field(default_factory=list)  # of each full block it prefills (prefix caching)
+    prefix_hashes: list[bytes] = field(default_factory=list)  # of each full block it prefills (prefix caching)
     # output position of the first token sampled here: > 0 when `prompt_ids` already end with
     # earlier outputs (a prefill worker computing a resumed request's K/V); seeds depend on it
     output_index_base: int = 0

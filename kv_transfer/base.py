@@ -144,6 +144,12 @@ class KvSpec:
         return self.num_layers * self.layer_nbytes
 
 
+def check_request_id(request_id: str) -> None:
+    """ValueError unless `request_id` can name a KV transfer (what KvSpec accepts): check it before
+    any work is done for a request."""
+    _check_text("request_id", request_id, MAX_REQUEST_ID_CHARS)
+
+
 def _check_text(field: str, value: str, max_chars: int) -> None:
     if not isinstance(value, str) or not value or len(value) > max_chars:
         raise ValueError(f"{field}: need a non-empty string of at most {max_chars} chars, got {value!r}")
@@ -210,9 +216,11 @@ class KvSender(abc.ABC):
         """
 
     def send_blocks(self, spec: KvSpec, cache: KVCache, block_ids: list[int], first_token_id: int,
-                    timeout_s: float) -> KvAck:
+                    timeout_s: float, checksum: str = "") -> KvAck:
         """Ship blocks `block_ids` of a worker's KV cache (the spec's blocks, in order). Backends that
-        can read the cache in place override this; the default gathers a copy and `send`s it."""
+        can read the cache in place override this; the default gathers a copy and `send`s it.
+        `checksum`: the receiver asked for a checksum of the blocks with this algorithm; backends that
+        always checksum ("grpc": crc32 per frame) or cannot ("ray") ignore it; "shm" adds it."""
         return self.send(spec, cache.gather(block_ids), first_token_id, timeout_s)
 
     def send_layers(self, spec: KvSpec, source: LayerSource, timeout_s: float) -> KvAck:

@@ -140,6 +140,8 @@ class GrpcPendingKv(PendingKv):
         self._claimed = False
         self._context: grpc.ServicerContext | None = None
         self.in_place = False  # see KvTransferServicer.expect
+        self.shm_segment_prefix = ""  # ditto
+        self.require_checksum = ""  # ditto
 
     @property
     def request_id(self) -> str:
@@ -218,9 +220,14 @@ class KvTransferServicer(kv_pb2_grpc.KvTransferServicer, KvReceiver):
         """Register this servicer on ``server`` (built with ``grpc_message_options``)."""
         kv_pb2_grpc.add_KvTransferServicer_to_server(self, server)
 
-    def expect(self, spec: KvSpec, deadline_s: float, in_place: bool = False) -> GrpcPendingKv:
+    def expect(self, spec: KvSpec, deadline_s: float, in_place: bool = False, shm_segment_prefix: str = "",
+               require_checksum: str = "") -> GrpcPendingKv:
         """Register an intake for ``spec.request_id`` failing ``deadline_s`` seconds from now.
 
+        ``shm_segment_prefix``: the "shm" backend may deliver this intake only from segments whose
+        names start with it (the segment prefix of the prefill worker called for the request); empty
+        refuses every shared-memory frame. ``require_checksum``: a shared-memory frame must carry a
+        checksum of the blocks with this algorithm ("xxh3" or "crc32"), checked over the copied bytes.
         ``in_place``: the consumer can copy shared-memory K/V straight into its cache: an "shm"
         transfer then completes the intake with a ``kv_transfer.shm_backend.InPlaceKv`` (a callable
         ``(cache tensor, block ids)``, or ``release()`` it) instead of a tensor."""
@@ -230,6 +237,7 @@ class KvTransferServicer(kv_pb2_grpc.KvTransferServicer, KvReceiver):
             raise ValueError(f"KV payload of {spec.nbytes} bytes exceeds limit {self.max_total_bytes}")
         pending = GrpcPendingKv(spec, deadline_s, self._forget)
         pending.in_place = in_place
+        pending.shm_segment_prefix, pending.require_checksum = shm_segment_prefix, require_checksum
         with self._cond:
             if self._closed:
                 raise KvTransferError("KV receiver is closed")
@@ -305,22 +313,30 @@ class KvTransferServicer(kv_pb2_grpc.KvTransferServicer, KvReceiver):
         return self._receive(pending, itertools.chain([first], frames))
 
     def _receive_shm(self, pending: GrpcPendingKv, frame: KvFrame, context: grpc.ServicerContext) -> KvAck:
-        from kv_transfer.shm_backend import ACK_MARGIN_S, InPlaceKv, check_header, read_segment, source_blocks
+        from kv_transfer.shm_backend import (
+            ACK_MARGIN_S,
+            InPlaceKv,
+            check_header,
+            expected_checksum,
+            read_segment,
+            source_blocks,
+        )
 
-        error = check_header(frame.header, pending.spec)
+        header = frame.header
+        error = check_header(header, pending.spec, pending.shm_segment_prefix, pending.require_checksum)
         if not error:
             try:
                 if pending.in_place:  # the consumer copies into its cache; ack once it did
-                    source, ids = source_blocks(frame.header, pending.spec)
-                    kv = InPlaceKv(source, ids, pending.spec.nbytes)
+                    source, ids = source_blocks(header, pending.spec)
+                    kv = InPlaceKv(source, ids, pending.spec.nbytes, expected_checksum(header))
                     if pending.succeed(kv, frame.header.first_token_id):  # type: ignore[arg-type]
                         remaining = context.time_remaining()
                         budget = pending.deadline_s if remaining is None else remaining - ACK_MARGIN_S
                         if kv.wait_consumed(budget):
                             return KvAck(request_id=pending.request_id, ok=True,
                                          bytes_received=pending.spec.nbytes)
-                        return KvAck(request_id=pending.request_id, ok=False,
-                                     error="the decode worker did not take the KV (request ended or timed out)")
+                        return KvAck(request_id=pending.request_id, ok=False, error=kv.error or
+                                     "the decode worker did not take the KV (request ended or timed out)")
                 elif pending.succeed(read_segment(frame.header, pending.spec), frame.header.first_token_id):
                     return KvAck(request_id=pending.request_id, ok=True, bytes_received=pending.spec.nbytes)
                 error = pending.error() or "KV intake already finished"

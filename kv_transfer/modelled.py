@@ -50,9 +50,9 @@ class ModelledLinkSender(KvSender):
         return self.inner.send(spec, kv, first_token_id, timeout_s)
 
     def send_blocks(self, spec: KvSpec, cache: KVCache, block_ids: list[int], first_token_id: int,
-                    timeout_s: float) -> KvAck:
+                    timeout_s: float, checksum: str = "") -> KvAck:
         self._wait(spec)
-        return self.inner.send_blocks(spec, cache, block_ids, first_token_id, timeout_s)
+        return self.inner.send_blocks(spec, cache, block_ids, first_token_id, timeout_s, checksum)
 
     def send_layers(self, spec: KvSpec, source: LayerSource, timeout_s: float) -> KvAck:
         self._wait(spec)

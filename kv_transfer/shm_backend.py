@@ -12,28 +12,36 @@ worker's) it hands the consumer an `InPlaceKv`, which copies the blocks straight
 cache's reserved blocks on the decode loop thread; the ack waits for that copy (or the consumer
 giving up), so the sender frees its blocks only when the bytes are no longer read. Otherwise it
 copies the blocks out into a new tensor and acks.
-Segments are unlinked at exit; a killed worker's `pdserve-kv-[cache-]<pid>-*` segments are removed
-by the next worker that creates a cache on this host (`engine.kv_cache.remove_stale_segments`).
+Segments are unlinked at exit; a killed worker's `pdserve-kv-<pid>-*` segments are removed by the
+next worker that creates a cache on this host (`engine.kv_cache.remove_stale_segments`).
 
-Only for workers on one host: the receiver opens segments by name, so it accepts only names with
-this backend's prefix and sizes that hold the expected K/V. Bytes in local memory cross no link,
-so no checksum is computed; every other header check still applies.
+Only for workers on one host. Which segments a receiver opens: every segment of a process is named
+`pdserve-kv-<pid>-<64 random bits>-...` (`engine.kv_cache.segment_prefix`), a prefill worker reports
+that prefix in GetInfo, and the decode worker registers each intake with the prefix of the prefill
+worker it called for that request (`KvTransferServicer.expect(shm_segment_prefix=...)`). A control
+frame naming any other segment (another worker's cache, a foreign segment) is refused before the
+segment is opened, and so is any shm frame for an intake registered without a prefix. Sizes must
+hold the expected K/V. Bytes in local memory cross no link, so by default no checksum is computed;
+with `--kv-checksum [xxh3|crc32]` on the decode worker the sender adds a checksum of the blocks
+(`shm_checksum`) and the receiver checks it over the bytes it copied (`blocks_checksum`). It catches
+blocks that changed between the sender's checksum and the receiver's copy (a writer on the segment,
+a bug); it is no signature: whoever can write the segment can also rewrite the blocks before.
 """
 
 from __future__ import annotations
 
 import atexit
-import os
 import threading
 import time
 import uuid
+import zlib
 from collections import OrderedDict
 from multiprocessing import shared_memory
 
 import grpc
 import torch
 
-from engine.kv_cache import SHM_PREFIX, KVCache
+from engine.kv_cache import SHM_PREFIX, KVCache, segment_prefix
 from engine.kv_cache import untrack_segment as _untrack
 from kv_transfer.base import KvSender, KvSpec, KvTransferError, SenderCache, dtype_name, register_backend
 from pdserve.transport import open_channel
@@ -69,7 +77,7 @@ class SegmentPool:
                 self._idle.remove(segment)
                 return segment
         size = -(-nbytes // self.GRANULE) * self.GRANULE
-        name = f"{SEGMENT_PREFIX}{os.getpid()}-{uuid.uuid4().hex[:12]}"
+        name = f"{segment_prefix()}{uuid.uuid4().hex[:12]}"
         segment = shared_memory.SharedMemory(name=name, create=True, size=size)
         _untrack(segment)
         with self._lock:
@@ -97,13 +105,58 @@ class SegmentPool:
 _POOL = SegmentPool()
 
 
+#: --kv-checksum algorithms; xxh3 (64 bit) is several times faster than zlib's crc32.
+CHECKSUM_ALGORITHMS = ("xxh3", "crc32")
+
+
+class _Crc32:
+    def __init__(self) -> None:
+        self.value = 0
+
+    def update(self, data: object) -> None:
+        self.value = zlib.crc32(data, self.value)  # type: ignore[arg-type]
+
+    def intdigest(self) -> int:
+        return self.value
+
+
+def _hasher(algorithm: str) -> object:
+    if algorithm == "crc32":
+        return _Crc32()
+    if algorithm == "xxh3":
+        import xxhash
+
+        return xxhash.xxh3_64()
+    raise ValueError(f"checksum algorithm: {algorithm!r} is not one of {', '.join(CHECKSUM_ALGORITHMS)}")
+
+
+def blocks_checksum(kv: torch.Tensor, block_ids: list[int], algorithm: str) -> int:
+    """Checksum (`algorithm`) of blocks `block_ids` of a C-contiguous [L, 2, blocks, ...] tensor, read
+    as kv[l, k|v, block] for each layer, then k before v, then block in the given order. Runs of
+    consecutive ids are one contiguous range each, so this costs one pass over the bytes."""
+    if not kv.is_contiguous():
+        raise ValueError("blocks_checksum needs a contiguous tensor")
+    hasher = _hasher(algorithm)
+    for layer in range(kv.shape[0]):
+        for side in range(2):
+            i = 0
+            while i < len(block_ids):
+                run = 1
+                while i + run < len(block_ids) and block_ids[i + run] == block_ids[i] + run:
+                    run += 1
+                chunk = kv[layer, side, block_ids[i] : block_ids[i] + run].to("cpu")  # a view on a CPU tensor
+                hasher.update(chunk.reshape(-1).view(torch.uint8).numpy())  # type: ignore[attr-defined]
+                i += run
+    return int(hasher.intdigest())  # type: ignore[attr-defined]
+
+
 def header_for(spec: KvSpec, first_token_id: int, shm_name: str, block_ids: list[int] | None = None,
-               num_blocks: int | None = None) -> KvHeader:
+               num_blocks: int | None = None, checksum: tuple[str, int] | None = None) -> KvHeader:
     """The control frame: the request's blocks are `block_ids` of the segment `shm_name`, which holds
     `num_blocks` blocks laid out as [L, 2, num_blocks, block_size, H, D] (default: exactly the
-    spec's blocks, in order)."""
+    spec's blocks, in order); `checksum`: (algorithm, their `blocks_checksum`), when asked for."""
     n = spec.shape[2]
-    return KvHeader(
+    header = KvHeader(
         request_id=spec.request_id, model_fingerprint=spec.model_fingerprint, dtype=spec.dtype,
         shape=list(spec.shape), block_size=spec.block_size, num_tokens=spec.num_tokens,
         block_offset=spec.block_offset, layer_start=0,
@@ -112,6 +165,9 @@ def header_for(spec: KvSpec, first_token_id: int, shm_name: str, block_ids: list
         shm_block_ids=list(range(n)) if block_ids is None else block_ids,
         shm_num_blocks=n if num_blocks is None else num_blocks,
     )
+    if checksum is not None:
+        header.shm_checksum_algorithm, header.shm_checksum = checksum
+    return header
 
 
 class ShmKvSender(KvSender):
@@ -120,8 +176,10 @@ class ShmKvSender(KvSender):
         self._channel = open_channel(target_address)
         self._stub = kv_pb2_grpc.KvTransferStub(self._channel)
 
-    def send(self, spec: KvSpec, kv: torch.Tensor, first_token_id: int, timeout_s: float) -> KvAck:
-        """Stage `kv` in a reusable segment (one copy), then hand it over."""
+    def send(self, spec: KvSpec, kv: torch.Tensor, first_token_id: int, timeout_s: float,
+             checksum: str = "") -> KvAck:
+        """Stage `kv` in a reusable segment (one copy), then hand it over (with a `checksum` of the
+        blocks when an algorithm is named)."""
         if tuple(kv.shape) != spec.shape or dtype_name(kv.dtype) != spec.dtype:
             raise ValueError("shape/dtype: tensor does not match its spec")
         segment = _POOL.acquire(spec.nbytes)
@@ -129,18 +187,21 @@ class ShmKvSender(KvSender):
             view = torch.frombuffer(segment.buf, dtype=torch.uint8, count=spec.nbytes)
             view.copy_(kv.contiguous().view(-1).view(torch.uint8))
             del view
-            return self._push(spec, header_for(spec, first_token_id, segment.name), timeout_s)
+            ids = list(range(spec.shape[2]))
+            crc = (checksum, blocks_checksum(kv.contiguous(), ids, checksum)) if checksum else None
+            return self._push(spec, header_for(spec, first_token_id, segment.name, checksum=crc), timeout_s)
         finally:
             _POOL.release(segment)  # reused only after the receiver acked (or gave up on) this transfer
 
     def send_blocks(self, spec: KvSpec, cache: KVCache, block_ids: list[int], first_token_id: int,
-                    timeout_s: float) -> KvAck:
+                    timeout_s: float, checksum: str = "") -> KvAck:
         """Blocks of a cache in shared memory travel by name: no copy here, one on the receiver."""
         if cache.shm_name is None:
-            return super().send_blocks(spec, cache, block_ids, first_token_id, timeout_s)
+            return self.send(spec, cache.gather(block_ids), first_token_id, timeout_s, checksum)
         if len(block_ids) != spec.shape[2]:
             raise ValueError(f"block_ids: {len(block_ids)} blocks for a spec of {spec.shape[2]}")
-        return self._push(spec, header_for(spec, first_token_id, cache.shm_name, block_ids, cache.num_blocks),
+        crc = (checksum, blocks_checksum(cache.kv, block_ids, checksum)) if checksum else None
+        return self._push(spec, header_for(spec, first_token_id, cache.shm_name, block_ids, cache.num_blocks, crc),
                           timeout_s)
 
     def _push(self, spec: KvSpec, header: KvHeader, timeout_s: float) -> KvAck:
@@ -157,8 +218,11 @@ class ShmKvSender(KvSender):
         self._channel.close()
 
 
-def check_header(header: KvHeader, spec: KvSpec) -> str:
-    """"" when the control frame matches the expected intake, else the first mismatch."""
+def check_header(header: KvHeader, spec: KvSpec, segment_prefix: str = "", require_checksum: str = "") -> str:
+    """"" when the control frame matches the expected intake, else the first mismatch. The segment
+    must start with `segment_prefix`, that of the prefill worker called for this request (no prefix:
+    no shared-memory KV is accepted); `require_checksum`: the frame must carry a `shm_checksum` of
+    that algorithm."""
     checks = [
         ("request_id", header.request_id, spec.request_id),
         ("dtype", header.dtype, spec.dtype),  # before the fingerprint (which covers it): names the cause
@@ -174,6 +238,18 @@ def check_header(header: KvHeader, spec: KvSpec) -> str:
             return f"{field}: got {got!r}, expected {want!r}"
     if not header.shm_name.startswith(SEGMENT_PREFIX) or "/" in header.shm_name:
         return f"shm_name: {header.shm_name!r} is not a pdserve KV segment"
+    if not segment_prefix:
+        return "shm_name: this intake accepts no shared-memory KV (no prefill worker's segments bound to it)"
+    if not header.shm_name.startswith(segment_prefix):
+        return (f"shm_name: segment {header.shm_name!r} does not belong to the prefill worker called for "
+                f"request {spec.request_id!r} (its segments start with {segment_prefix!r})")
+    if require_checksum and not header.HasField("shm_checksum"):
+        return f"shm_checksum: missing, and this decode worker requires one (--kv-checksum {require_checksum})"
+    if header.HasField("shm_checksum") and header.shm_checksum_algorithm not in CHECKSUM_ALGORITHMS:
+        return f"shm_checksum_algorithm: {header.shm_checksum_algorithm!r} is not one of {CHECKSUM_ALGORITHMS}"
+    if require_checksum and header.shm_checksum_algorithm != require_checksum:
+        return (f"shm_checksum_algorithm: got {header.shm_checksum_algorithm!r}, "
+                f"this worker requires {require_checksum!r}")
     if header.first_token_id < 0:
         return f"first_token_id: must be >= 0, got {header.first_token_id}"
     if not 0 < header.shm_num_blocks <= 2**24:
@@ -215,11 +291,28 @@ def source_blocks(header: KvHeader, spec: KvSpec) -> tuple[torch.Tensor, list[in
 
 
 def read_segment(header: KvHeader, spec: KvSpec) -> torch.Tensor:
-    """Copy the request's blocks out of the segment into a new tensor of the spec's shape."""
+    """Copy the request's blocks out of the segment into a new tensor of the spec's shape (ValueError
+    if the header carries a checksum that the copied bytes do not match)."""
     view, ids = source_blocks(header, spec)
     out = torch.empty(spec.shape, dtype=spec.torch_dtype)
     copy_blocks(out, list(range(len(ids))), view, ids)
+    if header.HasField("shm_checksum"):
+        check_checksum(out, list(range(len(ids))), (header.shm_checksum_algorithm, header.shm_checksum))
     return out
+
+
+def expected_checksum(header: KvHeader) -> tuple[str, int] | None:
+    """(algorithm, value) announced by a control frame, or None."""
+    return (header.shm_checksum_algorithm, header.shm_checksum) if header.HasField("shm_checksum") else None
+
+
+def check_checksum(kv: torch.Tensor, block_ids: list[int], expected: tuple[str, int]) -> None:
+    """ValueError naming both values unless the copied blocks have the announced checksum."""
+    algorithm, value = expected
+    got = blocks_checksum(kv, block_ids, algorithm)
+    if got != value:
+        raise ValueError(f"shm_checksum: {algorithm} of the copied blocks is {got}, the sender announced {value} "
+                         "(the segment changed while it was read)")
 
 
 def copy_blocks(dst: torch.Tensor, dst_ids: list[int], src: torch.Tensor, src_ids: list[int]) -> None:
@@ -242,10 +335,13 @@ class InPlaceKv:
     tensor, the block ids to fill) to copy the blocks straight in, or `release()`s it; the receiver
     acks only after either (`wait_consumed`), and never lets a copy start after it gave up."""
 
-    def __init__(self, source: torch.Tensor, block_ids: list[int], nbytes: int) -> None:
+    def __init__(self, source: torch.Tensor, block_ids: list[int], nbytes: int,
+                 expected_checksum: tuple[str, int] | None = None) -> None:
         self._source, self._block_ids, self.nbytes = source, block_ids, nbytes
+        self._expected_checksum = expected_checksum  # checked over the destination blocks after the copy
         self._state = "pending"  # -> copying -> copied | failed;  pending -> released
         self._cond = threading.Condition()
+        self.error = ""  # why the copy failed, for the sender's ack
 
     def __call__(self, kv: torch.Tensor, block_ids: list[int]) -> None:
         with self._cond:
@@ -255,7 +351,12 @@ class InPlaceKv:
         copied = False
         try:
             copy_blocks(kv, block_ids, self._source, self._block_ids)
+            if self._expected_checksum is not None:
+                check_checksum(kv, block_ids, self._expected_checksum)
             copied = True
+        except ValueError as err:
+            self.error = str(err)
+            raise KvTransferError(f"shared-memory KV refused: {err}") from err
         finally:
             with self._cond:
                 self._state = "copied" if copied else "failed"

@@ -10,8 +10,10 @@ import os
 
 import grpc
 
+from engine.kv_cache import segment_prefix
 from engine.worker_runtime import Drain, sampling_params_from_pb, trace_events_to_pb
 from kv_transfer import KvTransferError
+from kv_transfer.shm_backend import CHECKSUM_ALGORITHMS
 from pdserve.v1 import common_pb2, worker_pb2, worker_pb2_grpc
 from prefill_worker.worker import PrefillJob, PrefillWorker
 
@@ -40,10 +42,12 @@ class PrefillServicer(worker_pb2_grpc.PrefillWorkerServicer):
                 request_id=request.request_id, prompt_ids=list(request.prompt_token_ids),
                 params=sampling_params_from_pb(request.params), kv_target=request.kv_target_address,
                 kv_backend=request.kv_backend or "grpc", output_index=request.output_index,
-                kv_block_offset=request.kv_block_offset, trace=request.trace,
+                kv_block_offset=request.kv_block_offset, trace=request.trace, kv_checksum=request.kv_checksum,
             )
             if not job.request_id or not job.prompt_ids or not job.kv_target:
                 raise ValueError("request_id, prompt_token_ids and kv_target_address are required")
+            if job.kv_checksum and job.kv_checksum not in CHECKSUM_ALGORITHMS:
+                raise ValueError(f"kv_checksum: {job.kv_checksum!r} is not one of {', '.join(CHECKSUM_ALGORITHMS)}")
             future = self.worker.submit(job)
         except OverflowError as exc:
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))
@@ -58,6 +62,8 @@ class PrefillServicer(worker_pb2_grpc.PrefillWorkerServicer):
             await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, f"prefill did not finish in {timeout:.1f}s")
         except KvTransferError as exc:
             await context.abort(grpc.StatusCode.UNAVAILABLE, f"KV transfer failed: {exc}")
+        except ValueError as exc:  # the engine refused the request itself
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         except asyncio.CancelledError:
             raise
         except Exception as exc:  # noqa: BLE001 - report, keep serving
@@ -78,5 +84,5 @@ class PrefillServicer(worker_pb2_grpc.PrefillWorkerServicer):
             unhealthy_reason=self.unhealthy_reason(),
             prefill_tokens_computed=w.runner.num_prefill_tokens, kv_bytes_sent=w.kv_bytes_sent,
             requests_finished=w.requests_finished, prefix_cache_hit_blocks=w.pool.cache_hits,
-            prefix_cache_blocks=w.pool.num_cached,
+            prefix_cache_blocks=w.pool.num_cached, kv_segment_prefix=segment_prefix(),
         )

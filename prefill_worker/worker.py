@@ -38,7 +38,7 @@ from engine.sampling_params import SamplingParams
 from engine.sequence import Sequence, SequenceStatus
 from engine.trace import TraceEvent
 from kv_transfer import KvSpec, get_backend
-from kv_transfer.base import KvSender
+from kv_transfer.base import KvSender, check_request_id
 from prefill_worker.faults import FaultInjector
 from prefill_worker.layer_stream import LayerStream
 
@@ -57,6 +57,7 @@ class PrefillJob:
     output_index: int = 0  # output position of the token sampled here (> 0 for resumed requests)
     kv_block_offset: int = 0  # leading blocks the decode worker already holds: not shipped
     trace: bool = False  # collect the step trace of its passes (engine.trace)
+    kv_checksum: str = ""  # checksum algorithm the decode worker asked for ("": none; shm backend)
     enqueued_at: float = field(default_factory=time.perf_counter)
     future: Future = field(default_factory=Future)
     # set on the loop thread
@@ -144,6 +145,12 @@ class PrefillWorker(KvConnector):
         return job.future
 
     def _check(self, job: PrefillJob) -> None:
+        """Refuse (ValueError) what would only fail after the prefill: an id no KV transfer can carry,
+        an unknown backend, token ids outside the vocabulary, a prompt the pool cannot hold, a block
+        offset outside the prompt."""
+        check_request_id(job.request_id)
+        get_backend(job.kv_backend)
+        self.engine.check_request(job.prompt_ids)
         self.engine.check_fits_pool(len(job.prompt_ids))
         num_blocks = blocks_for_tokens(len(job.prompt_ids), self.pool.block_size)
         if not 0 <= job.kv_block_offset < num_blocks:
@@ -306,7 +313,8 @@ class PrefillWorker(KvConnector):
         sender = self._sender(job)
         fault = self.faults.next_filter()
         if fault is None:
-            sender.send_blocks(spec, self.kv_cache, shipped, token, timeout_s=self.transfer_timeout_s)
+            sender.send_blocks(spec, self.kv_cache, shipped, token, timeout_s=self.transfer_timeout_s,
+                               checksum=job.kv_checksum)
         else:
             log.warning("request_id=%s: injecting a KV fault (%s)", job.request_id, fault.__name__)
             sender.send(spec, self.kv_cache.gather(shipped), token, timeout_s=self.transfer_timeout_s,

