@@ -2,10 +2,10 @@
 
     pdserve serve [--prefill N --decode M] [--colocated K] [--model PATH] [--port P] ...
     pdserve serve --ray [--address ADDR] --prefill N --decode M [--kv-backend ray|grpc] [--gpus-per-worker G]
-                  [--placement pack|spread] ...
+                  [--placement pack|spread|strict_spread] ...
     pdserve scale --prefill N --decode M [--address ADDR]
     pdserve generate [--url ADDR] [--max-tokens N] [--chat] [--json] ... PROMPT
-    pdserve status [--url ADDR] [--json]
+    pdserve status [--url ADDR | --address RAY_ADDR] [--json]
     pdserve model fetch [--force]
     pdserve bench [--url ADDR] [--rate R] [--num-prompts N] [--input-len 64:512] [--slo ttft_ms=500] ...
     pdserve sweep --workers 2 --rates 0.5,1 [--output-dir DIR] ...
@@ -87,7 +87,8 @@ def _add_ray_serve_args(serve: argparse.ArgumentParser) -> None:
     ray.add_argument("--kv-backend", choices=("grpc", "ray"), default="grpc",
                      help="how KV moves from prefill to decode workers (ray: the object store)")
     ray.add_argument("--gpus-per-worker", type=float, default=None, help="GPUs per worker actor (default: 1 CPU)")
-    ray.add_argument("--placement", choices=("pack", "spread"), default="pack", help="placement group strategy")
+    ray.add_argument("--placement", choices=("pack", "spread", "strict_spread"), default="pack",
+                     help="placement group strategy (strict_spread: every worker and the router on its own node)")
     ray.add_argument("--worker-host", default="127.0.0.1",
                      help="interface of the workers' gRPC servers; 'node' = the node's IP (needed across nodes)")
     ray.add_argument("--prefill-resource", default=None, metavar="NAME",
@@ -128,6 +129,9 @@ def _add_status(commands: argparse._SubParsersAction) -> None:
     status = commands.add_parser("status", help="show the router's workers")
     status.add_argument("--url", default=DEFAULT_ADDRESS, help=f"router address (default {DEFAULT_ADDRESS})")
     _add_auth_args(status)
+    status.add_argument("--address", default=None, metavar="RAY_ADDR",
+                        help="find the router of the `serve --ray` deployment on this Ray cluster (e.g. auto) "
+                             "instead of --url; prints its address first")
     status.add_argument("--json", action="store_true")
     status.set_defaults(func=_cmd_status)
 
@@ -219,6 +223,7 @@ def _cmd_serve_ray(args: argparse.Namespace) -> int:
     except Exception as exc:  # noqa: BLE001 - Ray raises many kinds; report and fail
         print(f"error: {type(exc).__name__}: {exc}", file=sys.stderr)
         return 1
+    signal.signal(signal.SIGTERM, _interrupt)  # ray.init installed its own (sys.exit(15), skipping our shutdown path)
     try:
         print(f"router: {cluster.router_address}")
         print(format_table(("name", "role", "address"), [[w["name"], w["role"], w["address"]]
@@ -344,7 +349,27 @@ def _echo(responses: Iterator[router_pb2.GenerateResponse], quiet: bool) -> Iter
         yield response
 
 
+def _ray_router_address(address: str) -> str:
+    """The router address of the `serve --ray` deployment on the Ray cluster at `address` (via its controller)."""
+    import ray
+
+    from cluster.ray_cluster import get_controller
+
+    try:
+        return str(ray.get(get_controller(address).router_address.remote(), timeout=30))
+    finally:
+        ray.shutdown()
+
+
 def _cmd_status(args: argparse.Namespace) -> int:
+    if args.address is not None:
+        try:
+            args.url = _ray_router_address(args.address)
+        except Exception as exc:  # noqa: BLE001 - no deployment, Ray unreachable
+            print(f"error: {type(exc).__name__}: {exc}", file=sys.stderr)
+            return 1
+        if not args.json:
+            print(f"router: {args.url}")
     try:
         with PdserveClient(args.url, 10.0, _token(args), args.tls_ca) as client:
             status = client.status()
@@ -354,6 +379,7 @@ def _cmd_status(args: argparse.Namespace) -> int:
     rows = status_rows(status)
     if args.json:
         doc = {
+            **({"router_address": args.url} if args.address is not None else {}),
             "workers": rows,
             "in_flight_requests": status.in_flight_requests,
             "total_requests": status.total_requests,
