@@ -95,6 +95,9 @@ def _add_ray_serve_args(serve: argparse.ArgumentParser) -> None:
                      help="custom Ray resource each prefill worker needs (e.g. prefill_gpu)")
     ray.add_argument("--decode-resource", default=None, metavar="NAME",
                      help="custom Ray resource each decode worker needs (e.g. decode_gpu)")
+    ray.add_argument("--router-resource", default=None, metavar="NAME",
+                     help="custom Ray resource the router actor needs, e.g. one only the head node has "
+                          "(keeps the router where its Service / load balancer points)")
     ray.add_argument("--max-restarts", type=int, default=3, help="restarts of a worker actor that died")
 
 
@@ -198,6 +201,7 @@ def ray_cluster_config(args: argparse.Namespace):  # noqa: ANN201 - cluster.ray_
         model=args.model, address=args.address, host=args.host, port=args.port, worker_host=args.worker_host,
         kv_backend=args.kv_backend, gpus_per_worker=args.gpus_per_worker, placement=args.placement,
         prefill_resource=args.prefill_resource, decode_resource=args.decode_resource,
+        router_resource=args.router_resource,
         threads_per_worker=args.threads_per_worker, kv_cache_mb=args.kv_cache_mb,
         device=args.device, dtype=args.dtype,
         prefill_policy=args.prefill_policy, decode_policy=args.decode_policy, max_restarts=args.max_restarts,

@@ -1,14 +1,17 @@
 """RayCluster: the router and the prefill/decode pools as Ray actors, kept in shape by a controller.
 
 Layout (namespace :data:`NAMESPACE`):
-- ``pdserve-controller`` (detached, named): creates a placement group (PACK or SPREAD) with one
-  bundle for the router and one per initial worker, the worker actors (``prefill-0``,
+- ``pdserve-controller`` (detached, named): creates a placement group (PACK, SPREAD or
+  STRICT_SPREAD) with one bundle for the router and one per initial worker, the worker actors (``prefill-0``,
   ``decode-0``, ...; ``max_restarts`` each) and the router actor (``pdserve-router``). A watcher
   thread asks every worker for its ``address()`` each ``poll_interval_s``: a restarted worker (new
-  port) is re-registered with the router, a worker that died for good is removed. ``scale()``
-  adds workers (registered once they serve) and drains removed ones: ``drain()`` makes the worker
+  port) is re-registered with the router, a worker that died for good is removed; it also notes the
+  router's address (a restarted router on port 0 gets a new one). ``scale()`` adds workers in a
+  placement group of their own per scale-up (registered once they serve) and drains removed ones: ``drain()`` makes the worker
   report unhealthy and refuse new requests, so the router stops routing to it; once idle (or
   after ``drain_timeout_s``) it leaves the router and its actor is killed.
+- The router actor has ``max_restarts`` (``router_max_restarts``); a restarted router reads its
+  workers from the controller (``router_workers()``), not from its creation arguments.
 - Workers and the router keep their gRPC servers; they bind to ``worker_host`` (loopback unless
   told otherwise; ``node`` binds the node's IP, needed when actors span nodes).
 
@@ -62,6 +65,7 @@ class RayClusterConfig:
     gpus_per_worker: float | None = None  # else each worker declares num_cpus=1
     prefill_resource: str | None = None  # custom resource (1 unit) each prefill worker needs, e.g. prefill_gpu
     decode_resource: str | None = None
+    router_resource: str | None = None  # custom resource (1 unit) the router needs: pins it to e.g. the head node
     placement: str = "pack"
     threads_per_worker: int | None = None
     kv_cache_mb: int | None = None
@@ -117,6 +121,10 @@ class RayClusterConfig:
             needs[custom] = 1.0
         return needs
 
+    def router_resources(self) -> dict[str, float]:
+        """The router's bundle: one CPU, plus its custom resource when configured."""
+        return {"CPU": 1.0, **({self.router_resource: 1.0} if self.router_resource else {})}
+
     def worker_argv(self, role: str, worker_id: str, host: str) -> list[str]:
         """The worker's command-line flags (the same flags `python -m <role>_worker` takes)."""
         argv = ["--host", host, "--port", "0", "--worker-id", worker_id, "--log-level", self.log_level]
@@ -158,7 +166,7 @@ class Controller:
         self._next_index = dict.fromkeys(ROLES, 0)
         self._stop = threading.Event()
         roles = ["prefill"] * config.prefill + ["decode"] * config.decode
-        bundles = [{"CPU": 1.0}] + [config.resources(role) for role in roles]
+        bundles = [config.router_resources()] + [config.resources(role) for role in roles]
         self._pg = placement_group(bundles, strategy=PLACEMENTS[config.placement], name="pdserve")
         try:
             ray.get(self._pg.ready(), timeout=config.startup_timeout_s)
@@ -213,6 +221,7 @@ class Controller:
         router = _RemoteRouter.options(
             name=ROUTER_NAME, namespace=NAMESPACE, num_cpus=1, max_concurrency=16,
             max_restarts=self.config.router_max_restarts,
+            resources={self.config.router_resource: 1.0} if self.config.router_resource else None,
             scheduling_strategy=PlacementGroupSchedulingStrategy(self._pg, 0),
         ).remote(config)
         self.router_address_value = ray.get(router.address.remote(), timeout=self.config.startup_timeout_s)

@@ -124,7 +124,7 @@ def test_cli_joins_cluster_strict_spread_grpc_kv_across_nodes(cluster: Cluster, 
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), str(ROOT / "proto"), os.environ.get("PYTHONPATH", "")])}
     serve = subprocess.Popen(
         [sys.executable, "-m", "cluster.cli", "serve", "--ray", "--address", cluster.address, "--port", "0",
-         "--model", str(tiny_llama_dir), "--prefill", "1", "--decode", "1", "--placement", "strict_spread",
+         "--model", str(tiny_llama_dir), "--prefill", "1", "--decode", "1", "--placement", "strict_spread", "--router-resource", "node_head",
          "--worker-host", "node", "--kv-backend", "grpc", "--threads-per-worker", "1", "--kv-cache-mb", "32",
          "--startup-timeout", "240"],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=ROOT, start_new_session=True)
@@ -148,6 +148,7 @@ def test_cli_joins_cluster_strict_spread_grpc_kv_across_nodes(cluster: Cluster, 
         workers = {w["role"]: w for w in doc["workers"]}
         assert set(workers) == {"prefill", "decode"} and all(w["healthy"] for w in workers.values())
         router_node = ray.get(ray.get_actor(ROUTER_NAME, namespace=NAMESPACE).info.remote())["node_id"]
+        assert router_node == cluster.head_node.node_id  # --router-resource node_head
         placed = {workers["prefill"]["node_id"], workers["decode"]["node_id"], router_node}
         assert len(placed) == 3 and placed <= nodes_before  # STRICT_SPREAD: one node each
         assert all(w["host"] for w in workers.values())
@@ -176,7 +177,8 @@ def deployment(cluster: Cluster, tiny_llama_dir: Path) -> Iterator[RayCluster]:
     """1 prefill + 2 decode, SPREAD over the three nodes (4 bundles, 4 CPUs: the cluster is full; decode
     workers need a decode_slot, so router and prefill share the head), KV through the object store."""
     config = RayClusterConfig(prefill=1, decode=2, model=str(tiny_llama_dir), address=cluster.address, port=0,
-                              worker_host="node", kv_backend="ray", placement="spread", decode_resource="decode_slot", threads_per_worker=1,
+                              worker_host="node", kv_backend="ray", placement="spread", decode_resource="decode_slot",
+                              router_resource="node_head", threads_per_worker=1,
                               kv_cache_mb=32, drain_timeout_s=20.0, poll_interval_s=0.5, startup_timeout_s=240.0)
     with RayCluster(config) as deployment:
         yield deployment
