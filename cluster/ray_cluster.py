@@ -7,9 +7,10 @@ Layout (namespace :data:`NAMESPACE`):
   thread asks every worker for its ``address()`` each ``poll_interval_s``: a restarted worker (new
   port) is re-registered with the router, a worker that died for good is removed; it also notes the
   router's address (a restarted router on port 0 gets a new one). ``scale()`` adds workers in a
-  placement group of their own per scale-up (registered once they serve) and drains removed ones: ``drain()`` makes the worker
-  report unhealthy and refuse new requests, so the router stops routing to it; once idle (or
-  after ``drain_timeout_s``) it leaves the router and its actor is killed.
+  placement group of their own per scale-up (registered once they serve) and drains removed ones:
+  ``drain()`` makes the worker report unhealthy and refuse new requests, so the router stops
+  routing to it; once idle (or after ``drain_timeout_s``) it leaves the router and its actor is
+  killed.
 - The router actor has ``max_restarts`` (``router_max_restarts``); a restarted router reads its
   workers from the controller (``router_workers()``), not from its creation arguments.
 - Workers and the router keep their gRPC servers; they bind to ``worker_host`` (loopback unless

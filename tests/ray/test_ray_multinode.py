@@ -102,10 +102,14 @@ def _status(address: str) -> list[dict[str, object]]:
         return status_rows(client.status())
 
 
+def _env() -> dict[str, str]:
+    path = [str(ROOT), str(ROOT / "proto"), os.environ.get("PYTHONPATH", "")]
+    return {**os.environ, "PYTHONPATH": os.pathsep.join(path)}
+
+
 def _cli(*args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), str(ROOT / "proto"), os.environ.get("PYTHONPATH", "")])}
     return subprocess.run([sys.executable, "-m", "cluster.cli", *args], capture_output=True, text=True,
-                          timeout=timeout, env=env, cwd=ROOT)
+                          timeout=timeout, env=_env(), cwd=ROOT)
 
 
 def test_serve_with_unreachable_address_fails_fast() -> None:
@@ -121,10 +125,11 @@ def test_serve_with_unreachable_address_fails_fast() -> None:
 def test_cli_joins_cluster_strict_spread_grpc_kv_across_nodes(cluster: Cluster, engine_model,  # noqa: ANN001
                                                               tiny_llama_dir: Path) -> None:
     nodes_before = set(_alive_nodes())
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), str(ROOT / "proto"), os.environ.get("PYTHONPATH", "")])}
+    env = _env()
     serve = subprocess.Popen(
         [sys.executable, "-m", "cluster.cli", "serve", "--ray", "--address", cluster.address, "--port", "0",
-         "--model", str(tiny_llama_dir), "--prefill", "1", "--decode", "1", "--placement", "strict_spread", "--router-resource", "node_head",
+         "--model", str(tiny_llama_dir), "--prefill", "1", "--decode", "1", "--placement", "strict_spread",
+         "--router-resource", "node_head",
          "--worker-host", "node", "--kv-backend", "grpc", "--threads-per-worker", "1", "--kv-cache-mb", "32",
          "--startup-timeout", "240"],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=ROOT, start_new_session=True)
@@ -156,7 +161,8 @@ def test_cli_joins_cluster_strict_spread_grpc_kv_across_nodes(cluster: Cluster, 
         prompts = mixed_prompts(6, seed=41)
         max_tokens = [4 + i for i in range(len(prompts))]
         assert _run_all(router, prompts, max_tokens) == _expected(engine_model, prompts, max_tokens)
-        after = {w["role"]: w for w in json.loads(_cli("status", "--address", cluster.address, "--json").stdout)["workers"]}
+        again = json.loads(_cli("status", "--address", cluster.address, "--json").stdout)
+        after = {w["role"]: w for w in again["workers"]}
         assert after["decode"]["healthy"] and after["prefill"]["node_id"] != after["decode"]["node_id"]
     finally:
         os.killpg(serve.pid, signal.SIGTERM)
@@ -203,7 +209,8 @@ def test_spread_ray_kv_exact_across_nodes(cluster: Cluster, deployment: RayClust
     assert _run_all(deployment.router_address, prompts, max_tokens) == _expected(engine_model, prompts, max_tokens)
     infos = _infos(deployment)
     prefill_node = infos["prefill-0"]["node_id"]
-    crossed = sum(i["ray_kv_transfers"] for i in infos.values() if i["role"] == "decode" and i["node_id"] != prefill_node)
+    crossed = sum(i["ray_kv_transfers"] for i in infos.values()
+                  if i["role"] == "decode" and i["node_id"] != prefill_node)
     assert crossed >= 1  # a decode worker on another node than the prefill worker took KV from the object store
     wait_idle(_roles(deployment))
 
@@ -227,7 +234,8 @@ def test_node_loss_during_three_streams_then_pool_refills(cluster: Cluster, depl
     survivor = next(r for r in _status(address) if r["role"] == "decode" and r["worker_id"] != victim["name"])
     finished_before = worker_info(survivor["address"], "decode").requests_finished
     with ThreadPoolExecutor(3) as pool:
-        streams = [pool.submit(generate, address, p, m, ignore_eos=True) for p, m in zip(prompts, max_tokens, strict=True)]
+        streams = [pool.submit(generate, address, p, m, ignore_eos=True)
+                   for p, m in zip(prompts, max_tokens, strict=True)]
         deadline = time.monotonic() + 60
         while not any(r["worker_id"] == victim["name"] and r["running"] for r in _status(address)):
             assert time.monotonic() < deadline and not any(s.done() for s in streams), "victim never took a stream"
