@@ -107,6 +107,8 @@ class RouterActor:
     def add_worker(self, address: str, role: str) -> None:
         from router.worker_pool import WorkerEndpoint
 
+        if address in self.server.pool.addresses():  # a restarted router may have learned it already
+            return
         self.server.pool.add(WorkerEndpoint(address, role))
 
     def remove_worker(self, address: str) -> bool:

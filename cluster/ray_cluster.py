@@ -201,7 +201,7 @@ class Controller:
         options["num_gpus" if "GPU" in resources else "num_cpus"] = resources.pop("GPU", resources.pop("CPU", 1.0))
         if resources:
             options["resources"] = resources
-        options["scheduling_strategy"] = PlacementGroupSchedulingStrategy(pg or self._pg, bundle)
+        options["scheduling_strategy"] = PlacementGroupSchedulingStrategy(self._pg if pg is None else pg, bundle)
         argv = self.config.worker_argv(role, name, _host_for(self.config))
         handle = _RemoteWorker.options(**options).remote(role, argv)
         return _Worker(name, role, handle, pg=pg)
