@@ -2,10 +2,10 @@
 
     pdserve serve [--prefill N --decode M] [--colocated K] [--model PATH] [--port P] ...
     pdserve serve --ray [--address ADDR] --prefill N --decode M [--kv-backend ray|grpc] [--gpus-per-worker G]
-                  [--placement pack|spread] ...
+                  [--placement pack|spread|strict_spread] ...
     pdserve scale --prefill N --decode M [--address ADDR]
     pdserve generate [--url ADDR] [--max-tokens N] [--chat] [--json] [--trace] ... PROMPT
-    pdserve status [--url ADDR] [--json]
+    pdserve status [--url ADDR | --address RAY_ADDR] [--json]
     pdserve model fetch [--force]
     pdserve bench [--url ADDR] [--rate R] [--num-prompts N] [--input-len 64:512] [--slo ttft_ms=500] ...
     pdserve sweep --workers 2 --rates 0.5,1 [--output-dir DIR] ...
@@ -89,13 +89,17 @@ def _add_ray_serve_args(serve: argparse.ArgumentParser) -> None:
     ray.add_argument("--kv-backend", choices=("grpc", "ray"), default="grpc",
                      help="how KV moves from prefill to decode workers (ray: the object store)")
     ray.add_argument("--gpus-per-worker", type=float, default=None, help="GPUs per worker actor (default: 1 CPU)")
-    ray.add_argument("--placement", choices=("pack", "spread"), default="pack", help="placement group strategy")
+    ray.add_argument("--placement", choices=("pack", "spread", "strict_spread"), default="pack",
+                     help="placement group strategy (strict_spread: every worker and the router on its own node)")
     ray.add_argument("--worker-host", default="127.0.0.1",
                      help="interface of the workers' gRPC servers; 'node' = the node's IP (needed across nodes)")
     ray.add_argument("--prefill-resource", default=None, metavar="NAME",
                      help="custom Ray resource each prefill worker needs (e.g. prefill_gpu)")
     ray.add_argument("--decode-resource", default=None, metavar="NAME",
                      help="custom Ray resource each decode worker needs (e.g. decode_gpu)")
+    ray.add_argument("--router-resource", default=None, metavar="NAME",
+                     help="custom Ray resource the router actor needs, e.g. one only the head node has "
+                          "(keeps the router where its Service / load balancer points)")
     ray.add_argument("--max-restarts", type=int, default=3, help="restarts of a worker actor that died")
 
 
@@ -133,6 +137,9 @@ def _add_status(commands: argparse._SubParsersAction) -> None:
     status = commands.add_parser("status", help="show the router's workers")
     status.add_argument("--url", default=DEFAULT_ADDRESS, help=f"router address (default {DEFAULT_ADDRESS})")
     _add_auth_args(status)
+    status.add_argument("--address", default=None, metavar="RAY_ADDR",
+                        help="find the router of the `serve --ray` deployment on this Ray cluster (e.g. auto) "
+                             "instead of --url; prints its address first")
     status.add_argument("--json", action="store_true")
     status.set_defaults(func=_cmd_status)
 
@@ -199,6 +206,7 @@ def ray_cluster_config(args: argparse.Namespace):  # noqa: ANN201 - cluster.ray_
         model=args.model, address=args.address, host=args.host, port=args.port, worker_host=args.worker_host,
         kv_backend=args.kv_backend, gpus_per_worker=args.gpus_per_worker, placement=args.placement,
         prefill_resource=args.prefill_resource, decode_resource=args.decode_resource,
+        router_resource=args.router_resource,
         threads_per_worker=args.threads_per_worker, kv_cache_mb=args.kv_cache_mb,
         device=args.device, dtype=args.dtype,
         prefill_policy=args.prefill_policy, decode_policy=args.decode_policy, max_restarts=args.max_restarts,
@@ -224,6 +232,7 @@ def _cmd_serve_ray(args: argparse.Namespace) -> int:
     except Exception as exc:  # noqa: BLE001 - Ray raises many kinds; report and fail
         print(f"error: {type(exc).__name__}: {exc}", file=sys.stderr)
         return 1
+    signal.signal(signal.SIGTERM, _interrupt)  # ray.init installed its own (sys.exit(15), skipping our shutdown path)
     try:
         print(f"router: {cluster.router_address}")
         print(format_table(("name", "role", "address"), [[w["name"], w["role"], w["address"]]
@@ -377,7 +386,27 @@ def _keep_trace(responses: Iterator[router_pb2.GenerateResponse],
         yield response
 
 
+def _ray_router_address(address: str) -> str:
+    """The router address of the `serve --ray` deployment on the Ray cluster at `address` (via its controller)."""
+    import ray
+
+    from cluster.ray_cluster import get_controller
+
+    try:
+        return str(ray.get(get_controller(address).router_address.remote(), timeout=30))
+    finally:
+        ray.shutdown()
+
+
 def _cmd_status(args: argparse.Namespace) -> int:
+    if args.address is not None:
+        try:
+            args.url = _ray_router_address(args.address)
+        except Exception as exc:  # noqa: BLE001 - no deployment, Ray unreachable
+            print(f"error: {type(exc).__name__}: {exc}", file=sys.stderr)
+            return 1
+        if not args.json:
+            print(f"router: {args.url}")
     try:
         with PdserveClient(args.url, 10.0, _token(args), args.tls_ca) as client:
             status = client.status()
@@ -387,6 +416,7 @@ def _cmd_status(args: argparse.Namespace) -> int:
     rows = status_rows(status)
     if args.json:
         doc = {
+            **({"router_address": args.url} if args.address is not None else {}),
             "workers": rows,
             "in_flight_requests": status.in_flight_requests,
             "total_requests": status.total_requests,

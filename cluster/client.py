@@ -181,6 +181,8 @@ def status_rows(status: router_pb2.StatusResponse) -> list[dict[str, object]]:
             "kv_total": w.kv_blocks_total,
             "running": w.running_requests,
             "healthy": w.healthy,
+            "node_id": w.node_id,
+            "host": w.host,
         }
         for w in status.workers
     ]

@@ -29,10 +29,14 @@ class WorkerActor:
     """One prefill or decode worker inside a Ray actor; ``argv`` are the worker's command-line flags."""
 
     def __init__(self, role: str, argv: list[str]) -> None:
-        from engine.worker_runtime import configure_process
+        import ray
+
+        from engine.worker_runtime import NODE_HOST_ENV, NODE_ID_ENV, configure_process
 
         if role not in WORKER_MODULES:
             raise ValueError(f"role must be one of {sorted(WORKER_MODULES)}, got {role!r}")
+        os.environ[NODE_ID_ENV] = ray.get_runtime_context().get_node_id()  # reported in WorkerInfo.node_id
+        os.environ[NODE_HOST_ENV] = ray.util.get_node_ip_address()
         module = importlib.import_module(WORKER_MODULES[role])
         args = module.parse_args(argv)
         configure_process(args.threads, args.log_level, args.log_format, args.worker_id)
@@ -54,6 +58,7 @@ class WorkerActor:
 
         return {"role": self.role, "worker_id": self.worker_id, "address": self.started.address,
                 "pid": os.getpid(), "node_id": ray.get_runtime_context().get_node_id(),
+                "host": ray.util.get_node_ip_address(),
                 "draining": self.started.drain.draining, "idle": self.started.is_idle(),
                 "ray_kv_transfers": self._ray_receiver.transfers_received if self._ray_receiver else 0,
                 "ray_kv_parts": self._ray_receiver.parts_received if self._ray_receiver else 0}
@@ -92,6 +97,7 @@ class RouterActor:
         from telemetry.logs import configure_logging
 
         configure_logging("router", config.pop("log_level", "INFO"), config.pop("log_format", "text"))
+        config = {**config, **_workers_after_restart()}
         self.config = RouterConfig(**config)
         self.server, self.port = serve(self.config)
 
@@ -101,6 +107,8 @@ class RouterActor:
     def add_worker(self, address: str, role: str) -> None:
         from router.worker_pool import WorkerEndpoint
 
+        if address in self.server.pool.addresses():  # a restarted router may have learned it already
+            return
         self.server.pool.add(WorkerEndpoint(address, role))
 
     def remove_worker(self, address: str) -> bool:
@@ -116,5 +124,26 @@ class RouterActor:
 
         return [MessageToDict(info, preserving_proto_field_name=True) for info in self.server.pool.snapshot()]
 
+    def info(self) -> dict[str, Any]:
+        import ray
+
+        return {"address": self.server.address, "pid": os.getpid(), "node_id": ray.get_runtime_context().get_node_id(),
+                "restarted": ray.get_runtime_context().was_current_actor_reconstructed}
+
     def stop(self) -> None:
         self.server.stop(5.0)
+
+
+def _workers_after_restart() -> dict[str, tuple[str, ...]]:
+    """A router actor that Ray restarted (``max_restarts``) re-learns its workers from the controller:
+    the addresses it was created with may be stale (restarted workers serve on new ports, scale()
+    added and removed some). On its first start the controller's list is its own config: {}."""
+    import ray
+
+    if not ray.get_runtime_context().was_current_actor_reconstructed:
+        return {}
+    from cluster.ray_cluster import CONTROLLER_NAME, NAMESPACE
+
+    controller = ray.get_actor(CONTROLLER_NAME, namespace=NAMESPACE)
+    workers = ray.get(controller.router_workers.remote(), timeout=60)
+    return {role: tuple(w["address"] for w in workers if w["role"] == role) for role in ("prefill", "decode")}

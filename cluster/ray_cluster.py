@@ -1,14 +1,18 @@
 """RayCluster: the router and the prefill/decode pools as Ray actors, kept in shape by a controller.
 
 Layout (namespace :data:`NAMESPACE`):
-- ``pdserve-controller`` (detached, named): creates a placement group (PACK or SPREAD) with one
-  bundle for the router and one per initial worker, the worker actors (``prefill-0``,
+- ``pdserve-controller`` (detached, named): creates a placement group (PACK, SPREAD or
+  STRICT_SPREAD) with one bundle for the router and one per initial worker, the worker actors (``prefill-0``,
   ``decode-0``, ...; ``max_restarts`` each) and the router actor (``pdserve-router``). A watcher
   thread asks every worker for its ``address()`` each ``poll_interval_s``: a restarted worker (new
-  port) is re-registered with the router, a worker that died for good is removed. ``scale()``
-  adds workers (registered once they serve) and drains removed ones: ``drain()`` makes the worker
-  report unhealthy and refuse new requests, so the router stops routing to it; once idle (or
-  after ``drain_timeout_s``) it leaves the router and its actor is killed.
+  port) is re-registered with the router, a worker that died for good is removed; it also notes the
+  router's address (a restarted router on port 0 gets a new one). ``scale()`` adds workers in a
+  placement group of their own per scale-up (registered once they serve) and drains removed ones:
+  ``drain()`` makes the worker report unhealthy and refuse new requests, so the router stops
+  routing to it; once idle (or after ``drain_timeout_s``) it leaves the router and its actor is
+  killed.
+- The router actor has ``max_restarts`` (``router_max_restarts``); a restarted router reads its
+  workers from the controller (``router_workers()``), not from its creation arguments.
 - Workers and the router keep their gRPC servers; they bind to ``worker_host`` (loopback unless
   told otherwise; ``node`` binds the node's IP, needed when actors span nodes).
 
@@ -43,7 +47,7 @@ NAMESPACE = "pdserve"  # kv_transfer.ray_backend.NAMESPACE (not imported: it pul
 CONTROLLER_NAME = "pdserve-controller"
 ROUTER_NAME = "pdserve-router"
 KV_BACKENDS = ("grpc", "ray")
-PLACEMENTS = {"pack": "PACK", "spread": "SPREAD"}
+PLACEMENTS = {"pack": "PACK", "spread": "SPREAD", "strict_spread": "STRICT_SPREAD"}
 ROLES = ("prefill", "decode")
 
 
@@ -62,6 +66,7 @@ class RayClusterConfig:
     gpus_per_worker: float | None = None  # else each worker declares num_cpus=1
     prefill_resource: str | None = None  # custom resource (1 unit) each prefill worker needs, e.g. prefill_gpu
     decode_resource: str | None = None
+    router_resource: str | None = None  # custom resource (1 unit) the router needs: pins it to e.g. the head node
     placement: str = "pack"
     threads_per_worker: int | None = None
     kv_cache_mb: int | None = None
@@ -72,6 +77,7 @@ class RayClusterConfig:
     prefill_args: tuple[str, ...] = ()
     decode_args: tuple[str, ...] = ()
     max_restarts: int = 3
+    router_max_restarts: int = 3  # the router actor's restarts; it re-reads its workers from the controller
     max_queued_requests: int = 4096  # router's admission queue bound
     poll_interval_s: float = 1.0
     drain_timeout_s: float = 60.0
@@ -95,8 +101,8 @@ class RayClusterConfig:
             raise ValueError(f"port must be in [0, 65535], got {self.port}")
         if self.max_queued_requests < 1:
             raise ValueError(f"max_queued_requests must be >= 1, got {self.max_queued_requests}")
-        if self.max_restarts < 0:
-            raise ValueError(f"max_restarts must be >= 0, got {self.max_restarts}")
+        if self.max_restarts < 0 or self.router_max_restarts < 0:
+            raise ValueError(f"max_restarts must be >= 0, got {self.max_restarts} and {self.router_max_restarts}")
         for name in ("poll_interval_s", "drain_timeout_s", "startup_timeout_s"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
@@ -115,6 +121,10 @@ class RayClusterConfig:
         if custom:
             needs[custom] = 1.0
         return needs
+
+    def router_resources(self) -> dict[str, float]:
+        """The router's bundle: one CPU, plus its custom resource when configured."""
+        return {"CPU": 1.0, **({self.router_resource: 1.0} if self.router_resource else {})}
 
     def worker_argv(self, role: str, worker_id: str, host: str) -> list[str]:
         """The worker's command-line flags (the same flags `python -m <role>_worker` takes)."""
@@ -138,6 +148,7 @@ class _Worker:
     address: str = ""  # as registered with the router ("" before it serves)
     probe: Any = None  # pending address() call of the watcher
     draining: bool = False
+    pg: Any = None  # placement group of a worker added by scale() (None: the initial group)
 
 
 def _host_for(config: RayClusterConfig) -> str:
@@ -156,7 +167,7 @@ class Controller:
         self._next_index = dict.fromkeys(ROLES, 0)
         self._stop = threading.Event()
         roles = ["prefill"] * config.prefill + ["decode"] * config.decode
-        bundles = [{"CPU": 1.0}] + [config.resources(role) for role in roles]
+        bundles = [config.router_resources()] + [config.resources(role) for role in roles]
         self._pg = placement_group(bundles, strategy=PLACEMENTS[config.placement], name="pdserve")
         try:
             ray.get(self._pg.ready(), timeout=config.startup_timeout_s)
@@ -165,6 +176,7 @@ class Controller:
             raise RuntimeError(f"placement group {bundles} ({config.placement}) not placed within "
                                f"{config.startup_timeout_s:.0f} s: not enough resources in the cluster") from None
         self._router: Any = None
+        self._router_probe: Any = None  # pending address() call of the watcher
         try:
             for i, role in enumerate(roles):
                 self._workers.append(self._new_worker(role, bundle=i + 1))
@@ -177,7 +189,7 @@ class Controller:
         self._watcher.start()
 
     # ----- actors ----------------------------------------------------------------------------
-    def _new_worker(self, role: str, bundle: int | None = None) -> _Worker:
+    def _new_worker(self, role: str, bundle: int, pg: Any = None) -> _Worker:  # noqa: ANN401 - PlacementGroup
         index = self._next_index[role]
         self._next_index[role] += 1
         name = f"{role}-{index}"
@@ -189,13 +201,10 @@ class Controller:
         options["num_gpus" if "GPU" in resources else "num_cpus"] = resources.pop("GPU", resources.pop("CPU", 1.0))
         if resources:
             options["resources"] = resources
-        if bundle is not None:
-            options["scheduling_strategy"] = PlacementGroupSchedulingStrategy(self._pg, bundle)
-        elif self.config.placement == "spread":
-            options["scheduling_strategy"] = "SPREAD"
+        options["scheduling_strategy"] = PlacementGroupSchedulingStrategy(self._pg if pg is None else pg, bundle)
         argv = self.config.worker_argv(role, name, _host_for(self.config))
         handle = _RemoteWorker.options(**options).remote(role, argv)
-        return _Worker(name, role, handle)
+        return _Worker(name, role, handle, pg=pg)
 
     def _wait_serving(self, workers: list[_Worker]) -> None:
         addresses = ray.get([w.handle.address.remote() for w in workers], timeout=self.config.startup_timeout_s)
@@ -212,6 +221,8 @@ class Controller:
         }
         router = _RemoteRouter.options(
             name=ROUTER_NAME, namespace=NAMESPACE, num_cpus=1, max_concurrency=16,
+            max_restarts=self.config.router_max_restarts,
+            resources={self.config.router_resource: 1.0} if self.config.router_resource else None,
             scheduling_strategy=PlacementGroupSchedulingStrategy(self._pg, 0),
         ).remote(config)
         self.router_address_value = ray.get(router.address.remote(), timeout=self.config.startup_timeout_s)
@@ -219,7 +230,14 @@ class Controller:
 
     # ----- queries ---------------------------------------------------------------------------
     def router_address(self) -> str:
+        """The router's current host:port (a restarted router on port 0 or on another node has a new one)."""
         return self.router_address_value
+
+    def router_workers(self) -> list[dict[str, str]]:
+        """What a (re)starting router must route to: every worker that serves and is not yet forgotten
+        (draining ones included: the router sees them unhealthy and routes around them)."""
+        with self._lock:
+            return [{"address": w.address, "role": w.role} for w in self._workers if w.address]
 
     def workers(self) -> list[dict[str, Any]]:
         """name, role, address (as the router knows it) and draining of every worker, in start order."""
@@ -247,8 +265,27 @@ class Controller:
             except Exception:  # noqa: BLE001 - keep watching
                 log.exception("watch pass failed")
 
+    def check_router(self) -> None:
+        """Watcher pass for the router: note its address (it changes when a restarted router got a new port)."""
+        if self._router is None:
+            return
+        if self._router_probe is None:
+            self._router_probe = self._router.address.remote()
+        ready, _ = ray.wait([self._router_probe], timeout=0)
+        if not ready:
+            return
+        probe, self._router_probe = self._router_probe, None
+        try:
+            address = ray.get(probe)
+        except RayError:  # restarting (or gone for good: nothing to do but report)
+            return
+        if address != self.router_address_value:
+            log.warning("router moved from %s to %s (restarted)", self.router_address_value, address)
+            self.router_address_value = address
+
     def check_workers(self) -> None:
         """One watcher pass: ask each worker its address; re-register moved ones, drop dead ones."""
+        self.check_router()
         with self._lock:
             workers = [w for w in self._workers if not w.draining]
         for worker in workers:
@@ -263,6 +300,7 @@ class Controller:
             except ActorDiedError:
                 log.warning("worker %s died for good; removing it from the router", worker.name)
                 self._forget(worker)
+                self._release_unused_groups([worker])
                 continue
             except RayError:  # restarting: ask again next pass
                 continue
@@ -293,7 +331,9 @@ class Controller:
             with self._lock:
                 current = {r: [w for w in self._workers if w.role == r and not w.draining] for r in ROLES}
             targets = {"prefill": prefill, "decode": decode}
-            added = [self._new_worker(r) for r in ROLES for _ in range(targets[r] - len(current[r]))]
+            roles = [r for r in ROLES for _ in range(targets[r] - len(current[r]))]
+            pg = self._placement_group_for(roles) if roles else None
+            added = [self._new_worker(r, bundle=i, pg=pg) for i, r in enumerate(roles)]
             removed = [w for r in ROLES for w in current[r][targets[r]:]]
             if added:
                 try:
@@ -301,6 +341,7 @@ class Controller:
                 except BaseException:  # e.g. no resources for them: take them back, keep the rest as is
                     for worker in added:
                         ray.kill(worker.handle, no_restart=True)
+                    remove_placement_group(pg)
                     raise
                 for worker in added:
                     ray.get(self._router.add_worker.remote(worker.address, worker.role))
@@ -308,6 +349,30 @@ class Controller:
                     self._workers.extend(added)
             self._retire(removed)
         return {"added": [w.name for w in added], "removed": [w.name for w in removed]}
+
+    def _placement_group_for(self, roles: list[str]) -> Any:  # noqa: ANN401 - PlacementGroup
+        """A placement group (the deployment's strategy) with one bundle per worker a scale-up adds.
+
+        Ray cannot add bundles to an existing group, so each scale-up gets a group of its own: the
+        strategy holds among the workers added together (and, being bundles, their resources are
+        reserved as a unit), not between them and the earlier ones."""
+        bundles = [self.config.resources(role) for role in roles]
+        pg = placement_group(bundles, strategy=PLACEMENTS[self.config.placement])
+        try:
+            ray.get(pg.ready(), timeout=self.config.startup_timeout_s)
+        except ray.exceptions.GetTimeoutError:
+            remove_placement_group(pg)
+            raise RuntimeError(f"placement group {bundles} ({self.config.placement}) for the new workers not "
+                               f"placed within {self.config.startup_timeout_s:.0f} s: not enough resources") from None
+        return pg
+
+    def _release_unused_groups(self, retired: list[_Worker]) -> None:
+        """Remove the scale-up placement groups none of whose workers is left."""
+        with self._lock:
+            in_use = {id(w.pg) for w in self._workers if w.pg is not None}
+        for pg in {id(w.pg): w.pg for w in retired if w.pg is not None}.values():
+            if id(pg) not in in_use:
+                remove_placement_group(pg)
 
     def _retire(self, workers: list[_Worker]) -> None:
         """Drain, wait until idle (at most drain_timeout_s), deregister and kill each worker."""
@@ -331,6 +396,7 @@ class Controller:
                 log.warning("stopping %s: %s", worker.name, exc)
             ray.kill(worker.handle, no_restart=True)
             log.info("worker %s retired", worker.name)
+        self._release_unused_groups(workers)
 
     # ----- teardown --------------------------------------------------------------------------
     def shutdown(self) -> None:
@@ -346,6 +412,8 @@ class Controller:
             workers, self._workers = self._workers, []
         for worker in workers:
             ray.kill(worker.handle, no_restart=True)
+        for pg in {id(w.pg): w.pg for w in workers if w.pg is not None}.values():
+            remove_placement_group(pg)
         remove_placement_group(self._pg)
 
 
@@ -354,9 +422,28 @@ _RemoteRouter = ray.remote(RouterActor)
 _RemoteController = ray.remote(Controller)
 
 
+def check_reachable(address: str | None, timeout_s: float = 5.0) -> None:
+    """Fail fast (ConnectionError) when `address` is a Ray GCS "host:port" that accepts no connection:
+    ``ray.init`` would otherwise retry for minutes. "auto", ``ray://`` and None are left to Ray
+    ("auto" with no running cluster fails at once by itself)."""
+    import socket
+
+    if not address or address == "auto" or "://" in address:
+        return
+    host, sep, port = address.rpartition(":")
+    if not sep or not port.isdigit():
+        raise ConnectionError(f"Ray address must be host:port, auto or ray://host:port, got {address!r}")
+    try:
+        socket.create_connection((host.strip("[]"), int(port)), timeout=timeout_s).close()
+    except OSError as exc:
+        raise ConnectionError(f"no Ray cluster at {address}: {exc} (start one with `ray start --head`, "
+                              f"or pass the head's GCS address, host:6379 by default)") from None
+
+
 def get_controller(address: str | None = "auto") -> Any:  # noqa: ANN401 - ray ActorHandle
     """The running deployment's controller (connects to Ray at `address` unless connected)."""
     if not ray.is_initialized():
+        check_reachable(address)
         ray.init(address=address, namespace=NAMESPACE, log_to_driver=False)
     return ray.get_actor(CONTROLLER_NAME, namespace=NAMESPACE)
 
@@ -369,6 +456,7 @@ class RayCluster:
         self._own_ray = False
         self._stopped = False
         if not ray.is_initialized():
+            check_reachable(config.address)  # with an address, never start a local instance instead
             local = {"num_cpus": config.local_num_cpus} if config.address is None else {}
             ray.init(address=config.address, namespace=NAMESPACE, include_dashboard=False, **local)
             self._own_ray = config.address is None
@@ -386,6 +474,11 @@ class RayCluster:
     @property
     def controller(self) -> Any:  # noqa: ANN401 - ray ActorHandle
         return self._controller
+
+    def current_router_address(self) -> str:
+        """The router's address now (``router_address`` is the one it started with; a restarted router
+        on port 0, or on another node, has a new one)."""
+        return str(ray.get(self._controller.router_address.remote(), timeout=30))
 
     def workers(self) -> list[dict[str, Any]]:
         return list(ray.get(self._controller.workers.remote()))

@@ -31,6 +31,7 @@ from engine.trace import token_bytes
 from engine.worker_runtime import (
     Drain,
     finish_reason_to_pb,
+    node_identity,
     sampling_params_from_pb,
     sampling_params_to_pb,
     trace_events_to_pb,
@@ -121,6 +122,7 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
         self.kv_target = kv_target or address  # e.g. this worker's gRPC address, or "ray:decode-0"
         self.kv_receiver = kv_receiver
         self.worker_id = worker_id
+        self.node_id, self.node_host = node_identity()
         self.address = address
         self.colocated = colocated
         self.local_prefill_threshold = local_prefill_threshold
@@ -379,6 +381,7 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
             kv_bytes_received=self.worker.kv_bytes_received, requests_finished=self.worker.requests_finished,
             prefix_cache_hit_blocks=s["prefix_cache_hit_blocks"], prefix_cache_blocks=s["prefix_cache_blocks"],
             max_running_requests=self.worker.engine.config.max_num_seqs,
+            node_id=self.node_id, host=self.node_host,
         )
 
     def Abort(self, request: worker_pb2.AbortRequest, context: grpc.ServicerContext) -> worker_pb2.AbortResponse:  # noqa: N802

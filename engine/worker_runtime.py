@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import signal
 import threading
 import time
@@ -43,6 +44,18 @@ _FINISH_TO_PB = {
     FINISH_ABORT: common_pb2.FINISH_REASON_CANCELLED,
     FINISH_ERROR: common_pb2.FINISH_REASON_ERROR,
 }
+
+
+NODE_ID_ENV = "PDSERVE_NODE_ID"  # set by the Ray worker actor before it starts the worker (cluster.ray_actors)
+NODE_HOST_ENV = "PDSERVE_NODE_HOST"
+
+
+def node_identity() -> tuple[str, str]:
+    """(node_id, host) this worker reports in WorkerInfo: the Ray node's id and IP inside a Ray actor,
+    ("", host name) outside Ray."""
+    import socket
+
+    return os.environ.get(NODE_ID_ENV, ""), os.environ.get(NODE_HOST_ENV) or socket.gethostname()
 
 
 def finish_reason_to_pb(reason: str | None) -> int:

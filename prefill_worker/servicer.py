@@ -11,7 +11,7 @@ import os
 import grpc
 
 from engine.kv_cache import segment_prefix
-from engine.worker_runtime import Drain, sampling_params_from_pb, trace_events_to_pb
+from engine.worker_runtime import Drain, node_identity, sampling_params_from_pb, trace_events_to_pb
 from kv_transfer import KvTransferError
 from kv_transfer.shm_backend import CHECKSUM_ALGORITHMS
 from pdserve.v1 import common_pb2, worker_pb2, worker_pb2_grpc
@@ -23,6 +23,7 @@ class PrefillServicer(worker_pb2_grpc.PrefillWorkerServicer):
                  drain: Drain | None = None) -> None:
         self.worker = worker
         self.worker_id = worker_id
+        self.node_id, self.node_host = node_identity()
         self.address = address
         self.request_timeout_s = request_timeout_s
         self.drain = drain or Drain()
@@ -85,4 +86,5 @@ class PrefillServicer(worker_pb2_grpc.PrefillWorkerServicer):
             prefill_tokens_computed=w.runner.num_prefill_tokens, kv_bytes_sent=w.kv_bytes_sent,
             requests_finished=w.requests_finished, prefix_cache_hit_blocks=w.pool.cache_hits,
             prefix_cache_blocks=w.pool.num_cached, kv_segment_prefix=segment_prefix(),
+            node_id=self.node_id, host=self.node_host,
         )

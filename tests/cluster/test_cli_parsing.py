@@ -263,6 +263,26 @@ def test_serve_ray_flags_and_scale() -> None:
     assert (scale.prefill, scale.decode, scale.address) == (2, 1, "auto")
 
 
+def test_serve_ray_multinode_flags() -> None:
+    from cluster.cli import ray_cluster_config
+    from cluster.ray_cluster import PLACEMENTS, check_reachable
+
+    config = ray_cluster_config(_parse("serve", "--ray", "--placement", "strict_spread",
+                                       "--router-resource", "pdserve_router"))
+    assert PLACEMENTS[config.placement] == "STRICT_SPREAD"
+    assert config.router_resources() == {"CPU": 1.0, "pdserve_router": 1.0}
+    assert ray_cluster_config(_parse("serve", "--ray")).router_resources() == {"CPU": 1.0}
+    with pytest.raises(SystemExit):
+        _parse("serve", "--ray", "--placement", "strict_pack")
+    assert _parse("status", "--address", "auto").address == "auto" and _parse("status").address is None
+    for address in (None, "auto", "ray://head:10001"):
+        check_reachable(address)  # left to Ray
+    with pytest.raises(ConnectionError, match="must be host:port"):
+        check_reachable("head")
+    with pytest.raises(ConnectionError, match="no Ray cluster at 127.0.0.1:1"):
+        check_reachable("127.0.0.1:1", timeout_s=2)
+
+
 def test_scale_without_deployment_fails_cleanly(capsys) -> None:  # noqa: ANN001
     from cluster.cli import main
 
