@@ -71,9 +71,22 @@ def _add_serve(commands: argparse._SubParsersAction) -> None:
     serve.add_argument("--metrics", action="store_true", help="Prometheus /metrics on every process (free ports)")
     serve.add_argument("--log-format", choices=("text", "json"), default="text", help="log lines of every process")
     serve.add_argument("--log-level", default="INFO")
+    _add_security_args(serve)
     _add_ray_serve_args(serve)
     add_engine_flags(serve)
     serve.set_defaults(func=_cmd_serve)
+
+
+def _add_security_args(serve: argparse.ArgumentParser) -> None:
+    sec = serve.add_argument_group("security of the public API (see docs/security.md)")
+    sec.add_argument("--auth-token-file", default=None, metavar="FILE",
+                     help="require 'authorization: Bearer <token>' on gRPC and /v1/* HTTP (token: first line of "
+                          "FILE; or set PDSERVE_AUTH_TOKEN)")
+    sec.add_argument("--tls-cert", default=None, metavar="PEM", help="serve the router's gRPC and HTTP API over TLS")
+    sec.add_argument("--tls-key", default=None, metavar="PEM", help="private key of --tls-cert")
+    sec.add_argument("--metrics-host", default="127.0.0.1", metavar="HOST",
+                     help="interface of the router's /metrics (with --metrics; default 127.0.0.1); any other "
+                          "needs --auth-token-file and scrapes then need the bearer token")
 
 
 def _add_ray_serve_args(serve: argparse.ArgumentParser) -> None:
@@ -171,7 +184,17 @@ def cluster_config(args: argparse.Namespace) -> LocalClusterConfig:
         log_level=args.log_level,
         prefill_args=engine_args,
         decode_args=engine_args,
+        **_security_kwargs(args),
     )
+
+
+def _security_kwargs(args: argparse.Namespace) -> dict[str, str | None]:
+    """The public-API security settings of `pdserve serve` (same names on LocalClusterConfig and
+    RayClusterConfig)."""
+    if (args.tls_cert is None) != (args.tls_key is None):
+        raise ValueError("--tls-cert and --tls-key go together")
+    return {"auth_token_file": args.auth_token_file, "tls_cert_file": args.tls_cert, "tls_key_file": args.tls_key,
+            "metrics_host": args.metrics_host}
 
 
 def _interrupt(_signum: int, _frame: FrameType | None) -> None:
@@ -195,6 +218,9 @@ def ray_cluster_config(args: argparse.Namespace):  # noqa: ANN201 - cluster.ray_
         prefill_policy=args.prefill_policy, decode_policy=args.decode_policy, max_restarts=args.max_restarts,
         startup_timeout_s=args.startup_timeout, log_level=args.log_level,
         prefill_args=engine_args, decode_args=engine_args,
+        http_port=args.http_port,
+        model_name=LocalClusterConfig(model=args.model, model_name=args.model_name).served_model_name,
+        **_security_kwargs(args),
     )
 
 
@@ -218,6 +244,7 @@ def _cmd_serve_ray(args: argparse.Namespace) -> int:
         print(f"router: {cluster.router_address}")
         print(format_table(("name", "role", "address"), [[w["name"], w["role"], w["address"]]
                                                           for w in cluster.workers()]))
+        _print_extras(cluster.http_address, {}, bool(config.tls_cert_file))
         print("`pdserve scale --prefill N --decode M` resizes; Ctrl-C (or SIGTERM) stops everything.", flush=True)
         _wait_for_interrupt()
     except KeyboardInterrupt:
@@ -266,7 +293,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         return 0
     try:
         _print_cluster(cluster.router_address, [w._asdict() for w in cluster.workers])
-        _print_extras(cluster.http_address, cluster.metrics_addresses)
+        _print_extras(cluster.http_address, cluster.metrics_addresses, bool(config.tls_cert_file))
         _wait_for_interrupt()
     except KeyboardInterrupt:
         print("pdserve: shutting down", file=sys.stderr, flush=True)
@@ -294,9 +321,9 @@ def _print_cluster(router_address: str, workers: list[dict[str, object]]) -> Non
     print("Ctrl-C (or SIGTERM) stops everything.", flush=True)
 
 
-def _print_extras(http_address: str, metrics_addresses: dict[str, str]) -> None:
+def _print_extras(http_address: str, metrics_addresses: dict[str, str], tls: bool = False) -> None:
     if http_address:
-        print(f"OpenAI-compatible API: http://{http_address}/v1")
+        print(f"OpenAI-compatible API: {'https' if tls else 'http'}://{http_address}/v1")
     for name, address in metrics_addresses.items():
         print(f"metrics {name}: http://{address}/metrics")
     sys.stdout.flush()
