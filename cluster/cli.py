@@ -33,6 +33,7 @@ from cluster.engine_flags import add_engine_flags, engine_worker_args
 from cluster.local import ClusterStartError, LocalCluster, LocalClusterConfig
 from cluster.tables import format_table
 from pdserve.devices import DEVICE_HELP, DTYPE_HELP, DTYPE_NAMES, check_device_name
+from pdserve.transport import is_loopback
 from pdserve.v1 import router_pb2
 
 POLICIES = ("round_robin", "least_loaded")
@@ -325,7 +326,8 @@ def _print_extras(http_address: str, metrics_addresses: dict[str, str], tls: boo
     if http_address:
         print(f"OpenAI-compatible API: {'https' if tls else 'http'}://{http_address}/v1")
     for name, address in metrics_addresses.items():
-        print(f"metrics {name}: http://{address}/metrics")
+        guarded = tls and name == "router" and not is_loopback(address.rsplit(":", 1)[0])  # HTTPS + token
+        print(f"metrics {name}: {'https' if guarded else 'http'}://{address}/metrics")
     sys.stdout.flush()
 
 
