@@ -185,17 +185,9 @@ def cluster_config(args: argparse.Namespace) -> LocalClusterConfig:
         log_level=args.log_level,
         prefill_args=engine_args,
         decode_args=engine_args,
-        **_security_kwargs(args),
+        auth_token_file=args.auth_token_file, tls_cert_file=args.tls_cert, tls_key_file=args.tls_key,
+        metrics_host=args.metrics_host,
     )
-
-
-def _security_kwargs(args: argparse.Namespace) -> dict[str, str | None]:
-    """The public-API security settings of `pdserve serve` (same names on LocalClusterConfig and
-    RayClusterConfig)."""
-    if (args.tls_cert is None) != (args.tls_key is None):
-        raise ValueError("--tls-cert and --tls-key go together")
-    return {"auth_token_file": args.auth_token_file, "tls_cert_file": args.tls_cert, "tls_key_file": args.tls_key,
-            "metrics_host": args.metrics_host}
 
 
 def _interrupt(_signum: int, _frame: FrameType | None) -> None:
@@ -221,7 +213,8 @@ def ray_cluster_config(args: argparse.Namespace):  # noqa: ANN201 - cluster.ray_
         prefill_args=engine_args, decode_args=engine_args,
         http_port=args.http_port,
         model_name=LocalClusterConfig(model=args.model, model_name=args.model_name).served_model_name,
-        **_security_kwargs(args),
+        auth_token_file=args.auth_token_file, tls_cert_file=args.tls_cert, tls_key_file=args.tls_key,
+        metrics_host=args.metrics_host,
     )
 
 

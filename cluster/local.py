@@ -115,7 +115,7 @@ class LocalClusterConfig:
         if not self.startup_timeout_s > 0:
             raise ValueError(f"startup_timeout_s must be > 0, got {self.startup_timeout_s}")
         if (self.tls_cert_file is None) != (self.tls_key_file is None):
-            raise ValueError("tls_cert_file and tls_key_file go together")
+            raise ValueError("tls_cert_file and tls_key_file go together (--tls-cert and --tls-key)")
         if not is_loopback(self.metrics_host) and not (self.auth_token_file or os.environ.get("PDSERVE_AUTH_TOKEN")):
             raise ValueError(f"refusing /metrics on {self.metrics_host}, beyond loopback, without an auth token "
                              "(--auth-token-file)")

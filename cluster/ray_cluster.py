@@ -91,7 +91,7 @@ class RayClusterConfig:
 
     def __post_init__(self) -> None:
         if (self.tls_cert_file is None) != (self.tls_key_file is None):
-            raise ValueError("tls_cert_file and tls_key_file go together")
+            raise ValueError("tls_cert_file and tls_key_file go together (--tls-cert and --tls-key)")
         if self.prefill < 1 or self.decode < 1:
             raise ValueError(f"need prefill >= 1 and decode >= 1, got {self.prefill} and {self.decode}")
         if self.kv_backend not in KV_BACKENDS:

@@ -12,10 +12,10 @@ import hmac
 import threading
 from collections.abc import Callable, Iterable
 from typing import Any
+from wsgiref.simple_server import WSGIServer, make_server
 
 from prometheus_client import CollectorRegistry, make_wsgi_app, start_http_server
 from prometheus_client.exposition import ThreadingWSGIServer, _SilentHandler
-from wsgiref.simple_server import WSGIServer, make_server
 
 # Latency buckets in seconds, from sub-millisecond steps to multi-minute generations.
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0,

@@ -17,19 +17,17 @@ import urllib.error
 import urllib.request
 from collections.abc import Iterator
 from dataclasses import dataclass
-from pathlib import Path
 
 import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+from security_helpers import self_signed, token_file
 
 from cluster.client import PdserveClient, build_request, sampling_params
 from cluster.local import child_env
 from pdserve.limits import MAX_REQUEST_BYTES
 from pdserve.transport import TOKEN_METADATA
 from pdserve.v1 import worker_pb2, worker_pb2_grpc
-
-from security_helpers import self_signed, token_file
 
 pytestmark = pytest.mark.slow
 
@@ -144,7 +142,8 @@ def test_http_api_needs_the_token_and_the_openai_client_works_over_https(served:
     assert _https(f"{base}/health", served.cert)[0] == 200  # load balancers probe it without a token
     with pytest.raises(OSError):  # plaintext HTTP to the TLS port gets no answer
         urllib.request.urlopen(f"http://{served.http}/health", timeout=10)
-    client = openai.OpenAI(base_url=f"{base}/v1", api_key=TOKEN, http_client=openai.DefaultHttpxClient(verify=ssl.create_default_context(cafile=served.cert)))
+    trust = ssl.create_default_context(cafile=served.cert)
+    client = openai.OpenAI(base_url=f"{base}/v1", api_key=TOKEN, http_client=openai.DefaultHttpxClient(verify=trust))
     model = client.models.list().data[0].id
     answer = client.completions.create(model=model, prompt="The capital of France is", max_tokens=4)
     assert answer.usage.completion_tokens == 4 and answer.choices[0].text
@@ -152,7 +151,7 @@ def test_http_api_needs_the_token_and_the_openai_client_works_over_https(served:
                                             max_tokens=3, stream=True)
     assert any(chunk.choices and chunk.choices[0].finish_reason for chunk in stream)
     anonymous = openai.OpenAI(base_url=f"{base}/v1", api_key="not-the-token",
-                              http_client=openai.DefaultHttpxClient(verify=ssl.create_default_context(cafile=served.cert)), max_retries=0)
+                              http_client=openai.DefaultHttpxClient(verify=trust), max_retries=0)
     with pytest.raises(openai.AuthenticationError):
         anonymous.models.list()
 
