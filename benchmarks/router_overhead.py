@@ -11,9 +11,12 @@ GetInfo) sends `--tokens` tokens per stream, one every `--interval-ms`, each car
   http     POST /v1/completions with stream=true on that router's HTTP API
 
 Added latency per token = p50(router) - p50(direct), and p50(http) - p50(router). The stand-in
-keeps the engine out of the picture, so what is left is the relay itself. Example:
+keeps the engine out of the picture, so what is left is the relay itself. With `--loops asyncio
+uvloop` one router per event-loop kind is started (PDSERVE_EVENT_LOOP) and all are measured in the
+same interleaved rounds. The router's CPU time per relayed token (from /proc) is printed beside
+the latencies: it does not depend on what else the machine runs. Example:
 
-  python benchmarks/router_overhead.py --streams 1 256 --tokens 50 --interval-ms 20
+  python benchmarks/router_overhead.py --streams 1 256 --tokens 30 --interval-ms 100 --loops asyncio uvloop
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import statistics
 import subprocess
 import sys
@@ -99,6 +103,12 @@ async def _http_stream(session: aiohttp.ClientSession, url: str, tokens: int) ->
     return _latencies(texts, received)
 
 
+def _cpu_s(pid: int) -> float:
+    """User + system CPU seconds of a process so far (Linux /proc)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 async def measure(mode: str, streams: int, tokens: int, stand_in: str, router: str, http: str) -> list[float]:
     params = common_pb2.SamplingParams(max_tokens=tokens)
     if mode == "http":
@@ -125,6 +135,8 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=50, help="tokens per stream")
     ap.add_argument("--interval-ms", type=float, default=20.0, help="gap between a stream's tokens")
     ap.add_argument("--repeats", type=int, default=3, help="rounds of (direct, router, http) per stream count")
+    ap.add_argument("--loops", nargs="+", default=["default"], choices=["default", "asyncio", "uvloop"],
+                    help="event loop of the router under test (one router each, measured side by side)")
     args = ap.parse_args()
     logs = Path(tempfile.mkdtemp(prefix="pdserve-overhead-"))
     stand_in = ManagedProcess("stand-in", [sys.executable, "-c", STAND_IN, str(args.tokens), str(args.interval_ms)],
@@ -132,25 +144,39 @@ def main() -> None:
     processes = [stand_in]
     try:
         stand_in_address = str(stand_in.wait_ready(60)["address"])
-        router = ManagedProcess("router", [sys.executable, "-m", "router", "--port", "0", "--http-port", "0",
-                                           "--colocated", stand_in_address, "--max-concurrent-streams", "1024",
-                                           "--log-level", "WARNING"], logs / "router.log")
-        processes.append(router)
-        ready = router.wait_ready(60)
-        router_address, http_address = str(ready["address"]), str(ready["http_address"])
-        print(f"{'streams':>7} {'mode':>6} {'p50 ms':>8} {'p90 ms':>8} {'added p50 ms':>13}")
+        routers: dict[str, tuple[str, str, int]] = {}
+        for loop in args.loops:
+            env = dict(os.environ)
+            if loop != "default":
+                env["PDSERVE_EVENT_LOOP"] = loop
+            router = ManagedProcess(f"router-{loop}", [sys.executable, "-m", "router", "--port", "0", "--http-port",
+                                                       "0", "--colocated", stand_in_address,
+                                                       "--max-concurrent-streams", "1024", "--log-level", "WARNING"],
+                                    logs / f"router-{loop}.log", env=env)
+            processes.append(router)
+            ready = router.wait_ready(60)
+            routers[loop] = (str(ready["address"]), str(ready["http_address"]), int(ready["pid"]))
+        print(f"{'streams':>7} {'mode':>16} {'p50 ms':>8} {'p90 ms':>8} {'added p50 ms':>13} {'router CPU us/token':>20}")
         for streams in args.streams:
-            samples: dict[str, list[float]] = {"direct": [], "router": [], "http": []}
+            modes = ["direct"] + [f"{kind}/{loop}" for loop in routers for kind in ("router", "http")]
+            samples: dict[str, list[float]] = {m: [] for m in modes}
+            cpu: dict[str, float] = {m: 0.0 for m in modes}
             for _ in range(args.repeats):  # interleaved, so drift hits every mode alike
-                for mode in samples:
-                    samples[mode] += asyncio.run(measure(mode, streams, args.tokens, stand_in_address,
+                for mode in modes:
+                    kind, _, loop = mode.partition("/")
+                    router_address, http_address, pid = routers.get(loop, ("", "", 0))
+                    before = _cpu_s(pid) if pid else 0.0
+                    samples[mode] += asyncio.run(measure(kind, streams, args.tokens, stand_in_address,
                                                          router_address, http_address))
+                    cpu[mode] += (_cpu_s(pid) - before) if pid else 0.0
             p50 = {m: statistics.median(v) for m, v in samples.items()}
             for mode, values in samples.items():
-                base = {"direct": None, "router": "direct", "http": "router"}[mode]
+                kind, _, loop = mode.partition("/")
+                base = {"direct": None, "router": "direct", "http": f"router/{loop}"}[kind]
                 added = f"{p50[mode] - p50[base]:13.3f}" if base else f"{'':>13}"
                 p90 = statistics.quantiles(values, n=10)[-1]
-                print(f"{streams:>7} {mode:>6} {p50[mode]:8.3f} {p90:8.3f} {added}  (vs {base or '-'})")
+                per_token = f"{cpu[mode] / len(values) * 1e6:20.1f}" if loop else f"{'':>20}"
+                print(f"{streams:>7} {mode:>16} {p50[mode]:8.3f} {p90:8.3f} {added} {per_token}  (vs {base or '-'})")
     finally:
         for process in processes:
             process.terminate()

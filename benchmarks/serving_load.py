@@ -92,7 +92,7 @@ def report_rss(cluster: LocalCluster, label: str) -> dict[str, float]:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--num-prompts", type=int, default=3000)
+    ap.add_argument("--num-prompts", type=int, default=3000, help="gRPC phase requests (0: skip the phase)")
     ap.add_argument("--max-concurrency", type=int, default=1000)
     ap.add_argument("--http-requests", type=int, default=600)
     ap.add_argument("--http-concurrency", type=int, default=300)
@@ -102,22 +102,23 @@ def main() -> None:
     with LocalCluster(config) as cluster:
         workers = [(w.role, w.address) for w in cluster.workers]
         report_rss(cluster, "start")
-        start = time.monotonic()
-        result = run_bench(BenchConfig(url=cluster.router_address, input_len=LengthDist.parse("8:48"),
-                                       output_len=LengthDist.parse("8:32"), num_prompts=args.num_prompts,
-                                       max_concurrency=args.max_concurrency, ignore_eos=True, timeout_s=3600),
-                           progress=False)
-        summary = result["summary"]
-        infos = wait_idle(workers, timeout=120)
-        print(f"gRPC: {args.num_prompts} requests at concurrency {args.max_concurrency}: "
-              f"completed {summary['completed']}, failed {summary['failed']}, "
-              f"{time.monotonic() - start:.0f} s, {summary['output_throughput']:.1f} output tok/s; "
-              f"KV blocks used once idle: {[i.kv_blocks_used for i in infos]} of "
-              f"{[i.kv_blocks_total for i in infos]}", flush=True)
-        errors = Counter(r["error"][:80] for r in result["records"] if r["error"])
-        if errors:
-            print(f"gRPC errors: {dict(errors.most_common(5))}")
-        report_rss(cluster, "gRPC phase")
+        if args.num_prompts > 0:  # 0: the HTTP phase only
+            start = time.monotonic()
+            result = run_bench(BenchConfig(url=cluster.router_address, input_len=LengthDist.parse("8:48"),
+                                           output_len=LengthDist.parse("8:32"), num_prompts=args.num_prompts,
+                                           max_concurrency=args.max_concurrency, ignore_eos=True, timeout_s=3600),
+                               progress=False)
+            summary = result["summary"]
+            infos = wait_idle(workers, timeout=120)
+            print(f"gRPC: {args.num_prompts} requests at concurrency {args.max_concurrency}: "
+                  f"completed {summary['completed']}, failed {summary['failed']}, "
+                  f"{time.monotonic() - start:.0f} s, {summary['output_throughput']:.1f} output tok/s; "
+                  f"KV blocks used once idle: {[i.kv_blocks_used for i in infos]} of "
+                  f"{[i.kv_blocks_total for i in infos]}", flush=True)
+            errors = Counter(r["error"][:80] for r in result["records"] if r["error"])
+            if errors:
+                print(f"gRPC errors: {dict(errors.most_common(5))}")
+            report_rss(cluster, "gRPC phase")
         start = time.monotonic()
         outcomes = asyncio.run(http_phase(cluster.http_address, args.http_requests, args.http_concurrency))
         infos = wait_idle(workers, timeout=120)

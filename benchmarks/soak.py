@@ -95,6 +95,7 @@ def main() -> None:
             one_request(stub, rng, 0.0)
         pids = {w.worker_id: w.pid for w in cluster.workers}
         pids["router"] = next(p.pid for p in cluster._processes if p.name == "router")  # noqa: SLF001
+        warm_rss = {name: rss_mb(pid) for name, pid in pids.items()}  # after the warm-up requests
         start_rss: dict[str, float] = {}
         ended = [0]
         lock = threading.Lock()
@@ -127,7 +128,8 @@ def main() -> None:
         print(f"memory from request {max(1, args.rss_from)} to {args.requests}:")
         for name in [w.worker_id for w in survivors] + ["router"]:
             end = rss_mb(pids[name])
-            print(f"  {name:12s} RSS {start_rss[name]:7.0f} MB -> {end:7.0f} MB ({end - start_rss[name]:+.0f} MB)")
+            print(f"  {name:12s} RSS {start_rss[name]:7.0f} MB -> {end:7.0f} MB ({end - start_rss[name]:+.0f} MB); "
+                  f"after warm-up {warm_rss[name]:7.0f} MB")
 
 
 if __name__ == "__main__":

@@ -62,6 +62,9 @@ def _add_serve(commands: argparse._SubParsersAction) -> None:
     serve.add_argument("--prefill-policy", choices=POLICIES, default="round_robin")
     serve.add_argument("--decode-policy", choices=POLICIES, default="round_robin")
     serve.add_argument("--kv-cache-mb", type=int, default=None, help="KV cache size per worker")
+    serve.add_argument("--max-queued-requests", type=int, default=4096, metavar="N",
+                       help="requests the router holds waiting for a decode slot; one more is refused "
+                            "(RESOURCE_EXHAUSTED / HTTP 429 with Retry-After). Default 4096")
     serve.add_argument("--local-prefill-threshold", type=int, default=0,
                        help="decode workers prefill prompts shorter than this many tokens themselves (0: off)")
     serve.add_argument("--startup-timeout", type=float, default=180.0, metavar="S")
@@ -176,6 +179,7 @@ def cluster_config(args: argparse.Namespace) -> LocalClusterConfig:
         decode_policy=args.decode_policy,
         kv_cache_mb=args.kv_cache_mb,
         local_prefill_threshold=args.local_prefill_threshold,
+        max_queued_requests=args.max_queued_requests,
         startup_timeout_s=args.startup_timeout,
         log_dir=args.log_dir,
         http_port=args.http_port,
@@ -209,6 +213,7 @@ def ray_cluster_config(args: argparse.Namespace):  # noqa: ANN201 - cluster.ray_
         threads_per_worker=args.threads_per_worker, kv_cache_mb=args.kv_cache_mb,
         device=args.device, dtype=args.dtype,
         prefill_policy=args.prefill_policy, decode_policy=args.decode_policy, max_restarts=args.max_restarts,
+        max_queued_requests=args.max_queued_requests,
         startup_timeout_s=args.startup_timeout, log_level=args.log_level,
         prefill_args=engine_args, decode_args=engine_args,
         http_port=args.http_port,

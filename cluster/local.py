@@ -74,6 +74,7 @@ class LocalClusterConfig:
     decode_policy: str = "round_robin"
     kv_cache_mb: int | None = None
     local_prefill_threshold: int = 0  # decode workers prefill prompts shorter than this themselves
+    max_queued_requests: int = 4096  # router's admission queue bound (router --max-queued-requests)
     # extra command-line flags per process kind (experiments, fault injection in tests)
     prefill_args: tuple[str, ...] = ()
     decode_args: tuple[str, ...] = ()
@@ -106,6 +107,8 @@ class LocalClusterConfig:
                 raise ValueError(f"{name} must be one of {', '.join(POLICY_NAMES)}, got {getattr(self, name)!r}")
         if self.local_prefill_threshold < 0:
             raise ValueError(f"local_prefill_threshold must be >= 0, got {self.local_prefill_threshold}")
+        if self.max_queued_requests < 1:
+            raise ValueError(f"max_queued_requests must be >= 1, got {self.max_queued_requests}")
         if self.kv_cache_mb is not None and self.kv_cache_mb < 1:
             raise ValueError(f"kv_cache_mb must be >= 1, got {self.kv_cache_mb}")
         if self.http_port is not None and not 0 <= self.http_port <= 65535:
@@ -187,6 +190,7 @@ def router_argv(config: LocalClusterConfig, workers: list[WorkerProcess]) -> lis
     for worker in workers:
         argv += [f"--{worker.role}", worker.address]
     argv += ["--prefill-policy", config.prefill_policy, "--decode-policy", config.decode_policy]
+    argv += ["--max-queued-requests", str(config.max_queued_requests)]
     if config.http_port is not None:
         argv += ["--http-port", str(config.http_port), "--model-name", config.served_model_name]
     argv += security_argv(config)

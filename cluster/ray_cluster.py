@@ -77,6 +77,7 @@ class RayClusterConfig:
     prefill_args: tuple[str, ...] = ()
     decode_args: tuple[str, ...] = ()
     max_restarts: int = 3
+    max_queued_requests: int = 4096  # router's admission queue bound
     poll_interval_s: float = 1.0
     drain_timeout_s: float = 60.0
     startup_timeout_s: float = 300.0
@@ -106,6 +107,8 @@ class RayClusterConfig:
                 raise ValueError(f"{name} must be one of {', '.join(POLICY_NAMES)}, got {getattr(self, name)!r}")
         if not 0 <= self.port <= 65535:
             raise ValueError(f"port must be in [0, 65535], got {self.port}")
+        if self.max_queued_requests < 1:
+            raise ValueError(f"max_queued_requests must be >= 1, got {self.max_queued_requests}")
         if self.max_restarts < 0:
             raise ValueError(f"max_restarts must be >= 0, got {self.max_restarts}")
         for name in ("poll_interval_s", "drain_timeout_s", "startup_timeout_s"):
@@ -219,7 +222,8 @@ class Controller:
             "prefill": tuple(w.address for w in workers if w.role == "prefill"),
             "decode": tuple(w.address for w in workers if w.role == "decode"),
             "prefill_policy": self.config.prefill_policy, "decode_policy": self.config.decode_policy,
-            "log_level": self.config.log_level, **self._router_security(),
+            "max_queued_requests": self.config.max_queued_requests, "log_level": self.config.log_level,
+            **self._router_security(),
         }
         router = _RemoteRouter.options(
             name=ROUTER_NAME, namespace=NAMESPACE, num_cpus=1, max_concurrency=16,

@@ -141,6 +141,12 @@ class KVCache:
             self.kv, self.shm_name = placed
         else:  # [L, 2, num_blocks, block_size, kv_heads, head_dim]
             self.kv = torch.zeros(dims, dtype=shape.dtype, device=device)
+        if self.kv.device.type == "cpu":
+            # Fresh zero memory (calloc, a new shm segment) is mapped lazily: without this, RSS grows
+            # by the whole cache over the first thousands of requests as blocks are first written,
+            # which reads as a leak and hides real growth. Writing it now commits the cache at
+            # start-up, where a host that lacks the memory fails at once, not under load.
+            self.kv.view(-1).fill_(0)
 
     def layer_slots(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Keys and values of one layer as flat slot views: ([slots, heads, dim], [slots, heads, dim])."""

@@ -30,6 +30,7 @@ from pdserve.transport import add_port, server_interceptors, use_internal_token_
 from pdserve.v1 import common_pb2
 from telemetry.grpc_logging import RequestLoggingInterceptor
 from telemetry.logs import LOG_FORMATS, configure_logging
+from telemetry.memory import bound_heap
 
 log = logging.getLogger(__name__)
 
@@ -101,6 +102,7 @@ def configure_process(num_threads: int | None, log_level: str = "INFO", log_form
                       process_name: str = "worker") -> None:
     """Set up this worker's logging and give it its own thread budget so pools on one host do not fight."""
     configure_logging(process_name, log_level, log_format)
+    bound_heap()
     if num_threads:
         torch.set_num_threads(num_threads)
 

@@ -23,6 +23,7 @@ from router.config import RouterConfig
 from router.policies import POLICY_NAMES
 from router.server import RouterServer, serve
 from telemetry.logs import LOG_FORMATS, configure_logging
+from telemetry.memory import bound_heap
 from telemetry.prometheus import start_metrics_endpoint
 
 STOP_GRACE_S = 5.0
@@ -102,6 +103,7 @@ def config_from_args(args: argparse.Namespace) -> RouterConfig:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     configure_logging("router", args.log_level, args.log_format)
+    bound_heap()
     try:
         use_internal_token_file(args.internal_token_file)
         config = config_from_args(args)

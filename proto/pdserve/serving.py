@@ -13,7 +13,7 @@ Invariants:
 - Engine threads hand results to the loop with `LoopThread.call` (`call_soon_threadsafe`); nothing
   polls a queue.
 
-Hand-written (not generated); imports only grpc and the standard library.
+Hand-written (not generated); imports only grpc and the standard library (and uvloop when installed).
 """
 
 from __future__ import annotations
@@ -41,11 +41,30 @@ READY_PREFIX = "PDSERVE_READY"
 PREFILL_FAILURE = "prefill failed on"
 
 
+#: Which event loop the servers run on: ``uvloop`` (default when installed; cheaper per message) or
+#: ``asyncio`` (the standard library's). Set with the environment variable PDSERVE_EVENT_LOOP.
+EVENT_LOOP_ENV = "PDSERVE_EVENT_LOOP"
+
+
+def new_event_loop() -> asyncio.AbstractEventLoop:
+    """A new event loop of the configured kind (see EVENT_LOOP_ENV)."""
+    kind = os.environ.get(EVENT_LOOP_ENV, "uvloop").strip().lower()
+    if kind not in ("uvloop", "asyncio"):
+        raise ValueError(f"{EVENT_LOOP_ENV}={kind!r}: expected 'uvloop' or 'asyncio'")
+    if kind == "uvloop":
+        try:
+            import uvloop
+        except ImportError:  # not installed (e.g. Windows): the standard loop serves the same
+            return asyncio.new_event_loop()
+        return uvloop.new_event_loop()
+    return asyncio.new_event_loop()
+
+
 class LoopThread:
     """An asyncio event loop running forever in a daemon thread."""
 
     def __init__(self, name: str) -> None:
-        self.loop = asyncio.new_event_loop()
+        self.loop = new_event_loop()
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
 

@@ -200,7 +200,13 @@ def test_router_argv() -> None:
         "round_robin",
         "--decode-policy",
         "least_loaded",
+        "--max-queued-requests",
+        "4096",
     ]
+    queued = router_argv(LocalClusterConfig(max_queued_requests=7), workers)
+    assert queued[queued.index("--max-queued-requests") + 1] == "7"
+    with pytest.raises(ValueError, match="max_queued_requests"):
+        LocalClusterConfig(max_queued_requests=0)
 
 
 def test_build_request_forms() -> None:
@@ -248,6 +254,7 @@ def test_serve_ray_flags_and_scale() -> None:
     assert config.resources("prefill") == {"GPU": 1.0}
     assert "--kv-target" in config.worker_argv("decode", "decode-0", "127.0.0.1")
     assert ray_cluster_config(_parse("serve", "--ray")).resources("prefill") == {"CPU": 1.0}
+    assert ray_cluster_config(_parse("serve", "--ray", "--max-queued-requests", "9")).max_queued_requests == 9
     with pytest.raises(ValueError):
         ray_cluster_config(_parse("serve", "--ray", "--colocated", "1"))
     with pytest.raises(SystemExit):
