@@ -133,6 +133,7 @@ def use_internal_token_file(path: str | None) -> None:
     if path:
         _read_token_file(path)  # fail early on a missing or empty file
         os.environ[ENV_TOKEN_FILE] = path
+        os.environ.pop(ENV_TOKEN, None)  # the flag wins over an inherited token
 
 
 def launcher_token() -> str:

@@ -192,6 +192,17 @@ def test_internal_bind_beyond_loopback_without_credentials_is_refused(module: st
     assert "PDSERVE_READY" not in result.stdout
 
 
+def test_internal_token_file_lets_a_worker_bind_beyond_loopback(tmp_path: Path) -> None:
+    """With --internal-token-file the bind check passes: the worker goes on to load its model (here a
+    missing folder, so it then fails for that reason, not for the bind)."""
+    token = tmp_path / "internal"
+    token.write_text("t0ken\n")
+    result = _run_module("prefill_worker", "--host", "0.0.0.0", "--port", "0", "--model", str(tmp_path / "none"),
+                         "--internal-token-file", str(token))
+    assert result.returncode != 0 and "refusing" not in result.stderr
+    assert str(tmp_path / "none") in result.stderr
+
+
 def test_bind_rule() -> None:
     from pdserve import transport
 
