@@ -135,7 +135,10 @@ def _cmd_bench(args: argparse.Namespace) -> int:
     from capacity.bench import print_summary, run_bench
 
     try:
-        engine_worker_args(args)  # checks the engine flags
+        # bench is a client of a running cluster: --speedup (the cluster's) scales its clock whatever
+        # --engine says; --engine/--profile are only recorded with the results.
+        if args.profile and not Path(args.profile).is_file():
+            raise ValueError(f"--profile {args.profile}: no such file")
         config = bench_config(args, args.url)
     except (ValueError, OSError) as exc:
         print(f"error: {exc}", file=sys.stderr)

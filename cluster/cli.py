@@ -4,7 +4,7 @@
     pdserve serve --ray [--address ADDR] --prefill N --decode M [--kv-backend ray|grpc] [--gpus-per-worker G]
                   [--placement pack|spread] ...
     pdserve scale --prefill N --decode M [--address ADDR]
-    pdserve generate [--url ADDR] [--max-tokens N] [--chat] [--json] ... PROMPT
+    pdserve generate [--url ADDR] [--max-tokens N] [--chat] [--json] [--trace] ... PROMPT
     pdserve status [--url ADDR] [--json]
     pdserve model fetch [--force]
     pdserve bench [--url ADDR] [--rate R] [--num-prompts N] [--input-len 64:512] [--slo ttft_ms=500] ...
@@ -26,15 +26,17 @@ from collections.abc import Iterator
 from types import FrameType
 
 import grpc
+from google.protobuf.json_format import MessageToDict
 
 from capacity.cli import add_bench, add_plan, add_sweep
 from cluster.client import DEFAULT_ADDRESS, PdserveClient, build_request, collect, sampling_params, status_rows
 from cluster.engine_flags import add_engine_flags, engine_worker_args
 from cluster.local import ClusterStartError, LocalCluster, LocalClusterConfig
 from cluster.tables import format_table
+from cluster.trace_view import trace_lines
 from pdserve.devices import DEVICE_HELP, DTYPE_HELP, DTYPE_NAMES, check_device_name
 from pdserve.transport import is_loopback
-from pdserve.v1 import router_pb2
+from pdserve.v1 import common_pb2, router_pb2
 
 POLICIES = ("round_robin", "least_loaded")
 STATUS_COLUMNS = ("role", "worker_id", "address", "pid", "queue", "kv used/total", "running", "healthy")
@@ -133,6 +135,9 @@ def _add_generate(commands: argparse._SubParsersAction) -> None:
     gen.add_argument("--stop", action="append", default=[], metavar="STR", help="stop string (repeatable)")
     gen.add_argument("--chat", action="store_true", help="send PROMPT as one user chat message")
     gen.add_argument("--json", action="store_true", help="print one JSON object instead of streaming")
+    gen.add_argument("--trace", action="store_true",
+                     help="print the request's steps as they happen: tokenization, prefill pass, KV hand-off, "
+                          "each decode step, detokenization holds, finish (with --json: a \"trace\" list)")
     gen.add_argument("--ignore-eos", action="store_true")
     gen.add_argument("--timeout", type=float, default=600.0, metavar="S", help="deadline in seconds")
     gen.set_defaults(func=_cmd_generate)
@@ -341,14 +346,26 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     )
     messages = [("user", args.prompt)] if args.chat else None
     request = build_request(prompt=None if args.chat else args.prompt, messages=messages, params=params)
+    request.trace = args.trace
     try:
         with PdserveClient(args.url, args.timeout, _token(args), args.tls_ca) as client:
-            result = collect(_echo(client.generate(request), quiet=args.json))
+            responses = client.generate(request)
+            events: list[common_pb2.TraceEvent] = []
+            if args.trace and not args.json:
+                responses = _echo_trace(responses)
+            elif args.trace:
+                responses = _keep_trace(responses, events)
+            result = collect(_echo(responses, quiet=args.json or args.trace))
     except grpc.RpcError as exc:
         print(f"error: {exc.code().name}: {exc.details()}", file=sys.stderr)
         return 1
     if args.json:
-        print(json.dumps(result.to_json_dict()), flush=True)
+        doc = result.to_json_dict()
+        if args.trace:  # protobuf's JSON mapping: bytes (token pieces) are base64
+            doc["trace"] = [MessageToDict(e, preserving_proto_field_name=True) for e in events]
+        print(json.dumps(doc), flush=True)
+    elif args.trace:
+        print(f"text: {json.dumps(result.text, ensure_ascii=False)}", flush=True)
     else:
         print(flush=True)
     if result.finish_reason == "error":
@@ -363,6 +380,22 @@ def _echo(responses: Iterator[router_pb2.GenerateResponse], quiet: bool) -> Iter
         if response.text and not quiet:
             sys.stdout.write(response.text)
             sys.stdout.flush()
+        yield response
+
+
+def _echo_trace(responses: Iterator[router_pb2.GenerateResponse]) -> Iterator[router_pb2.GenerateResponse]:
+    """Pass responses through, printing each trace event as a line when it arrives."""
+    start = time.monotonic()
+    for response in responses:
+        for line in trace_lines(response, time.monotonic() - start):
+            print(line, flush=True)
+        yield response
+
+
+def _keep_trace(responses: Iterator[router_pb2.GenerateResponse],
+                events: list[common_pb2.TraceEvent]) -> Iterator[router_pb2.GenerateResponse]:
+    for response in responses:
+        events.extend(response.trace)
         yield response
 
 

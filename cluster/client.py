@@ -30,7 +30,7 @@ ROLE_NAMES = {
     common_pb2.WORKER_ROLE_DECODE: "decode",
     common_pb2.WORKER_ROLE_COLOCATED: "colocated",
 }
-TIMING_FIELDS = ("queue_s", "prefill_s", "kv_transfer_s", "ttft_s", "decode_s", "e2e_s")
+TIMING_FIELDS = ("tokenize_s", "queue_s", "prefill_s", "kv_transfer_s", "ttft_s", "decode_s", "detokenize_s", "e2e_s")
 
 
 @dataclass(frozen=True)

@@ -27,7 +27,14 @@ from engine.llm_engine import TokenOutput
 from engine.model_loader import LoadedModel
 from engine.sampling_params import SamplingParams
 from engine.tokenization import encode_chat, encode_text
-from engine.worker_runtime import Drain, finish_reason_to_pb, sampling_params_from_pb, sampling_params_to_pb
+from engine.trace import token_bytes
+from engine.worker_runtime import (
+    Drain,
+    finish_reason_to_pb,
+    sampling_params_from_pb,
+    sampling_params_to_pb,
+    trace_events_to_pb,
+)
 from kv_transfer import KvTransferError, KvTransferServicer
 from kv_transfer.shm_backend import InPlaceKv
 from pdserve.serving import PREFILL_FAILURE
@@ -135,31 +142,45 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
             await context.abort(grpc.StatusCode.UNAVAILABLE, f"decode worker {self.worker_id}: {reason}")
         request_id = request.request_id or uuid.uuid4().hex
         try:
+            tokenize_start = time.perf_counter()
             prompt_ids = prompt_ids_from_pb(self.worker.loaded, request)
+            tokenize_s = time.perf_counter() - tokenize_start
             params = sampling_params_from_pb(request.params)
             resume_ids = list(request.resume_output_ids)
             if len(resume_ids) >= params.max_tokens:
                 raise ValueError("resume_output_ids: as many tokens as max_tokens; nothing left to do")
         except ValueError as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        self.worker.metrics.tokenize_time.observe(tokenize_s)
+        timings = common_pb2.Timings(tokenize_s=tokenize_s)
+        trace: list[common_pb2.TraceEvent] | None = None  # events not sent yet (traced requests only)
+        if request.trace:
+            tokenized = self._tokenize_event(prompt_ids, tokenize_s)
+            yield router_pb2.GenerateResponse(request_id=request_id, trace=[tokenized])
+            trace = []
         deadline = start + self._timeout(context)
         loop = asyncio.get_running_loop()
         items: asyncio.Queue = asyncio.Queue()
         timer = loop.call_later(max(0.0, deadline - time.perf_counter()), items.put_nowait, _DEADLINE)
         self.worker.open_stream(request_id, _sink_to(loop, items))
-        timings = common_pb2.Timings()
         try:
             if self._prefill_locally(request, prompt_ids):
-                await self._wait(self.worker.add_local(request_id, prompt_ids, params, resume_ids), deadline, context)
+                await self._wait(self.worker.add_local(request_id, prompt_ids, params, resume_ids, trace is not None),
+                                 deadline, context)
             else:
                 await self._remote_prefill(request_id, request.prefill_address, prompt_ids, resume_ids, params,
-                                           deadline, context, timings)
-            async for response in self._stream(request_id, items, context, timings, start):
+                                           deadline, context, timings, trace)
+            async for response in self._stream(request_id, items, context, timings, start, trace):
                 yield response
         finally:
             timer.cancel()
             self.worker.close_stream(request_id)
             self.worker.abort(request_id)
+
+    def _tokenize_event(self, prompt_ids: list[int], tokenize_s: float) -> common_pb2.TraceEvent:
+        pieces = token_bytes(self.worker.loaded.tokenizer, prompt_ids)
+        return common_pb2.TraceEvent(worker_id=self.worker_id, tokenize=common_pb2.TraceTokenize(
+            token_ids=prompt_ids, pieces=pieces, time_s=tokenize_s))
 
     def _prefill_locally(self, request: worker_pb2.DecodeRequest, prompt_ids: list[int]) -> bool:
         return self.colocated or not request.prefill_address or len(prompt_ids) < self.local_prefill_threshold
@@ -184,11 +205,14 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
 
     async def _remote_prefill(self, request_id: str, prefill_address: str, prompt_ids: list[int],
                               resume_ids: list[int], params: SamplingParams, deadline: float,
-                              context: grpc.aio.ServicerContext, timings: common_pb2.Timings) -> None:
+                              context: grpc.aio.ServicerContext, timings: common_pb2.Timings,
+                              trace: list[common_pb2.TraceEvent] | None = None) -> None:
         """Reserve, then have `prefill_address` compute the K/V of prompt + resumed tokens and push
         them here. A failure on the prefill side ends with UNAVAILABLE and details starting with
-        PREFILL_FAILURE, so the router prefills the request again elsewhere."""
-        seq = await self._wait(self.worker.reserve(request_id, prompt_ids, params, resume_ids), deadline, context)
+        PREFILL_FAILURE, so the router prefills the request again elsewhere. `trace`: gets the
+        prefill worker's pass events and the KV hand-off."""
+        seq = await self._wait(self.worker.reserve(request_id, prompt_ids, params, resume_ids, trace is not None),
+                               deadline, context)
         tokens = prompt_ids + resume_ids
         backend = self._backend_for(prefill_address)
         in_place = backend == "shm"  # blocks are copied from the prefill worker's shared memory into ours
@@ -200,7 +224,7 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
             worker_pb2.PrefillRequest(
                 request_id=request_id, prompt_token_ids=tokens, params=sampling_params_to_pb(params),
                 kv_target_address=self.kv_target, kv_backend=backend, decode_worker_id=self.worker_id,
-                output_index=len(resume_ids), kv_block_offset=spec.block_offset,
+                output_index=len(resume_ids), kv_block_offset=spec.block_offset, trace=trace is not None,
             ),
             timeout=max(0.1, kv_deadline - time.perf_counter()),
         )
@@ -230,6 +254,10 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
                 pending.cancel("request ended")  # the client left meanwhile
             call.cancel()
         timings.MergeFrom(response.timings)
+        if trace is not None:
+            trace.extend(response.trace)
+            trace.append(common_pb2.TraceEvent(worker_id=self.worker_id, kv_transfer=common_pb2.TraceKvTransfer(
+                backend=backend, bytes=response.kv_bytes, time_s=response.timings.kv_transfer_s)))
 
     async def _prefill_failed(self, exc: Exception, call: grpc.aio.UnaryUnaryCall, pending: Any,
                               prefill_address: str, context: grpc.aio.ServicerContext) -> None:
@@ -262,7 +290,8 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
         return stub
 
     async def _stream(self, request_id: str, items: asyncio.Queue, context: grpc.aio.ServicerContext,
-                      timings: common_pb2.Timings, start: float) -> AsyncIterator[router_pb2.GenerateResponse]:
+                      timings: common_pb2.Timings, start: float,
+                      trace: list[common_pb2.TraceEvent] | None) -> AsyncIterator[router_pb2.GenerateResponse]:
         first_at: float | None = None
         while True:
             item = await items.get()
@@ -272,7 +301,14 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
                 code = grpc.StatusCode.UNAVAILABLE if item.worker_failed else grpc.StatusCode.INTERNAL
                 await context.abort(code, f"decode worker {self.worker_id}: {item.message}")
             first_at = first_at or time.perf_counter()
-            yield self._response(request_id, item, timings, start, first_at)
+            response = self._response(request_id, item, timings, start, first_at)
+            if trace is not None:
+                tokenizer = self.worker.loaded.tokenizer
+                response.trace.extend(trace + trace_events_to_pb(item.trace, self.worker_id, tokenizer))
+                trace.clear()
+            if item.finish_reason is not None:
+                self.worker.metrics.detokenize_time.observe(item.detokenize_s)
+            yield response
             if item.finish_reason is not None:
                 return
 
@@ -290,6 +326,9 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
             response.timings.CopyFrom(timings)
             response.timings.decode_s = now - first_at
             response.timings.e2e_s = now - start
+            response.timings.detokenize_s = out.detokenize_s
+            if out.prefill_s and not timings.prefill_s:  # prefilled here (colocated, or a short prompt)
+                response.timings.queue_s, response.timings.prefill_s = out.queue_s, out.prefill_s
         return response
 
     # ----- GetInfo / Abort -------------------------------------------------------------------

@@ -68,6 +68,7 @@ class _PendingReservation:
     resume_ids: list[int]
     deadline: float
     future: Future
+    trace: bool = False
 
 
 class DecodeWorker:
@@ -114,17 +115,18 @@ class DecodeWorker:
         self._streams.pop(request_id, None)
 
     def add_local(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
-                  resume_ids: list[int]) -> Future:
+                  resume_ids: list[int], trace: bool = False) -> Future:
         """Prefill and decode here (colocated, or a prompt under the local-prefill threshold)."""
         self.metrics.prompt_tokens.inc(len(prompt_ids))
-        return self.run_on_loop(lambda: self.engine.add_request(request_id, prompt_ids, params, resume_ids))
+        return self.run_on_loop(lambda: self.engine.add_request(request_id, prompt_ids, params, resume_ids,
+                                                                trace=trace))
 
     def reserve(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
-                resume_ids: list[int]) -> Future:
+                resume_ids: list[int], trace: bool = False) -> Future:
         """Hold blocks for a remote prefill; waits for room until the admission deadline."""
         future: Future = Future()
         pending = _PendingReservation(request_id, prompt_ids, params, resume_ids,
-                                      time.monotonic() + self.admission_timeout_s, future)
+                                      time.monotonic() + self.admission_timeout_s, future, trace)
         self.loop.track(future)
         self.loop.post(lambda: self._try_reserve(pending, first=True))
         return future
@@ -207,7 +209,8 @@ class DecodeWorker:
         if pending.future.cancelled():
             return True
         try:
-            seq = self.engine.reserve(pending.request_id, pending.prompt_ids, pending.params, pending.resume_ids)
+            seq = self.engine.reserve(pending.request_id, pending.prompt_ids, pending.params, pending.resume_ids,
+                                      trace=pending.trace)
         except ValueError as exc:
             pending.future.set_exception(exc)
             return True

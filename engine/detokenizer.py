@@ -21,6 +21,12 @@ class IncrementalDetokenizer:
         self.token_ids: list[int] = []
         self._prefix_offset = 0  # start of the decoding window
         self._read_offset = 0  # tokens before this are already emitted as text
+        self.waiting = False  # the latest add() held text back: the window ends inside a character
+
+    @property
+    def held_ids(self) -> list[int]:
+        """Tokens whose text is not streamed yet."""
+        return self.token_ids[self._read_offset :]
 
     def _decode(self, ids: list[int]) -> str:
         return self._tokenizer.decode(
@@ -32,7 +38,8 @@ class IncrementalDetokenizer:
         self.token_ids.append(token_id)
         prefix_text = self._decode(self.token_ids[self._prefix_offset : self._read_offset])
         full_text = self._decode(self.token_ids[self._prefix_offset :])
-        if full_text.endswith(_REPLACEMENT) or len(full_text) <= len(prefix_text):
+        self.waiting = full_text.endswith(_REPLACEMENT)
+        if self.waiting or len(full_text) <= len(prefix_text):
             return ""
         self._prefix_offset = self._read_offset
         self._read_offset = len(self.token_ids)

@@ -18,6 +18,7 @@ that succeeded, as in an undisturbed run.
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
@@ -35,6 +36,7 @@ from engine.sampling_params import SamplingParams
 from engine.scheduler import PassItem, ScheduledPass, Scheduler
 from engine.sequence import Sequence, SequenceStatus
 from engine.stop_checker import FINISH_ABORT, FINISH_ERROR, FINISH_LENGTH
+from engine.trace import DecodeStepEvent, PrefillPassEvent, TraceEvent
 
 log = logging.getLogger(__name__)
 
@@ -53,6 +55,10 @@ class TokenOutput:
     num_prompt_tokens: int
     num_output_tokens: int
     error: str | None = None  # set (with finish_reason "error", token_id -1) when a pass failed it
+    detokenize_s: float = 0.0  # the request's detokenization time so far
+    queue_s: float = 0.0  # queued -> admitted, when this engine prefilled the prompt (else 0)
+    prefill_s: float = 0.0  # admitted -> first token, when this engine prefilled the prompt (else 0)
+    trace: tuple[TraceEvent, ...] = ()  # step-trace events since its previous output (traced requests)
 
 
 def build_cache(loaded: LoadedModel, config: EngineConfig, shared: bool = False) -> KVCache:
@@ -99,36 +105,38 @@ class LLMEngine:
                              f"({self.pool.num_blocks} blocks of {self.pool.block_size} tokens)")
 
     def new_sequence(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
-                     resume_ids: list[int] | None = None) -> Sequence:
-        """A validated sequence; `resume_ids` are output tokens already delivered (failover)."""
+                     resume_ids: list[int] | None = None, trace: bool = False) -> Sequence:
+        """A validated sequence; `resume_ids` are output tokens already delivered (failover);
+        `trace`: collect its step trace (engine.trace)."""
         resume_ids = resume_ids or []
         if request_id in self.sequences:
             raise ValueError(f"request id {request_id!r} is already in this engine")
         self.check_request(prompt_ids, resume_ids)
-        seq = Sequence.create(request_id, prompt_ids, params, self.loaded.tokenizer, self.loaded.eos_token_ids)
+        seq = Sequence.create(request_id, prompt_ids, params, self.loaded.tokenizer, self.loaded.eos_token_ids,
+                              trace=trace)
         seq.replay(resume_ids)
         self.sequences[request_id] = seq
         return seq
 
     def add_request(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
-                    resume_ids: list[int] | None = None, output_index: int = 0) -> Sequence:
+                    resume_ids: list[int] | None = None, output_index: int = 0, trace: bool = False) -> Sequence:
         """Queue a request for prefill here (resumed ones recompute their outputs' K/V).
         `output_index`: output position of the token sampled after the prompt, when the prompt
         already ends with earlier outputs (a prefill worker computing a resumed request)."""
         self.check_fits_pool(len(prompt_ids) + len(resume_ids or []))
-        seq = self.new_sequence(request_id, prompt_ids, params, resume_ids)
+        seq = self.new_sequence(request_id, prompt_ids, params, resume_ids, trace)
         seq.output_index_base = output_index
         self.scheduler.add_waiting(seq)
         return seq
 
     def reserve(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
-                resume_ids: list[int] | None = None) -> Sequence | None:
+                resume_ids: list[int] | None = None, trace: bool = False) -> Sequence | None:
         """Hold blocks for tokens whose K/V will arrive from elsewhere; None if the pool is full.
 
         With prefix caching, the leading full blocks this engine already holds for the same tokens
         (from an earlier transfer) are shared instead: `seq.num_reused_blocks` of them, never the
         block of the last token, so at least one block always arrives."""
-        seq = self.new_sequence(request_id, prompt_ids, params, resume_ids)
+        seq = self.new_sequence(request_id, prompt_ids, params, resume_ids, trace)
         seq.status = SequenceStatus.RESERVED
         if self.config.prefix_caching:
             hashes = block_hashes(seq.all_ids, self.pool.block_size)
@@ -198,11 +206,12 @@ class LLMEngine:
 
     def _run(self, items: list[PassItem]) -> list[TokenOutput]:
         """Compute a pass and apply it; if it raises, isolate the sequences that make it fail."""
+        started = time.perf_counter()
         try:
             sampled = self._compute(items)
         except Exception as exc:  # noqa: BLE001 - a failing pass fails only the sequences that cause it
             return self._isolate(items, exc)
-        return self._apply(items, sampled)
+        return self._apply(items, sampled, time.perf_counter() - started)
 
     def _compute(self, items: list[PassItem]) -> list[int]:
         """Forward pass and sampling, with no change to any sequence: a failed attempt leaves
@@ -234,22 +243,25 @@ class LLMEngine:
         half = len(rest) // 2
         return outputs + self._run(rest[:half]) + self._run(rest[half:])
 
-    def _apply(self, items: list[PassItem], sampled: list[int]) -> list[TokenOutput]:
+    def _apply(self, items: list[PassItem], sampled: list[int], pass_s: float) -> list[TokenOutput]:
         """Advance every sequence of a successful pass; emit (or hand off) the sampled tokens."""
         tokens = iter(sampled)
         outputs = []
         for item in items:
             seq, done_prefill, samples = item.seq, item.completes_prefill, item.samples
             before, seq.num_cached = seq.num_cached, seq.num_cached + len(item.token_ids)
+            token = next(tokens) if samples else None
+            if seq.trace is not None:
+                seq.trace.append(_trace_event(item, before, token, pass_s))
             if item.is_prefill:
                 self.scheduler.cache_computed_blocks(seq, before)
             if done_prefill:
                 self.scheduler.finish_prefill(seq)
-            if samples and self.connector is not None:
-                self._hand_off(seq, next(tokens))
+            if token is not None and self.connector is not None:
+                self._hand_off(seq, token)
                 continue
-            if samples:
-                outputs.append(self._append(seq, next(tokens)))
+            if token is not None:
+                outputs.append(self._append(seq, token))
             if done_prefill and not seq.is_finished:
                 self.scheduler.add_running(seq)
         return outputs
@@ -281,13 +293,16 @@ class LLMEngine:
         self.scheduler.remove(seq)
         return TokenOutput(request_id=seq.request_id, token_id=-1, text="", finish_reason=FINISH_ERROR,
                            num_prompt_tokens=len(seq.prompt_ids), num_output_tokens=len(seq.output_ids),
-                           error=str(error) or type(error).__name__)
+                           error=str(error) or type(error).__name__, detokenize_s=seq.detokenize_s,
+                           trace=seq.take_trace())
 
     @staticmethod
     def _output(seq: Sequence, token_id: int, text: str) -> TokenOutput:
+        queue_s, prefill_s = seq.queue_and_prefill_s if seq.is_finished else (0.0, 0.0)
         return TokenOutput(
             request_id=seq.request_id, token_id=token_id, text=text, finish_reason=seq.finish_reason,
             num_prompt_tokens=len(seq.prompt_ids), num_output_tokens=len(seq.output_ids),
+            detokenize_s=seq.detokenize_s, queue_s=queue_s, prefill_s=prefill_s, trace=seq.take_trace(),
         )
 
     # ----- convenience -----------------------------------------------------------------------
@@ -308,3 +323,12 @@ class LLMEngine:
                 if out.token_id >= 0:
                     results[out.request_id].append(out.token_id)
         return [results[rid] for rid in ids]
+
+
+def _trace_event(item: PassItem, kv_before: int, token: int | None, pass_s: float) -> TraceEvent:
+    """The trace event of one sequence's part of a pass: a prefill pass (chunk) or a decode step."""
+    seq = item.seq
+    if item.is_prefill:
+        return PrefillPassEvent(len(item.token_ids), kv_before, seq.num_cached, pass_s, token)
+    last = seq.last_token_time or seq.first_token_time or seq.arrival_time
+    return DecodeStepEvent(token if token is not None else -1, seq.num_cached, time.perf_counter() - last)

@@ -5,6 +5,8 @@ Both worker roles import this module; each observes what it knows:
   (prompts per pass), ``pdserve_prompt_tokens_total`` (prompt tokens computed), KV sent
   (``pdserve_kv_transfer_{bytes,seconds,failures}`` with ``backend`` and ``direction="send"``).
 - decode: ``pdserve_decode_batch_size`` (sequences per step), ``pdserve_generation_tokens_total``,
+  ``pdserve_tokenize_seconds`` and ``pdserve_detokenize_seconds`` (per request, on the worker that
+  tokenizes and streams text),
   KV received (``direction="receive"``), and the gauges ``pdserve_num_requests_running``,
   ``pdserve_num_requests_waiting``, ``pdserve_kv_blocks_used``, ``pdserve_kv_blocks_total`` (read at
   scrape time through ``bind_gauges``).
@@ -46,6 +48,11 @@ class WorkerMetrics:
         self.requests_waiting = Gauge("pdserve_num_requests_waiting", "Requests queued for KV room or prefill",
                                       registry=r)
         self.kv_blocks_used = Gauge("pdserve_kv_blocks_used", "KV cache blocks in use", registry=r)
+        self.tokenize_time = Histogram("pdserve_tokenize_seconds", "Turning one request's prompt into token ids",
+                                       buckets=LATENCY_BUCKETS, registry=r)
+        self.detokenize_time = Histogram("pdserve_detokenize_seconds",
+                                         "Turning one request's output ids into streamed text (summed over tokens)",
+                                         buckets=LATENCY_BUCKETS, registry=r)
         self.kv_blocks_total = Gauge("pdserve_kv_blocks_total", "KV cache blocks in the pool", registry=r)
 
     def bind_gauges(self, running: Callable[[], float], waiting: Callable[[], float],

@@ -17,6 +17,7 @@ from typing import Any
 from engine.detokenizer import IncrementalDetokenizer
 from engine.sampling_params import SamplingParams
 from engine.stop_checker import StopChecker
+from engine.trace import DetokenizeHoldEvent, TraceEvent
 
 
 class SequenceStatus(enum.Enum):
@@ -47,15 +48,34 @@ class Sequence:
     arrival_time: float = field(default_factory=time.perf_counter)
     scheduled_time: float | None = None  # first admitted for prefill (queue time ends here)
     first_token_time: float | None = None
+    last_token_time: float | None = None
+    detokenize_s: float = 0.0  # time spent turning its output ids into streamed text
+    trace: list[TraceEvent] | None = None  # step trace (engine.trace), collected only when asked
+
+    @property
+    def queue_and_prefill_s(self) -> tuple[float, float]:
+        """(queued -> admitted for prefill, admitted -> first token) when this engine prefilled it;
+        (0, 0) for a sequence whose K/V came from elsewhere."""
+        if self.scheduled_time is None or self.first_token_time is None:
+            return 0.0, 0.0
+        return self.scheduled_time - self.arrival_time, self.first_token_time - self.scheduled_time
+
+    def take_trace(self) -> tuple[TraceEvent, ...]:
+        """The trace events since the last call (empty when untraced)."""
+        if not self.trace:
+            return ()
+        events, self.trace[:] = tuple(self.trace), []
+        return events
 
     @classmethod
     def create(
         cls, request_id: str, prompt_ids: list[int], params: SamplingParams, tokenizer: Any,
-        eos_token_ids: frozenset[int],
+        eos_token_ids: frozenset[int], trace: bool = False,
     ) -> Sequence:
         return cls(
             request_id=request_id, prompt_ids=list(prompt_ids), params=params,
             detokenizer=IncrementalDetokenizer(tokenizer), stopper=StopChecker(params, eos_token_ids),
+            trace=[] if trace else None,
         )
 
     @property
@@ -87,13 +107,25 @@ class Sequence:
 
     def append_token(self, token_id: int) -> str:
         """Record a sampled token; return the text that may be streamed for it."""
+        now = time.perf_counter()
         if self.first_token_time is None:
-            self.first_token_time = time.perf_counter()
+            self.first_token_time = now
+        self.last_token_time = now
         self.output_ids.append(token_id)
-        delta = self.stopper.on_token(token_id, len(self.output_ids), self.detokenizer.add(token_id))
+        text = self.detokenizer.add(token_id)
+        if self.trace is not None and self.detokenizer.waiting:
+            self.trace.append(DetokenizeHoldEvent(token_id, tuple(self.detokenizer.held_ids)))
+        self.detokenize_s += time.perf_counter() - now
+        delta = self.stopper.on_token(token_id, len(self.output_ids), text)
         if self.is_finished:
-            delta += self.stopper.on_flush(self.detokenizer.flush())
+            delta += self.stopper.on_flush(self._flush_detokenizer())
         return delta
+
+    def _flush_detokenizer(self) -> str:
+        started = time.perf_counter()
+        text = self.detokenizer.flush()
+        self.detokenize_s += time.perf_counter() - started
+        return text
 
     def replay(self, token_ids: list[int]) -> None:
         """Adopt output tokens already delivered elsewhere (failover): the detokenizer and stop
@@ -108,5 +140,5 @@ class Sequence:
         """End the sequence from outside (abort, context limit); return any held-back text."""
         if self.stopper.finish_reason is None:
             self.stopper.finish_reason = reason
-            return self.stopper.on_flush(self.detokenizer.flush())
+            return self.stopper.on_flush(self._flush_detokenizer())
         return ""

@@ -18,12 +18,14 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from engine.sampling_params import SamplingParams
 from engine.stop_checker import FINISH_ABORT, FINISH_ERROR, FINISH_LENGTH, FINISH_STOP, FINISH_STOP_STRING
+from engine.trace import DecodeStepEvent, DetokenizeHoldEvent, PrefillPassEvent, TraceEvent, token_bytes
 from pdserve.devices import DEVICE_HELP, DTYPE_HELP, DTYPE_NAMES, check_device_name
 from pdserve.serving import AioServer, RequestParseInterceptor, ready_line
 from pdserve.transport import add_port, server_interceptors, use_internal_token_file
@@ -70,6 +72,31 @@ def sampling_params_to_pb(params: SamplingParams) -> common_pb2.SamplingParams:
     if params.seed is not None:
         pb.seed = params.seed
     return pb
+
+
+def trace_event_to_pb(event: TraceEvent, worker_id: str, tokenizer: Any) -> common_pb2.TraceEvent:
+    """One engine trace event as the wire's TraceEvent (token ids come with the bytes they stand for)."""
+    pb = common_pb2.TraceEvent(worker_id=worker_id)
+    if isinstance(event, PrefillPassEvent):
+        pb.prefill.CopyFrom(common_pb2.TracePrefillPass(
+            num_tokens=event.num_tokens, kv_len_before=event.kv_len_before, kv_len_after=event.kv_len_after,
+            samples=event.first_token_id is not None, time_s=event.time_s))
+        if event.first_token_id is not None:
+            pb.prefill.first_token_id = event.first_token_id
+            pb.prefill.first_token_piece = token_bytes(tokenizer, [event.first_token_id])[0]
+    elif isinstance(event, DecodeStepEvent):
+        pb.decode.CopyFrom(common_pb2.TraceDecodeStep(
+            token_id=event.token_id, piece=token_bytes(tokenizer, [event.token_id])[0] if event.token_id >= 0 else b"",
+            kv_len=event.kv_len, itl_s=event.itl_s))
+    elif isinstance(event, DetokenizeHoldEvent):
+        pb.hold.CopyFrom(common_pb2.TraceDetokenizeHold(
+            token_id=event.token_id, held=b"".join(token_bytes(tokenizer, event.held_ids)),
+            held_tokens=len(event.held_ids)))
+    return pb
+
+
+def trace_events_to_pb(events: tuple[TraceEvent, ...], worker_id: str, tokenizer: Any) -> list[common_pb2.TraceEvent]:
+    return [trace_event_to_pb(event, worker_id, tokenizer) for event in events]
 
 
 def add_worker_args(ap: argparse.ArgumentParser, worker_id: str, kv_cache_mb: int) -> None:

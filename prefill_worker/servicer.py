@@ -16,7 +16,7 @@ import os
 
 import grpc
 
-from engine.worker_runtime import Drain, sampling_params_from_pb
+from engine.worker_runtime import Drain, sampling_params_from_pb, trace_events_to_pb
 from kv_transfer import KvTransferError
 from pdserve.v1 import common_pb2, worker_pb2, worker_pb2_grpc
 from prefill_worker.worker import PrefillJob, PrefillWorker
@@ -61,7 +61,7 @@ class PrefillServicer(worker_pb2_grpc.PrefillWorkerServicer):
                 request_id=request.request_id, prompt_ids=list(request.prompt_token_ids),
                 params=sampling_params_from_pb(request.params), kv_target=request.kv_target_address,
                 kv_backend=request.kv_backend or "grpc", output_index=request.output_index,
-                kv_block_offset=request.kv_block_offset,
+                kv_block_offset=request.kv_block_offset, trace=request.trace,
             )
             if not job.request_id or not job.prompt_ids or not job.kv_target:
                 raise ValueError("request_id, prompt_token_ids and kv_target_address are required")
@@ -92,6 +92,7 @@ class PrefillServicer(worker_pb2_grpc.PrefillWorkerServicer):
             request_id=job.request_id, first_token_id=result.first_token_id, kv_bytes=result.kv_bytes,
             timings=common_pb2.Timings(queue_s=result.queue_s, prefill_s=result.prefill_s,
                                        kv_transfer_s=result.kv_transfer_s),
+            trace=trace_events_to_pb(result.trace, self.worker_id, self.worker.loaded.tokenizer),
         )
 
     def GetInfo(self, request: worker_pb2.InfoRequest, context: grpc.ServicerContext) -> common_pb2.WorkerInfo:  # noqa: N802

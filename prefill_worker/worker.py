@@ -36,6 +36,7 @@ from engine.model_loader import LoadedModel
 from engine.model_runner import LayerCallback
 from engine.sampling_params import SamplingParams
 from engine.sequence import Sequence, SequenceStatus
+from engine.trace import TraceEvent
 from kv_transfer import KvSpec, get_backend
 from kv_transfer.base import KvSender
 from prefill_worker.faults import FaultInjector
@@ -55,11 +56,13 @@ class PrefillJob:
     kv_backend: str = "grpc"
     output_index: int = 0  # output position of the token sampled here (> 0 for resumed requests)
     kv_block_offset: int = 0  # leading blocks the decode worker already holds: not shipped
+    trace: bool = False  # collect the step trace of its passes (engine.trace)
     enqueued_at: float = field(default_factory=time.perf_counter)
     future: Future = field(default_factory=Future)
     # set on the loop thread
     seq: Sequence | None = None  # its sequence in the engine, once queued there
     prefill_s: float = 0.0  # admission -> first token
+    trace_events: tuple[TraceEvent, ...] = ()  # its prefill passes, when traced
 
 
 @dataclass(frozen=True)
@@ -69,6 +72,7 @@ class PrefillResult:
     prefill_s: float
     kv_transfer_s: float
     kv_bytes: int
+    trace: tuple[TraceEvent, ...] = ()  # the prefill passes (PrefillJob.trace)
 
 
 def _settle(future: Future, result: object = None, error: BaseException | None = None) -> None:
@@ -178,7 +182,8 @@ class PrefillWorker(KvConnector):
             return
         key = job.request_id if job.request_id not in self.engine.sequences else f"{job.request_id}#{next(self._keys)}"
         try:
-            job.seq = self.engine.add_request(key, job.prompt_ids, job.params, output_index=job.output_index)
+            job.seq = self.engine.add_request(key, job.prompt_ids, job.params, output_index=job.output_index,
+                                              trace=job.trace)
         except ValueError as exc:
             _settle(job.future, error=exc)
             return
@@ -266,6 +271,7 @@ class PrefillWorker(KvConnector):
         job = self._jobs[seq.request_id]
         started = seq.scheduled_time or job.enqueued_at
         job.prefill_s = time.perf_counter() - started
+        job.trace_events = seq.take_trace()
         self.metrics.queue_time.observe(max(0.0, started - job.enqueued_at))
         stream = self._streams.pop(seq.request_id, None)
         if stream is not None:
@@ -336,4 +342,4 @@ class PrefillWorker(KvConnector):
         transfer_s = time.perf_counter() - transfer_start
         self.metrics.kv_transferred(job.kv_backend, "send", spec.nbytes, transfer_s)
         queue_s = max(0.0, (job.seq.scheduled_time or job.enqueued_at) - job.enqueued_at) if job.seq else 0.0
-        _settle(job.future, PrefillResult(token, queue_s, job.prefill_s, transfer_s, spec.nbytes))
+        _settle(job.future, PrefillResult(token, queue_s, job.prefill_s, transfer_s, spec.nbytes, job.trace_events))

@@ -288,7 +288,7 @@ def _decode_request(state: _Request, lease: Lease) -> worker_pb2.DecodeRequest:
     request = state.request
     decode_request = worker_pb2.DecodeRequest(
         request_id=state.internal_id, client_request_id=request.request_id, prefill_address=lease.prefill_address,
-        resume_output_ids=state.delivered,
+        resume_output_ids=state.delivered, trace=request.trace,
     )
     kind = request.WhichOneof("input")
     if kind == "prompt":

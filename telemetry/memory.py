@@ -1,12 +1,16 @@
-"""Memory of a serving process: bounding glibc's heap growth, and a tracer that finds what grows.
+"""Memory of a serving process: optional glibc heap knobs, and a tracer that finds what grows.
 
-- `bound_heap()` (every pdserve process at start-up): caps glibc malloc arenas (many threads, e.g.
-  gRPC's and the control pool's, would otherwise each get an arena whose freed memory is never given
-  back) and starts a daemon thread that returns freed heap pages to the OS (`malloc_trim`) every
-  `TRIM_INTERVAL_S`. No-ops where glibc is absent. PDSERVE_MALLOC_ARENAS overrides the cap (0: leave
-  glibc's default).
-- `PDSERVE_TRACEMALLOC=S` (diagnostics): trace Python allocations and log, every S seconds, the 10
-  call sites whose allocations grew most since the first report, with RSS. Costs CPU; off by default.
+Every pdserve process calls `bound_heap()` at start-up. By default it changes nothing; the knobs are
+for operators who see heap growth that is not live memory:
+- PDSERVE_MALLOC_ARENAS=N caps glibc's malloc arenas (default: glibc's 8 per core; every thread
+  that contends gets its own arena, whose freed memory is rarely given back).
+- PDSERVE_MALLOC_TRIM_S=S returns freed heap pages to the OS (`malloc_trim`) every S seconds. Off
+  by default: one trim took 10-40 ms in a worker holding the default model, and it holds the
+  allocator's lock meanwhile, so a decode step can stall behind it.
+- PDSERVE_TRACEMALLOC=S (diagnostics): trace Python allocations and log, every S seconds, the 10
+  call sites whose allocations grew most since the first report, with RSS. Costs CPU.
+The soak (`benchmarks/soak.py --rss-from 500`) measures growth with and without them
+(docs/performance.md).
 """
 
 from __future__ import annotations
@@ -20,10 +24,6 @@ import tracemalloc
 
 log = logging.getLogger(__name__)
 
-#: Default malloc arena cap (glibc's own default is 8 per core).
-DEFAULT_ARENAS = 2
-#: Seconds between malloc_trim calls.
-TRIM_INTERVAL_S = 10.0
 _M_ARENA_MAX = -8  # glibc mallopt parameter
 
 _started = False
@@ -64,9 +64,9 @@ def trim() -> bool:
     return True
 
 
-def bound_heap(trim_interval_s: float = TRIM_INTERVAL_S) -> bool:
-    """Cap malloc arenas and trim the heap periodically (once per process; idempotent). Returns
-    whether glibc took the settings."""
+def bound_heap(trim_interval_s: float | None = None) -> bool:
+    """Apply the heap knobs (once per process; idempotent) and start the tracer when asked for.
+    `trim_interval_s` overrides PDSERVE_MALLOC_TRIM_S. Returns whether glibc is there to take them."""
     global _started
     with _lock:
         if _started:
@@ -74,7 +74,9 @@ def bound_heap(trim_interval_s: float = TRIM_INTERVAL_S) -> bool:
         libc = _libc()
         if libc is None:
             return False
-        arenas = int(os.environ.get("PDSERVE_MALLOC_ARENAS", DEFAULT_ARENAS))
+        arenas = int(os.environ.get("PDSERVE_MALLOC_ARENAS", "0"))
+        if trim_interval_s is None:
+            trim_interval_s = float(os.environ.get("PDSERVE_MALLOC_TRIM_S", "0"))
         if arenas > 0:
             libc.mallopt(_M_ARENA_MAX, arenas)
         if trim_interval_s > 0:

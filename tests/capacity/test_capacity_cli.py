@@ -72,6 +72,10 @@ def test_engine_flags_reach_every_worker_and_the_bench(tmp_path) -> None:  # noq
             cluster_config(build_parser().parse_args(["serve", *bad]))
     bench = bench_config(build_parser().parse_args(["bench", "--speedup", "4", "--rate", "2"]), "h:1")
     assert bench.speedup == 4.0 and bench.to_json()["speedup"] == 4.0
+    from cluster.cli import main
+
+    # bench is a client: --speedup alone is fine (the cluster's); a named profile must exist
+    assert main(["bench", "--url", "127.0.0.1:1", "--speedup", "4", "--profile", "missing.json"]) == 2
     wall = RequestRecord(0, 1.0, 10, 3, ttft=0.5, itl=[0.1, 0.2], e2e=0.8)
     scaled = to_profile_time(wall, 4.0)
     assert (scaled.send_time, scaled.ttft, scaled.itl, scaled.e2e) == (4.0, 2.0, [0.4, 0.8], 3.2)

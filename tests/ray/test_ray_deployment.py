@@ -11,6 +11,7 @@ import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 
+import grpc
 import pytest
 import torch
 
@@ -22,6 +23,7 @@ from engine.llm_engine import LLMEngine  # noqa: E402
 from engine.sampling_params import SamplingParams  # noqa: E402
 from engine.tokenization import encode_text  # noqa: E402
 from kv_transfer.base import KvSpec  # noqa: E402
+from pdserve.v1 import common_pb2, router_pb2, router_pb2_grpc  # noqa: E402
 
 from e2e_helpers import generate, mixed_prompts, wait_idle, worker_info  # noqa: E402
 
@@ -89,6 +91,32 @@ def test_1p1d_ray_backend_matches_engine(workload, ray_cluster: RayCluster) -> N
     infos = {role: worker_info(address, role) for role, address in roles}
     assert infos["decode"].prefill_tokens_computed == 0  # decode never ran a pass over a prompt
     wait_idle(roles)
+
+
+def test_trace_through_ray_actors(default_model, ray_cluster: RayCluster) -> None:  # noqa: ANN001
+    """A traced request in Ray mode: one prefill pass on the prefill actor over the whole prompt, the KV
+    hand-off through the object store, then one decode step per further token, KV growing by one."""
+    ray_cluster.scale(1, 1)
+    prompt_ids = encode_text(default_model.tokenizer, "济南的冬")
+    stub = router_pb2_grpc.RouterStub(grpc.insecure_channel(ray_cluster.router_address))
+    request = router_pb2.GenerateRequest(prompt="济南的冬", trace=True,
+                                         params=common_pb2.SamplingParams(max_tokens=5, ignore_eos=True))
+    responses = list(stub.Generate(request, timeout=120))
+    events = [e for r in responses for e in r.trace]
+    kinds = [e.WhichOneof("event") for e in events]
+    assert kinds[0] == "tokenize" and list(events[0].tokenize.token_ids) == prompt_ids
+    (prefill,) = [e for e in events if e.HasField("prefill")]
+    assert prefill.worker_id.startswith("prefill") and prefill.prefill.samples
+    assert (prefill.prefill.num_tokens, prefill.prefill.kv_len_before, prefill.prefill.kv_len_after) == \
+        (len(prompt_ids), 0, len(prompt_ids))
+    (handoff,) = [e.kv_transfer for e in events if e.HasField("kv_transfer")]
+    assert handoff.backend == "ray" and handoff.bytes > 0
+    steps = [e.decode for e in events if e.HasField("decode")]
+    assert [s.kv_len for s in steps] == list(range(len(prompt_ids) + 1, len(prompt_ids) + 5))
+    assert kinds.index("prefill") < kinds.index("kv_transfer") < kinds.index("decode")
+    tokens = [t for r in responses for t in r.token_ids]
+    assert tokens == [prefill.prefill.first_token_id] + [s.token_id for s in steps]
+    wait_idle(_live(ray_cluster))
 
 
 def test_2p1d_ray_backend_matches_engine(workload, ray_cluster: RayCluster) -> None:  # noqa: ANN001

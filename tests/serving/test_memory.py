@@ -43,6 +43,17 @@ def test_bound_heap_starts_trim_thread_once() -> None:
     assert result.stdout.strip() == "1"
 
 
+def test_heap_knobs_are_off_by_default() -> None:
+    code = """
+        import threading
+        from telemetry.memory import bound_heap
+        assert bound_heap()
+        print(sum(t.name == "malloc-trim" for t in threading.enumerate()))
+    """
+    assert _run(code).stdout.strip() == "0"
+    assert _run(code, PDSERVE_MALLOC_TRIM_S="5").stdout.strip() == "1"
+
+
 def test_tracemalloc_reports_growing_call_site() -> None:
     result = _run("""
         import logging, time

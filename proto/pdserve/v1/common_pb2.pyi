@@ -82,20 +82,100 @@ class Usage(_message.Message):
     def __init__(self, prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ...) -> None: ...
 
 class Timings(_message.Message):
-    __slots__ = ("queue_s", "prefill_s", "kv_transfer_s", "ttft_s", "decode_s", "e2e_s")
+    __slots__ = ("queue_s", "prefill_s", "kv_transfer_s", "ttft_s", "decode_s", "e2e_s", "tokenize_s", "detokenize_s")
     QUEUE_S_FIELD_NUMBER: _ClassVar[int]
     PREFILL_S_FIELD_NUMBER: _ClassVar[int]
     KV_TRANSFER_S_FIELD_NUMBER: _ClassVar[int]
     TTFT_S_FIELD_NUMBER: _ClassVar[int]
     DECODE_S_FIELD_NUMBER: _ClassVar[int]
     E2E_S_FIELD_NUMBER: _ClassVar[int]
+    TOKENIZE_S_FIELD_NUMBER: _ClassVar[int]
+    DETOKENIZE_S_FIELD_NUMBER: _ClassVar[int]
     queue_s: float
     prefill_s: float
     kv_transfer_s: float
     ttft_s: float
     decode_s: float
     e2e_s: float
-    def __init__(self, queue_s: _Optional[float] = ..., prefill_s: _Optional[float] = ..., kv_transfer_s: _Optional[float] = ..., ttft_s: _Optional[float] = ..., decode_s: _Optional[float] = ..., e2e_s: _Optional[float] = ...) -> None: ...
+    tokenize_s: float
+    detokenize_s: float
+    def __init__(self, queue_s: _Optional[float] = ..., prefill_s: _Optional[float] = ..., kv_transfer_s: _Optional[float] = ..., ttft_s: _Optional[float] = ..., decode_s: _Optional[float] = ..., e2e_s: _Optional[float] = ..., tokenize_s: _Optional[float] = ..., detokenize_s: _Optional[float] = ...) -> None: ...
+
+class TraceEvent(_message.Message):
+    __slots__ = ("worker_id", "tokenize", "prefill", "kv_transfer", "decode", "hold")
+    WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    TOKENIZE_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_FIELD_NUMBER: _ClassVar[int]
+    KV_TRANSFER_FIELD_NUMBER: _ClassVar[int]
+    DECODE_FIELD_NUMBER: _ClassVar[int]
+    HOLD_FIELD_NUMBER: _ClassVar[int]
+    worker_id: str
+    tokenize: TraceTokenize
+    prefill: TracePrefillPass
+    kv_transfer: TraceKvTransfer
+    decode: TraceDecodeStep
+    hold: TraceDetokenizeHold
+    def __init__(self, worker_id: _Optional[str] = ..., tokenize: _Optional[_Union[TraceTokenize, _Mapping]] = ..., prefill: _Optional[_Union[TracePrefillPass, _Mapping]] = ..., kv_transfer: _Optional[_Union[TraceKvTransfer, _Mapping]] = ..., decode: _Optional[_Union[TraceDecodeStep, _Mapping]] = ..., hold: _Optional[_Union[TraceDetokenizeHold, _Mapping]] = ...) -> None: ...
+
+class TraceTokenize(_message.Message):
+    __slots__ = ("token_ids", "pieces", "time_s")
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    PIECES_FIELD_NUMBER: _ClassVar[int]
+    TIME_S_FIELD_NUMBER: _ClassVar[int]
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    pieces: _containers.RepeatedScalarFieldContainer[bytes]
+    time_s: float
+    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., pieces: _Optional[_Iterable[bytes]] = ..., time_s: _Optional[float] = ...) -> None: ...
+
+class TracePrefillPass(_message.Message):
+    __slots__ = ("num_tokens", "kv_len_before", "kv_len_after", "samples", "first_token_id", "first_token_piece", "time_s")
+    NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    KV_LEN_BEFORE_FIELD_NUMBER: _ClassVar[int]
+    KV_LEN_AFTER_FIELD_NUMBER: _ClassVar[int]
+    SAMPLES_FIELD_NUMBER: _ClassVar[int]
+    FIRST_TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
+    FIRST_TOKEN_PIECE_FIELD_NUMBER: _ClassVar[int]
+    TIME_S_FIELD_NUMBER: _ClassVar[int]
+    num_tokens: int
+    kv_len_before: int
+    kv_len_after: int
+    samples: bool
+    first_token_id: int
+    first_token_piece: bytes
+    time_s: float
+    def __init__(self, num_tokens: _Optional[int] = ..., kv_len_before: _Optional[int] = ..., kv_len_after: _Optional[int] = ..., samples: _Optional[bool] = ..., first_token_id: _Optional[int] = ..., first_token_piece: _Optional[bytes] = ..., time_s: _Optional[float] = ...) -> None: ...
+
+class TraceKvTransfer(_message.Message):
+    __slots__ = ("backend", "bytes", "time_s")
+    BACKEND_FIELD_NUMBER: _ClassVar[int]
+    BYTES_FIELD_NUMBER: _ClassVar[int]
+    TIME_S_FIELD_NUMBER: _ClassVar[int]
+    backend: str
+    bytes: int
+    time_s: float
+    def __init__(self, backend: _Optional[str] = ..., bytes: _Optional[int] = ..., time_s: _Optional[float] = ...) -> None: ...
+
+class TraceDecodeStep(_message.Message):
+    __slots__ = ("token_id", "piece", "kv_len", "itl_s")
+    TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
+    PIECE_FIELD_NUMBER: _ClassVar[int]
+    KV_LEN_FIELD_NUMBER: _ClassVar[int]
+    ITL_S_FIELD_NUMBER: _ClassVar[int]
+    token_id: int
+    piece: bytes
+    kv_len: int
+    itl_s: float
+    def __init__(self, token_id: _Optional[int] = ..., piece: _Optional[bytes] = ..., kv_len: _Optional[int] = ..., itl_s: _Optional[float] = ...) -> None: ...
+
+class TraceDetokenizeHold(_message.Message):
+    __slots__ = ("token_id", "held", "held_tokens")
+    TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
+    HELD_FIELD_NUMBER: _ClassVar[int]
+    HELD_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    token_id: int
+    held: bytes
+    held_tokens: int
+    def __init__(self, token_id: _Optional[int] = ..., held: _Optional[bytes] = ..., held_tokens: _Optional[int] = ...) -> None: ...
 
 class WorkerInfo(_message.Message):
     __slots__ = ("worker_id", "role", "address", "pid", "queue_depth", "queued_prompt_tokens", "kv_blocks_used", "kv_blocks_total", "running_requests", "healthy", "kv_address", "prefill_tokens_computed", "kv_bytes_sent", "kv_bytes_received", "requests_finished", "prefix_cache_hit_blocks", "prefix_cache_blocks", "max_running_requests", "unhealthy_reason")
