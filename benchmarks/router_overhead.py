@@ -156,7 +156,8 @@ def main() -> None:
             processes.append(router)
             ready = router.wait_ready(60)
             routers[loop] = (str(ready["address"]), str(ready["http_address"]), int(ready["pid"]))
-        print(f"{'streams':>7} {'mode':>16} {'p50 ms':>8} {'p90 ms':>8} {'added p50 ms':>13} {'router CPU us/token':>20}")
+        print(f"{'streams':>7} {'mode':>16} {'p50 ms':>8} {'p90 ms':>8} {'added p50 ms':>13} "
+              f"{'router CPU us/token':>20}")
         for streams in args.streams:
             modes = ["direct"] + [f"{kind}/{loop}" for loop in routers for kind in ("router", "http")]
             samples: dict[str, list[float]] = {m: [] for m in modes}

@@ -55,6 +55,8 @@ class BenchConfig:
     speedup: float = 1.0  # the sim cluster's --speedup: rates and times are scaled to profile time
     engine: str = "model"  # recorded with the results: which engine served them
     profile: str | None = None  # recorded: the sim engine's profile file
+    token: str | None = field(default=None, repr=False)  # bearer token of the router's public API (not recorded)
+    tls_ca: str | None = None  # PEM the router's certificate is checked against: connect over TLS
 
     def __post_init__(self) -> None:
         if self.num_prompts < 1:
@@ -75,6 +77,7 @@ class BenchConfig:
         doc["rate"] = "inf" if math.isinf(self.rate) else self.rate
         doc["slos_ms"] = {k: v * 1000 for k, v in self.slos.items()}
         del doc["slos"]
+        del doc["token"]
         return doc
 
 
@@ -112,7 +115,8 @@ async def _one(
     record = RequestRecord(index=index, send_time=start - t0, prompt_tokens=len(planned.prompt_ids))
     last = start
     try:
-        call = stub.Generate(request, timeout=config.timeout_s)
+        metadata = (("authorization", f"Bearer {config.token}"),) if config.token else None
+        call = stub.Generate(request, timeout=config.timeout_s, metadata=metadata)
         async for response in call:
             now = time.perf_counter()
             if response.token_ids:
@@ -132,6 +136,13 @@ async def _one(
     return record
 
 
+def _channel(config: BenchConfig) -> grpc.aio.Channel:
+    if config.tls_ca is None:
+        return grpc.aio.insecure_channel(config.url)
+    with open(config.tls_ca, "rb") as f:
+        return grpc.aio.secure_channel(config.url, grpc.ssl_channel_credentials(f.read()))
+
+
 async def run_bench_async(
     config: BenchConfig, corpus_ids: Sequence[int], on_done: ProgressFn | None = None
 ) -> dict[str, Any]:
@@ -140,7 +151,7 @@ async def run_bench_async(
     warm = plan_requests(config, corpus_ids, config.warmup, config.seed + 1000) if config.warmup else []
     limit = config.max_concurrency or config.num_prompts + config.warmup
     semaphore = asyncio.Semaphore(limit)
-    async with grpc.aio.insecure_channel(config.url) as channel:
+    async with _channel(config) as channel:
         stub = router_pb2_grpc.RouterStub(channel)
 
         async def guarded(planned: PlannedRequest, index: int, t0: float) -> RequestRecord:

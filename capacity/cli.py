@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import sys
 from pathlib import Path
 from typing import Any
@@ -47,6 +48,9 @@ def add_bench(commands: argparse._SubParsersAction) -> None:
     bench = commands.add_parser("bench", help="load-generate against a running router")
     bench.add_argument("--url", default=DEFAULT_URL, help=f"router address (default {DEFAULT_URL})")
     bench.add_argument("--rate", type=parse_rate, default=math.inf, help="requests/s, or inf (all at once)")
+    bench.add_argument("--token", default=None,
+                       help="bearer token for a router started with an auth token (default: $PDSERVE_AUTH_TOKEN)")
+    bench.add_argument("--tls-ca", default=None, metavar="PEM", help="trust this CA/certificate and use TLS")
     _add_load(bench)
     bench.add_argument("--output", default=None, metavar="FILE", help="write config, summary and records (JSON)")
     bench.add_argument("--no-progress", action="store_true")
@@ -122,6 +126,8 @@ def bench_config(args: argparse.Namespace, url: str) -> Any:
         warmup=args.warmup, seed=args.seed, ignore_eos=args.ignore_eos, slos=parse_slo(args.slo),
         model=args.model, timeout_s=args.timeout, speedup=args.speedup, engine=args.engine,
         profile=str(Path(args.profile).resolve()) if args.profile else None,
+        token=getattr(args, "token", None) or os.environ.get("PDSERVE_AUTH_TOKEN") or None,
+        tls_ca=getattr(args, "tls_ca", None),
     )
 
 

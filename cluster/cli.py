@@ -35,6 +35,7 @@ from cluster.local import ClusterStartError, LocalCluster, LocalClusterConfig
 from cluster.tables import format_table
 from cluster.trace_view import trace_lines
 from pdserve.devices import DEVICE_HELP, DTYPE_HELP, DTYPE_NAMES, check_device_name
+from pdserve.transport import is_loopback
 from pdserve.v1 import common_pb2, router_pb2
 
 POLICIES = ("round_robin", "least_loaded")
@@ -76,9 +77,22 @@ def _add_serve(commands: argparse._SubParsersAction) -> None:
     serve.add_argument("--metrics", action="store_true", help="Prometheus /metrics on every process (free ports)")
     serve.add_argument("--log-format", choices=("text", "json"), default="text", help="log lines of every process")
     serve.add_argument("--log-level", default="INFO")
+    _add_security_args(serve)
     _add_ray_serve_args(serve)
     add_engine_flags(serve)
     serve.set_defaults(func=_cmd_serve)
+
+
+def _add_security_args(serve: argparse.ArgumentParser) -> None:
+    sec = serve.add_argument_group("security of the public API (see docs/security.md)")
+    sec.add_argument("--auth-token-file", default=None, metavar="FILE",
+                     help="require 'authorization: Bearer <token>' on gRPC and /v1/* HTTP (token: first line of "
+                          "FILE; or set PDSERVE_AUTH_TOKEN)")
+    sec.add_argument("--tls-cert", default=None, metavar="PEM", help="serve the router's gRPC and HTTP API over TLS")
+    sec.add_argument("--tls-key", default=None, metavar="PEM", help="private key of --tls-cert")
+    sec.add_argument("--metrics-host", default="127.0.0.1", metavar="HOST",
+                     help="interface of the router's /metrics (with --metrics; default 127.0.0.1); any other "
+                          "needs --auth-token-file and scrapes then need the bearer token")
 
 
 def _add_ray_serve_args(serve: argparse.ArgumentParser) -> None:
@@ -187,6 +201,8 @@ def cluster_config(args: argparse.Namespace) -> LocalClusterConfig:
         log_level=args.log_level,
         prefill_args=engine_args,
         decode_args=engine_args,
+        auth_token_file=args.auth_token_file, tls_cert_file=args.tls_cert, tls_key_file=args.tls_key,
+        metrics_host=args.metrics_host,
     )
 
 
@@ -213,6 +229,10 @@ def ray_cluster_config(args: argparse.Namespace):  # noqa: ANN201 - cluster.ray_
         max_queued_requests=args.max_queued_requests,
         startup_timeout_s=args.startup_timeout, log_level=args.log_level,
         prefill_args=engine_args, decode_args=engine_args,
+        http_port=args.http_port,
+        model_name=LocalClusterConfig(model=args.model, model_name=args.model_name).served_model_name,
+        auth_token_file=args.auth_token_file, tls_cert_file=args.tls_cert, tls_key_file=args.tls_key,
+        metrics_host=args.metrics_host,
     )
 
 
@@ -237,6 +257,7 @@ def _cmd_serve_ray(args: argparse.Namespace) -> int:
         print(f"router: {cluster.router_address}")
         print(format_table(("name", "role", "address"), [[w["name"], w["role"], w["address"]]
                                                           for w in cluster.workers()]))
+        _print_extras(cluster.http_address, {}, bool(config.tls_cert_file))
         print("`pdserve scale --prefill N --decode M` resizes; Ctrl-C (or SIGTERM) stops everything.", flush=True)
         _wait_for_interrupt()
     except KeyboardInterrupt:
@@ -285,7 +306,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         return 0
     try:
         _print_cluster(cluster.router_address, [w._asdict() for w in cluster.workers])
-        _print_extras(cluster.http_address, cluster.metrics_addresses)
+        _print_extras(cluster.http_address, cluster.metrics_addresses, bool(config.tls_cert_file))
         _wait_for_interrupt()
     except KeyboardInterrupt:
         print("pdserve: shutting down", file=sys.stderr, flush=True)
@@ -313,11 +334,12 @@ def _print_cluster(router_address: str, workers: list[dict[str, object]]) -> Non
     print("Ctrl-C (or SIGTERM) stops everything.", flush=True)
 
 
-def _print_extras(http_address: str, metrics_addresses: dict[str, str]) -> None:
+def _print_extras(http_address: str, metrics_addresses: dict[str, str], tls: bool = False) -> None:
     if http_address:
-        print(f"OpenAI-compatible API: http://{http_address}/v1")
+        print(f"OpenAI-compatible API: {'https' if tls else 'http'}://{http_address}/v1")
     for name, address in metrics_addresses.items():
-        print(f"metrics {name}: http://{address}/metrics")
+        guarded = tls and name == "router" and not is_loopback(address.rsplit(":", 1)[0])  # HTTPS + token
+        print(f"metrics {name}: {'https' if guarded else 'http'}://{address}/metrics")
     sys.stdout.flush()
 
 

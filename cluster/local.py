@@ -4,6 +4,12 @@ Start-up order: every worker at once (model loading runs in parallel), wait for 
 the router with the worker addresses, wait for its READY line, then a gRPC health check of every process.
 Workers bind to 127.0.0.1; the router binds to ``config.host``.
 
+Security: the router takes the public API's bearer token and certificate (``auth_token_file``,
+``tls_cert_file``/``tls_key_file``; `python -m router` flags of the same names). The internal plane
+(router -> workers, decode -> prefill, KV pushes) requires an internal token: the configured one
+(``PDSERVE_INTERNAL_TOKEN[_FILE]``), else one generated for this launcher, passed to every child
+in its environment (`pdserve.transport.launcher_token`).
+
 Invariants: constructing a LocalCluster starts it (or raises ClusterStartError after stopping whatever
 had started); ``stop()`` is idempotent, also runs at interpreter exit, and leaves no child running.
 Each child's stderr goes to ``<log_dir>/<name>.log``.
@@ -27,7 +33,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from cluster.processes import ManagedProcess, ProcessStartError, stop_all
 from pdserve.devices import worker_flags
-from pdserve.transport import open_channel
+from pdserve.transport import ENV_TOKEN, internal_token, is_loopback, launcher_token, open_channel
 from router.policies import POLICY_NAMES
 from telemetry.logs import LOG_FORMATS
 
@@ -80,6 +86,10 @@ class LocalClusterConfig:
     log_format: str = "text"  # "text" or "json" log lines, every process
     log_level: str = "INFO"
     model_name: str | None = None  # model id of the HTTP API (default: the model folder's name)
+    auth_token_file: str | None = None  # public API needs "Bearer <first line>" (or PDSERVE_AUTH_TOKEN)
+    tls_cert_file: str | None = None  # public gRPC and HTTP API over TLS (with tls_key_file)
+    tls_key_file: str | None = None
+    metrics_host: str = "127.0.0.1"  # router's /metrics interface; beyond loopback only with a token
 
     def __post_init__(self) -> None:
         for name in ("prefill", "decode", "colocated"):
@@ -107,6 +117,11 @@ class LocalClusterConfig:
             raise ValueError(f"log_format must be one of {', '.join(LOG_FORMATS)}, got {self.log_format!r}")
         if not self.startup_timeout_s > 0:
             raise ValueError(f"startup_timeout_s must be > 0, got {self.startup_timeout_s}")
+        if (self.tls_cert_file is None) != (self.tls_key_file is None):
+            raise ValueError("tls_cert_file and tls_key_file go together (--tls-cert and --tls-key)")
+        if not is_loopback(self.metrics_host) and not (self.auth_token_file or os.environ.get("PDSERVE_AUTH_TOKEN")):
+            raise ValueError(f"refusing /metrics on {self.metrics_host}, beyond loopback, without an auth token "
+                             "(--auth-token-file)")
 
     @property
     def served_model_name(self) -> str:
@@ -178,15 +193,30 @@ def router_argv(config: LocalClusterConfig, workers: list[WorkerProcess]) -> lis
     argv += ["--max-queued-requests", str(config.max_queued_requests)]
     if config.http_port is not None:
         argv += ["--http-port", str(config.http_port), "--model-name", config.served_model_name]
+    argv += security_argv(config)
     return argv + observability_argv(config) + list(config.router_args)
 
 
+def security_argv(config: LocalClusterConfig) -> list[str]:
+    """The router's public-API security flags (token file, certificate, metrics interface)."""
+    argv = ["--auth-token-file", config.auth_token_file] if config.auth_token_file else []
+    if config.tls_cert_file and config.tls_key_file:
+        argv += ["--tls-cert", config.tls_cert_file, "--tls-key", config.tls_key_file]
+    if config.metrics and config.metrics_host != "127.0.0.1":
+        argv += ["--metrics-host", config.metrics_host]
+    return argv
+
+
 def child_env() -> dict[str, str]:
-    """Environment of the children: ours, with this checkout (and its stubs) first on PYTHONPATH."""
+    """Environment of the children: ours, with this checkout (and its stubs) first on PYTHONPATH, and
+    the internal token (the configured one, else this launcher's generated one)."""
     paths = [str(_REPO), str(_REPO / "proto")]
     if os.environ.get("PYTHONPATH"):
         paths.append(os.environ["PYTHONPATH"])
-    return {**os.environ, "PYTHONPATH": os.pathsep.join(paths), "PYTHONUNBUFFERED": "1"}
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(paths), "PYTHONUNBUFFERED": "1"}
+    if internal_token() is None:
+        env[ENV_TOKEN] = launcher_token()
+    return env
 
 
 def wait_serving(address: str, timeout_s: float, internal: bool = True) -> None:
@@ -267,7 +297,8 @@ class LocalCluster:
         self._router_address = str(ready["address"])
         self._http_address = str(ready.get("http_address") or "")
         self._note_metrics("router", ready)
-        wait_serving(self._router_address, max(1.0, deadline - time.monotonic()), internal=False)
+        if not self.config.tls_cert_file:  # over TLS the READY line is the check (the cert may name another host)
+            wait_serving(self._router_address, max(1.0, deadline - time.monotonic()), internal=False)
         for worker in self._workers:
             wait_serving(worker.address, max(1.0, deadline - time.monotonic()))
 

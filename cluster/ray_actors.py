@@ -25,14 +25,23 @@ from typing import Any
 WORKER_MODULES = {"prefill": "prefill_worker.__main__", "decode": "decode_worker.__main__"}
 
 
+def _use_internal_token(token: str | None) -> None:
+    """This actor's process requires and sends the deployment's internal token (one actor per process)."""
+    if token:
+        from pdserve.transport import ENV_TOKEN
+
+        os.environ[ENV_TOKEN] = token
+
+
 class WorkerActor:
     """One prefill or decode worker inside a Ray actor; ``argv`` are the worker's command-line flags."""
 
-    def __init__(self, role: str, argv: list[str]) -> None:
+    def __init__(self, role: str, argv: list[str], internal_token: str | None = None) -> None:
         import ray
 
         from engine.worker_runtime import NODE_HOST_ENV, NODE_ID_ENV, configure_process
 
+        _use_internal_token(internal_token)
         if role not in WORKER_MODULES:
             raise ValueError(f"role must be one of {sorted(WORKER_MODULES)}, got {role!r}")
         os.environ[NODE_ID_ENV] = ray.get_runtime_context().get_node_id()  # reported in WorkerInfo.node_id
@@ -91,7 +100,8 @@ class WorkerActor:
 class RouterActor:
     """The router (public gRPC API) inside a Ray actor; ``config`` holds RouterConfig fields."""
 
-    def __init__(self, config: dict[str, Any]) -> None:
+    def __init__(self, config: dict[str, Any], internal_token: str | None = None) -> None:
+        _use_internal_token(internal_token)
         from router.config import RouterConfig
         from router.server import serve
         from telemetry.logs import configure_logging
@@ -103,6 +113,10 @@ class RouterActor:
 
     def address(self) -> str:
         return self.server.address
+
+    def http_address(self) -> str:
+        """host:port of the OpenAI-compatible HTTP API ("" when off)."""
+        return f"{self.server.host}:{self.server.http_port}" if self.server.http_port is not None else ""
 
     def add_worker(self, address: str, role: str) -> None:
         from router.worker_pool import WorkerEndpoint

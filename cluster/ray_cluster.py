@@ -15,6 +15,10 @@ Layout (namespace :data:`NAMESPACE`):
   workers from the controller (``router_workers()``), not from its creation arguments.
 - Workers and the router keep their gRPC servers; they bind to ``worker_host`` (loopback unless
   told otherwise; ``node`` binds the node's IP, needed when actors span nodes).
+- Security: every actor gets the deployment's internal token (the configured
+  ``PDSERVE_INTERNAL_TOKEN[_FILE]``, else one the driver generates), so the internal plane needs it on
+  every call, loopback or not. The router actor takes the public API's bearer token (read from
+  ``auth_token_file`` on the driver) and certificate files (read on the router's node).
 
 The driver-side :class:`RayCluster` starts a local Ray instance when none is running and no
 address is given (and shuts it down on ``stop()``), creates the controller and waits for the
@@ -28,7 +32,7 @@ import logging
 import os
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from types import TracebackType
 from typing import Any
 
@@ -39,6 +43,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from cluster.ray_actors import RouterActor, WorkerActor
 from pdserve.devices import worker_flags
+from pdserve.transport import launcher_token
 from router.policies import POLICY_NAMES
 
 log = logging.getLogger(__name__)
@@ -83,8 +88,17 @@ class RayClusterConfig:
     drain_timeout_s: float = 60.0
     startup_timeout_s: float = 300.0
     log_level: str = "INFO"
+    http_port: int | None = None  # router's OpenAI-compatible HTTP API (0 picks a port; None: off)
+    model_name: str = "default"  # model id of the HTTP API
+    auth_token_file: str | None = None  # public API needs "Bearer <first line>" (read on the driver)
+    tls_cert_file: str | None = None  # public gRPC and HTTP over TLS (paths read on the router's node)
+    tls_key_file: str | None = None
+    metrics_host: str = "127.0.0.1"  # accepted for symmetry with `serve`; the Ray router serves no /metrics
+    internal_token: str | None = field(default=None, repr=False)  # set by RayCluster (configured or generated)
 
     def __post_init__(self) -> None:
+        if (self.tls_cert_file is None) != (self.tls_key_file is None):
+            raise ValueError("tls_cert_file and tls_key_file go together (--tls-cert and --tls-key)")
         if self.prefill < 1 or self.decode < 1:
             raise ValueError(f"need prefill >= 1 and decode >= 1, got {self.prefill} and {self.decode}")
         if self.kv_backend not in KV_BACKENDS:
@@ -203,7 +217,7 @@ class Controller:
             options["resources"] = resources
         options["scheduling_strategy"] = PlacementGroupSchedulingStrategy(self._pg if pg is None else pg, bundle)
         argv = self.config.worker_argv(role, name, _host_for(self.config))
-        handle = _RemoteWorker.options(**options).remote(role, argv)
+        handle = _RemoteWorker.options(**options).remote(role, argv, self.config.internal_token)
         return _Worker(name, role, handle, pg=pg)
 
     def _wait_serving(self, workers: list[_Worker]) -> None:
@@ -218,15 +232,30 @@ class Controller:
             "decode": tuple(w.address for w in workers if w.role == "decode"),
             "prefill_policy": self.config.prefill_policy, "decode_policy": self.config.decode_policy,
             "max_queued_requests": self.config.max_queued_requests, "log_level": self.config.log_level,
+            **self._router_security(),
         }
         router = _RemoteRouter.options(
             name=ROUTER_NAME, namespace=NAMESPACE, num_cpus=1, max_concurrency=16,
             max_restarts=self.config.router_max_restarts,
             resources={self.config.router_resource: 1.0} if self.config.router_resource else None,
             scheduling_strategy=PlacementGroupSchedulingStrategy(self._pg, 0),
-        ).remote(config)
+        ).remote(config, self.config.internal_token)
         self.router_address_value = ray.get(router.address.remote(), timeout=self.config.startup_timeout_s)
+        self.router_http_address_value = ray.get(router.http_address.remote(), timeout=30)
         return router
+
+    def _router_security(self) -> dict[str, Any]:
+        """RouterConfig fields of the public API: HTTP port, bearer token, certificate."""
+        fields: dict[str, Any] = {"tls_cert_file": self.config.tls_cert_file, "tls_key_file": self.config.tls_key_file}
+        if self.config.http_port is not None:
+            fields.update(http_port=self.config.http_port, model_name=self.config.model_name)
+        if self.config.auth_token_file:
+            from router.auth import load_token
+
+            fields["auth_token"] = load_token(self.config.auth_token_file, None)
+        elif os.environ.get("PDSERVE_AUTH_TOKEN"):
+            fields["auth_token"] = os.environ["PDSERVE_AUTH_TOKEN"]
+        return fields
 
     # ----- queries ---------------------------------------------------------------------------
     def router_address(self) -> str:
@@ -238,6 +267,10 @@ class Controller:
         (draining ones included: the router sees them unhealthy and routes around them)."""
         with self._lock:
             return [{"address": w.address, "role": w.role} for w in self._workers if w.address]
+
+    def router_http_address(self) -> str:
+        """host:port of the router's HTTP API ("" when off)."""
+        return self.router_http_address_value
 
     def workers(self) -> list[dict[str, Any]]:
         """name, role, address (as the router knows it) and draining of every worker, in start order."""
@@ -452,6 +485,8 @@ class RayCluster:
     """Driver-side handle: starts the deployment on construction; ``stop()`` tears it down (idempotent)."""
 
     def __init__(self, config: RayClusterConfig) -> None:
+        if config.internal_token is None:
+            config = replace(config, internal_token=launcher_token())
         self.config = config
         self._own_ray = False
         self._stopped = False
@@ -467,6 +502,7 @@ class RayCluster:
             ).remote(config)
             self.router_address: str = ray.get(self._controller.router_address.remote(),
                                                timeout=config.startup_timeout_s + 60)
+            self.http_address: str = ray.get(self._controller.router_http_address.remote(), timeout=60)
         except BaseException:
             self.stop()
             raise

@@ -6,6 +6,7 @@ Serves DecodeWorker, KvTransfer (the gRPC KV backend's receiver) and health on o
 from __future__ import annotations
 
 import argparse
+import sys
 
 from grpc_health.v1 import health_pb2
 
@@ -24,12 +25,15 @@ from engine.worker_runtime import (
     add_observability_args,
     add_worker_args,
     announce_ready,
+    apply_internal_credentials,
     bind,
     configure_process,
     make_server,
     serve_until_signal,
 )
 from kv_transfer import KvTransferServicer, grpc_message_options
+from pdserve.limits import receive_options
+from pdserve.transport import check_bind_allowed
 from pdserve.v1 import worker_pb2_grpc
 from telemetry.prometheus import start_metrics_endpoint
 
@@ -67,9 +71,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return ap.parse_args(argv)
 
 
+def frame_receive_bytes() -> int:
+    """Largest KV frame message this worker takes (its receive limit is at least that)."""
+    return max(size for key, size in grpc_message_options() if key == "grpc.max_receive_message_length")
+
+
 def start_worker(args: argparse.Namespace) -> StartedWorker:
     """Load the model, build the worker, its KV receiver and gRPC server, start serving on
-    args.host:args.port. Shared by `main` (a process) and the Ray actor (`cluster.ray_actors`)."""
+    args.host:args.port. Shared by `main` (a process) and the Ray actor (`cluster.ray_actors`).
+    ValueError before loading anything when args.host is beyond loopback without internal credentials."""
+    apply_internal_credentials(args)
+    check_bind_allowed(args.host)
     config = EngineConfig(model=args.model, dtype=args.dtype, device=args.device, block_size=args.block_size,
                           kv_cache_memory_mb=args.kv_cache_mb, max_num_seqs=args.max_num_seqs,
                           max_num_batched_tokens=args.max_batched_tokens, prefix_caching=args.prefix_caching)
@@ -83,7 +95,7 @@ def start_worker(args: argparse.Namespace) -> StartedWorker:
     endpoint = start_metrics_endpoint(metrics.registry, args.metrics_port)
     kv_receiver = KvTransferServicer()
     drain = Drain()
-    server = make_server(control_threads=32, options=grpc_message_options(), name=args.worker_id)
+    server = make_server(control_threads=32, options=receive_options(frame_receive_bytes()), name=args.worker_id)
     address = bind(server, args.host, args.port)
     servicer = DecodeServicer(worker, kv_receiver, args.worker_id, address, args.colocated,
                               args.local_prefill_threshold, args.request_timeout_s, args.kv_timeout_s, drain,
@@ -111,6 +123,12 @@ def start_worker(args: argparse.Namespace) -> StartedWorker:
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     configure_process(args.threads, args.log_level, args.log_format, args.worker_id)
+    try:
+        apply_internal_credentials(args)
+        check_bind_allowed(args.host)
+    except (OSError, ValueError) as exc:
+        print(f"error: {exc}", file=sys.stderr, flush=True)
+        raise SystemExit(2) from None
     started = start_worker(args)
     announce_ready(started.address, args.worker_id, role="colocated" if args.colocated else "decode",
                    metrics_address=started.extras["metrics_address"])

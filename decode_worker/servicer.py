@@ -376,7 +376,7 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
         return common_pb2.WorkerInfo(
             worker_id=self.worker_id, role=role, address=self.address, pid=os.getpid(),
             queue_depth=s["queue_depth"], kv_blocks_used=s["kv_used"], kv_blocks_total=s["kv_total"],
-            running_requests=s["running"], healthy=not reason, unhealthy_reason=reason, kv_address=self.address,
+            running_requests=s["running"], healthy=not reason, unhealthy_reason=reason, kv_address=self.kv_target,
             prefill_tokens_computed=s["prefill_tokens_computed"],
             kv_bytes_received=self.worker.kv_bytes_received, requests_finished=self.worker.requests_finished,
             prefix_cache_hit_blocks=s["prefix_cache_hit_blocks"], prefix_cache_blocks=s["prefix_cache_blocks"],

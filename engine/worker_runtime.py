@@ -29,7 +29,7 @@ from engine.stop_checker import FINISH_ABORT, FINISH_ERROR, FINISH_LENGTH, FINIS
 from engine.trace import DecodeStepEvent, DetokenizeHoldEvent, PrefillPassEvent, TraceEvent, token_bytes
 from pdserve.devices import DEVICE_HELP, DTYPE_HELP, DTYPE_NAMES, check_device_name
 from pdserve.serving import AioServer, RequestParseInterceptor, ready_line
-from pdserve.transport import add_port
+from pdserve.transport import add_port, server_interceptors, use_internal_token_file
 from pdserve.v1 import common_pb2
 from telemetry.grpc_logging import RequestLoggingInterceptor
 from telemetry.logs import LOG_FORMATS, configure_logging
@@ -125,6 +125,9 @@ def add_worker_args(ap: argparse.ArgumentParser, worker_id: str, kv_cache_mb: in
     ap.add_argument("--dtype", default="auto", choices=DTYPE_NAMES, help=DTYPE_HELP)
     ap.add_argument("--drain-timeout-s", type=float, default=30.0,
                     help="on SIGTERM, stop taking requests and finish those in flight for at most this long")
+    ap.add_argument("--internal-token-file", default=None, metavar="FILE",
+                    help="require (and send) this internal token (first line of FILE) on every internal call; "
+                         "or set PDSERVE_INTERNAL_TOKEN. Needed to bind beyond loopback without internal mTLS")
 
 
 def add_observability_args(ap: argparse.ArgumentParser) -> None:
@@ -147,9 +150,15 @@ def configure_process(num_threads: int | None, log_level: str = "INFO", log_form
 def make_server(control_threads: int, options: list[tuple[str, int]] | None = None,
                 name: str = "worker") -> AioServer:
     """An event-loop gRPC server (streams are coroutines; `control_threads` serve GetInfo, Abort,
-    PushKv and health) whose calls carrying a request_id are logged at start and finish."""
-    return AioServer(name, options=options or [], interceptors=[RequestParseInterceptor(), RequestLoggingInterceptor()],
-                     control_threads=control_threads)
+    PushKv and health) whose calls carrying a request_id are logged at start and finish. With an
+    internal token configured, calls without it are refused first (UNAUTHENTICATED)."""
+    interceptors = [*server_interceptors(), RequestParseInterceptor(), RequestLoggingInterceptor()]
+    return AioServer(name, options=options or [], interceptors=interceptors, control_threads=control_threads)
+
+
+def apply_internal_credentials(args: argparse.Namespace) -> None:
+    """Make ``--internal-token-file`` this process's internal token (servers and channels alike)."""
+    use_internal_token_file(getattr(args, "internal_token_file", None))
 
 
 def add_health(server: AioServer) -> health.HealthServicer:

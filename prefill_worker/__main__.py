@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import sys
 
 from grpc_health.v1 import health_pb2
 
@@ -19,12 +20,15 @@ from engine.worker_runtime import (
     add_observability_args,
     add_worker_args,
     announce_ready,
+    apply_internal_credentials,
     bind,
     configure_process,
     make_server,
     serve_until_signal,
 )
 from kv_transfer.modelled import install_modelled_links
+from pdserve.limits import receive_options
+from pdserve.transport import check_bind_allowed
 from pdserve.v1 import worker_pb2_grpc
 from prefill_worker.faults import FAULT_MODES, FaultInjector
 from prefill_worker.servicer import PrefillServicer
@@ -58,7 +62,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def start_worker(args: argparse.Namespace) -> StartedWorker:
     """Load the model, build the worker and its gRPC server, start serving on args.host:args.port.
-    Shared by `main` (a process) and the Ray actor (`cluster.ray_actors`)."""
+    Shared by `main` (a process) and the Ray actor (`cluster.ray_actors`).
+    ValueError before loading anything when args.host is beyond loopback without internal credentials."""
+    apply_internal_credentials(args)
+    check_bind_allowed(args.host)
     config = EngineConfig(model=args.model, dtype=args.dtype, device=args.device, block_size=args.block_size,
                           kv_cache_memory_mb=args.kv_cache_mb, max_num_batched_tokens=args.max_batched_tokens)
     chunk_tokens = args.prefill_chunk_tokens or None
@@ -76,7 +83,7 @@ def start_worker(args: argparse.Namespace) -> StartedWorker:
                            shared_kv_cache=args.shared_kv_cache)
     endpoint = start_metrics_endpoint(metrics.registry, args.metrics_port)
     drain = Drain()
-    server = make_server(control_threads=32, name=args.worker_id)
+    server = make_server(control_threads=32, options=receive_options(), name=args.worker_id)
     address = bind(server, args.host, args.port)
     servicer = PrefillServicer(worker, args.worker_id, address, args.request_timeout_s, drain)
     worker_pb2_grpc.add_PrefillWorkerServicer_to_server(servicer, server)
@@ -98,6 +105,12 @@ def start_worker(args: argparse.Namespace) -> StartedWorker:
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     configure_process(args.threads, args.log_level, args.log_format, args.worker_id)
+    try:
+        apply_internal_credentials(args)
+        check_bind_allowed(args.host)
+    except (OSError, ValueError) as exc:
+        print(f"error: {exc}", file=sys.stderr, flush=True)
+        raise SystemExit(2) from None
     started = start_worker(args)
     announce_ready(started.address, args.worker_id, role="prefill", metrics_address=started.extras["metrics_address"])
     try:

@@ -1,11 +1,17 @@
 """Thin gRPC face of the prefill worker: protobuf -> PrefillJob -> core -> protobuf.
 
 Prefill is a coroutine on the server's event loop: a queued prompt holds no thread. When the caller
-goes away, the job is cancelled (dropped if still queued)."""
+goes away, the job is cancelled (dropped if still queued).
+
+KV goes only to registered decode workers: the router registers the kv_address of every decode worker
+it routes to (`SetKvTargets`, over the authenticated internal plane); a Prefill naming any other
+kv_target_address is refused with PERMISSION_DENIED before it is queued, so a caller cannot make this
+worker compute for, connect to or push KV into an address of its choosing."""
 
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
 
 import grpc
@@ -17,6 +23,8 @@ from kv_transfer.shm_backend import CHECKSUM_ALGORITHMS
 from pdserve.v1 import common_pb2, worker_pb2, worker_pb2_grpc
 from prefill_worker.worker import PrefillJob, PrefillWorker
 
+log = logging.getLogger(__name__)
+
 
 class PrefillServicer(worker_pb2_grpc.PrefillWorkerServicer):
     def __init__(self, worker: PrefillWorker, worker_id: str, address: str, request_timeout_s: float,
@@ -27,6 +35,19 @@ class PrefillServicer(worker_pb2_grpc.PrefillWorkerServicer):
         self.address = address
         self.request_timeout_s = request_timeout_s
         self.drain = drain or Drain()
+        self._kv_targets: frozenset[str] = frozenset()  # replaced whole by SetKvTargets
+
+    @property
+    def kv_targets(self) -> frozenset[str]:
+        return self._kv_targets
+
+    def SetKvTargets(self, request: worker_pb2.KvTargets,  # noqa: N802
+                     context: grpc.ServicerContext) -> worker_pb2.KvTargetsAck:
+        targets = frozenset(t for t in request.targets if t)
+        if targets != self._kv_targets:
+            log.info("KV targets: %s", ", ".join(sorted(targets)) or "none")
+        self._kv_targets = targets
+        return worker_pb2.KvTargetsAck(num_targets=len(targets))
 
     def unhealthy_reason(self) -> str:
         """Why this worker takes no new requests ("" when it does)."""
@@ -49,9 +70,14 @@ class PrefillServicer(worker_pb2_grpc.PrefillWorkerServicer):
                 raise ValueError("request_id, prompt_token_ids and kv_target_address are required")
             if job.kv_checksum and job.kv_checksum not in CHECKSUM_ALGORITHMS:
                 raise ValueError(f"kv_checksum: {job.kv_checksum!r} is not one of {', '.join(CHECKSUM_ALGORITHMS)}")
+            if job.kv_target not in self._kv_targets:
+                raise PermissionError(f"kv_target_address {job.kv_target!r} is not a decode worker registered "
+                                      f"with prefill worker {self.worker_id}")
             future = self.worker.submit(job)
         except OverflowError as exc:
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))
+        except PermissionError as exc:
+            await context.abort(grpc.StatusCode.PERMISSION_DENIED, str(exc))
         except ValueError as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         remaining = context.time_remaining()

@@ -17,6 +17,7 @@ import threading
 from typing import Any
 
 from pdserve.serving import ready_line
+from pdserve.transport import is_loopback, use_internal_token_file
 from router.auth import load_token
 from router.config import RouterConfig
 from router.policies import POLICY_NAMES
@@ -60,12 +61,17 @@ def build_parser() -> argparse.ArgumentParser:
                         help="also serve the OpenAI-compatible HTTP API on this port (0 picks one; default off)")
     parser.add_argument("--model-name", default="default", help="model id the HTTP API serves (default 'default')")
     parser.add_argument("--metrics-port", type=int, default=0, metavar="PORT",
-                        help="serve Prometheus /metrics on this loopback port (default 0: off)")
+                        help="serve Prometheus /metrics on this port (default 0: off)")
+    parser.add_argument("--metrics-host", default="127.0.0.1", metavar="HOST",
+                        help="interface of /metrics (default 127.0.0.1, open); any other needs an auth token, "
+                             "and scrapes then need 'Authorization: Bearer <token>'")
     parser.add_argument("--auth-token-file", default=None, metavar="FILE",
                         help="require 'authorization: Bearer <token>' on the public API (token: first line of "
                              "FILE; or set PDSERVE_AUTH_TOKEN)")
     parser.add_argument("--tls-cert", default=None, metavar="PEM", help="serve the public gRPC port over TLS")
     parser.add_argument("--tls-key", default=None, metavar="PEM", help="private key of --tls-cert")
+    parser.add_argument("--internal-token-file", default=None, metavar="FILE",
+                        help="internal token the workers require (first line of FILE; or set PDSERVE_INTERNAL_TOKEN)")
     parser.add_argument("--log-level", default="INFO")
     parser.add_argument("--log-format", choices=LOG_FORMATS, default="text", help="text lines or JSON lines")
     return parser
@@ -89,6 +95,7 @@ def config_from_args(args: argparse.Namespace) -> RouterConfig:
         tls_key_file=args.tls_key,
         http_port=args.http_port,
         metrics_port=args.metrics_port,
+        metrics_host=args.metrics_host,
         model_name=args.model_name,
     )
 
@@ -98,8 +105,9 @@ def main(argv: list[str] | None = None) -> int:
     configure_logging("router", args.log_level, args.log_format)
     bound_heap()
     try:
+        use_internal_token_file(args.internal_token_file)
         config = config_from_args(args)
-    except ValueError as exc:
+    except (OSError, ValueError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     stop = threading.Event()
@@ -133,7 +141,10 @@ class Extras:
 def start_extras(config: RouterConfig, server: RouterServer) -> Extras:
     """Start the /metrics endpoint when config asks for it; name the HTTP API the server started."""
     extras = Extras()
-    endpoint = start_metrics_endpoint(server.metrics.prom.registry, config.metrics_port)
+    tls = (config.tls_cert_file, config.tls_key_file) if config.tls_cert_file and config.tls_key_file else None
+    guarded = not is_loopback(config.metrics_host)  # beyond loopback: bearer token (config checked it is set)
+    endpoint = start_metrics_endpoint(server.metrics.prom.registry, config.metrics_port, config.metrics_host,
+                                      config.auth_token if guarded else None, tls if guarded else None)
     if endpoint is not None:
         extras.addresses["metrics_address"] = f"{endpoint.host}:{endpoint.port}"
         extras.on_stop(endpoint.stop)

@@ -4,10 +4,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from pdserve.limits import RECEIVE_LIMIT_BYTES
+from pdserve.transport import is_loopback
 from router.policies import COLOCATED, DECODE, POLICY_NAMES, PREFILL
 from router.worker_pool import WorkerEndpoint
 
-MAX_RECEIVE_MESSAGE_BYTES = 16 * 1024 * 1024
+MAX_RECEIVE_MESSAGE_BYTES = RECEIVE_LIMIT_BYTES  # requests above pdserve.limits.MAX_REQUEST_BYTES get 400
 
 
 @dataclass(frozen=True)
@@ -35,7 +37,8 @@ class RouterConfig:
     tls_cert_file: str | None = None  # PEM certificate chain: serve the public port over TLS
     tls_key_file: str | None = None
     http_port: int | None = None  # OpenAI-compatible HTTP API on host:http_port (0 picks a port; None: off)
-    metrics_port: int = 0  # Prometheus /metrics on 127.0.0.1:metrics_port (0: off)
+    metrics_port: int = 0  # Prometheus /metrics on metrics_host:metrics_port (0: off)
+    metrics_host: str = "127.0.0.1"  # beyond loopback only with auth_token (then scrapes need it too)
     model_name: str = "default"  # the model id the HTTP API serves
 
     def __post_init__(self) -> None:
@@ -59,6 +62,9 @@ class RouterConfig:
             raise ValueError("tls_cert_file and tls_key_file go together")
         if self.auth_token is not None and not self.auth_token:
             raise ValueError("auth_token must not be empty")
+        if not is_loopback(self.metrics_host) and not self.auth_token:
+            raise ValueError(f"refusing to serve /metrics on {self.metrics_host}, beyond loopback, without an "
+                             "auth token (--auth-token-file or PDSERVE_AUTH_TOKEN)")
         if self.max_attempts < 1:
             raise ValueError(f"max_attempts must be >= 1, got {self.max_attempts}")
         if self.max_queued_requests < 1:

@@ -30,6 +30,7 @@ from typing import Any
 
 from aiohttp import web
 
+from pdserve.limits import RECEIVE_LIMIT_BYTES
 from pdserve.v1 import common_pb2, router_pb2
 from router.auth import BearerToken
 from router.core import RouterCore, RouterError
@@ -49,7 +50,7 @@ from router.openai_protocol import (
 
 log = logging.getLogger(__name__)
 
-MAX_BODY_BYTES = 16 * 1024 * 1024
+MAX_BODY_BYTES = RECEIVE_LIMIT_BYTES  # twice the request-size limit: larger prompts get 400 naming it
 SERVING_ROLES = (common_pb2.WORKER_ROLE_DECODE, common_pb2.WORKER_ROLE_COLOCATED)
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 
+from pdserve.limits import MAX_REQUEST_BYTES
 from pdserve.v1 import common_pb2, router_pb2
 
 MAX_REQUEST_ID_CHARS = 128
@@ -36,10 +37,18 @@ class InvalidRequest(ValueError):
 
 def validate_generate_request(request: router_pb2.GenerateRequest) -> None:
     """Raise InvalidRequest for the first invalid field of ``request``; return None when it is valid."""
+    _check_size(request)
     _check_request_id(request.request_id)
     _check_input(request)
     if request.HasField("params"):
         check_params(request.params)
+
+
+def _check_size(request: router_pb2.GenerateRequest) -> None:
+    size = request.ByteSize()
+    if size > MAX_REQUEST_BYTES:
+        raise InvalidRequest("request", f"at most {MAX_REQUEST_BYTES} bytes serialized (the request-size limit, "
+                                        f"{MAX_REQUEST_BYTES // (1024 * 1024)} MiB), got {size}")
 
 
 def _check_request_id(request_id: str) -> None:

@@ -11,6 +11,9 @@ Invariants:
   its slots (`slots_of`: the sequences it decodes at once, as it reports them, plus room for those
   still prefilling); when every healthy one is full, ``assign`` raises `Busy` and the router queues.
 - ``on_change`` (if set) is called after every poll and every release: capacity may have changed.
+- KV targets: every poll also registers the kv_address of each decode worker with every prefill
+  worker (`PrefillWorker.SetKvTargets`); a prefill worker pushes KV only to registered targets, and
+  the pool pairs a decode worker only with prefill workers that acknowledged its kv_address.
 """
 
 from __future__ import annotations
@@ -61,6 +64,10 @@ class _WorkerState:
     endpoint: WorkerEndpoint
     channel: grpc.Channel
     info_call: grpc.UnaryUnaryMultiCallable
+    set_kv_targets: grpc.UnaryUnaryMultiCallable | None = None  # prefill workers only
+    # prefill: the decode kv_addresses it acknowledged; None when it does not restrict its targets
+    # (a worker without SetKvTargets, such as a test double)
+    kv_targets: frozenset[str] | None = frozenset()
     info: common_pb2.WorkerInfo | None = None
     healthy: bool = False
     in_flight: int = 0
@@ -160,6 +167,7 @@ class WorkerPool:
         log.info("worker %s (%s) added", endpoint.address, endpoint.role)
         self._record_poll(endpoint.address, state.info_call.future(worker_pb2.InfoRequest(),
                                                                     timeout=self._info_timeout_s))
+        self.register_kv_targets()  # a new decode worker is paired only once prefill workers know it
 
     def remove(self, address: str) -> bool:
         """Stop routing to `address` and close its channel (calls still on it fail); False if unknown."""
@@ -186,7 +194,32 @@ class WorkerPool:
         }
         for address, future in futures.items():
             self._record_poll(address, future)
+        self.register_kv_targets()
         self._changed()
+
+    def register_kv_targets(self) -> None:
+        """Tell every prefill worker the kv_address of every decode worker (concurrently); remember
+        what each acknowledged. A failed call keeps the last acknowledged set."""
+        with self._lock:
+            targets = sorted({s.info.kv_address for s in self._workers.values()
+                              if s.endpoint.role == DECODE and s.info is not None and s.info.kv_address})
+            prefill = [(a, s.set_kv_targets) for a, s in self._workers.items() if s.set_kv_targets is not None]
+        request = worker_pb2.KvTargets(targets=targets)
+        futures = {a: call.future(request, timeout=self._info_timeout_s) for a, call in prefill if call is not None}
+        for address, future in futures.items():
+            acknowledged: frozenset[str] | None = frozenset(targets)
+            try:
+                future.result()
+            except grpc.RpcError as exc:
+                if exc.code() != grpc.StatusCode.UNIMPLEMENTED:
+                    log.warning("registering KV targets with %s failed: %s: %s", address, exc.code().name,
+                                exc.details())
+                    continue
+                acknowledged = None
+            with self._lock:
+                state = self._workers.get(address)
+                if state is not None:
+                    state.kv_targets = acknowledged
 
     def _poll_loop(self) -> None:
         while not self._stop.wait(self._poll_interval_s):
@@ -242,11 +275,23 @@ class WorkerPool:
                 raise NoHealthyWorker(self._missing_message((DECODE, COLOCATED), "decode"))
             prefill_address = ""
             if decode.role == DECODE:
-                prefill = prefill_policy.pick(self._candidates_locked((PREFILL,), avoid), prefix_key)
+                candidates = self._candidates_locked((PREFILL,), avoid)
+                paired = self._registered_with_locked(decode.address, candidates)
+                prefill = prefill_policy.pick(paired, prefix_key)
                 if prefill is None:
-                    raise NoHealthyWorker(self._missing_message((PREFILL,), "prefill"))
+                    raise NoHealthyWorker(self._missing_message((PREFILL,), "prefill") if not candidates or paired
+                                          else f"no prefill worker has registered decode worker "
+                                               f"{decode.address} as a KV target yet")
                 prefill_address = prefill.address
             return self._lease_locked(decode.address, prefill_address, prompt_tokens)
+
+    def _registered_with_locked(self, decode_address: str, candidates: list[Candidate]) -> list[Candidate]:
+        """The prefill candidates that acknowledged this decode worker's kv_address as a KV target."""
+        info = self._workers[decode_address].info
+        target = info.kv_address if info is not None else ""
+        if not target:
+            return candidates
+        return [c for c in candidates if _accepts(self._workers[c.address].kv_targets, target)]
 
     def _has_room_locked(self, address: str) -> bool:
         state = self._workers[address]
@@ -312,6 +357,10 @@ class WorkerPool:
             return sum(s.in_flight for s in self._workers.values() if s.endpoint.role != PREFILL)
 
 
+def _accepts(kv_targets: frozenset[str] | None, target: str) -> bool:
+    return kv_targets is None or target in kv_targets
+
+
 def slots_of(info: common_pb2.WorkerInfo | None) -> int:
     """Requests a decode worker is given at once: the sequences it decodes together plus a quarter
     more (at least 2) that are still being prefilled; 0 when it does not say (no limit)."""
@@ -322,7 +371,8 @@ def slots_of(info: common_pb2.WorkerInfo | None) -> int:
 def _open(endpoint: WorkerEndpoint) -> _WorkerState:
     channel = open_channel(endpoint.address)
     if endpoint.role == PREFILL:
-        return _WorkerState(endpoint, channel, worker_pb2_grpc.PrefillWorkerStub(channel).GetInfo)
+        stub = worker_pb2_grpc.PrefillWorkerStub(channel)
+        return _WorkerState(endpoint, channel, stub.GetInfo, stub.SetKvTargets)
     return _WorkerState(endpoint, channel, worker_pb2_grpc.DecodeWorkerStub(channel).GetInfo)
 
 

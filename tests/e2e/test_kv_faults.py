@@ -14,6 +14,7 @@ from cluster.local import LocalCluster, LocalClusterConfig
 from kv_transfer import KvSpec
 from kv_transfer.base import dtype_name
 from kv_transfer.framing import encode_frames
+from pdserve.transport import open_channel
 from pdserve.v1 import common_pb2, kv_pb2_grpc, worker_pb2, worker_pb2_grpc
 
 from e2e_helpers import generate, wait_idle
@@ -41,7 +42,7 @@ class RoguePrefill(worker_pb2_grpc.PrefillWorkerServicer):
             yield frame
 
     def Prefill(self, request, context):  # noqa: ANN001, ANN201, N802
-        stub = kv_pb2_grpc.KvTransferStub(grpc.insecure_channel(request.kv_target_address))
+        stub = kv_pb2_grpc.KvTransferStub(open_channel(request.kv_target_address))  # with the internal token
         ack = stub.PushKv(self._frames(request), timeout=30)
         if not ack.ok:
             context.abort(grpc.StatusCode.UNAVAILABLE, f"KV refused: {ack.error}")
@@ -63,7 +64,7 @@ def test_bad_kv_fails_only_its_request(mode: str, cluster, default_model) -> Non
     server.start()
     try:
         decode = [w[2] for w in cluster.workers if w[0] == "decode"][0]
-        stub = worker_pb2_grpc.DecodeWorkerStub(grpc.insecure_channel(decode))
+        stub = worker_pb2_grpc.DecodeWorkerStub(open_channel(decode))
         bad = stub.Generate(worker_pb2.DecodeRequest(
             request_id=f"bad-{mode}", prompt="The river ran past the old mill " * 5, prefill_address=rogue,
             params=common_pb2.SamplingParams(max_tokens=5)), timeout=60)

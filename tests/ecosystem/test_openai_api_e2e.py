@@ -15,6 +15,7 @@ import grpc
 import pytest
 
 from cluster.local import LocalCluster, LocalClusterConfig
+from pdserve.transport import open_channel
 from pdserve.v1 import common_pb2, router_pb2, router_pb2_grpc, worker_pb2, worker_pb2_grpc
 
 openai = pytest.importorskip("openai")
@@ -61,7 +62,7 @@ def wait_idle(cluster: LocalCluster, timeout: float = 30) -> None:
     while True:
         infos = []
         for worker in cluster.workers:
-            with grpc.insecure_channel(worker.address) as channel:
+            with open_channel(worker.address) as channel:  # workers need the launcher's internal token
                 stub_cls = worker_pb2_grpc.PrefillWorkerStub if worker.role == "prefill" else \
                     worker_pb2_grpc.DecodeWorkerStub
                 infos.append(stub_cls(channel).GetInfo(worker_pb2.InfoRequest(), timeout=10))

@@ -5,6 +5,8 @@ from __future__ import annotations
 import datetime
 import ipaddress
 import re
+import subprocess
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -170,3 +172,102 @@ def test_internal_mtls_between_router_and_workers(tmp_path: Path, monkeypatch: p
             wait_idle(roles)
     finally:
         transport.internal_tls.cache_clear()
+
+
+def _run_module(module: str, *args: str, env_extra: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    from cluster.local import child_env
+
+    env = {k: v for k, v in child_env().items() if not k.startswith(("PDSERVE_INTERNAL", "PDSERVE_AUTH"))}
+    return subprocess.run([sys.executable, "-m", module, *args], capture_output=True, text=True,
+                          env={**env, **(env_extra or {})}, timeout=120)
+
+
+@pytest.mark.parametrize("module", ["prefill_worker", "decode_worker"])
+def test_internal_bind_beyond_loopback_without_credentials_is_refused(module: str) -> None:
+    """A worker told to bind 0.0.0.0 with neither an internal token nor mTLS exits (code 2) before it
+    loads a model or opens a port."""
+    result = _run_module(module, "--host", "0.0.0.0", "--port", "0", "--model", "/nonexistent")
+    assert result.returncode == 2, result.stderr[-2000:]
+    assert "refusing to serve the internal plane on 0.0.0.0" in result.stderr
+    assert "PDSERVE_READY" not in result.stdout
+
+
+def test_internal_token_file_lets_a_worker_bind_beyond_loopback(tmp_path: Path) -> None:
+    """With --internal-token-file the bind check passes: the worker goes on to load its model (here a
+    missing folder, so it then fails for that reason, not for the bind)."""
+    token = tmp_path / "internal"
+    token.write_text("t0ken\n")
+    result = _run_module("prefill_worker", "--host", "0.0.0.0", "--port", "0", "--model", str(tmp_path / "none"),
+                         "--internal-token-file", str(token))
+    assert result.returncode != 0 and "refusing" not in result.stderr
+    assert str(tmp_path / "none") in result.stderr
+
+
+def test_bind_rule() -> None:
+    from pdserve import transport
+
+    assert transport.is_loopback("127.0.0.1") and transport.is_loopback("::1") and transport.is_loopback("localhost")
+    assert not transport.is_loopback("0.0.0.0") and not transport.is_loopback("10.1.2.3")
+    assert not transport.is_loopback("example.internal")
+
+
+def test_bind_rule_with_a_token(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    from pdserve import transport
+
+    monkeypatch.delenv(transport.ENV_TOKEN, raising=False)
+    monkeypatch.delenv(transport.ENV_TOKEN_FILE, raising=False)
+    with pytest.raises(ValueError, match="beyond loopback"):
+        transport.check_bind_allowed("0.0.0.0")
+    transport.check_bind_allowed("127.0.0.1")  # zero-config on loopback
+    token = tmp_path / "internal"
+    token.write_text("t0ken\n")
+    transport.use_internal_token_file(str(token))
+    assert transport.internal_token() == "t0ken"
+    transport.check_bind_allowed("0.0.0.0")
+    monkeypatch.delenv(transport.ENV_TOKEN_FILE)
+    monkeypatch.setenv(transport.ENV_TOKEN, "other")
+    transport.check_bind_allowed("0.0.0.0")
+
+
+def test_router_metrics_beyond_loopback_need_a_token() -> None:
+    result = _run_module("router", "--port", "0", "--metrics-port", "1", "--metrics-host", "0.0.0.0")
+    assert result.returncode == 2 and "without an auth token" in result.stderr
+    with pytest.raises(ValueError, match="beyond loopback"):
+        RouterConfig(metrics_host="0.0.0.0", metrics_port=9100)
+    RouterConfig(metrics_host="0.0.0.0", metrics_port=9100, auth_token=TOKEN)
+
+
+def test_internal_token_is_required_and_sent(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A real internal server (the workers' make_server) with a token refuses calls without it and
+    takes those from `open_channel`, which sends it; health stays open."""
+    from engine.worker_runtime import add_health, bind, make_server
+    from pdserve import transport
+    from pdserve.v1 import common_pb2, worker_pb2, worker_pb2_grpc
+
+    monkeypatch.setenv(transport.ENV_TOKEN, "internal-secret")
+
+    class Info(worker_pb2_grpc.PrefillWorkerServicer):
+        def GetInfo(self, request, context):  # noqa: ANN001, ANN201, N802
+            return common_pb2.WorkerInfo(worker_id="w")
+
+    server = make_server(control_threads=2, name="t")
+    worker_pb2_grpc.add_PrefillWorkerServicer_to_server(Info(), server)
+    health = add_health(server)
+    address = bind(server, "127.0.0.1", 0)
+    server.start()
+    try:
+        health.set("", health_pb2.HealthCheckResponse.SERVING)
+        plain = worker_pb2_grpc.PrefillWorkerStub(grpc.insecure_channel(address))
+        with pytest.raises(grpc.RpcError) as err:
+            plain.GetInfo(worker_pb2.InfoRequest(), timeout=5)
+        assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED
+        with pytest.raises(grpc.RpcError) as err:
+            plain.GetInfo(worker_pb2.InfoRequest(), timeout=5, metadata=((transport.TOKEN_METADATA, "nope"),))
+        assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED
+        assert worker_pb2_grpc.PrefillWorkerStub(transport.open_channel(address)).GetInfo(
+            worker_pb2.InfoRequest(), timeout=5).worker_id == "w"
+        reply = health_pb2_grpc.HealthStub(grpc.insecure_channel(address)).Check(health_pb2.HealthCheckRequest(),
+                                                                                timeout=5)
+        assert reply.status == health_pb2.HealthCheckResponse.SERVING
+    finally:
+        server.stop(0)

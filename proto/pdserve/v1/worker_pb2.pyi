@@ -46,6 +46,18 @@ class AbortResponse(_message.Message):
     found: bool
     def __init__(self, found: _Optional[bool] = ...) -> None: ...
 
+class KvTargets(_message.Message):
+    __slots__ = ("targets",)
+    TARGETS_FIELD_NUMBER: _ClassVar[int]
+    targets: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, targets: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class KvTargetsAck(_message.Message):
+    __slots__ = ("num_targets",)
+    NUM_TARGETS_FIELD_NUMBER: _ClassVar[int]
+    num_targets: int
+    def __init__(self, num_targets: _Optional[int] = ...) -> None: ...
+
 class PrefillRequest(_message.Message):
     __slots__ = ("request_id", "prompt_token_ids", "params", "kv_target_address", "kv_backend", "decode_worker_id", "output_index", "kv_block_offset", "trace", "kv_checksum")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]

@@ -213,6 +213,11 @@ class PrefillWorkerStub:
                 request_serializer=pdserve_dot_v1_dot_worker__pb2.InfoRequest.SerializeToString,
                 response_deserializer=pdserve_dot_v1_dot_common__pb2.WorkerInfo.FromString,
                 _registered_method=True)
+        self.SetKvTargets = channel.unary_unary(
+                '/pdserve.v1.PrefillWorker/SetKvTargets',
+                request_serializer=pdserve_dot_v1_dot_worker__pb2.KvTargets.SerializeToString,
+                response_deserializer=pdserve_dot_v1_dot_worker__pb2.KvTargetsAck.FromString,
+                _registered_method=True)
 
 
 class PrefillWorkerServicer:
@@ -235,6 +240,16 @@ class PrefillWorkerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def SetKvTargets(self, request, context):
+        """Replace the set of KV targets this worker may push to (the router calls it with the
+        kv_address of every decode worker it routes to). A Prefill whose kv_target_address is not in
+        the set is refused with PERMISSION_DENIED before any compute: KV goes only to registered
+        decode workers, never to a free-form address.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_PrefillWorkerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -247,6 +262,11 @@ def add_PrefillWorkerServicer_to_server(servicer, server):
                     servicer.GetInfo,
                     request_deserializer=pdserve_dot_v1_dot_worker__pb2.InfoRequest.FromString,
                     response_serializer=pdserve_dot_v1_dot_common__pb2.WorkerInfo.SerializeToString,
+            ),
+            'SetKvTargets': grpc.unary_unary_rpc_method_handler(
+                    servicer.SetKvTargets,
+                    request_deserializer=pdserve_dot_v1_dot_worker__pb2.KvTargets.FromString,
+                    response_serializer=pdserve_dot_v1_dot_worker__pb2.KvTargetsAck.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -304,6 +324,33 @@ class PrefillWorker:
             '/pdserve.v1.PrefillWorker/GetInfo',
             pdserve_dot_v1_dot_worker__pb2.InfoRequest.SerializeToString,
             pdserve_dot_v1_dot_common__pb2.WorkerInfo.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def SetKvTargets(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pdserve.v1.PrefillWorker/SetKvTargets',
+            pdserve_dot_v1_dot_worker__pb2.KvTargets.SerializeToString,
+            pdserve_dot_v1_dot_worker__pb2.KvTargetsAck.FromString,
             options,
             channel_credentials,
             insecure,

@@ -1,0 +1,24 @@
+"""The one request-size limit every pdserve process agrees on.
+
+The router refuses a request whose serialized `GenerateRequest` is larger than `MAX_REQUEST_BYTES`
+with INVALID_ARGUMENT (HTTP 400) naming the limit. Every gRPC server and channel on the request path
+accepts messages of `RECEIVE_LIMIT_BYTES` (twice the limit), so a request the router accepted is
+never refused further on for its size (a `DecodeRequest` or `PrefillRequest` adds a few fields and,
+after a failover, the tokens already delivered), and a request up to twice the limit reaches the
+router's own check (with its clear message) instead of gRPC's RESOURCE_EXHAUSTED.
+
+Hand-written (not generated); imports nothing.
+"""
+
+from __future__ import annotations
+
+#: Largest serialized GenerateRequest the router accepts (8 MiB).
+MAX_REQUEST_BYTES = 8 * 1024 * 1024
+#: grpc.max_receive_message_length of every server and channel on the request path (16 MiB).
+RECEIVE_LIMIT_BYTES = 2 * MAX_REQUEST_BYTES
+
+
+def receive_options(at_least: int = 0) -> list[tuple[str, int]]:
+    """gRPC options accepting request-path messages (and ``at_least`` bytes, e.g. a KV frame)."""
+    size = max(RECEIVE_LIMIT_BYTES, at_least)
+    return [("grpc.max_receive_message_length", size), ("grpc.max_send_message_length", size)]

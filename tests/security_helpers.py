@@ -1,0 +1,48 @@
+"""Test helpers for the security tests: a self-signed certificate (the `cryptography` package when
+installed, else the openssl command line) and a token file."""
+
+from __future__ import annotations
+
+import datetime
+import ipaddress
+import subprocess
+from pathlib import Path
+
+
+def self_signed(tmp: Path) -> tuple[str, str]:
+    """(cert.pem, key.pem) of a self-signed certificate for localhost and 127.0.0.1."""
+    cert_path, key_path = tmp / "cert.pem", tmp / "key.pem"
+    try:
+        from cryptography import x509
+        from cryptography.hazmat.primitives import hashes, serialization
+        from cryptography.hazmat.primitives.asymmetric import ec
+        from cryptography.x509.oid import NameOID
+    except ImportError:
+        subprocess.run(["openssl", "req", "-x509", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1",
+                        "-nodes", "-days", "1", "-subj", "/CN=localhost", "-keyout", str(key_path), "-out",
+                        str(cert_path), "-addext", "subjectAltName=DNS:localhost,IP:127.0.0.1"],
+                       check=True, capture_output=True)
+        return str(cert_path), str(key_path)
+    key = ec.generate_private_key(ec.SECP256R1())
+    name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "localhost")])
+    now = datetime.datetime.now(datetime.timezone.utc)
+    cert = (
+        x509.CertificateBuilder().subject_name(name).issuer_name(name).public_key(key.public_key())
+        .serial_number(x509.random_serial_number()).not_valid_before(now - datetime.timedelta(minutes=1))
+        .not_valid_after(now + datetime.timedelta(days=1))
+        .add_extension(x509.SubjectAlternativeName([x509.DNSName("localhost"),
+                                                    x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]), False)
+        .add_extension(x509.BasicConstraints(ca=True, path_length=None), True)
+        .sign(key, hashes.SHA256())
+    )
+    cert_path.write_bytes(cert.public_bytes(serialization.Encoding.PEM))
+    key_path.write_bytes(key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
+                                           serialization.NoEncryption()))
+    return str(cert_path), str(key_path)
+
+
+def token_file(tmp: Path, token: str, name: str = "token") -> str:
+    path = tmp / name
+    path.write_text(token + "\n", encoding="utf-8")
+    path.chmod(0o600)
+    return str(path)
