@@ -12,6 +12,7 @@ from pathlib import Path
 
 import grpc
 import pytest
+from security_helpers import register_kv_targets
 
 from cluster.local import child_env
 from cluster.processes import ManagedProcess, stop_all
@@ -20,6 +21,7 @@ from engine.model_loader import load_model
 from kv_transfer import KvSpec
 from kv_transfer.base import dtype_name
 from kv_transfer.shm_backend import header_for
+from pdserve.transport import open_channel
 from pdserve.v1 import common_pb2, kv_pb2_grpc, router_pb2, router_pb2_grpc, worker_pb2, worker_pb2_grpc
 from pdserve.v1.kv_pb2 import KvFrame
 
@@ -42,6 +44,7 @@ def workers(tiny_llama_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> I
              _start("decode", tiny_llama_dir, logs, "--kv-backend", "shm", "--kv-checksum")]  # xxh3
     try:
         p, d, dc = (str(proc.wait_ready(120)["address"]) for proc in procs)
+        register_kv_targets(p, [d, dc])  # no router in these tests: register the decode workers as it would
         yield {"prefill": p, "decode": d, "decode_checksum": dc}
     finally:
         stop_all(procs, 10)
@@ -70,7 +73,7 @@ class ForgingPrefill(worker_pb2_grpc.PrefillWorkerServicer):
                       (shape.num_layers, 2, n, 16, shape.num_kv_heads, shape.head_dim), 16,
                       len(request.prompt_token_ids), request.kv_block_offset)
         header = header_for(spec, 7, self.victim_segment, list(range(n)), self.victim_blocks)
-        ack = kv_pb2_grpc.KvTransferStub(grpc.insecure_channel(request.kv_target_address)).PushKv(
+        ack = kv_pb2_grpc.KvTransferStub(open_channel(request.kv_target_address)).PushKv(
             iter([KvFrame(header=header)]), timeout=30)
         self.acks.append(ack)
         context.abort(grpc.StatusCode.UNAVAILABLE, f"KV refused: {ack.error}")
@@ -91,7 +94,7 @@ PROMPT = list(range(5, 60))  # 55 tokens: 4 blocks
 
 
 def _generate_via(decode: str, prefill: str, request_id: str) -> list[int]:
-    stub = worker_pb2_grpc.DecodeWorkerStub(grpc.insecure_channel(decode))
+    stub = worker_pb2_grpc.DecodeWorkerStub(open_channel(decode))
     responses = stub.Generate(worker_pb2.DecodeRequest(
         request_id=request_id, token_ids=common_pb2.TokenIds(ids=PROMPT), prefill_address=prefill,
         params=common_pb2.SamplingParams(max_tokens=4, ignore_eos=True)), timeout=60)
@@ -118,7 +121,7 @@ def test_through_the_router_the_request_falls_back_to_an_honest_prefill_worker(w
     expected = _generate_via(workers["decode"], workers["prefill"], "reference")
     router, _ = serve(RouterConfig(prefill=(forger_address, workers["prefill"]), decode=(workers["decode"],)))
     try:
-        stub = router_pb2_grpc.RouterStub(grpc.insecure_channel(router.address))
+        stub = router_pb2_grpc.RouterStub(open_channel(router.address))
         request = router_pb2.GenerateRequest(token_ids=common_pb2.TokenIds(ids=PROMPT),
                                              params=common_pb2.SamplingParams(max_tokens=4, ignore_eos=True))
         results = [[t for r in stub.Generate(request, timeout=60) for t in r.token_ids] for _ in range(2)]
@@ -130,6 +133,8 @@ def test_through_the_router_the_request_falls_back_to_an_honest_prefill_worker(w
 
 
 def test_kv_checksum_end_to_end(workers: dict[str, str]) -> None:
+    # a router started by an earlier test replaced the prefill worker's targets with its own decode set
+    register_kv_targets(workers["prefill"], [workers["decode"], workers["decode_checksum"]])
     plain = _generate_via(workers["decode"], workers["prefill"], "no-checksum")
     checked = _generate_via(workers["decode_checksum"], workers["prefill"], "with-checksum")
     assert checked == plain and len(checked) == 4

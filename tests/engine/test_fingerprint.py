@@ -15,6 +15,7 @@ import torch
 
 from engine import model_loader
 from engine.model_loader import fingerprint, load_model
+from pdserve.transport import open_channel
 
 
 def _sampled_fingerprint(model) -> str:  # noqa: ANN001
@@ -119,7 +120,10 @@ def test_kv_from_a_worker_with_another_fingerprint_is_refused(kv_backend: str, t
     try:
         p_addr = str(prefill.wait_ready(120)["address"])
         d_addr = str(decode.wait_ready(120)["address"])
-        stub = worker_pb2_grpc.DecodeWorkerStub(grpc.insecure_channel(d_addr))
+        from security_helpers import register_kv_targets
+
+        register_kv_targets(p_addr, [d_addr])  # as a router would
+        stub = worker_pb2_grpc.DecodeWorkerStub(open_channel(d_addr))
         with pytest.raises(grpc.RpcError) as err:
             list(stub.Generate(worker_pb2.DecodeRequest(
                 request_id="mixed-models", token_ids=common_pb2.TokenIds(ids=list(range(3, 40))),

@@ -21,6 +21,7 @@ from engine.sampling_params import SamplingParams
 from kv_transfer import KvSpec, KvTransferError
 from kv_transfer.framing import encode_frames
 from kv_transfer.shm_backend import blocks_checksum, header_for
+from pdserve.transport import open_channel
 from pdserve.v1 import common_pb2, kv_pb2_grpc, worker_pb2, worker_pb2_grpc
 from pdserve.v1.kv_pb2 import KvAck, KvFrame
 
@@ -28,7 +29,8 @@ pytestmark = pytest.mark.slow
 
 #: What a refused or failed internal call may end with; UNKNOWN or INTERNAL would be an unhandled error.
 EXPECTED_CODES = {grpc.StatusCode.OK, grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.RESOURCE_EXHAUSTED,
-                  grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED}
+                  grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED,
+                  grpc.StatusCode.PERMISSION_DENIED}  # a kv_target_address no router registered
 
 
 @pytest.fixture(scope="module")
@@ -65,7 +67,7 @@ def _assert_all_free(servers: dict[str, object], timeout: float = 15) -> None:
 
 
 def _alive(address: str, stub_cls: type) -> None:
-    info = stub_cls(grpc.insecure_channel(address)).GetInfo(worker_pb2.InfoRequest(), timeout=10)
+    info = stub_cls(open_channel(address)).GetInfo(worker_pb2.InfoRequest(), timeout=10)
     assert info.healthy, info.unhealthy_reason
 
 
@@ -115,7 +117,10 @@ def prefill_requests(draw: st.DrawFn, decode_address: str) -> worker_pb2.Prefill
 
 def test_fuzzed_prefill_requests_never_crash_nor_leak(servers: dict[str, object]) -> None:
     prefill, decode = servers["prefill"].address, servers["decode"].address  # type: ignore[attr-defined]
-    stub = worker_pb2_grpc.PrefillWorkerStub(grpc.insecure_channel(prefill))
+    stub = worker_pb2_grpc.PrefillWorkerStub(open_channel(prefill))
+    # as the router does: register the decode worker as a KV target, so that well-formed requests
+    # get past the target check and really run the prefill and the push
+    stub.SetKvTargets(worker_pb2.KvTargets(targets=[decode]), timeout=10)
     codes: dict[str, int] = {}
 
     @settings(max_examples=60, deadline=None, suppress_health_check=list(HealthCheck))
@@ -212,7 +217,7 @@ def test_fuzzed_kv_pushes_never_crash_nor_leak(servers: dict[str, object]) -> No
 
     decode_servicer = servers["decode"].extras["servicer"]  # type: ignore[attr-defined]
     worker, receiver = decode_servicer.worker, servers["decode"].extras["kv_receiver"]  # type: ignore[attr-defined]
-    stub = kv_pb2_grpc.KvTransferStub(grpc.insecure_channel(servers["decode"].address))  # type: ignore[attr-defined]
+    stub = kv_pb2_grpc.KvTransferStub(open_channel(servers["decode"].address))  # type: ignore[attr-defined]
     prefill_prefix = servers["prefill"].extras["servicer"].worker.kv_cache.shm_name.rsplit("cache-", 1)[0]  # type: ignore[attr-defined]
     assert prefill_prefix == segment_prefix()  # in-process servers: one process, one prefix
     names = {"OTHER": "pdserve-kv-1-0123456789abcdef-cache-x", "OURS-nonexistent": f"{prefill_prefix}nope"}

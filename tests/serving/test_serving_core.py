@@ -17,6 +17,7 @@ from engine.llm_engine import LLMEngine
 from engine.model_loader import load_model
 from engine.sampling_params import SamplingParams
 from engine.tokenization import encode_text
+from pdserve.transport import open_channel
 from pdserve.v1 import common_pb2, kv_pb2_grpc, router_pb2, router_pb2_grpc, worker_pb2, worker_pb2_grpc
 from router.config import RouterConfig
 
@@ -45,7 +46,7 @@ def _ids(responses: list[router_pb2.GenerateResponse]) -> list[int]:
 
 
 def _info(address: str) -> common_pb2.WorkerInfo:
-    with grpc.insecure_channel(address) as channel:
+    with open_channel(address) as channel:
         return worker_pb2_grpc.DecodeWorkerStub(channel).GetInfo(worker_pb2.InfoRequest(), timeout=10)
 
 
@@ -78,8 +79,8 @@ def test_control_plane_answers_with_1000_streams_open(start_colocated, start_rou
     worker = start_colocated("--max-num-seqs", "8")
     server, stub = start_router(RouterConfig(colocated=(worker.address,), max_concurrent_streams=64))
     params = common_pb2.SamplingParams(max_tokens=5000, ignore_eos=True)
-    with grpc.insecure_channel(server.address) as router_channel, \
-            grpc.insecure_channel(worker.address) as worker_channel:
+    with open_channel(server.address) as router_channel, \
+            open_channel(worker.address) as worker_channel:
         router_stub = router_pb2_grpc.RouterStub(router_channel)
         worker_stub = worker_pb2_grpc.DecodeWorkerStub(worker_channel)
         calls = [router_stub.Generate(router_pb2.GenerateRequest(prompt=f"stream {i}", params=params), timeout=600)
@@ -137,7 +138,7 @@ def test_a_dead_engine_loop_turns_unhealthy_and_its_requests_fail_over(
     assert [_ids(r) for r in results] == _expected(tiny_llama_dir, PROMPTS, 20)
     info = _info(dying.address)
     assert not info.healthy and "engine loop died" in info.unhealthy_reason
-    with grpc.insecure_channel(dying.address) as channel:
+    with open_channel(dying.address) as channel:
         check = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(service=""), timeout=10)
     assert check.status == health_pb2.HealthCheckResponse.NOT_SERVING
     assert server.metrics.prom.failovers._value.get() >= 1  # noqa: SLF001 - the counter's own value
@@ -157,7 +158,7 @@ def test_client_ids_are_escaped_in_logs_and_refused(start_colocated, start_route
         _generate(stub, "hi", 2, request_id=forged)
     assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert "request_id" in refused.value.details()
-    with grpc.insecure_channel(worker.address) as channel:  # a worker logs ids as they come: escaped
+    with open_channel(worker.address) as channel:  # a worker logs ids as they come: escaped
         list(worker_pb2_grpc.DecodeWorkerStub(channel).Generate(worker_pb2.DecodeRequest(
             request_id=forged, prompt="hi", params=common_pb2.SamplingParams(max_tokens=2)), timeout=60))
     lines = [r.getMessage() for r in caplog.records]
