@@ -216,6 +216,9 @@ def ray_cluster_config(args: argparse.Namespace):  # noqa: ANN201 - cluster.ray_
 
     if args.colocated:
         raise ValueError("--colocated is not supported with --ray")
+    if args.metrics or args.metrics_host != "127.0.0.1":
+        raise ValueError("--metrics and --metrics-host are not supported with --ray: the Ray deployment serves "
+                         "no Prometheus /metrics yet (use Ray's own metrics)")
     engine_args = engine_worker_args(args)
     return RayClusterConfig(
         prefill=1 if args.prefill is None else args.prefill, decode=1 if args.decode is None else args.decode,

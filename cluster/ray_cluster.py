@@ -93,7 +93,7 @@ class RayClusterConfig:
     auth_token_file: str | None = None  # public API needs "Bearer <first line>" (read on the driver)
     tls_cert_file: str | None = None  # public gRPC and HTTP over TLS (paths read on the router's node)
     tls_key_file: str | None = None
-    metrics_host: str = "127.0.0.1"  # accepted for symmetry with `serve`; the Ray router serves no /metrics
+    metrics_host: str = "127.0.0.1"  # the Ray router serves no /metrics: the CLI refuses --metrics(-host) with --ray
     internal_token: str | None = field(default=None, repr=False)  # set by RayCluster (configured or generated)
 
     def __post_init__(self) -> None:

@@ -257,6 +257,9 @@ def test_serve_ray_flags_and_scale() -> None:
     assert ray_cluster_config(_parse("serve", "--ray", "--max-queued-requests", "9")).max_queued_requests == 9
     with pytest.raises(ValueError):
         ray_cluster_config(_parse("serve", "--ray", "--colocated", "1"))
+    for unsupported in (["--metrics"], ["--metrics-host", "0.0.0.0"]):  # refused, never silently ignored
+        with pytest.raises(ValueError, match="not supported with --ray"):
+            ray_cluster_config(_parse("serve", "--ray", *unsupported))
     with pytest.raises(SystemExit):
         _parse("serve", "--ray", "--kv-backend", "shm")
     scale = _parse("scale", "--prefill", "2", "--decode", "1")
