@@ -37,7 +37,7 @@ from dataclasses import dataclass, field
 import grpc
 
 from pdserve.serving import PREFILL_FAILURE
-from pdserve.transport import open_aio_channel
+from pdserve.transport import internal_metadata, open_aio_channel
 from pdserve.v1 import common_pb2, router_pb2, worker_pb2, worker_pb2_grpc
 from router.admission import AdmissionQueue, Busy, QueueFull
 from router.config import MAX_RECEIVE_MESSAGE_BYTES, RouterConfig
@@ -111,6 +111,7 @@ class RouterCore:
         self.admission: AdmissionQueue[Lease] = AdmissionQueue(config.max_queued_requests, self._release)
         self._dispatched = 0  # leases held (requests at a worker)
         self._stubs: dict[str, tuple[grpc.aio.Channel, worker_pb2_grpc.DecodeWorkerStub]] = {}
+        self._metadata = internal_metadata()
 
     # ----- public --------------------------------------------------------------------------------
     async def generate(self, request: router_pb2.GenerateRequest,
@@ -234,7 +235,8 @@ class RouterCore:
                      result: _Attempt) -> AsyncIterator[router_pb2.GenerateResponse]:
         """Relay one decode worker's stream; on a retryable failure set `result.failure` and stop."""
         decode_request = _decode_request(state, lease)
-        call = self._stub(lease.decode_address).Generate(decode_request, timeout=max(0.001, state.remaining_s()))
+        call = self._stub(lease.decode_address).Generate(decode_request, timeout=max(0.001, state.remaining_s()),
+                                                         metadata=self._metadata)
         try:
             async for response in call:
                 finished = _stamp(response, state, lease)
@@ -260,7 +262,8 @@ class RouterCore:
     def _stub(self, address: str) -> worker_pb2_grpc.DecodeWorkerStub:
         entry = self._stubs.get(address)
         if entry is None:
-            channel = open_aio_channel(address, [("grpc.max_receive_message_length", MAX_RECEIVE_MESSAGE_BYTES)])
+            channel = open_aio_channel(address, [("grpc.max_receive_message_length", MAX_RECEIVE_MESSAGE_BYTES)],
+                                       add_token=False)  # the token goes in self._metadata, per call
             entry = self._stubs[address] = (channel, worker_pb2_grpc.DecodeWorkerStub(channel))
         return entry[1]
 
