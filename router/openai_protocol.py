@@ -4,8 +4,11 @@ Supported: ``/v1/completions`` (prompt: a string, one-string list, token ids or 
 and ``/v1/chat/completions`` (text messages), with ``max_tokens`` / ``max_completion_tokens``,
 ``temperature``, ``top_p``, ``seed``, ``stop`` (string or list), ``stream``,
 ``stream_options.include_usage``, ``n=1``, and the vLLM-style extras ``top_k``, ``ignore_eos`` and
-``stop_token_ids``. Anything else that changes the result (``n>1``, ``logprobs``, ``tools``,
-``best_of>1``, ``echo``, penalties, ...) is refused with 400 rather than silently ignored.
+``stop_token_ids``. The schema is strict: every other field (``n>1``, ``logprobs``, ``tools``, ``tool_choice``,
+``functions``, ``response_format`` other than text, ``logit_bias``, ``best_of>1``, ``echo``, penalties,
+unknown keys, unknown ``stream_options`` keys ...) is refused with 400 whose ``param`` names the
+field, rather than silently ignored. Harmless labels (``user``, ``metadata``, ``parallel_tool_calls``)
+are accepted. The official ``openai`` client sends only the fields its caller passes.
 
 Errors are OpenAIError: HTTP status plus OpenAI's body ``{"error": {"message", "type", "param", "code"}}``.
 """
@@ -29,17 +32,24 @@ FINISH_REASONS = {
     common_pb2.FINISH_REASON_LENGTH: "length",
     common_pb2.FINISH_REASON_CANCELLED: "abort",
 }
-# Fields that would change the answer and that pdserve does not implement: refused unless "off".
+# Strict schema: every top-level field is either implemented, harmless, or refused with 400 naming it.
+# Fields pdserve does not implement are accepted only with their "off" value (what a client that does not
+# use the feature may send); any other value is refused rather than silently ignored.
 _UNSUPPORTED_OFF_VALUES: dict[str, tuple[Any, ...]] = {
     "logprobs": (None, False, 0), "top_logprobs": (None, 0), "tools": (None, []), "tool_choice": (None, "none"),
     "functions": (None, []), "function_call": (None, "none"), "best_of": (None, 1), "echo": (None, False),
     "suffix": (None, ""), "logit_bias": (None, {}), "presence_penalty": (None, 0, 0.0),
     "frequency_penalty": (None, 0, 0.0), "audio": (None,), "modalities": (None, ["text"]), "prediction": (None,),
+    "response_format": (None, {"type": "text"}), "store": (None, False), "reasoning_effort": (None,),
+    "service_tier": (None, "auto", "default"), "web_search_options": (None,),
 }
-_IGNORED = frozenset({"model", "user", "stream", "stream_options", "n", "metadata", "store", "service_tier",
-                      "parallel_tool_calls", "response_format", "reasoning_effort"})
+# Harmless: accepted and without effect on the answer. ``user`` and ``metadata`` are opaque labels,
+# ``parallel_tool_calls`` only matters with ``tools`` (refused). ``stream_options`` is implemented
+# (``include_usage``; other keys are refused), ``n`` only as 1.
+_IGNORED = frozenset({"model", "user", "stream", "stream_options", "n", "metadata", "parallel_tool_calls"})
 _KNOWN = frozenset({"prompt", "messages", "max_tokens", "max_completion_tokens", "temperature", "top_p", "seed",
                     "stop", "top_k", "ignore_eos", "stop_token_ids"}) | _IGNORED | frozenset(_UNSUPPORTED_OFF_VALUES)
+_STREAM_OPTIONS = frozenset({"include_usage"})
 MAX_INT32 = 2**31 - 1
 
 
@@ -106,6 +116,8 @@ def parse_request(kind: str, body: object, model_name: str, request_id: str) -> 
     options = body.get("stream_options")
     if options is not None and not isinstance(options, dict):
         raise OpenAIError(400, "stream_options must be an object", param="stream_options")
+    for key in sorted(set(options or {}) - _STREAM_OPTIONS):
+        raise OpenAIError(400, f"stream_options.{key}: not supported by this server", param="stream_options")
     include_usage = bool(options and options.get("include_usage"))
     if include_usage and not stream:
         raise OpenAIError(400, "stream_options is only allowed with stream=true", param="stream_options")
@@ -125,11 +137,16 @@ def _check_supported(body: dict[str, Any]) -> None:
     if n is not None and (isinstance(n, bool) or n != 1):
         raise OpenAIError(400, f"n: only n=1 is supported, got {n!r}", param="n")
     for name, off_values in _UNSUPPORTED_OFF_VALUES.items():
-        if name in body and body[name] not in off_values:
+        if name in body and not any(_same(body[name], off) for off in off_values):
             raise OpenAIError(400, f"{name}: not supported by this server", param=name)
     unknown = sorted(set(body) - _KNOWN)
     if unknown:
         raise OpenAIError(400, f"{unknown[0]}: unknown or unsupported parameter", param=unknown[0])
+
+
+def _same(value: object, off: object) -> bool:
+    """Equal and of the same JSON type (so ``logprobs: 0`` matches 0 but ``True`` does not match 1)."""
+    return value == off and (isinstance(value, bool) == isinstance(off, bool))
 
 
 def _number(body: dict[str, Any], name: str, low: float, high: float, low_open: bool = False) -> float | None:
