@@ -169,13 +169,14 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
         timer = loop.call_later(max(0.0, deadline - time.perf_counter()), items.put_nowait, _DEADLINE)
         self.worker.open_stream(request_id, _sink_to(loop, items))
         try:
+            prefill_cached = 0
             if self._prefill_locally(request, prompt_ids):
                 await self._wait(self.worker.add_local(request_id, prompt_ids, params, resume_ids, trace is not None),
                                  deadline, context)
             else:
-                await self._remote_prefill(request_id, request.prefill_address, prompt_ids, resume_ids, params,
-                                           deadline, context, timings, trace)
-            async for response in self._stream(request_id, items, context, timings, start, trace):
+                prefill_cached = await self._remote_prefill(request_id, request.prefill_address, prompt_ids,
+                                                            resume_ids, params, deadline, context, timings, trace)
+            async for response in self._stream(request_id, items, context, timings, start, trace, prefill_cached):
                 yield response
         finally:
             timer.cancel()
@@ -211,9 +212,9 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
     async def _remote_prefill(self, request_id: str, prefill_address: str, prompt_ids: list[int],
                               resume_ids: list[int], params: SamplingParams, deadline: float,
                               context: grpc.aio.ServicerContext, timings: common_pb2.Timings,
-                              trace: list[common_pb2.TraceEvent] | None = None) -> None:
+                              trace: list[common_pb2.TraceEvent] | None = None) -> int:
         """Reserve, then have `prefill_address` compute the K/V of prompt + resumed tokens and push
-        them here. A failure on the prefill side ends with UNAVAILABLE and details starting with
+        them here; return the prompt tokens the prefill worker took from its prefix cache. A failure on the prefill side ends with UNAVAILABLE and details starting with
         PREFILL_FAILURE, so the router prefills the request again elsewhere. `trace`: gets the
         prefill worker's pass events and the KV hand-off."""
         backend, segment_prefix = await self._backend_and_segments(prefill_address, deadline, context)
@@ -265,6 +266,7 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
             trace.extend(response.trace)
             trace.append(common_pb2.TraceEvent(worker_id=self.worker_id, kv_transfer=common_pb2.TraceKvTransfer(
                 backend=backend, bytes=response.kv_bytes, time_s=response.timings.kv_transfer_s)))
+        return response.cached_tokens
 
     async def _prefill_failed(self, exc: Exception, call: grpc.aio.UnaryUnaryCall, pending: Any,
                               prefill_address: str, context: grpc.aio.ServicerContext) -> None:
@@ -328,7 +330,8 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
 
     async def _stream(self, request_id: str, items: asyncio.Queue, context: grpc.aio.ServicerContext,
                       timings: common_pb2.Timings, start: float,
-                      trace: list[common_pb2.TraceEvent] | None) -> AsyncIterator[router_pb2.GenerateResponse]:
+                      trace: list[common_pb2.TraceEvent] | None,
+                      prefill_cached: int = 0) -> AsyncIterator[router_pb2.GenerateResponse]:
         first_at: float | None = None
         while True:
             item = await items.get()
@@ -338,7 +341,7 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
                 code = grpc.StatusCode.UNAVAILABLE if item.worker_failed else grpc.StatusCode.INTERNAL
                 await context.abort(code, f"decode worker {self.worker_id}: {item.message}")
             first_at = first_at or time.perf_counter()
-            response = self._response(request_id, item, timings, start, first_at)
+            response = self._response(request_id, item, timings, start, first_at, prefill_cached)
             if trace is not None:
                 tokenizer = self.worker.loaded.tokenizer
                 response.trace.extend(trace + trace_events_to_pb(item.trace, self.worker_id, tokenizer))
@@ -351,7 +354,7 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
 
     @staticmethod
     def _response(request_id: str, out: TokenOutput, timings: common_pb2.Timings, start: float,
-                  first_at: float) -> router_pb2.GenerateResponse:
+                  first_at: float, prefill_cached: int = 0) -> router_pb2.GenerateResponse:
         response = router_pb2.GenerateResponse(request_id=request_id, text=out.text)
         if out.token_id >= 0:
             response.token_ids.append(out.token_id)
@@ -359,6 +362,8 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
             response.finish_reason = finish_reason_to_pb(out.finish_reason)
             response.usage.prompt_tokens = out.num_prompt_tokens
             response.usage.completion_tokens = out.num_output_tokens
+            # both are leading prefixes of the prompt: the longer one was not computed on one side
+            response.usage.cached_tokens = min(max(out.num_cached_tokens, prefill_cached), out.num_prompt_tokens)
             now = time.perf_counter()
             response.timings.CopyFrom(timings)
             response.timings.decode_s = now - first_at

@@ -54,6 +54,7 @@ class TokenOutput:
     finish_reason: str | None
     num_prompt_tokens: int
     num_output_tokens: int
+    num_cached_tokens: int = 0  # prompt tokens this engine took from its prefix cache (Sequence.num_prefix_hit_tokens)
     error: str | None = None  # set (with finish_reason "error", token_id -1) when a pass failed it
     detokenize_s: float = 0.0  # the request's detokenization time so far
     queue_s: float = 0.0  # queued -> admitted, when this engine prefilled the prompt (else 0)
@@ -142,6 +143,7 @@ class LLMEngine:
             hashes = block_hashes(seq.all_ids, self.pool.block_size)
             seq.block_table = self.pool.lookup(hashes[: (seq.num_tokens - 1) // self.pool.block_size])
             seq.num_reused_blocks = len(seq.block_table)
+            seq.num_prefix_hit_tokens = min(seq.num_reused_blocks * self.pool.block_size, len(seq.prompt_ids))
         if not self.scheduler.grow(seq, seq.num_tokens + 1):
             self.pool.free(seq.block_table)
             seq.block_table, seq.num_reused_blocks = [], 0
@@ -302,7 +304,7 @@ class LLMEngine:
         return TokenOutput(
             request_id=seq.request_id, token_id=token_id, text=text, finish_reason=seq.finish_reason,
             num_prompt_tokens=len(seq.prompt_ids), num_output_tokens=len(seq.output_ids),
-            detokenize_s=seq.detokenize_s, queue_s=queue_s, prefill_s=prefill_s, trace=seq.take_trace(),
+            num_cached_tokens=seq.num_prefix_hit_tokens, detokenize_s=seq.detokenize_s, queue_s=queue_s, prefill_s=prefill_s, trace=seq.take_trace(),
         )
 
     # ----- convenience -----------------------------------------------------------------------

@@ -189,6 +189,8 @@ class Scheduler:
         seq.block_table = hits + self.pool.allocate(needed - len(hits))
         seq.prefix_hashes = hashes
         seq.num_cached = len(hits) * self.pool.block_size
+        if seq.scheduled_time is None:  # first admission (not a re-admission after preemption)
+            seq.num_prefix_hit_tokens = min(seq.num_cached, len(seq.prompt_ids))
         seq.status = SequenceStatus.PREFILLING
         if seq.scheduled_time is None:
             seq.scheduled_time = time.perf_counter()

@@ -40,6 +40,7 @@ class Sequence:
     block_table: list[int] = field(default_factory=list)
     num_cached: int = 0  # tokens whose K/V are in this engine's cache
     num_reused_blocks: int = 0  # leading blocks of a reservation taken from this engine's prefix cache
+    num_prefix_hit_tokens: int = 0  # prompt tokens whose K/V came from this engine's prefix cache (usage)
     prefix_hashes: list[bytes] = field(default_factory=list)  # of each full block it prefills (prefix caching)
     # output position of the first token sampled here: > 0 when `prompt_ids` already end with
     # earlier outputs (a prefill worker computing a resumed request's K/V); seeds depend on it

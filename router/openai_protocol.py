@@ -267,7 +267,8 @@ def finish_reason(response: router_pb2.GenerateResponse) -> str | None:
 
 def usage(response: router_pb2.GenerateResponse) -> dict[str, int]:
     prompt, completion = response.usage.prompt_tokens, response.usage.completion_tokens
-    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
+            "prompt_tokens_details": {"cached_tokens": response.usage.cached_tokens}}
 
 
 def response_id(kind: str, request_id: str) -> str:
