@@ -75,7 +75,8 @@ class Sequence:
     ) -> Sequence:
         return cls(
             request_id=request_id, prompt_ids=list(prompt_ids), params=params,
-            detokenizer=IncrementalDetokenizer(tokenizer), stopper=StopChecker(params, eos_token_ids),
+            detokenizer=IncrementalDetokenizer(tokenizer, prompt_ids=prompt_ids),
+            stopper=StopChecker(params, eos_token_ids),
             trace=[] if trace else None,
         )
 
