@@ -25,6 +25,7 @@ import grpc
 from decode_worker.worker import AdmissionError, DecodeWorker, StreamError, WorkerDead
 from engine.llm_engine import TokenOutput
 from engine.model_loader import LoadedModel
+from engine.sampler import TokenLogprob
 from engine.sampling_params import SamplingParams
 from engine.tokenization import encode_chat, encode_text
 from engine.trace import token_bytes
@@ -189,7 +190,11 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
             token_ids=prompt_ids, pieces=pieces, time_s=tokenize_s))
 
     def _prefill_locally(self, request: worker_pb2.DecodeRequest, prompt_ids: list[int]) -> bool:
-        return self.colocated or not request.prefill_address or len(prompt_ids) < self.local_prefill_threshold
+        # log-probabilities (of the prompt, or of the first token, which a prefill worker samples) are
+        # computed where the request is prefilled: such requests are prefilled here
+        wants_logprobs = request.params.HasField("logprobs") or request.params.HasField("prompt_logprobs")
+        return (self.colocated or not request.prefill_address or len(prompt_ids) < self.local_prefill_threshold
+                or wants_logprobs)
 
     def _timeout(self, context: grpc.aio.ServicerContext) -> float:
         remaining = context.time_remaining()
@@ -342,6 +347,8 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
                 await context.abort(code, f"decode worker {self.worker_id}: {item.message}")
             first_at = first_at or time.perf_counter()
             response = self._response(request_id, item, timings, start, first_at, prefill_cached)
+            if item.logprob is not None or item.prompt_logprobs is not None:
+                _add_logprobs(response, item, self.worker.loaded.tokenizer)
             if trace is not None:
                 tokenizer = self.worker.loaded.tokenizer
                 response.trace.extend(trace + trace_events_to_pb(item.trace, self.worker_id, tokenizer))
@@ -393,3 +400,22 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
         found = request.request_id in self.worker.engine.sequences
         self.worker.abort(request.request_id)
         return worker_pb2.AbortResponse(found=found)
+
+
+def _logprob_pb(entry: TokenLogprob, tokenizer: Any) -> common_pb2.TokenLogprob:
+    def piece(token_id: int) -> str:
+        return tokenizer.decode([token_id], skip_special_tokens=False, clean_up_tokenization_spaces=False)
+
+    pb = common_pb2.TokenLogprob(token_id=entry.token_id, token=piece(entry.token_id))
+    if entry.logprob is not None:
+        pb.logprob = entry.logprob
+    pb.top.extend(common_pb2.TopLogprob(token_id=t, logprob=v, token=piece(t)) for t, v in entry.top)
+    return pb
+
+
+def _add_logprobs(response: router_pb2.GenerateResponse, out: TokenOutput, tokenizer: Any) -> None:
+    """The log-probabilities an engine output carries, with each token decoded alone."""
+    if out.logprob is not None:
+        response.logprobs.append(_logprob_pb(out.logprob, tokenizer))
+    if out.prompt_logprobs is not None:
+        response.prompt_logprobs.extend(_logprob_pb(e, tokenizer) for e in out.prompt_logprobs)
