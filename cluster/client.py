@@ -113,7 +113,8 @@ def collect(responses: Iterable[router_pb2.GenerateResponse]) -> GenerationResul
         text.append(response.text)
         token_ids.extend(response.token_ids)
         last = response
-    usage = {"prompt_tokens": last.usage.prompt_tokens, "completion_tokens": last.usage.completion_tokens}
+    usage = {"prompt_tokens": last.usage.prompt_tokens, "completion_tokens": last.usage.completion_tokens,
+             "cached_tokens": last.usage.cached_tokens}
     timings = {name: getattr(last.timings, name) for name in TIMING_FIELDS}
     return GenerationResult(
         last.request_id, "".join(text), token_ids, FINISH_REASONS[last.finish_reason], last.error, usage, timings

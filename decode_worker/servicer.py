@@ -25,6 +25,7 @@ import grpc
 from decode_worker.worker import AdmissionError, DecodeWorker, StreamError, WorkerDead
 from engine.llm_engine import TokenOutput
 from engine.model_loader import LoadedModel
+from engine.sampler import TokenLogprob
 from engine.sampling_params import SamplingParams
 from engine.tokenization import encode_chat, encode_text
 from engine.trace import token_bytes
@@ -169,13 +170,14 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
         timer = loop.call_later(max(0.0, deadline - time.perf_counter()), items.put_nowait, _DEADLINE)
         self.worker.open_stream(request_id, _sink_to(loop, items))
         try:
+            prefill_cached = 0
             if self._prefill_locally(request, prompt_ids):
                 await self._wait(self.worker.add_local(request_id, prompt_ids, params, resume_ids, trace is not None),
                                  deadline, context)
             else:
-                await self._remote_prefill(request_id, request.prefill_address, prompt_ids, resume_ids, params,
-                                           deadline, context, timings, trace)
-            async for response in self._stream(request_id, items, context, timings, start, trace):
+                prefill_cached = await self._remote_prefill(request_id, request.prefill_address, prompt_ids,
+                                                            resume_ids, params, deadline, context, timings, trace)
+            async for response in self._stream(request_id, items, context, timings, start, trace, prefill_cached):
                 yield response
         finally:
             timer.cancel()
@@ -188,7 +190,11 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
             token_ids=prompt_ids, pieces=pieces, time_s=tokenize_s))
 
     def _prefill_locally(self, request: worker_pb2.DecodeRequest, prompt_ids: list[int]) -> bool:
-        return self.colocated or not request.prefill_address or len(prompt_ids) < self.local_prefill_threshold
+        # log-probabilities (of the prompt, or of the first token, which a prefill worker samples) are
+        # computed where the request is prefilled: such requests are prefilled here
+        wants_logprobs = request.params.HasField("logprobs") or request.params.HasField("prompt_logprobs")
+        return (self.colocated or not request.prefill_address or len(prompt_ids) < self.local_prefill_threshold
+                or wants_logprobs)
 
     def _timeout(self, context: grpc.aio.ServicerContext) -> float:
         remaining = context.time_remaining()
@@ -211,9 +217,9 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
     async def _remote_prefill(self, request_id: str, prefill_address: str, prompt_ids: list[int],
                               resume_ids: list[int], params: SamplingParams, deadline: float,
                               context: grpc.aio.ServicerContext, timings: common_pb2.Timings,
-                              trace: list[common_pb2.TraceEvent] | None = None) -> None:
+                              trace: list[common_pb2.TraceEvent] | None = None) -> int:
         """Reserve, then have `prefill_address` compute the K/V of prompt + resumed tokens and push
-        them here. A failure on the prefill side ends with UNAVAILABLE and details starting with
+        them here; return the prompt tokens the prefill worker took from its prefix cache. A failure on the prefill side ends with UNAVAILABLE and details starting with
         PREFILL_FAILURE, so the router prefills the request again elsewhere. `trace`: gets the
         prefill worker's pass events and the KV hand-off."""
         backend, segment_prefix = await self._backend_and_segments(prefill_address, deadline, context)
@@ -265,6 +271,7 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
             trace.extend(response.trace)
             trace.append(common_pb2.TraceEvent(worker_id=self.worker_id, kv_transfer=common_pb2.TraceKvTransfer(
                 backend=backend, bytes=response.kv_bytes, time_s=response.timings.kv_transfer_s)))
+        return response.cached_tokens
 
     async def _prefill_failed(self, exc: Exception, call: grpc.aio.UnaryUnaryCall, pending: Any,
                               prefill_address: str, context: grpc.aio.ServicerContext) -> None:
@@ -328,7 +335,8 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
 
     async def _stream(self, request_id: str, items: asyncio.Queue, context: grpc.aio.ServicerContext,
                       timings: common_pb2.Timings, start: float,
-                      trace: list[common_pb2.TraceEvent] | None) -> AsyncIterator[router_pb2.GenerateResponse]:
+                      trace: list[common_pb2.TraceEvent] | None,
+                      prefill_cached: int = 0) -> AsyncIterator[router_pb2.GenerateResponse]:
         first_at: float | None = None
         while True:
             item = await items.get()
@@ -338,7 +346,9 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
                 code = grpc.StatusCode.UNAVAILABLE if item.worker_failed else grpc.StatusCode.INTERNAL
                 await context.abort(code, f"decode worker {self.worker_id}: {item.message}")
             first_at = first_at or time.perf_counter()
-            response = self._response(request_id, item, timings, start, first_at)
+            response = self._response(request_id, item, timings, start, first_at, prefill_cached)
+            if item.logprob is not None or item.prompt_logprobs is not None:
+                _add_logprobs(response, item, self.worker.loaded.tokenizer)
             if trace is not None:
                 tokenizer = self.worker.loaded.tokenizer
                 response.trace.extend(trace + trace_events_to_pb(item.trace, self.worker_id, tokenizer))
@@ -351,7 +361,7 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
 
     @staticmethod
     def _response(request_id: str, out: TokenOutput, timings: common_pb2.Timings, start: float,
-                  first_at: float) -> router_pb2.GenerateResponse:
+                  first_at: float, prefill_cached: int = 0) -> router_pb2.GenerateResponse:
         response = router_pb2.GenerateResponse(request_id=request_id, text=out.text)
         if out.token_id >= 0:
             response.token_ids.append(out.token_id)
@@ -359,6 +369,8 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
             response.finish_reason = finish_reason_to_pb(out.finish_reason)
             response.usage.prompt_tokens = out.num_prompt_tokens
             response.usage.completion_tokens = out.num_output_tokens
+            # both are leading prefixes of the prompt: the longer one was not computed on one side
+            response.usage.cached_tokens = min(max(out.num_cached_tokens, prefill_cached), out.num_prompt_tokens)
             now = time.perf_counter()
             response.timings.CopyFrom(timings)
             response.timings.decode_s = now - first_at
@@ -388,3 +400,22 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
         found = request.request_id in self.worker.engine.sequences
         self.worker.abort(request.request_id)
         return worker_pb2.AbortResponse(found=found)
+
+
+def _logprob_pb(entry: TokenLogprob, tokenizer: Any) -> common_pb2.TokenLogprob:
+    def piece(token_id: int) -> str:
+        return tokenizer.decode([token_id], skip_special_tokens=False, clean_up_tokenization_spaces=False)
+
+    pb = common_pb2.TokenLogprob(token_id=entry.token_id, token=piece(entry.token_id))
+    if entry.logprob is not None:
+        pb.logprob = entry.logprob
+    pb.top.extend(common_pb2.TopLogprob(token_id=t, logprob=v, token=piece(t)) for t, v in entry.top)
+    return pb
+
+
+def _add_logprobs(response: router_pb2.GenerateResponse, out: TokenOutput, tokenizer: Any) -> None:
+    """The log-probabilities an engine output carries, with each token decoded alone."""
+    if out.logprob is not None:
+        response.logprobs.append(_logprob_pb(out.logprob, tokenizer))
+    if out.prompt_logprobs is not None:
+        response.prompt_logprobs.extend(_logprob_pb(e, tokenizer) for e in out.prompt_logprobs)

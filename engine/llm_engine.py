@@ -31,7 +31,7 @@ from engine.kv_connector import KvConnector
 from engine.model_loader import LoadedModel
 from engine.model_runner import StepInput
 from engine.runners import build_runner
-from engine.sampler import sample
+from engine.sampler import TokenLogprob, sample, token_logprobs
 from engine.sampling_params import SamplingParams
 from engine.scheduler import PassItem, ScheduledPass, Scheduler
 from engine.sequence import Sequence, SequenceStatus
@@ -54,11 +54,23 @@ class TokenOutput:
     finish_reason: str | None
     num_prompt_tokens: int
     num_output_tokens: int
+    num_cached_tokens: int = 0  # prompt tokens this engine took from its prefix cache (Sequence.num_prefix_hit_tokens)
     error: str | None = None  # set (with finish_reason "error", token_id -1) when a pass failed it
     detokenize_s: float = 0.0  # the request's detokenization time so far
     queue_s: float = 0.0  # queued -> admitted, when this engine prefilled the prompt (else 0)
     prefill_s: float = 0.0  # admitted -> first token, when this engine prefilled the prompt (else 0)
     trace: tuple[TraceEvent, ...] = ()  # step-trace events since its previous output (traced requests)
+    logprob: TokenLogprob | None = None  # of token_id (SamplingParams.logprobs)
+    prompt_logprobs: tuple[TokenLogprob, ...] | None = None  # every prompt token's, on its first token output
+
+
+@dataclass(frozen=True)
+class _PassLogprobs:
+    """What one pass computed for one item: prompt entries (first position, entries) and the
+    sampled token's entry."""
+
+    prompt: tuple[int, list[TokenLogprob]] | None = None
+    token: TokenLogprob | None = None
 
 
 def build_cache(loaded: LoadedModel, config: EngineConfig, shared: bool = False) -> KVCache:
@@ -142,6 +154,7 @@ class LLMEngine:
             hashes = block_hashes(seq.all_ids, self.pool.block_size)
             seq.block_table = self.pool.lookup(hashes[: (seq.num_tokens - 1) // self.pool.block_size])
             seq.num_reused_blocks = len(seq.block_table)
+            seq.num_prefix_hit_tokens = min(seq.num_reused_blocks * self.pool.block_size, len(seq.prompt_ids))
         if not self.scheduler.grow(seq, seq.num_tokens + 1):
             self.pool.free(seq.block_table)
             seq.block_table, seq.num_reused_blocks = [], 0
@@ -208,22 +221,39 @@ class LLMEngine:
         """Compute a pass and apply it; if it raises, isolate the sequences that make it fail."""
         started = time.perf_counter()
         try:
-            sampled = self._compute(items)
+            sampled, logprobs = self._compute(items)
         except Exception as exc:  # noqa: BLE001 - a failing pass fails only the sequences that cause it
             return self._isolate(items, exc)
-        return self._apply(items, sampled, time.perf_counter() - started)
+        return self._apply(items, sampled, time.perf_counter() - started, logprobs)
 
-    def _compute(self, items: list[PassItem]) -> list[int]:
+    def _compute(self, items: list[PassItem]) -> tuple[list[int], dict[int, _PassLogprobs]]:
         """Forward pass and sampling, with no change to any sequence: a failed attempt leaves
         nothing to undo (K/V slots it wrote are rewritten by the retry). Returns one token per
-        item that samples, in order."""
+        item that samples, in order, and the log-probabilities asked for (by item row)."""
         completing = [item.seq for item in items if item.completes_prefill]
         on_layer = self.connector.layer_hook(completing) if self.connector and completing else None
+        full_rows = [row for row, item in enumerate(items) if item.is_prefill and item.seq.wants_prompt_logprobs()]
+        extra = {"full_rows": full_rows} if full_rows else {}  # only the real runner computes them
         logits = self.runner.forward(
             [StepInput(item.token_ids, item.seq.num_cached, item.seq.block_table) for item in items],
-            on_layer_done=on_layer)
+            on_layer_done=on_layer, **extra)
         rows = [row for row, item in enumerate(items) if item.samples]
-        return sample(logits[rows], [items[r].seq.params for r in rows], [items[r].seq.next_output_index for r in rows])
+        sampled = sample(logits[rows], [items[r].seq.params for r in rows],
+                         [items[r].seq.next_output_index for r in rows])
+        logprobs: dict[int, _PassLogprobs] = {}
+        for row in full_rows:
+            seq, start = items[row].seq, items[row].seq.num_cached
+            # the logits at position p predict prompt token p + 1
+            targets = seq.prompt_ids[start + 1 : start + 1 + len(items[row].token_ids)]
+            entries = token_logprobs(self.runner.full_logits[row][: len(targets)], targets,
+                                     seq.params.prompt_logprobs or 0) if targets else []
+            logprobs[row] = _PassLogprobs(prompt=(start + 1, entries))
+        for row, token in zip(rows, sampled, strict=True):
+            num_top = items[row].seq.params.logprobs
+            if num_top is not None:
+                entry = token_logprobs(logits[row : row + 1], [token], num_top)[0]
+                logprobs[row] = _PassLogprobs(logprobs[row].prompt if row in logprobs else None, entry)
+        return sampled, logprobs
 
     def _isolate(self, items: list[PassItem], error: Exception) -> list[TokenOutput]:
         """Fail what cannot be retried (K/V already streaming, or a pass of one sequence); retry the
@@ -243,12 +273,17 @@ class LLMEngine:
         half = len(rest) // 2
         return outputs + self._run(rest[:half]) + self._run(rest[half:])
 
-    def _apply(self, items: list[PassItem], sampled: list[int], pass_s: float) -> list[TokenOutput]:
+    def _apply(self, items: list[PassItem], sampled: list[int], pass_s: float,
+               logprobs: dict[int, _PassLogprobs] | None = None) -> list[TokenOutput]:
         """Advance every sequence of a successful pass; emit (or hand off) the sampled tokens."""
         tokens = iter(sampled)
         outputs = []
-        for item in items:
+        for row, item in enumerate(items):
             seq, done_prefill, samples = item.seq, item.completes_prefill, item.samples
+            extra = (logprobs or {}).get(row)
+            if extra is not None and extra.prompt is not None:
+                seq.add_prompt_logprobs(*extra.prompt)
+            seq.next_logprob = extra.token if extra is not None else None
             before, seq.num_cached = seq.num_cached, seq.num_cached + len(item.token_ids)
             token = next(tokens) if samples else None
             if seq.trace is not None:
@@ -299,10 +334,15 @@ class LLMEngine:
     @staticmethod
     def _output(seq: Sequence, token_id: int, text: str) -> TokenOutput:
         queue_s, prefill_s = seq.queue_and_prefill_s if seq.is_finished else (0.0, 0.0)
+        logprob, seq.next_logprob = (seq.next_logprob if token_id >= 0 else None), None
+        prompt_logprobs = None
+        if token_id >= 0 and seq.prompt_logprobs is not None and not seq.prompt_logprobs_sent:
+            prompt_logprobs, seq.prompt_logprobs_sent = tuple(seq.prompt_logprobs), True
         return TokenOutput(
+            logprob=logprob, prompt_logprobs=prompt_logprobs,
             request_id=seq.request_id, token_id=token_id, text=text, finish_reason=seq.finish_reason,
             num_prompt_tokens=len(seq.prompt_ids), num_output_tokens=len(seq.output_ids),
-            detokenize_s=seq.detokenize_s, queue_s=queue_s, prefill_s=prefill_s, trace=seq.take_trace(),
+            num_cached_tokens=seq.num_prefix_hit_tokens, detokenize_s=seq.detokenize_s, queue_s=queue_s, prefill_s=prefill_s, trace=seq.take_trace(),
         )
 
     # ----- convenience -----------------------------------------------------------------------

@@ -8,7 +8,7 @@ any Llama-layout model works) and compute logits only where a token will be samp
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import dataclass
 
 import torch
@@ -50,6 +50,7 @@ class ModelRunner:
         self.device = kv_cache.kv.device  # weights, K/V and every index tensor of a pass live here
         _check_same_place(loaded, kv_cache)
         self.num_forward_passes = 0
+        self.full_logits: dict[int, torch.Tensor] = {}  # the last pass's `full_rows` logits
         self.num_prefill_tokens = 0  # new tokens of sequences that were not decoding (prompts, recomputes)
 
     def _slots(self, item: StepInput) -> torch.Tensor:
@@ -73,8 +74,11 @@ class ModelRunner:
         )
 
     @torch.inference_mode()
-    def forward(self, items: list[StepInput], on_layer_done: LayerCallback | None = None) -> torch.Tensor:
-        """Run one pass; return float32 logits [len(items), vocab] at each sequence's last new token."""
+    def forward(self, items: list[StepInput], on_layer_done: LayerCallback | None = None,
+                full_rows: Collection[int] = ()) -> torch.Tensor:
+        """Run one pass; return float32 logits [len(items), vocab] at each sequence's last new token.
+        For the items in `full_rows` (prompt log-probabilities), the logits at every new token are
+        left in `self.full_logits` (row -> [len(token_ids), vocab] float32); it is empty otherwise."""
         if not items or any(not i.token_ids for i in items):
             raise ValueError("every sequence in a forward pass needs at least one new token")
         for item in items:
@@ -95,6 +99,11 @@ class ModelRunner:
                 hidden = layer(hidden, attention_mask=None, position_ids=positions, position_embeddings=rotary)
                 if on_layer_done is not None:
                     on_layer_done(index)
+        self.full_logits = {}
+        starts = (last + 1 - torch.tensor(batch.query_lens)).tolist()
+        for row in full_rows:
+            rows = hidden[0, starts[row] : starts[row] + batch.query_lens[row]]
+            self.full_logits[row] = self.model.lm_head(inner.norm(rows)).float()  # [Q, V]
         hidden = inner.norm(hidden[0, last.to(device)])  # [N, E]
         self.num_forward_passes += 1
         self.num_prefill_tokens += sum(batch.query_lens[batch.num_decode :])

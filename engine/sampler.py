@@ -11,6 +11,8 @@ tokens whichever device computed its logits (given the same logits).
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from engine.sampling_params import SamplingParams
@@ -56,3 +58,26 @@ def sample(logits: torch.Tensor, params: list[SamplingParams], steps: list[int])
     if logits.device.type != "cpu":
         logits = logits.float().cpu()  # one copy for the whole batch, not one per row
     return [sample_one(logits[i], p, s) for i, (p, s) in enumerate(zip(params, steps, strict=True))]
+
+
+@dataclass(frozen=True)
+class TokenLogprob:
+    """A token's log-probability (None: the first prompt token) and the `top` most likely tokens
+    at its position, most likely first. Values are log_softmax of the fp32 logits, taken before
+    temperature, top-k and top-p (what the model assigns, whatever the sampling settings)."""
+
+    token_id: int
+    logprob: float | None
+    top: tuple[tuple[int, float], ...] = ()
+
+
+def token_logprobs(logits: torch.Tensor, token_ids: list[int], num_top: int) -> list[TokenLogprob]:
+    """logits [N, V] (row i predicts token_ids[i]) -> one TokenLogprob per row."""
+    logprobs = torch.log_softmax(logits.float(), dim=-1)
+    chosen = logprobs.gather(1, torch.tensor(token_ids, device=logprobs.device).unsqueeze(1)).squeeze(1).tolist()
+    if num_top:
+        values, ids = torch.topk(logprobs, num_top, dim=-1)
+        tops = [tuple(zip(i, v, strict=True)) for i, v in zip(ids.tolist(), values.tolist(), strict=True)]
+    else:
+        tops = [()] * len(token_ids)
+    return [TokenLogprob(t, lp, top) for t, lp, top in zip(token_ids, chosen, tops, strict=True)]

@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 
 MAX_STOP_STRINGS = 16
 MAX_STOP_STRING_CHARS = 256
+MAX_LOGPROBS = 20  # OpenAI's bound on alternatives per position
 
 
 @dataclass(frozen=True)
@@ -25,6 +26,8 @@ class SamplingParams:
     stop: tuple[str, ...] = field(default_factory=tuple)
     stop_token_ids: tuple[int, ...] = field(default_factory=tuple)
     ignore_eos: bool = False
+    logprobs: int | None = None  # log-probability of each output token plus this many alternatives
+    prompt_logprobs: int | None = None  # the same for each prompt token (the first has none)
 
     def __post_init__(self) -> None:
         if not 1 <= self.max_tokens <= 1_000_000:
@@ -37,6 +40,10 @@ class SamplingParams:
             raise ValueError(f"top_k must be >= 0 (0 disables it), got {self.top_k}")
         if self.seed is not None and not 0 <= self.seed < 2**63:
             raise ValueError(f"seed must be in [0, 2**63), got {self.seed}")
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None and not 0 <= value <= MAX_LOGPROBS:
+                raise ValueError(f"{name} must be in [0, {MAX_LOGPROBS}], got {value}")
         self._check_stops()
 
     def _check_stops(self) -> None:

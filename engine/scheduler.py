@@ -185,10 +185,14 @@ class Scheduler:
         if not self.pool.can_allocate(needed + headroom):
             return False
         hashes = block_hashes(tokens, self.pool.block_size) if self.config.prefix_caching else []
-        hits = self.pool.lookup(hashes[: (len(tokens) - 1) // self.pool.block_size])
+        # prompt log-probabilities need the logits at every prompt position: compute them all
+        usable = 0 if seq.wants_prompt_logprobs() else (len(tokens) - 1) // self.pool.block_size
+        hits = self.pool.lookup(hashes[:usable])
         seq.block_table = hits + self.pool.allocate(needed - len(hits))
         seq.prefix_hashes = hashes
         seq.num_cached = len(hits) * self.pool.block_size
+        if seq.scheduled_time is None:  # first admission (not a re-admission after preemption)
+            seq.num_prefix_hit_tokens = min(seq.num_cached, len(seq.prompt_ids))
         seq.status = SequenceStatus.PREFILLING
         if seq.scheduled_time is None:
             seq.scheduled_time = time.perf_counter()

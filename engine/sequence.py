@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from engine.detokenizer import IncrementalDetokenizer
+from engine.sampler import TokenLogprob
 from engine.sampling_params import SamplingParams
 from engine.stop_checker import StopChecker
 from engine.trace import DetokenizeHoldEvent, TraceEvent
@@ -40,6 +41,7 @@ class Sequence:
     block_table: list[int] = field(default_factory=list)
     num_cached: int = 0  # tokens whose K/V are in this engine's cache
     num_reused_blocks: int = 0  # leading blocks of a reservation taken from this engine's prefix cache
+    num_prefix_hit_tokens: int = 0  # prompt tokens whose K/V came from this engine's prefix cache (usage)
     prefix_hashes: list[bytes] = field(default_factory=list)  # of each full block it prefills (prefix caching)
     # output position of the first token sampled here: > 0 when `prompt_ids` already end with
     # earlier outputs (a prefill worker computing a resumed request's K/V); seeds depend on it
@@ -51,6 +53,10 @@ class Sequence:
     last_token_time: float | None = None
     detokenize_s: float = 0.0  # time spent turning its output ids into streamed text
     trace: list[TraceEvent] | None = None  # step trace (engine.trace), collected only when asked
+    # SamplingParams.prompt_logprobs: one entry per prompt token computed so far (the first has none)
+    prompt_logprobs: list[TokenLogprob] | None = None
+    prompt_logprobs_sent: bool = False
+    next_logprob: TokenLogprob | None = None  # SamplingParams.logprobs: of the token being appended
 
     @property
     def queue_and_prefill_s(self) -> tuple[float, float]:
@@ -74,8 +80,10 @@ class Sequence:
     ) -> Sequence:
         return cls(
             request_id=request_id, prompt_ids=list(prompt_ids), params=params,
-            detokenizer=IncrementalDetokenizer(tokenizer), stopper=StopChecker(params, eos_token_ids),
+            detokenizer=IncrementalDetokenizer(tokenizer, prompt_ids=prompt_ids),
+            stopper=StopChecker(params, eos_token_ids),
             trace=[] if trace else None,
+            prompt_logprobs=[TokenLogprob(prompt_ids[0], None)] if params.prompt_logprobs is not None else None,
         )
 
     @property
@@ -104,6 +112,18 @@ class Sequence:
     @property
     def is_finished(self) -> bool:
         return self.stopper.finish_reason is not None
+
+    def wants_prompt_logprobs(self) -> bool:
+        """Prompt log-probabilities asked for and not all computed yet."""
+        return self.prompt_logprobs is not None and len(self.prompt_logprobs) < len(self.prompt_ids)
+
+    def add_prompt_logprobs(self, first_position: int, entries: list[TokenLogprob]) -> None:
+        """Entries for prompt positions first_position, first_position + 1, ... (a recomputed chunk
+        after preemption repeats positions already known: those are skipped)."""
+        assert self.prompt_logprobs is not None
+        for position, entry in enumerate(entries, start=first_position):
+            if position == len(self.prompt_logprobs) < len(self.prompt_ids):
+                self.prompt_logprobs.append(entry)
 
     def append_token(self, token_id: int) -> str:
         """Record a sampled token; return the text that may be streamed for it."""

@@ -73,6 +73,8 @@ def sampling_params_from_pb(pb: common_pb2.SamplingParams) -> SamplingParams:
         stop=tuple(pb.stop),
         stop_token_ids=tuple(pb.stop_token_ids),
         ignore_eos=pb.ignore_eos,
+        logprobs=pb.logprobs if pb.HasField("logprobs") else None,
+        prompt_logprobs=pb.prompt_logprobs if pb.HasField("prompt_logprobs") else None,
     )
 
 
@@ -84,6 +86,10 @@ def sampling_params_to_pb(params: SamplingParams) -> common_pb2.SamplingParams:
     )
     if params.seed is not None:
         pb.seed = params.seed
+    if params.logprobs is not None:
+        pb.logprobs = params.logprobs
+    if params.prompt_logprobs is not None:
+        pb.prompt_logprobs = params.prompt_logprobs
     return pb
 
 

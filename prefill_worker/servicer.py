@@ -100,6 +100,7 @@ class PrefillServicer(worker_pb2_grpc.PrefillWorkerServicer):
             timings=common_pb2.Timings(queue_s=result.queue_s, prefill_s=result.prefill_s,
                                        kv_transfer_s=result.kv_transfer_s),
             trace=trace_events_to_pb(result.trace, self.worker_id, self.worker.loaded.tokenizer),
+            cached_tokens=result.cached_tokens,
         )
 
     def GetInfo(self, request: worker_pb2.InfoRequest, context: grpc.ServicerContext) -> common_pb2.WorkerInfo:  # noqa: N802

@@ -74,6 +74,7 @@ class PrefillResult:
     kv_transfer_s: float
     kv_bytes: int
     trace: tuple[TraceEvent, ...] = ()  # the prefill passes (PrefillJob.trace)
+    cached_tokens: int = 0  # prompt tokens taken from this worker's prefix cache
 
 
 def _settle(future: Future, result: object = None, error: BaseException | None = None) -> None:
@@ -350,4 +351,6 @@ class PrefillWorker(KvConnector):
         transfer_s = time.perf_counter() - transfer_start
         self.metrics.kv_transferred(job.kv_backend, "send", spec.nbytes, transfer_s)
         queue_s = max(0.0, (job.seq.scheduled_time or job.enqueued_at) - job.enqueued_at) if job.seq else 0.0
-        _settle(job.future, PrefillResult(token, queue_s, job.prefill_s, transfer_s, spec.nbytes, job.trace_events))
+        cached = job.seq.num_prefix_hit_tokens if job.seq else 0
+        _settle(job.future, PrefillResult(token, queue_s, job.prefill_s, transfer_s, spec.nbytes, job.trace_events,
+                                          cached))

@@ -39,6 +39,7 @@ from router.openai_protocol import (
     COMPLETION,
     OpenAIError,
     ParsedRequest,
+    answer_logprobs,
     chunk,
     error_from_grpc,
     finish_reason,
@@ -168,12 +169,26 @@ class OpenAIHttpServer:
     async def _collect(self, parsed: ParsedRequest,
                        responses: AsyncIterator[router_pb2.GenerateResponse]) -> web.Response:
         texts: list[str] = []
+        entries: list[common_pb2.TokenLogprob] = []
+        prompt_entries: list[common_pb2.TokenLogprob] = []
         async for response in responses:
             texts.append(response.text)
+            entries.extend(response.logprobs)
+            prompt_entries.extend(response.prompt_logprobs)
             reason = finish_reason(response)
             if reason is not None:
-                answer = full_answer(parsed.kind, parsed.grpc_request.request_id, self.model_name, "".join(texts),
-                                     reason, usage(response))
+                usage_ = usage(response)
+                text = "".join(texts)
+                if parsed.drop_output:  # `max_tokens: 0`: the one generated token is not part of the answer
+                    text, entries = "", []
+                    usage_.update(completion_tokens=0, total_tokens=usage_["prompt_tokens"])
+                if parsed.echo:
+                    prompt = parsed.grpc_request.prompt or "".join(e.token for e in prompt_entries)
+                    text = prompt + text
+                    entries = prompt_entries + entries
+                logprobs = answer_logprobs(parsed.kind, entries) if parsed.logprobs else None
+                answer = full_answer(parsed.kind, parsed.grpc_request.request_id, self.model_name, text,
+                                     reason, usage_, logprobs)
                 return web.json_response(answer, headers={"X-Request-Id": parsed.grpc_request.request_id})
         raise OpenAIError(500, "the generation ended without a finish reason")
 
@@ -190,11 +205,15 @@ class OpenAIHttpServer:
             if kind == CHAT:
                 await send.data(chunk(kind, request_id, self.model_name, created, "", None, role=True))
             response = first
+            offset = 0  # characters streamed so far (completions' text_offset)
             while response is not None:
                 reason = finish_reason(response)
-                if response.text or reason is not None:
+                if response.text or reason is not None or response.logprobs:
+                    logprobs = answer_logprobs(kind, list(response.logprobs), offset) if parsed.logprobs else None
+                    offset += len(response.text)
                     await send.data(chunk(kind, request_id, self.model_name, created,
-                                          response.text if response.text or kind != CHAT else None, reason))
+                                          response.text if response.text or kind != CHAT else None, reason,
+                                          logprobs=logprobs))
                 if reason is not None:
                     if parsed.include_usage:
                         await send.data(usage_chunk(kind, request_id, self.model_name, created, usage(response)))

@@ -4,8 +4,11 @@ Supported: ``/v1/completions`` (prompt: a string, one-string list, token ids or 
 and ``/v1/chat/completions`` (text messages), with ``max_tokens`` / ``max_completion_tokens``,
 ``temperature``, ``top_p``, ``seed``, ``stop`` (string or list), ``stream``,
 ``stream_options.include_usage``, ``n=1``, and the vLLM-style extras ``top_k``, ``ignore_eos`` and
-``stop_token_ids``. Anything else that changes the result (``n>1``, ``logprobs``, ``tools``,
-``best_of>1``, ``echo``, penalties, ...) is refused with 400 rather than silently ignored.
+``stop_token_ids``. The schema is strict: every other field (``n>1``, ``logprobs``, ``tools``, ``tool_choice``,
+``functions``, ``response_format`` other than text, ``logit_bias``, ``best_of>1``, ``echo``, penalties,
+unknown keys, unknown ``stream_options`` keys ...) is refused with 400 whose ``param`` names the
+field, rather than silently ignored. Harmless labels (``user``, ``metadata``, ``parallel_tool_calls``)
+are accepted. The official ``openai`` client sends only the fields its caller passes.
 
 Errors are OpenAIError: HTTP status plus OpenAI's body ``{"error": {"message", "type", "param", "code"}}``.
 """
@@ -29,18 +32,26 @@ FINISH_REASONS = {
     common_pb2.FINISH_REASON_LENGTH: "length",
     common_pb2.FINISH_REASON_CANCELLED: "abort",
 }
-# Fields that would change the answer and that pdserve does not implement: refused unless "off".
+# Strict schema: every top-level field is either implemented, harmless, or refused with 400 naming it.
+# Fields pdserve does not implement are accepted only with their "off" value (what a client that does not
+# use the feature may send); any other value is refused rather than silently ignored.
 _UNSUPPORTED_OFF_VALUES: dict[str, tuple[Any, ...]] = {
-    "logprobs": (None, False, 0), "top_logprobs": (None, 0), "tools": (None, []), "tool_choice": (None, "none"),
-    "functions": (None, []), "function_call": (None, "none"), "best_of": (None, 1), "echo": (None, False),
+    "tools": (None, []), "tool_choice": (None, "none"),
+    "functions": (None, []), "function_call": (None, "none"), "best_of": (None, 1),
     "suffix": (None, ""), "logit_bias": (None, {}), "presence_penalty": (None, 0, 0.0),
     "frequency_penalty": (None, 0, 0.0), "audio": (None,), "modalities": (None, ["text"]), "prediction": (None,),
+    "response_format": (None, {"type": "text"}), "store": (None, False), "reasoning_effort": (None,),
+    "service_tier": (None, "auto", "default"), "web_search_options": (None,),
 }
-_IGNORED = frozenset({"model", "user", "stream", "stream_options", "n", "metadata", "store", "service_tier",
-                      "parallel_tool_calls", "response_format", "reasoning_effort"})
+# Harmless: accepted and without effect on the answer. ``user`` and ``metadata`` are opaque labels,
+# ``parallel_tool_calls`` only matters with ``tools`` (refused). ``stream_options`` is implemented
+# (``include_usage``; other keys are refused), ``n`` only as 1.
+_IGNORED = frozenset({"model", "user", "stream", "stream_options", "n", "metadata", "parallel_tool_calls"})
 _KNOWN = frozenset({"prompt", "messages", "max_tokens", "max_completion_tokens", "temperature", "top_p", "seed",
-                    "stop", "top_k", "ignore_eos", "stop_token_ids"}) | _IGNORED | frozenset(_UNSUPPORTED_OFF_VALUES)
+                    "stop", "top_k", "ignore_eos", "stop_token_ids", "logprobs", "top_logprobs", "echo"}) | _IGNORED | frozenset(_UNSUPPORTED_OFF_VALUES)
+_STREAM_OPTIONS = frozenset({"include_usage"})
 MAX_INT32 = 2**31 - 1
+MAX_LOGPROBS = 20
 
 
 class OpenAIError(Exception):
@@ -89,6 +100,9 @@ class ParsedRequest:
     grpc_request: router_pb2.GenerateRequest
     stream: bool
     include_usage: bool
+    logprobs: bool = False  # answer with log-probabilities (completions: `logprobs` set; chat: `logprobs: true`)
+    echo: bool = False  # completions: the prompt (and its tokens' log-probabilities) before the output
+    drop_output: bool = False  # `max_tokens: 0` with echo: one token is generated and not returned
 
 
 def parse_request(kind: str, body: object, model_name: str, request_id: str) -> ParsedRequest:
@@ -106,10 +120,46 @@ def parse_request(kind: str, body: object, model_name: str, request_id: str) -> 
     options = body.get("stream_options")
     if options is not None and not isinstance(options, dict):
         raise OpenAIError(400, "stream_options must be an object", param="stream_options")
+    for key in sorted(set(options or {}) - _STREAM_OPTIONS):
+        raise OpenAIError(400, f"stream_options.{key}: not supported by this server", param="stream_options")
     include_usage = bool(options and options.get("include_usage"))
     if include_usage and not stream:
         raise OpenAIError(400, "stream_options is only allowed with stream=true", param="stream_options")
-    return ParsedRequest(kind, request, stream, include_usage)
+    logprobs, echo, drop_output = _logprob_options(kind, body, request.params, stream)
+    return ParsedRequest(kind, request, stream, include_usage, logprobs, echo, drop_output)
+
+
+def _logprob_options(kind: str, body: dict[str, Any], params: common_pb2.SamplingParams,
+                     stream: bool) -> tuple[bool, bool, bool]:
+    """OpenAI's logprobs fields -> SamplingParams.logprobs / prompt_logprobs; (logprobs, echo, drop_output)."""
+    if params.HasField("max_tokens") and params.max_tokens == 0 and not (kind == COMPLETION and body.get("echo")):
+        raise OpenAIError(400, "max_tokens: 0 is only allowed with echo=true", param="max_tokens")
+    if kind == CHAT:
+        if body.get("echo") is not None and body.get("echo") is not False:
+            raise OpenAIError(400, "echo: not supported on chat completions", param="echo")
+        wanted = _optional_bool(body, "logprobs")
+        top = _integer(body, "top_logprobs", 0, MAX_LOGPROBS)
+        if top is not None and not wanted:
+            raise OpenAIError(400, "top_logprobs: needs logprobs=true", param="top_logprobs")
+        if wanted:
+            params.logprobs = top or 0
+        return wanted, False, False
+    if body.get("top_logprobs") is not None:
+        raise OpenAIError(400, "top_logprobs: a chat completions field; use logprobs=<int> here",
+                          param="top_logprobs")
+    num = _integer(body, "logprobs", 0, MAX_LOGPROBS) if body.get("logprobs") is not False else None
+    echo = _optional_bool(body, "echo")
+    if num is not None:
+        params.logprobs = num
+    drop_output = False
+    if echo:
+        if stream:
+            raise OpenAIError(400, "echo: not supported with stream=true", param="echo")
+        params.prompt_logprobs = num or 0
+        drop_output = params.max_tokens == 0
+        if drop_output:
+            params.max_tokens = 1  # the engine generates at least one token; it is not returned
+    return num is not None, echo, drop_output
 
 
 def _check_model(model: object, model_name: str) -> None:
@@ -125,11 +175,16 @@ def _check_supported(body: dict[str, Any]) -> None:
     if n is not None and (isinstance(n, bool) or n != 1):
         raise OpenAIError(400, f"n: only n=1 is supported, got {n!r}", param="n")
     for name, off_values in _UNSUPPORTED_OFF_VALUES.items():
-        if name in body and body[name] not in off_values:
+        if name in body and not any(_same(body[name], off) for off in off_values):
             raise OpenAIError(400, f"{name}: not supported by this server", param=name)
     unknown = sorted(set(body) - _KNOWN)
     if unknown:
         raise OpenAIError(400, f"{unknown[0]}: unknown or unsupported parameter", param=unknown[0])
+
+
+def _same(value: object, off: object) -> bool:
+    """Equal and of the same JSON type (so ``logprobs: 0`` matches 0 but ``True`` does not match 1)."""
+    return value == off and (isinstance(value, bool) == isinstance(off, bool))
 
 
 def _number(body: dict[str, Any], name: str, low: float, high: float, low_open: bool = False) -> float | None:
@@ -163,7 +218,7 @@ def _optional_bool(body: dict[str, Any], name: str) -> bool:
 def _sampling_params(body: dict[str, Any]) -> common_pb2.SamplingParams:
     params = common_pb2.SamplingParams()
     max_tokens = _integer(body, "max_completion_tokens", 1, MAX_INT32)
-    max_tokens = max_tokens if max_tokens is not None else _integer(body, "max_tokens", 1, MAX_INT32)
+    max_tokens = max_tokens if max_tokens is not None else _integer(body, "max_tokens", 0, MAX_INT32)
     if max_tokens is not None:
         params.max_tokens = max_tokens
     temperature = _number(body, "temperature", 0.0, 2.0)
@@ -250,27 +305,64 @@ def finish_reason(response: router_pb2.GenerateResponse) -> str | None:
 
 def usage(response: router_pb2.GenerateResponse) -> dict[str, int]:
     prompt, completion = response.usage.prompt_tokens, response.usage.completion_tokens
-    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
+            "prompt_tokens_details": {"cached_tokens": response.usage.cached_tokens}}
 
 
 def response_id(kind: str, request_id: str) -> str:
     return f"{'chatcmpl' if kind == CHAT else 'cmpl'}-{request_id}"
 
 
+def completion_logprobs(entries: list[common_pb2.TokenLogprob], offset: int = 0) -> dict[str, Any]:
+    """/v1/completions' ``logprobs`` object; ``offset``: characters of text before the first entry.
+    ``top_logprobs`` maps each alternative's text to its logprob, the chosen token included (as vLLM)."""
+    tokens: list[str] = []
+    values: list[float | None] = []
+    tops: list[dict[str, float] | None] = []
+    offsets: list[int] = []
+    for entry in entries:
+        tokens.append(entry.token)
+        offsets.append(offset)
+        offset += len(entry.token)
+        if entry.HasField("logprob"):
+            values.append(entry.logprob)
+            top = {t.token: t.logprob for t in entry.top}
+            top.setdefault(entry.token, entry.logprob)
+            tops.append(top)
+        else:  # the first prompt token: nothing predicts it
+            values.append(None)
+            tops.append(None)
+    return {"tokens": tokens, "token_logprobs": values, "top_logprobs": tops, "text_offset": offsets}
+
+
+def chat_logprobs(entries: list[common_pb2.TokenLogprob]) -> dict[str, Any]:
+    """/v1/chat/completions' ``logprobs`` object."""
+    def item(token: str, logprob: float) -> dict[str, Any]:
+        return {"token": token, "logprob": logprob, "bytes": list(token.encode())}
+
+    content = [{**item(e.token, e.logprob), "top_logprobs": [item(t.token, t.logprob) for t in e.top]}
+               for e in entries]
+    return {"content": content, "refusal": None}
+
+
+def answer_logprobs(kind: str, entries: list[common_pb2.TokenLogprob], offset: int = 0) -> dict[str, Any]:
+    return chat_logprobs(entries) if kind == CHAT else completion_logprobs(entries, offset)
+
+
 def full_answer(kind: str, request_id: str, model: str, text: str, reason: str | None,
-                usage_: dict[str, int]) -> dict[str, Any]:
+                usage_: dict[str, int], logprobs: dict[str, Any] | None = None) -> dict[str, Any]:
     """The non-streaming answer object."""
     if kind == CHAT:
         choice: dict[str, Any] = {"index": 0, "message": {"role": "assistant", "content": text},
-                                  "logprobs": None, "finish_reason": reason}
+                                  "logprobs": logprobs, "finish_reason": reason}
     else:
-        choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": reason}
+        choice = {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": reason}
     return {"id": response_id(kind, request_id), "object": kind, "created": int(time.time()), "model": model,
             "choices": [choice], "usage": usage_}
 
 
 def chunk(kind: str, request_id: str, model: str, created: int, text: str | None, reason: str | None,
-          role: bool = False) -> dict[str, Any]:
+          role: bool = False, logprobs: dict[str, Any] | None = None) -> dict[str, Any]:
     """One streamed chunk (``text`` None with ``role`` True: the chat opening chunk)."""
     if kind == CHAT:
         delta: dict[str, Any] = {}
@@ -278,10 +370,10 @@ def chunk(kind: str, request_id: str, model: str, created: int, text: str | None
             delta["role"] = "assistant"
         if text is not None:
             delta["content"] = text
-        choice: dict[str, Any] = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": reason}
+        choice: dict[str, Any] = {"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": reason}
         obj = "chat.completion.chunk"
     else:
-        choice = {"index": 0, "text": text or "", "logprobs": None, "finish_reason": reason}
+        choice = {"index": 0, "text": text or "", "logprobs": logprobs, "finish_reason": reason}
         obj = COMPLETION
     return {"id": response_id(kind, request_id), "object": obj, "created": created, "model": model,
             "choices": [choice]}

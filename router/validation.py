@@ -120,6 +120,9 @@ def _check_scalars(params: common_pb2.SamplingParams) -> None:
         raise InvalidRequest("params.top_p", f"must be in (0, 1], got {params.top_p}")
     if params.top_k < 0:
         raise InvalidRequest("params.top_k", f"must be >= 0, got {params.top_k}")
+    for name in ("logprobs", "prompt_logprobs"):
+        if params.HasField(name) and not 0 <= getattr(params, name) <= 20:
+            raise InvalidRequest(f"params.{name}", f"must be in [0, 20], got {getattr(params, name)}")
     if params.HasField("seed") and params.seed >= SEED_LIMIT:
         raise InvalidRequest("params.seed", f"must be < 2**63, got {params.seed}")
 

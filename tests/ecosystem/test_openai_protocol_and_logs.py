@@ -36,7 +36,9 @@ def test_chat_request_maps_to_grpc() -> None:
 @pytest.mark.parametrize(("body", "param", "status"), [
     ({"n": 2}, "n", 400), ({"temperature": 3}, "temperature", 400), ({"temperature": "hot"}, "temperature", 400),
     ({"top_p": 0}, "top_p", 400), ({"max_tokens": 0}, "max_tokens", 400), ({"seed": -1}, "seed", 400),
-    ({"stop": 5}, "stop", 400), ({"logprobs": 1}, "logprobs", 400), ({"best_of": 2}, "best_of", 400),
+    ({"stop": 5}, "stop", 400), ({"logprobs": 21}, "logprobs", 400), ({"logprobs": True}, "logprobs", 400),
+    ({"top_logprobs": 2}, "top_logprobs", 400), ({"max_tokens": 0, "echo": False}, "max_tokens", 400),
+    ({"echo": True, "stream": True}, "echo", 400), ({"best_of": 2}, "best_of", 400),
     ({"frequency_penalty": 0.5}, "frequency_penalty", 400), ({"bogus": 1}, "bogus", 400),
     ({"prompt": ["a", "b"]}, "prompt", 400), ({"model": "other"}, "model", 404),
 ])
@@ -45,6 +47,23 @@ def test_invalid_requests_name_the_field(body: dict[str, object], param: str, st
         parse_request(COMPLETION, {"model": "m", "prompt": "hi", **body}, "m", "r")
     assert (error.value.status, error.value.param) == (status, param)
     assert set(error.value.body()["error"]) == {"message", "type", "param", "code"}
+
+
+def test_logprob_fields_map_to_grpc() -> None:
+    parsed = parse_request(COMPLETION, {"model": "m", "prompt": "hi", "logprobs": 3, "echo": True, "max_tokens": 0},
+                           "m", "r")
+    p = parsed.grpc_request.params
+    assert (p.logprobs, p.prompt_logprobs, p.max_tokens) == (3, 3, 1)
+    assert parsed.logprobs and parsed.echo and parsed.drop_output
+    plain = parse_request(COMPLETION, {"model": "m", "prompt": "hi", "logprobs": 0}, "m", "r")
+    assert plain.grpc_request.params.logprobs == 0 and not plain.grpc_request.params.HasField("prompt_logprobs")
+    chat = parse_request(CHAT, {"model": "m", "messages": [{"role": "user", "content": "x"}], "logprobs": True,
+                                "top_logprobs": 5}, "m", "r")
+    assert chat.logprobs and chat.grpc_request.params.logprobs == 5
+    for body in ({"top_logprobs": 2}, {"echo": True}, {"max_tokens": 0}):
+        with pytest.raises(OpenAIError) as error:
+            parse_request(CHAT, {"model": "m", "messages": [{"role": "user", "content": "x"}], **body}, "m", "r")
+        assert error.value.param == next(iter(body))
 
 
 def test_grpc_status_maps_to_http() -> None:

@@ -1,0 +1,84 @@
+"""Strict OpenAI request schema, with real HTTP requests against a real router (no workers: a body
+that passes validation is answered 503 "no worker", one that does not is answered 400 naming the field)."""
+
+from __future__ import annotations
+
+import json
+import urllib.error
+import urllib.request
+from collections.abc import Iterator
+
+import pytest
+
+from router.config import RouterConfig
+from router.server import RouterServer, serve
+
+MODEL = "m"
+
+
+@pytest.fixture(scope="module")
+def router() -> Iterator[RouterServer]:
+    server, _port = serve(RouterConfig(http_port=0, model_name=MODEL, info_timeout_s=0.5))
+    try:
+        yield server
+    finally:
+        server.stop(None)
+
+
+def post(router: RouterServer, path: str, body: dict[str, object]) -> tuple[int, dict[str, object]]:
+    request = urllib.request.Request(f"http://127.0.0.1:{router.http_port}{path}", data=json.dumps(body).encode(),
+                                     headers={"Content-Type": "application/json"}, method="POST")
+    try:
+        with urllib.request.urlopen(request, timeout=30) as answer:
+            return answer.status, json.loads(answer.read())
+    except urllib.error.HTTPError as error:
+        return error.code, json.loads(error.read())
+
+
+COMPLETION = {"model": MODEL, "prompt": "hi", "max_tokens": 3}
+CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3}
+
+
+@pytest.mark.parametrize(("field", "value"), [
+    ("response_format", {"type": "json_object"}),
+    ("response_format", {"type": "json_schema", "json_schema": {"name": "x", "schema": {}}}),
+    ("tools", [{"type": "function", "function": {"name": "f", "parameters": {}}}]),
+    ("tool_choice", "auto"), ("tool_choice", "required"),
+    ("functions", [{"name": "f", "parameters": {}}]), ("function_call", "auto"),
+    ("logit_bias", {"50256": -100}), ("presence_penalty", 0.5), ("frequency_penalty", 1),
+    ("top_logprobs", 2), ("store", True), ("reasoning_effort", "low"), ("service_tier", "flex"),
+    ("modalities", ["text", "audio"]), ("audio", {"voice": "x"}), ("prediction", {"type": "content"}),
+    ("web_search_options", {}), ("n", 2), ("definitely_not_a_field", 1), ("guided_json", {}),
+])
+@pytest.mark.parametrize("path", ["/v1/chat/completions", "/v1/completions"])
+def test_unimplemented_fields_are_refused_by_name(router: RouterServer, path: str, field: str,
+                                                  value: object) -> None:
+    base = CHAT if "chat" in path else COMPLETION
+    status, body = post(router, path, {**base, field: value})
+    error = body["error"]
+    assert status == 400, body
+    assert error["param"] == field and field in error["message"]
+    assert error["type"] == "invalid_request_error"
+
+
+def test_unknown_stream_options_key_is_refused(router: RouterServer) -> None:
+    status, body = post(router, "/v1/completions", {**COMPLETION, "stream": True,
+                                                    "stream_options": {"continuous_usage_stats": True}})
+    assert status == 400 and body["error"]["param"] == "stream_options"
+    assert "continuous_usage_stats" in body["error"]["message"]
+
+
+@pytest.mark.parametrize("extra", [
+    {},  # what the official openai client sends when its caller passes nothing else
+    {"stream": True}, {"stream": True, "stream_options": {"include_usage": True}},
+    {"user": "alice", "metadata": {"k": "v"}, "parallel_tool_calls": True, "n": 1},
+    {"response_format": {"type": "text"}, "tool_choice": "none", "tools": [], "logit_bias": {}, "store": False,
+     "presence_penalty": 0, "frequency_penalty": 0.0, "service_tier": "auto", "logprobs": False, "echo": False},
+    {"temperature": 0.5, "top_p": 0.9, "seed": 1, "stop": ["x"], "top_k": 5, "ignore_eos": True,
+     "stop_token_ids": [2], "max_completion_tokens": 4},
+])
+def test_implemented_and_harmless_fields_pass_validation(router: RouterServer, extra: dict[str, object]) -> None:
+    for path, base in (("/v1/chat/completions", CHAT), ("/v1/completions", COMPLETION)):
+        status, body = post(router, path, {**base, **extra})
+        # validation passed; the router has no worker, so the answer is "unavailable"
+        assert status == 503, (path, extra, body)
