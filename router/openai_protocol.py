@@ -48,7 +48,8 @@ _UNSUPPORTED_OFF_VALUES: dict[str, tuple[Any, ...]] = {
 # (``include_usage``; other keys are refused), ``n`` only as 1.
 _IGNORED = frozenset({"model", "user", "stream", "stream_options", "n", "metadata", "parallel_tool_calls"})
 _KNOWN = frozenset({"prompt", "messages", "max_tokens", "max_completion_tokens", "temperature", "top_p", "seed",
-                    "stop", "top_k", "ignore_eos", "stop_token_ids", "logprobs", "top_logprobs", "echo"}) | _IGNORED | frozenset(_UNSUPPORTED_OFF_VALUES)
+                    "stop", "top_k", "ignore_eos", "stop_token_ids", "logprobs", "top_logprobs", "echo"}) \
+    | _IGNORED | frozenset(_UNSUPPORTED_OFF_VALUES)
 _STREAM_OPTIONS = frozenset({"include_usage"})
 MAX_INT32 = 2**31 - 1
 MAX_LOGPROBS = 20
