@@ -219,7 +219,8 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
                               context: grpc.aio.ServicerContext, timings: common_pb2.Timings,
                               trace: list[common_pb2.TraceEvent] | None = None) -> int:
         """Reserve, then have `prefill_address` compute the K/V of prompt + resumed tokens and push
-        them here; return the prompt tokens the prefill worker took from its prefix cache. A failure on the prefill side ends with UNAVAILABLE and details starting with
+        them here; return the prompt tokens the prefill worker took from its prefix cache. A failure on
+        the prefill side ends with UNAVAILABLE and details starting with
         PREFILL_FAILURE, so the router prefills the request again elsewhere. `trace`: gets the
         prefill worker's pass events and the KV hand-off."""
         backend, segment_prefix = await self._backend_and_segments(prefill_address, deadline, context)

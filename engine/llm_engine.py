@@ -342,7 +342,8 @@ class LLMEngine:
             logprob=logprob, prompt_logprobs=prompt_logprobs,
             request_id=seq.request_id, token_id=token_id, text=text, finish_reason=seq.finish_reason,
             num_prompt_tokens=len(seq.prompt_ids), num_output_tokens=len(seq.output_ids),
-            num_cached_tokens=seq.num_prefix_hit_tokens, detokenize_s=seq.detokenize_s, queue_s=queue_s, prefill_s=prefill_s, trace=seq.take_trace(),
+            num_cached_tokens=seq.num_prefix_hit_tokens, detokenize_s=seq.detokenize_s, queue_s=queue_s,
+            prefill_s=prefill_s, trace=seq.take_trace(),
         )
 
     # ----- convenience -----------------------------------------------------------------------

@@ -35,7 +35,8 @@ def cluster(request: pytest.FixtureRequest, tiny_llama_dir: Path) -> Iterator[Lo
 
 
 def post(cluster: LocalCluster, path: str, body: dict) -> dict:
-    request = urllib.request.Request(f"http://{cluster.http_address}{path}", data=json.dumps({"model": "tiny", **body}).encode(),
+    request = urllib.request.Request(f"http://{cluster.http_address}{path}",
+                                     data=json.dumps({"model": "tiny", **body}).encode(),
                                      headers={"Content-Type": "application/json"})
     with urllib.request.urlopen(request, timeout=120) as answer:
         return json.loads(answer.read())
