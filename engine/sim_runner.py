@@ -113,6 +113,7 @@ class SimRunner:
                  sleep: Callable[[float], None] = time.sleep, clock: Callable[[], float] = time.perf_counter) -> None:
         if not isinstance(loaded.model, SimModel):
             raise TypeError("SimRunner needs a model loaded by load_sim_model")
+        self.full_logits: dict[int, torch.Tensor] = {}  # never filled: no prompt log-probabilities here
         self.loaded = loaded
         self.sim: SimModel = loaded.model
         self.kv_cache = kv_cache

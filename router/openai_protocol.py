@@ -3,9 +3,11 @@
 Supported: ``/v1/completions`` (prompt: a string, one-string list, token ids or one list of token ids)
 and ``/v1/chat/completions`` (text messages), with ``max_tokens`` / ``max_completion_tokens``,
 ``temperature``, ``top_p``, ``seed``, ``stop`` (string or list), ``stream``,
-``stream_options.include_usage``, ``n=1``, and the vLLM-style extras ``top_k``, ``ignore_eos`` and
-``stop_token_ids``. The schema is strict: every other field (``n>1``, ``logprobs``, ``tools``, ``tool_choice``,
-``functions``, ``response_format`` other than text, ``logit_bias``, ``best_of>1``, ``echo``, penalties,
+``stream_options.include_usage``, ``n=1``, ``logprobs`` (completions: 0-20; chat: true plus
+``top_logprobs``), ``echo`` (completions, also with ``max_tokens: 0``; not streamed), and the
+vLLM-style extras ``top_k``, ``ignore_eos`` and ``stop_token_ids``. The schema is strict: every other
+field (``n>1``, ``tools``, ``tool_choice``, ``functions``, ``response_format`` other than text,
+``logit_bias``, ``best_of>1``, ``suffix``, penalties,
 unknown keys, unknown ``stream_options`` keys ...) is refused with 400 whose ``param`` names the
 field, rather than silently ignored. Harmless labels (``user``, ``metadata``, ``parallel_tool_calls``)
 are accepted. The official ``openai`` client sends only the fields its caller passes.
