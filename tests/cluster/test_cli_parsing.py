@@ -233,7 +233,7 @@ def test_collect_assembles_stream() -> None:
     ]
     result = collect(stream).to_json_dict()
     assert result["text"] == "ab" and result["token_ids"] == [1, 2] and result["finish_reason"] == "stop_string"
-    assert result["usage"] == {"prompt_tokens": 3, "completion_tokens": 2}
+    assert result["usage"] == {"prompt_tokens": 3, "completion_tokens": 2, "cached_tokens": 0}
     assert result["timings"]["ttft_s"] == 0.5
     assert set(result) == {"text", "token_ids", "finish_reason", "usage", "timings"}
 
