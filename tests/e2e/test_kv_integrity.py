@@ -55,7 +55,7 @@ class ForgingPrefill(worker_pb2_grpc.PrefillWorkerServicer):
     (another worker's whole cache) instead of its own."""
 
     def __init__(self, loaded, victim_address: str) -> None:  # noqa: ANN001
-        self.loaded, self.calls, self.acks = loaded, 0, []
+        self.loaded, self.calls, self.acks, self.errors = loaded, 0, [], []
         info = worker_info(victim_address, "prefill")
         names = [n for n in os.listdir("/dev/shm") if n.startswith(info.kv_segment_prefix) and "cache-" in n]
         assert len(names) == 1, names
@@ -73,8 +73,12 @@ class ForgingPrefill(worker_pb2_grpc.PrefillWorkerServicer):
                       (shape.num_layers, 2, n, 16, shape.num_kv_heads, shape.head_dim), 16,
                       len(request.prompt_token_ids), request.kv_block_offset)
         header = header_for(spec, 7, self.victim_segment, list(range(n)), self.victim_blocks)
-        ack = kv_pb2_grpc.KvTransferStub(open_channel(request.kv_target_address)).PushKv(
-            iter([KvFrame(header=header)]), timeout=30)
+        try:
+            ack = kv_pb2_grpc.KvTransferStub(open_channel(request.kv_target_address)).PushKv(
+                iter([KvFrame(header=header)]), timeout=30)
+        except grpc.RpcError as exc:  # kept for the test's message
+            self.errors.append(f"PushKv: {exc.code().name}: {exc.details()}")
+            raise
         self.acks.append(ack)
         context.abort(grpc.StatusCode.UNAVAILABLE, f"KV refused: {ack.error}")
 
@@ -107,7 +111,7 @@ def test_a_frame_naming_another_workers_segment_is_refused(workers: dict[str, st
         _generate_via(workers["decode"], forger_address, "forged-segment")
     assert err.value.code() == grpc.StatusCode.UNAVAILABLE
     assert err.value.details().startswith("prefill failed on")  # the router retries on another prefill worker
-    assert servicer.acks and not servicer.acks[0].ok
+    assert servicer.acks and not servicer.acks[0].ok, (servicer.calls, servicer.errors, err.value.details())
     assert "does not belong to the prefill worker called" in servicer.acks[0].error
     wait_idle([("decode", workers["decode"]), ("prefill", workers["prefill"])])
 
