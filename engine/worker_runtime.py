@@ -15,6 +15,7 @@ import argparse
 import logging
 import os
 import signal
+import sys
 import threading
 import time
 from collections.abc import Callable
@@ -277,3 +278,16 @@ class StartedWorker:
             drain_then_stop(self.server, self.health, self.drain, self.is_idle, self.drain_timeout_s)
         finally:
             self.close()
+
+
+def check_credentials_or_exit(args: argparse.Namespace) -> None:
+    """A worker's first check, before it loads a model: apply its internal credentials and refuse a
+    bind beyond loopback without them, exiting with status 2 and the reason on stderr."""
+    from pdserve.transport import check_bind_allowed
+
+    try:
+        apply_internal_credentials(args)
+        check_bind_allowed(args.host)
+    except (OSError, ValueError) as exc:
+        print(f"error: {exc}", file=sys.stderr, flush=True)
+        raise SystemExit(2) from None

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import sys
 
 from grpc_health.v1 import health_pb2
 
@@ -22,6 +21,7 @@ from engine.worker_runtime import (
     announce_ready,
     apply_internal_credentials,
     bind,
+    check_credentials_or_exit,
     configure_process,
     make_server,
     serve_until_signal,
@@ -105,12 +105,7 @@ def start_worker(args: argparse.Namespace) -> StartedWorker:
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     configure_process(args.threads, args.log_level, args.log_format, args.worker_id)
-    try:
-        apply_internal_credentials(args)
-        check_bind_allowed(args.host)
-    except (OSError, ValueError) as exc:
-        print(f"error: {exc}", file=sys.stderr, flush=True)
-        raise SystemExit(2) from None
+    check_credentials_or_exit(args)
     started = start_worker(args)
     announce_ready(started.address, args.worker_id, role="prefill", metrics_address=started.extras["metrics_address"])
     try:

@@ -13,6 +13,7 @@ from pathlib import Path
 import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+from security_helpers import self_signed  # noqa: E402
 
 from cluster.client import PdserveClient, build_request
 from router.config import RouterConfig
@@ -23,34 +24,9 @@ REPO = Path(__file__).resolve().parents[2]
 PACKAGES = ["engine", "router", "prefill_worker", "decode_worker", "kv_transfer", "cluster", "telemetry", "proto"]
 
 
-def _self_signed(tmp: Path) -> tuple[str, str]:
-    from cryptography import x509
-    from cryptography.hazmat.primitives import hashes, serialization
-    from cryptography.hazmat.primitives.asymmetric import ec
-    from cryptography.x509.oid import NameOID
-
-    key = ec.generate_private_key(ec.SECP256R1())
-    name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "localhost")])
-    now = datetime.datetime.now(datetime.timezone.utc)
-    cert = (
-        x509.CertificateBuilder().subject_name(name).issuer_name(name).public_key(key.public_key())
-        .serial_number(x509.random_serial_number()).not_valid_before(now - datetime.timedelta(minutes=1))
-        .not_valid_after(now + datetime.timedelta(days=1))
-        .add_extension(x509.SubjectAlternativeName([x509.DNSName("localhost"),
-                                                    x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]), False)
-        .add_extension(x509.BasicConstraints(ca=True, path_length=None), True)
-        .sign(key, hashes.SHA256())
-    )
-    cert_path, key_path = tmp / "cert.pem", tmp / "key.pem"
-    cert_path.write_bytes(cert.public_bytes(serialization.Encoding.PEM))
-    key_path.write_bytes(key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
-                                           serialization.NoEncryption()))
-    return str(cert_path), str(key_path)
-
-
 @pytest.fixture
 def secured_router(tmp_path: Path) -> Iterator[tuple[RouterServer, str]]:
-    cert, key = _self_signed(tmp_path)
+    cert, key = self_signed(tmp_path)
     router, _ = serve(RouterConfig(auth_token=TOKEN, tls_cert_file=cert, tls_key_file=key))
     try:
         yield router, cert
