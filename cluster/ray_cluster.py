@@ -1,7 +1,8 @@
 """RayCluster: the router and the prefill/decode pools as Ray actors, kept in shape by a controller.
 
 Layout (namespace :data:`NAMESPACE`):
-- ``pdserve-controller`` (detached, named): creates a placement group (PACK, SPREAD or
+- ``pdserve-controller`` (detached, named, pinned to the head node: it owns the router and worker
+  actors, which share its fate, so it must not sit on a node that can be lost alone): creates a placement group (PACK, SPREAD or
   STRICT_SPREAD) with one bundle for the router and one per initial worker, the worker actors (``prefill-0``,
   ``decode-0``, ...; ``max_restarts`` each) and the router actor (``pdserve-router``). A watcher
   thread asks every worker for its ``address()`` each ``poll_interval_s``: a restarted worker (new
@@ -39,7 +40,7 @@ from typing import Any
 import ray
 from ray.exceptions import ActorDiedError, RayError
 from ray.util.placement_group import placement_group, remove_placement_group
-from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy, PlacementGroupSchedulingStrategy
 
 from cluster.ray_actors import RouterActor, WorkerActor
 from pdserve.devices import worker_flags
@@ -454,6 +455,19 @@ _RemoteWorker = ray.remote(WorkerActor)
 _RemoteRouter = ray.remote(RouterActor)
 _RemoteController = ray.remote(Controller)
 
+HEAD_NODE_RESOURCE = "node:__internal_head__"  # Ray gives the head node this resource
+
+
+def controller_node_id() -> str:
+    """The node the controller goes on: the head node (its loss ends the cluster anyway), else this
+    driver's node. The router and workers are the controller's (non-detached) actors and die with it:
+    left to Ray's scheduler a zero-CPU controller can land on any worker node, and losing that node
+    would take the whole deployment down."""
+    for node in ray.nodes():
+        if node.get("Alive") and HEAD_NODE_RESOURCE in node.get("Resources", {}):
+            return str(node["NodeID"])
+    return ray.get_runtime_context().get_node_id()
+
 
 def check_reachable(address: str | None, timeout_s: float = 5.0) -> None:
     """Fail fast (ConnectionError) when `address` is a Ray GCS "host:port" that accepts no connection:
@@ -499,6 +513,7 @@ class RayCluster:
         try:
             self._controller = _RemoteController.options(
                 name=CONTROLLER_NAME, namespace=NAMESPACE, lifetime="detached", num_cpus=0, max_concurrency=16,
+                scheduling_strategy=NodeAffinitySchedulingStrategy(controller_node_id(), soft=False),
             ).remote(config)
             self.router_address: str = ray.get(self._controller.router_address.remote(),
                                                timeout=config.startup_timeout_s + 60)

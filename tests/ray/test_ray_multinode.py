@@ -228,6 +228,10 @@ def test_node_loss_during_three_streams_then_pool_refills(cluster: Cluster, depl
     infos = _infos(deployment)
     victim = next(i for i in infos.values() if i["role"] == "decode")  # on node-a or node-b
     assert victim["node_id"] not in (router_node, cluster.head_node.node_id)
+    # the router and workers share the controller's fate, so it must sit on the head node, not the victim's
+    controller_node = ray.get(deployment.controller.__ray_call__.remote(
+        lambda _self: ray.get_runtime_context().get_node_id()))
+    assert controller_node == cluster.head_node.node_id
     lost = _node(cluster, victim["node_id"])
     resource = next(r for r in ("node_a", "node_b") if _alive_nodes()[victim["node_id"]]["Resources"].get(r))
 
