@@ -108,7 +108,8 @@ def main() -> None:
                          "ratio": statistics.median(recomputes) / statistics.median(move_s)})
             print(json.dumps(rows[-1]), flush=True)
     print()
-    print("| context (tokens) | KV moved | migrate median (min-max) | recompute median (min-max) | recompute / migrate |")
+    print("| context (tokens) | KV moved | migrate median (min-max) | recompute median (min-max) "
+          "| recompute / migrate |")
     print("|---:|---:|---:|---:|---:|")
     for r in rows:
         m, c = r["migrate_s"], r["recompute_s"]

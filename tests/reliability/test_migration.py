@@ -26,7 +26,8 @@ from engine.llm_engine import LLMEngine
 from engine.model_loader import load_model
 from engine.sampling_params import SamplingParams
 from engine.tokenization import encode_text
-from pdserve.v1 import common_pb2, router_pb2, router_pb2_grpc
+from pdserve.transport import open_channel
+from pdserve.v1 import common_pb2, router_pb2, router_pb2_grpc, worker_pb2, worker_pb2_grpc
 
 from e2e_helpers import generate, wait_idle, worker_info
 
@@ -156,6 +157,11 @@ def test_migrate_cli_and_errors(tiny_llama_dir: Path) -> None:
         with pytest.raises(grpc.RpcError) as err:
             _migrate(cluster.router_address, "nobody")
         assert err.value.code() == grpc.StatusCode.NOT_FOUND
+        decode_stub = worker_pb2_grpc.DecodeWorkerStub(open_channel(_decoders(cluster)[0].address))
+        with pytest.raises(grpc.RpcError) as err:  # K/V goes only to registered decode workers
+            decode_stub.MigrateOut(worker_pb2.MigrateOutRequest(
+                request_id="x", target_request_id="y", kv_target_address="127.0.0.1:9", num_tokens=1), timeout=10)
+        assert err.value.code() == grpc.StatusCode.PERMISSION_DENIED
         stream = Stream(cluster.router_address, "cli-move", MAX_TOKENS)
         stream.wait_tokens(8)
         source, target = _source_and_target(cluster)
