@@ -210,6 +210,8 @@ class RouterCore:
         self._dispatched += 1
         migration = _Migration(target, target_lease, time.monotonic(), asyncio.get_running_loop().create_future(),
                                source, state.internal_id)
+        # retrieved here, so a Migrate caller that left does not leave an unretrieved exception behind
+        migration.done.add_done_callback(lambda f: f.cancelled() or f.exception())
         state.migration = migration
         try:
             await self._stub(source).Suspend(worker_pb2.SuspendRequest(request_id=state.internal_id), timeout=10.0,
@@ -217,7 +219,9 @@ class RouterCore:
         except grpc.aio.AioRpcError as exc:
             code = exc.code() if exc.code() in (grpc.StatusCode.NOT_FOUND, grpc.StatusCode.FAILED_PRECONDITION) \
                 else grpc.StatusCode.ABORTED
-            self._abandon(state, migration, RouterError(code, f"suspend on {source}: {exc.details()}"))
+            error = RouterError(code, f"suspend on {source}: {exc.details()}")
+            self._abandon(state, migration, error)
+            raise error from None
         log.info("request_id=%s internal_id=%s migrating from %s to %s", safe_id(state.echo_id), migration.source_id,
                  source, target)
         try:
@@ -243,8 +247,6 @@ class RouterCore:
             state.migration = None
         self._release(migration.lease)
         migration.settle(error=error)
-        if migration.done.done() and migration.done.exception() is error:
-            raise error
 
     def _migrate_draining(self) -> None:
         """Draining decode workers hand their running requests to others (retried while a request is
@@ -289,10 +291,8 @@ class RouterCore:
                 self._settle_quietly(state, RouterError(grpc.StatusCode.ABORTED, "the request ended first"))
 
     def _settle_quietly(self, state: _Request, error: RouterError) -> None:
-        try:
-            self._abandon(state, state.migration, error)  # type: ignore[arg-type]
-        except RouterError:
-            pass
+        if state.migration is not None:
+            self._abandon(state, state.migration, error)
 
     async def _attempt_loop(self, state: _Request) -> AsyncIterator[router_pb2.GenerateResponse]:
         failures = 0
