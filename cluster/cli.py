@@ -6,6 +6,7 @@
     pdserve scale --prefill N --decode M [--address ADDR]
     pdserve generate [--url ADDR] [--max-tokens N] [--chat] [--json] [--trace] ... PROMPT
     pdserve status [--url ADDR | --address RAY_ADDR] [--json]
+    pdserve migrate [--url ADDR] [--to WORKER_ID] REQUEST_ID
     pdserve model fetch [--force]
     pdserve bench [--url ADDR] [--rate R] [--num-prompts N] [--input-len 64:512] [--slo ttft_ms=500] ...
     pdserve sweep --workers 2 --rates 0.5,1 [--output-dir DIR] ...
@@ -32,6 +33,7 @@ from capacity.cli import add_bench, add_plan, add_sweep
 from cluster.client import DEFAULT_ADDRESS, PdserveClient, build_request, collect, sampling_params, status_rows
 from cluster.engine_flags import add_engine_flags, engine_worker_args
 from cluster.local import ClusterStartError, LocalCluster, LocalClusterConfig
+from cluster.migrate_cli import add_migrate
 from cluster.tables import format_table
 from cluster.trace_view import trace_lines
 from pdserve.devices import DEVICE_HELP, DTYPE_HELP, DTYPE_NAMES, check_device_name
@@ -169,7 +171,8 @@ def _add_model(commands: argparse._SubParsersAction) -> None:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="pdserve", description="Disaggregated prefill/decode LLM serving.")
     commands = parser.add_subparsers(dest="command", required=True)
-    for add in (_add_serve, _add_scale, _add_generate, _add_status, _add_model, add_bench, add_sweep, add_plan):
+    for add in (_add_serve, _add_scale, _add_generate, _add_status, add_migrate, _add_model, add_bench, add_sweep,
+                add_plan):
         add(commands)
     return parser
 

@@ -157,6 +157,11 @@ class PdserveClient:
         return self._stub.GetStatus(router_pb2.StatusRequest(), timeout=min(self.timeout_s, 10.0),
                                     metadata=self._metadata)
 
+    def migrate(self, request_id: str, to_worker_id: str = "") -> router_pb2.MigrateResponse:
+        """Move a running request to another decode worker (Router.Migrate)."""
+        return self._stub.Migrate(router_pb2.MigrateRequest(request_id=request_id, to_worker_id=to_worker_id),
+                                  timeout=self.timeout_s, metadata=self._metadata)
+
     def close(self) -> None:
         self._channel.close()
 

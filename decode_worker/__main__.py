@@ -66,6 +66,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                          "frame (see docs/security.md for the cost)")
     ap.add_argument("--inject-loop-death-after-steps", type=int, default=None, metavar="N",
                     help="testing only: the engine loop thread dies after N decode steps (liveness tests)")
+    ap.add_argument("--inject-step-delay-ms", type=float, default=0.0, metavar="MS",
+                    help="testing only: sleep this long before each engine step (slows a tiny model's streams "
+                         "so tests can act mid-stream, e.g. migrate)")
     add_observability_args(ap)
     add_engine_args(ap)
     return ap.parse_args(argv)
@@ -91,7 +94,8 @@ def start_worker(args: argparse.Namespace) -> StartedWorker:
         loaded = load_model(resolve_model(args.model), config.torch_dtype, config.device)
     metrics = WorkerMetrics()
     worker = DecodeWorker(loaded, config, admission_timeout_s=args.admission_timeout_s, metrics=metrics,
-                          die_after_steps=args.inject_loop_death_after_steps)
+                          die_after_steps=args.inject_loop_death_after_steps,
+                          step_delay_s=args.inject_step_delay_ms / 1000)
     endpoint = start_metrics_endpoint(metrics.registry, args.metrics_port)
     kv_receiver = KvTransferServicer()
     drain = Drain()

@@ -22,7 +22,8 @@ from typing import Any
 
 import grpc
 
-from decode_worker.worker import AdmissionError, DecodeWorker, StreamError, WorkerDead
+from decode_worker.worker import AdmissionError, DecodeWorker, StreamError, Suspended, WorkerDead
+from engine.block_pool import blocks_for_tokens
 from engine.llm_engine import TokenOutput
 from engine.model_loader import LoadedModel
 from engine.sampler import TokenLogprob
@@ -37,10 +38,10 @@ from engine.worker_runtime import (
     sampling_params_to_pb,
     trace_events_to_pb,
 )
-from kv_transfer import KvTransferError, KvTransferServicer
+from kv_transfer import KvSpec, KvTransferError, KvTransferServicer, get_backend
 from kv_transfer.shm_backend import SEGMENT_PREFIX as SHM_PREFIX
 from kv_transfer.shm_backend import InPlaceKv
-from pdserve.serving import PREFILL_FAILURE
+from pdserve.serving import MIGRATION_FAILURE, PREFILL_FAILURE
 from pdserve.transport import open_aio_channel
 from pdserve.v1 import common_pb2, router_pb2, worker_pb2, worker_pb2_grpc
 
@@ -131,6 +132,8 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
         self.kv_timeout_s = kv_timeout_s
         self.drain = drain or Drain()
         self._prefill_stubs: dict[str, worker_pb2_grpc.PrefillWorkerStub] = {}  # event-loop channels
+        self._decode_stubs: dict[str, worker_pb2_grpc.DecodeWorkerStub] = {}  # migration sources
+        self._kv_targets: frozenset[str] = frozenset()  # decode workers migrated KV may go to (SetKvTargets)
         self._segment_prefixes: dict[str, str] = {}  # prefill address -> its shm segment prefix ("": none)
 
     def unhealthy_reason(self) -> str:
@@ -171,7 +174,11 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
         self.worker.open_stream(request_id, _sink_to(loop, items))
         try:
             prefill_cached = 0
-            if self._prefill_locally(request, prompt_ids):
+            if request.migrate_from_address:
+                marker = await self._migrate_in(request_id, request, prompt_ids, resume_ids, params, deadline,
+                                                context, trace is not None)
+                yield router_pb2.GenerateResponse(request_id=request_id, migration=marker)
+            elif self._prefill_locally(request, prompt_ids):
                 await self._wait(self.worker.add_local(request_id, prompt_ids, params, resume_ids, trace is not None),
                                  deadline, context)
             else:
@@ -183,6 +190,56 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
             timer.cancel()
             self.worker.close_stream(request_id)
             self.worker.abort(request_id)
+
+    async def _migrate_in(self, request_id: str, request: worker_pb2.DecodeRequest, prompt_ids: list[int],
+                          resume_ids: list[int], params: SamplingParams, deadline: float,
+                          context: grpc.aio.ServicerContext, trace: bool) -> router_pb2.MigrationMarker:
+        """Live migration, target side: reserve blocks for prompt + outputs, expect the K/V of every
+        token but the last, have the source push them (MigrateOut), then decode on. No prompt token
+        is computed here. A failure of the source or of the push ends with UNAVAILABLE and details
+        starting with MIGRATION_FAILURE: the router then fails the request over (re-prefill)."""
+        source = request.migrate_from_address
+        if not resume_ids or not request.migrate_request_id:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                                "migrate_from_address needs migrate_request_id and resume_output_ids")
+        started = time.perf_counter()
+        seq = await self._wait(self.worker.reserve(request_id, prompt_ids, params, resume_ids, trace), deadline,
+                               context)
+        num_tokens = len(prompt_ids) + len(resume_ids) - 1
+        n_blocks = blocks_for_tokens(num_tokens, self.worker.engine.pool.block_size)
+        offset = min(seq.num_reused_blocks, n_blocks - 1)  # at least one block travels
+        backend = "ray" if self.kv_backend == "ray" else "grpc"  # the source's cache is not in shared memory
+        kv_deadline = min(deadline, time.perf_counter() + self.kv_timeout_s)
+        spec = self.worker.expected_spec(request_id, num_tokens, offset)
+        pending = self.kv_receiver.expect(spec, deadline_s=max(0.1, kv_deadline - time.perf_counter()))
+        call = self._decode_stub(source).MigrateOut(
+            worker_pb2.MigrateOutRequest(
+                request_id=request.migrate_request_id, target_request_id=request_id, kv_target_address=self.kv_target,
+                kv_backend=backend, num_tokens=num_tokens, kv_block_offset=offset, target_worker_id=self.worker_id),
+            timeout=max(0.1, kv_deadline - time.perf_counter()))
+        try:
+            response = await call
+            kv, _ = await _kv_of(pending, kv_deadline - time.perf_counter())
+        except (grpc.aio.AioRpcError, KvTransferError) as exc:
+            pending.cancel("migration failed")
+            reason = f"{exc.code().name}: {exc.details()}" if isinstance(exc, grpc.aio.AioRpcError) else str(exc)
+            await context.abort(grpc.StatusCode.UNAVAILABLE, f"{MIGRATION_FAILURE} {source}: {reason}")
+        finally:
+            if not pending.done():
+                pending.cancel("request ended")
+            call.cancel()
+        await self._wait(self.worker.commit_migrated(request_id, kv, spec.nbytes, offset), deadline, context)
+        log.info("request_id=%s migrated in from %s: %d tokens, %d KV bytes", request_id, source, num_tokens,
+                 spec.nbytes)
+        return router_pb2.MigrationMarker(resumed=True, num_tokens=num_tokens, kv_bytes=response.kv_bytes,
+                                          kv_transfer_s=time.perf_counter() - started)
+
+    def _decode_stub(self, address: str) -> worker_pb2_grpc.DecodeWorkerStub:
+        stub = self._decode_stubs.get(address)
+        if stub is None:
+            stub = worker_pb2_grpc.DecodeWorkerStub(open_aio_channel(address))
+            self._decode_stubs[address] = stub
+        return stub
 
     def _tokenize_event(self, prompt_ids: list[int], tokenize_s: float) -> common_pb2.TraceEvent:
         pieces = token_bytes(self.worker.loaded.tokenizer, prompt_ids)
@@ -343,6 +400,10 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
             item = await items.get()
             if item is _DEADLINE:
                 await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, "request deadline passed while decoding")
+            if isinstance(item, Suspended):  # live migration: another decode worker takes over
+                yield router_pb2.GenerateResponse(request_id=request_id,
+                                                  migration=router_pb2.MigrationMarker(suspended=True))
+                return
             if isinstance(item, StreamError):
                 code = grpc.StatusCode.UNAVAILABLE if item.worker_failed else grpc.StatusCode.INTERNAL
                 await context.abort(code, f"decode worker {self.worker_id}: {item.message}")
@@ -395,12 +456,78 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
             prefix_cache_hit_blocks=s["prefix_cache_hit_blocks"], prefix_cache_blocks=s["prefix_cache_blocks"],
             max_running_requests=self.worker.engine.config.max_num_seqs,
             node_id=self.node_id, host=self.node_host,
+            requests_migrated_in=self.worker.requests_migrated_in,
+            requests_migrated_out=self.worker.requests_migrated_out,
         )
 
     def Abort(self, request: worker_pb2.AbortRequest, context: grpc.ServicerContext) -> worker_pb2.AbortResponse:  # noqa: N802
         found = request.request_id in self.worker.engine.sequences
         self.worker.abort(request.request_id)
+        self.worker.release_suspended(request.request_id)  # a migration given up
         return worker_pb2.AbortResponse(found=found)
+
+    # ----- live migration, source side -------------------------------------------------------
+    def SetKvTargets(self, request: worker_pb2.KvTargets,  # noqa: N802
+                     context: grpc.ServicerContext) -> worker_pb2.KvTargetsAck:
+        targets = frozenset(t for t in request.targets if t)
+        if targets != self._kv_targets:
+            log.info("migration KV targets: %s", ", ".join(sorted(targets)) or "none")
+        self._kv_targets = targets
+        return worker_pb2.KvTargetsAck(num_targets=len(targets))
+
+    async def Suspend(self, request: worker_pb2.SuspendRequest,  # noqa: N802
+                      context: grpc.aio.ServicerContext) -> worker_pb2.SuspendResponse:
+        try:
+            seq = await asyncio.wrap_future(self.worker.suspend(request.request_id, hold_s=self.kv_timeout_s))
+        except KeyError as exc:
+            await context.abort(grpc.StatusCode.NOT_FOUND, str(exc.args[0]))
+        except ValueError as exc:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc))
+        except WorkerDead as exc:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, f"decode worker {self.worker_id}: {exc}")
+        log.info("request_id=%s suspended for migration after %d output tokens", request.request_id,
+                 len(seq.output_ids))
+        return worker_pb2.SuspendResponse(num_output_tokens=len(seq.output_ids), num_cached_tokens=seq.num_cached)
+
+    async def MigrateOut(self, request: worker_pb2.MigrateOutRequest,  # noqa: N802
+                         context: grpc.aio.ServicerContext) -> worker_pb2.MigrateOutResponse:
+        """Push a suspended request's K/V to a registered decode worker, then free it here."""
+        if request.kv_target_address not in self._kv_targets:
+            await context.abort(grpc.StatusCode.PERMISSION_DENIED,
+                                f"kv_target_address {request.kv_target_address!r} is not a decode worker registered "
+                                f"with decode worker {self.worker_id}")
+        backend = request.kv_backend or "grpc"
+        try:
+            seq = await asyncio.wrap_future(self.worker.suspended(request.request_id))
+        except KeyError:
+            await context.abort(grpc.StatusCode.NOT_FOUND, f"request {request.request_id} is not suspended here")
+        num_tokens = seq.num_tokens - 1
+        try:
+            if backend not in ("grpc", "ray"):
+                raise ValueError(f"kv_backend: migration ships over grpc or ray, not {backend!r}")
+            if request.num_tokens != num_tokens:
+                raise ValueError(f"num_tokens: this worker holds {num_tokens} tokens of K/V, not {request.num_tokens}")
+            spec = KvSpec.for_cache(request.target_request_id, self.worker.loaded.fingerprint,
+                                    self.worker.engine.kv_cache.shape, num_tokens, request.kv_block_offset)
+            sender = get_backend(backend).sender_factory(request.kv_target_address)
+        except ValueError as exc:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        blocks = seq.block_table[spec.block_offset : blocks_for_tokens(num_tokens, self.worker.engine.pool.block_size)]
+        started = time.perf_counter()
+        try:  # the blocks are held (suspended): no step writes them while they are read here
+            await asyncio.to_thread(sender.send_blocks, spec, self.worker.engine.kv_cache, blocks,
+                                    seq.output_ids[-1], timeout_s=self.kv_timeout_s)
+        except Exception as exc:  # noqa: BLE001 - reported to the target, which fails over
+            self.worker.release_suspended(request.request_id)
+            self.worker.metrics.kv_failed(backend, "send")
+            await context.abort(grpc.StatusCode.UNAVAILABLE, f"migrating KV to {request.kv_target_address}: {exc}")
+        transfer_s = time.perf_counter() - started
+        self.worker.release_suspended(request.request_id, migrated=True)
+        self.worker.metrics.kv_transferred(backend, "send", spec.nbytes, transfer_s)
+        log.info("request_id=%s migrated out to %s (%s): %d tokens, %d bytes in %.3fs", request.request_id,
+                 request.target_worker_id, request.kv_target_address, num_tokens, spec.nbytes, transfer_s)
+        return worker_pb2.MigrateOutResponse(kv_bytes=spec.nbytes, kv_transfer_s=transfer_s,
+                                             last_token_id=seq.output_ids[-1])
 
 
 def _logprob_pb(entry: TokenLogprob, tokenizer: Any) -> common_pb2.TokenLogprob:

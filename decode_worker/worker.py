@@ -56,8 +56,16 @@ class StreamError:
     worker_failed: bool = False
 
 
+@dataclass(frozen=True)
+class Suspended:
+    """Put on a request's stream when it stopped decoding here to move to another decode worker
+    (live migration); every token it sampled here was put on the stream before."""
+
+    num_output_tokens: int
+
+
 #: Receives a request's outputs on the loop thread; must not block.
-StreamSink = Callable[["TokenOutput | StreamError"], None]
+StreamSink = Callable[["TokenOutput | StreamError | Suspended"], None]
 
 
 @dataclass
@@ -74,8 +82,10 @@ class _PendingReservation:
 class DecodeWorker:
     def __init__(self, loaded: LoadedModel, config: EngineConfig, admission_timeout_s: float = 30.0,
                  max_waiting: int = 1024, metrics: WorkerMetrics | None = None,
-                 die_after_steps: int | None = None) -> None:
+                 die_after_steps: int | None = None, step_delay_s: float = 0.0) -> None:
+        """`step_delay_s`: testing only, a sleep before each step (slows a tiny model's streams)."""
         self.loaded = loaded
+        self.step_delay_s = step_delay_s
         self.engine = LLMEngine(loaded, config)
         self.admission_timeout_s = admission_timeout_s
         self.max_waiting = max_waiting
@@ -84,6 +94,9 @@ class DecodeWorker:
         self._counter_lock = threading.Lock()
         self.kv_bytes_received = 0
         self.requests_finished = 0
+        self.requests_migrated_in = 0
+        self.requests_migrated_out = 0
+        self._suspended: dict[str, Sequence] = {}  # live migration: request id -> its held sequence (loop thread)
         self.metrics = metrics or WorkerMetrics()
         self.metrics.bind_gauges(
             running=lambda: len(self.engine.scheduler.running),
@@ -142,8 +155,52 @@ class DecodeWorker:
         return self.run_on_loop(lambda: self._commit(request_id, kv, first_token))
 
     def abort(self, request_id: str) -> None:
-        """End the request wherever it is; its blocks are freed. Safe to call more than once."""
+        """End the request wherever it is; its blocks are freed. Safe to call more than once. A
+        suspended request (live migration) is left alone: `release_suspended` frees it."""
         self.loop.post(lambda: self._abort(request_id))
+
+    # ----- live migration ----------------------------------------------------------------------
+    def suspend(self, request_id: str, hold_s: float) -> Future:
+        """Stop decoding `request_id` between two steps and hold its blocks for `hold_s` seconds (or
+        until `release_suspended`); its stream gets a `Suspended` after its last token. The future
+        yields the sequence; KeyError if unknown, ValueError if it is not decoding."""
+        future = self.run_on_loop(lambda: self._suspend(request_id))
+
+        def expire(_future: Future) -> None:
+            if not _future.exception():
+                timer = threading.Timer(hold_s, lambda: self.release_suspended(request_id))
+                timer.daemon = True
+                timer.start()
+        future.add_done_callback(expire)
+        return future
+
+    def suspended(self, request_id: str) -> Future:
+        """The suspended sequence of `request_id` (KeyError if none, e.g. its hold expired)."""
+        return self.run_on_loop(lambda: self._suspended[request_id])
+
+    def release_suspended(self, request_id: str, migrated: bool = False) -> None:
+        """Free a suspended request's blocks (its K/V left, or the migration was given up)."""
+        def release() -> None:
+            seq = self._suspended.pop(request_id, None)
+            if seq is not None:
+                self.engine.release_handoff(seq)
+                if migrated:
+                    self.requests_migrated_out += 1
+        self.loop.post(release)
+
+    def commit_migrated(self, request_id: str, kv: torch.Tensor, nbytes: int, block_offset: int) -> Future:
+        """Live migration, target side: the K/V of every token but the last arrived; decode on."""
+        with self._counter_lock:
+            self.kv_bytes_received += nbytes
+        self.metrics.kv_transferred("migrate", "receive", nbytes, None)
+
+        def commit() -> None:
+            seq = self.engine.sequences.get(request_id)
+            if seq is None:
+                raise KeyError(f"request {request_id} has no reservation (aborted?)")
+            self.engine.commit_migrated(seq, kv, block_offset)
+            self.requests_migrated_in += 1
+        return self.run_on_loop(commit)
 
     def expected_spec(self, request_id: str, num_tokens: int, block_offset: int = 0) -> KvSpec:
         """The payload for `num_tokens` tokens of which the first `block_offset` blocks are held here."""
@@ -151,8 +208,8 @@ class DecodeWorker:
                                 block_offset)
 
     def idle(self) -> bool:
-        """No request open here (used to finish draining)."""
-        return not self._streams and not self.engine.sequences
+        """No request open here, none held for a migration (used to finish draining)."""
+        return not self._streams and not self.engine.sequences and not self._suspended
 
     def stop(self) -> None:
         self.loop.stop()
@@ -176,6 +233,8 @@ class DecodeWorker:
     def _iteration(self) -> None:
         self._retry_reservations()
         if self.engine.has_work:
+            if self.step_delay_s:
+                time.sleep(self.step_delay_s)
             self._step()
 
     def _step(self) -> None:
@@ -240,6 +299,19 @@ class DecodeWorker:
         if seq is None:
             raise KeyError(f"request {request_id} has no reservation (aborted?)")
         self._emit(self.engine.commit_prefilled(seq, kv, first_token))
+
+    def _suspend(self, request_id: str) -> Sequence:
+        seq = self.engine.sequences.get(request_id)
+        if seq is None:
+            raise KeyError(f"request {request_id} is not on this worker (finished?)")
+        if seq.num_cached != seq.num_tokens - 1:
+            raise ValueError(f"request {request_id} is not decoding (status {seq.status.value})")
+        self.engine.suspend(request_id)
+        self._suspended[request_id] = seq
+        sink = self._streams.get(request_id)
+        if sink is not None:
+            sink(Suspended(len(seq.output_ids)))
+        return seq
 
     def _abort(self, request_id: str) -> None:
         for pending in self._reservations:

@@ -181,6 +181,35 @@ class LLMEngine:
             self.scheduler.add_running(seq)
         return out
 
+    def commit_migrated(self, seq: Sequence, kv_blocks: torch.Tensor, block_offset: int) -> None:
+        """Live migration, target side: K/V [L, 2, n, block_size, H, D] arrived for blocks
+        [block_offset, ...) of every token but the last of reserved `seq` (its prompt, and outputs
+        replayed from the source); blocks it shares from this engine's prefix cache are not written.
+        The last output is the input of its next decode step, as on the source: nothing is emitted
+        now, and no prompt token is computed here."""
+        num_cached = seq.num_tokens - 1
+        first = max(block_offset, seq.num_reused_blocks)
+        targets = seq.block_table[first : blocks_for_tokens(num_cached, self.pool.block_size)]
+        if targets:
+            self.kv_cache.scatter(targets, kv_blocks[:, :, first - block_offset :])
+        seq.num_cached = num_cached
+        if self.config.prefix_caching:
+            seq.prefix_hashes = block_hashes(seq.all_ids, self.pool.block_size)
+            self.scheduler.cache_computed_blocks(seq, 0)
+        seq.status = SequenceStatus.RUNNING
+        self.scheduler.add_running(seq)
+
+    def suspend(self, request_id: str) -> Sequence:
+        """Live migration, source side: take a decoding sequence out of the batch between steps,
+        keeping its blocks (status HANDED_OFF: `abort` leaves it alone, `release_handoff` frees it).
+        Every token it sampled was already emitted. KeyError if unknown, ValueError if not decoding."""
+        seq = self.sequences[request_id]
+        if seq.status is not SequenceStatus.RUNNING or seq not in self.scheduler.running:
+            raise ValueError(f"request {request_id} is not decoding (status {seq.status.value})")
+        self.scheduler.running.remove(seq)
+        seq.status = SequenceStatus.HANDED_OFF
+        return seq
+
     def abort(self, request_id: str) -> None:
         """End a request wherever it is and free its blocks (no-op if unknown). A handed-off
         sequence is left alone: its K/V may still be read; `release_handoff` frees it."""

@@ -21,6 +21,13 @@ Invariants:
   UNKNOWN (a request that breaks a worker's step) is retried once on another worker without
   suspecting anyone; failing the same way twice, it is a poison request and fails.
 - The worker lease of a request is released on every exit path.
+- Live migration (`migrate`, and for every request on a draining decode worker): the source
+  suspends the request between two steps and ends its stream with a `suspended` marker after the
+  last token it sent; the next attempt goes to the target with the tokens delivered so far and the
+  source's address, and takes the K/V from the source instead of a prefill. Markers never reach
+  the client. A migration that fails (the source or target dies, the push fails) is a failure of
+  that attempt: the request fails over (re-prefilled on a healthy worker) as usual. Migrations do
+  not count against max_attempts.
 - Each request logs one start and one finish line (`Generate start request_id=<client id>
   internal_id=<id>`), for gRPC and HTTP alike; workers log the internal id.
 """
@@ -36,7 +43,7 @@ from dataclasses import dataclass, field
 
 import grpc
 
-from pdserve.serving import PREFILL_FAILURE
+from pdserve.serving import MIGRATION_FAILURE, PREFILL_FAILURE
 from pdserve.transport import internal_metadata, open_aio_channel
 from pdserve.v1 import common_pb2, router_pb2, worker_pb2, worker_pb2_grpc
 from router.admission import AdmissionQueue, Busy, QueueFull
@@ -55,6 +62,10 @@ RETRYABLE = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.INTERNAL, gr
 REQUEST_FAULTS = frozenset({grpc.StatusCode.INTERNAL, grpc.StatusCode.UNKNOWN})
 #: After a failure, how long to wait for some worker of the needed role to be healthy again.
 RECOVERY_WAIT_S = 3.0
+#: How long Router.Migrate waits for the target to hold the K/V.
+MIGRATE_TIMEOUT_S = 120.0
+#: Between two tries to move a request off a draining worker (it may not be decoding yet).
+DRAIN_RETRY_S = 1.0
 
 
 class RouterError(Exception):
@@ -76,9 +87,30 @@ class _Failure:
 
 @dataclass
 class _Attempt:
-    """What one relay attempt ended with: nothing (done) or a failure worth retrying."""
+    """What one relay attempt ended with: nothing (done), a failure worth retrying, or the source
+    suspended the request for a migration."""
 
     failure: _Failure | None = None
+    suspended: bool = False
+
+
+@dataclass
+class _Migration:
+    """A migration under way: the target's lease (taken when asked) and the Migrate call's answer."""
+
+    target: str
+    lease: Lease
+    started: float
+    done: asyncio.Future
+    source: str = ""
+    source_id: str = ""  # the request's internal id on the source
+
+    def settle(self, result: router_pb2.MigrateResponse | None = None, error: RouterError | None = None) -> None:
+        if not self.done.done():
+            if error is not None:
+                self.done.set_exception(error)
+            else:
+                self.done.set_result(result)
 
 
 @dataclass
@@ -94,6 +126,10 @@ class _Request:
     delivered: list[int] = field(default_factory=list)  # token ids the client already has
     avoid: set[str] = field(default_factory=set)
     request_faults: int = 0
+    lease: Lease | None = None  # of the attempt relaying now
+    migration: _Migration | None = None  # asked for; its target attempt runs once the source suspended
+    migrating: bool = False  # the attempt relaying now takes its K/V from a suspended source
+    next_drain_try: float = 0.0
 
     def remaining_s(self) -> float:
         return max(0.0, self.deadline - time.monotonic())
@@ -112,6 +148,8 @@ class RouterCore:
         self._dispatched = 0  # leases held (requests at a worker)
         self._stubs: dict[str, tuple[grpc.aio.Channel, worker_pb2_grpc.DecodeWorkerStub]] = {}
         self._metadata = internal_metadata()
+        self._live: dict[int, _Request] = {}  # requests in flight, by id() (their internal id changes)
+        self._tasks: set[asyncio.Task] = set()  # drain migrations under way
 
     # ----- public --------------------------------------------------------------------------------
     async def generate(self, request: router_pb2.GenerateRequest,
@@ -146,9 +184,95 @@ class RouterCore:
         )
 
     def wake(self) -> None:
-        """Capacity may have changed (a poll, a release): admit queued requests that now fit."""
+        """Capacity may have changed (a poll, a release): admit queued requests that now fit, and
+        move requests off draining decode workers."""
         self.admission.wake()
         self.metrics.prom.requests_waiting.set(len(self.admission))
+        self._migrate_draining()
+
+    # ----- live migration --------------------------------------------------------------------------
+    async def migrate(self, request_id: str, to_worker: str = "") -> router_pb2.MigrateResponse:
+        """Move a running request to another decode worker (see the module docstring); returns once
+        the target holds its K/V. RouterError: NOT_FOUND, FAILED_PRECONDITION, ABORTED (the migration
+        failed and the request fails over), DEADLINE_EXCEEDED."""
+        state = self._find(request_id)
+        lease = state.lease
+        if state.migration is not None or state.migrating:
+            raise RouterError(grpc.StatusCode.FAILED_PRECONDITION, f"request {request_id} is already migrating")
+        if lease is None or lease.released:
+            raise RouterError(grpc.StatusCode.FAILED_PRECONDITION, f"request {request_id} is not at a decode worker")
+        source = lease.decode_address
+        try:
+            target = self.pool.migration_target(source, to_worker, self._decode_policy)
+            target_lease = self.pool.lease_decode(target)
+        except ValueError as exc:
+            raise RouterError(grpc.StatusCode.FAILED_PRECONDITION, str(exc)) from None
+        self._dispatched += 1
+        migration = _Migration(target, target_lease, time.monotonic(), asyncio.get_running_loop().create_future(),
+                               source, state.internal_id)
+        # retrieved here, so a Migrate caller that left does not leave an unretrieved exception behind
+        migration.done.add_done_callback(lambda f: f.cancelled() or f.exception())
+        state.migration = migration
+        try:
+            await self._stub(source).Suspend(worker_pb2.SuspendRequest(request_id=state.internal_id), timeout=10.0,
+                                             metadata=self._metadata)
+        except grpc.aio.AioRpcError as exc:
+            code = exc.code() if exc.code() in (grpc.StatusCode.NOT_FOUND, grpc.StatusCode.FAILED_PRECONDITION) \
+                else grpc.StatusCode.ABORTED
+            error = RouterError(code, f"suspend on {source}: {exc.details()}")
+            self._abandon(state, migration, error)
+            raise error from None
+        log.info("request_id=%s internal_id=%s migrating from %s to %s", safe_id(state.echo_id), migration.source_id,
+                 source, target)
+        try:
+            return await asyncio.wait_for(asyncio.shield(migration.done), timeout=MIGRATE_TIMEOUT_S)
+        except (asyncio.TimeoutError, TimeoutError):
+            raise RouterError(grpc.StatusCode.DEADLINE_EXCEEDED, "migration did not complete in time") from None
+
+    def _find(self, request_id: str) -> _Request:
+        """The request in flight with this internal id, or else with this (unique) client id."""
+        states = list(self._live.values())
+        found = [s for s in states if s.internal_id == request_id]
+        found = found or [s for s in states if request_id in (s.echo_id, s.request.request_id)]
+        if not found:
+            raise RouterError(grpc.StatusCode.NOT_FOUND, f"no request {request_id!r} in flight")
+        if len(found) > 1:
+            raise RouterError(grpc.StatusCode.FAILED_PRECONDITION,
+                              f"{len(found)} requests in flight have id {request_id!r}: use the internal id")
+        return found[0]
+
+    def _abandon(self, state: _Request, migration: _Migration, error: RouterError) -> None:
+        """Give a migration up: its target lease back, the Migrate call answered with `error`."""
+        if state.migration is migration:
+            state.migration = None
+        self._release(migration.lease)
+        migration.settle(error=error)
+
+    def _migrate_draining(self) -> None:
+        """Draining decode workers hand their running requests to others (retried while a request is
+        not decoding yet; with no target, the request stays and the worker waits for it)."""
+        draining = self.pool.draining()
+        if not draining:
+            return
+        now = time.monotonic()
+        for state in list(self._live.values()):
+            lease = state.lease
+            if (lease is None or lease.decode_address not in draining or state.migration is not None
+                    or state.migrating or now < state.next_drain_try):
+                continue
+            state.next_drain_try = now + DRAIN_RETRY_S
+            task = asyncio.ensure_future(self._drain_one(state, lease.decode_address))
+            self._tasks.add(task)
+            task.add_done_callback(self._tasks.discard)
+
+    async def _drain_one(self, state: _Request, source: str) -> None:
+        try:
+            done = await self.migrate(state.internal_id)
+            log.info("request_id=%s moved off draining worker %s to %s", safe_id(state.echo_id), source,
+                     done.to_address)
+        except RouterError as exc:
+            log.info("request_id=%s stays on draining worker %s for now: %s", safe_id(state.echo_id), source,
+                     exc.details)
 
     async def close(self) -> None:
         for channel, _ in self._stubs.values():
@@ -157,25 +281,80 @@ class RouterCore:
 
     # ----- attempts ------------------------------------------------------------------------------
     async def _attempts(self, state: _Request) -> AsyncIterator[router_pb2.GenerateResponse]:
-        for attempt in range(self._config.max_attempts):
-            if attempt:
-                state.internal_id = uuid.uuid4().hex  # a fresh key: the failed attempt may still be aborting
-                self.metrics.failed_over()
-                await asyncio.sleep(min(1.0, 0.1 * 2**attempt))  # let health polls catch up with a dead worker
-            lease = await self._acquire(state, retry=attempt > 0)
+        self._live[id(state)] = state
+        try:
+            async for response in self._attempt_loop(state):
+                yield response
+        finally:
+            del self._live[id(state)]
+            if state.migration is not None:
+                self._settle_quietly(state, RouterError(grpc.StatusCode.ABORTED, "the request ended first"))
+
+    def _settle_quietly(self, state: _Request, error: RouterError) -> None:
+        if state.migration is not None:
+            self._abandon(state, state.migration, error)
+
+    async def _attempt_loop(self, state: _Request) -> AsyncIterator[router_pb2.GenerateResponse]:
+        failures = 0
+        lease: Lease | None = None
+        while True:
+            if lease is None:
+                if failures:
+                    state.internal_id = uuid.uuid4().hex  # a fresh key: the failed attempt may still be aborting
+                    self.metrics.failed_over()
+                    await asyncio.sleep(min(1.0, 0.1 * 2**failures))  # let health polls catch up with a dead worker
+                lease = await self._acquire(state, retry=failures > 0)
             admitted_at = time.monotonic()
             result = _Attempt()
+            state.lease = lease
             try:
                 async for response in self._relay(state, lease, result):
                     yield response
             finally:
+                state.lease = None
                 self._release(lease)
                 self.admission.finished(time.monotonic() - admitted_at, self.pool.total_slots())
+            lease = self._after_attempt(state, result)
+            if lease is not None:
+                continue
             if result.failure is None:
                 return
-            self._on_failure(state, attempt, result.failure)
-        raise RouterError(grpc.StatusCode.UNAVAILABLE,
-                          f"gave up after {self._config.max_attempts} attempts; last: {result.failure.details}")
+            self._on_failure(state, failures, result.failure)
+            failures += 1
+            if failures >= self._config.max_attempts:
+                raise RouterError(grpc.StatusCode.UNAVAILABLE, f"gave up after {failures} attempts; last: "
+                                                               f"{result.failure.details}")
+
+    def _after_attempt(self, state: _Request, result: _Attempt) -> Lease | None:
+        """The target's lease when the source just suspended the request for a migration; None
+        otherwise (a migration target attempt that failed gives its migration up: failover)."""
+        migration = state.migration
+        if result.suspended and migration is not None:
+            state.migrating = True
+            state.internal_id = uuid.uuid4().hex  # the target's key; the source keeps the old one
+            return migration.lease
+        if state.migrating or (migration is not None and result.failure is not None):
+            state.migrating = False
+            if migration is not None:
+                details = result.failure.details if result.failure else "the source ended the request"
+                if result.failure is not None:
+                    self._abort_on(migration.source, migration.source_id)
+                self._settle_quietly(state, RouterError(
+                    grpc.StatusCode.ABORTED, f"migration to {migration.target} failed ({details}); the request "
+                                             f"resumes by failover"))
+        return None
+
+    def _abort_on(self, address: str, request_id: str) -> None:
+        """Best effort: free what a worker still holds for `request_id` (a suspended source)."""
+        async def abort() -> None:
+            try:
+                await self._stub(address).Abort(worker_pb2.AbortRequest(request_id=request_id), timeout=2.0,
+                                                 metadata=self._metadata)
+            except grpc.aio.AioRpcError:
+                pass  # it holds the blocks until its own deadline
+        task = asyncio.ensure_future(abort())
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
 
     def _on_failure(self, state: _Request, attempt: int, failure: _Failure) -> None:
         """Decide whether to retry: a worker failure suspects the worker; a request fault twice is poison."""
@@ -239,6 +418,10 @@ class RouterCore:
                                                          metadata=self._metadata)
         try:
             async for response in call:
+                if response.HasField("migration"):
+                    if self._on_marker(state, lease, response.migration, result):
+                        return
+                    continue
                 finished = _stamp(response, state, lease)
                 state.delivered.extend(response.token_ids)
                 if finished:
@@ -252,12 +435,33 @@ class RouterCore:
                 log.info("decode worker %s failed: %s: %s", lease.decode_address, exc.code().name, details)
                 raise RouterError(exc.code(), details or f"decode worker {lease.decode_address} failed") from None
             failed = lease.prefill_address if details.startswith(PREFILL_FAILURE) else lease.decode_address
+            if details.startswith(MIGRATION_FAILURE) and state.migration is not None:
+                failed = state.migration.source  # the target is fine: the source could not hand over
             result.failure = _Failure(failed, exc.code(), f"{exc.code().name}: {details}")
             return
         finally:
             call.cancel()
         result.failure = _Failure(lease.decode_address, grpc.StatusCode.UNAVAILABLE,
                                   f"decode worker {lease.decode_address} ended the stream early")
+
+    def _on_marker(self, state: _Request, lease: Lease, marker: router_pb2.MigrationMarker,
+                   result: _Attempt) -> bool:
+        """A migration marker from a decode worker (never relayed); True when the attempt ends here."""
+        migration = state.migration
+        if marker.suspended:
+            if migration is None:
+                result.failure = _Failure(lease.decode_address, grpc.StatusCode.UNAVAILABLE,
+                                          "decode worker suspended a request nobody migrates")
+            result.suspended = migration is not None
+            return True
+        if marker.resumed and migration is not None and state.migrating:
+            state.migration, state.migrating = None, False
+            migration.settle(router_pb2.MigrateResponse(
+                request_id=migration.source_id, from_address=migration.source, to_address=migration.target,
+                num_tokens=marker.num_tokens, kv_bytes=marker.kv_bytes,
+                migrate_s=time.monotonic() - migration.started))
+            self.metrics.migrated()
+        return False
 
     def _stub(self, address: str) -> worker_pb2_grpc.DecodeWorkerStub:
         entry = self._stubs.get(address)
@@ -293,6 +497,9 @@ def _decode_request(state: _Request, lease: Lease) -> worker_pb2.DecodeRequest:
         request_id=state.internal_id, client_request_id=request.request_id, prefill_address=lease.prefill_address,
         resume_output_ids=state.delivered, trace=request.trace,
     )
+    if state.migrating and state.migration is not None:
+        decode_request.migrate_from_address = state.migration.source
+        decode_request.migrate_request_id = state.migration.source_id
     kind = request.WhichOneof("input")
     if kind == "prompt":
         decode_request.prompt = request.prompt

@@ -87,6 +87,10 @@ class RouterMetrics:
         """Count one request moved to another worker after a failure."""
         self.prom.failovers.inc()
 
+    def migrated(self) -> None:
+        """Count one running request moved live to another decode worker."""
+        self.prom.migrations.inc()
+
     def record(self, series: LatencySeries, seconds: float) -> None:
         with self._lock:
             series.add(seconds)

@@ -4,7 +4,8 @@ Same definitions as the in-memory series of ``router.metrics`` (``vllm bench ser
 received -> first token-carrying response, ITL = gap between token-carrying responses, E2E = request
 received -> last response. Token counters come from the decode worker's final ``usage``.
 ``pdserve_num_requests_waiting`` and ``pdserve_request_queue_time_seconds`` describe the admission
-queue. ``pdserve_failovers_total`` counts requests moved to another worker after a failure.
+queue. ``pdserve_failovers_total`` counts requests moved to another worker after a failure,
+``pdserve_migrations_total`` running requests moved live to another decode worker (Router.Migrate).
 """
 
 from __future__ import annotations
@@ -42,3 +43,5 @@ class RouterPrometheus:
                                     buckets=LATENCY_BUCKETS, registry=r)
         self.failovers = Counter("pdserve_failovers", "Requests moved to another worker after a failure",
                                  registry=r)
+        self.migrations = Counter("pdserve_migrations", "Running requests moved live to another decode worker",
+                                  registry=r)

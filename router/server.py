@@ -48,6 +48,15 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
                 context.set_trailing_metadata((("retry-after", str(int(exc.retry_after_s))),))
             await context.abort(exc.code, exc.details)
 
+    async def Migrate(  # noqa: N802
+        self, request: router_pb2.MigrateRequest, context: grpc.aio.ServicerContext
+    ) -> router_pb2.MigrateResponse:
+        try:
+            return await self._core.migrate(request.request_id, request.to_worker_id)
+        except RouterError as exc:
+            await context.abort(exc.code, exc.details)
+            raise AssertionError("unreachable") from exc  # context.abort raises
+
     async def GetStatus(  # noqa: N802
         self, request: router_pb2.StatusRequest, context: grpc.aio.ServicerContext
     ) -> router_pb2.StatusResponse:

@@ -64,9 +64,12 @@ class _WorkerState:
     endpoint: WorkerEndpoint
     channel: grpc.Channel
     info_call: grpc.UnaryUnaryMultiCallable
-    set_kv_targets: grpc.UnaryUnaryMultiCallable | None = None  # prefill workers only
-    # prefill: the decode kv_addresses it acknowledged; None when it does not restrict its targets
-    # (a worker without SetKvTargets, such as a test double)
+    # prefill workers: where they push prompts' K/V; decode and colocated workers: where they may push
+    # a migrated request's K/V (Router.Migrate)
+    set_kv_targets: grpc.UnaryUnaryMultiCallable | None = None
+    # the kv_addresses it acknowledged (prefill: of decode workers; decode: of decode and colocated
+    # workers); None when it does not restrict its targets (a worker without SetKvTargets, such as a
+    # test double)
     kv_targets: frozenset[str] | None = frozenset()
     info: common_pb2.WorkerInfo | None = None
     healthy: bool = False
@@ -203,11 +206,15 @@ class WorkerPool:
         with self._lock:
             targets = sorted({s.info.kv_address for s in self._workers.values()
                               if s.endpoint.role == DECODE and s.info is not None and s.info.kv_address})
-            prefill = [(a, s.set_kv_targets) for a, s in self._workers.items() if s.set_kv_targets is not None]
-        request = worker_pb2.KvTargets(targets=targets)
-        futures = {a: call.future(request, timeout=self._info_timeout_s) for a, call in prefill if call is not None}
-        for address, future in futures.items():
-            acknowledged: frozenset[str] | None = frozenset(targets)
+            migration = sorted({s.info.kv_address for s in self._workers.values()
+                                if s.endpoint.role in (DECODE, COLOCATED) and s.info is not None and s.info.kv_address})
+            calls = [(a, s.set_kv_targets, targets if s.endpoint.role == PREFILL else migration)
+                     for a, s in self._workers.items() if s.set_kv_targets is not None
+                     and (s.endpoint.role == PREFILL or s.healthy or _draining(s))]
+        futures = {a: (call.future(worker_pb2.KvTargets(targets=t), timeout=self._info_timeout_s), t)
+                   for a, call, t in calls}
+        for address, (future, sent) in futures.items():
+            acknowledged: frozenset[str] | None = frozenset(sent)
             try:
                 future.result()
             except grpc.RpcError as exc:
@@ -309,6 +316,41 @@ class WorkerPool:
         preferred = [s for s in states if s.endpoint.address not in avoid and s.healthy]
         return [s.candidate() for s in (preferred or states)]
 
+    def migration_target(self, source: str, to_worker: str, policy: Policy) -> str:
+        """The decode (or colocated) worker a request on `source` may move to: `to_worker` (a worker id
+        or address) or, when empty, the policy's pick among the others. It must be healthy, report a
+        kv_address, and be registered as a KV target with `source`. ValueError says why none is."""
+        with self._lock:
+            if source not in self._workers:
+                raise ValueError(f"decode worker {source} is no longer in the pool")
+            accepted = self._workers[source].kv_targets
+            states = [s for a, s in self._workers.items() if s.endpoint.role in (DECODE, COLOCATED) and a != source]
+            if to_worker:
+                states = [s for s in states if to_worker in (s.endpoint.address, s.info.worker_id if s.info else "")]
+                if not states:
+                    raise ValueError(f"no decode worker {to_worker!r} other than the request's own ({source})")
+            eligible = [s for s in states if s.healthy and s.info is not None and s.info.kv_address
+                        and _accepts(accepted, s.info.kv_address)]
+            if not eligible:
+                raise ValueError(f"no healthy decode worker registered as a KV target of {source}"
+                                 + (f" matches {to_worker!r}" if to_worker else ""))
+            picked = policy.pick([s.candidate() for s in eligible], "")
+            if picked is None:
+                raise ValueError("the decode policy picked no migration target")
+            return picked.address
+
+    def lease_decode(self, address: str) -> Lease:
+        """Count one more request in flight on decode worker `address` (a migration target: no prefill)."""
+        with self._lock:
+            if address not in self._workers:
+                raise ValueError(f"decode worker {address} is no longer in the pool")
+            return self._lease_locked(address, "", 0)
+
+    def draining(self) -> frozenset[str]:
+        """Decode and colocated workers whose last poll said they are draining."""
+        with self._lock:
+            return frozenset(a for a, s in self._workers.items() if s.endpoint.role != PREFILL and _draining(s))
+
     def suspect(self, address: str) -> None:
         """A call to `address` just failed: take it out of rotation until its next successful poll."""
         with self._lock:
@@ -357,6 +399,10 @@ class WorkerPool:
             return sum(s.in_flight for s in self._workers.values() if s.endpoint.role != PREFILL)
 
 
+def _draining(state: _WorkerState) -> bool:
+    return state.info is not None and state.info.unhealthy_reason == "draining"
+
+
 def _accepts(kv_targets: frozenset[str] | None, target: str) -> bool:
     return kv_targets is None or target in kv_targets
 
@@ -373,7 +419,8 @@ def _open(endpoint: WorkerEndpoint) -> _WorkerState:
     if endpoint.role == PREFILL:
         stub = worker_pb2_grpc.PrefillWorkerStub(channel)
         return _WorkerState(endpoint, channel, stub.GetInfo, stub.SetKvTargets)
-    return _WorkerState(endpoint, channel, worker_pb2_grpc.DecodeWorkerStub(channel).GetInfo)
+    stub = worker_pb2_grpc.DecodeWorkerStub(channel)
+    return _WorkerState(endpoint, channel, stub.GetInfo, stub.SetKvTargets)
 
 
 def _status_info(state: _WorkerState) -> common_pb2.WorkerInfo:

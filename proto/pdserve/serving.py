@@ -39,6 +39,9 @@ READY_PREFIX = "PDSERVE_READY"
 #: Start of the details of a decode worker's UNAVAILABLE status when the prefill side failed (the
 #: prefill worker or the KV transfer): the router then avoids that prefill worker on the retry.
 PREFILL_FAILURE = "prefill failed on"
+#: Start of the details of a migration target's UNAVAILABLE status when taking the request's K/V
+#: from the source decode worker failed (Router.Migrate): the router then fails the request over.
+MIGRATION_FAILURE = "migration failed from"
 
 
 #: Which event loop the servers run on: ``uvloop`` (default when installed; cheaper per message) or

@@ -114,6 +114,16 @@ def test_generate_and_status_defaults() -> None:
     assert (status.url, status.json) == ("127.0.0.1:50051", True)
 
 
+def test_migrate_takes_a_request_id_and_an_optional_target() -> None:
+    args = _parse("migrate", "req-1")
+    assert (args.url, args.request_id, args.to, args.json) == ("127.0.0.1:50051", "req-1", "", False)
+    args = _parse("migrate", "--url", "h:1", "--to", "decode-1", "--json", "req-2")
+    assert (args.url, args.request_id, args.to, args.json) == ("h:1", "req-2", "decode-1", True)
+    assert args.func.__name__ == "_cmd_migrate"
+    with pytest.raises(SystemExit):
+        _parse("migrate")
+
+
 def test_model_fetch_is_kept() -> None:
     args = _parse("model", "fetch", "--force")
     assert args.force and args.func.__name__ == "_cmd_model_fetch"

@@ -26,7 +26,7 @@ class GenerateRequest(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., prompt: _Optional[str] = ..., messages: _Optional[_Union[_common_pb2.ChatMessages, _Mapping]] = ..., token_ids: _Optional[_Union[_common_pb2.TokenIds, _Mapping]] = ..., params: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., priority: _Optional[int] = ..., trace: _Optional[bool] = ...) -> None: ...
 
 class GenerateResponse(_message.Message):
-    __slots__ = ("request_id", "text", "token_ids", "finish_reason", "usage", "timings", "error", "trace", "logprobs", "prompt_logprobs")
+    __slots__ = ("request_id", "text", "token_ids", "finish_reason", "usage", "timings", "error", "trace", "logprobs", "prompt_logprobs", "migration")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     TEXT_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -37,6 +37,7 @@ class GenerateResponse(_message.Message):
     TRACE_FIELD_NUMBER: _ClassVar[int]
     LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     PROMPT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    MIGRATION_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     text: str
     token_ids: _containers.RepeatedScalarFieldContainer[int]
@@ -47,7 +48,46 @@ class GenerateResponse(_message.Message):
     trace: _containers.RepeatedCompositeFieldContainer[_common_pb2.TraceEvent]
     logprobs: _containers.RepeatedCompositeFieldContainer[_common_pb2.TokenLogprob]
     prompt_logprobs: _containers.RepeatedCompositeFieldContainer[_common_pb2.TokenLogprob]
-    def __init__(self, request_id: _Optional[str] = ..., text: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., finish_reason: _Optional[_Union[_common_pb2.FinishReason, str]] = ..., usage: _Optional[_Union[_common_pb2.Usage, _Mapping]] = ..., timings: _Optional[_Union[_common_pb2.Timings, _Mapping]] = ..., error: _Optional[str] = ..., trace: _Optional[_Iterable[_Union[_common_pb2.TraceEvent, _Mapping]]] = ..., logprobs: _Optional[_Iterable[_Union[_common_pb2.TokenLogprob, _Mapping]]] = ..., prompt_logprobs: _Optional[_Iterable[_Union[_common_pb2.TokenLogprob, _Mapping]]] = ...) -> None: ...
+    migration: MigrationMarker
+    def __init__(self, request_id: _Optional[str] = ..., text: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., finish_reason: _Optional[_Union[_common_pb2.FinishReason, str]] = ..., usage: _Optional[_Union[_common_pb2.Usage, _Mapping]] = ..., timings: _Optional[_Union[_common_pb2.Timings, _Mapping]] = ..., error: _Optional[str] = ..., trace: _Optional[_Iterable[_Union[_common_pb2.TraceEvent, _Mapping]]] = ..., logprobs: _Optional[_Iterable[_Union[_common_pb2.TokenLogprob, _Mapping]]] = ..., prompt_logprobs: _Optional[_Iterable[_Union[_common_pb2.TokenLogprob, _Mapping]]] = ..., migration: _Optional[_Union[MigrationMarker, _Mapping]] = ...) -> None: ...
+
+class MigrationMarker(_message.Message):
+    __slots__ = ("suspended", "resumed", "num_tokens", "kv_bytes", "kv_transfer_s")
+    SUSPENDED_FIELD_NUMBER: _ClassVar[int]
+    RESUMED_FIELD_NUMBER: _ClassVar[int]
+    NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    KV_BYTES_FIELD_NUMBER: _ClassVar[int]
+    KV_TRANSFER_S_FIELD_NUMBER: _ClassVar[int]
+    suspended: bool
+    resumed: bool
+    num_tokens: int
+    kv_bytes: int
+    kv_transfer_s: float
+    def __init__(self, suspended: _Optional[bool] = ..., resumed: _Optional[bool] = ..., num_tokens: _Optional[int] = ..., kv_bytes: _Optional[int] = ..., kv_transfer_s: _Optional[float] = ...) -> None: ...
+
+class MigrateRequest(_message.Message):
+    __slots__ = ("request_id", "to_worker_id")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    TO_WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    to_worker_id: str
+    def __init__(self, request_id: _Optional[str] = ..., to_worker_id: _Optional[str] = ...) -> None: ...
+
+class MigrateResponse(_message.Message):
+    __slots__ = ("request_id", "from_address", "to_address", "num_tokens", "kv_bytes", "migrate_s")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    FROM_ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    TO_ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    KV_BYTES_FIELD_NUMBER: _ClassVar[int]
+    MIGRATE_S_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    from_address: str
+    to_address: str
+    num_tokens: int
+    kv_bytes: int
+    migrate_s: float
+    def __init__(self, request_id: _Optional[str] = ..., from_address: _Optional[str] = ..., to_address: _Optional[str] = ..., num_tokens: _Optional[int] = ..., kv_bytes: _Optional[int] = ..., migrate_s: _Optional[float] = ...) -> None: ...
 
 class StatusRequest(_message.Message):
     __slots__ = ()

@@ -45,6 +45,11 @@ class RouterStub:
                 request_serializer=pdserve_dot_v1_dot_router__pb2.StatusRequest.SerializeToString,
                 response_deserializer=pdserve_dot_v1_dot_router__pb2.StatusResponse.FromString,
                 _registered_method=True)
+        self.Migrate = channel.unary_unary(
+                '/pdserve.v1.Router/Migrate',
+                request_serializer=pdserve_dot_v1_dot_router__pb2.MigrateRequest.SerializeToString,
+                response_deserializer=pdserve_dot_v1_dot_router__pb2.MigrateResponse.FromString,
+                _registered_method=True)
 
 
 class RouterServicer:
@@ -66,6 +71,17 @@ class RouterServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Migrate(self, request, context):
+        """Move a running request's decode (its KV blocks and its state) to another decode worker; the
+        client's stream goes on with no lost or repeated token. Returns once the target holds the KV
+        and decodes. NOT_FOUND: no such request in flight; FAILED_PRECONDITION: not decoding yet, already
+        migrating, or no eligible target; ABORTED: the migration failed (the request then resumes by
+        failover, re-prefilled on a healthy worker).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_RouterServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -78,6 +94,11 @@ def add_RouterServicer_to_server(servicer, server):
                     servicer.GetStatus,
                     request_deserializer=pdserve_dot_v1_dot_router__pb2.StatusRequest.FromString,
                     response_serializer=pdserve_dot_v1_dot_router__pb2.StatusResponse.SerializeToString,
+            ),
+            'Migrate': grpc.unary_unary_rpc_method_handler(
+                    servicer.Migrate,
+                    request_deserializer=pdserve_dot_v1_dot_router__pb2.MigrateRequest.FromString,
+                    response_serializer=pdserve_dot_v1_dot_router__pb2.MigrateResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -135,6 +156,33 @@ class Router:
             '/pdserve.v1.Router/GetStatus',
             pdserve_dot_v1_dot_router__pb2.StatusRequest.SerializeToString,
             pdserve_dot_v1_dot_router__pb2.StatusResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Migrate(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pdserve.v1.Router/Migrate',
+            pdserve_dot_v1_dot_router__pb2.MigrateRequest.SerializeToString,
+            pdserve_dot_v1_dot_router__pb2.MigrateResponse.FromString,
             options,
             channel_credentials,
             insecure,

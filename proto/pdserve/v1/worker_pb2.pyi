@@ -9,7 +9,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class DecodeRequest(_message.Message):
-    __slots__ = ("request_id", "prompt", "messages", "token_ids", "params", "prefill_address", "resume_output_ids", "client_request_id", "trace")
+    __slots__ = ("request_id", "prompt", "messages", "token_ids", "params", "prefill_address", "resume_output_ids", "client_request_id", "trace", "migrate_from_address", "migrate_request_id")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_FIELD_NUMBER: _ClassVar[int]
     MESSAGES_FIELD_NUMBER: _ClassVar[int]
@@ -19,6 +19,8 @@ class DecodeRequest(_message.Message):
     RESUME_OUTPUT_IDS_FIELD_NUMBER: _ClassVar[int]
     CLIENT_REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     TRACE_FIELD_NUMBER: _ClassVar[int]
+    MIGRATE_FROM_ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    MIGRATE_REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt: str
     messages: _common_pb2.ChatMessages
@@ -28,7 +30,51 @@ class DecodeRequest(_message.Message):
     resume_output_ids: _containers.RepeatedScalarFieldContainer[int]
     client_request_id: str
     trace: bool
-    def __init__(self, request_id: _Optional[str] = ..., prompt: _Optional[str] = ..., messages: _Optional[_Union[_common_pb2.ChatMessages, _Mapping]] = ..., token_ids: _Optional[_Union[_common_pb2.TokenIds, _Mapping]] = ..., params: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., prefill_address: _Optional[str] = ..., resume_output_ids: _Optional[_Iterable[int]] = ..., client_request_id: _Optional[str] = ..., trace: _Optional[bool] = ...) -> None: ...
+    migrate_from_address: str
+    migrate_request_id: str
+    def __init__(self, request_id: _Optional[str] = ..., prompt: _Optional[str] = ..., messages: _Optional[_Union[_common_pb2.ChatMessages, _Mapping]] = ..., token_ids: _Optional[_Union[_common_pb2.TokenIds, _Mapping]] = ..., params: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., prefill_address: _Optional[str] = ..., resume_output_ids: _Optional[_Iterable[int]] = ..., client_request_id: _Optional[str] = ..., trace: _Optional[bool] = ..., migrate_from_address: _Optional[str] = ..., migrate_request_id: _Optional[str] = ...) -> None: ...
+
+class SuspendRequest(_message.Message):
+    __slots__ = ("request_id",)
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    def __init__(self, request_id: _Optional[str] = ...) -> None: ...
+
+class SuspendResponse(_message.Message):
+    __slots__ = ("num_output_tokens", "num_cached_tokens")
+    NUM_OUTPUT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    NUM_CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    num_output_tokens: int
+    num_cached_tokens: int
+    def __init__(self, num_output_tokens: _Optional[int] = ..., num_cached_tokens: _Optional[int] = ...) -> None: ...
+
+class MigrateOutRequest(_message.Message):
+    __slots__ = ("request_id", "target_request_id", "kv_target_address", "kv_backend", "num_tokens", "kv_block_offset", "target_worker_id")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    TARGET_REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    KV_TARGET_ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    KV_BACKEND_FIELD_NUMBER: _ClassVar[int]
+    NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    KV_BLOCK_OFFSET_FIELD_NUMBER: _ClassVar[int]
+    TARGET_WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    target_request_id: str
+    kv_target_address: str
+    kv_backend: str
+    num_tokens: int
+    kv_block_offset: int
+    target_worker_id: str
+    def __init__(self, request_id: _Optional[str] = ..., target_request_id: _Optional[str] = ..., kv_target_address: _Optional[str] = ..., kv_backend: _Optional[str] = ..., num_tokens: _Optional[int] = ..., kv_block_offset: _Optional[int] = ..., target_worker_id: _Optional[str] = ...) -> None: ...
+
+class MigrateOutResponse(_message.Message):
+    __slots__ = ("kv_bytes", "kv_transfer_s", "last_token_id")
+    KV_BYTES_FIELD_NUMBER: _ClassVar[int]
+    KV_TRANSFER_S_FIELD_NUMBER: _ClassVar[int]
+    LAST_TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
+    kv_bytes: int
+    kv_transfer_s: float
+    last_token_id: int
+    def __init__(self, kv_bytes: _Optional[int] = ..., kv_transfer_s: _Optional[float] = ..., last_token_id: _Optional[int] = ...) -> None: ...
 
 class InfoRequest(_message.Message):
     __slots__ = ()

@@ -52,6 +52,21 @@ class DecodeWorkerStub:
                 request_serializer=pdserve_dot_v1_dot_worker__pb2.AbortRequest.SerializeToString,
                 response_deserializer=pdserve_dot_v1_dot_worker__pb2.AbortResponse.FromString,
                 _registered_method=True)
+        self.Suspend = channel.unary_unary(
+                '/pdserve.v1.DecodeWorker/Suspend',
+                request_serializer=pdserve_dot_v1_dot_worker__pb2.SuspendRequest.SerializeToString,
+                response_deserializer=pdserve_dot_v1_dot_worker__pb2.SuspendResponse.FromString,
+                _registered_method=True)
+        self.MigrateOut = channel.unary_unary(
+                '/pdserve.v1.DecodeWorker/MigrateOut',
+                request_serializer=pdserve_dot_v1_dot_worker__pb2.MigrateOutRequest.SerializeToString,
+                response_deserializer=pdserve_dot_v1_dot_worker__pb2.MigrateOutResponse.FromString,
+                _registered_method=True)
+        self.SetKvTargets = channel.unary_unary(
+                '/pdserve.v1.DecodeWorker/SetKvTargets',
+                request_serializer=pdserve_dot_v1_dot_worker__pb2.KvTargets.SerializeToString,
+                response_deserializer=pdserve_dot_v1_dot_worker__pb2.KvTargetsAck.FromString,
+                _registered_method=True)
 
 
 class DecodeWorkerServicer:
@@ -81,6 +96,33 @@ class DecodeWorkerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Suspend(self, request, context):
+        """Live migration, source side (router -> source): stop decoding a running request after the
+        tokens already streamed and keep its KV blocks for MigrateOut (until a deadline). Its Generate
+        stream ends with a GenerateResponse whose migration.suspended is set. FAILED_PRECONDITION when
+        the request is not decoding (queued, prefilling, waiting for KV); NOT_FOUND when unknown.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def MigrateOut(self, request, context):
+        """Live migration, source side (target decode worker -> source): push a suspended request's KV to
+        kv_target_address (which must be registered with SetKvTargets, else PERMISSION_DENIED), free it
+        here, and return once the target acknowledged every byte.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def SetKvTargets(self, request, context):
+        """The decode workers this worker may push migrated KV to (same contract as
+        PrefillWorker.SetKvTargets: the whole set is replaced).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_DecodeWorkerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -98,6 +140,21 @@ def add_DecodeWorkerServicer_to_server(servicer, server):
                     servicer.Abort,
                     request_deserializer=pdserve_dot_v1_dot_worker__pb2.AbortRequest.FromString,
                     response_serializer=pdserve_dot_v1_dot_worker__pb2.AbortResponse.SerializeToString,
+            ),
+            'Suspend': grpc.unary_unary_rpc_method_handler(
+                    servicer.Suspend,
+                    request_deserializer=pdserve_dot_v1_dot_worker__pb2.SuspendRequest.FromString,
+                    response_serializer=pdserve_dot_v1_dot_worker__pb2.SuspendResponse.SerializeToString,
+            ),
+            'MigrateOut': grpc.unary_unary_rpc_method_handler(
+                    servicer.MigrateOut,
+                    request_deserializer=pdserve_dot_v1_dot_worker__pb2.MigrateOutRequest.FromString,
+                    response_serializer=pdserve_dot_v1_dot_worker__pb2.MigrateOutResponse.SerializeToString,
+            ),
+            'SetKvTargets': grpc.unary_unary_rpc_method_handler(
+                    servicer.SetKvTargets,
+                    request_deserializer=pdserve_dot_v1_dot_worker__pb2.KvTargets.FromString,
+                    response_serializer=pdserve_dot_v1_dot_worker__pb2.KvTargetsAck.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -182,6 +239,87 @@ class DecodeWorker:
             '/pdserve.v1.DecodeWorker/Abort',
             pdserve_dot_v1_dot_worker__pb2.AbortRequest.SerializeToString,
             pdserve_dot_v1_dot_worker__pb2.AbortResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Suspend(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pdserve.v1.DecodeWorker/Suspend',
+            pdserve_dot_v1_dot_worker__pb2.SuspendRequest.SerializeToString,
+            pdserve_dot_v1_dot_worker__pb2.SuspendResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def MigrateOut(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pdserve.v1.DecodeWorker/MigrateOut',
+            pdserve_dot_v1_dot_worker__pb2.MigrateOutRequest.SerializeToString,
+            pdserve_dot_v1_dot_worker__pb2.MigrateOutResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def SetKvTargets(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pdserve.v1.DecodeWorker/SetKvTargets',
+            pdserve_dot_v1_dot_worker__pb2.KvTargets.SerializeToString,
+            pdserve_dot_v1_dot_worker__pb2.KvTargetsAck.FromString,
             options,
             channel_credentials,
             insecure,

@@ -1,0 +1,221 @@
+"""Live KV migration between decode workers (Router.Migrate), with real processes on loopback and a
+tiny random Llama: a request moved mid-stream gives exactly the tokens (and text) of an undisturbed
+run, the target computes no prompt token for it, a dead target falls back to failover, a draining
+worker hands its requests over, and `pdserve migrate` drives it from the command line.
+
+Decode workers sleep before each step (--inject-step-delay-ms) so that a tiny model's stream is
+still running when the test acts on it."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import grpc
+import pytest
+
+from cluster.local import LocalCluster, LocalClusterConfig
+from engine.config import EngineConfig
+from engine.llm_engine import LLMEngine
+from engine.model_loader import load_model
+from engine.sampling_params import SamplingParams
+from engine.tokenization import encode_text
+from pdserve.transport import open_channel
+from pdserve.v1 import common_pb2, router_pb2, router_pb2_grpc, worker_pb2, worker_pb2_grpc
+
+from e2e_helpers import generate, wait_idle, worker_info
+
+pytestmark = pytest.mark.slow
+
+REPO = Path(__file__).resolve().parents[2]
+PROMPT = "Tell me a story about the old mill by the river, the market and the winter " * 3
+MAX_TOKENS = 60
+SEEDED = dict(temperature=0.9, top_p=0.95, seed=1234)
+
+
+def _expected(model_dir: Path, max_tokens: int, **params: object) -> list[int]:
+    loaded = load_model(model_dir)
+    engine = LLMEngine(loaded, EngineConfig(num_blocks=256))
+    ids = encode_text(loaded.tokenizer, PROMPT)
+    out = engine.generate([ids], SamplingParams(max_tokens=max_tokens, ignore_eos=True, **params))[0]  # type: ignore[arg-type]
+    engine.pool.assert_all_free()
+    return out
+
+
+def _cluster(model_dir: Path, delay_ms: int = 60, **extra: object) -> LocalCluster:
+    return LocalCluster(LocalClusterConfig(
+        model=str(model_dir), prefill=1, decode=2, threads_per_worker=1,
+        decode_args=("--inject-step-delay-ms", str(delay_ms), "--kv-timeout-s", "20"), **extra))  # type: ignore[arg-type]
+
+
+class Stream:
+    """One Generate stream read in a thread; `wait_tokens` blocks until it delivered n tokens."""
+
+    def __init__(self, address: str, request_id: str, max_tokens: int, **params: object) -> None:
+        stub = router_pb2_grpc.RouterStub(grpc.insecure_channel(address))
+        request = router_pb2.GenerateRequest(request_id=request_id, prompt=PROMPT, params=common_pb2.SamplingParams(
+            max_tokens=max_tokens, ignore_eos=True, **params))
+        self.responses: list[router_pb2.GenerateResponse] = []
+        self.error: grpc.RpcError | None = None
+        self._changed = threading.Condition()
+        self._call = stub.Generate(request, timeout=300)
+        self._thread = threading.Thread(target=self._read, daemon=True)
+        self._thread.start()
+
+    def _read(self) -> None:
+        try:
+            for response in self._call:
+                with self._changed:
+                    self.responses.append(response)
+                    self._changed.notify_all()
+        except grpc.RpcError as exc:
+            self.error = exc
+        with self._changed:
+            self._changed.notify_all()
+
+    @property
+    def token_ids(self) -> list[int]:
+        return [t for r in self.responses for t in r.token_ids]
+
+    @property
+    def text(self) -> str:
+        return "".join(r.text for r in self.responses)
+
+    def wait_tokens(self, n: int, timeout: float = 60) -> None:
+        with self._changed:
+            assert self._changed.wait_for(lambda: len(self.token_ids) >= n or not self._thread.is_alive(), timeout)
+        assert len(self.token_ids) >= n, f"stream ended early: {self.error}"
+        assert len(self.token_ids) < MAX_TOKENS, "stream finished before the test could act mid-stream"
+
+    def result(self, timeout: float = 120) -> None:
+        self._thread.join(timeout)
+        assert not self._thread.is_alive() and self.error is None, self.error
+        assert self.responses[-1].finish_reason == common_pb2.FINISH_REASON_LENGTH
+        assert not any(r.HasField("migration") for r in self.responses)  # markers never reach the client
+
+
+def _decoders(cluster: LocalCluster) -> list:  # noqa: ANN401
+    return [w for w in cluster.workers if w.role == "decode"]
+
+
+def _source_and_target(cluster: LocalCluster) -> tuple:  # noqa: ANN401
+    a, b = _decoders(cluster)
+    return (a, b) if worker_info(a.address, "decode").running_requests else (b, a)
+
+
+def _migrate(address: str, request_id: str, to: str = "") -> router_pb2.MigrateResponse:
+    stub = router_pb2_grpc.RouterStub(grpc.insecure_channel(address))
+    return stub.Migrate(router_pb2.MigrateRequest(request_id=request_id, to_worker_id=to), timeout=60)
+
+
+def _exited(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().split(")")[-1].split()[0] in ("Z", "X")
+    except FileNotFoundError:
+        return True
+
+
+def _live(cluster: LocalCluster, dead: frozenset[int] = frozenset()) -> list[tuple[str, str]]:
+    return [(w.role, w.address) for w in cluster.workers if w.pid not in dead]
+
+
+@pytest.mark.parametrize("params", [{}, SEEDED], ids=["greedy", "seeded"])
+def test_migration_mid_stream_gives_identical_tokens_and_target_computes_no_prompt(
+        tiny_llama_dir: Path, params: dict) -> None:
+    expected = _expected(tiny_llama_dir, MAX_TOKENS, **params)
+    with _cluster(tiny_llama_dir) as cluster:
+        undisturbed = generate(cluster.router_address, PROMPT, MAX_TOKENS, ignore_eos=True, **params)
+        assert undisturbed.token_ids == expected
+        stream = Stream(cluster.router_address, "move-me", MAX_TOKENS, **params)
+        stream.wait_tokens(10)
+        source, target = _source_and_target(cluster)
+        before = worker_info(target.address, "decode")
+        done = _migrate(cluster.router_address, "move-me", to=target.worker_id)
+        stream.result()
+        assert stream.token_ids == expected
+        assert stream.text == undisturbed.text  # detokenizer state moved too: no lost or repeated text
+        assert (done.from_address, done.to_address) == (source.address, target.address)
+        prompt_len = stream.responses[-1].usage.prompt_tokens
+        assert prompt_len + 10 - 1 <= done.num_tokens < prompt_len + MAX_TOKENS and done.kv_bytes > 0
+        after_target, after_source = worker_info(target.address, "decode"), worker_info(source.address, "decode")
+        assert after_target.requests_migrated_in == before.requests_migrated_in + 1
+        assert after_target.prefill_tokens_computed == before.prefill_tokens_computed == 0  # no prompt computed
+        assert after_source.requests_migrated_out == 1
+        assert stream.responses[-1].usage.completion_tokens == MAX_TOKENS
+        wait_idle(_live(cluster))
+
+
+def test_migrate_cli_and_errors(tiny_llama_dir: Path) -> None:
+    expected = _expected(tiny_llama_dir, MAX_TOKENS)
+    with _cluster(tiny_llama_dir) as cluster:
+        with pytest.raises(grpc.RpcError) as err:
+            _migrate(cluster.router_address, "nobody")
+        assert err.value.code() == grpc.StatusCode.NOT_FOUND
+        decode_stub = worker_pb2_grpc.DecodeWorkerStub(open_channel(_decoders(cluster)[0].address))
+        with pytest.raises(grpc.RpcError) as err:  # K/V goes only to registered decode workers
+            decode_stub.MigrateOut(worker_pb2.MigrateOutRequest(
+                request_id="x", target_request_id="y", kv_target_address="127.0.0.1:9", num_tokens=1), timeout=10)
+        assert err.value.code() == grpc.StatusCode.PERMISSION_DENIED
+        stream = Stream(cluster.router_address, "cli-move", MAX_TOKENS)
+        stream.wait_tokens(8)
+        source, target = _source_and_target(cluster)
+        with pytest.raises(grpc.RpcError) as err:  # a worker that is not a decode worker is no target
+            _migrate(cluster.router_address, "cli-move", to=cluster.workers[0].address
+                     if cluster.workers[0].role == "prefill" else "prefill-0")
+        assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), str(REPO / "proto")])}
+        out = subprocess.run([sys.executable, "-m", "cluster.cli", "migrate", "--url", cluster.router_address,
+                              "cli-move"], capture_output=True, text=True, timeout=120, env=env, cwd=REPO)
+        assert out.returncode == 0, out.stderr
+        assert f"from {source.address} to {target.address}" in out.stdout
+        stream.result()
+        assert stream.token_ids == expected
+        assert worker_info(target.address, "decode").requests_migrated_in == 1
+        wait_idle(_live(cluster))
+
+
+def test_target_killed_mid_migration_falls_back_to_failover(tiny_llama_dir: Path) -> None:
+    expected = _expected(tiny_llama_dir, MAX_TOKENS)
+    with _cluster(tiny_llama_dir) as cluster:
+        stream = Stream(cluster.router_address, "doomed-target", MAX_TOKENS)
+        stream.wait_tokens(8)
+        source, target = _source_and_target(cluster)
+        os.kill(target.pid, signal.SIGSTOP)  # still looks healthy to the router for a moment
+        try:
+            with ThreadPoolExecutor(1) as bg:
+                pending = bg.submit(_migrate, cluster.router_address, "doomed-target", target.worker_id)
+                time.sleep(1.0)  # the source suspended, the router called the frozen target
+                os.kill(target.pid, signal.SIGKILL)
+                with pytest.raises(grpc.RpcError) as err:
+                    pending.result(timeout=60)
+        finally:
+            os.kill(target.pid, signal.SIGKILL)
+        assert err.value.code() == grpc.StatusCode.ABORTED and "failover" in err.value.details()
+        stream.result()
+        assert stream.token_ids == expected  # re-prefilled on the healthy worker, identical tokens
+        assert worker_info(source.address, "decode").requests_migrated_out == 0
+        wait_idle(_live(cluster, frozenset({target.pid})))  # the suspended blocks were freed
+
+
+def test_draining_decode_worker_migrates_its_running_requests(tiny_llama_dir: Path) -> None:
+    expected = _expected(tiny_llama_dir, MAX_TOKENS)
+    with _cluster(tiny_llama_dir, delay_ms=100) as cluster:
+        stream = Stream(cluster.router_address, "drained", MAX_TOKENS)
+        stream.wait_tokens(5)
+        source, target = _source_and_target(cluster)
+        started = time.monotonic()
+        os.kill(source.pid, signal.SIGTERM)  # drain: it hands the request over instead of finishing it
+        stream.result()
+        assert stream.token_ids == expected
+        assert worker_info(target.address, "decode").requests_migrated_in == 1
+        deadline = started + 30
+        while not _exited(source.pid):  # idle once the request left: it exits long before its grace
+            assert time.monotonic() < deadline
+            time.sleep(0.1)
+        wait_idle(_live(cluster, frozenset({source.pid})))
