@@ -266,7 +266,18 @@ class DeploymentConfig:
         self.check()
 
     def check(self) -> None:
-        """Cross-field and per-mode rules; ConfigError naming the key."""
+        """Per-mode and cross-field rules; ConfigError naming the key."""
+        for name, value in _leaves(self):
+            f = _field_of(name)
+            if self.mode not in f.metadata["modes"] and value != _default_of(f):
+                why = f.metadata["why"]
+                raise ConfigError(f"{name} ({f.metadata['flag'] or flag_of(name)}) is not supported "
+                                  f"{'with --ray' if self.mode == 'ray' else 'without --ray'}"
+                                  + (f": {why}" if why else ""))
+        if self.mode == "ray" and self.kv.backend == "shm":
+            raise ConfigError("kv.backend: shm is not supported with --ray (use grpc or ray)")
+        if self.mode == "local" and self.kv.backend == "ray":
+            raise ConfigError("kv.backend: ray (the object store) needs --ray; locally use auto, grpc or shm")
         if not ((self.prefill.count >= 1 and self.decode.count >= 1) or self.colocated.count >= 1):
             raise ConfigError("prefill.count, decode.count: need prefill >= 1 and decode >= 1, or colocated >= 1")
         if (self.security.tls_cert is None) != (self.security.tls_key is None):
@@ -281,21 +292,9 @@ class DeploymentConfig:
         if not is_loopback(self.observability.metrics_host) and not self._has_auth_token():
             raise ConfigError(f"observability.metrics_host: refusing /metrics on {self.observability.metrics_host}, "
                               "beyond loopback, without an auth token (--auth-token-file)")
-        for name, value in _leaves(self):
-            f = _field_of(name)
-            if self.mode not in f.metadata["modes"] and value != _default_of(f):
-                why = f.metadata["why"]
-                raise ConfigError(f"{name} ({f.metadata['flag'] or flag_of(name)}) is not supported "
-                                  f"{'with --ray' if self.mode == 'ray' else 'without --ray'}"
-                                  + (f": {why}" if why else ""))
-        if self.mode == "ray" and self.kv.backend == "shm":
-            raise ConfigError("kv.backend: shm is not supported with --ray (use grpc or ray)")
-        if self.mode == "local" and self.kv.backend == "ray":
-            raise ConfigError("kv.backend: ray (the object store) needs --ray; locally use auto, grpc or shm")
         if self.kv.checksum and self.kv.backend in ("grpc", "ray"):
-            raise ConfigError(f"kv.checksum: applies to the shm backend; kv.backend {self.kv.backend} checksums "
-                              "every gRPC frame already" if self.kv.backend == "grpc" else
-                              "kv.checksum: applies to the shm backend, not to ray")
+            raise ConfigError(f"kv.checksum: applies to the shm backend only, not to kv.backend {self.kv.backend} "
+                              "(the gRPC stream checksums every frame itself)")
 
     def _has_auth_token(self) -> bool:
         import os
