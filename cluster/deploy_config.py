@@ -162,7 +162,8 @@ class KvTransferSection:
     streaming: str = opt("request", "layer: ship each layer's K/V while the prefill pass still runs",
                          flag="--kv-streaming", choices=KV_STREAMING)
     checksum: str = opt("", "shm backend: checksum the copied blocks (xxh3 or crc32; '' off); the gRPC stream "
-                        "always checksums", flag="--kv-checksum", choices=KV_CHECKSUMS)
+                        "always checksums", flag="--kv-checksum", choices=KV_CHECKSUMS,
+                        modes=("local",), why="it checks the shm backend, which is local only")
     shared_cache: bool = opt(True, "prefill workers keep their KV cache in shared memory (the shm backend's source)",
                              flag="--shared-kv-cache")
 
@@ -274,6 +275,11 @@ class DeploymentConfig:
                 raise ConfigError(f"{name} ({f.metadata['flag'] or flag_of(name)}) is not supported "
                                   f"{'with --ray' if self.mode == 'ray' else 'without --ray'}"
                                   + (f": {why}" if why else ""))
+        if self.mode == "ray" and self.colocated != ColocatedPool():
+            changed = next(f.name for f in dataclasses.fields(ColocatedPool)
+                           if getattr(self.colocated, f.name) != f.default)
+            raise ConfigError(f"colocated.{changed} ({flag_of('colocated.' + changed)}) is not supported with --ray: "
+                              "the Ray deployment has prefill and decode pools only")
         if self.mode == "ray" and self.kv.backend == "shm":
             raise ConfigError("kv.backend: shm is not supported with --ray (use grpc or ray)")
         if self.mode == "local" and self.kv.backend == "ray":
@@ -517,7 +523,8 @@ def _add_flag(group: argparse._ArgumentGroup, dotted: str) -> None:
 
 def overrides_from_args(args: argparse.Namespace) -> dict[str, Any]:
     """{"dotted.name": value} of the flags given (pool fan-out flags expanded)."""
-    given = {k: v for k, v in vars(args).items() if k == "mode" or "." in k}
+    top = {f.name for f in dataclasses.fields(DeploymentConfig) if f.name not in SECTIONS}
+    given = {k: v for k, v in vars(args).items() if k in top or "." in k}
     out: dict[str, Any] = {}
     for key, value in given.items():
         if key.startswith("*."):

@@ -164,6 +164,29 @@ def router_resources(config: DeploymentConfig) -> dict[str, float]:
     return {"CPU": 1.0, **({custom: 1.0} if custom else {})}
 
 
+def worker_actor_options(config: DeploymentConfig, role: str, name: str) -> dict[str, Any]:
+    """Ray actor options of a worker (all but its placement)."""
+    options: dict[str, Any] = {
+        "name": name, "namespace": NAMESPACE, "max_restarts": config.ray.max_restarts,
+        "max_concurrency": 64,  # a threaded actor: KV intake calls run while others wait
+    }
+    resources = worker_resources(config, role)
+    if "GPU" in resources:  # (decided before the pops: a GPU worker asks for GPUs, not CPUs)
+        options["num_gpus"] = resources.pop("GPU")
+    else:
+        options["num_cpus"] = resources.pop("CPU", 1.0)
+    if resources:
+        options["resources"] = resources
+    return options
+
+
+def router_actor_options(config: DeploymentConfig) -> dict[str, Any]:
+    """Ray actor options of the router (all but its placement)."""
+    custom = config.ray.router_resource
+    return {"name": ROUTER_NAME, "namespace": NAMESPACE, "num_cpus": 1, "max_concurrency": 16,
+            "max_restarts": config.ray.router_max_restarts, "resources": {custom: 1.0} if custom else None}
+
+
 def drain_timeout_s(config: DeploymentConfig) -> float:
     """How long the controller waits for removed workers to finish: the longer pool's drain."""
     return max(config.prefill.drain_timeout_s, config.decode.drain_timeout_s)
@@ -229,14 +252,7 @@ class Controller:
         index = self._next_index[role]
         self._next_index[role] += 1
         name = f"{role}-{index}"
-        options: dict[str, Any] = {
-            "name": name, "namespace": NAMESPACE, "max_restarts": self.config.ray.max_restarts,
-            "max_concurrency": 64,  # a threaded actor: KV intake calls run while others wait
-        }
-        resources = worker_resources(self.config, role)
-        options["num_gpus" if "GPU" in resources else "num_cpus"] = resources.pop("GPU", resources.pop("CPU", 1.0))
-        if resources:
-            options["resources"] = resources
+        options = worker_actor_options(self.config, role, name)
         options["scheduling_strategy"] = PlacementGroupSchedulingStrategy(self._pg if pg is None else pg, bundle)
         document = ray_worker_document(self.config, role, name)
         handle = _RemoteWorker.options(**options).remote(role, document, self._internal_token,
@@ -250,12 +266,8 @@ class Controller:
 
     def _start_router(self, workers: list[_Worker]) -> Any:  # noqa: ANN401 - ray ActorHandle
         addresses = {role: [w.address for w in workers if w.role == role] for role in ROLES}
-        custom = self.config.ray.router_resource
         router = _RemoteRouter.options(
-            name=ROUTER_NAME, namespace=NAMESPACE, num_cpus=1, max_concurrency=16,
-            max_restarts=self.config.ray.router_max_restarts,
-            resources={custom: 1.0} if custom else None,
-            scheduling_strategy=PlacementGroupSchedulingStrategy(self._pg, 0),
+            **router_actor_options(self.config), scheduling_strategy=PlacementGroupSchedulingStrategy(self._pg, 0),
         ).remote(router_document(self.config, addresses), self._internal_token, self._auth_token)
         timeout = self.config.startup_timeout_s
         self.router_address_value = ray.get(router.address.remote(), timeout=timeout)
