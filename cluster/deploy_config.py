@@ -22,7 +22,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import tomllib
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -450,6 +449,10 @@ def load_file(path: str | Path) -> dict[str, Any]:
     text = path.read_text(encoding="utf-8")
     suffix = path.suffix.lower()
     if suffix == ".toml":
+        try:
+            import tomllib
+        except ImportError:  # Python 3.10: the same parser as the tomli package
+            import tomli as tomllib  # type: ignore[no-redef]
         doc: Any = tomllib.loads(text)
     elif suffix == ".json":
         doc = json.loads(text)
@@ -521,14 +524,16 @@ def _add_flag(group: argparse._ArgumentGroup, dotted: str) -> None:
     group.add_argument(flag_of(dotted), **kwargs)
 
 
-def overrides_from_args(args: argparse.Namespace) -> dict[str, Any]:
-    """{"dotted.name": value} of the flags given (pool fan-out flags expanded)."""
+def overrides_from_args(args: argparse.Namespace, mode: str = "local") -> dict[str, Any]:
+    """{"dotted.name": value} of the flags given; the every-pool flags set each pool `mode` has
+    (Ray: prefill and decode)."""
     top = {f.name for f in dataclasses.fields(DeploymentConfig) if f.name not in SECTIONS}
-    given = {k: v for k, v in vars(args).items() if k in top or "." in k}
+    given = {k: v for k, v in vars(args).items() if (k in top or "." in k) and v is not None or k.startswith("*.")}
+    pools = POOLS if mode == "local" else ("prefill", "decode")
     out: dict[str, Any] = {}
     for key, value in given.items():
         if key.startswith("*."):
-            out.update({f"{pool}.{key[2:]}": value for pool in POOLS})
+            out.update({f"{pool}.{key[2:]}": value for pool in pools})
     out.update({k: v for k, v in given.items() if not k.startswith("*.")})
     return out
 
@@ -536,10 +541,8 @@ def overrides_from_args(args: argparse.Namespace) -> dict[str, Any]:
 def config_from_args(args: argparse.Namespace) -> DeploymentConfig:
     """The effective config of `pdserve serve`: the file of --config (if any), flags on top."""
     doc = load_file(args.config) if getattr(args, "config", None) else {}
-    overrides = overrides_from_args(args)
-    if overrides.get("mode") is None:
-        overrides.pop("mode", None)
-    return DeploymentConfig.from_dict(doc, overrides)
+    mode = getattr(args, "mode", None) or doc.get("mode") or "local"
+    return DeploymentConfig.from_dict(doc, overrides_from_args(args, mode))
 
 
 # ----- what each process receives -----------------------------------------------------------------
