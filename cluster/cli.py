@@ -23,8 +23,9 @@ import os
 import signal
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from types import FrameType
+from typing import Any
 
 import grpc
 from google.protobuf.json_format import MessageToDict
@@ -137,19 +138,15 @@ def _cmd_serve_ray(config: DeploymentConfig) -> int:
         print(f"error: {type(exc).__name__}: {exc}", file=sys.stderr)
         return 1
     signal.signal(signal.SIGTERM, _interrupt)  # ray.init installed its own (sys.exit(15), skipping our shutdown path)
-    try:
+
+    def announce() -> None:
         print(f"router: {cluster.router_address}")
         print(format_table(("name", "role", "address"), [[w["name"], w["role"], w["address"]]
                                                           for w in cluster.workers()]))
         _print_extras(cluster.http_address, {}, bool(config.security.tls_cert))
         print("`pdserve scale --prefill N --decode M` resizes; Ctrl-C (or SIGTERM) stops everything.", flush=True)
-        _wait_for_interrupt()
-    except KeyboardInterrupt:
-        print("pdserve: shutting down", file=sys.stderr, flush=True)
-    finally:
-        _ignore_signals()
-        cluster.stop()
-    return 0
+
+    return _serve_until_interrupt(cluster, announce)
 
 
 def _cmd_scale(args: argparse.Namespace) -> int:
@@ -191,9 +188,18 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         return 1
     except KeyboardInterrupt:
         return 0
-    try:
+
+    def announce() -> None:
         _print_cluster(cluster.router_address, [w._asdict() for w in cluster.workers])
         _print_extras(cluster.http_address, cluster.metrics_addresses, bool(config.security.tls_cert))
+
+    return _serve_until_interrupt(cluster, announce)
+
+
+def _serve_until_interrupt(cluster: Any, announce: Callable[[], None]) -> int:  # noqa: ANN401 - either launcher
+    """Announce the running deployment, wait for Ctrl-C or SIGTERM, then stop it (once, uninterrupted)."""
+    try:
+        announce()
         _wait_for_interrupt()
     except KeyboardInterrupt:
         print("pdserve: shutting down", file=sys.stderr, flush=True)

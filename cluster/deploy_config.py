@@ -136,7 +136,8 @@ class PrefillPool(PoolSection):
 class ColocatedPool(PoolSection):
     """Colocated workers: prefill and decode in one process (the classic server)."""
 
-    count: int = opt(0, "colocated workers (prefill + decode in one)", flag="--colocated", min=0, modes=("local",),
+    count: int | None = opt(0, "colocated workers (prefill + decode in one)", flag="--colocated", min=0,
+                            modes=("local",),
                      why="the Ray deployment has prefill and decode pools only")
     max_num_seqs: int = opt(64, "most sequences in one decode batch", min=1)
     admission_timeout_s: float = opt(30.0, "how long a request may wait for a decode slot at the worker (s)", gt=0)
@@ -259,7 +260,9 @@ class DeploymentConfig:
     def __post_init__(self) -> None:
         for name, value in _leaves(self):
             _check_field(name, _field_of(name), value)
-        pd_default = 0 if self.colocated.count > 0 else 1
+        if self.colocated.count is None:
+            object.__setattr__(self, "colocated", dataclasses.replace(self.colocated, count=0))
+        pd_default = 0 if self.size("colocated") > 0 else 1
         for pool in ("prefill", "decode"):
             if getattr(self, pool).count is None:
                 object.__setattr__(self, pool, dataclasses.replace(getattr(self, pool), count=pd_default))
@@ -283,7 +286,7 @@ class DeploymentConfig:
             raise ConfigError("kv.backend: shm is not supported with --ray (use grpc or ray)")
         if self.mode == "local" and self.kv.backend == "ray":
             raise ConfigError("kv.backend: ray (the object store) needs --ray; locally use auto, grpc or shm")
-        if not ((self.prefill.count >= 1 and self.decode.count >= 1) or self.colocated.count >= 1):
+        if not ((self.size("prefill") >= 1 and self.size("decode") >= 1) or self.size("colocated") >= 1):
             raise ConfigError("prefill.count, decode.count: need prefill >= 1 and decode >= 1, or colocated >= 1")
         if (self.security.tls_cert is None) != (self.security.tls_key is None):
             raise ConfigError("security.tls_cert, security.tls_key: go together (--tls-cert and --tls-key)")
@@ -307,13 +310,18 @@ class DeploymentConfig:
         return bool(self.security.auth_token_file or os.environ.get("PDSERVE_AUTH_TOKEN"))
 
     # ----- derived ------------------------------------------------------------------------------
+    def size(self, pool: str) -> int:
+        """Workers in `pool` (prefill, decode or colocated); a count left unset is resolved on construction."""
+        count: int | None = getattr(self, pool).count
+        return count or 0
+
     @property
     def num_workers(self) -> int:
-        return sum(getattr(self, pool).count for pool in POOLS)
+        return sum(self.size(pool) for pool in POOLS)
 
     def worker_names(self) -> list[tuple[str, str]]:
         """(role, worker_id) of every worker, e.g. ("prefill", "prefill-0"): prefill, decode, colocated."""
-        return [(pool, f"{pool}-{i}") for pool in POOLS for i in range(getattr(self, pool).count)]
+        return [(pool, f"{pool}-{i}") for pool in POOLS for i in range(self.size(pool))]
 
     # ----- (de)serialization ----------------------------------------------------------------------
     @classmethod
@@ -321,12 +329,7 @@ class DeploymentConfig:
         """A config from nested dicts (a parsed file), with `overrides` ({"decode.count": 2}) on top.
         Unknown keys and bad values raise ConfigError naming the dotted key."""
         doc = _merge(doc, overrides or {})
-        if not isinstance(doc, dict):
-            raise ConfigError(f"(top level): expected a mapping, got {type(doc).__name__}")
-        known = {f.name for f in dataclasses.fields(cls)}
-        for key in doc:
-            if key not in known:
-                raise ConfigError(f"{key}: unknown key (known: {', '.join(sorted(known))})")
+        _check_keys("", cls, doc)
         kwargs: dict[str, Any] = {}
         for key, value in doc.items():
             if key in SECTIONS:
@@ -347,13 +350,39 @@ class DeploymentConfig:
 def _section_from_dict(name: str, cls: type, value: Any) -> Any:  # noqa: ANN401
     if value is None:
         return cls()
+    _check_keys(name, cls, value)
+    return cls(**value)
+
+
+def _check_keys(name: str, cls: type, value: Any) -> None:  # noqa: ANN401
+    """ConfigError unless `value` is a mapping of `cls`'s field names (`name`: its dotted prefix)."""
     if not isinstance(value, dict):
-        raise ConfigError(f"{name}: expected a mapping, got {value!r}")
+        raise ConfigError(f"{name or '(top level)'}: expected a mapping, got {value!r}")
     known = {f.name for f in dataclasses.fields(cls)}
     for key in value:
         if key not in known:
-            raise ConfigError(f"{name}.{key}: unknown key (known in {name}: {', '.join(sorted(known))})")
-    return cls(**value)
+            where = f" in {name}" if name else ""
+            raise ConfigError(f"{name + '.' if name else ''}{key}: unknown key (known{where}: "
+                              f"{', '.join(sorted(known))})")
+
+
+def flat_sections(flat: Any, mode: str, **pool: Any) -> dict[str, Any]:  # noqa: ANN401
+    """The nested settings of a flat launcher config (`LocalClusterConfig`, `RayClusterConfig`): the
+    fields both have; `pool`: more settings of every pool. Each adds its own fields on top."""
+    common = {"threads": flat.threads_per_worker, **pool}
+    if flat.kv_cache_mb is not None:
+        common["kv_cache_mb"] = flat.kv_cache_mb
+    return {
+        "mode": mode, "startup_timeout_s": flat.startup_timeout_s,
+        "model": {"path": flat.model, "name": flat.model_name, "device": flat.device, "dtype": flat.dtype},
+        "router": {"host": flat.host, "port": flat.port, "prefill_policy": flat.prefill_policy,
+                   "decode_policy": flat.decode_policy, "max_queued_requests": flat.max_queued_requests,
+                   "http_port": flat.http_port},
+        "prefill": {"count": flat.prefill, **common}, "decode": {"count": flat.decode, **common},
+        "security": {"auth_token_file": flat.auth_token_file, "tls_cert": flat.tls_cert_file,
+                     "tls_key": flat.tls_key_file},
+        "observability": {"log_level": flat.log_level},
+    }
 
 
 def _merge(doc: dict[str, Any], overrides: dict[str, Any]) -> dict[str, Any]:

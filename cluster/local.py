@@ -37,7 +37,7 @@ from typing import Any, NamedTuple
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from cluster.deploy_config import WORKER_HOST, DeploymentConfig, router_document, worker_document
+from cluster.deploy_config import WORKER_HOST, DeploymentConfig, flat_sections, router_document, worker_document
 from cluster.processes import ManagedProcess, ProcessStartError, stop_all
 from pdserve.process_config import write_document
 from pdserve.transport import ENV_TOKEN, ENV_TOKEN_FILE, internal_token, launcher_token, open_channel
@@ -102,23 +102,13 @@ class LocalClusterConfig:
 
     def deployment(self) -> DeploymentConfig:
         """The DeploymentConfig (mode local) of these settings."""
-        common: dict[str, Any] = {"threads": self.threads_per_worker}
-        if self.kv_cache_mb is not None:
-            common["kv_cache_mb"] = self.kv_cache_mb
-        return DeploymentConfig.from_dict({
-            "mode": "local", "startup_timeout_s": self.startup_timeout_s,
-            "model": {"path": self.model, "name": self.model_name, "device": self.device, "dtype": self.dtype},
-            "router": {"host": self.host, "port": self.port, "prefill_policy": self.prefill_policy,
-                       "decode_policy": self.decode_policy, "max_queued_requests": self.max_queued_requests,
-                       "http_port": self.http_port},
-            "prefill": {"count": self.prefill, **common},
-            "decode": {"count": self.decode, "local_prefill_threshold": self.local_prefill_threshold, **common},
-            "colocated": {"count": self.colocated, **common},
-            "security": {"auth_token_file": self.auth_token_file, "tls_cert": self.tls_cert_file,
-                         "tls_key": self.tls_key_file},
-            "observability": {"log_dir": self.log_dir, "metrics": self.metrics, "log_format": self.log_format,
-                              "log_level": self.log_level, "metrics_host": self.metrics_host},
-        })
+        doc = flat_sections(self, "local")
+        doc["decode"]["local_prefill_threshold"] = self.local_prefill_threshold
+        colocated = {k: v for k, v in doc["prefill"].items() if k in ("threads", "kv_cache_mb")}
+        doc["colocated"] = {**colocated, "count": self.colocated}
+        doc["observability"].update(log_dir=self.log_dir, metrics=self.metrics, log_format=self.log_format,
+                                    metrics_host=self.metrics_host)
+        return DeploymentConfig.from_dict(doc)
 
     def extra_args(self) -> dict[str, tuple[str, ...]]:
         """Extra flags per process kind: prefill, decode, colocated, router."""

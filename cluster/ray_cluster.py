@@ -2,8 +2,8 @@
 
 Layout (namespace :data:`NAMESPACE`):
 - ``pdserve-controller`` (detached, named, pinned to the head node: it owns the router and worker
-  actors, which share its fate, so it must not sit on a node that can be lost alone): creates a placement group (PACK, SPREAD or
-  STRICT_SPREAD) with one bundle for the router and one per initial worker, the worker actors (``prefill-0``,
+  actors, which share its fate, so it must not sit on a node that can be lost alone): creates a
+  placement group (PACK, SPREAD or STRICT_SPREAD) with one bundle for the router and one per initial worker, the worker actors (``prefill-0``,
   ``decode-0``, ...; ``max_restarts`` each) and the router actor (``pdserve-router``). A watcher
   thread asks every worker for its ``address()`` each ``poll_interval_s``: a restarted worker (new
   port) is re-registered with the router, a worker that died for good is removed; it also notes the
@@ -20,6 +20,10 @@ Layout (namespace :data:`NAMESPACE`):
   ``PDSERVE_INTERNAL_TOKEN[_FILE]``, else one the driver generates), so the internal plane needs it on
   every call, loopback or not. The router actor takes the public API's bearer token (read from
   ``auth_token_file`` on the driver) and certificate files (read on the router's node).
+
+Configuration: the controller gets the deployment's `cluster.deploy_config.DeploymentConfig` (mode
+ray) and hands each actor its config document (`worker_document`, `router_document`: the same
+functions the local launcher uses), which the actor parses with the process's own parser.
 
 The driver-side :class:`RayCluster` starts a local Ray instance when none is running and no
 address is given (and shuts it down on ``stop()``), creates the controller and waits for the
@@ -43,7 +47,7 @@ from ray.exceptions import ActorDiedError, RayError
 from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy, PlacementGroupSchedulingStrategy
 
-from cluster.deploy_config import DeploymentConfig, _abspath, router_document, worker_document
+from cluster.deploy_config import DeploymentConfig, _abspath, flat_sections, router_document, worker_document
 from cluster.ray_actors import RouterActor, WorkerActor
 from pdserve.transport import launcher_token
 from router.auth import load_token
@@ -106,26 +110,14 @@ class RayClusterConfig:
 
     def deployment(self) -> DeploymentConfig:
         """The DeploymentConfig (mode ray) of these settings."""
-        common: dict[str, Any] = {"threads": self.threads_per_worker, "drain_timeout_s": self.drain_timeout_s}
-        if self.kv_cache_mb is not None:
-            common["kv_cache_mb"] = self.kv_cache_mb
-        return DeploymentConfig.from_dict({
-            "mode": "ray", "startup_timeout_s": self.startup_timeout_s,
-            "model": {"path": self.model, "name": self.model_name, "device": self.device, "dtype": self.dtype},
-            "router": {"host": self.host, "port": self.port, "prefill_policy": self.prefill_policy,
-                       "decode_policy": self.decode_policy, "max_queued_requests": self.max_queued_requests,
-                       "http_port": self.http_port},
-            "prefill": {"count": self.prefill, **common}, "decode": {"count": self.decode, **common},
-            "kv": {"backend": self.kv_backend},
-            "ray": {"address": self.address, "placement": self.placement, "worker_host": self.worker_host,
-                    "gpus_per_worker": self.gpus_per_worker, "prefill_resource": self.prefill_resource,
-                    "decode_resource": self.decode_resource, "router_resource": self.router_resource,
-                    "max_restarts": self.max_restarts, "router_max_restarts": self.router_max_restarts,
-                    "poll_interval_s": self.poll_interval_s},
-            "security": {"auth_token_file": self.auth_token_file, "tls_cert": self.tls_cert_file,
-                         "tls_key": self.tls_key_file},
-            "observability": {"log_level": self.log_level},
-        })
+        doc = flat_sections(self, "ray", drain_timeout_s=self.drain_timeout_s)
+        doc["kv"] = {"backend": self.kv_backend}
+        doc["ray"] = {"address": self.address, "placement": self.placement, "worker_host": self.worker_host,
+                      "gpus_per_worker": self.gpus_per_worker, "prefill_resource": self.prefill_resource,
+                      "decode_resource": self.decode_resource, "router_resource": self.router_resource,
+                      "max_restarts": self.max_restarts, "router_max_restarts": self.router_max_restarts,
+                      "poll_interval_s": self.poll_interval_s}
+        return DeploymentConfig.from_dict(doc)
 
     def extra_args(self) -> dict[str, tuple[str, ...]]:
         return {"prefill": self.prefill_args, "decode": self.decode_args}
@@ -144,7 +136,7 @@ class RayClusterConfig:
 def local_num_cpus(config: DeploymentConfig) -> int:
     """Logical CPUs of a local Ray instance: the machine's, but at least 4x what the initial placement
     group takes (router + workers), so that scaling up finds room (they are scheduling units only)."""
-    needed = 1 + (0 if config.ray.gpus_per_worker else config.prefill.count + config.decode.count)
+    needed = 1 + (0 if config.ray.gpus_per_worker else config.size("prefill") + config.size("decode"))
     return max(os.cpu_count() or 1, 4 * needed)
 
 
@@ -225,7 +217,7 @@ class Controller:
         self._scale_lock = threading.Lock()  # one scale() at a time
         self._next_index = dict.fromkeys(ROLES, 0)
         self._stop = threading.Event()
-        roles = ["prefill"] * config.prefill.count + ["decode"] * config.decode.count
+        roles = ["prefill"] * config.size("prefill") + ["decode"] * config.size("decode")
         bundles = [router_resources(config)] + [worker_resources(config, role) for role in roles]
         self._pg = placement_group(bundles, strategy=PLACEMENTS[config.ray.placement], name="pdserve")
         try:

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import sys
-
 import pytest
 
 from cluster.cli import build_parser, deployment_config, format_table

@@ -84,8 +84,7 @@ def _ray_options() -> dict[str, Any]:
     from cluster import ray_cluster
 
     return {"worker": ray_cluster.worker_actor_options, "router": ray_cluster.router_actor_options,
-            "resources": ray_cluster.worker_resources, "router_resources": ray_cluster.router_resources,
-            "cpus": ray_cluster.local_num_cpus, "drain": ray_cluster.drain_timeout_s, "PLACEMENTS": ray_cluster.PLACEMENTS}
+            "resources": ray_cluster.worker_resources, "PLACEMENTS": ray_cluster.PLACEMENTS}
 
 
 # dotted name -> (a value other than the default, companions it needs, the check that it arrived)
@@ -141,8 +140,10 @@ CASES: dict[str, tuple[Any, dict[str, Any], Callable[[DeploymentConfig, Received
     "security.auth_token_file": ("TOKEN", {}, lambda c, got: (
         Path(router_of(got).auth_token_file).name == "token.txt" if c.mode == "local"
         else router_of(got).auth_token_file is None)),  # Ray: the driver reads it, the actor gets the token
-    "security.tls_cert": ("CERT", {"security.tls_key": "KEY"}, lambda c, got: router_of(got).tls_cert.endswith("c.pem")),
-    "security.tls_key": ("KEY", {"security.tls_cert": "CERT"}, lambda c, got: router_of(got).tls_key.endswith("k.pem")),
+    "security.tls_cert": ("CERT", {"security.tls_key": "KEY"},
+                          lambda c, got: router_of(got).tls_cert.endswith("c.pem")),
+    "security.tls_key": ("KEY", {"security.tls_cert": "CERT"},
+                         lambda c, got: router_of(got).tls_key.endswith("k.pem")),
     "security.internal_token_file": ("TOKEN", {}, lambda c, got: all(
         (Path(ns.internal_token_file).name == "token.txt") if c.mode == "local" else ns.internal_token_file is None
         for _k, ns in got)),
