@@ -1,8 +1,9 @@
 """The `pdserve` command line: serve a local cluster, generate, show status, fetch the default model.
 
-    pdserve serve [--prefill N --decode M] [--colocated K] [--model PATH] [--port P] ...
+    pdserve serve [--config deploy.yaml] [--prefill N --decode M] [--colocated K] [--model PATH] [--port P] ...
     pdserve serve --ray [--address ADDR] --prefill N --decode M [--kv-backend ray|grpc] [--gpus-per-worker G]
                   [--placement pack|spread|strict_spread] ...
+    pdserve serve --config deploy.yaml --print-config
     pdserve scale --prefill N --decode M [--address ADDR]
     pdserve generate [--url ADDR] [--max-tokens N] [--chat] [--json] [--trace] ... PROMPT
     pdserve status [--url ADDR | --address RAY_ADDR] [--json]
@@ -23,24 +24,23 @@ import os
 import signal
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from types import FrameType
+from typing import Any
 
 import grpc
 from google.protobuf.json_format import MessageToDict
 
 from capacity.cli import add_bench, add_plan, add_sweep
 from cluster.client import DEFAULT_ADDRESS, PdserveClient, build_request, collect, sampling_params, status_rows
-from cluster.engine_flags import add_engine_flags, engine_worker_args
-from cluster.local import ClusterStartError, LocalCluster, LocalClusterConfig
+from cluster.deploy_config import DeploymentConfig, add_flags, config_from_args
+from cluster.local import ClusterStartError, LocalCluster
 from cluster.migrate_cli import add_migrate
 from cluster.tables import format_table
 from cluster.trace_view import trace_lines
-from pdserve.devices import DEVICE_HELP, DTYPE_HELP, DTYPE_NAMES, check_device_name
 from pdserve.transport import is_loopback
 from pdserve.v1 import common_pb2, router_pb2
 
-POLICIES = ("round_robin", "least_loaded")
 STATUS_COLUMNS = ("role", "worker_id", "address", "pid", "queue", "kv used/total", "running", "healthy")
 
 
@@ -53,70 +53,13 @@ def _cmd_model_fetch(args: argparse.Namespace) -> int:
 
 
 def _add_serve(commands: argparse._SubParsersAction) -> None:
-    serve = commands.add_parser("serve", help="run a router and workers as local processes")
-    serve.add_argument("--prefill", type=int, default=None, help="prefill workers (default 1, or 0 with --colocated)")
-    serve.add_argument("--decode", type=int, default=None, help="decode workers (default 1, or 0 with --colocated)")
-    serve.add_argument("--colocated", type=int, default=0, help="colocated workers (prefill + decode in one)")
-    serve.add_argument("--model", default=None, help="local Hugging Face folder (default: the default model)")
-    serve.add_argument("--host", default="127.0.0.1", help="router interface (workers always use loopback)")
-    serve.add_argument("--port", type=int, default=50051, help="router port (0 picks a free one)")
-    serve.add_argument("--threads-per-worker", type=int, default=None, help="default: CPUs / workers")
-    serve.add_argument("--device", default="auto", type=check_device_name, help="every worker's: " + DEVICE_HELP)
-    serve.add_argument("--dtype", default="auto", choices=DTYPE_NAMES, help="every worker's: " + DTYPE_HELP)
-    serve.add_argument("--prefill-policy", choices=POLICIES, default="round_robin")
-    serve.add_argument("--decode-policy", choices=POLICIES, default="round_robin")
-    serve.add_argument("--kv-cache-mb", type=int, default=None, help="KV cache size per worker")
-    serve.add_argument("--max-queued-requests", type=int, default=4096, metavar="N",
-                       help="requests the router holds waiting for a decode slot; one more is refused "
-                            "(RESOURCE_EXHAUSTED / HTTP 429 with Retry-After). Default 4096")
-    serve.add_argument("--local-prefill-threshold", type=int, default=0,
-                       help="decode workers prefill prompts shorter than this many tokens themselves (0: off)")
-    serve.add_argument("--startup-timeout", type=float, default=180.0, metavar="S")
-    serve.add_argument("--log-dir", default=None, help="per-process logs (default: a new temp dir)")
-    serve.add_argument("--http-port", type=int, default=None, metavar="PORT",
-                       help="router also serves the OpenAI-compatible HTTP API here (0 picks one; default off)")
-    serve.add_argument("--model-name", default=None, help="model id of the HTTP API (default: model folder name)")
-    serve.add_argument("--metrics", action="store_true", help="Prometheus /metrics on every process (free ports)")
-    serve.add_argument("--log-format", choices=("text", "json"), default="text", help="log lines of every process")
-    serve.add_argument("--log-level", default="INFO")
-    _add_security_args(serve)
-    _add_ray_serve_args(serve)
-    add_engine_flags(serve)
+    serve = commands.add_parser(
+        "serve", help="run a router and workers (local processes, or Ray actors with --ray)",
+        description="Run a deployment from one config: a YAML/TOML file (--config), flags on top. Every "
+                    "setting is listed below by section; `--print-config` shows the effective one. A setting "
+                    "the mode cannot honour is refused. See docs/configuration.md and examples/.")
+    add_flags(serve)
     serve.set_defaults(func=_cmd_serve)
-
-
-def _add_security_args(serve: argparse.ArgumentParser) -> None:
-    sec = serve.add_argument_group("security of the public API (see docs/security.md)")
-    sec.add_argument("--auth-token-file", default=None, metavar="FILE",
-                     help="require 'authorization: Bearer <token>' on gRPC and /v1/* HTTP (token: first line of "
-                          "FILE; or set PDSERVE_AUTH_TOKEN)")
-    sec.add_argument("--tls-cert", default=None, metavar="PEM", help="serve the router's gRPC and HTTP API over TLS")
-    sec.add_argument("--tls-key", default=None, metavar="PEM", help="private key of --tls-cert")
-    sec.add_argument("--metrics-host", default="127.0.0.1", metavar="HOST",
-                     help="interface of the router's /metrics (with --metrics; default 127.0.0.1); any other "
-                          "needs --auth-token-file and scrapes then need the bearer token")
-
-
-def _add_ray_serve_args(serve: argparse.ArgumentParser) -> None:
-    ray = serve.add_argument_group("Ray deployment (see docs/ray.md)")
-    ray.add_argument("--ray", action="store_true", help="run the router and workers as Ray actors")
-    ray.add_argument("--address", default=None,
-                     help="Ray cluster to join (e.g. auto); default: start a local Ray instance")
-    ray.add_argument("--kv-backend", choices=("grpc", "ray"), default="grpc",
-                     help="how KV moves from prefill to decode workers (ray: the object store)")
-    ray.add_argument("--gpus-per-worker", type=float, default=None, help="GPUs per worker actor (default: 1 CPU)")
-    ray.add_argument("--placement", choices=("pack", "spread", "strict_spread"), default="pack",
-                     help="placement group strategy (strict_spread: every worker and the router on its own node)")
-    ray.add_argument("--worker-host", default="127.0.0.1",
-                     help="interface of the workers' gRPC servers; 'node' = the node's IP (needed across nodes)")
-    ray.add_argument("--prefill-resource", default=None, metavar="NAME",
-                     help="custom Ray resource each prefill worker needs (e.g. prefill_gpu)")
-    ray.add_argument("--decode-resource", default=None, metavar="NAME",
-                     help="custom Ray resource each decode worker needs (e.g. decode_gpu)")
-    ray.add_argument("--router-resource", default=None, metavar="NAME",
-                     help="custom Ray resource the router actor needs, e.g. one only the head node has "
-                          "(keeps the router where its Service / load balancer points)")
-    ray.add_argument("--max-restarts", type=int, default=3, help="restarts of a worker actor that died")
 
 
 def _add_scale(commands: argparse._SubParsersAction) -> None:
@@ -177,79 +120,18 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def cluster_config(args: argparse.Namespace) -> LocalClusterConfig:
-    """LocalClusterConfig from `pdserve serve` arguments; prefill/decode default to 1 without colocated."""
-    default_pd = 0 if args.colocated > 0 else 1
-    engine_args = engine_worker_args(args)
-    return LocalClusterConfig(
-        model=args.model,
-        prefill=default_pd if args.prefill is None else args.prefill,
-        decode=default_pd if args.decode is None else args.decode,
-        colocated=args.colocated,
-        host=args.host,
-        port=args.port,
-        threads_per_worker=args.threads_per_worker,
-        device=args.device, dtype=args.dtype,
-        prefill_policy=args.prefill_policy,
-        decode_policy=args.decode_policy,
-        kv_cache_mb=args.kv_cache_mb,
-        local_prefill_threshold=args.local_prefill_threshold,
-        max_queued_requests=args.max_queued_requests,
-        startup_timeout_s=args.startup_timeout,
-        log_dir=args.log_dir,
-        http_port=args.http_port,
-        model_name=args.model_name,
-        metrics=args.metrics,
-        log_format=args.log_format,
-        log_level=args.log_level,
-        prefill_args=engine_args,
-        decode_args=engine_args,
-        auth_token_file=args.auth_token_file, tls_cert_file=args.tls_cert, tls_key_file=args.tls_key,
-        metrics_host=args.metrics_host,
-    )
+def deployment_config(args: argparse.Namespace) -> DeploymentConfig:
+    """The effective DeploymentConfig of `pdserve serve` arguments (config file, flags on top)."""
+    return config_from_args(args)
 
 
 def _interrupt(_signum: int, _frame: FrameType | None) -> None:
     raise KeyboardInterrupt
 
 
-def ray_cluster_config(args: argparse.Namespace):  # noqa: ANN201 - cluster.ray_cluster.RayClusterConfig
-    """RayClusterConfig from `pdserve serve --ray` arguments (imports ray)."""
-    from cluster.ray_cluster import RayClusterConfig
-
-    if args.colocated:
-        raise ValueError("--colocated is not supported with --ray")
-    if args.metrics or args.metrics_host != "127.0.0.1":
-        raise ValueError("--metrics and --metrics-host are not supported with --ray: the Ray deployment serves "
-                         "no Prometheus /metrics yet (use Ray's own metrics)")
-    engine_args = engine_worker_args(args)
-    return RayClusterConfig(
-        prefill=1 if args.prefill is None else args.prefill, decode=1 if args.decode is None else args.decode,
-        model=args.model, address=args.address, host=args.host, port=args.port, worker_host=args.worker_host,
-        kv_backend=args.kv_backend, gpus_per_worker=args.gpus_per_worker, placement=args.placement,
-        prefill_resource=args.prefill_resource, decode_resource=args.decode_resource,
-        router_resource=args.router_resource,
-        threads_per_worker=args.threads_per_worker, kv_cache_mb=args.kv_cache_mb,
-        device=args.device, dtype=args.dtype,
-        prefill_policy=args.prefill_policy, decode_policy=args.decode_policy, max_restarts=args.max_restarts,
-        max_queued_requests=args.max_queued_requests,
-        startup_timeout_s=args.startup_timeout, log_level=args.log_level,
-        prefill_args=engine_args, decode_args=engine_args,
-        http_port=args.http_port,
-        model_name=LocalClusterConfig(model=args.model, model_name=args.model_name).served_model_name,
-        auth_token_file=args.auth_token_file, tls_cert_file=args.tls_cert, tls_key_file=args.tls_key,
-        metrics_host=args.metrics_host,
-    )
-
-
-def _cmd_serve_ray(args: argparse.Namespace) -> int:
+def _cmd_serve_ray(config: DeploymentConfig) -> int:
     from cluster.ray_cluster import RayCluster
 
-    try:
-        config = ray_cluster_config(args)
-    except ValueError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
     signal.signal(signal.SIGTERM, _interrupt)
     try:
         cluster = RayCluster(config)
@@ -259,19 +141,15 @@ def _cmd_serve_ray(args: argparse.Namespace) -> int:
         print(f"error: {type(exc).__name__}: {exc}", file=sys.stderr)
         return 1
     signal.signal(signal.SIGTERM, _interrupt)  # ray.init installed its own (sys.exit(15), skipping our shutdown path)
-    try:
+
+    def announce() -> None:
         print(f"router: {cluster.router_address}")
         print(format_table(("name", "role", "address"), [[w["name"], w["role"], w["address"]]
                                                           for w in cluster.workers()]))
-        _print_extras(cluster.http_address, {}, bool(config.tls_cert_file))
+        _print_extras(cluster.http_address, {}, bool(config.security.tls_cert))
         print("`pdserve scale --prefill N --decode M` resizes; Ctrl-C (or SIGTERM) stops everything.", flush=True)
-        _wait_for_interrupt()
-    except KeyboardInterrupt:
-        print("pdserve: shutting down", file=sys.stderr, flush=True)
-    finally:
-        _ignore_signals()
-        cluster.stop()
-    return 0
+
+    return _serve_until_interrupt(cluster, announce)
 
 
 def _cmd_scale(args: argparse.Namespace) -> int:
@@ -295,13 +173,16 @@ def _cmd_scale(args: argparse.Namespace) -> int:
 
 
 def _cmd_serve(args: argparse.Namespace) -> int:
-    if args.ray:
-        return _cmd_serve_ray(args)
     try:
-        config = cluster_config(args)
-    except ValueError as exc:
+        config = deployment_config(args)
+    except (OSError, ValueError) as exc:  # ConfigError names the setting; a YAML/TOML error its line
         print(f"error: {exc}", file=sys.stderr)
         return 2
+    if args.print_config:
+        print(config.to_yaml(), end="", flush=True)
+        return 0
+    if config.mode == "ray":
+        return _cmd_serve_ray(config)
     signal.signal(signal.SIGTERM, _interrupt)
     try:
         cluster = LocalCluster(config)
@@ -310,9 +191,18 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         return 1
     except KeyboardInterrupt:
         return 0
-    try:
+
+    def announce() -> None:
         _print_cluster(cluster.router_address, [w._asdict() for w in cluster.workers])
-        _print_extras(cluster.http_address, cluster.metrics_addresses, bool(config.tls_cert_file))
+        _print_extras(cluster.http_address, cluster.metrics_addresses, bool(config.security.tls_cert))
+
+    return _serve_until_interrupt(cluster, announce)
+
+
+def _serve_until_interrupt(cluster: Any, announce: Callable[[], None]) -> int:  # noqa: ANN401 - either launcher
+    """Announce the running deployment, wait for Ctrl-C or SIGTERM, then stop it (once, uninterrupted)."""
+    try:
+        announce()
         _wait_for_interrupt()
     except KeyboardInterrupt:
         print("pdserve: shutting down", file=sys.stderr, flush=True)

@@ -2,7 +2,13 @@
 
 Start-up order: every worker at once (model loading runs in parallel), wait for each READY line, then
 the router with the worker addresses, wait for its READY line, then a gRPC health check of every process.
-Workers bind to 127.0.0.1; the router binds to ``config.host``.
+Workers bind to 127.0.0.1; the router binds to ``router.host``.
+
+Configuration: a `cluster.deploy_config.DeploymentConfig` (or the flat `LocalClusterConfig`, which
+stands for one). Each process gets its settings as one JSON document, ``<log_dir>/<name>.config.json``
+(`python -m router|prefill_worker|decode_worker --config FILE`), made by the same
+`deploy_config.worker_document` / `router_document` the Ray launcher uses, and validated by the
+process on arrival.
 
 Security: the router takes the public API's bearer token and certificate (``auth_token_file``,
 ``tls_cert_file``/``tls_key_file``; `python -m router` flags of the same names). The internal plane
@@ -26,22 +32,20 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from cluster.deploy_config import WORKER_HOST, DeploymentConfig, flat_sections, router_document, worker_document
 from cluster.processes import ManagedProcess, ProcessStartError, stop_all
-from pdserve.devices import worker_flags
-from pdserve.transport import ENV_TOKEN, internal_token, is_loopback, launcher_token, open_channel
-from router.policies import POLICY_NAMES
-from telemetry.logs import LOG_FORMATS
+from pdserve.process_config import write_document
+from pdserve.transport import ENV_TOKEN, ENV_TOKEN_FILE, internal_token, launcher_token, open_channel
 
-WORKER_HOST = "127.0.0.1"
 STOP_GRACE_S = 5.0
-ROLE_MODULES = {"prefill": "prefill_worker", "decode": "decode_worker", "colocated": "decode_worker"}
+PROCESS_MODULES = {"prefill": "prefill_worker", "decode": "decode_worker", "colocated": "decode_worker",
+                   "router": "router"}
 _REPO = Path(__file__).resolve().parents[1]
-DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"  # engine.model_fetch.MODEL_NAME (not imported: it pulls numpy)
 
 
 class ClusterStartError(RuntimeError):
@@ -59,7 +63,10 @@ class WorkerProcess(NamedTuple):
 
 @dataclass(frozen=True)
 class LocalClusterConfig:
-    """Topology and process settings. Needs prefill >= 1 and decode >= 1, or colocated >= 1."""
+    """The flat, library form of a local deployment (tests, benchmarks); `deployment()` is the
+    DeploymentConfig it stands for, which validates it. `prefill_args`, `decode_args` (decode and
+    colocated) and `router_args` are extra command-line flags per process kind (experiments, fault
+    injection in tests); they override the process's config document."""
 
     model: str | None = None
     prefill: int = 1
@@ -75,7 +82,6 @@ class LocalClusterConfig:
     kv_cache_mb: int | None = None
     local_prefill_threshold: int = 0  # decode workers prefill prompts shorter than this themselves
     max_queued_requests: int = 4096  # router's admission queue bound (router --max-queued-requests)
-    # extra command-line flags per process kind (experiments, fault injection in tests)
     prefill_args: tuple[str, ...] = ()
     decode_args: tuple[str, ...] = ()
     router_args: tuple[str, ...] = ()
@@ -92,43 +98,27 @@ class LocalClusterConfig:
     metrics_host: str = "127.0.0.1"  # router's /metrics interface; beyond loopback only with a token
 
     def __post_init__(self) -> None:
-        for name in ("prefill", "decode", "colocated"):
-            if getattr(self, name) < 0:
-                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
-        if not ((self.prefill >= 1 and self.decode >= 1) or self.colocated >= 1):
-            raise ValueError("need prefill >= 1 and decode >= 1, or colocated >= 1")
-        if not 0 <= self.port <= 65535:
-            raise ValueError(f"port must be in [0, 65535], got {self.port}")
-        if self.threads_per_worker is not None and self.threads_per_worker < 1:
-            raise ValueError(f"threads_per_worker must be >= 1, got {self.threads_per_worker}")
-        worker_flags(self.device, self.dtype)  # ValueError on a bad name
-        for name in ("prefill_policy", "decode_policy"):
-            if getattr(self, name) not in POLICY_NAMES:
-                raise ValueError(f"{name} must be one of {', '.join(POLICY_NAMES)}, got {getattr(self, name)!r}")
-        if self.local_prefill_threshold < 0:
-            raise ValueError(f"local_prefill_threshold must be >= 0, got {self.local_prefill_threshold}")
-        if self.max_queued_requests < 1:
-            raise ValueError(f"max_queued_requests must be >= 1, got {self.max_queued_requests}")
-        if self.kv_cache_mb is not None and self.kv_cache_mb < 1:
-            raise ValueError(f"kv_cache_mb must be >= 1, got {self.kv_cache_mb}")
-        if self.http_port is not None and not 0 <= self.http_port <= 65535:
-            raise ValueError(f"http_port must be in [0, 65535], got {self.http_port}")
-        if self.log_format not in LOG_FORMATS:
-            raise ValueError(f"log_format must be one of {', '.join(LOG_FORMATS)}, got {self.log_format!r}")
-        if not self.startup_timeout_s > 0:
-            raise ValueError(f"startup_timeout_s must be > 0, got {self.startup_timeout_s}")
-        if (self.tls_cert_file is None) != (self.tls_key_file is None):
-            raise ValueError("tls_cert_file and tls_key_file go together (--tls-cert and --tls-key)")
-        if not is_loopback(self.metrics_host) and not (self.auth_token_file or os.environ.get("PDSERVE_AUTH_TOKEN")):
-            raise ValueError(f"refusing /metrics on {self.metrics_host}, beyond loopback, without an auth token "
-                             "(--auth-token-file)")
+        self.deployment()  # ConfigError (a ValueError) naming the setting
+
+    def deployment(self) -> DeploymentConfig:
+        """The DeploymentConfig (mode local) of these settings."""
+        doc = flat_sections(self, "local")
+        doc["decode"]["local_prefill_threshold"] = self.local_prefill_threshold
+        colocated = {k: v for k, v in doc["prefill"].items() if k in ("threads", "kv_cache_mb")}
+        doc["colocated"] = {**colocated, "count": self.colocated}
+        doc["observability"].update(log_dir=self.log_dir, metrics=self.metrics, log_format=self.log_format,
+                                    metrics_host=self.metrics_host)
+        return DeploymentConfig.from_dict(doc)
+
+    def extra_args(self) -> dict[str, tuple[str, ...]]:
+        """Extra flags per process kind: prefill, decode, colocated, router."""
+        return {"prefill": self.prefill_args, "decode": self.decode_args, "colocated": self.decode_args,
+                "router": self.router_args}
 
     @property
     def served_model_name(self) -> str:
         """The model id of the HTTP API: as configured, else the model folder's name."""
-        if self.model_name:
-            return self.model_name
-        return Path(self.model).name if self.model else DEFAULT_MODEL_NAME
+        return self.deployment().model.served_name
 
     @property
     def num_workers(self) -> int:
@@ -141,8 +131,7 @@ class LocalClusterConfig:
 
     def worker_names(self) -> list[tuple[str, str]]:
         """(role, worker_id) of every worker, e.g. ("prefill", "prefill-0")."""
-        counts = (("prefill", self.prefill), ("decode", self.decode), ("colocated", self.colocated))
-        return [(role, f"{role}-{i}") for role, count in counts for i in range(count)]
+        return self.deployment().worker_names()
 
 
 def _cpu_count() -> int:
@@ -151,30 +140,27 @@ def _cpu_count() -> int:
     return os.cpu_count() or 1
 
 
-def worker_argv(config: LocalClusterConfig, role: str, worker_id: str) -> list[str]:
-    """Command line of one worker process."""
-    argv = [sys.executable, "-m", ROLE_MODULES[role], "--host", WORKER_HOST, "--port", "0"]
-    argv += ["--worker-id", worker_id, "--threads", str(config.threads)]
-    argv += worker_flags(config.device, config.dtype)
-    if role == "colocated":
-        argv.append("--colocated")
-    if config.model is not None:
-        argv += ["--model", config.model]
-    if config.kv_cache_mb is not None:
-        argv += ["--kv-cache-mb", str(config.kv_cache_mb)]
-    if role == "decode" and config.local_prefill_threshold:
-        argv += ["--local-prefill-threshold", str(config.local_prefill_threshold)]
-    argv += config.prefill_args if role == "prefill" else config.decode_args
-    return argv + observability_argv(config)
+def worker_threads(config: DeploymentConfig, role: str) -> int:
+    """Torch threads of a worker of `role`: the pool's setting, else the CPUs split evenly (at least 1)."""
+    threads: int | None = getattr(config, role).threads
+    return threads or max(1, _cpu_count() // config.num_workers)
 
 
-def observability_argv(config: LocalClusterConfig) -> list[str]:
-    """Non-default logging and metrics flags (every pdserve process takes them; a free metrics port each)."""
-    argv = [] if config.log_format == "text" else ["--log-format", config.log_format]
-    argv += [] if config.log_level == "INFO" else ["--log-level", config.log_level]
-    if config.metrics:
-        argv += ["--metrics-port", str(free_port())]
-    return argv
+def local_worker_document(config: DeploymentConfig, role: str, worker_id: str) -> dict[str, Any]:
+    """The config document of one local worker process (loopback; a free /metrics port with metrics on)."""
+    return worker_document(config, role, worker_id, WORKER_HOST, worker_threads(config, role), _metrics_port(config))
+
+
+def local_router_document(config: DeploymentConfig, workers: list[WorkerProcess]) -> dict[str, Any]:
+    """The config document of the local router process for the given running workers."""
+    addresses: dict[str, list[str]] = {}
+    for worker in workers:
+        addresses.setdefault(worker.role, []).append(worker.address)
+    return router_document(config, addresses, _metrics_port(config))
+
+
+def _metrics_port(config: DeploymentConfig) -> int:
+    return free_port() if config.observability.metrics else 0
 
 
 def free_port(host: str = WORKER_HOST) -> int:
@@ -184,37 +170,17 @@ def free_port(host: str = WORKER_HOST) -> int:
         return int(sock.getsockname()[1])
 
 
-def router_argv(config: LocalClusterConfig, workers: list[WorkerProcess]) -> list[str]:
-    """Command line of the router process for the given running workers."""
-    argv = [sys.executable, "-m", "router", "--host", config.host, "--port", str(config.port)]
-    for worker in workers:
-        argv += [f"--{worker.role}", worker.address]
-    argv += ["--prefill-policy", config.prefill_policy, "--decode-policy", config.decode_policy]
-    argv += ["--max-queued-requests", str(config.max_queued_requests)]
-    if config.http_port is not None:
-        argv += ["--http-port", str(config.http_port), "--model-name", config.served_model_name]
-    argv += security_argv(config)
-    return argv + observability_argv(config) + list(config.router_args)
-
-
-def security_argv(config: LocalClusterConfig) -> list[str]:
-    """The router's public-API security flags (token file, certificate, metrics interface)."""
-    argv = ["--auth-token-file", config.auth_token_file] if config.auth_token_file else []
-    if config.tls_cert_file and config.tls_key_file:
-        argv += ["--tls-cert", config.tls_cert_file, "--tls-key", config.tls_key_file]
-    if config.metrics and config.metrics_host != "127.0.0.1":
-        argv += ["--metrics-host", config.metrics_host]
-    return argv
-
-
-def child_env() -> dict[str, str]:
+def child_env(internal_token_file: str | None = None) -> dict[str, str]:
     """Environment of the children: ours, with this checkout (and its stubs) first on PYTHONPATH, and
-    the internal token (the configured one, else this launcher's generated one)."""
+    the internal token (the configured file, else the environment's, else this launcher's generated one)."""
     paths = [str(_REPO), str(_REPO / "proto")]
     if os.environ.get("PYTHONPATH"):
         paths.append(os.environ["PYTHONPATH"])
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(paths), "PYTHONUNBUFFERED": "1"}
-    if internal_token() is None:
+    if internal_token_file:  # the processes get it in their config too; this covers the launcher's own calls
+        env.pop(ENV_TOKEN, None)
+        env[ENV_TOKEN_FILE] = str(Path(internal_token_file).resolve())
+    elif internal_token() is None:
         env[ENV_TOKEN] = launcher_token()
     return env
 
@@ -241,9 +207,16 @@ def wait_serving(address: str, timeout_s: float, internal: bool = True) -> None:
 class LocalCluster:
     """Router + workers as subprocesses; starts on construction, use as a context manager or call stop()."""
 
-    def __init__(self, config: LocalClusterConfig) -> None:
+    def __init__(self, config: DeploymentConfig | LocalClusterConfig) -> None:
         self.config = config
-        self.log_dir = Path(config.log_dir) if config.log_dir else Path(tempfile.mkdtemp(prefix="pdserve-logs-"))
+        if isinstance(config, LocalClusterConfig):
+            self.deployment, self._extra = config.deployment(), config.extra_args()
+        else:
+            self.deployment, self._extra = config, {}
+        if self.deployment.mode != "local":
+            raise ValueError(f"LocalCluster runs mode local, got a config of mode {self.deployment.mode!r}")
+        log_dir = self.deployment.observability.log_dir
+        self.log_dir = Path(log_dir) if log_dir else Path(tempfile.mkdtemp(prefix="pdserve-logs-"))
         self.log_dir.mkdir(parents=True, exist_ok=True)
         print(f"pdserve: process logs in {self.log_dir}", file=sys.stderr, flush=True)
         self._processes: list[ManagedProcess] = []
@@ -279,25 +252,30 @@ class LocalCluster:
         """Running workers as (role, worker_id, address, pid), prefill first, then decode, then colocated."""
         return list(self._workers)
 
-    def _launch(self, name: str, argv: list[str]) -> ManagedProcess:
-        process = ManagedProcess(name, argv, self.log_dir / f"{name}.log", child_env())
+    def _launch(self, name: str, kind: str, document: dict[str, Any]) -> ManagedProcess:
+        """Start `python -m <module of kind> --config <name>.config.json` (plus the kind's extra flags)."""
+        path = write_document(self.log_dir / f"{name}.config.json", document)
+        argv = [sys.executable, "-m", PROCESS_MODULES[kind], "--config", str(path), *self._extra.get(kind, ())]
+        env = child_env(self.deployment.security.internal_token_file)
+        process = ManagedProcess(name, argv, self.log_dir / f"{name}.log", env)
         self._processes.append(process)
         return process
 
     def _start(self) -> None:
-        deadline = time.monotonic() + self.config.startup_timeout_s
-        names = self.config.worker_names()
-        launched = [self._launch(wid, worker_argv(self.config, role, wid)) for role, wid in names]
+        config = self.deployment
+        deadline = time.monotonic() + config.startup_timeout_s
+        names = config.worker_names()
+        launched = [self._launch(wid, role, local_worker_document(config, role, wid)) for role, wid in names]
         for (role, worker_id), process in zip(names, launched, strict=True):
             ready = self._wait_ready(process, deadline)
             self._workers.append(WorkerProcess(role, worker_id, str(ready["address"]), process.pid))
             self._note_metrics(worker_id, ready)
-        router = self._launch("router", router_argv(self.config, self._workers))
+        router = self._launch("router", "router", local_router_document(config, self._workers))
         ready = self._wait_ready(router, deadline)
         self._router_address = str(ready["address"])
         self._http_address = str(ready.get("http_address") or "")
         self._note_metrics("router", ready)
-        if not self.config.tls_cert_file:  # over TLS the READY line is the check (the cert may name another host)
+        if not config.security.tls_cert:  # over TLS the READY line is the check (the cert may name another host)
             wait_serving(self._router_address, max(1.0, deadline - time.monotonic()), internal=False)
         for worker in self._workers:
             wait_serving(worker.address, max(1.0, deadline - time.monotonic()))

@@ -1,7 +1,8 @@
 """The pdserve processes as Ray actors: a worker actor (prefill or decode) and the router actor.
 
 A worker actor's ``__init__`` builds exactly what ``python -m prefill_worker`` / ``python -m
-decode_worker`` build (their ``start_worker``), from the same command-line flags, so both
+decode_worker`` build (their ``start_worker``), from the same config document
+(`cluster.deploy_config.worker_document`, validated by the worker's own parser), so both
 deployment modes share one code path: the worker serves gRPC on its own port, and the router
 talks to it as it talks to a local process. The actor adds what a launcher needs: ``address()``,
 ``info()``, ``drain()``, ``is_idle()``, ``stop()``; a decode actor also takes KV from the Ray
@@ -34,9 +35,11 @@ def _use_internal_token(token: str | None) -> None:
 
 
 class WorkerActor:
-    """One prefill or decode worker inside a Ray actor; ``argv`` are the worker's command-line flags."""
+    """One prefill or decode worker inside a Ray actor; ``document`` is the worker's config document
+    (``extra_argv``: flags on top of it)."""
 
-    def __init__(self, role: str, argv: list[str], internal_token: str | None = None) -> None:
+    def __init__(self, role: str, document: dict[str, Any], internal_token: str | None = None,
+                 extra_argv: tuple[str, ...] = ()) -> None:
         import ray
 
         from engine.worker_runtime import NODE_HOST_ENV, NODE_ID_ENV, configure_process
@@ -47,7 +50,7 @@ class WorkerActor:
         os.environ[NODE_ID_ENV] = ray.get_runtime_context().get_node_id()  # reported in WorkerInfo.node_id
         os.environ[NODE_HOST_ENV] = ray.util.get_node_ip_address()
         module = importlib.import_module(WORKER_MODULES[role])
-        args = module.parse_args(argv)
+        args = module.parse_args(list(extra_argv), document=document)
         configure_process(args.threads, args.log_level, args.log_format, args.worker_id)
         self.role = role
         self.worker_id = args.worker_id
@@ -98,17 +101,20 @@ class WorkerActor:
 
 
 class RouterActor:
-    """The router (public gRPC API) inside a Ray actor; ``config`` holds RouterConfig fields."""
+    """The router (public gRPC API and, with http_port, the OpenAI HTTP API) inside a Ray actor;
+    ``document`` is its config document (`cluster.deploy_config.router_document`), ``auth_token`` the
+    public API's bearer token (read by the launcher)."""
 
-    def __init__(self, config: dict[str, Any], internal_token: str | None = None) -> None:
+    def __init__(self, document: dict[str, Any], internal_token: str | None = None,
+                 auth_token: str | None = None) -> None:
         _use_internal_token(internal_token)
-        from router.config import RouterConfig
+        from router.__main__ import config_from_args, parse_args
         from router.server import serve
         from telemetry.logs import configure_logging
 
-        configure_logging("router", config.pop("log_level", "INFO"), config.pop("log_format", "text"))
-        config = {**config, **_workers_after_restart()}
-        self.config = RouterConfig(**config)
+        args = parse_args([], document={**document, **_workers_after_restart()})
+        configure_logging("router", args.log_level, args.log_format)
+        self.config = config_from_args(args, auth_token)
         self.server, self.port = serve(self.config)
 
     def address(self) -> str:
@@ -148,7 +154,7 @@ class RouterActor:
         self.server.stop(5.0)
 
 
-def _workers_after_restart() -> dict[str, tuple[str, ...]]:
+def _workers_after_restart() -> dict[str, list[str]]:
     """A router actor that Ray restarted (``max_restarts``) re-learns its workers from the controller:
     the addresses it was created with may be stale (restarted workers serve on new ports, scale()
     added and removed some). On its first start the controller's list is its own config: {}."""
@@ -160,4 +166,4 @@ def _workers_after_restart() -> dict[str, tuple[str, ...]]:
 
     controller = ray.get_actor(CONTROLLER_NAME, namespace=NAMESPACE)
     workers = ray.get(controller.router_workers.remote(), timeout=60)
-    return {role: tuple(w["address"] for w in workers if w["role"] == role) for role in ("prefill", "decode")}
+    return {role: [w["address"] for w in workers if w["role"] == role] for role in ("prefill", "decode")}

@@ -2,8 +2,8 @@
 
 Layout (namespace :data:`NAMESPACE`):
 - ``pdserve-controller`` (detached, named, pinned to the head node: it owns the router and worker
-  actors, which share its fate, so it must not sit on a node that can be lost alone): creates a placement group (PACK, SPREAD or
-  STRICT_SPREAD) with one bundle for the router and one per initial worker, the worker actors (``prefill-0``,
+  actors, which share its fate, so it must not sit on a node that can be lost alone): creates a
+  placement group (PACK, SPREAD or STRICT_SPREAD) with one bundle for the router and one per initial worker, the worker actors (``prefill-0``,
   ``decode-0``, ...; ``max_restarts`` each) and the router actor (``pdserve-router``). A watcher
   thread asks every worker for its ``address()`` each ``poll_interval_s``: a restarted worker (new
   port) is re-registered with the router, a worker that died for good is removed; it also notes the
@@ -21,6 +21,10 @@ Layout (namespace :data:`NAMESPACE`):
   every call, loopback or not. The router actor takes the public API's bearer token (read from
   ``auth_token_file`` on the driver) and certificate files (read on the router's node).
 
+Configuration: the controller gets the deployment's `cluster.deploy_config.DeploymentConfig` (mode
+ray) and hands each actor its config document (`worker_document`, `router_document`: the same
+functions the local launcher uses), which the actor parses with the process's own parser.
+
 The driver-side :class:`RayCluster` starts a local Ray instance when none is running and no
 address is given (and shuts it down on ``stop()``), creates the controller and waits for the
 router. ``pdserve scale`` finds the controller by name from another process.
@@ -33,7 +37,8 @@ import logging
 import os
 import threading
 import time
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
+from pathlib import Path
 from types import TracebackType
 from typing import Any
 
@@ -42,10 +47,10 @@ from ray.exceptions import ActorDiedError, RayError
 from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy, PlacementGroupSchedulingStrategy
 
+from cluster.deploy_config import DeploymentConfig, _abspath, flat_sections, router_document, worker_document
 from cluster.ray_actors import RouterActor, WorkerActor
-from pdserve.devices import worker_flags
 from pdserve.transport import launcher_token
-from router.policies import POLICY_NAMES
+from router.auth import load_token
 
 log = logging.getLogger(__name__)
 
@@ -59,7 +64,9 @@ ROLES = ("prefill", "decode")
 
 @dataclass(frozen=True)
 class RayClusterConfig:
-    """Topology, resources and worker settings of a Ray deployment."""
+    """The flat, library form of a Ray deployment (tests, benchmarks); `deployment()` is the
+    DeploymentConfig (mode ray) it stands for, which validates it. `prefill_args` / `decode_args` are
+    extra worker flags (experiments); they override the worker's config document."""
 
     prefill: int = 1
     decode: int = 1
@@ -76,7 +83,7 @@ class RayClusterConfig:
     placement: str = "pack"
     threads_per_worker: int | None = None
     kv_cache_mb: int | None = None
-    device: str = "cpu"  # every worker's --device and --dtype (the CLI passes "auto"); Ray picks which GPU
+    device: str = "cpu"  # every worker's device and dtype (the CLI passes "auto"); Ray picks which GPU
     dtype: str = "auto"
     prefill_policy: str = "round_robin"
     decode_policy: str = "round_robin"
@@ -94,65 +101,93 @@ class RayClusterConfig:
     auth_token_file: str | None = None  # public API needs "Bearer <first line>" (read on the driver)
     tls_cert_file: str | None = None  # public gRPC and HTTP over TLS (paths read on the router's node)
     tls_key_file: str | None = None
-    metrics_host: str = "127.0.0.1"  # the Ray router serves no /metrics: the CLI refuses --metrics(-host) with --ray
-    internal_token: str | None = field(default=None, repr=False)  # set by RayCluster (configured or generated)
+    internal_token: str | None = field(default=None, repr=False)  # else the configured or a generated one
 
     def __post_init__(self) -> None:
-        if (self.tls_cert_file is None) != (self.tls_key_file is None):
-            raise ValueError("tls_cert_file and tls_key_file go together (--tls-cert and --tls-key)")
-        if self.prefill < 1 or self.decode < 1:
-            raise ValueError(f"need prefill >= 1 and decode >= 1, got {self.prefill} and {self.decode}")
         if self.kv_backend not in KV_BACKENDS:
             raise ValueError(f"kv_backend must be one of {', '.join(KV_BACKENDS)}, got {self.kv_backend!r}")
-        if self.placement not in PLACEMENTS:
-            raise ValueError(f"placement must be one of {', '.join(PLACEMENTS)}, got {self.placement!r}")
-        if self.gpus_per_worker is not None and not self.gpus_per_worker > 0:
-            raise ValueError(f"gpus_per_worker must be > 0, got {self.gpus_per_worker}")
-        worker_flags(self.device, self.dtype)  # ValueError on a bad name
-        for name in ("prefill_policy", "decode_policy"):
-            if getattr(self, name) not in POLICY_NAMES:
-                raise ValueError(f"{name} must be one of {', '.join(POLICY_NAMES)}, got {getattr(self, name)!r}")
-        if not 0 <= self.port <= 65535:
-            raise ValueError(f"port must be in [0, 65535], got {self.port}")
-        if self.max_queued_requests < 1:
-            raise ValueError(f"max_queued_requests must be >= 1, got {self.max_queued_requests}")
-        if self.max_restarts < 0 or self.router_max_restarts < 0:
-            raise ValueError(f"max_restarts must be >= 0, got {self.max_restarts} and {self.router_max_restarts}")
-        for name in ("poll_interval_s", "drain_timeout_s", "startup_timeout_s"):
-            if not getattr(self, name) > 0:
-                raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
+        self.deployment()  # ConfigError (a ValueError) naming the setting
+
+    def deployment(self) -> DeploymentConfig:
+        """The DeploymentConfig (mode ray) of these settings."""
+        doc = flat_sections(self, "ray", drain_timeout_s=self.drain_timeout_s)
+        doc["kv"] = {"backend": self.kv_backend}
+        doc["ray"] = {"address": self.address, "placement": self.placement, "worker_host": self.worker_host,
+                      "gpus_per_worker": self.gpus_per_worker, "prefill_resource": self.prefill_resource,
+                      "decode_resource": self.decode_resource, "router_resource": self.router_resource,
+                      "max_restarts": self.max_restarts, "router_max_restarts": self.router_max_restarts,
+                      "poll_interval_s": self.poll_interval_s}
+        return DeploymentConfig.from_dict(doc)
+
+    def extra_args(self) -> dict[str, tuple[str, ...]]:
+        return {"prefill": self.prefill_args, "decode": self.decode_args}
 
     @property
     def local_num_cpus(self) -> int:
-        """Logical CPUs of a local Ray instance: the machine's, but at least 4x what the initial placement
-        group takes (router + workers), so that scaling up finds room (they are scheduling units only)."""
-        needed = 1 + (0 if self.gpus_per_worker else self.prefill + self.decode)
-        return max(os.cpu_count() or 1, 4 * needed)
+        return local_num_cpus(self.deployment())
 
     def resources(self, role: str) -> dict[str, float]:
-        """What one worker of `role` declares: GPUs when configured, else one CPU; plus its custom resource."""
-        needs: dict[str, float] = {"GPU": self.gpus_per_worker} if self.gpus_per_worker else {"CPU": 1.0}
-        custom = self.prefill_resource if role == "prefill" else self.decode_resource
-        if custom:
-            needs[custom] = 1.0
-        return needs
+        return worker_resources(self.deployment(), role)
 
     def router_resources(self) -> dict[str, float]:
-        """The router's bundle: one CPU, plus its custom resource when configured."""
-        return {"CPU": 1.0, **({self.router_resource: 1.0} if self.router_resource else {})}
+        return router_resources(self.deployment())
 
-    def worker_argv(self, role: str, worker_id: str, host: str) -> list[str]:
-        """The worker's command-line flags (the same flags `python -m <role>_worker` takes)."""
-        argv = ["--host", host, "--port", "0", "--worker-id", worker_id, "--log-level", self.log_level]
-        argv += ["--threads", str(self.threads_per_worker)] if self.threads_per_worker else []
-        argv += ["--model", self.model] if self.model else []
-        argv += ["--kv-cache-mb", str(self.kv_cache_mb)] if self.kv_cache_mb else []
-        argv += worker_flags(self.device, self.dtype)
-        if role == "decode":
-            argv += ["--drain-timeout-s", str(self.drain_timeout_s), "--kv-backend", self.kv_backend]
-            argv += ["--kv-target", f"ray:{worker_id}"] if self.kv_backend == "ray" else []
-            return argv + list(self.decode_args)
-        return argv + ["--drain-timeout-s", str(self.drain_timeout_s)] + list(self.prefill_args)
+
+def local_num_cpus(config: DeploymentConfig) -> int:
+    """Logical CPUs of a local Ray instance: the machine's, but at least 4x what the initial placement
+    group takes (router + workers), so that scaling up finds room (they are scheduling units only)."""
+    needed = 1 + (0 if config.ray.gpus_per_worker else config.size("prefill") + config.size("decode"))
+    return max(os.cpu_count() or 1, 4 * needed)
+
+
+def worker_resources(config: DeploymentConfig, role: str) -> dict[str, float]:
+    """What one worker of `role` declares: GPUs when configured, else one CPU; plus its custom resource."""
+    gpus = config.ray.gpus_per_worker
+    needs: dict[str, float] = {"GPU": gpus} if gpus else {"CPU": 1.0}
+    custom = config.ray.prefill_resource if role == "prefill" else config.ray.decode_resource
+    if custom:
+        needs[custom] = 1.0
+    return needs
+
+
+def router_resources(config: DeploymentConfig) -> dict[str, float]:
+    """The router's bundle: one CPU, plus its custom resource when configured."""
+    custom = config.ray.router_resource
+    return {"CPU": 1.0, **({custom: 1.0} if custom else {})}
+
+
+def worker_actor_options(config: DeploymentConfig, role: str, name: str) -> dict[str, Any]:
+    """Ray actor options of a worker (all but its placement)."""
+    options: dict[str, Any] = {
+        "name": name, "namespace": NAMESPACE, "max_restarts": config.ray.max_restarts,
+        "max_concurrency": 64,  # a threaded actor: KV intake calls run while others wait
+    }
+    resources = worker_resources(config, role)
+    if "GPU" in resources:  # (decided before the pops: a GPU worker asks for GPUs, not CPUs)
+        options["num_gpus"] = resources.pop("GPU")
+    else:
+        options["num_cpus"] = resources.pop("CPU", 1.0)
+    if resources:
+        options["resources"] = resources
+    return options
+
+
+def router_actor_options(config: DeploymentConfig) -> dict[str, Any]:
+    """Ray actor options of the router (all but its placement)."""
+    custom = config.ray.router_resource
+    return {"name": ROUTER_NAME, "namespace": NAMESPACE, "num_cpus": 1, "max_concurrency": 16,
+            "max_restarts": config.ray.router_max_restarts, "resources": {custom: 1.0} if custom else None}
+
+
+def drain_timeout_s(config: DeploymentConfig) -> float:
+    """How long the controller waits for removed workers to finish: the longer pool's drain."""
+    return max(config.prefill.drain_timeout_s, config.decode.drain_timeout_s)
+
+
+def ray_worker_document(config: DeploymentConfig, role: str, worker_id: str) -> dict[str, Any]:
+    """The config document a worker actor gets (`worker_host` "node" resolved on this node)."""
+    host = ray.util.get_node_ip_address() if config.ray.worker_host == "node" else config.ray.worker_host
+    return worker_document(config, role, worker_id, host)
 
 
 @dataclass
@@ -166,29 +201,30 @@ class _Worker:
     pg: Any = None  # placement group of a worker added by scale() (None: the initial group)
 
 
-def _host_for(config: RayClusterConfig) -> str:
-    return ray.util.get_node_ip_address() if config.worker_host == "node" else config.worker_host
-
-
 class Controller:
     """Owns the deployment (wrapped as the named detached actor ``pdserve-controller``)."""
 
-    def __init__(self, config: RayClusterConfig) -> None:
-        logging.basicConfig(level=config.log_level, format="%(asctime)s controller %(levelname)s %(message)s")
+    def __init__(self, config: DeploymentConfig, internal_token: str | None = None, auth_token: str | None = None,
+                 extra_args: dict[str, tuple[str, ...]] | None = None) -> None:
+        logging.basicConfig(level=config.observability.log_level,
+                            format="%(asctime)s controller %(levelname)s %(message)s")
         self.config = config
+        self._internal_token = internal_token
+        self._auth_token = auth_token
+        self._extra = extra_args or {}
         self._workers: list[_Worker] = []
         self._lock = threading.Lock()  # guards _workers
         self._scale_lock = threading.Lock()  # one scale() at a time
         self._next_index = dict.fromkeys(ROLES, 0)
         self._stop = threading.Event()
-        roles = ["prefill"] * config.prefill + ["decode"] * config.decode
-        bundles = [config.router_resources()] + [config.resources(role) for role in roles]
-        self._pg = placement_group(bundles, strategy=PLACEMENTS[config.placement], name="pdserve")
+        roles = ["prefill"] * config.size("prefill") + ["decode"] * config.size("decode")
+        bundles = [router_resources(config)] + [worker_resources(config, role) for role in roles]
+        self._pg = placement_group(bundles, strategy=PLACEMENTS[config.ray.placement], name="pdserve")
         try:
             ray.get(self._pg.ready(), timeout=config.startup_timeout_s)
         except ray.exceptions.GetTimeoutError:
             remove_placement_group(self._pg)
-            raise RuntimeError(f"placement group {bundles} ({config.placement}) not placed within "
+            raise RuntimeError(f"placement group {bundles} ({config.ray.placement}) not placed within "
                                f"{config.startup_timeout_s:.0f} s: not enough resources in the cluster") from None
         self._router: Any = None
         self._router_probe: Any = None  # pending address() call of the watcher
@@ -208,17 +244,11 @@ class Controller:
         index = self._next_index[role]
         self._next_index[role] += 1
         name = f"{role}-{index}"
-        options: dict[str, Any] = {
-            "name": name, "namespace": NAMESPACE, "max_restarts": self.config.max_restarts,
-            "max_concurrency": 64,  # a threaded actor: KV intake calls run while others wait
-        }
-        resources = self.config.resources(role)
-        options["num_gpus" if "GPU" in resources else "num_cpus"] = resources.pop("GPU", resources.pop("CPU", 1.0))
-        if resources:
-            options["resources"] = resources
+        options = worker_actor_options(self.config, role, name)
         options["scheduling_strategy"] = PlacementGroupSchedulingStrategy(self._pg if pg is None else pg, bundle)
-        argv = self.config.worker_argv(role, name, _host_for(self.config))
-        handle = _RemoteWorker.options(**options).remote(role, argv, self.config.internal_token)
+        document = ray_worker_document(self.config, role, name)
+        handle = _RemoteWorker.options(**options).remote(role, document, self._internal_token,
+                                                         self._extra.get(role, ()))
         return _Worker(name, role, handle, pg=pg)
 
     def _wait_serving(self, workers: list[_Worker]) -> None:
@@ -227,36 +257,14 @@ class Controller:
             worker.address = address
 
     def _start_router(self, workers: list[_Worker]) -> Any:  # noqa: ANN401 - ray ActorHandle
-        config = {
-            "host": self.config.host, "port": self.config.port,
-            "prefill": tuple(w.address for w in workers if w.role == "prefill"),
-            "decode": tuple(w.address for w in workers if w.role == "decode"),
-            "prefill_policy": self.config.prefill_policy, "decode_policy": self.config.decode_policy,
-            "max_queued_requests": self.config.max_queued_requests, "log_level": self.config.log_level,
-            **self._router_security(),
-        }
+        addresses = {role: [w.address for w in workers if w.role == role] for role in ROLES}
         router = _RemoteRouter.options(
-            name=ROUTER_NAME, namespace=NAMESPACE, num_cpus=1, max_concurrency=16,
-            max_restarts=self.config.router_max_restarts,
-            resources={self.config.router_resource: 1.0} if self.config.router_resource else None,
-            scheduling_strategy=PlacementGroupSchedulingStrategy(self._pg, 0),
-        ).remote(config, self.config.internal_token)
-        self.router_address_value = ray.get(router.address.remote(), timeout=self.config.startup_timeout_s)
+            **router_actor_options(self.config), scheduling_strategy=PlacementGroupSchedulingStrategy(self._pg, 0),
+        ).remote(router_document(self.config, addresses), self._internal_token, self._auth_token)
+        timeout = self.config.startup_timeout_s
+        self.router_address_value = ray.get(router.address.remote(), timeout=timeout)
         self.router_http_address_value = ray.get(router.http_address.remote(), timeout=30)
         return router
-
-    def _router_security(self) -> dict[str, Any]:
-        """RouterConfig fields of the public API: HTTP port, bearer token, certificate."""
-        fields: dict[str, Any] = {"tls_cert_file": self.config.tls_cert_file, "tls_key_file": self.config.tls_key_file}
-        if self.config.http_port is not None:
-            fields.update(http_port=self.config.http_port, model_name=self.config.model_name)
-        if self.config.auth_token_file:
-            from router.auth import load_token
-
-            fields["auth_token"] = load_token(self.config.auth_token_file, None)
-        elif os.environ.get("PDSERVE_AUTH_TOKEN"):
-            fields["auth_token"] = os.environ["PDSERVE_AUTH_TOKEN"]
-        return fields
 
     # ----- queries ---------------------------------------------------------------------------
     def router_address(self) -> str:
@@ -293,7 +301,7 @@ class Controller:
 
     # ----- watching --------------------------------------------------------------------------
     def _watch(self) -> None:
-        while not self._stop.wait(self.config.poll_interval_s):
+        while not self._stop.wait(self.config.ray.poll_interval_s):
             try:
                 self.check_workers()
             except Exception:  # noqa: BLE001 - keep watching
@@ -390,13 +398,13 @@ class Controller:
         Ray cannot add bundles to an existing group, so each scale-up gets a group of its own: the
         strategy holds among the workers added together (and, being bundles, their resources are
         reserved as a unit), not between them and the earlier ones."""
-        bundles = [self.config.resources(role) for role in roles]
-        pg = placement_group(bundles, strategy=PLACEMENTS[self.config.placement])
+        bundles = [worker_resources(self.config, role) for role in roles]
+        pg = placement_group(bundles, strategy=PLACEMENTS[self.config.ray.placement])
         try:
             ray.get(pg.ready(), timeout=self.config.startup_timeout_s)
         except ray.exceptions.GetTimeoutError:
             remove_placement_group(pg)
-            raise RuntimeError(f"placement group {bundles} ({self.config.placement}) for the new workers not "
+            raise RuntimeError(f"placement group {bundles} ({self.config.ray.placement}) for the new workers not "
                                f"placed within {self.config.startup_timeout_s:.0f} s: not enough resources") from None
         return pg
 
@@ -416,7 +424,7 @@ class Controller:
             worker.draining = True
         ray.get([w.handle.drain.remote() for w in workers], timeout=30)
         time.sleep(2 * 0.5 + 0.2)  # two router health polls: it has stopped routing to them
-        deadline = time.monotonic() + self.config.drain_timeout_s
+        deadline = time.monotonic() + drain_timeout_s(self.config)
         pending = list(workers)
         while pending and time.monotonic() < deadline:
             idle = ray.get([w.handle.is_idle.remote() for w in pending], timeout=30)
@@ -487,6 +495,17 @@ def check_reachable(address: str | None, timeout_s: float = 5.0) -> None:
                               f"or pass the head's GCS address, host:6379 by default)") from None
 
 
+def _configured_internal_token(config: DeploymentConfig) -> str | None:
+    """security.internal_token_file, read here on the driver (the actors get the token itself)."""
+    path = config.security.internal_token_file
+    if not path:
+        return None
+    token = Path(path).read_text(encoding="utf-8").splitlines()[0].strip() if Path(path).stat().st_size else ""
+    if not token:
+        raise ValueError(f"security.internal_token_file: {path} is empty")
+    return token
+
+
 def get_controller(address: str | None = "auto") -> Any:  # noqa: ANN401 - ray ActorHandle
     """The running deployment's controller (connects to Ray at `address` unless connected)."""
     if not ray.is_initialized():
@@ -498,25 +517,33 @@ def get_controller(address: str | None = "auto") -> Any:  # noqa: ANN401 - ray A
 class RayCluster:
     """Driver-side handle: starts the deployment on construction; ``stop()`` tears it down (idempotent)."""
 
-    def __init__(self, config: RayClusterConfig) -> None:
-        if config.internal_token is None:
-            config = replace(config, internal_token=launcher_token())
+    def __init__(self, config: DeploymentConfig | RayClusterConfig) -> None:
         self.config = config
+        if isinstance(config, RayClusterConfig):
+            deployment, extra, internal = config.deployment(), config.extra_args(), config.internal_token
+        else:
+            deployment, extra, internal = config, {}, None
+        if deployment.mode != "ray":
+            raise ValueError(f"RayCluster runs mode ray, got a config of mode {deployment.mode!r}")
+        self.deployment = deployment
+        internal = internal or _configured_internal_token(deployment) or launcher_token()
+        auth = load_token(_abspath(deployment.security.auth_token_file), os.environ.get("PDSERVE_AUTH_TOKEN"))
         self._own_ray = False
         self._stopped = False
+        address = deployment.ray.address
         if not ray.is_initialized():
-            check_reachable(config.address)  # with an address, never start a local instance instead
-            local = {"num_cpus": config.local_num_cpus} if config.address is None else {}
-            ray.init(address=config.address, namespace=NAMESPACE, include_dashboard=False, **local)
-            self._own_ray = config.address is None
+            check_reachable(address)  # with an address, never start a local instance instead
+            local = {"num_cpus": local_num_cpus(deployment)} if address is None else {}
+            ray.init(address=address, namespace=NAMESPACE, include_dashboard=False, **local)
+            self._own_ray = address is None
         atexit.register(self.stop)
         try:
             self._controller = _RemoteController.options(
                 name=CONTROLLER_NAME, namespace=NAMESPACE, lifetime="detached", num_cpus=0, max_concurrency=16,
                 scheduling_strategy=NodeAffinitySchedulingStrategy(controller_node_id(), soft=False),
-            ).remote(config)
+            ).remote(deployment, internal, auth, extra)
             self.router_address: str = ray.get(self._controller.router_address.remote(),
-                                               timeout=config.startup_timeout_s + 60)
+                                               timeout=deployment.startup_timeout_s + 60)
             self.http_address: str = ray.get(self._controller.router_http_address.remote(), timeout=60)
         except BaseException:
             self.stop()
@@ -539,7 +566,7 @@ class RayCluster:
 
     def scale(self, prefill: int, decode: int) -> dict[str, list[str]]:
         """Resize the pools (blocks until added workers serve and removed ones are drained and gone)."""
-        timeout = self.config.startup_timeout_s + self.config.drain_timeout_s + 60
+        timeout = self.deployment.startup_timeout_s + drain_timeout_s(self.deployment) + 60
         return dict(ray.get(self._controller.scale.remote(prefill, decode), timeout=timeout))
 
     def stop(self) -> None:

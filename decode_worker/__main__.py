@@ -6,6 +6,7 @@ Serves DecodeWorker, KvTransfer (the gRPC KV backend's receiver) and health on o
 from __future__ import annotations
 
 import argparse
+from typing import Any
 
 from grpc_health.v1 import health_pb2
 
@@ -33,12 +34,14 @@ from engine.worker_runtime import (
 )
 from kv_transfer import KvTransferServicer, grpc_message_options
 from pdserve.limits import receive_options
+from pdserve.process_config import add_config_arg, parse_with_document
 from pdserve.transport import check_bind_allowed
 from pdserve.v1 import worker_pb2_grpc
 from telemetry.prometheus import start_metrics_endpoint
 
 
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+def parse_args(argv: list[str] | None = None, document: dict[str, Any] | None = None) -> argparse.Namespace:
+    """This worker's options: defaults < `document` (or the JSON file of --config) < flags."""
     ap = argparse.ArgumentParser(prog="python -m decode_worker", description=__doc__)
     add_worker_args(ap, worker_id="decode-0", kv_cache_mb=512)
     ap.add_argument("--colocated", action="store_true", help="prefill every request here (classic server)")
@@ -71,7 +74,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                          "so tests can act mid-stream, e.g. migrate)")
     add_observability_args(ap)
     add_engine_args(ap)
-    return ap.parse_args(argv)
+    add_config_arg(ap)
+    return parse_with_document(ap, argv, document)
 
 
 def frame_receive_bytes() -> int:

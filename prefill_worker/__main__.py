@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+from typing import Any
 
 from grpc_health.v1 import health_pb2
 
@@ -28,6 +29,7 @@ from engine.worker_runtime import (
 )
 from kv_transfer.modelled import install_modelled_links
 from pdserve.limits import receive_options
+from pdserve.process_config import add_config_arg, parse_with_document
 from pdserve.transport import check_bind_allowed
 from pdserve.v1 import worker_pb2_grpc
 from prefill_worker.faults import FAULT_MODES, FaultInjector
@@ -36,7 +38,8 @@ from prefill_worker.worker import PrefillWorker
 from telemetry.prometheus import start_metrics_endpoint
 
 
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+def parse_args(argv: list[str] | None = None, document: dict[str, Any] | None = None) -> argparse.Namespace:
+    """This worker's options: defaults < `document` (or the JSON file of --config) < flags."""
     ap = argparse.ArgumentParser(prog="python -m prefill_worker", description=__doc__)
     add_worker_args(ap, worker_id="prefill-0", kv_cache_mb=256)
     ap.add_argument("--max-batched-tokens", type=int, default=4096, help="token budget of one prefill pass")
@@ -57,7 +60,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--inject-kv-fault-count", type=int, default=1)
     add_observability_args(ap)
     add_engine_args(ap)
-    return ap.parse_args(argv)
+    add_config_arg(ap)
+    return parse_with_document(ap, argv, document)
 
 
 def start_worker(args: argparse.Namespace) -> StartedWorker:

@@ -16,6 +16,7 @@ import sys
 import threading
 from typing import Any
 
+from pdserve.process_config import add_config_arg, parse_with_document
 from pdserve.serving import ready_line
 from pdserve.transport import is_loopback, use_internal_token_file
 from router.auth import load_token
@@ -74,10 +75,18 @@ def build_parser() -> argparse.ArgumentParser:
                         help="internal token the workers require (first line of FILE; or set PDSERVE_INTERNAL_TOKEN)")
     parser.add_argument("--log-level", default="INFO")
     parser.add_argument("--log-format", choices=LOG_FORMATS, default="text", help="text lines or JSON lines")
+    add_config_arg(parser)
     return parser
 
 
-def config_from_args(args: argparse.Namespace) -> RouterConfig:
+def parse_args(argv: list[str] | None = None, document: dict[str, Any] | None = None) -> argparse.Namespace:
+    """The router's options: defaults < `document` (or the JSON file of --config) < flags."""
+    return parse_with_document(build_parser(), argv, document)
+
+
+def config_from_args(args: argparse.Namespace, auth_token: str | None = None) -> RouterConfig:
+    """RouterConfig of parsed options; `auth_token` (the Ray launcher's, read on its driver) wins over
+    --auth-token-file and PDSERVE_AUTH_TOKEN."""
     return RouterConfig(
         host=args.host,
         port=args.port,
@@ -90,7 +99,7 @@ def config_from_args(args: argparse.Namespace) -> RouterConfig:
         max_concurrent_streams=args.max_concurrent_streams,
         max_queued_requests=args.max_queued_requests,
         max_attempts=args.max_attempts,
-        auth_token=load_token(args.auth_token_file, os.environ.get("PDSERVE_AUTH_TOKEN")),
+        auth_token=auth_token or load_token(args.auth_token_file, os.environ.get("PDSERVE_AUTH_TOKEN")),
         tls_cert_file=args.tls_cert,
         tls_key_file=args.tls_key,
         http_port=args.http_port,
@@ -101,7 +110,7 @@ def config_from_args(args: argparse.Namespace) -> RouterConfig:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    args = parse_args(argv)
     configure_logging("router", args.log_level, args.log_format)
     bound_heap()
     try:

@@ -54,22 +54,24 @@ def test_engine_flags_reach_every_worker_and_the_bench(tmp_path) -> None:  # noq
     from capacity.bench import to_profile_time
     from capacity.metrics import RequestRecord
     from capacity.sweep import select_configs
-    from cluster.cli import cluster_config, ray_cluster_config
+    from cluster.cli import deployment_config
+    from cluster.deploy_config import worker_document
 
     profile = tmp_path / "p.json"
     profile.write_text("{}")
-    args = build_parser().parse_args(["serve", "--engine", "sim", "--profile", str(profile), "--speedup", "4",
-                                      "--prefill", "2", "--decode", "3"])
-    flags = ("--engine", "sim", "--profile", str(profile.resolve()), "--speedup", "4.0")
-    local = cluster_config(args)
-    assert local.prefill_args == local.decode_args == flags
-    pytest.importorskip("ray")
-    ray = ray_cluster_config(args)
-    assert ray.prefill_args == ray.decode_args == flags
+    args_list = ["--engine", "sim", "--profile", str(profile), "--speedup", "4", "--prefill", "2", "--decode", "3"]
+    args = build_parser().parse_args(["serve", *args_list])
+    engine = {"engine": "sim", "profile": str(profile.resolve()), "speedup": 4.0}
+    local = deployment_config(args)
+    ray = deployment_config(build_parser().parse_args(["serve", "--ray", *args_list]))
+    for config in (local, ray):
+        for role, worker_id in config.worker_names():
+            document = worker_document(config, role, worker_id)
+            assert {k: document[k] for k in engine} == engine
     for bad in (["--profile", str(profile)], ["--engine", "sim"], ["--engine", "sim", "--profile", "missing.json"],
                 ["--engine", "sim", "--profile", str(profile), "--speedup", "0"]):
         with pytest.raises(ValueError):
-            cluster_config(build_parser().parse_args(["serve", *bad]))
+            deployment_config(build_parser().parse_args(["serve", *bad]))
     bench = bench_config(build_parser().parse_args(["bench", "--speedup", "4", "--rate", "2"]), "h:1")
     assert bench.speedup == 4.0 and bench.to_json()["speedup"] == 4.0
     from cluster.cli import main

@@ -1,14 +1,12 @@
-"""`pdserve` argument parsing, LocalClusterConfig validation, worker/router command lines, client helpers."""
+"""`pdserve` argument parsing, LocalClusterConfig validation, worker/router config documents, client helpers."""
 
 from __future__ import annotations
 
-import sys
-
 import pytest
 
-from cluster.cli import build_parser, cluster_config, format_table
+from cluster.cli import build_parser, deployment_config, format_table
 from cluster.client import build_request, collect, sampling_params
-from cluster.local import LocalClusterConfig, WorkerProcess, router_argv, worker_argv
+from cluster.local import LocalClusterConfig, WorkerProcess, local_router_document, local_worker_document
 from pdserve.v1 import common_pb2, router_pb2
 
 
@@ -17,45 +15,27 @@ def _parse(*argv: str):
 
 
 def test_serve_defaults() -> None:
-    config = cluster_config(_parse("serve"))
-    assert (config.prefill, config.decode, config.colocated) == (1, 1, 0)
-    assert (config.host, config.port) == ("127.0.0.1", 50051)
-    assert config.prefill_policy == config.decode_policy == "round_robin"
+    config = deployment_config(_parse("serve"))
+    assert (config.prefill.count, config.decode.count, config.colocated.count) == (1, 1, 0)
+    assert (config.router.host, config.router.port, config.mode) == ("127.0.0.1", 50051, "local")
+    assert config.router.prefill_policy == config.router.decode_policy == "round_robin"
 
 
 def test_serve_colocated_only_defaults_pd_to_zero() -> None:
-    config = cluster_config(_parse("serve", "--colocated", "2"))
-    assert (config.prefill, config.decode, config.colocated) == (0, 0, 2)
+    config = deployment_config(_parse("serve", "--colocated", "2"))
+    assert (config.prefill.count, config.decode.count, config.colocated.count) == (0, 0, 2)
 
 
 def test_serve_all_flags() -> None:
-    args = _parse(
-        "serve",
-        "--prefill",
-        "2",
-        "--decode",
-        "3",
-        "--colocated",
-        "1",
-        "--model",
-        "m",
-        "--host",
-        "0.0.0.0",
-        "--port",
-        "0",
-        "--threads-per-worker",
-        "2",
-        "--prefill-policy",
-        "least_loaded",
-        "--decode-policy",
-        "least_loaded",
-        "--kv-cache-mb",
-        "64",
-    )
-    config = cluster_config(args)
-    assert (config.prefill, config.decode, config.colocated, config.model) == (2, 3, 1, "m")
-    assert (config.threads_per_worker, config.kv_cache_mb, config.port) == (2, 64, 0)
-    assert config.decode_policy == "least_loaded"
+    args = _parse("serve", "--prefill", "2", "--decode", "3", "--colocated", "1", "--model", "m", "--host", "0.0.0.0",
+                  "--port", "0", "--threads-per-worker", "2", "--prefill-policy", "least_loaded",
+                  "--decode-policy", "prefix_affinity", "--kv-cache-mb", "64", "--decode-kv-cache-mb", "96")
+    config = deployment_config(args)
+    assert (config.prefill.count, config.decode.count, config.colocated.count, config.model.path) == (2, 3, 1, "m")
+    assert (config.prefill.threads, config.colocated.threads, config.prefill.kv_cache_mb, config.router.port) == (
+        2, 2, 64, 0)
+    assert config.decode.kv_cache_mb == 96  # a pool's own flag wins over the every-pool one
+    assert config.router.decode_policy == "prefix_affinity"
 
 
 def test_serve_rejects_unknown_policy() -> None:
@@ -132,17 +112,18 @@ def test_model_fetch_is_kept() -> None:
 @pytest.mark.parametrize(
     ("fields", "message"),
     [
-        ({"prefill": -1}, "prefill must be >= 0"),
-        ({"decode": -1}, "decode must be >= 0"),
-        ({"colocated": -1}, "colocated must be >= 0"),
+        ({"prefill": -1}, "prefill.count: must be >= 0"),
+        ({"decode": -1}, "decode.count: must be >= 0"),
+        ({"colocated": -1}, "colocated.count: must be >= 0"),
         ({"prefill": 0, "decode": 1}, "need prefill >= 1 and decode >= 1"),
         ({"prefill": 1, "decode": 0}, "need prefill >= 1 and decode >= 1"),
         ({"prefill": 0, "decode": 0, "colocated": 0}, "need prefill >= 1"),
-        ({"port": 70000}, "port"),
-        ({"threads_per_worker": 0}, "threads_per_worker"),
-        ({"decode_policy": "random"}, "decode_policy"),
-        ({"kv_cache_mb": 0}, "kv_cache_mb"),
+        ({"port": 70000}, "router.port"),
+        ({"threads_per_worker": 0}, "prefill.threads"),
+        ({"decode_policy": "random"}, "router.decode_policy"),
+        ({"kv_cache_mb": 0}, "prefill.kv_cache_mb"),
         ({"startup_timeout_s": 0}, "startup_timeout_s"),
+        ({"max_queued_requests": 0}, "router.max_queued_requests"),
     ],
 )
 def test_local_cluster_config_validation(fields: dict, message: str) -> None:
@@ -160,63 +141,37 @@ def test_threads_default_splits_cpus() -> None:
     assert LocalClusterConfig(prefill=50, decode=50).threads >= 1
 
 
-def test_worker_argv() -> None:
-    config = LocalClusterConfig(model="/m", threads_per_worker=2, kv_cache_mb=64, colocated=1)
-    names = config.worker_names()
-    assert names == [("prefill", "prefill-0"), ("decode", "decode-0"), ("colocated", "colocated-0")]
-    argv = worker_argv(config, "colocated", "colocated-0")
-    assert argv[:3] == [sys.executable, "-m", "decode_worker"]
-    assert argv[3:] == [
-        "--host",
-        "127.0.0.1",
-        "--port",
-        "0",
-        "--worker-id",
-        "colocated-0",
-        "--threads",
-        "2",
-        "--device",
-        "cpu",
-        "--dtype",
-        "auto",
-        "--colocated",
-        "--model",
-        "/m",
-        "--kv-cache-mb",
-        "64",
-    ]
-    prefill = worker_argv(LocalClusterConfig(threads_per_worker=1), "prefill", "prefill-0")
-    assert prefill[2] == "prefill_worker" and "--model" not in prefill and "--colocated" not in prefill
+def test_worker_documents_parse_in_the_worker() -> None:
+    from decode_worker.__main__ import parse_args as decode_args
+    from prefill_worker.__main__ import parse_args as prefill_args
+
+    config = LocalClusterConfig(model="/m", threads_per_worker=2, kv_cache_mb=64, colocated=1).deployment()
+    assert config.worker_names() == [("prefill", "prefill-0"), ("decode", "decode-0"), ("colocated", "colocated-0")]
+    colocated = decode_args([], document=local_worker_document(config, "colocated", "colocated-0"))
+    assert (colocated.colocated, colocated.model, colocated.threads, colocated.kv_cache_mb) == (True, "/m", 2, 64)
+    assert (colocated.host, colocated.port, colocated.worker_id, colocated.device) == ("127.0.0.1", 0, "colocated-0",
+                                                                                       "cpu")
+    prefill = prefill_args(["--kv-cache-mb", "8"], document=local_worker_document(config, "prefill", "prefill-0"))
+    assert prefill.kv_cache_mb == 8 and prefill.model == "/m"  # flags override the document
+    with pytest.raises(SystemExit):  # an unknown key fails on arrival
+        prefill_args([], document={"kv_cache_mbb": 8})
+    with pytest.raises(SystemExit):  # so does a value of the wrong type
+        decode_args([], document={"max_num_seqs": "8"})
 
 
-def test_router_argv() -> None:
+def test_router_document() -> None:
+    from router.__main__ import config_from_args, parse_args
+
     workers = [
         WorkerProcess("prefill", "prefill-0", "127.0.0.1:1", 1),
         WorkerProcess("decode", "decode-0", "127.0.0.1:2", 2),
     ]
-    argv = router_argv(LocalClusterConfig(port=0, decode_policy="least_loaded"), workers)
-    assert argv[1:] == [
-        "-m",
-        "router",
-        "--host",
-        "127.0.0.1",
-        "--port",
-        "0",
-        "--prefill",
-        "127.0.0.1:1",
-        "--decode",
-        "127.0.0.1:2",
-        "--prefill-policy",
-        "round_robin",
-        "--decode-policy",
-        "least_loaded",
-        "--max-queued-requests",
-        "4096",
-    ]
-    queued = router_argv(LocalClusterConfig(max_queued_requests=7), workers)
-    assert queued[queued.index("--max-queued-requests") + 1] == "7"
-    with pytest.raises(ValueError, match="max_queued_requests"):
-        LocalClusterConfig(max_queued_requests=0)
+    document = local_router_document(LocalClusterConfig(port=0, decode_policy="least_loaded",
+                                                        max_queued_requests=7).deployment(), workers)
+    router = config_from_args(parse_args([], document=document))
+    assert (router.port, router.prefill, router.decode) == (0, ("127.0.0.1:1",), ("127.0.0.1:2",))
+    assert (router.prefill_policy, router.decode_policy, router.max_queued_requests) == (
+        "round_robin", "least_loaded", 7)
 
 
 def test_build_request_forms() -> None:
@@ -254,37 +209,40 @@ def test_format_table_aligns() -> None:
 
 
 def test_serve_ray_flags_and_scale() -> None:
-    from cluster.cli import ray_cluster_config
+    from cluster.deploy_config import worker_document
+    from cluster.ray_cluster import worker_resources
 
     args = _parse("serve", "--ray", "--address", "auto", "--prefill", "2", "--decode", "3", "--kv-backend", "ray",
                   "--gpus-per-worker", "1", "--placement", "spread", "--decode-resource", "decode_gpu")
-    config = ray_cluster_config(args)
-    assert (config.prefill, config.decode, config.kv_backend, config.placement) == (2, 3, "ray", "spread")
-    assert config.address == "auto" and config.resources("decode") == {"GPU": 1.0, "decode_gpu": 1.0}
-    assert config.resources("prefill") == {"GPU": 1.0}
-    assert "--kv-target" in config.worker_argv("decode", "decode-0", "127.0.0.1")
-    assert ray_cluster_config(_parse("serve", "--ray")).resources("prefill") == {"CPU": 1.0}
-    assert ray_cluster_config(_parse("serve", "--ray", "--max-queued-requests", "9")).max_queued_requests == 9
-    with pytest.raises(ValueError):
-        ray_cluster_config(_parse("serve", "--ray", "--colocated", "1"))
-    for unsupported in (["--metrics"], ["--metrics-host", "0.0.0.0"]):  # refused, never silently ignored
+    config = deployment_config(args)
+    assert (config.prefill.count, config.decode.count, config.kv.backend, config.ray.placement) == (2, 3, "ray",
+                                                                                                   "spread")
+    assert config.ray.address == "auto" and worker_resources(config, "decode") == {"GPU": 1.0, "decode_gpu": 1.0}
+    assert worker_resources(config, "prefill") == {"GPU": 1.0}
+    assert worker_document(config, "decode", "decode-0")["kv_target"] == "ray:decode-0"
+    assert worker_resources(deployment_config(_parse("serve", "--ray")), "prefill") == {"CPU": 1.0}
+    assert deployment_config(_parse("serve", "--ray", "--max-queued-requests", "9")).router.max_queued_requests == 9
+    for unsupported in (["--colocated", "1"], ["--metrics"], ["--metrics-host", "0.0.0.0"], ["--log-dir", "x"],
+                        ["--kv-backend", "shm"]):  # refused, never silently ignored
         with pytest.raises(ValueError, match="not supported with --ray"):
-            ray_cluster_config(_parse("serve", "--ray", *unsupported))
-    with pytest.raises(SystemExit):
-        _parse("serve", "--ray", "--kv-backend", "shm")
+            deployment_config(_parse("serve", "--ray", *unsupported))
+    for unsupported in (["--placement", "spread"], ["--address", "auto"], ["--router-resource", "x"]):
+        with pytest.raises(ValueError, match="not supported without --ray"):
+            deployment_config(_parse("serve", *unsupported))
+    with pytest.raises(ValueError, match="kv.backend: ray"):
+        deployment_config(_parse("serve", "--kv-backend", "ray"))
     scale = _parse("scale", "--prefill", "2", "--decode", "1")
     assert (scale.prefill, scale.decode, scale.address) == (2, 1, "auto")
 
 
 def test_serve_ray_multinode_flags() -> None:
-    from cluster.cli import ray_cluster_config
-    from cluster.ray_cluster import PLACEMENTS, check_reachable
+    from cluster.ray_cluster import PLACEMENTS, check_reachable, router_resources
 
-    config = ray_cluster_config(_parse("serve", "--ray", "--placement", "strict_spread",
-                                       "--router-resource", "pdserve_router"))
-    assert PLACEMENTS[config.placement] == "STRICT_SPREAD"
-    assert config.router_resources() == {"CPU": 1.0, "pdserve_router": 1.0}
-    assert ray_cluster_config(_parse("serve", "--ray")).router_resources() == {"CPU": 1.0}
+    config = deployment_config(_parse("serve", "--ray", "--placement", "strict_spread",
+                                      "--router-resource", "pdserve_router"))
+    assert PLACEMENTS[config.ray.placement] == "STRICT_SPREAD"
+    assert router_resources(config) == {"CPU": 1.0, "pdserve_router": 1.0}
+    assert router_resources(deployment_config(_parse("serve", "--ray"))) == {"CPU": 1.0}
     with pytest.raises(SystemExit):
         _parse("serve", "--ray", "--placement", "strict_pack")
     assert _parse("status", "--address", "auto").address == "auto" and _parse("status").address is None

@@ -63,29 +63,31 @@ def test_worker_flags_default_to_auto_and_reject_bad_names() -> None:
 
 
 def test_serve_passes_device_and_dtype_to_every_worker() -> None:
-    from cluster.cli import build_parser, cluster_config
-    from cluster.local import LocalClusterConfig, worker_argv
+    from cluster.cli import build_parser, deployment_config
+    from cluster.local import LocalClusterConfig, local_worker_document
 
     args = build_parser().parse_args(["serve", "--prefill", "1", "--decode", "1", "--dtype", "bfloat16"])
-    config = cluster_config(args)
-    assert (config.device, config.dtype) == ("auto", "bfloat16")
+    config = deployment_config(args)
+    assert (config.model.device, config.model.dtype) == ("auto", "bfloat16")
     for role, worker_id in config.worker_names():
-        argv = worker_argv(config, role, worker_id)
-        assert argv[argv.index("--device") + 1] == "auto" and argv[argv.index("--dtype") + 1] == "bfloat16"
+        document = local_worker_document(config, role, worker_id)
+        assert (document["device"], document["dtype"]) == ("auto", "bfloat16")
     with pytest.raises(ValueError, match="device"):
         LocalClusterConfig(device="gpu0")
 
 
 def test_ray_workers_get_the_same_flags() -> None:
     pytest.importorskip("ray")
-    from cluster.cli import build_parser, ray_cluster_config
+    from cluster.cli import build_parser, deployment_config
+    from cluster.deploy_config import worker_document
+    from cluster.ray_cluster import worker_resources
 
     args = build_parser().parse_args(["serve", "--ray", "--device", "cuda", "--gpus-per-worker", "1"])
-    config = ray_cluster_config(args)
+    config = deployment_config(args)
     for role in ("prefill", "decode"):
-        argv = config.worker_argv(role, f"{role}-0", "127.0.0.1")
-        assert argv[argv.index("--device") + 1] == "cuda" and argv[argv.index("--dtype") + 1] == "auto"
-        assert config.resources(role) == {"GPU": 1.0}
+        document = worker_document(config, role, f"{role}-0")
+        assert (document["device"], document["dtype"]) == ("cuda", "auto")
+        assert worker_resources(config, role) == {"GPU": 1.0}
 
 
 @pytest.fixture(scope="module")

@@ -17,7 +17,7 @@ ray = pytest.importorskip("ray")
 
 from security_helpers import self_signed, token_file  # noqa: E402
 
-from cluster.cli import build_parser, ray_cluster_config  # noqa: E402
+from cluster.cli import build_parser, deployment_config  # noqa: E402
 from cluster.client import PdserveClient, build_request, sampling_params  # noqa: E402
 from cluster.ray_cluster import RayCluster  # noqa: E402
 from pdserve.v1 import worker_pb2, worker_pb2_grpc  # noqa: E402
@@ -42,7 +42,7 @@ def test_serve_ray_refuses_unauthenticated_grpc_and_http(tmp_path: Path, monkeyp
     args = build_parser().parse_args([
         "serve", "--ray", "--port", "0", "--http-port", "0", "--threads-per-worker", "1", "--kv-cache-mb", "64",
         "--device", "cpu", "--auth-token-file", token_file(tmp_path, TOKEN), "--tls-cert", cert, "--tls-key", key])
-    with RayCluster(ray_cluster_config(args)) as cluster:
+    with RayCluster(deployment_config(args)) as cluster:
         request = build_request(prompt="The capital of France is", params=sampling_params(max_tokens=3))
         with pytest.raises(grpc.RpcError) as err:
             PdserveClient(cluster.router_address, 60, tls_ca_file=cert).complete(request)

@@ -1,0 +1,642 @@
+"""DeploymentConfig: the one typed configuration of a pdserve deployment, from `pdserve serve` to
+every process.
+
+- Sections (frozen dataclasses): ``model``, ``router``, the pools ``prefill``, ``decode`` and
+  ``colocated``, ``kv`` (KV transfer), ``ray``, ``security``, ``observability``, plus ``mode``
+  ("local" or "ray") and ``startup_timeout_s``. Each field carries its help text, its flag, its
+  bounds or choices and the modes that honour it (`opt`); `--help`, validation and `--print-config`
+  all read them. (An ``autoscale`` section would sit beside ``ray``; see docs/configuration.md.)
+- Sources: a YAML or TOML file (`load_file`), then `pdserve serve` flags on top (`add_flags`,
+  `overrides_from_args`); `from_dict` rejects an unknown key or a bad value naming the dotted key
+  (``decode.max_num_seqs``), and a setting the chosen mode cannot honour (`DeploymentConfig.check`).
+- Consumers: `router_document` and `worker_document` turn it into each process's JSON document
+  (`pdserve.process_config`): the local launcher writes them to files for `--config`, the Ray
+  controller hands them to its actors. Both launchers share these two functions, so a setting is
+  mapped onto a process in exactly one place.
+
+Pure Python (no torch, no ray import).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from pdserve.devices import DEVICE_HELP, DTYPE_HELP, DTYPE_NAMES, check_device_name
+from pdserve.transport import is_loopback
+
+MODES = ("local", "ray")
+POLICIES = ("round_robin", "least_loaded", "prefix_affinity")  # router.policies.POLICY_NAMES
+LOG_FORMATS = ("text", "json")  # telemetry.logs.LOG_FORMATS
+ENGINES = ("model", "sim")
+KV_BACKENDS = ("auto", "grpc", "shm", "ray")
+KV_STREAMING = ("request", "layer")
+KV_CHECKSUMS = ("", "xxh3", "crc32")
+PLACEMENTS = ("pack", "spread", "strict_spread")
+DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"  # engine.model_fetch.MODEL_NAME (not imported: it pulls numpy)
+WORKER_HOST = "127.0.0.1"  # local workers always bind loopback
+
+
+class ConfigError(ValueError):
+    """A bad configuration; the message starts with the dotted key."""
+
+
+def opt(default: Any, help: str, *, flag: str | None = None, choices: tuple[Any, ...] | None = None,  # noqa: A002, ANN401
+        min: float | None = None, gt: float | None = None, max: float | None = None,  # noqa: A002
+        modes: tuple[str, ...] = MODES, why: str = "") -> Any:  # noqa: ANN401
+    """A config field with its documentation: `flag` (default: derived from section and name), bounds,
+    choices, and the `modes` that honour it (`why`: the reason the others cannot)."""
+    meta = {"help": help, "flag": flag, "choices": choices, "min": min, "gt": gt, "max": max, "modes": modes,
+            "why": why}
+    return field(default=default, metadata=meta)
+
+
+# ----- sections ------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class ModelSection:
+    """What every worker runs."""
+
+    path: str | None = opt(None, "local Hugging Face folder (default: the default model)", flag="--model")
+    name: str | None = opt(None, "model id of the HTTP API (default: the model folder's name)", flag="--model-name")
+    device: str = opt("auto", "every worker's device: " + DEVICE_HELP, flag="--device")
+    dtype: str = opt("auto", "every worker's dtype: " + DTYPE_HELP, flag="--dtype", choices=DTYPE_NAMES)
+    block_size: int = opt(16, "tokens per KV block (the same on every worker)", flag="--block-size", min=1)
+    engine: str = opt("model", "model: run the model; sim: workers wait a latency profile's pass times (no weights)",
+                      flag="--engine", choices=ENGINES)
+    profile: str | None = opt(None, "latency profile (JSON) of the sim engine", flag="--profile")
+    speedup: float = opt(1.0, "sim engine: modelled durations are divided by this", flag="--speedup", gt=0)
+
+    @property
+    def served_name(self) -> str:
+        """The model id of the HTTP API: as configured, else the model folder's name."""
+        if self.name:
+            return self.name
+        return Path(self.path).name if self.path else DEFAULT_MODEL_NAME
+
+
+@dataclass(frozen=True)
+class RouterSection:
+    """The router: public address, worker selection, limits, the OpenAI HTTP API."""
+
+    host: str = opt("127.0.0.1", "router interface (workers use loopback unless ray.worker_host says otherwise)",
+                    flag="--host")
+    port: int = opt(50051, "router gRPC port (0 picks a free one)", flag="--port", min=0, max=65535)
+    prefill_policy: str = opt("round_robin", "how the router picks a prefill worker", flag="--prefill-policy",
+                              choices=POLICIES)
+    decode_policy: str = opt("round_robin", "how the router picks a decode worker", flag="--decode-policy",
+                             choices=POLICIES)
+    max_queued_requests: int = opt(4096, "requests waiting for a decode slot; one more is refused "
+                                   "(RESOURCE_EXHAUSTED / HTTP 429 with Retry-After)", flag="--max-queued-requests",
+                                   min=1)
+    max_concurrent_streams: int = opt(256, "requests at workers at once; more wait in the admission queue",
+                                      flag="--max-concurrent-streams", min=1)
+    max_stream_timeout_s: float = opt(600.0, "deadline cap of one request's stream (s)", flag="--max-stream-timeout",
+                                      gt=0)
+    max_attempts: int = opt(3, "a request is tried on at most this many (decode, prefill) pairs when workers fail",
+                            flag="--max-attempts", min=1)
+    http_port: int | None = opt(None, "also serve the OpenAI-compatible HTTP API on this port (0 picks one; "
+                                "default off)", flag="--http-port", min=0, max=65535)
+
+
+@dataclass(frozen=True)
+class PoolSection:
+    """Settings every worker pool has."""
+
+    count: int | None = opt(None, "workers in this pool", min=0)
+    threads: int | None = opt(None, "torch threads per worker (default: CPUs / workers locally, Ray's choice with "
+                              "--ray)", min=1)
+    kv_cache_mb: int = opt(512, "KV cache memory per worker (MB)", min=1)
+    max_batched_tokens: int = opt(4096, "token budget of one forward pass", min=1)
+    prefix_caching: bool = opt(True, "reuse the K/V of prompt prefixes this worker holds")
+    request_timeout_s: float = opt(600.0, "deadline of one request at a worker (s)", gt=0)
+    kv_timeout_s: float = opt(120.0, "deadline of one KV transfer or remote prefill (s)", gt=0)
+    drain_timeout_s: float = opt(30.0, "on stop or scale-down, finish requests in flight for at most this long (s)",
+                                 gt=0)
+
+
+@dataclass(frozen=True)
+class PrefillPool(PoolSection):
+    """The prefill pool."""
+
+    count: int | None = opt(None, "prefill workers (default 1, or 0 with colocated workers)", flag="--prefill", min=0)
+    kv_cache_mb: int = opt(256, "KV cache memory per worker (MB)", min=1)
+    chunk_tokens: int = opt(512, "at most this many tokens of one prompt per pass, so long prompts do not block "
+                            "short ones (0: whole prompts)", flag="--prefill-chunk-tokens", min=0)
+    request_timeout_s: float = opt(300.0, "deadline of one request at a worker (s)", gt=0)
+    kv_timeout_s: float = opt(60.0, "deadline of one KV transfer (s)", gt=0)
+
+
+@dataclass(frozen=True)
+class ColocatedPool(PoolSection):
+    """Colocated workers: prefill and decode in one process (the classic server)."""
+
+    count: int | None = opt(0, "colocated workers (prefill + decode in one)", flag="--colocated", min=0,
+                            modes=("local",),
+                     why="the Ray deployment has prefill and decode pools only")
+    max_num_seqs: int = opt(64, "most sequences in one decode batch", min=1)
+    admission_timeout_s: float = opt(30.0, "how long a request may wait for a decode slot at the worker (s)", gt=0)
+
+
+@dataclass(frozen=True)
+class DecodePool(ColocatedPool):
+    """The decode pool."""
+
+    count: int | None = opt(None, "decode workers (default 1, or 0 with colocated workers)", flag="--decode", min=0)
+    local_prefill_threshold: int = opt(0, "decode workers prefill prompts shorter than this many tokens "
+                                       "themselves (0: off)", flag="--local-prefill-threshold", min=0)
+
+
+@dataclass(frozen=True)
+class KvTransferSection:
+    """How KV moves from prefill to decode workers."""
+
+    backend: str = opt("auto", "grpc (streamed to the decode worker's port), shm (same-host shared memory; local "
+                       "only), ray (the object store; --ray only), auto (shm for a same-host prefill worker, else "
+                       "grpc; grpc with --ray)", flag="--kv-backend", choices=KV_BACKENDS)
+    streaming: str = opt("request", "layer: ship each layer's K/V while the prefill pass still runs",
+                         flag="--kv-streaming", choices=KV_STREAMING)
+    checksum: str = opt("", "shm backend: checksum the copied blocks (xxh3 or crc32; '' off); the gRPC stream "
+                        "always checksums", flag="--kv-checksum", choices=KV_CHECKSUMS,
+                        modes=("local",), why="it checks the shm backend, which is local only")
+    shared_cache: bool = opt(True, "prefill workers keep their KV cache in shared memory (the shm backend's source)",
+                             flag="--shared-kv-cache")
+
+
+_RAY_ONLY = ("ray",)
+_RAY_WHY = "Ray placement applies to `serve --ray` only"
+
+
+@dataclass(frozen=True)
+class RaySection:
+    """Ray placement and restarts (`pdserve serve --ray`)."""
+
+    address: str | None = opt(None, "Ray cluster to join (e.g. auto); default: start a local Ray instance",
+                              flag="--address", modes=_RAY_ONLY, why=_RAY_WHY)
+    placement: str = opt("pack", "placement group strategy (strict_spread: every worker and the router on its own "
+                         "node)", flag="--placement", choices=PLACEMENTS, modes=_RAY_ONLY, why=_RAY_WHY)
+    worker_host: str = opt("127.0.0.1", "interface of the workers' gRPC servers; 'node' = the node's IP (needed "
+                           "across nodes)", flag="--worker-host", modes=_RAY_ONLY, why=_RAY_WHY)
+    gpus_per_worker: float | None = opt(None, "GPUs per worker actor (default: 1 CPU)", flag="--gpus-per-worker",
+                                        gt=0, modes=_RAY_ONLY, why=_RAY_WHY)
+    prefill_resource: str | None = opt(None, "custom Ray resource each prefill worker needs (e.g. prefill_gpu)",
+                                       flag="--prefill-resource", modes=_RAY_ONLY, why=_RAY_WHY)
+    decode_resource: str | None = opt(None, "custom Ray resource each decode worker needs (e.g. decode_gpu)",
+                                      flag="--decode-resource", modes=_RAY_ONLY, why=_RAY_WHY)
+    router_resource: str | None = opt(None, "custom Ray resource the router actor needs, e.g. one only the head "
+                                      "node has", flag="--router-resource", modes=_RAY_ONLY, why=_RAY_WHY)
+    max_restarts: int = opt(3, "restarts of a worker actor that died", flag="--max-restarts", min=0,
+                            modes=_RAY_ONLY, why=_RAY_WHY)
+    router_max_restarts: int = opt(3, "restarts of the router actor (it re-reads its workers)",
+                                   flag="--router-max-restarts", min=0, modes=_RAY_ONLY, why=_RAY_WHY)
+    poll_interval_s: float = opt(1.0, "how often the controller checks worker addresses (s)",
+                                 flag="--ray-poll-interval", gt=0, modes=_RAY_ONLY, why=_RAY_WHY)
+
+
+@dataclass(frozen=True)
+class SecuritySection:
+    """Credentials of the public API and of the internal plane (docs/security.md)."""
+
+    auth_token_file: str | None = opt(None, "require 'authorization: Bearer <token>' on gRPC and /v1/* HTTP "
+                                      "(token: first line of FILE; or set PDSERVE_AUTH_TOKEN)",
+                                      flag="--auth-token-file")
+    tls_cert: str | None = opt(None, "serve the router's gRPC and HTTP API over TLS (PEM)", flag="--tls-cert")
+    tls_key: str | None = opt(None, "private key of tls_cert (PEM)", flag="--tls-key")
+    internal_token_file: str | None = opt(None, "internal token of router -> worker and KV calls (first line of "
+                                          "FILE; default: PDSERVE_INTERNAL_TOKEN[_FILE], else one generated per "
+                                          "launch)", flag="--internal-token-file")
+
+
+@dataclass(frozen=True)
+class ObservabilitySection:
+    """Logs and metrics of every process."""
+
+    log_level: str = opt("INFO", "log level of every process", flag="--log-level",
+                         choices=("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"))
+    log_format: str = opt("text", "log lines of every process", flag="--log-format", choices=LOG_FORMATS)
+    log_dir: str | None = opt(None, "per-process logs (default: a new temp dir)", flag="--log-dir",
+                              modes=("local",), why="Ray keeps actor logs in its session folder")
+    metrics: bool = opt(False, "Prometheus /metrics on every process (free ports)", flag="--metrics",
+                        modes=("local",), why="the Ray deployment serves no Prometheus /metrics yet (use Ray's own)")
+    metrics_host: str = opt("127.0.0.1", "interface of the router's /metrics; beyond loopback needs an auth token",
+                            flag="--metrics-host", modes=("local",), why="the Ray deployment serves no /metrics")
+
+
+SECTIONS: dict[str, type] = {
+    "model": ModelSection, "router": RouterSection, "prefill": PrefillPool, "decode": DecodePool,
+    "colocated": ColocatedPool, "kv": KvTransferSection, "ray": RaySection, "security": SecuritySection,
+    "observability": ObservabilitySection,
+}
+POOLS = ("prefill", "decode", "colocated")
+GROUP_TITLES = {
+    "model": "model", "router": "router", "prefill": "prefill pool", "decode": "decode pool",
+    "colocated": "colocated pool", "kv": "KV transfer", "ray": "Ray (with --ray; see docs/ray.md)",
+    "security": "security (see docs/security.md)", "observability": "observability",
+}
+
+
+@dataclass(frozen=True)
+class DeploymentConfig:
+    """A whole deployment; validated on construction (ConfigError naming the dotted key)."""
+
+    mode: str = opt("local", "local: processes on this machine; ray: Ray actors", flag="--mode", choices=MODES)
+    startup_timeout_s: float = opt(300.0, "how long start-up may take (s)", flag="--startup-timeout", gt=0)
+    model: ModelSection = field(default_factory=ModelSection)
+    router: RouterSection = field(default_factory=RouterSection)
+    prefill: PrefillPool = field(default_factory=PrefillPool)
+    decode: DecodePool = field(default_factory=DecodePool)
+    colocated: ColocatedPool = field(default_factory=ColocatedPool)
+    kv: KvTransferSection = field(default_factory=KvTransferSection)
+    ray: RaySection = field(default_factory=RaySection)
+    security: SecuritySection = field(default_factory=SecuritySection)
+    observability: ObservabilitySection = field(default_factory=ObservabilitySection)
+    # autoscale: an AutoscaleSection (SLOs, pool bounds) goes here when the autoscaler lands (issue 15)
+
+    def __post_init__(self) -> None:
+        for name, value in _leaves(self):
+            _check_field(name, _field_of(name), value)
+        if self.colocated.count is None:
+            object.__setattr__(self, "colocated", dataclasses.replace(self.colocated, count=0))
+        pd_default = 0 if self.size("colocated") > 0 else 1
+        for pool in ("prefill", "decode"):
+            if getattr(self, pool).count is None:
+                object.__setattr__(self, pool, dataclasses.replace(getattr(self, pool), count=pd_default))
+        self.check()
+
+    def check(self) -> None:
+        """Per-mode and cross-field rules; ConfigError naming the key."""
+        for name, value in _leaves(self):
+            f = _field_of(name)
+            if self.mode not in f.metadata["modes"] and value != _default_of(f):
+                why = f.metadata["why"]
+                raise ConfigError(f"{name} ({f.metadata['flag'] or flag_of(name)}) is not supported "
+                                  f"{'with --ray' if self.mode == 'ray' else 'without --ray'}"
+                                  + (f": {why}" if why else ""))
+        if self.mode == "ray" and self.colocated != ColocatedPool():
+            changed = next(f.name for f in dataclasses.fields(ColocatedPool)
+                           if getattr(self.colocated, f.name) != f.default)
+            raise ConfigError(f"colocated.{changed} ({flag_of('colocated.' + changed)}) is not supported with --ray: "
+                              "the Ray deployment has prefill and decode pools only")
+        if self.mode == "ray" and self.kv.backend == "shm":
+            raise ConfigError("kv.backend: shm is not supported with --ray (use grpc or ray)")
+        if self.mode == "local" and self.kv.backend == "ray":
+            raise ConfigError("kv.backend: ray (the object store) needs --ray; locally use auto, grpc or shm")
+        if not ((self.size("prefill") >= 1 and self.size("decode") >= 1) or self.size("colocated") >= 1):
+            raise ConfigError("prefill.count, decode.count: need prefill >= 1 and decode >= 1, or colocated >= 1")
+        if (self.security.tls_cert is None) != (self.security.tls_key is None):
+            raise ConfigError("security.tls_cert, security.tls_key: go together (--tls-cert and --tls-key)")
+        if self.model.engine == "sim":
+            if not self.model.profile:
+                raise ConfigError("model.profile: the sim engine needs a latency profile (--profile FILE)")
+            if not Path(self.model.profile).is_file():
+                raise ConfigError(f"model.profile: {self.model.profile}: no such file")
+        elif self.model.profile or self.model.speedup != 1.0:
+            raise ConfigError("model.profile, model.speedup: need model.engine sim (--engine sim)")
+        if not is_loopback(self.observability.metrics_host) and not self._has_auth_token():
+            raise ConfigError(f"observability.metrics_host: refusing /metrics on {self.observability.metrics_host}, "
+                              "beyond loopback, without an auth token (--auth-token-file)")
+        if self.kv.checksum and self.kv.backend in ("grpc", "ray"):
+            raise ConfigError(f"kv.checksum: applies to the shm backend only, not to kv.backend {self.kv.backend} "
+                              "(the gRPC stream checksums every frame itself)")
+
+    def _has_auth_token(self) -> bool:
+        import os
+
+        return bool(self.security.auth_token_file or os.environ.get("PDSERVE_AUTH_TOKEN"))
+
+    # ----- derived ------------------------------------------------------------------------------
+    def size(self, pool: str) -> int:
+        """Workers in `pool` (prefill, decode or colocated); a count left unset is resolved on construction."""
+        count: int | None = getattr(self, pool).count
+        return count or 0
+
+    @property
+    def num_workers(self) -> int:
+        return sum(self.size(pool) for pool in POOLS)
+
+    def worker_names(self) -> list[tuple[str, str]]:
+        """(role, worker_id) of every worker, e.g. ("prefill", "prefill-0"): prefill, decode, colocated."""
+        return [(pool, f"{pool}-{i}") for pool in POOLS for i in range(self.size(pool))]
+
+    # ----- (de)serialization ----------------------------------------------------------------------
+    @classmethod
+    def from_dict(cls, doc: dict[str, Any], overrides: dict[str, Any] | None = None) -> DeploymentConfig:
+        """A config from nested dicts (a parsed file), with `overrides` ({"decode.count": 2}) on top.
+        Unknown keys and bad values raise ConfigError naming the dotted key."""
+        doc = _merge(doc, overrides or {})
+        _check_keys("", cls, doc)
+        kwargs: dict[str, Any] = {}
+        for key, value in doc.items():
+            if key in SECTIONS:
+                kwargs[key] = _section_from_dict(key, SECTIONS[key], value)
+            else:
+                kwargs[key] = value
+        return cls(**kwargs)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    def to_yaml(self) -> str:
+        import yaml
+
+        return str(yaml.safe_dump(self.to_dict(), sort_keys=False, default_flow_style=False))
+
+
+def _section_from_dict(name: str, cls: type, value: Any) -> Any:  # noqa: ANN401
+    if value is None:
+        return cls()
+    _check_keys(name, cls, value)
+    return cls(**value)
+
+
+def _check_keys(name: str, cls: type, value: Any) -> None:  # noqa: ANN401
+    """ConfigError unless `value` is a mapping of `cls`'s field names (`name`: its dotted prefix)."""
+    if not isinstance(value, dict):
+        raise ConfigError(f"{name or '(top level)'}: expected a mapping, got {value!r}")
+    known = {f.name for f in dataclasses.fields(cls)}
+    for key in value:
+        if key not in known:
+            where = f" in {name}" if name else ""
+            raise ConfigError(f"{name + '.' if name else ''}{key}: unknown key (known{where}: "
+                              f"{', '.join(sorted(known))})")
+
+
+def flat_sections(flat: Any, mode: str, **pool: Any) -> dict[str, Any]:  # noqa: ANN401
+    """The nested settings of a flat launcher config (`LocalClusterConfig`, `RayClusterConfig`): the
+    fields both have; `pool`: more settings of every pool. Each adds its own fields on top."""
+    common = {"threads": flat.threads_per_worker, **pool}
+    if flat.kv_cache_mb is not None:
+        common["kv_cache_mb"] = flat.kv_cache_mb
+    return {
+        "mode": mode, "startup_timeout_s": flat.startup_timeout_s,
+        "model": {"path": flat.model, "name": flat.model_name, "device": flat.device, "dtype": flat.dtype},
+        "router": {"host": flat.host, "port": flat.port, "prefill_policy": flat.prefill_policy,
+                   "decode_policy": flat.decode_policy, "max_queued_requests": flat.max_queued_requests,
+                   "http_port": flat.http_port},
+        "prefill": {"count": flat.prefill, **common}, "decode": {"count": flat.decode, **common},
+        "security": {"auth_token_file": flat.auth_token_file, "tls_cert": flat.tls_cert_file,
+                     "tls_key": flat.tls_key_file},
+        "observability": {"log_level": flat.log_level},
+    }
+
+
+def _merge(doc: dict[str, Any], overrides: dict[str, Any]) -> dict[str, Any]:
+    out = {k: (dict(v) if isinstance(v, dict) else v) for k, v in (doc or {}).items()}
+    for dotted, value in overrides.items():
+        section, _, key = dotted.rpartition(".")
+        if section:
+            current = out.get(section)
+            out[section] = {**(current if isinstance(current, dict) else {}), key: value}
+        else:
+            out[key] = value
+    return out
+
+
+def _type_hints(cls: type) -> dict[str, Any]:
+    return typing.get_type_hints(cls)
+
+
+def _leaves(config: DeploymentConfig) -> list[tuple[str, Any]]:
+    """("section.name", value) of every setting, top-level fields as ("mode", value)."""
+    out: list[tuple[str, Any]] = []
+    for f in dataclasses.fields(config):
+        value = getattr(config, f.name)
+        if f.name in SECTIONS:
+            out += [(f"{f.name}.{g.name}", getattr(value, g.name)) for g in dataclasses.fields(value)]
+        else:
+            out.append((f.name, value))
+    return out
+
+
+def field_names() -> list[str]:
+    """Every setting's dotted name, in declaration order."""
+    return [name for name, _ in _leaves(DeploymentConfig(colocated=ColocatedPool(count=0)))]
+
+
+def _field_of(dotted: str) -> dataclasses.Field[Any]:
+    section, _, name = dotted.rpartition(".")
+    cls = SECTIONS[section] if section else DeploymentConfig
+    return {f.name: f for f in dataclasses.fields(cls)}[name]
+
+
+def _type_of(dotted: str) -> Any:  # noqa: ANN401
+    section, _, name = dotted.rpartition(".")
+    return _type_hints(SECTIONS[section] if section else DeploymentConfig)[name]
+
+
+def _default_of(f: dataclasses.Field[Any]) -> Any:  # noqa: ANN401
+    return f.default
+
+
+def _base_type(dotted: str) -> tuple[type, bool]:
+    """(int|float|str|bool, optional) of a setting."""
+    hint = _type_of(dotted)
+    args = typing.get_args(hint)
+    optional = type(None) in args
+    base = next((a for a in args if a is not type(None)), hint) if args else hint
+    return base, optional
+
+
+def _check_field(dotted: str, f: dataclasses.Field[Any], value: Any) -> None:  # noqa: ANN401
+    base, optional = _base_type(dotted)
+    if value is None:
+        if optional or (f.name == "count" and dotted.split(".")[0] in ("prefill", "decode")):
+            return
+        raise ConfigError(f"{dotted}: must be set (got null)")
+    ok = (isinstance(value, bool) if base is bool else
+          isinstance(value, int) and not isinstance(value, bool) if base is int else
+          isinstance(value, (int, float)) and not isinstance(value, bool) if base is float else
+          isinstance(value, str))
+    if not ok:
+        raise ConfigError(f"{dotted}: expected {base.__name__}{' or null' if optional else ''}, got {value!r}")
+    meta = f.metadata
+    if meta["choices"] is not None and value not in meta["choices"]:
+        raise ConfigError(f"{dotted}: must be one of {', '.join(map(repr, meta['choices']))}, got {value!r}")
+    if meta["min"] is not None and value < meta["min"]:
+        raise ConfigError(f"{dotted}: must be >= {meta['min']}, got {value!r}")
+    if meta["max"] is not None and value > meta["max"]:
+        raise ConfigError(f"{dotted}: must be <= {meta['max']}, got {value!r}")
+    if meta["gt"] is not None and not value > meta["gt"]:
+        raise ConfigError(f"{dotted}: must be > {meta['gt']}, got {value!r}")
+    if dotted == "model.device":
+        try:
+            check_device_name(value)
+        except ValueError as exc:
+            raise ConfigError(f"{dotted}: {exc}") from None
+
+
+# ----- files ------------------------------------------------------------------------------------
+
+def load_file(path: str | Path) -> dict[str, Any]:
+    """A config file's contents: YAML (.yaml/.yml), TOML (.toml) or JSON (.json)."""
+    path = Path(path)
+    text = path.read_text(encoding="utf-8")
+    suffix = path.suffix.lower()
+    if suffix == ".toml":
+        try:
+            import tomllib
+        except ImportError:  # Python 3.10: the same parser as the tomli package
+            import tomli as tomllib  # type: ignore[no-redef]
+        doc: Any = tomllib.loads(text)
+    elif suffix == ".json":
+        doc = json.loads(text)
+    elif suffix in (".yaml", ".yml"):
+        import yaml
+
+        doc = yaml.safe_load(text)
+    else:
+        raise ConfigError(f"{path}: unknown config format (use .yaml, .yml, .toml or .json)")
+    if doc is None:
+        return {}
+    if not isinstance(doc, dict):
+        raise ConfigError(f"{path}: the top level must be a mapping")
+    return doc
+
+
+# ----- flags ------------------------------------------------------------------------------------
+
+FANOUT_FLAGS = {  # one flag that sets a field of every pool
+    "--threads-per-worker": ("threads", "torch threads of every worker (default: CPUs / workers)"),
+    "--kv-cache-mb": ("kv_cache_mb", "KV cache size of every worker (MB)"),
+}
+
+
+def flag_of(dotted: str) -> str:
+    """The `pdserve serve` flag of a setting: its own, else --<section>-<name>."""
+    f = _field_of(dotted)
+    if f.metadata["flag"]:
+        return str(f.metadata["flag"])
+    return "--" + dotted.replace(".", "-").replace("_", "-")
+
+
+def add_flags(parser: argparse.ArgumentParser) -> None:
+    """One flag per setting, grouped by section; every flag's default is "not given", so only the
+    flags on the command line override the config file."""
+    parser.add_argument("--config", default=None, metavar="FILE",
+                        help="deployment config (YAML or TOML; see examples/); flags override it")
+    parser.add_argument("--print-config", action="store_true", help="print the effective config (YAML) and exit")
+    parser.add_argument("--ray", dest="mode", action="store_const", const="ray", default=argparse.SUPPRESS,
+                        help="run the router and workers as Ray actors (mode: ray)")
+    top = parser.add_argument_group("deployment")
+    _add_flag(top, "startup_timeout_s")
+    groups = {name: parser.add_argument_group(GROUP_TITLES[name]) for name in SECTIONS}
+    every = parser.add_argument_group("every worker pool (the per-pool flags below win)")
+    for flag, (name, text) in FANOUT_FLAGS.items():
+        every.add_argument(flag, dest=f"*.{name}", type=int, metavar="N", default=argparse.SUPPRESS, help=text)
+    for section, cls in SECTIONS.items():
+        for f in dataclasses.fields(cls):
+            _add_flag(groups[section], f"{section}.{f.name}")
+
+
+def _add_flag(group: argparse._ArgumentGroup, dotted: str) -> None:
+    f = _field_of(dotted)
+    base, _ = _base_type(dotted)
+    default = _default_of(f)
+    text = f.metadata["help"] + ("" if default is None or base is bool else f" (default {default})")
+    if f.metadata["modes"] != MODES:
+        text += f" [{'/'.join(f.metadata['modes'])} only]"
+    kwargs: dict[str, Any] = {"dest": dotted, "default": argparse.SUPPRESS, "help": text}
+    if base is bool:
+        kwargs["action"] = argparse.BooleanOptionalAction
+    else:
+        kwargs["type"] = base
+        if f.metadata["choices"] is not None:
+            kwargs["choices"] = f.metadata["choices"]
+        name = dotted.rpartition(".")[2]
+        kwargs["metavar"] = (None if f.metadata["choices"] else "N" if base is int else
+                             "S" if name.endswith("_s") else "X" if base is float else name.upper())
+    group.add_argument(flag_of(dotted), **kwargs)
+
+
+def overrides_from_args(args: argparse.Namespace, mode: str = "local") -> dict[str, Any]:
+    """{"dotted.name": value} of the flags given; the every-pool flags set each pool `mode` has
+    (Ray: prefill and decode)."""
+    top = {f.name for f in dataclasses.fields(DeploymentConfig) if f.name not in SECTIONS}
+    given = {k: v for k, v in vars(args).items() if (k in top or "." in k) and v is not None or k.startswith("*.")}
+    pools = POOLS if mode == "local" else ("prefill", "decode")
+    out: dict[str, Any] = {}
+    for key, value in given.items():
+        if key.startswith("*."):
+            out.update({f"{pool}.{key[2:]}": value for pool in pools})
+    out.update({k: v for k, v in given.items() if not k.startswith("*.")})
+    return out
+
+
+def config_from_args(args: argparse.Namespace) -> DeploymentConfig:
+    """The effective config of `pdserve serve`: the file of --config (if any), flags on top."""
+    doc = load_file(args.config) if getattr(args, "config", None) else {}
+    mode = getattr(args, "mode", None) or doc.get("mode") or "local"
+    return DeploymentConfig.from_dict(doc, overrides_from_args(args, mode))
+
+
+# ----- what each process receives -----------------------------------------------------------------
+
+def _pool(config: DeploymentConfig, role: str) -> PoolSection:
+    return getattr(config, role)  # type: ignore[no-any-return]
+
+
+def worker_document(config: DeploymentConfig, role: str, worker_id: str, host: str = WORKER_HOST,
+                    threads: int | None = None, metrics_port: int = 0) -> dict[str, Any]:
+    """The `python -m prefill_worker|decode_worker --config` document of one worker (role: prefill,
+    decode or colocated). `threads`: the launcher's resolved thread count (else the pool's)."""
+    pool = _pool(config, role)
+    model, obs = config.model, config.observability
+    doc: dict[str, Any] = {
+        "host": host, "port": 0, "worker_id": worker_id, "model": model.path, "device": model.device,
+        "dtype": model.dtype, "block_size": model.block_size, "threads": threads or pool.threads,
+        "kv_cache_mb": pool.kv_cache_mb, "max_batched_tokens": pool.max_batched_tokens,
+        "prefix_caching": pool.prefix_caching, "request_timeout_s": pool.request_timeout_s,
+        "kv_timeout_s": pool.kv_timeout_s, "drain_timeout_s": pool.drain_timeout_s,
+        "internal_token_file": _local_only(config, config.security.internal_token_file),
+        "log_level": obs.log_level, "log_format": obs.log_format, "metrics_port": metrics_port,
+        "engine": model.engine, "profile": _abspath(model.profile), "speedup": model.speedup,
+    }
+    if role == "prefill":
+        assert isinstance(pool, PrefillPool)
+        doc.update(prefill_chunk_tokens=pool.chunk_tokens, kv_streaming=config.kv.streaming,
+                   shared_kv_cache=config.kv.shared_cache)
+        return doc
+    assert isinstance(pool, ColocatedPool)
+    backend = config.kv.backend
+    if config.mode == "ray" and backend == "auto":
+        backend = "grpc"
+    doc.update(colocated=role == "colocated", max_num_seqs=pool.max_num_seqs,
+               admission_timeout_s=pool.admission_timeout_s, kv_backend=backend, kv_checksum=config.kv.checksum,
+               kv_target=f"ray:{worker_id}" if backend == "ray" else "")
+    if isinstance(pool, DecodePool):
+        doc["local_prefill_threshold"] = pool.local_prefill_threshold
+    return doc
+
+
+def router_document(config: DeploymentConfig, workers: dict[str, list[str]], metrics_port: int = 0) -> dict[str, Any]:
+    """The `python -m router --config` document: `workers` maps a role to its worker addresses."""
+    router, sec, obs = config.router, config.security, config.observability
+    return {
+        "host": router.host, "port": router.port,
+        "prefill": list(workers.get("prefill", [])), "decode": list(workers.get("decode", [])),
+        "colocated": list(workers.get("colocated", [])),
+        "prefill_policy": router.prefill_policy, "decode_policy": router.decode_policy,
+        "max_stream_timeout": router.max_stream_timeout_s, "max_concurrent_streams": router.max_concurrent_streams,
+        "max_queued_requests": router.max_queued_requests, "max_attempts": router.max_attempts,
+        "http_port": router.http_port, "model_name": config.model.served_name,
+        "metrics_port": metrics_port, "metrics_host": obs.metrics_host,
+        "auth_token_file": _local_only(config, sec.auth_token_file),
+        "tls_cert": _abspath(sec.tls_cert), "tls_key": _abspath(sec.tls_key),
+        "internal_token_file": _local_only(config, sec.internal_token_file),
+        "log_level": obs.log_level, "log_format": obs.log_format,
+    }
+
+
+def _local_only(config: DeploymentConfig, path: str | None) -> str | None:
+    """A token file for a local process; with Ray None: the launcher reads the file on the driver and
+    hands the actors the token itself (the file need not exist on other nodes)."""
+    return _abspath(path) if config.mode == "local" else None
+
+
+def _abspath(path: str | None) -> str | None:
+    return str(Path(path).resolve()) if path else None
