@@ -4,7 +4,8 @@ Layout (namespace :data:`NAMESPACE`):
 - ``pdserve-controller`` (detached, named, pinned to the head node: it owns the router and worker
   actors, which share its fate, so it must not sit on a node that can be lost alone): creates a
   placement group (PACK, SPREAD or STRICT_SPREAD) with one bundle for the router and one per initial
-  worker, the worker actors (``prefill-0``, ``decode-0``, ...; ``max_restarts`` each) and the router actor (``pdserve-router``). A watcher
+  worker, the worker actors (``prefill-0``, ``decode-0``, ...; ``max_restarts`` each) and the router
+  actor (``pdserve-router``). A watcher
   thread asks every worker for its ``address()`` each ``poll_interval_s``: a restarted worker (new
   port) is re-registered with the router, a worker that died for good is removed; it also notes the
   router's address (a restarted router on port 0 gets a new one). ``scale()`` adds workers in a
