@@ -307,3 +307,14 @@ def test_router_document_becomes_router_config() -> None:
         config, [WorkerProcess("prefill", "prefill-0", "127.0.0.1:1", 0),
                  WorkerProcess("decode", "decode-0", "127.0.0.1:2", 0)])))
     assert (router.http_port, router.max_attempts, router.model_name) == (0, 2, "m")
+
+
+def test_configuration_doc_lists_every_setting_as_the_code_defines_it() -> None:
+    """docs/configuration.md's settings table is the one the code generates (regenerate it with
+    `python -m cluster.deploy_config` when a setting changes)."""
+    from cluster.deploy_config import REFERENCE_BEGIN, REFERENCE_END, field_names, reference_markdown
+
+    doc = (Path(__file__).resolve().parents[2] / "docs" / "configuration.md").read_text()
+    start, end = doc.index(REFERENCE_BEGIN), doc.index(REFERENCE_END) + len(REFERENCE_END)
+    assert doc[start:end] == reference_markdown()
+    assert all(f"| `{name}` |" in doc for name in field_names())
