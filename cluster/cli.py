@@ -4,7 +4,7 @@
     pdserve serve --ray [--address ADDR] --prefill N --decode M [--kv-backend ray|grpc] [--gpus-per-worker G]
                   [--placement pack|spread|strict_spread] ...
     pdserve scale --prefill N --decode M [--address ADDR]
-    pdserve generate [--url ADDR] [--max-tokens N] [--chat] [--json] [--trace] ... PROMPT
+    pdserve generate [--url ADDR] [--max-tokens N] [--chat] [--json] [--trace] [--request-id ID] ... PROMPT
     pdserve status [--url ADDR | --address RAY_ADDR] [--json]
     pdserve model fetch [--force]
     pdserve bench [--url ADDR] [--rate R] [--num-prompts N] [--input-len 64:512] [--slo ttft_ms=500] ...
@@ -143,6 +143,9 @@ def _add_generate(commands: argparse._SubParsersAction) -> None:
                      help="print the request's steps as they happen: tokenization, prefill pass, KV hand-off, "
                           "each decode step, detokenization holds, finish (with --json: a \"trace\" list)")
     gen.add_argument("--ignore-eos", action="store_true")
+    gen.add_argument("--request-id", default="", metavar="ID",
+                     help="the request's id (printable ASCII): router and workers log it, the response echoes it "
+                          "(\"request_id\" in --json); default: one the router makes")
     gen.add_argument("--timeout", type=float, default=600.0, metavar="S", help="deadline in seconds")
     gen.set_defaults(func=_cmd_generate)
 
@@ -357,7 +360,8 @@ def _cmd_generate(args: argparse.Namespace) -> int:
         ignore_eos=args.ignore_eos,
     )
     messages = [("user", args.prompt)] if args.chat else None
-    request = build_request(prompt=None if args.chat else args.prompt, messages=messages, params=params)
+    request = build_request(prompt=None if args.chat else args.prompt, messages=messages, params=params,
+                            request_id=args.request_id)
     request.trace = args.trace
     try:
         with PdserveClient(args.url, args.timeout, _token(args), args.tls_ca) as client:
