@@ -35,6 +35,7 @@ from cluster.local import ClusterStartError, LocalCluster, LocalClusterConfig
 from cluster.tables import format_table
 from cluster.trace_view import trace_lines
 from pdserve.devices import DEVICE_HELP, DTYPE_HELP, DTYPE_NAMES, check_device_name
+from pdserve.extras import MissingExtra, require
 from pdserve.transport import is_loopback
 from pdserve.v1 import common_pb2, router_pb2
 
@@ -275,8 +276,7 @@ def _cmd_serve_ray(args: argparse.Namespace) -> int:
 
 
 def _cmd_scale(args: argparse.Namespace) -> int:
-    import ray
-
+    ray = require("ray", "pdserve scale")
     from cluster.ray_cluster import get_controller
 
     if args.prefill < 1 or args.decode < 1:
@@ -417,8 +417,7 @@ def _keep_trace(responses: Iterator[router_pb2.GenerateResponse],
 
 def _ray_router_address(address: str) -> str:
     """The router address of the `serve --ray` deployment on the Ray cluster at `address` (via its controller)."""
-    import ray
-
+    ray = require("ray", "pdserve status --address")
     from cluster.ray_cluster import get_controller
 
     try:
@@ -484,7 +483,11 @@ def _token(args: argparse.Namespace) -> str | None:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    return int(args.func(args))
+    try:
+        return int(args.func(args))
+    except MissingExtra as exc:  # an optional dependency (pdserve[ray], pdserve[capacity]) is not installed
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":
