@@ -53,9 +53,10 @@ def _floor(name: str) -> Version:
 def test_core_imports_need_no_extra() -> None:
     result = _run_without_extras("""
         import importlib, sys
-        for name in ("capacity.bench", "capacity.cli", "capacity.plots", "capacity.sweep", "cluster.cli",
-                     "cluster.local", "cluster.ray_actors", "decode_worker.worker", "engine.llm_engine",
-                     "kv_transfer.grpc_backend", "prefill_worker.worker", "router.http_api", "router.server",
+        for name in ("capacity.bench", "capacity.cli", "capacity.plots", "capacity.sweep",
+                     "cluster.cli", "cluster.local", "cluster.ray_actors",
+                     "decode_worker.worker", "engine.llm_engine", "kv_transfer.grpc_backend",
+                     "prefill_worker.worker", "router.http_api", "router.server",
                      "telemetry.prometheus"):
             importlib.import_module(name)
         optional = ("ray", "matplotlib", "rich")
@@ -70,7 +71,8 @@ def test_missing_extra_errors_name_the_extra(tmp_path: Path) -> None:
     result = _run_without_extras(f"""
         import contextlib, io, json
         from pdserve.extras import MissingExtra
-        for module in ("cluster.ray_cluster", "kv_transfer.ray_backend", "cluster.ray_kv_bench"):
+        for module in ("cluster.ray_cluster", "kv_transfer.ray_backend",
+                       "cluster.ray_kv_bench"):
             try:
                 __import__(module)
             except MissingExtra as exc:
