@@ -53,7 +53,8 @@ def _floor(name: str) -> Version:
 def test_core_imports_need_no_extra() -> None:
     result = _run_without_extras("""
         import importlib, sys
-        for name in ("capacity.bench", "capacity.cli", "capacity.plots", "capacity.sweep",
+        for name in ("capacity.bench", "capacity.cli", "capacity.plots",
+                     "capacity.sweep",
                      "cluster.cli", "cluster.local", "cluster.ray_actors",
                      "decode_worker.worker", "engine.llm_engine", "kv_transfer.grpc_backend",
                      "prefill_worker.worker", "router.http_api", "router.server",
