@@ -30,6 +30,7 @@ from capacity.arrivals import arrival_times
 from capacity.metrics import LATENCY_METRICS, RequestRecord, summarize
 from capacity.workload import LengthDist, corpus_token_ids, cut_prompts
 from cluster.client import build_request, sampling_params
+from pdserve.extras import require
 from pdserve.v1 import common_pb2, router_pb2_grpc
 
 ProgressFn = Callable[[int], None]
@@ -194,6 +195,7 @@ def run_bench(config: BenchConfig, corpus_ids: Sequence[int] | None = None, prog
     ids = list(corpus_ids) if corpus_ids is not None else load_corpus_ids(config.model)
     if not progress:
         return asyncio.run(run_bench_async(config, ids))
+    require("rich", "pdserve bench's progress bar (--no-progress runs without it)")
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
     columns = (TextColumn("bench"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
@@ -224,6 +226,7 @@ def summary_rows(summary: dict[str, Any]) -> list[tuple[str, str]]:
 
 
 def print_summary(summary: dict[str, Any]) -> None:
+    require("rich", "pdserve bench's result table")
     from rich.console import Console
     from rich.table import Table
 

@@ -19,6 +19,7 @@ from capacity.metrics import parse_slo
 from capacity.workload import length_dist
 from cluster.engine_flags import add_engine_flags, engine_worker_args
 from cluster.tables import format_table
+from pdserve.extras import require
 
 DEFAULT_URL = "127.0.0.1:50051"
 
@@ -134,6 +135,8 @@ def bench_config(args: argparse.Namespace, url: str) -> Any:
 def _cmd_bench(args: argparse.Namespace) -> int:
     from capacity.bench import print_summary, run_bench
 
+    require("rich", "pdserve bench")  # before the run, not after it
+
     try:
         # bench is a client of a running cluster: --speedup (the cluster's) scales its clock whatever
         # --engine says; --engine/--profile are only recorded with the results.
@@ -152,6 +155,9 @@ def _cmd_bench(args: argparse.Namespace) -> int:
 
 def _cmd_sweep(args: argparse.Namespace) -> int:
     from capacity.sweep import run_sweep, select_configs
+
+    require("rich", "pdserve sweep")  # before the runs, not after them
+    require("matplotlib", "pdserve sweep's plots")
 
     try:
         worker_args = engine_worker_args(args)
@@ -194,6 +200,9 @@ def _load_profile(path: str | None) -> Any:
 
 def _cmd_simulate(args: argparse.Namespace) -> int:
     from capacity.planner import Slos, Workload, format_rows, parse_tail_slo, plan, timing_for
+
+    if args.plot:
+        require("matplotlib", "pdserve plan simulate --plot")
 
     try:
         timing = timing_for(_load_profile(args.profile), _load_profile(args.profile_prefill),

@@ -9,6 +9,8 @@ from collections import defaultdict
 from pathlib import Path
 from typing import Any
 
+from pdserve.extras import require
+
 PLOTS = ("goodput_vs_rate.png", "slo_attainment_vs_rate.png", "ttft_cdf.png", "itl_cdf.png")
 
 
@@ -20,8 +22,7 @@ def _by_config(points: list[dict[str, Any]]) -> dict[str, list[dict[str, Any]]]:
 
 
 def write_plots(output_dir: Path, doc: dict[str, Any]) -> list[Path]:
-    import matplotlib
-
+    matplotlib = require("matplotlib", "pdserve sweep's plots")
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     import numpy as np
@@ -80,8 +81,7 @@ def write_plots(output_dir: Path, doc: dict[str, Any]) -> list[Path]:
 
 def plot_plan(path: Path, result: dict[str, Any]) -> Path:
     """Sustained goodput vs workers for every slice family, the Pareto front and the offered rate."""
-    import matplotlib
-
+    matplotlib = require("matplotlib", "pdserve plan's plot")
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 

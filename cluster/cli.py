@@ -5,7 +5,7 @@
                   [--placement pack|spread|strict_spread] ...
     pdserve serve --config deploy.yaml --print-config
     pdserve scale --prefill N --decode M [--address ADDR]
-    pdserve generate [--url ADDR] [--max-tokens N] [--chat] [--json] [--trace] ... PROMPT
+    pdserve generate [--url ADDR] [--max-tokens N] [--chat] [--json] [--trace] [--request-id ID] ... PROMPT
     pdserve status [--url ADDR | --address RAY_ADDR] [--json]
     pdserve migrate [--url ADDR] [--to WORKER_ID] REQUEST_ID
     pdserve model fetch [--force]
@@ -38,6 +38,7 @@ from cluster.local import ClusterStartError, LocalCluster
 from cluster.migrate_cli import add_migrate
 from cluster.tables import format_table
 from cluster.trace_view import trace_lines
+from pdserve.extras import MissingExtra, require
 from pdserve.transport import is_loopback
 from pdserve.v1 import common_pb2, router_pb2
 
@@ -88,6 +89,9 @@ def _add_generate(commands: argparse._SubParsersAction) -> None:
                      help="print the request's steps as they happen: tokenization, prefill pass, KV hand-off, "
                           "each decode step, detokenization holds, finish (with --json: a \"trace\" list)")
     gen.add_argument("--ignore-eos", action="store_true")
+    gen.add_argument("--request-id", default="", metavar="ID",
+                     help="the request's id (printable ASCII): router and workers log it, the response echoes it "
+                          "(\"request_id\" in --json); default: one the router makes")
     gen.add_argument("--timeout", type=float, default=600.0, metavar="S", help="deadline in seconds")
     gen.set_defaults(func=_cmd_generate)
 
@@ -153,8 +157,7 @@ def _cmd_serve_ray(config: DeploymentConfig) -> int:
 
 
 def _cmd_scale(args: argparse.Namespace) -> int:
-    import ray
-
+    ray = require("ray", "pdserve scale")
     from cluster.ray_cluster import get_controller
 
     if args.prefill < 1 or args.decode < 1:
@@ -250,7 +253,8 @@ def _cmd_generate(args: argparse.Namespace) -> int:
         ignore_eos=args.ignore_eos,
     )
     messages = [("user", args.prompt)] if args.chat else None
-    request = build_request(prompt=None if args.chat else args.prompt, messages=messages, params=params)
+    request = build_request(prompt=None if args.chat else args.prompt, messages=messages, params=params,
+                            request_id=args.request_id)
     request.trace = args.trace
     try:
         with PdserveClient(args.url, args.timeout, _token(args), args.tls_ca) as client:
@@ -306,8 +310,7 @@ def _keep_trace(responses: Iterator[router_pb2.GenerateResponse],
 
 def _ray_router_address(address: str) -> str:
     """The router address of the `serve --ray` deployment on the Ray cluster at `address` (via its controller)."""
-    import ray
-
+    ray = require("ray", "pdserve status --address")
     from cluster.ray_cluster import get_controller
 
     try:
@@ -373,7 +376,11 @@ def _token(args: argparse.Namespace) -> str | None:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    return int(args.func(args))
+    try:
+        return int(args.func(args))
+    except MissingExtra as exc:  # an optional dependency (pdserve[ray], pdserve[capacity]) is not installed
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

@@ -48,6 +48,7 @@ class GenerationResult:
     def to_json_dict(self) -> dict[str, object]:
         """The `pdserve generate --json` object."""
         return {
+            "request_id": self.request_id,
             "text": self.text,
             "token_ids": self.token_ids,
             "finish_reason": self.finish_reason,

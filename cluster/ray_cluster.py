@@ -43,10 +43,15 @@ from pathlib import Path
 from types import TracebackType
 from typing import Any
 
-import ray
-from ray.exceptions import ActorDiedError, RayError
-from ray.util.placement_group import placement_group, remove_placement_group
-from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy, PlacementGroupSchedulingStrategy
+from pdserve.extras import missing_extra
+
+try:
+    import ray
+    from ray.exceptions import ActorDiedError, RayError
+    from ray.util.placement_group import placement_group, remove_placement_group
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy, PlacementGroupSchedulingStrategy
+except ImportError as exc:
+    raise missing_extra("ray", "The Ray deployment (pdserve serve --ray, scale, status --address)") from exc
 
 from cluster.deploy_config import DeploymentConfig, _abspath, flat_sections, router_document, worker_document
 from cluster.ray_actors import RouterActor, WorkerActor

@@ -13,10 +13,15 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-import ray
 import torch
 
 from kv_transfer.base import KvSpec
+from pdserve.extras import missing_extra
+
+try:
+    import ray
+except ImportError as exc:
+    raise missing_extra("ray", "The Ray KV benchmark") from exc
 
 BENCH_ACTOR = "pdserve-kv-bench"
 

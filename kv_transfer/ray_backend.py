@@ -46,9 +46,15 @@ import warnings
 from typing import Any
 
 import numpy as np
-import ray
 import torch
-from ray.exceptions import GetTimeoutError, ObjectLostError, RayError
+
+from pdserve.extras import missing_extra
+
+try:
+    import ray
+    from ray.exceptions import GetTimeoutError, ObjectLostError, RayError
+except ImportError as exc:
+    raise missing_extra("ray", "The ray KV backend (--kv-backend ray)") from exc
 
 from kv_transfer.base import (
     KvReceiver,

@@ -1,6 +1,8 @@
 """The committed pdserve.v1 stubs must be exactly what proto/generate.sh produces now.
 
-Fails when a .proto file changed without regenerating (run ``proto/generate.sh``).
+Fails when a .proto file changed without regenerating (run ``proto/generate.sh``). The fresh stubs are
+generated into a temp dir and compared with the committed files (``./run`` generates stubs only when
+they are missing, so it never overwrites the committed ones before the tests).
 """
 
 from __future__ import annotations

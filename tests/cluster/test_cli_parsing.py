@@ -87,6 +87,11 @@ def test_generate_flags() -> None:
     )
 
 
+def test_generate_request_id() -> None:
+    assert _parse("generate", "--request-id", "job-7/item-3", "hi").request_id == "job-7/item-3"
+    assert _parse("generate", "hi").request_id == ""  # the router makes one
+
+
 def test_generate_and_status_defaults() -> None:
     args = _parse("generate", "hi")
     assert (args.url, args.max_tokens, args.stop, args.chat, args.json) == ("127.0.0.1:50051", None, [], False, False)
@@ -200,7 +205,8 @@ def test_collect_assembles_stream() -> None:
     assert result["text"] == "ab" and result["token_ids"] == [1, 2] and result["finish_reason"] == "stop_string"
     assert result["usage"] == {"prompt_tokens": 3, "completion_tokens": 2, "cached_tokens": 0}
     assert result["timings"]["ttft_s"] == 0.5
-    assert set(result) == {"text", "token_ids", "finish_reason", "usage", "timings"}
+    assert set(result) == {"request_id", "text", "token_ids", "finish_reason", "usage", "timings"}
+    assert result["request_id"] == "r"
 
 
 def test_format_table_aligns() -> None:

@@ -65,6 +65,25 @@ def test_prometheus_has_tokenize_and_detokenize_histograms(cluster: LocalCluster
         assert count is not None and float(count.group(1)) >= 1, metric
 
 
+def test_cli_request_id_reaches_router_and_workers(cluster: LocalCluster, capsys: pytest.CaptureFixture[str]) -> None:
+    """`pdserve generate --request-id`: the response echoes it (--json), and the traced request's events
+    come from the workers that served that id; a bad id is refused by the router's validation."""
+    request_id = f"cli-{cluster.config.prefill}p-req/7"
+    argv = ["generate", "--url", cluster.router_address, "--json", "--trace", "--max-tokens", "2", "--ignore-eos"]
+    assert main([*argv, "--request-id", request_id, PROMPT]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["request_id"] == request_id and len(doc["token_ids"]) == 2 and doc["trace"]
+    worker = "decode-0" if cluster.config.decode else "colocated-0"
+    for name, logged in (("router", f"Generate start request_id={request_id} internal_id="),
+                         (worker, f"client_request_id={request_id}")):  # the worker keys on the internal id
+        assert logged in (cluster.log_dir / f"{name}.log").read_text(), name
+    assert main([*argv, PROMPT]) == 0  # no --request-id: the router makes one
+    made = json.loads(capsys.readouterr().out)["request_id"]
+    assert made and made != request_id
+    assert main([*argv, "--request-id", "bad\u00e9id", PROMPT]) == 1
+    assert "INVALID_ARGUMENT: request_id: must be printable ASCII" in capsys.readouterr().err
+
+
 def test_cli_trace_one_prefill_pass_then_one_decode_step_per_token(
         cluster: LocalCluster, capsys: pytest.CaptureFixture[str]) -> None:
     argv = ["generate", "--url", cluster.router_address, "--trace", "--max-tokens", str(MAX_TOKENS), "--ignore-eos"]
