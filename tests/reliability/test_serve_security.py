@@ -6,6 +6,7 @@ and the one request-size limit. See docs/security.md for the table these tests f
 from __future__ import annotations
 
 import json
+import os
 import re
 import signal
 import socket
@@ -71,7 +72,9 @@ def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
             "--threads-per-worker", "1", "--kv-cache-mb", "64", "--device", "cpu", "--log-dir", str(tmp / "logs"),
             "--auth-token-file", token_file(tmp, TOKEN), "--tls-cert", cert, "--tls-key", key,
             "--metrics", "--metrics-host", "0.0.0.0"]
-    process = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=env)
+    # its own process group: if serve does not stop in time, its router and workers go with it
+    process = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=env,
+                               start_new_session=True)
     try:
         lines = _read_banner(process, 300)
         text = "\n".join(lines)
@@ -82,11 +85,11 @@ def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
                    if line.split() and line.split()[0] in ("prefill", "decode")}
         yield Served(router, http, metrics, workers, cert, process)
     finally:
-        process.send_signal(signal.SIGINT)
+        process.send_signal(signal.SIGTERM)
         try:
-            process.wait(timeout=60)
+            process.wait(timeout=120)
         except subprocess.TimeoutExpired:
-            process.kill()
+            os.killpg(process.pid, signal.SIGKILL)  # a leaked router would keep /metrics on 0.0.0.0
             process.wait()
 
 
