@@ -96,19 +96,18 @@ def test_speedup_gives_the_same_profile_time_results(tmp_path: Path) -> None:
 
 
 def test_serve_max_queued_requests_reaches_the_router(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    """`pdserve serve --max-queued-requests N` (through cluster_config) bounds the router's queue,
-    as `pdserve status` reports it."""
-    from cluster.cli import build_parser, cluster_config
+    """`pdserve serve --max-queued-requests N` (through the serve command's DeploymentConfig) bounds the
+    router's queue, as `pdserve status` reports it."""
+    from cluster.cli import build_parser, deployment_config
 
     profile = make_profile(prefill=(0.004, 1e-5, 0.0), decode=(0.003, 1e-5, 0.0), transfer_s=0.001,
                            kv_capacity_tokens=512)
     profile.save(tmp_path / "profile.json")
     args = build_parser().parse_args(["serve", "--port", "0", "--threads-per-worker", "1",
-                                      "--max-queued-requests", "7"])
-    assert args.max_queued_requests == 7
-    engine = sim_worker_args(str(tmp_path / "profile.json"))
-    config = cluster_config(args)
-    config = LocalClusterConfig(**{**config.__dict__, "prefill_args": engine, "decode_args": engine})
+                                      "--max-queued-requests", "7", "--device", "cpu",
+                                      "--engine", "sim", "--profile", str(tmp_path / "profile.json")])
+    config = deployment_config(args)
+    assert config.router.max_queued_requests == 7 and config.model.engine == "sim"
     with LocalCluster(config) as cluster:
         status = _status(cluster.router_address, capsys)
     assert status["max_queued_requests"] == 7 and status["queued_requests"] == 0
