@@ -6,6 +6,8 @@
     pdserve scale --prefill N --decode M [--address ADDR]
     pdserve generate [--url ADDR] [--max-tokens N] [--chat] [--json] [--trace] ... PROMPT
     pdserve status [--url ADDR | --address RAY_ADDR] [--json]
+    pdserve role [--url ADDR] WORKER_ID {prefill,decode,colocated}
+    pdserve serve --elastic | --autoscale --slo ttft_ms=500,tpot_ms=50 [--min-workers N --max-workers M] ...
     pdserve model fetch [--force]
     pdserve bench [--url ADDR] [--rate R] [--num-prompts N] [--input-len 64:512] [--slo ttft_ms=500] ...
     pdserve sweep --workers 2 --rates 0.5,1 [--output-dir DIR] ...
@@ -30,6 +32,7 @@ from google.protobuf.json_format import MessageToDict
 
 from capacity.cli import add_bench, add_plan, add_sweep
 from cluster.client import DEFAULT_ADDRESS, PdserveClient, build_request, collect, sampling_params, status_rows
+from cluster.elastic_cli import add_elastic_args, add_role, autoscale_options
 from cluster.engine_flags import add_engine_flags, engine_worker_args
 from cluster.local import ClusterStartError, LocalCluster, LocalClusterConfig
 from cluster.tables import format_table
@@ -80,6 +83,7 @@ def _add_serve(commands: argparse._SubParsersAction) -> None:
     _add_security_args(serve)
     _add_ray_serve_args(serve)
     add_engine_flags(serve)
+    add_elastic_args(serve)
     serve.set_defaults(func=_cmd_serve)
 
 
@@ -158,6 +162,10 @@ def _add_status(commands: argparse._SubParsersAction) -> None:
     status.set_defaults(func=_cmd_status)
 
 
+def _add_role(commands: argparse._SubParsersAction) -> None:
+    add_role(commands)
+
+
 def _add_model(commands: argparse._SubParsersAction) -> None:
     model = commands.add_parser("model", help="manage the default model")
     model_commands = model.add_subparsers(dest="model_command", required=True)
@@ -169,7 +177,8 @@ def _add_model(commands: argparse._SubParsersAction) -> None:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="pdserve", description="Disaggregated prefill/decode LLM serving.")
     commands = parser.add_subparsers(dest="command", required=True)
-    for add in (_add_serve, _add_scale, _add_generate, _add_status, _add_model, add_bench, add_sweep, add_plan):
+    for add in (_add_serve, _add_scale, _add_generate, _add_status, _add_role, _add_model, add_bench, add_sweep,
+                add_plan):
         add(commands)
     return parser
 
@@ -203,6 +212,7 @@ def cluster_config(args: argparse.Namespace) -> LocalClusterConfig:
         decode_args=engine_args,
         auth_token_file=args.auth_token_file, tls_cert_file=args.tls_cert, tls_key_file=args.tls_key,
         metrics_host=args.metrics_host,
+        elastic=args.elastic or args.autoscale,
     )
 
 
@@ -296,6 +306,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         return _cmd_serve_ray(args)
     try:
         config = cluster_config(args)
+        autoscale = autoscale_options(args)
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
@@ -307,16 +318,31 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         return 1
     except KeyboardInterrupt:
         return 0
+    scaler = None
     try:
         _print_cluster(cluster.router_address, [w._asdict() for w in cluster.workers])
         _print_extras(cluster.http_address, cluster.metrics_addresses, bool(config.tls_cert_file))
+        if autoscale is not None:
+            from cluster.autoscaler import start_local_autoscaler
+
+            scaler = start_local_autoscaler(cluster.router_address, autoscale, _token_of_file(config.auth_token_file))
         _wait_for_interrupt()
     except KeyboardInterrupt:
         print("pdserve: shutting down", file=sys.stderr, flush=True)
     finally:
         _ignore_signals()
+        if scaler is not None:
+            scaler.stop()
         cluster.stop()
     return 0
+
+
+def _token_of_file(path: str | None) -> str | None:
+    """The public API token the autoscaler sends to its router (the file's first line, or $PDSERVE_AUTH_TOKEN)."""
+    if path:
+        with open(path) as f:
+            return f.readline().strip() or None
+    return os.environ.get("PDSERVE_AUTH_TOKEN") or None
 
 
 def _wait_for_interrupt() -> None:

@@ -90,6 +90,7 @@ class LocalClusterConfig:
     tls_cert_file: str | None = None  # public gRPC and HTTP API over TLS (with tls_key_file)
     tls_key_file: str | None = None
     metrics_host: str = "127.0.0.1"  # router's /metrics interface; beyond loopback only with a token
+    elastic: bool = False  # workers can switch roles at runtime (`python -m elastic_worker`; `pdserve role`)
 
     def __post_init__(self) -> None:
         for name in ("prefill", "decode", "colocated"):
@@ -153,16 +154,19 @@ def _cpu_count() -> int:
 
 def worker_argv(config: LocalClusterConfig, role: str, worker_id: str) -> list[str]:
     """Command line of one worker process."""
-    argv = [sys.executable, "-m", ROLE_MODULES[role], "--host", WORKER_HOST, "--port", "0"]
+    if config.elastic:
+        argv = [sys.executable, "-m", "elastic_worker", "--role", role, "--host", WORKER_HOST, "--port", "0"]
+    else:
+        argv = [sys.executable, "-m", ROLE_MODULES[role], "--host", WORKER_HOST, "--port", "0"]
     argv += ["--worker-id", worker_id, "--threads", str(config.threads)]
     argv += worker_flags(config.device, config.dtype)
-    if role == "colocated":
+    if role == "colocated" and not config.elastic:
         argv.append("--colocated")
     if config.model is not None:
         argv += ["--model", config.model]
     if config.kv_cache_mb is not None:
         argv += ["--kv-cache-mb", str(config.kv_cache_mb)]
-    if role == "decode" and config.local_prefill_threshold:
+    if (role == "decode" or config.elastic) and config.local_prefill_threshold:
         argv += ["--local-prefill-threshold", str(config.local_prefill_threshold)]
     argv += config.prefill_args if role == "prefill" else config.decode_args
     return argv + observability_argv(config)

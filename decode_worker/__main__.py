@@ -39,6 +39,11 @@ from telemetry.prometheus import start_metrics_endpoint
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    return build_parser().parse_args(argv)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """This worker's command-line flags (also read by `elastic_worker`, which takes both roles' flags)."""
     ap = argparse.ArgumentParser(prog="python -m decode_worker", description=__doc__)
     add_worker_args(ap, worker_id="decode-0", kv_cache_mb=512)
     ap.add_argument("--colocated", action="store_true", help="prefill every request here (classic server)")
@@ -68,7 +73,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                     help="testing only: the engine loop thread dies after N decode steps (liveness tests)")
     add_observability_args(ap)
     add_engine_args(ap)
-    return ap.parse_args(argv)
+    return ap
 
 
 def frame_receive_bytes() -> int:

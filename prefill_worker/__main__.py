@@ -37,6 +37,11 @@ from telemetry.prometheus import start_metrics_endpoint
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    return build_parser().parse_args(argv)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """This worker's command-line flags (also read by `elastic_worker`, which takes both roles' flags)."""
     ap = argparse.ArgumentParser(prog="python -m prefill_worker", description=__doc__)
     add_worker_args(ap, worker_id="prefill-0", kv_cache_mb=256)
     ap.add_argument("--max-batched-tokens", type=int, default=4096, help="token budget of one prefill pass")
@@ -57,7 +62,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--inject-kv-fault-count", type=int, default=1)
     add_observability_args(ap)
     add_engine_args(ap)
-    return ap.parse_args(argv)
+    return ap
 
 
 def start_worker(args: argparse.Namespace) -> StartedWorker:

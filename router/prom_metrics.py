@@ -42,3 +42,5 @@ class RouterPrometheus:
                                     buckets=LATENCY_BUCKETS, registry=r)
         self.failovers = Counter("pdserve_failovers", "Requests moved to another worker after a failure",
                                  registry=r)
+        self.role_switches = Counter("pdserve_role_switches", "Workers switched from one role to another",
+                                     ["from_role", "to_role"], registry=r)

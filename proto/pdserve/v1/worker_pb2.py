@@ -26,31 +26,35 @@ from pdserve.v1 import common_pb2 as pdserve_dot_v1_dot_common__pb2
 from pdserve.v1 import router_pb2 as pdserve_dot_v1_dot_router__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17pdserve/v1/worker.proto\x12\npdserve.v1\x1a\x17pdserve/v1/common.proto\x1a\x17pdserve/v1/router.proto\"\xa1\x02\n\rDecodeRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x10\n\x06prompt\x18\x02 \x01(\tH\x00\x12,\n\x08messages\x18\x03 \x01(\x0b\x32\x18.pdserve.v1.ChatMessagesH\x00\x12)\n\ttoken_ids\x18\x04 \x01(\x0b\x32\x14.pdserve.v1.TokenIdsH\x00\x12*\n\x06params\x18\x05 \x01(\x0b\x32\x1a.pdserve.v1.SamplingParams\x12\x17\n\x0fprefill_address\x18\x06 \x01(\t\x12\x19\n\x11resume_output_ids\x18\x07 \x03(\x05\x12\x19\n\x11\x63lient_request_id\x18\x08 \x01(\t\x12\r\n\x05trace\x18\t \x01(\x08\x42\x07\n\x05input\"\r\n\x0bInfoRequest\"\"\n\x0c\x41\x62ortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"\x1e\n\rAbortResponse\x12\r\n\x05\x66ound\x18\x01 \x01(\x08\"\x1c\n\tKvTargets\x12\x0f\n\x07targets\x18\x01 \x03(\t\"#\n\x0cKvTargetsAck\x12\x13\n\x0bnum_targets\x18\x01 \x01(\x05\"\x86\x02\n\x0ePrefillRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\x05\x12*\n\x06params\x18\x03 \x01(\x0b\x32\x1a.pdserve.v1.SamplingParams\x12\x19\n\x11kv_target_address\x18\x04 \x01(\t\x12\x12\n\nkv_backend\x18\x05 \x01(\t\x12\x18\n\x10\x64\x65\x63ode_worker_id\x18\x06 \x01(\t\x12\x14\n\x0coutput_index\x18\x07 \x01(\x05\x12\x17\n\x0fkv_block_offset\x18\x08 \x01(\x05\x12\r\n\x05trace\x18\t \x01(\x08\x12\x13\n\x0bkv_checksum\x18\n \x01(\t\"\xb3\x01\n\x0fPrefillResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x16\n\x0e\x66irst_token_id\x18\x02 \x01(\x05\x12$\n\x07timings\x18\x03 \x01(\x0b\x32\x13.pdserve.v1.Timings\x12\x10\n\x08kv_bytes\x18\x04 \x01(\x03\x12%\n\x05trace\x18\x05 \x03(\x0b\x32\x16.pdserve.v1.TraceEvent\x12\x15\n\rcached_tokens\x18\x06 \x01(\x05\x32\xcf\x01\n\x0c\x44\x65\x63odeWorker\x12\x45\n\x08Generate\x12\x19.pdserve.v1.DecodeRequest\x1a\x1c.pdserve.v1.GenerateResponse0\x01\x12:\n\x07GetInfo\x12\x17.pdserve.v1.InfoRequest\x1a\x16.pdserve.v1.WorkerInfo\x12<\n\x05\x41\x62ort\x12\x18.pdserve.v1.AbortRequest\x1a\x19.pdserve.v1.AbortResponse2\xd0\x01\n\rPrefillWorker\x12\x42\n\x07Prefill\x12\x1a.pdserve.v1.PrefillRequest\x1a\x1b.pdserve.v1.PrefillResponse\x12:\n\x07GetInfo\x12\x17.pdserve.v1.InfoRequest\x1a\x16.pdserve.v1.WorkerInfo\x12?\n\x0cSetKvTargets\x12\x15.pdserve.v1.KvTargets\x1a\x18.pdserve.v1.KvTargetsAckb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17pdserve/v1/worker.proto\x12\npdserve.v1\x1a\x17pdserve/v1/common.proto\x1a\x17pdserve/v1/router.proto\"O\n\x0eSetRoleRequest\x12$\n\x04role\x18\x01 \x01(\x0e\x32\x16.pdserve.v1.WorkerRole\x12\x17\n\x0f\x64rain_timeout_s\x18\x02 \x01(\x01\"\xa1\x02\n\rDecodeRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x10\n\x06prompt\x18\x02 \x01(\tH\x00\x12,\n\x08messages\x18\x03 \x01(\x0b\x32\x18.pdserve.v1.ChatMessagesH\x00\x12)\n\ttoken_ids\x18\x04 \x01(\x0b\x32\x14.pdserve.v1.TokenIdsH\x00\x12*\n\x06params\x18\x05 \x01(\x0b\x32\x1a.pdserve.v1.SamplingParams\x12\x17\n\x0fprefill_address\x18\x06 \x01(\t\x12\x19\n\x11resume_output_ids\x18\x07 \x03(\x05\x12\x19\n\x11\x63lient_request_id\x18\x08 \x01(\t\x12\r\n\x05trace\x18\t \x01(\x08\x42\x07\n\x05input\"\r\n\x0bInfoRequest\"\"\n\x0c\x41\x62ortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"\x1e\n\rAbortResponse\x12\r\n\x05\x66ound\x18\x01 \x01(\x08\"\x1c\n\tKvTargets\x12\x0f\n\x07targets\x18\x01 \x03(\t\"#\n\x0cKvTargetsAck\x12\x13\n\x0bnum_targets\x18\x01 \x01(\x05\"\x86\x02\n\x0ePrefillRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\x05\x12*\n\x06params\x18\x03 \x01(\x0b\x32\x1a.pdserve.v1.SamplingParams\x12\x19\n\x11kv_target_address\x18\x04 \x01(\t\x12\x12\n\nkv_backend\x18\x05 \x01(\t\x12\x18\n\x10\x64\x65\x63ode_worker_id\x18\x06 \x01(\t\x12\x14\n\x0coutput_index\x18\x07 \x01(\x05\x12\x17\n\x0fkv_block_offset\x18\x08 \x01(\x05\x12\r\n\x05trace\x18\t \x01(\x08\x12\x13\n\x0bkv_checksum\x18\n \x01(\t\"\xb3\x01\n\x0fPrefillResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x16\n\x0e\x66irst_token_id\x18\x02 \x01(\x05\x12$\n\x07timings\x18\x03 \x01(\x0b\x32\x13.pdserve.v1.Timings\x12\x10\n\x08kv_bytes\x18\x04 \x01(\x03\x12%\n\x05trace\x18\x05 \x03(\x0b\x32\x16.pdserve.v1.TraceEvent\x12\x15\n\rcached_tokens\x18\x06 \x01(\x05\x32\xcf\x01\n\x0c\x44\x65\x63odeWorker\x12\x45\n\x08Generate\x12\x19.pdserve.v1.DecodeRequest\x1a\x1c.pdserve.v1.GenerateResponse0\x01\x12:\n\x07GetInfo\x12\x17.pdserve.v1.InfoRequest\x1a\x16.pdserve.v1.WorkerInfo\x12<\n\x05\x41\x62ort\x12\x18.pdserve.v1.AbortRequest\x1a\x19.pdserve.v1.AbortResponse2\xd0\x01\n\rPrefillWorker\x12\x42\n\x07Prefill\x12\x1a.pdserve.v1.PrefillRequest\x1a\x1b.pdserve.v1.PrefillResponse\x12:\n\x07GetInfo\x12\x17.pdserve.v1.InfoRequest\x1a\x16.pdserve.v1.WorkerInfo\x12?\n\x0cSetKvTargets\x12\x15.pdserve.v1.KvTargets\x1a\x18.pdserve.v1.KvTargetsAck2L\n\x0bRoleControl\x12=\n\x07SetRole\x12\x1a.pdserve.v1.SetRoleRequest\x1a\x16.pdserve.v1.WorkerInfob\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'pdserve.v1.worker_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_DECODEREQUEST']._serialized_start=90
-  _globals['_DECODEREQUEST']._serialized_end=379
-  _globals['_INFOREQUEST']._serialized_start=381
-  _globals['_INFOREQUEST']._serialized_end=394
-  _globals['_ABORTREQUEST']._serialized_start=396
-  _globals['_ABORTREQUEST']._serialized_end=430
-  _globals['_ABORTRESPONSE']._serialized_start=432
-  _globals['_ABORTRESPONSE']._serialized_end=462
-  _globals['_KVTARGETS']._serialized_start=464
-  _globals['_KVTARGETS']._serialized_end=492
-  _globals['_KVTARGETSACK']._serialized_start=494
-  _globals['_KVTARGETSACK']._serialized_end=529
-  _globals['_PREFILLREQUEST']._serialized_start=532
-  _globals['_PREFILLREQUEST']._serialized_end=794
-  _globals['_PREFILLRESPONSE']._serialized_start=797
-  _globals['_PREFILLRESPONSE']._serialized_end=976
-  _globals['_DECODEWORKER']._serialized_start=979
-  _globals['_DECODEWORKER']._serialized_end=1186
-  _globals['_PREFILLWORKER']._serialized_start=1189
-  _globals['_PREFILLWORKER']._serialized_end=1397
+  _globals['_SETROLEREQUEST']._serialized_start=89
+  _globals['_SETROLEREQUEST']._serialized_end=168
+  _globals['_DECODEREQUEST']._serialized_start=171
+  _globals['_DECODEREQUEST']._serialized_end=460
+  _globals['_INFOREQUEST']._serialized_start=462
+  _globals['_INFOREQUEST']._serialized_end=475
+  _globals['_ABORTREQUEST']._serialized_start=477
+  _globals['_ABORTREQUEST']._serialized_end=511
+  _globals['_ABORTRESPONSE']._serialized_start=513
+  _globals['_ABORTRESPONSE']._serialized_end=543
+  _globals['_KVTARGETS']._serialized_start=545
+  _globals['_KVTARGETS']._serialized_end=573
+  _globals['_KVTARGETSACK']._serialized_start=575
+  _globals['_KVTARGETSACK']._serialized_end=610
+  _globals['_PREFILLREQUEST']._serialized_start=613
+  _globals['_PREFILLREQUEST']._serialized_end=875
+  _globals['_PREFILLRESPONSE']._serialized_start=878
+  _globals['_PREFILLRESPONSE']._serialized_end=1057
+  _globals['_DECODEWORKER']._serialized_start=1060
+  _globals['_DECODEWORKER']._serialized_end=1267
+  _globals['_PREFILLWORKER']._serialized_start=1270
+  _globals['_PREFILLWORKER']._serialized_end=1478
+  _globals['_ROLECONTROL']._serialized_start=1480
+  _globals['_ROLECONTROL']._serialized_end=1556
 # @@protoc_insertion_point(module_scope)
