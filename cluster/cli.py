@@ -325,7 +325,8 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         if autoscale is not None:
             from cluster.autoscaler import start_local_autoscaler
 
-            scaler = start_local_autoscaler(cluster.router_address, autoscale, _token_of_file(config.auth_token_file))
+            scaler = start_local_autoscaler(cluster.router_address, autoscale, _token_of_file(config.auth_token_file),
+                                            speedup=args.speedup)
         _wait_for_interrupt()
     except KeyboardInterrupt:
         print("pdserve: shutting down", file=sys.stderr, flush=True)
