@@ -20,9 +20,9 @@ Policy, per tick:
    workers hold queued prompt tokens want a prefill worker; TPOT misses, or requests waiting in the
    router's admission queue for a decode slot, want a decode worker.
 3. Hysteresis: the wanted direction must hold for `confirm_s` without a break, and an SLO must be
-   missed (attainment below `target` by more than two binomial standard deviations of the window's
-   sample count, so noise around a met target is not a miss) or the planner must predict `min_gain` more goodput; reversing
-   the previous move needs twice `confirm_s`. After any action nothing happens for `cooldown_s`.
+   missed (attainment below `target` by more than two binomial standard deviations of the
+   window's sample count, so noise around a met target is not a miss) or the planner must predict
+   `min_gain` more goodput; reversing the previous move needs twice `confirm_s`. After any action nothing happens for `cooldown_s`.
    One worker moves per action; a stage never drops below one worker.
 4. On Ray, when SLOs are missed and no switch helps (the split already matches the target), add a
    worker of the wanted role below `max_workers`; when attainment stays >= `scale_in_attainment` and
@@ -371,8 +371,8 @@ def observation_from_status(status: router_pb2.StatusResponse, now: float) -> Ob
     workers = tuple(WorkerView(w.worker_id or w.address, ROLE_NAMES.get(w.role, "unknown"), w.healthy, w.queue_depth,
                                w.queued_prompt_tokens, w.running_requests, w.max_running_requests, w.kv_blocks_used,
                                w.kv_blocks_total) for w in status.workers)
-    samples = tuple(Sample(now - r.finished_ago_s, r.ttft_s, r.tpot_s, r.prompt_tokens, r.output_tokens, r.ok, r.queue_s)
-                    for r in status.recent)
+    samples = tuple(Sample(now - r.finished_ago_s, r.ttft_s, r.tpot_s, r.prompt_tokens, r.output_tokens, r.ok,
+                           r.queue_s) for r in status.recent)
     return Observation(now, workers, samples, status.queued_requests)
 
 

@@ -81,7 +81,7 @@ def test_reacts_to_a_shift_within_the_window_and_settles_without_flapping() -> N
     assert plant.count("decode") >= 3
     # exactly what the shifts needed: 1 switch to prefill, then 2 to decode; no back and forth
     assert [r for _, _, r in plant.switches] == ["prefill", "decode", "decode"]
-    gaps = [b[0] - a[0] for a, b in zip(plant.switches, plant.switches[1:])]
+    gaps = [b[0] - a[0] for a, b in zip(plant.switches, plant.switches[1:], strict=False)]
     assert all(g >= CONFIG.cooldown_s for g in gaps)
 
 
@@ -101,7 +101,7 @@ def test_blips_shorter_than_confirm_are_ignored() -> None:
         phases += [(start, ("decode", 3)), (start + 1, ("decode", 2))]
     run(core, plant, phases, end=300)
     assert len(plant.switches) <= 1
-    assert not any(a[2] != b[2] for a, b in zip(plant.switches, plant.switches[1:]))
+    assert not any(a[2] != b[2] for a, b in zip(plant.switches, plant.switches[1:], strict=False))
 
 
 def test_never_empties_a_stage() -> None:
@@ -137,7 +137,7 @@ def test_adds_workers_on_ray_when_the_split_is_right_but_slos_miss() -> None:
     # the plant does not improve here, so it adds again once each cool-down has passed
     assert {(d.kind, d.role) for _, d in added} == {("add", "decode")}
     assert added[0][0] <= config.min_samples + config.confirm_s
-    assert all(b[0] - a[0] >= config.cooldown_s for a, b in zip(added, added[1:]))
+    assert all(b[0] - a[0] >= config.cooldown_s for a, b in zip(added, added[1:], strict=False))
     fast = tuple(Sample(t, 0.1, TPOT / 2, 64, 200) for t in range(20, 120))
     idle = (WorkerView("p0", "prefill"), WorkerView("d0", "decode", max_running=4),
             WorkerView("d1", "decode", max_running=4))
