@@ -22,8 +22,8 @@ Policy, per tick:
 3. Hysteresis: the wanted direction must hold for `confirm_s` without a break, and an SLO must be
    missed (attainment below `target` by more than two binomial standard deviations of the
    window's sample count, so noise around a met target is not a miss) or the planner must predict
-   `min_gain` more goodput; reversing the previous move needs twice `confirm_s`. After any action nothing happens for `cooldown_s`.
-   One worker moves per action; a stage never drops below one worker.
+   `min_gain` more goodput; reversing the previous move needs twice `confirm_s`. After any action
+   nothing happens for `cooldown_s`. One worker moves per action; a stage never drops below one worker.
 4. On Ray, when SLOs are missed and no switch helps (the split already matches the target), add a
    worker of the wanted role below `max_workers`; when attainment stays >= `scale_in_attainment` and
    the workers are lightly used for `scale_in_s`, remove one above `min_workers`.
