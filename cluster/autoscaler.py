@@ -14,7 +14,10 @@ Policy, per tick:
 1. Over the requests that finished in the last `window_s` (and after the last action, whose effect
    they would not show), measure TTFT and TPOT attainment and the workload mix (prompt and output
    lengths, arrival rate).
-2. Target split: with a latency profile, the planner (`capacity.planner.max_rate`, as `pdserve plan`)
+2. Backlog first (leading signals: finished requests lag behind a shift): requests waiting in the
+   router for a decode slot (>= `decode_backlog_requests`) want a decode worker; prompt tokens
+   queued per prefill worker (>= `prefill_backlog_tokens`) want a prefill worker.
+   Otherwise the target split: with a latency profile, the planner (`capacity.planner.max_rate`, as `pdserve plan`)
    finds for the mix the prefill:decode split of the current worker count with the highest goodput
    (cached per mix bucket); without one, the pressure signals choose: TTFT misses while prefill
    workers hold queued prompt tokens want a prefill worker; TPOT misses, or requests waiting in the
@@ -115,6 +118,8 @@ class AutoscalerConfig:
     confirm_s: float = 3.0  # a wanted direction must hold this long
     cooldown_s: float = 8.0  # quiet time after an action
     min_gain: float = 0.15  # planner: act on a split predicted this much better even while SLOs hold
+    decode_backlog_requests: int = 8  # this many waiting in the router for a decode slot: decode is short
+    prefill_backlog_tokens: int = 16384  # queued prompt tokens per prefill worker: prefill is short
     min_workers: int = 2
     max_workers: int = 8
     can_resize: bool = False  # Ray: add/remove workers; local: switch roles only
@@ -183,6 +188,9 @@ class Autoscaler:
     def _direction(self, obs: Observation, prefill: list[WorkerView], decode: list[WorkerView], mix: Mix,
                    ttft_ok: float, tpot_ok: float, missed: bool) -> tuple[str, str, int | None]:
         """(role to move one worker to or "", why, the planner's prefill count or None)."""
+        backlog = self._backlog(obs, prefill)
+        if backlog:  # a leading signal: the finished requests (and the mix they show) lag behind it
+            return backlog
         n = len(prefill) + len(decode)
         if self.planner is not None and n >= 2:
             rates = self.planner(mix, n)
@@ -194,11 +202,28 @@ class Autoscaler:
                     role = PREFILL if best > len(prefill) else DECODE
                     return role, (f"planner: {best}P{n - best}D sustains {rates[best]:.2f} req/s vs "
                                   f"{current:.2f} for {len(prefill)}P{len(decode)}D at {_fmt_mix(mix)}"), best
-                return "", "", best
+                if not missed:
+                    return "", "", best
+                # missed although the planner likes this split for the mix of the requests that
+                # finished: the mix is shifting (they lag behind); follow the pressure signals
+                role = self._pressure_role(prefill, ttft_ok, tpot_ok, obs.router_queued)
+                return role, f"SLO missed at the planner's split (ttft {ttft_ok:.2f}, tpot {tpot_ok:.2f}); " \
+                             f"pressure on {role}", best
         if not missed:
             return "", "", None
         role = self._pressure_role(prefill, ttft_ok, tpot_ok, obs.router_queued)
         return role, f"SLO missed (ttft {ttft_ok:.2f}, tpot {tpot_ok:.2f}); pressure on {role}", None
+
+    def _backlog(self, obs: Observation, prefill: list[WorkerView]) -> tuple[str, str, None] | None:
+        """A queue that only one stage builds: requests waiting in the router for a decode slot, or
+        prompt tokens waiting on the prefill workers (per worker)."""
+        c = self.config
+        if obs.router_queued >= c.decode_backlog_requests:
+            return DECODE, f"{obs.router_queued} requests wait in the router for a decode slot", None
+        queued = sum(w.queued_prompt_tokens for w in prefill) / max(1, len(prefill))
+        if prefill and queued >= c.prefill_backlog_tokens:
+            return PREFILL, f"{queued:.0f} prompt tokens queued per prefill worker", None
+        return None
 
     def _miss_line(self, n: int) -> float:
         """Attainment under which the window counts as missing the target: the target less two

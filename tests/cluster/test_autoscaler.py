@@ -32,6 +32,7 @@ class Plant:
         self.rng = random.Random(seed)
         self.samples: list[Sample] = []
         self.switches: list[tuple[float, str, str]] = []
+        self.router_queued = 0
 
     def count(self, role: str) -> int:
         return sum(r == role for r in self.roles.values())
@@ -48,7 +49,7 @@ class Plant:
         self.samples = [s for s in self.samples if s.finished_at > now - 60]
         workers = tuple(WorkerView(w, r, queue_depth=2 if (short and r == role == "prefill") else 0)
                         for w, r in self.roles.items())
-        return Observation(now, workers, tuple(self.samples))
+        return Observation(now, workers, tuple(self.samples), router_queued=self.router_queued)
 
     def apply(self, now: float, decisions: list[Decision]) -> None:
         for d in decisions:
@@ -102,6 +103,19 @@ def test_blips_shorter_than_confirm_are_ignored() -> None:
     run(core, plant, phases, end=300)
     assert len(plant.switches) <= 1
     assert not any(a[2] != b[2] for a, b in zip(plant.switches, plant.switches[1:], strict=False))
+
+
+def test_a_backlog_of_requests_waiting_for_decode_leads_before_slos_miss() -> None:
+    core = Autoscaler(CONFIG, lambda mix, n: {p: 10.0 if p == 3 else 5.0 for p in range(1, n)})  # lagging mix
+    plant = Plant(["prefill", "prefill", "prefill", "decode"])
+    for t in range(5):
+        plant.apply(t, core.decide(plant.tick(t, ("prefill", 3))))
+    assert plant.switches == []  # the planner likes 3P1D for the mix that finished
+    plant.router_queued = 20  # the new requests pile up in front of the only decode worker
+    for t in range(5, 12):
+        plant.apply(t, core.decide(plant.tick(t, ("prefill", 3))))
+    assert [r for _, _, r in plant.switches] == ["decode"]
+    assert plant.switches[0][0] - 5 <= CONFIG.confirm_s * 2 + 1  # a reversal of nothing: confirm once
 
 
 def test_never_empties_a_stage() -> None:
