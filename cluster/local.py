@@ -96,6 +96,7 @@ class LocalClusterConfig:
     tls_cert_file: str | None = None  # public gRPC and HTTP API over TLS (with tls_key_file)
     tls_key_file: str | None = None
     metrics_host: str = "127.0.0.1"  # router's /metrics interface; beyond loopback only with a token
+    elastic: bool = False  # workers can switch roles at runtime (`python -m elastic_worker`; `pdserve role`)
 
     def __post_init__(self) -> None:
         self.deployment()  # ConfigError (a ValueError) naming the setting
@@ -140,10 +141,31 @@ def _cpu_count() -> int:
     return os.cpu_count() or 1
 
 
+<<<<<<< HEAD
 def worker_threads(config: DeploymentConfig, role: str) -> int:
     """Torch threads of a worker of `role`: the pool's setting, else the CPUs split evenly (at least 1)."""
     threads: int | None = getattr(config, role).threads
     return threads or max(1, _cpu_count() // config.num_workers)
+=======
+def worker_argv(config: LocalClusterConfig, role: str, worker_id: str) -> list[str]:
+    """Command line of one worker process."""
+    if config.elastic:
+        argv = [sys.executable, "-m", "elastic_worker", "--role", role, "--host", WORKER_HOST, "--port", "0"]
+    else:
+        argv = [sys.executable, "-m", ROLE_MODULES[role], "--host", WORKER_HOST, "--port", "0"]
+    argv += ["--worker-id", worker_id, "--threads", str(config.threads)]
+    argv += worker_flags(config.device, config.dtype)
+    if role == "colocated" and not config.elastic:
+        argv.append("--colocated")
+    if config.model is not None:
+        argv += ["--model", config.model]
+    if config.kv_cache_mb is not None:
+        argv += ["--kv-cache-mb", str(config.kv_cache_mb)]
+    if (role == "decode" or config.elastic) and config.local_prefill_threshold:
+        argv += ["--local-prefill-threshold", str(config.local_prefill_threshold)]
+    argv += config.prefill_args if role == "prefill" else config.decode_args
+    return argv + observability_argv(config)
+>>>>>>> issue-elastic
 
 
 def local_worker_document(config: DeploymentConfig, role: str, worker_id: str) -> dict[str, Any]:
