@@ -178,7 +178,8 @@ def run_config(name: str, prefill: int, decode: int, autoscale: bool, plan: list
         "roles": [(t * speedup, p, d) for t, p, d in roles],
         "requests": [{"send": r.send_time * speedup, "phase": p.phase, "good": g,
                       "ttft": r.ttft * speedup if r.ttft else None,
-                      "tpot": r.tpot * speedup if r.tpot else None} for r, p, g in zip(records, plan, good, strict=True)],
+                      "tpot": r.tpot * speedup if r.tpot else None}
+                     for r, p, g in zip(records, plan, good, strict=True)],
     }
     print(f"   goodput {result['goodput']:.2f} req/s, attainment {result['attainment']:.2%} "
           f"(A {per_phase[0]:.0%}, B {per_phase[1]:.0%}), switches {len(history)}", flush=True)

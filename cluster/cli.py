@@ -7,12 +7,9 @@
     pdserve scale --prefill N --decode M [--address ADDR]
     pdserve generate [--url ADDR] [--max-tokens N] [--chat] [--json] [--trace] [--request-id ID] ... PROMPT
     pdserve status [--url ADDR | --address RAY_ADDR] [--json]
-<<<<<<< HEAD
     pdserve migrate [--url ADDR] [--to WORKER_ID] REQUEST_ID
-=======
     pdserve role [--url ADDR] WORKER_ID {prefill,decode,colocated}
     pdserve serve --elastic | --autoscale --slo ttft_ms=500,tpot_ms=50 [--min-workers N --max-workers M] ...
->>>>>>> issue-elastic
     pdserve model fetch [--force]
     pdserve bench [--url ADDR] [--rate R] [--num-prompts N] [--input-len 64:512] [--slo ttft_ms=500] ...
     pdserve sweep --workers 2 --rates 0.5,1 [--output-dir DIR] ...
@@ -38,15 +35,10 @@ from google.protobuf.json_format import MessageToDict
 
 from capacity.cli import add_bench, add_plan, add_sweep
 from cluster.client import DEFAULT_ADDRESS, PdserveClient, build_request, collect, sampling_params, status_rows
-<<<<<<< HEAD
 from cluster.deploy_config import DeploymentConfig, add_flags, config_from_args
+from cluster.elastic_cli import add_role
 from cluster.local import ClusterStartError, LocalCluster
 from cluster.migrate_cli import add_migrate
-=======
-from cluster.elastic_cli import add_elastic_args, add_role, autoscale_options
-from cluster.engine_flags import add_engine_flags, engine_worker_args
-from cluster.local import ClusterStartError, LocalCluster, LocalClusterConfig
->>>>>>> issue-elastic
 from cluster.tables import format_table
 from cluster.trace_view import trace_lines
 from pdserve.extras import MissingExtra, require
@@ -65,45 +57,12 @@ def _cmd_model_fetch(args: argparse.Namespace) -> int:
 
 
 def _add_serve(commands: argparse._SubParsersAction) -> None:
-<<<<<<< HEAD
     serve = commands.add_parser(
         "serve", help="run a router and workers (local processes, or Ray actors with --ray)",
         description="Run a deployment from one config: a YAML/TOML file (--config), flags on top. Every "
                     "setting is listed below by section; `--print-config` shows the effective one. A setting "
                     "the mode cannot honour is refused. See docs/configuration.md and examples/.")
     add_flags(serve)
-=======
-    serve = commands.add_parser("serve", help="run a router and workers as local processes")
-    serve.add_argument("--prefill", type=int, default=None, help="prefill workers (default 1, or 0 with --colocated)")
-    serve.add_argument("--decode", type=int, default=None, help="decode workers (default 1, or 0 with --colocated)")
-    serve.add_argument("--colocated", type=int, default=0, help="colocated workers (prefill + decode in one)")
-    serve.add_argument("--model", default=None, help="local Hugging Face folder (default: the default model)")
-    serve.add_argument("--host", default="127.0.0.1", help="router interface (workers always use loopback)")
-    serve.add_argument("--port", type=int, default=50051, help="router port (0 picks a free one)")
-    serve.add_argument("--threads-per-worker", type=int, default=None, help="default: CPUs / workers")
-    serve.add_argument("--device", default="auto", type=check_device_name, help="every worker's: " + DEVICE_HELP)
-    serve.add_argument("--dtype", default="auto", choices=DTYPE_NAMES, help="every worker's: " + DTYPE_HELP)
-    serve.add_argument("--prefill-policy", choices=POLICIES, default="round_robin")
-    serve.add_argument("--decode-policy", choices=POLICIES, default="round_robin")
-    serve.add_argument("--kv-cache-mb", type=int, default=None, help="KV cache size per worker")
-    serve.add_argument("--max-queued-requests", type=int, default=4096, metavar="N",
-                       help="requests the router holds waiting for a decode slot; one more is refused "
-                            "(RESOURCE_EXHAUSTED / HTTP 429 with Retry-After). Default 4096")
-    serve.add_argument("--local-prefill-threshold", type=int, default=0,
-                       help="decode workers prefill prompts shorter than this many tokens themselves (0: off)")
-    serve.add_argument("--startup-timeout", type=float, default=180.0, metavar="S")
-    serve.add_argument("--log-dir", default=None, help="per-process logs (default: a new temp dir)")
-    serve.add_argument("--http-port", type=int, default=None, metavar="PORT",
-                       help="router also serves the OpenAI-compatible HTTP API here (0 picks one; default off)")
-    serve.add_argument("--model-name", default=None, help="model id of the HTTP API (default: model folder name)")
-    serve.add_argument("--metrics", action="store_true", help="Prometheus /metrics on every process (free ports)")
-    serve.add_argument("--log-format", choices=("text", "json"), default="text", help="log lines of every process")
-    serve.add_argument("--log-level", default="INFO")
-    _add_security_args(serve)
-    _add_ray_serve_args(serve)
-    add_engine_flags(serve)
-    add_elastic_args(serve)
->>>>>>> issue-elastic
     serve.set_defaults(func=_cmd_serve)
 
 
@@ -151,10 +110,6 @@ def _add_status(commands: argparse._SubParsersAction) -> None:
     status.set_defaults(func=_cmd_status)
 
 
-def _add_role(commands: argparse._SubParsersAction) -> None:
-    add_role(commands)
-
-
 def _add_model(commands: argparse._SubParsersAction) -> None:
     model = commands.add_parser("model", help="manage the default model")
     model_commands = model.add_subparsers(dest="model_command", required=True)
@@ -166,53 +121,15 @@ def _add_model(commands: argparse._SubParsersAction) -> None:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="pdserve", description="Disaggregated prefill/decode LLM serving.")
     commands = parser.add_subparsers(dest="command", required=True)
-<<<<<<< HEAD
-    for add in (_add_serve, _add_scale, _add_generate, _add_status, add_migrate, _add_model, add_bench, add_sweep,
-=======
-    for add in (_add_serve, _add_scale, _add_generate, _add_status, _add_role, _add_model, add_bench, add_sweep,
->>>>>>> issue-elastic
-                add_plan):
+    for add in (_add_serve, _add_scale, _add_generate, _add_status, add_migrate, add_role, _add_model, add_bench,
+                add_sweep, add_plan):
         add(commands)
     return parser
 
 
-<<<<<<< HEAD
 def deployment_config(args: argparse.Namespace) -> DeploymentConfig:
     """The effective DeploymentConfig of `pdserve serve` arguments (config file, flags on top)."""
     return config_from_args(args)
-=======
-def cluster_config(args: argparse.Namespace) -> LocalClusterConfig:
-    """LocalClusterConfig from `pdserve serve` arguments; prefill/decode default to 1 without colocated."""
-    default_pd = 0 if args.colocated > 0 else 1
-    engine_args = engine_worker_args(args)
-    return LocalClusterConfig(
-        model=args.model,
-        prefill=default_pd if args.prefill is None else args.prefill,
-        decode=default_pd if args.decode is None else args.decode,
-        colocated=args.colocated,
-        host=args.host,
-        port=args.port,
-        threads_per_worker=args.threads_per_worker,
-        device=args.device, dtype=args.dtype,
-        prefill_policy=args.prefill_policy,
-        decode_policy=args.decode_policy,
-        kv_cache_mb=args.kv_cache_mb,
-        local_prefill_threshold=args.local_prefill_threshold,
-        max_queued_requests=args.max_queued_requests,
-        startup_timeout_s=args.startup_timeout,
-        log_dir=args.log_dir,
-        http_port=args.http_port,
-        model_name=args.model_name,
-        metrics=args.metrics,
-        log_format=args.log_format,
-        log_level=args.log_level,
-        prefill_args=engine_args,
-        decode_args=engine_args,
-        auth_token_file=args.auth_token_file, tls_cert_file=args.tls_cert, tls_key_file=args.tls_key,
-        metrics_host=args.metrics_host,
-        elastic=args.elastic or args.autoscale,
-    )
->>>>>>> issue-elastic
 
 
 def _interrupt(_signum: int, _frame: FrameType | None) -> None:
@@ -263,14 +180,8 @@ def _cmd_scale(args: argparse.Namespace) -> int:
 
 def _cmd_serve(args: argparse.Namespace) -> int:
     try:
-<<<<<<< HEAD
         config = deployment_config(args)
     except (OSError, ValueError) as exc:  # ConfigError names the setting; a YAML/TOML error its line
-=======
-        config = cluster_config(args)
-        autoscale = autoscale_options(args)
-    except ValueError as exc:
->>>>>>> issue-elastic
         print(f"error: {exc}", file=sys.stderr)
         return 2
     if args.print_config:
@@ -286,37 +197,36 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         return 1
     except KeyboardInterrupt:
         return 0
-<<<<<<< HEAD
+
+    scalers: list[Any] = []
 
     def announce() -> None:
         _print_cluster(cluster.router_address, [w._asdict() for w in cluster.workers])
         _print_extras(cluster.http_address, cluster.metrics_addresses, bool(config.security.tls_cert))
-
-    return _serve_until_interrupt(cluster, announce)
-
-
-def _serve_until_interrupt(cluster: Any, announce: Callable[[], None]) -> int:  # noqa: ANN401 - either launcher
-    """Announce the running deployment, wait for Ctrl-C or SIGTERM, then stop it (once, uninterrupted)."""
-    try:
-        announce()
-=======
-    scaler = None
-    try:
-        _print_cluster(cluster.router_address, [w._asdict() for w in cluster.workers])
-        _print_extras(cluster.http_address, cluster.metrics_addresses, bool(config.tls_cert_file))
-        if autoscale is not None:
+        options = config.autoscale_options()
+        if options is not None:  # the SLO autoscaler: switches worker roles through the router
             from cluster.autoscaler import start_local_autoscaler
 
-            scaler = start_local_autoscaler(cluster.router_address, autoscale, _token_of_file(config.auth_token_file),
-                                            speedup=args.speedup)
->>>>>>> issue-elastic
+            scalers.append(start_local_autoscaler(cluster.router_address, options,
+                                                  _token_of_file(config.security.auth_token_file),
+                                                  speedup=config.model.speedup))
+
+    return _serve_until_interrupt(cluster, announce, lambda: [s.stop() for s in scalers])
+
+
+def _serve_until_interrupt(cluster: Any, announce: Callable[[], None],  # noqa: ANN401 - either launcher
+                           before_stop: Callable[[], object] | None = None) -> int:
+    """Announce the running deployment, wait for Ctrl-C or SIGTERM, then stop it (once, uninterrupted);
+    `before_stop` runs first (the autoscaler loop)."""
+    try:
+        announce()
         _wait_for_interrupt()
     except KeyboardInterrupt:
         print("pdserve: shutting down", file=sys.stderr, flush=True)
     finally:
         _ignore_signals()
-        if scaler is not None:
-            scaler.stop()
+        if before_stop is not None:
+            before_stop()
         cluster.stop()
     return 0
 

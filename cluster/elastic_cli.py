@@ -1,5 +1,6 @@
-"""`pdserve role` and the elastic flags of `pdserve serve` (--elastic, --autoscale, --slo, --min-workers,
---max-workers), kept apart from the rest of the command line.
+"""`pdserve role`, and the autoscaler options behind the ``elastic`` section of `pdserve serve`
+(cluster.deploy_config.ElasticSection: --elastic, --autoscale, --slo, --min-workers, --max-workers,
+--autoscale-interval; `DeploymentConfig.autoscale_options` builds `AutoscaleOptions`).
 
     pdserve role [--url ROUTER] WORKER_ID {prefill,decode,colocated}
     pdserve serve --elastic ...                       workers can switch roles (`pdserve role`)
@@ -100,25 +101,3 @@ def parse_slo(text: str) -> dict[str, float]:
             raise ValueError(f"--slo {key} must be > 0, got {value}")
         out[key] = limit
     return out
-
-
-def add_elastic_args(serve: argparse.ArgumentParser) -> None:
-    group = serve.add_argument_group("elastic roles and the SLO autoscaler (see docs/elastic.md)")
-    group.add_argument("--elastic", action="store_true",
-                       help="workers can switch between prefill and decode at runtime (`pdserve role`)")
-    group.add_argument("--autoscale", action="store_true",
-                       help="switch worker roles (and on Ray add/remove workers) to keep --slo (implies --elastic)")
-    group.add_argument("--slo", default="", metavar="ttft_ms=..,tpot_ms=..", help="SLOs the autoscaler keeps")
-    group.add_argument("--min-workers", type=int, default=2)
-    group.add_argument("--max-workers", type=int, default=8)
-    group.add_argument("--autoscale-interval", type=float, default=1.0, metavar="S", help="control loop period")
-
-
-def autoscale_options(args: argparse.Namespace) -> AutoscaleOptions | None:
-    """The autoscaler's options from `serve` flags, or None without --autoscale (ValueError when bad)."""
-    if not args.autoscale:
-        if args.slo:
-            raise ValueError("--slo needs --autoscale")
-        return None
-    profile = args.profile if getattr(args, "engine", "model") == "sim" else None
-    return AutoscaleOptions(parse_slo(args.slo), args.min_workers, args.max_workers, args.autoscale_interval, profile)

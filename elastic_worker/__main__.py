@@ -2,7 +2,9 @@
 change role at runtime (RoleControl.SetRole; `pdserve role`), with its model loaded once.
 
 Takes the flags of both `python -m prefill_worker` and `python -m decode_worker` (each role reads
-its own; shared ones such as --model, --kv-cache-mb and --block-size are one value for both). Serves
+its own; shared ones such as --model, --kv-cache-mb and --block-size are one value for both), or
+``--config FILE``: {"prefill": <prefill document>, "decode": <decode document>} as `pdserve serve
+--elastic` writes it (flags given as well override it). Serves
 DecodeWorker, PrefillWorker, KvTransfer, RoleControl and health on one port; the READY line names
 the starting role.
 """
@@ -10,7 +12,10 @@ the starting role.
 from __future__ import annotations
 
 import argparse
+import json
 import sys
+from pathlib import Path
+from typing import Any
 
 from grpc_health.v1 import health_pb2
 
@@ -43,22 +48,45 @@ from engine.worker_runtime import (
 from kv_transfer import KvTransferServicer
 from kv_transfer.modelled import install_modelled_links
 from pdserve.limits import receive_options
+from pdserve.process_config import namespace_from_document
 from pdserve.transport import check_bind_allowed
 from pdserve.v1 import worker_pb2_grpc
 from prefill_worker import __main__ as prefill_main
 from telemetry.prometheus import start_metrics_endpoint
 
 
-def parse_args(argv: list[str] | None = None) -> tuple[str, argparse.Namespace, argparse.Namespace]:
-    """(role, prefill flags, decode flags); exits with status 2 on a flag neither role knows."""
+def parse_args(argv: list[str] | None = None, document: dict[str, Any] | None = None,
+               ) -> tuple[str, argparse.Namespace, argparse.Namespace]:
+    """(role, prefill flags, decode flags); exits with status 2 on a flag neither role knows.
+
+    `document` (or the JSON file of ``--config``): {"prefill": {...}, "decode": {...}}, each role's
+    process document (`deploy_config.worker_document`), validated by that role's parser; flags on
+    the command line override both."""
     argv = list(sys.argv[1:] if argv is None else argv)
     role_parser = argparse.ArgumentParser(prog="python -m elastic_worker", description=__doc__, add_help=False)
     role_parser.add_argument("--role", choices=ROLES, required=True, help="the role to start in")
+    role_parser.add_argument("--config", default=None, metavar="FILE",
+                             help='JSON {"prefill": {...}, "decode": {...}}: each role\'s process document')
     role_args, rest = role_parser.parse_known_args(argv)
-    parsers = [prefill_main.build_parser(), decode_main.build_parser()]
-    for parser in parsers:
+    if document is None and role_args.config:
+        try:
+            document = json.loads(Path(role_args.config).read_text(encoding="utf-8"))
+        except (OSError, ValueError) as exc:
+            role_parser.error(f"--config {role_args.config}: {exc}")
+    parsers = {"prefill": prefill_main.build_parser(), "decode": decode_main.build_parser()}
+    bases: dict[str, argparse.Namespace | None] = {"prefill": None, "decode": None}
+    if document is not None:
+        if not isinstance(document, dict) or set(document) != set(parsers):
+            role_parser.error('--config: expected {"prefill": {...}, "decode": {...}}')
+        for kind, parser in parsers.items():
+            try:
+                bases[kind] = namespace_from_document(parser, document[kind])
+            except ValueError as exc:
+                role_parser.error(f"--config: {kind}: {exc}")
+    for parser in parsers.values():
         parser.allow_abbrev = False
-    (prefill_args, prefill_rest), (decode_args, decode_rest) = (p.parse_known_args(rest) for p in parsers)
+    (prefill_args, prefill_rest), (decode_args, decode_rest) = (
+        parser.parse_known_args(rest, namespace=bases[kind]) for kind, parser in parsers.items())
     unknown = [a for a in prefill_rest if a in decode_rest]
     if unknown:
         role_parser.error(f"unrecognized arguments: {' '.join(unknown)}")
