@@ -234,7 +234,7 @@ _LOCAL_ONLY = ("local",)
 
 @dataclass(frozen=True)
 class ElasticSection:
-    """Elastic roles and the SLO autoscaler (docs/elastic.md): workers that switch between prefill and
+    """Elastic roles and the SLO autoscaler: workers that switch between prefill and
     decode at runtime (`pdserve role`), and a loop that switches them to keep the SLOs."""
 
     enabled: bool = opt(False, "workers can switch between prefill and decode at runtime (`pdserve role`; "
@@ -266,7 +266,7 @@ GROUP_TITLES = {
     "model": "model", "router": "router", "prefill": "prefill pool", "decode": "decode pool",
     "colocated": "colocated pool", "kv": "KV transfer", "ray": "Ray (with --ray; see docs/ray.md)",
     "security": "security (see docs/security.md)", "observability": "observability",
-    "elastic": "elastic roles and the SLO autoscaler (local only; see docs/elastic.md)",
+    "elastic": "elastic roles and the SLO autoscaler (local only; see docs/configuration.md)",
 }
 
 
