@@ -71,8 +71,9 @@ def _cmd_role(args: argparse.Namespace) -> int:
 
 @dataclass(frozen=True)
 class AutoscaleOptions:
-    """`serve --autoscale`: the SLOs it keeps and the bounds of the worker count (Ray adds and removes
-    workers within them; a local deployment keeps its workers and switches their roles)."""
+    """`serve --autoscale` (the ``elastic`` section; `DeploymentConfig.autoscale_options`): the SLOs it
+    keeps and the bounds of the worker count (a local deployment keeps its workers and switches their
+    roles; the section is refused with --ray)."""
 
     slo: dict[str, float] = field(default_factory=dict)  # "ttft_ms", "tpot_ms" -> limit in ms
     min_workers: int = 2
