@@ -8,6 +8,8 @@
     pdserve generate [--url ADDR] [--max-tokens N] [--chat] [--json] [--trace] [--request-id ID] ... PROMPT
     pdserve status [--url ADDR | --address RAY_ADDR] [--json]
     pdserve migrate [--url ADDR] [--to WORKER_ID] REQUEST_ID
+    pdserve role [--url ADDR] WORKER_ID {prefill,decode,colocated}
+    pdserve serve --elastic | --autoscale --slo ttft_ms=500,tpot_ms=50 [--min-workers N --max-workers M] ...
     pdserve model fetch [--force]
     pdserve bench [--url ADDR] [--rate R] [--num-prompts N] [--input-len 64:512] [--slo ttft_ms=500] ...
     pdserve sweep --workers 2 --rates 0.5,1 [--output-dir DIR] ...
@@ -34,6 +36,7 @@ from google.protobuf.json_format import MessageToDict
 from capacity.cli import add_bench, add_plan, add_sweep
 from cluster.client import DEFAULT_ADDRESS, PdserveClient, build_request, collect, sampling_params, status_rows
 from cluster.deploy_config import DeploymentConfig, add_flags, config_from_args
+from cluster.elastic_cli import add_role
 from cluster.local import ClusterStartError, LocalCluster
 from cluster.migrate_cli import add_migrate
 from cluster.tables import format_table
@@ -118,8 +121,8 @@ def _add_model(commands: argparse._SubParsersAction) -> None:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="pdserve", description="Disaggregated prefill/decode LLM serving.")
     commands = parser.add_subparsers(dest="command", required=True)
-    for add in (_add_serve, _add_scale, _add_generate, _add_status, add_migrate, _add_model, add_bench, add_sweep,
-                add_plan):
+    for add in (_add_serve, _add_scale, _add_generate, _add_status, add_migrate, add_role, _add_model, add_bench,
+                add_sweep, add_plan):
         add(commands)
     return parser
 
@@ -195,15 +198,26 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     except KeyboardInterrupt:
         return 0
 
+    scalers: list[Any] = []
+
     def announce() -> None:
         _print_cluster(cluster.router_address, [w._asdict() for w in cluster.workers])
         _print_extras(cluster.http_address, cluster.metrics_addresses, bool(config.security.tls_cert))
+        options = config.autoscale_options()
+        if options is not None:  # the SLO autoscaler: switches worker roles through the router
+            from cluster.autoscaler import start_local_autoscaler
 
-    return _serve_until_interrupt(cluster, announce)
+            scalers.append(start_local_autoscaler(cluster.router_address, options,
+                                                  _token_of_file(config.security.auth_token_file),
+                                                  speedup=config.model.speedup))
+
+    return _serve_until_interrupt(cluster, announce, lambda: [s.stop() for s in scalers])
 
 
-def _serve_until_interrupt(cluster: Any, announce: Callable[[], None]) -> int:  # noqa: ANN401 - either launcher
-    """Announce the running deployment, wait for Ctrl-C or SIGTERM, then stop it (once, uninterrupted)."""
+def _serve_until_interrupt(cluster: Any, announce: Callable[[], None],  # noqa: ANN401 - either launcher
+                           before_stop: Callable[[], object] | None = None) -> int:
+    """Announce the running deployment, wait for Ctrl-C or SIGTERM, then stop it (once, uninterrupted);
+    `before_stop` runs first (the autoscaler loop)."""
     try:
         announce()
         _wait_for_interrupt()
@@ -211,8 +225,18 @@ def _serve_until_interrupt(cluster: Any, announce: Callable[[], None]) -> int:  
         print("pdserve: shutting down", file=sys.stderr, flush=True)
     finally:
         _ignore_signals()
+        if before_stop is not None:
+            before_stop()
         cluster.stop()
     return 0
+
+
+def _token_of_file(path: str | None) -> str | None:
+    """The public API token the autoscaler sends to its router (the file's first line, or $PDSERVE_AUTH_TOKEN)."""
+    if path:
+        with open(path) as f:
+            return f.readline().strip() or None
+    return os.environ.get("PDSERVE_AUTH_TOKEN") or None
 
 
 def _wait_for_interrupt() -> None:

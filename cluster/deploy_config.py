@@ -2,10 +2,10 @@
 every process.
 
 - Sections (frozen dataclasses): ``model``, ``router``, the pools ``prefill``, ``decode`` and
-  ``colocated``, ``kv`` (KV transfer), ``ray``, ``security``, ``observability``, plus ``mode``
-  ("local" or "ray") and ``startup_timeout_s``. Each field carries its help text, its flag, its
-  bounds or choices and the modes that honour it (`opt`); `--help`, validation and `--print-config`
-  all read them. (An ``autoscale`` section would sit beside ``ray``; see docs/configuration.md.)
+  ``colocated``, ``kv`` (KV transfer), ``ray``, ``security``, ``observability``, ``elastic`` (role
+  switches and the SLO autoscaler; local only), plus ``mode`` ("local" or "ray") and
+  ``startup_timeout_s``. Each field carries its help text, its flag, its bounds or choices and the
+  modes that honour it (`opt`); `--help`, validation and `--print-config` all read them.
 - Sources: a YAML or TOML file (`load_file`), then `pdserve serve` flags on top (`add_flags`,
   `overrides_from_args`); `from_dict` rejects an unknown key or a bad value naming the dotted key
   (``decode.max_num_seqs``), and a setting the chosen mode cannot honour (`DeploymentConfig.check`).
@@ -227,16 +227,46 @@ class ObservabilitySection:
                             flag="--metrics-host", modes=("local",), why="the Ray deployment serves no /metrics")
 
 
+_ELASTIC_WHY = ("role switches and the SLO autoscaler run on local processes; the Ray deployment scales with "
+                "`pdserve scale`")
+_LOCAL_ONLY = ("local",)
+
+
+@dataclass(frozen=True)
+class ElasticSection:
+    """Elastic roles and the SLO autoscaler: workers that switch between prefill and
+    decode at runtime (`pdserve role`), and a loop that switches them to keep the SLOs."""
+
+    enabled: bool = opt(False, "workers can switch between prefill and decode at runtime (`pdserve role`; "
+                        "`python -m elastic_worker`)", flag="--elastic", modes=_LOCAL_ONLY, why=_ELASTIC_WHY)
+    autoscale: bool = opt(False, "switch worker roles to keep elastic.slo (implies elastic.enabled)",
+                          flag="--autoscale", modes=_LOCAL_ONLY, why=_ELASTIC_WHY)
+    slo: str = opt("", "SLOs the autoscaler keeps, e.g. ttft_ms=500,tpot_ms=50 (needs elastic.autoscale)",
+                   flag="--slo", modes=_LOCAL_ONLY, why=_ELASTIC_WHY)
+    min_workers: int = opt(2, "the autoscaler's lower bound of the worker count", flag="--min-workers", min=2,
+                           modes=_LOCAL_ONLY, why=_ELASTIC_WHY)
+    max_workers: int = opt(8, "the autoscaler's upper bound of the worker count", flag="--max-workers", min=2,
+                           modes=_LOCAL_ONLY, why=_ELASTIC_WHY)
+    interval_s: float = opt(1.0, "the autoscaler's control loop period (s)", flag="--autoscale-interval", gt=0,
+                            modes=_LOCAL_ONLY, why=_ELASTIC_WHY)
+
+    @property
+    def switchable(self) -> bool:
+        """Workers run as `python -m elastic_worker` (elastic roles, or the autoscaler that needs them)."""
+        return self.enabled or self.autoscale
+
+
 SECTIONS: dict[str, type] = {
     "model": ModelSection, "router": RouterSection, "prefill": PrefillPool, "decode": DecodePool,
     "colocated": ColocatedPool, "kv": KvTransferSection, "ray": RaySection, "security": SecuritySection,
-    "observability": ObservabilitySection,
+    "observability": ObservabilitySection, "elastic": ElasticSection,
 }
 POOLS = ("prefill", "decode", "colocated")
 GROUP_TITLES = {
     "model": "model", "router": "router", "prefill": "prefill pool", "decode": "decode pool",
     "colocated": "colocated pool", "kv": "KV transfer", "ray": "Ray (with --ray; see docs/ray.md)",
     "security": "security (see docs/security.md)", "observability": "observability",
+    "elastic": "elastic roles and the SLO autoscaler (local only; see docs/configuration.md)",
 }
 
 
@@ -255,7 +285,7 @@ class DeploymentConfig:
     ray: RaySection = field(default_factory=RaySection)
     security: SecuritySection = field(default_factory=SecuritySection)
     observability: ObservabilitySection = field(default_factory=ObservabilitySection)
-    # autoscale: an AutoscaleSection (SLOs, pool bounds) goes here when the autoscaler lands (issue 15)
+    elastic: ElasticSection = field(default_factory=ElasticSection)
 
     def __post_init__(self) -> None:
         for name, value in _leaves(self):
@@ -303,6 +333,31 @@ class DeploymentConfig:
         if self.kv.checksum and self.kv.backend in ("grpc", "ray"):
             raise ConfigError(f"kv.checksum: applies to the shm backend only, not to kv.backend {self.kv.backend} "
                               "(the gRPC stream checksums every frame itself)")
+        self._check_elastic()
+
+    def _check_elastic(self) -> None:
+        elastic = self.elastic
+        if elastic.slo and not elastic.autoscale:
+            raise ConfigError("elastic.slo (--slo): needs elastic.autoscale (--autoscale)")
+        if not elastic.autoscale:
+            return
+        if not elastic.slo:
+            raise ConfigError("elastic.autoscale (--autoscale): needs elastic.slo (--slo ttft_ms=..,tpot_ms=..)")
+        try:
+            self.autoscale_options()
+        except ValueError as exc:
+            raise ConfigError(f"elastic: {exc}") from None
+
+    def autoscale_options(self) -> Any:  # noqa: ANN401 - cluster.elastic_cli.AutoscaleOptions (lazy import)
+        """The SLO autoscaler's options (`cluster.elastic_cli.AutoscaleOptions`), or None without
+        elastic.autoscale. The planner gets the sim engine's latency profile, if any."""
+        if not self.elastic.autoscale:
+            return None
+        from cluster.elastic_cli import AutoscaleOptions, parse_slo
+
+        profile = _abspath(self.model.profile) if self.model.engine == "sim" else None
+        return AutoscaleOptions(parse_slo(self.elastic.slo), self.elastic.min_workers, self.elastic.max_workers,
+                                self.elastic.interval_s, profile)
 
     def _has_auth_token(self) -> bool:
         import os

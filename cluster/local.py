@@ -8,7 +8,8 @@ Configuration: a `cluster.deploy_config.DeploymentConfig` (or the flat `LocalClu
 stands for one). Each process gets its settings as one JSON document, ``<log_dir>/<name>.config.json``
 (`python -m router|prefill_worker|decode_worker --config FILE`), made by the same
 `deploy_config.worker_document` / `router_document` the Ray launcher uses, and validated by the
-process on arrival.
+process on arrival. With elastic roles (``elastic`` section) every worker is `python -m elastic_worker
+--role ROLE --config FILE`, its document holding both roles' worker documents.
 
 Security: the router takes the public API's bearer token and certificate (``auth_token_file``,
 ``tls_cert_file``/``tls_key_file``; `python -m router` flags of the same names). The internal plane
@@ -96,6 +97,7 @@ class LocalClusterConfig:
     tls_cert_file: str | None = None  # public gRPC and HTTP API over TLS (with tls_key_file)
     tls_key_file: str | None = None
     metrics_host: str = "127.0.0.1"  # router's /metrics interface; beyond loopback only with a token
+    elastic: bool = False  # elastic.enabled: workers can switch roles at runtime (`elastic_worker`; `pdserve role`)
 
     def __post_init__(self) -> None:
         self.deployment()  # ConfigError (a ValueError) naming the setting
@@ -108,6 +110,7 @@ class LocalClusterConfig:
         doc["colocated"] = {**colocated, "count": self.colocated}
         doc["observability"].update(log_dir=self.log_dir, metrics=self.metrics, log_format=self.log_format,
                                     metrics_host=self.metrics_host)
+        doc["elastic"] = {"enabled": self.elastic}
         return DeploymentConfig.from_dict(doc)
 
     def extra_args(self) -> dict[str, tuple[str, ...]]:
@@ -147,8 +150,15 @@ def worker_threads(config: DeploymentConfig, role: str) -> int:
 
 
 def local_worker_document(config: DeploymentConfig, role: str, worker_id: str) -> dict[str, Any]:
-    """The config document of one local worker process (loopback; a free /metrics port with metrics on)."""
-    return worker_document(config, role, worker_id, WORKER_HOST, worker_threads(config, role), _metrics_port(config))
+    """The config document of one local worker process (loopback; a free /metrics port with metrics on).
+    With elastic roles (`elastic.enabled` or `elastic.autoscale`) the worker runs `python -m
+    elastic_worker --role ROLE`, and its document holds both roles' documents: {"prefill": ...,
+    "decode": ...}, each read by that role's parser (same worker_id, threads and /metrics port)."""
+    threads, metrics_port = worker_threads(config, role), _metrics_port(config)
+    if config.elastic.switchable:
+        return {kind: worker_document(config, kind, worker_id, WORKER_HOST, threads, metrics_port)
+                for kind in ("prefill", "decode")}
+    return worker_document(config, role, worker_id, WORKER_HOST, threads, metrics_port)
 
 
 def local_router_document(config: DeploymentConfig, workers: list[WorkerProcess]) -> dict[str, Any]:
@@ -253,9 +263,14 @@ class LocalCluster:
         return list(self._workers)
 
     def _launch(self, name: str, kind: str, document: dict[str, Any]) -> ManagedProcess:
-        """Start `python -m <module of kind> --config <name>.config.json` (plus the kind's extra flags)."""
+        """Start `python -m <module of kind> --config <name>.config.json` (plus the kind's extra flags);
+        a worker with elastic roles: `python -m elastic_worker --role <kind> --config ...`."""
         path = write_document(self.log_dir / f"{name}.config.json", document)
-        argv = [sys.executable, "-m", PROCESS_MODULES[kind], "--config", str(path), *self._extra.get(kind, ())]
+        if kind != "router" and self.deployment.elastic.switchable:
+            module = ["elastic_worker", "--role", kind]
+        else:
+            module = [PROCESS_MODULES[kind]]
+        argv = [sys.executable, "-m", *module, "--config", str(path), *self._extra.get(kind, ())]
         env = child_env(self.deployment.security.internal_token_file)
         process = ManagedProcess(name, argv, self.log_dir / f"{name}.log", env)
         self._processes.append(process)

@@ -42,6 +42,11 @@ from telemetry.prometheus import start_metrics_endpoint
 
 def parse_args(argv: list[str] | None = None, document: dict[str, Any] | None = None) -> argparse.Namespace:
     """This worker's options: defaults < `document` (or the JSON file of --config) < flags."""
+    return parse_with_document(build_parser(), argv, document)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """This worker's command-line flags (also read by `elastic_worker`, which takes both roles' flags)."""
     ap = argparse.ArgumentParser(prog="python -m decode_worker", description=__doc__)
     add_worker_args(ap, worker_id="decode-0", kv_cache_mb=512)
     ap.add_argument("--colocated", action="store_true", help="prefill every request here (classic server)")
@@ -75,7 +80,7 @@ def parse_args(argv: list[str] | None = None, document: dict[str, Any] | None = 
     add_observability_args(ap)
     add_engine_args(ap)
     add_config_arg(ap)
-    return parse_with_document(ap, argv, document)
+    return ap
 
 
 def frame_receive_bytes() -> int:

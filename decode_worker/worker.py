@@ -28,6 +28,7 @@ import torch
 from engine.block_pool import blocks_for_tokens
 from engine.config import EngineConfig
 from engine.engine_loop import EngineLoop, LoopDead
+from engine.kv_cache import KVCache
 from engine.llm_engine import BlockWriter, LLMEngine, TokenOutput
 from engine.metrics import WorkerMetrics
 from engine.model_loader import LoadedModel
@@ -82,11 +83,12 @@ class _PendingReservation:
 class DecodeWorker:
     def __init__(self, loaded: LoadedModel, config: EngineConfig, admission_timeout_s: float = 30.0,
                  max_waiting: int = 1024, metrics: WorkerMetrics | None = None,
-                 die_after_steps: int | None = None, step_delay_s: float = 0.0) -> None:
+                 die_after_steps: int | None = None, step_delay_s: float = 0.0,
+                 kv_cache: KVCache | None = None) -> None:
         """`step_delay_s`: testing only, a sleep before each step (slows a tiny model's streams)."""
         self.loaded = loaded
         self.step_delay_s = step_delay_s
-        self.engine = LLMEngine(loaded, config)
+        self.engine = LLMEngine(loaded, config, kv_cache=kv_cache)
         self.admission_timeout_s = admission_timeout_s
         self.max_waiting = max_waiting
         self._streams: dict[str, StreamSink] = {}

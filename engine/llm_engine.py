@@ -82,13 +82,15 @@ def build_cache(loaded: LoadedModel, config: EngineConfig, shared: bool = False)
 
 class LLMEngine:
     def __init__(self, loaded: LoadedModel, config: EngineConfig, connector: KvConnector | None = None,
-                 shared_kv_cache: bool = False) -> None:
+                 shared_kv_cache: bool = False, kv_cache: KVCache | None = None) -> None:
         """`connector`: hand finished prefills to it instead of decoding them (a prefill worker).
-        `shared_kv_cache`: put the KV cache in shared memory (same-host peers read it in place)."""
+        `shared_kv_cache`: put the KV cache in shared memory (same-host peers read it in place).
+        `kv_cache`: use this (idle) cache instead of allocating one: a worker that changes role
+        re-purposes its KV memory for a new engine (`elastic_worker`); every block starts free."""
         self.loaded = loaded
         self.config = config
         self.connector = connector
-        self.kv_cache = build_cache(loaded, config, shared=shared_kv_cache)
+        self.kv_cache = kv_cache if kv_cache is not None else build_cache(loaded, config, shared=shared_kv_cache)
         self.pool = BlockPool(self.kv_cache.num_blocks, config.block_size)
         self.runner = build_runner(loaded, self.kv_cache)
         self.scheduler = Scheduler(config, self.pool, keeps_decoding=connector is None)

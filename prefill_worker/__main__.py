@@ -40,6 +40,11 @@ from telemetry.prometheus import start_metrics_endpoint
 
 def parse_args(argv: list[str] | None = None, document: dict[str, Any] | None = None) -> argparse.Namespace:
     """This worker's options: defaults < `document` (or the JSON file of --config) < flags."""
+    return parse_with_document(build_parser(), argv, document)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """This worker's command-line flags (also read by `elastic_worker`, which takes both roles' flags)."""
     ap = argparse.ArgumentParser(prog="python -m prefill_worker", description=__doc__)
     add_worker_args(ap, worker_id="prefill-0", kv_cache_mb=256)
     ap.add_argument("--max-batched-tokens", type=int, default=4096, help="token budget of one prefill pass")
@@ -61,7 +66,7 @@ def parse_args(argv: list[str] | None = None, document: dict[str, Any] | None = 
     add_observability_args(ap)
     add_engine_args(ap)
     add_config_arg(ap)
-    return parse_with_document(ap, argv, document)
+    return ap
 
 
 def start_worker(args: argparse.Namespace) -> StartedWorker:

@@ -29,6 +29,7 @@ import torch
 from engine.block_pool import blocks_for_tokens
 from engine.config import EngineConfig
 from engine.engine_loop import EngineLoop
+from engine.kv_cache import KVCache
 from engine.kv_connector import KvConnector
 from engine.llm_engine import LLMEngine
 from engine.metrics import WorkerMetrics
@@ -92,14 +93,16 @@ class PrefillWorker(KvConnector):
     def __init__(self, loaded: LoadedModel, config: EngineConfig, transfer_timeout_s: float = 60.0,
                  max_queue: int = 1024, metrics: WorkerMetrics | None = None,
                  faults: FaultInjector | None = None, prefill_chunk_tokens: int | None = None,
-                 prefix_caching: bool = False, kv_streaming: str = "request", shared_kv_cache: bool = False) -> None:
+                 prefix_caching: bool = False, kv_streaming: str = "request", shared_kv_cache: bool = False,
+                 kv_cache: KVCache | None = None) -> None:
         if kv_streaming not in KV_STREAMING_MODES:
             raise ValueError(f"kv_streaming must be one of {KV_STREAMING_MODES}, got {kv_streaming!r}")
         self.loaded = loaded
         self.config = replace(config, prefix_caching=prefix_caching or config.prefix_caching,
                               prefill_chunk_tokens=prefill_chunk_tokens or config.prefill_chunk_tokens)
         # in shared memory, same-host decode workers copy blocks straight out of it ("shm" backend)
-        self.engine = LLMEngine(loaded, self.config, connector=self, shared_kv_cache=shared_kv_cache)
+        self.engine = LLMEngine(loaded, self.config, connector=self, shared_kv_cache=shared_kv_cache,
+                                kv_cache=kv_cache)
         self.transfer_timeout_s = transfer_timeout_s
         self.max_queue = max_queue
         self.faults = faults or FaultInjector(None, 0)

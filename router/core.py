@@ -51,7 +51,7 @@ from router.config import MAX_RECEIVE_MESSAGE_BYTES, RouterConfig
 from router.metrics import RequestClock, RouterMetrics
 from router.policies import DECODE, PREFILL, estimate_prompt_tokens, make_policy, prefix_key
 from router.validation import InvalidRequest, validate_generate_request
-from router.worker_pool import Lease, NoHealthyWorker, WorkerPool
+from router.worker_pool import ROLE_PB, Lease, NoHealthyWorker, SwitchRefused, WorkerPool
 from telemetry.grpc_logging import log_finish, log_start, safe_id
 
 log = logging.getLogger(__name__)
@@ -60,6 +60,8 @@ log = logging.getLogger(__name__)
 RETRYABLE = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.INTERNAL, grpc.StatusCode.UNKNOWN})
 #: Statuses of a request that broke a worker's step (not the worker itself): never suspect the worker.
 REQUEST_FAULTS = frozenset({grpc.StatusCode.INTERNAL, grpc.StatusCode.UNKNOWN})
+#: Outcomes of a request that completed (StatusResponse.recent: ok).
+_FINISHED_OK = frozenset({"FINISH_REASON_STOP", "FINISH_REASON_LENGTH", "FINISH_REASON_STOP_STRING"})
 #: After a failure, how long to wait for some worker of the needed role to be healthy again.
 RECOVERY_WAIT_S = 3.0
 #: How long Router.Migrate waits for the target to hold the K/V.
@@ -173,15 +175,66 @@ class RouterCore:
             raise
         finally:
             self.metrics.finished(state.outcome)
+            self.metrics.remember(state.clock.sample(ok=state.outcome in _FINISHED_OK))
             log_finish("Generate", safe_id(state.echo_id), started, _status_of(state.outcome))
 
-    def status(self) -> router_pb2.StatusResponse:
+    def status(self, recent_window_s: float = 0.0) -> router_pb2.StatusResponse:
+        now = time.monotonic()
+        recent = [router_pb2.FinishedRequest(
+            finished_ago_s=now - s.finished_at, ttft_s=s.ttft_s, tpot_s=s.tpot_s, queue_s=s.queue_s,
+            prompt_tokens=s.prompt_tokens, output_tokens=s.output_tokens, ok=s.ok)
+            for s in (self.metrics.recent(recent_window_s) if recent_window_s > 0 else ())]
         return router_pb2.StatusResponse(
             workers=self.pool.snapshot(), in_flight_requests=self.metrics.in_flight,
             total_requests=self.metrics.total_requests, queued_requests=len(self.admission),
             max_queued_requests=self.admission.max_queued, dequeued_requests=self.admission.admitted,
-            queue_time_s_sum=self.admission.queue_time_s_sum,
+            queue_time_s_sum=self.admission.queue_time_s_sum, recent=recent,
         )
+
+    async def switch_role(self, worker: str, role: str, drain_timeout_s: float) -> router_pb2.SwitchRoleResponse:
+        """Switch one worker's role (Router.SwitchRole): stop routing new work of its old role to it,
+        wait until the requests the router sent it are done, have it switch (it finishes what it
+        still holds), then route to it in its new role with the KV targets updated. Raises
+        RouterError (NOT_FOUND, FAILED_PRECONDITION, DEADLINE_EXCEEDED, UNAVAILABLE)."""
+        started = time.monotonic()
+        try:
+            address, old_role = self.pool.hold_for_switch(worker, role)
+        except (KeyError, SwitchRefused) as exc:
+            code = grpc.StatusCode.NOT_FOUND if isinstance(exc, KeyError) else grpc.StatusCode.FAILED_PRECONDITION
+            raise RouterError(code, str(exc.args[0])) from None
+        if old_role == role:
+            return router_pb2.SwitchRoleResponse(worker=self.pool.info_of(address), previous_role=ROLE_PB[role])
+        log.info("switching worker %s from %s to %s", address, old_role, role)
+        deadline = started + drain_timeout_s
+        try:
+            while self.pool.in_flight_of(address) and time.monotonic() < deadline:
+                await asyncio.sleep(0.02)
+            if self.pool.in_flight_of(address):
+                raise RouterError(grpc.StatusCode.DEADLINE_EXCEEDED,
+                                  f"worker {address}: requests it holds did not finish within {drain_timeout_s:.1f}s")
+            drained_s = time.monotonic() - started
+            await self._set_worker_role(address, role, max(0.1, deadline - time.monotonic()))
+        except BaseException:
+            self.pool.release_hold(address)
+            self.wake()
+            raise
+        info = await asyncio.to_thread(self.pool.set_role, address, role)
+        self.wake()
+        log.info("worker %s is now %s (switched in %.3fs)", address, role, time.monotonic() - started)
+        self.metrics.prom.role_switches.labels(old_role, role).inc()
+        return router_pb2.SwitchRoleResponse(worker=info, previous_role=ROLE_PB[old_role], drain_s=drained_s,
+                                             switch_s=time.monotonic() - started)
+
+    async def _set_worker_role(self, address: str, role: str, timeout_s: float) -> None:
+        stub = worker_pb2_grpc.RoleControlStub(self._channel(address))
+        try:
+            await stub.SetRole(worker_pb2.SetRoleRequest(role=ROLE_PB[role], drain_timeout_s=timeout_s),
+                               timeout=timeout_s + 5.0, metadata=self._metadata)
+        except grpc.aio.AioRpcError as exc:
+            if exc.code() == grpc.StatusCode.UNIMPLEMENTED:
+                raise RouterError(grpc.StatusCode.FAILED_PRECONDITION,
+                                  f"worker {address} cannot switch roles (start workers with --elastic)") from None
+            raise RouterError(exc.code(), f"worker {address}: {exc.details()}") from None
 
     def wake(self) -> None:
         """Capacity may have changed (a poll, a release): admit queued requests that now fit, and
@@ -392,6 +445,8 @@ class RouterCore:
                 continue
             finally:
                 self.metrics.prom.requests_waiting.set(len(self.admission))
+            if not retry:
+                state.clock.queue_s = state.clock.elapsed_s()
             self.metrics.prom.queue_time.observe(state.clock.elapsed_s())
             return lease
 
@@ -464,12 +519,16 @@ class RouterCore:
         return False
 
     def _stub(self, address: str) -> worker_pb2_grpc.DecodeWorkerStub:
+        self._channel(address)
+        return self._stubs[address][1]
+
+    def _channel(self, address: str) -> grpc.aio.Channel:
         entry = self._stubs.get(address)
         if entry is None:
             channel = open_aio_channel(address, [("grpc.max_receive_message_length", MAX_RECEIVE_MESSAGE_BYTES)],
                                        add_token=False)  # the token goes in self._metadata, per call
             entry = self._stubs[address] = (channel, worker_pb2_grpc.DecodeWorkerStub(channel))
-        return entry[1]
+        return entry[0]
 
 
 def _status_of(outcome: str) -> str:

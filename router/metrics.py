@@ -16,6 +16,20 @@ from dataclasses import dataclass
 from router.prom_metrics import RouterPrometheus
 
 SAMPLE_WINDOW = 10_000
+RECENT_WINDOW_S = 60.0  # finished requests kept for StatusResponse.recent (the autoscaler's input)
+
+
+@dataclass(frozen=True)
+class FinishedSample:
+    """One finished request as the router measured it (StatusResponse.recent)."""
+
+    finished_at: float  # time.monotonic()
+    ttft_s: float
+    tpot_s: float
+    queue_s: float
+    prompt_tokens: int
+    output_tokens: int
+    ok: bool
 
 
 @dataclass(frozen=True)
@@ -62,6 +76,7 @@ class RouterMetrics:
         self.itl = LatencySeries()
         self.e2e = LatencySeries()
         self.prom = RouterPrometheus()
+        self._recent: deque[FinishedSample] = deque()
         self._prom_series = {id(self.ttft): self.prom.ttft, id(self.itl): self.prom.itl, id(self.e2e): self.prom.e2e}
 
     def started(self) -> None:
@@ -77,6 +92,24 @@ class RouterMetrics:
             self.outcomes[outcome] += 1
         self.prom.requests_running.dec()
         self.prom.requests.labels(outcome).inc()
+
+    def remember(self, sample: FinishedSample) -> None:
+        """Keep one finished request for RECENT_WINDOW_S seconds (`recent`)."""
+        with self._lock:
+            self._recent.append(sample)
+            self._forget_before(sample.finished_at - RECENT_WINDOW_S)
+
+    def recent(self, window_s: float) -> list[FinishedSample]:
+        """Requests that finished within the last `window_s` seconds (at most RECENT_WINDOW_S), oldest first."""
+        now = time.monotonic()
+        with self._lock:
+            self._forget_before(now - RECENT_WINDOW_S)
+            since = now - min(window_s, RECENT_WINDOW_S)
+            return [s for s in self._recent if s.finished_at >= since]
+
+    def _forget_before(self, cutoff: float) -> None:
+        while self._recent and self._recent[0].finished_at < cutoff:
+            self._recent.popleft()
 
     def count_tokens(self, prompt_tokens: int, completion_tokens: int) -> None:
         """Count the usage reported with a request's last response."""
@@ -110,6 +143,10 @@ class RequestClock:
         self._metrics = metrics
         self.start = time.monotonic()
         self.ttft_s = 0.0
+        self.e2e_s = 0.0
+        self.queue_s = 0.0  # set when the request leaves the admission queue
+        self.prompt_tokens = 0
+        self.output_tokens = 0
         self._last_token_at: float | None = None
 
     def on_tokens(self) -> None:
@@ -127,10 +164,18 @@ class RequestClock:
 
     def count_tokens(self, prompt_tokens: int, completion_tokens: int) -> None:
         """Count the usage reported with the request's last response."""
+        self.prompt_tokens, self.output_tokens = prompt_tokens, completion_tokens
         self._metrics.count_tokens(prompt_tokens, completion_tokens)
 
     def finish(self) -> float:
         """Record and return the end-to-end latency."""
         e2e = time.monotonic() - self.start
+        self.e2e_s = e2e
         self._metrics.record(self._metrics.e2e, e2e)
         return e2e
+
+    def sample(self, ok: bool) -> FinishedSample:
+        """This request as a FinishedSample (call once it ended)."""
+        tpot = (self.e2e_s - self.ttft_s) / (self.output_tokens - 1) if self.output_tokens > 1 and self.e2e_s else 0.0
+        return FinishedSample(time.monotonic(), self.ttft_s, tpot, self.queue_s, self.prompt_tokens,
+                              self.output_tokens, ok)

@@ -45,3 +45,5 @@ class RouterPrometheus:
                                  registry=r)
         self.migrations = Counter("pdserve_migrations", "Running requests moved live to another decode worker",
                                   registry=r)
+        self.role_switches = Counter("pdserve_role_switches", "Workers switched from one role to another",
+                                     ["from_role", "to_role"], registry=r)

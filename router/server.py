@@ -19,15 +19,19 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from pdserve.serving import AioServer, RequestParseInterceptor
-from pdserve.v1 import router_pb2, router_pb2_grpc
+from pdserve.v1 import common_pb2, router_pb2, router_pb2_grpc
 from router.auth import BearerTokenInterceptor
 from router.config import MAX_RECEIVE_MESSAGE_BYTES, RouterConfig
 from router.core import RouterCore, RouterError
 from router.metrics import RouterMetrics
+from router.policies import COLOCATED, DECODE, PREFILL
 from router.worker_pool import WorkerPool
 
 log = logging.getLogger(__name__)
 
+DEFAULT_SWITCH_TIMEOUT_S = 120.0
+ROLE_NAMES = {common_pb2.WORKER_ROLE_PREFILL: PREFILL, common_pb2.WORKER_ROLE_DECODE: DECODE,
+              common_pb2.WORKER_ROLE_COLOCATED: COLOCATED}
 ROUTER_SERVICE = router_pb2.DESCRIPTOR.services_by_name["Router"].full_name
 
 
@@ -60,7 +64,20 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
     async def GetStatus(  # noqa: N802
         self, request: router_pb2.StatusRequest, context: grpc.aio.ServicerContext
     ) -> router_pb2.StatusResponse:
-        return self._core.status()
+        return self._core.status(request.recent_window_s)
+
+    async def SwitchRole(  # noqa: N802
+        self, request: router_pb2.SwitchRoleRequest, context: grpc.aio.ServicerContext
+    ) -> router_pb2.SwitchRoleResponse:
+        role = ROLE_NAMES.get(request.role)
+        if role is None or not request.worker_id:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                                "worker_id and role (prefill, decode or colocated) are required")
+        timeout_s = request.drain_timeout_s if request.drain_timeout_s > 0 else DEFAULT_SWITCH_TIMEOUT_S
+        try:
+            return await self._core.switch_role(request.worker_id, role, timeout_s)
+        except RouterError as exc:
+            await context.abort(exc.code, exc.details)
 
 
 class RouterServer:

@@ -32,7 +32,7 @@ from router.policies import COLOCATED, DECODE, PREFILL, ROLES, Candidate, Policy
 
 log = logging.getLogger(__name__)
 
-_ROLE_PB = {
+ROLE_PB = {
     PREFILL: common_pb2.WORKER_ROLE_PREFILL,
     DECODE: common_pb2.WORKER_ROLE_DECODE,
     COLOCATED: common_pb2.WORKER_ROLE_COLOCATED,
@@ -41,6 +41,11 @@ _ROLE_PB = {
 
 class NoHealthyWorker(RuntimeError):
     """No healthy worker of a needed stage; the message says which."""
+
+
+class SwitchRefused(RuntimeError):
+    """A role switch that is not possible now (another switch of that worker runs, or it would leave a
+    stage without workers); the message says why."""
 
 
 @dataclass(frozen=True)
@@ -75,6 +80,7 @@ class _WorkerState:
     healthy: bool = False
     in_flight: int = 0
     in_flight_prompt_tokens: int = 0
+    held: bool = False  # a role switch is under way: no new request is assigned to it
 
     def candidate(self) -> Candidate:
         info = self.info or common_pb2.WorkerInfo()
@@ -312,7 +318,7 @@ class WorkerPool:
                        if s.endpoint.role != PREFILL and s.healthy)
 
     def _candidates_locked(self, roles: Sequence[str], avoid: frozenset[str] = frozenset()) -> list[Candidate]:
-        states = [s for s in self._workers.values() if s.endpoint.role in roles]
+        states = [s for s in self._workers.values() if s.endpoint.role in roles and not s.held]
         preferred = [s for s in states if s.endpoint.address not in avoid and s.healthy]
         return [s.candidate() for s in (preferred or states)]
 
@@ -388,6 +394,71 @@ class WorkerPool:
                 self._workers[lease.decode_address].in_flight -= 1
         self._changed()
 
+    # ----- role switches (Router.SwitchRole) -------------------------------------------------------
+    def hold_for_switch(self, worker: str, role: str) -> tuple[str, str]:
+        """Stop assigning new requests to `worker` (its worker_id or address) before it switches to
+        `role`; return (address, current role). KeyError for an unknown worker; SwitchRefused when it
+        is already switching or the switch would leave decode workers without a prefill worker, or
+        no worker to decode. A switch to the role it has holds nothing."""
+        with self._lock:
+            address = self._address_of_locked(worker)
+            state = self._workers[address]
+            if state.held:
+                raise SwitchRefused(f"worker {address} is already switching roles")
+            if state.endpoint.role == role:
+                return address, role
+            roles = [s.endpoint.role for a, s in self._workers.items() if a != address] + [role]
+            if DECODE in roles and PREFILL not in roles:
+                raise SwitchRefused(f"switching {address} to {role} would leave the decode workers without a "
+                                    "prefill worker")
+            if DECODE not in roles and COLOCATED not in roles:
+                raise SwitchRefused(f"switching {address} to {role} would leave no worker that decodes")
+            state.held = True
+            return address, state.endpoint.role
+
+    def _address_of_locked(self, worker: str) -> str:
+        if worker in self._workers:
+            return worker
+        for address, state in self._workers.items():
+            if state.info is not None and state.info.worker_id == worker:
+                return address
+        raise KeyError(f"no worker {worker!r} (neither a worker_id nor an address the router knows)")
+
+    def release_hold(self, address: str) -> None:
+        """A switch was abandoned: assign requests to the worker again, in its old role."""
+        with self._lock:
+            state = self._workers.get(address)
+            if state is not None:
+                state.held = False
+
+    def in_flight_of(self, address: str) -> int:
+        """Requests the router has at `address` (0 for an unknown address)."""
+        with self._lock:
+            state = self._workers.get(address)
+            return state.in_flight if state is not None else 0
+
+    def info_of(self, address: str) -> common_pb2.WorkerInfo:
+        with self._lock:
+            return _status_info(self._workers[address])
+
+    def set_role(self, address: str, role: str) -> common_pb2.WorkerInfo:
+        """The worker at `address` switched to `role`: poll it with the stubs of that role, register the
+        KV targets again (a new decode worker becomes a target of every prefill worker, a former one
+        stops being one; a new prefill worker learns them), then assign requests to it again.
+        Blocking (gRPC calls); returns its info."""
+        with self._lock:
+            old = self._workers[address]
+            state = _open(WorkerEndpoint(address, role), old.channel)
+            state.held = True  # not yet: until its targets are registered
+            self._workers[address] = state
+        self._record_poll(address, state.info_call.future(worker_pb2.InfoRequest(), timeout=self._info_timeout_s))
+        self.register_kv_targets()
+        with self._lock:
+            state.held = False
+            info = _status_info(state)
+        self._changed()
+        return info
+
     def snapshot(self) -> list[common_pb2.WorkerInfo]:
         """Latest WorkerInfo of every worker, with address, role and healthy as the router sees them."""
         with self._lock:
@@ -414,8 +485,8 @@ def slots_of(info: common_pb2.WorkerInfo | None) -> int:
     return running + max(2, running // 4) if running > 0 else 0
 
 
-def _open(endpoint: WorkerEndpoint) -> _WorkerState:
-    channel = open_channel(endpoint.address)
+def _open(endpoint: WorkerEndpoint, channel: grpc.Channel | None = None) -> _WorkerState:
+    channel = channel or open_channel(endpoint.address)
     if endpoint.role == PREFILL:
         stub = worker_pb2_grpc.PrefillWorkerStub(channel)
         return _WorkerState(endpoint, channel, stub.GetInfo, stub.SetKvTargets)
@@ -428,6 +499,6 @@ def _status_info(state: _WorkerState) -> common_pb2.WorkerInfo:
     if state.info is not None:
         info.CopyFrom(state.info)
     info.address = state.endpoint.address
-    info.role = _ROLE_PB[state.endpoint.role]
+    info.role = ROLE_PB[state.endpoint.role]
     info.healthy = state.healthy
     return info

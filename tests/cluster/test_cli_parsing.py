@@ -109,6 +109,53 @@ def test_migrate_takes_a_request_id_and_an_optional_target() -> None:
         _parse("migrate")
 
 
+def test_role_and_migrate_are_both_commands() -> None:
+    args = _parse("role", "--url", "h:1", "decode-1", "prefill")
+    assert (args.url, args.worker_id, args.role, args.func.__name__) == ("h:1", "decode-1", "prefill", "_cmd_role")
+    assert _parse("migrate", "r").func.__name__ == "_cmd_migrate"
+    with pytest.raises(SystemExit):
+        _parse("role", "decode-1", "sideways")
+
+
+def test_elastic_flags_are_the_elastic_section() -> None:
+    config = deployment_config(_parse("serve", "--autoscale", "--slo", "ttft_ms=500,tpot_ms=50", "--max-workers", "4",
+                                      "--autoscale-interval", "0.5"))
+    assert config.elastic.switchable and not config.elastic.enabled
+    options = config.autoscale_options()
+    assert (options.slo, options.min_workers, options.max_workers, options.interval_s) == (
+        {"ttft_ms": 500.0, "tpot_ms": 50.0}, 2, 4, 0.5)
+    assert deployment_config(_parse("serve", "--elastic")).autoscale_options() is None
+    assert LocalClusterConfig(elastic=True).deployment().elastic.enabled
+    assert not LocalClusterConfig().deployment().elastic.switchable
+
+
+def test_elastic_worker_takes_both_documents_or_flags(tmp_path) -> None:  # noqa: ANN001
+    import json
+
+    from elastic_worker.__main__ import parse_args as elastic_args
+
+    config = LocalClusterConfig(model="/m", threads_per_worker=2, elastic=True, local_prefill_threshold=5).deployment()
+    document = local_worker_document(config, "decode", "decode-0")
+    assert set(document) == {"prefill", "decode"}
+    path = tmp_path / "decode-0.config.json"
+    path.write_text(json.dumps(document))
+    role, prefill, decode = elastic_args(["--role", "decode", "--config", str(path), "--max-num-seqs", "3"])
+    assert (role, prefill.model, decode.model, prefill.worker_id, decode.worker_id) == (
+        "decode", "/m", "/m", "decode-0", "decode-0")
+    assert (decode.local_prefill_threshold, decode.max_num_seqs, decode.threads, prefill.threads) == (5, 3, 2, 2)
+    # standalone flags without --config, as before
+    role, prefill, decode = elastic_args(["--role", "prefill", "--model", "/x", "--prefill-chunk-tokens", "64",
+                                          "--max-num-seqs", "7", "--worker-id", "w"])
+    assert (role, prefill.model, decode.model, prefill.prefill_chunk_tokens, decode.max_num_seqs) == (
+        "prefill", "/x", "/x", 64, 7)
+    with pytest.raises(SystemExit):  # one role's document only
+        elastic_args(["--role", "decode"], document={"decode": document["decode"]})
+    with pytest.raises(SystemExit):  # a key the role's parser does not know
+        elastic_args(["--role", "decode"], document={**document, "prefill": {"max_num_seqs": 3}})
+    with pytest.raises(SystemExit):  # a flag neither role knows
+        elastic_args(["--role", "decode", "--no-such-flag"])
+
+
 def test_model_fetch_is_kept() -> None:
     args = _parse("model", "fetch", "--force")
     assert args.force and args.func.__name__ == "_cmd_model_fetch"

@@ -32,6 +32,7 @@ from cluster.local import (
     worker_threads,
 )
 from decode_worker.__main__ import parse_args as decode_parse
+from elastic_worker.__main__ import parse_args as elastic_parse
 from prefill_worker.__main__ import parse_args as prefill_parse
 from router.__main__ import config_from_args
 from router.__main__ import parse_args as router_parse
@@ -42,6 +43,7 @@ PARSERS: dict[str, Callable[..., argparse.Namespace]] = {
     "prefill": prefill_parse, "decode": decode_parse, "colocated": decode_parse, "router": router_parse}
 
 Received = list[tuple[str, argparse.Namespace]]  # (process kind, the options it parsed from its document)
+ELASTIC = "elastic"  # kind of an elastic worker's entry (its decode-side options; the role's own entry as well)
 
 
 def received(config: DeploymentConfig) -> Received:
@@ -53,7 +55,13 @@ def received(config: DeploymentConfig) -> Received:
             document = local_worker_document(config, role, worker_id)
         else:
             document = worker_document(config, role, worker_id, config.ray.worker_host)
-        out.append((role, PARSERS[role]([], document=json.loads(json.dumps(document)))))
+        if config.mode == "local" and config.elastic.switchable:  # `python -m elastic_worker --role ROLE`
+            started, prefill_ns, decode_ns = elastic_parse(["--role", role], json.loads(json.dumps(document)))
+            assert started == role
+            out.append((role, prefill_ns if role == "prefill" else decode_ns))
+            out.append((ELASTIC, decode_ns))
+        else:
+            out.append((role, PARSERS[role]([], document=json.loads(json.dumps(document)))))
         workers.setdefault(role, []).append(f"127.0.0.1:{20000 + i}")
     if config.mode == "local":
         processes = [WorkerProcess(r, f"{r}-{i}", a, 0) for r, addrs in workers.items() for i, a in enumerate(addrs)]
@@ -154,6 +162,32 @@ CASES: dict[str, tuple[Any, dict[str, Any], Callable[[DeploymentConfig, Received
     "observability.metrics_host": ("0.0.0.0", {"security.auth_token_file": "TOKEN"},
                                    _all(("router",), "metrics_host", "0.0.0.0")),
 }
+
+def _elastic_workers(c: DeploymentConfig, got: Received) -> bool:
+    """Every worker runs as an elastic worker (and parsed its role's document)."""
+    workers = [k for k, _ns in got if k in WORKERS]
+    return bool(workers) and sum(k == ELASTIC for k, _ns in got) == len(workers) == c.num_workers
+
+
+def _autoscaler(**expected: Any) -> Callable[[DeploymentConfig, Received], bool]:  # noqa: ANN401
+    """Elastic workers, and the autoscaler (`serve` starts it with these options) has `expected`."""
+    def check(c: DeploymentConfig, got: Received) -> bool:
+        options = c.autoscale_options()
+        return _elastic_workers(c, got) and options is not None and all(
+            getattr(options, k) == v for k, v in expected.items())
+    return check
+
+
+AUTOSCALE = {"elastic.autoscale": True, "elastic.slo": "ttft_ms=500"}
+CASES.update({
+    "elastic.enabled": (True, {}, _elastic_workers),
+    "elastic.autoscale": (True, {"elastic.slo": "ttft_ms=500,tpot_ms=50"},
+                          _autoscaler(slo={"ttft_ms": 500.0, "tpot_ms": 50.0})),
+    "elastic.slo": ("tpot_ms=40", {"elastic.autoscale": True}, _autoscaler(slo={"tpot_ms": 40.0})),
+    "elastic.min_workers": (3, AUTOSCALE, _autoscaler(min_workers=3)),
+    "elastic.max_workers": (5, AUTOSCALE, _autoscaler(max_workers=5)),
+    "elastic.interval_s": (0.5, AUTOSCALE, _autoscaler(interval_s=0.5)),
+})
 POOL_CASES: dict[str, tuple[Any, str]] = {  # pool setting -> (value, the worker option it becomes)  # noqa: ANN401
     "threads": (3, "threads"), "kv_cache_mb": (77, "kv_cache_mb"), "max_batched_tokens": (999, "max_batched_tokens"),
     "prefix_caching": (False, "prefix_caching"), "request_timeout_s": (11.0, "request_timeout_s"),
@@ -246,6 +280,11 @@ def test_unknown_keys_and_bad_values_fail_naming_the_key(tmp_path: Path) -> None
         "ray:\n  placement: spread\n": "ray.placement .* not supported without --ray",
         "mode: ray\nobservability:\n  metrics: true\n": "observability.metrics .* not supported with --ray",
         "kv:\n  backend: ray\n": "kv.backend: ray .* needs --ray",
+        "mode: ray\nelastic:\n  enabled: true\n": "elastic.enabled .* not supported with --ray",
+        "elastic:\n  slo: ttft_ms=5\n": "elastic.slo .* needs elastic.autoscale",
+        "elastic:\n  autoscale: true\n": "elastic.autoscale .* needs elastic.slo",
+        "elastic:\n  autoscale: true\n  slo: ttft=5\n": "elastic: --slo items look like",
+        "elastic:\n  autoscale: true\n  slo: ttft_ms=5\n  min_workers: 9\n": "elastic: need 2 <= --min-workers",
     }
     for text, message in cases.items():
         path = tmp_path / "bad.yaml"

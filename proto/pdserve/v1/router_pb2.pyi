@@ -7,6 +7,28 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
 
+class SwitchRoleRequest(_message.Message):
+    __slots__ = ("worker_id", "role", "drain_timeout_s")
+    WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    ROLE_FIELD_NUMBER: _ClassVar[int]
+    DRAIN_TIMEOUT_S_FIELD_NUMBER: _ClassVar[int]
+    worker_id: str
+    role: _common_pb2.WorkerRole
+    drain_timeout_s: float
+    def __init__(self, worker_id: _Optional[str] = ..., role: _Optional[_Union[_common_pb2.WorkerRole, str]] = ..., drain_timeout_s: _Optional[float] = ...) -> None: ...
+
+class SwitchRoleResponse(_message.Message):
+    __slots__ = ("worker", "previous_role", "drain_s", "switch_s")
+    WORKER_FIELD_NUMBER: _ClassVar[int]
+    PREVIOUS_ROLE_FIELD_NUMBER: _ClassVar[int]
+    DRAIN_S_FIELD_NUMBER: _ClassVar[int]
+    SWITCH_S_FIELD_NUMBER: _ClassVar[int]
+    worker: _common_pb2.WorkerInfo
+    previous_role: _common_pb2.WorkerRole
+    drain_s: float
+    switch_s: float
+    def __init__(self, worker: _Optional[_Union[_common_pb2.WorkerInfo, _Mapping]] = ..., previous_role: _Optional[_Union[_common_pb2.WorkerRole, str]] = ..., drain_s: _Optional[float] = ..., switch_s: _Optional[float] = ...) -> None: ...
+
 class GenerateRequest(_message.Message):
     __slots__ = ("request_id", "prompt", "messages", "token_ids", "params", "priority", "trace")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
@@ -90,11 +112,31 @@ class MigrateResponse(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., from_address: _Optional[str] = ..., to_address: _Optional[str] = ..., num_tokens: _Optional[int] = ..., kv_bytes: _Optional[int] = ..., migrate_s: _Optional[float] = ...) -> None: ...
 
 class StatusRequest(_message.Message):
-    __slots__ = ()
-    def __init__(self) -> None: ...
+    __slots__ = ("recent_window_s",)
+    RECENT_WINDOW_S_FIELD_NUMBER: _ClassVar[int]
+    recent_window_s: float
+    def __init__(self, recent_window_s: _Optional[float] = ...) -> None: ...
+
+class FinishedRequest(_message.Message):
+    __slots__ = ("finished_ago_s", "ttft_s", "tpot_s", "queue_s", "prompt_tokens", "output_tokens", "ok")
+    FINISHED_AGO_S_FIELD_NUMBER: _ClassVar[int]
+    TTFT_S_FIELD_NUMBER: _ClassVar[int]
+    TPOT_S_FIELD_NUMBER: _ClassVar[int]
+    QUEUE_S_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    OUTPUT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    OK_FIELD_NUMBER: _ClassVar[int]
+    finished_ago_s: float
+    ttft_s: float
+    tpot_s: float
+    queue_s: float
+    prompt_tokens: int
+    output_tokens: int
+    ok: bool
+    def __init__(self, finished_ago_s: _Optional[float] = ..., ttft_s: _Optional[float] = ..., tpot_s: _Optional[float] = ..., queue_s: _Optional[float] = ..., prompt_tokens: _Optional[int] = ..., output_tokens: _Optional[int] = ..., ok: _Optional[bool] = ...) -> None: ...
 
 class StatusResponse(_message.Message):
-    __slots__ = ("workers", "in_flight_requests", "total_requests", "queued_requests", "max_queued_requests", "dequeued_requests", "queue_time_s_sum")
+    __slots__ = ("workers", "in_flight_requests", "total_requests", "queued_requests", "max_queued_requests", "dequeued_requests", "queue_time_s_sum", "recent")
     WORKERS_FIELD_NUMBER: _ClassVar[int]
     IN_FLIGHT_REQUESTS_FIELD_NUMBER: _ClassVar[int]
     TOTAL_REQUESTS_FIELD_NUMBER: _ClassVar[int]
@@ -102,6 +144,7 @@ class StatusResponse(_message.Message):
     MAX_QUEUED_REQUESTS_FIELD_NUMBER: _ClassVar[int]
     DEQUEUED_REQUESTS_FIELD_NUMBER: _ClassVar[int]
     QUEUE_TIME_S_SUM_FIELD_NUMBER: _ClassVar[int]
+    RECENT_FIELD_NUMBER: _ClassVar[int]
     workers: _containers.RepeatedCompositeFieldContainer[_common_pb2.WorkerInfo]
     in_flight_requests: int
     total_requests: int
@@ -109,4 +152,5 @@ class StatusResponse(_message.Message):
     max_queued_requests: int
     dequeued_requests: int
     queue_time_s_sum: float
-    def __init__(self, workers: _Optional[_Iterable[_Union[_common_pb2.WorkerInfo, _Mapping]]] = ..., in_flight_requests: _Optional[int] = ..., total_requests: _Optional[int] = ..., queued_requests: _Optional[int] = ..., max_queued_requests: _Optional[int] = ..., dequeued_requests: _Optional[int] = ..., queue_time_s_sum: _Optional[float] = ...) -> None: ...
+    recent: _containers.RepeatedCompositeFieldContainer[FinishedRequest]
+    def __init__(self, workers: _Optional[_Iterable[_Union[_common_pb2.WorkerInfo, _Mapping]]] = ..., in_flight_requests: _Optional[int] = ..., total_requests: _Optional[int] = ..., queued_requests: _Optional[int] = ..., max_queued_requests: _Optional[int] = ..., dequeued_requests: _Optional[int] = ..., queue_time_s_sum: _Optional[float] = ..., recent: _Optional[_Iterable[_Union[FinishedRequest, _Mapping]]] = ...) -> None: ...

@@ -50,6 +50,11 @@ class RouterStub:
                 request_serializer=pdserve_dot_v1_dot_router__pb2.MigrateRequest.SerializeToString,
                 response_deserializer=pdserve_dot_v1_dot_router__pb2.MigrateResponse.FromString,
                 _registered_method=True)
+        self.SwitchRole = channel.unary_unary(
+                '/pdserve.v1.Router/SwitchRole',
+                request_serializer=pdserve_dot_v1_dot_router__pb2.SwitchRoleRequest.SerializeToString,
+                response_deserializer=pdserve_dot_v1_dot_router__pb2.SwitchRoleResponse.FromString,
+                _registered_method=True)
 
 
 class RouterServicer:
@@ -82,6 +87,16 @@ class RouterServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def SwitchRole(self, request, context):
+        """Switch one worker to another role in the same process (model stays loaded, KV pool re-purposed):
+        the router stops routing new work of the old role to it, the worker finishes what it holds, changes
+        role and is routed to in its new role (KV targets updated). FAILED_PRECONDITION when the worker
+        cannot switch (not started as a switchable worker); NOT_FOUND for an unknown worker_id.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_RouterServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -99,6 +114,11 @@ def add_RouterServicer_to_server(servicer, server):
                     servicer.Migrate,
                     request_deserializer=pdserve_dot_v1_dot_router__pb2.MigrateRequest.FromString,
                     response_serializer=pdserve_dot_v1_dot_router__pb2.MigrateResponse.SerializeToString,
+            ),
+            'SwitchRole': grpc.unary_unary_rpc_method_handler(
+                    servicer.SwitchRole,
+                    request_deserializer=pdserve_dot_v1_dot_router__pb2.SwitchRoleRequest.FromString,
+                    response_serializer=pdserve_dot_v1_dot_router__pb2.SwitchRoleResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -183,6 +203,33 @@ class Router:
             '/pdserve.v1.Router/Migrate',
             pdserve_dot_v1_dot_router__pb2.MigrateRequest.SerializeToString,
             pdserve_dot_v1_dot_router__pb2.MigrateResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def SwitchRole(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pdserve.v1.Router/SwitchRole',
+            pdserve_dot_v1_dot_router__pb2.SwitchRoleRequest.SerializeToString,
+            pdserve_dot_v1_dot_router__pb2.SwitchRoleResponse.FromString,
             options,
             channel_credentials,
             insecure,

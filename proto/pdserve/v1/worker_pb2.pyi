@@ -8,6 +8,14 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
 
+class SetRoleRequest(_message.Message):
+    __slots__ = ("role", "drain_timeout_s")
+    ROLE_FIELD_NUMBER: _ClassVar[int]
+    DRAIN_TIMEOUT_S_FIELD_NUMBER: _ClassVar[int]
+    role: _common_pb2.WorkerRole
+    drain_timeout_s: float
+    def __init__(self, role: _Optional[_Union[_common_pb2.WorkerRole, str]] = ..., drain_timeout_s: _Optional[float] = ...) -> None: ...
+
 class DecodeRequest(_message.Message):
     __slots__ = ("request_id", "prompt", "messages", "token_ids", "params", "prefill_address", "resume_output_ids", "client_request_id", "trace", "migrate_from_address", "migrate_request_id")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]

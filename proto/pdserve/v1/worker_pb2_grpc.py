@@ -498,3 +498,88 @@ class PrefillWorker:
             timeout,
             metadata,
             _registered_method=True)
+
+
+class RoleControlStub:
+    """Service of a worker that can change role in its process (`python -m elastic_worker`); it also serves
+    DecodeWorker, PrefillWorker and KvTransfer, answering the role it has now and refusing the others'
+    work with UNAVAILABLE.
+    """
+
+    def __init__(self, channel):
+        """Constructor.
+
+        Args:
+            channel: A grpc.Channel.
+        """
+        self.SetRole = channel.unary_unary(
+                '/pdserve.v1.RoleControl/SetRole',
+                request_serializer=pdserve_dot_v1_dot_worker__pb2.SetRoleRequest.SerializeToString,
+                response_deserializer=pdserve_dot_v1_dot_common__pb2.WorkerInfo.FromString,
+                _registered_method=True)
+
+
+class RoleControlServicer:
+    """Service of a worker that can change role in its process (`python -m elastic_worker`); it also serves
+    DecodeWorker, PrefillWorker and KvTransfer, answering the role it has now and refusing the others'
+    work with UNAVAILABLE.
+    """
+
+    def SetRole(self, request, context):
+        """Stop admitting work of the current role (new calls get UNAVAILABLE, GetInfo reports unhealthy
+        "switching to <role>"), finish what the worker holds, then re-purpose the KV pool for the new
+        role and serve in it. Returns the worker's info in its new role. DEADLINE_EXCEEDED when the
+        old role's work did not finish within drain_timeout_s (the worker then serves on in its old role).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+
+def add_RoleControlServicer_to_server(servicer, server):
+    rpc_method_handlers = {
+            'SetRole': grpc.unary_unary_rpc_method_handler(
+                    servicer.SetRole,
+                    request_deserializer=pdserve_dot_v1_dot_worker__pb2.SetRoleRequest.FromString,
+                    response_serializer=pdserve_dot_v1_dot_common__pb2.WorkerInfo.SerializeToString,
+            ),
+    }
+    generic_handler = grpc.method_handlers_generic_handler(
+            'pdserve.v1.RoleControl', rpc_method_handlers)
+    server.add_generic_rpc_handlers((generic_handler,))
+    server.add_registered_method_handlers('pdserve.v1.RoleControl', rpc_method_handlers)
+
+
+ # This class is part of an EXPERIMENTAL API.
+class RoleControl:
+    """Service of a worker that can change role in its process (`python -m elastic_worker`); it also serves
+    DecodeWorker, PrefillWorker and KvTransfer, answering the role it has now and refusing the others'
+    work with UNAVAILABLE.
+    """
+
+    @staticmethod
+    def SetRole(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pdserve.v1.RoleControl/SetRole',
+            pdserve_dot_v1_dot_worker__pb2.SetRoleRequest.SerializeToString,
+            pdserve_dot_v1_dot_common__pb2.WorkerInfo.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)

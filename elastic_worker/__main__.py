@@ -1,0 +1,161 @@
+"""`python -m elastic_worker --role {prefill,decode,colocated} [flags]`: a worker process that can
+change role at runtime (RoleControl.SetRole; `pdserve role`), with its model loaded once.
+
+Takes the flags of both `python -m prefill_worker` and `python -m decode_worker` (each role reads
+its own; shared ones such as --model, --kv-cache-mb and --block-size are one value for both), or
+``--config FILE``: {"prefill": <prefill document>, "decode": <decode document>} as `pdserve serve
+--elastic` writes it (flags given as well override it). Serves
+DecodeWorker, PrefillWorker, KvTransfer, RoleControl and health on one port; the READY line names
+the starting role.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+from grpc_health.v1 import health_pb2
+
+from decode_worker import __main__ as decode_main
+from elastic_worker.servicer import (
+    ElasticDecodeServicer,
+    ElasticPrefillServicer,
+    RoleControlServicer,
+)
+from elastic_worker.worker import ROLES, ElasticSettings, ElasticWorker, prefill_config_of
+from engine.config import EngineConfig
+from engine.llm_engine import build_cache
+from engine.metrics import WorkerMetrics
+from engine.model_fetch import resolve_model
+from engine.model_loader import load_model
+from engine.sim_runner import load_sim_worker
+from engine.worker_runtime import (
+    Drain,
+    LivenessWatch,
+    StartedWorker,
+    add_health,
+    announce_ready,
+    apply_internal_credentials,
+    bind,
+    check_credentials_or_exit,
+    configure_process,
+    make_server,
+    serve_until_signal,
+)
+from kv_transfer import KvTransferServicer
+from kv_transfer.modelled import install_modelled_links
+from pdserve.limits import receive_options
+from pdserve.process_config import namespace_from_document
+from pdserve.transport import check_bind_allowed
+from pdserve.v1 import worker_pb2_grpc
+from prefill_worker import __main__ as prefill_main
+from telemetry.prometheus import start_metrics_endpoint
+
+
+def parse_args(argv: list[str] | None = None, document: dict[str, Any] | None = None,
+               ) -> tuple[str, argparse.Namespace, argparse.Namespace]:
+    """(role, prefill flags, decode flags); exits with status 2 on a flag neither role knows.
+
+    `document` (or the JSON file of ``--config``): {"prefill": {...}, "decode": {...}}, each role's
+    process document (`deploy_config.worker_document`), validated by that role's parser; flags on
+    the command line override both."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    role_parser = argparse.ArgumentParser(prog="python -m elastic_worker", description=__doc__, add_help=False)
+    role_parser.add_argument("--role", choices=ROLES, required=True, help="the role to start in")
+    role_parser.add_argument("--config", default=None, metavar="FILE",
+                             help='JSON {"prefill": {...}, "decode": {...}}: each role\'s process document')
+    role_args, rest = role_parser.parse_known_args(argv)
+    if document is None and role_args.config:
+        try:
+            document = json.loads(Path(role_args.config).read_text(encoding="utf-8"))
+        except (OSError, ValueError) as exc:
+            role_parser.error(f"--config {role_args.config}: {exc}")
+    parsers = {"prefill": prefill_main.build_parser(), "decode": decode_main.build_parser()}
+    bases: dict[str, argparse.Namespace | None] = {"prefill": None, "decode": None}
+    if document is not None:
+        if not isinstance(document, dict) or set(document) != set(parsers):
+            role_parser.error('--config: expected {"prefill": {...}, "decode": {...}}')
+        for kind, parser in parsers.items():
+            try:
+                bases[kind] = namespace_from_document(parser, document[kind])
+            except ValueError as exc:
+                role_parser.error(f"--config: {kind}: {exc}")
+    for parser in parsers.values():
+        parser.allow_abbrev = False
+    (prefill_args, prefill_rest), (decode_args, decode_rest) = (
+        parser.parse_known_args(rest, namespace=bases[kind]) for kind, parser in parsers.items())
+    unknown = [a for a in prefill_rest if a in decode_rest]
+    if unknown:
+        role_parser.error(f"unrecognized arguments: {' '.join(unknown)}")
+    return role_args.role, prefill_args, decode_args
+
+
+def start_worker(role: str, prefill_args: argparse.Namespace, decode_args: argparse.Namespace) -> StartedWorker:
+    """Load the model once, allocate the KV cache once, serve every role's services on one port,
+    starting in `role`. Shared by `main` and the Ray worker actor."""
+    args = decode_args  # the shared flags (model, address, KV memory, engine) are read from here
+    apply_internal_credentials(args)
+    check_bind_allowed(args.host)
+    decode_config = EngineConfig(model=args.model, dtype=args.dtype, device=args.device, block_size=args.block_size,
+                                 kv_cache_memory_mb=args.kv_cache_mb, max_num_seqs=args.max_num_seqs,
+                                 max_num_batched_tokens=args.max_batched_tokens, prefix_caching=args.prefix_caching)
+    chunk_tokens = prefill_args.prefill_chunk_tokens or None
+    sim = args.engine == "sim"
+    if sim:
+        decode_config, loaded = load_sim_worker(args, decode_config)
+        chunk_tokens = loaded.model.profile.engine.prefill_chunk_tokens
+        install_modelled_links(loaded.model.profile, args.speedup)
+    else:
+        loaded = load_model(resolve_model(args.model), decode_config.torch_dtype, decode_config.device)
+    prefill_config = prefill_config_of(decode_config, prefill_args.max_batched_tokens, sim)
+    kv_cache = build_cache(loaded, decode_config, shared=prefill_args.shared_kv_cache)
+    metrics = WorkerMetrics()
+    endpoint = start_metrics_endpoint(metrics.registry, args.metrics_port)
+    kv_receiver = KvTransferServicer()
+    drain = Drain()
+    server = make_server(control_threads=32, options=receive_options(decode_main.frame_receive_bytes()),
+                         name=args.worker_id)
+    address = bind(server, args.host, args.port)
+    settings = ElasticSettings(args.worker_id, address, prefill_args, decode_args, prefill_config, decode_config,
+                               chunk_tokens)
+    worker = ElasticWorker(loaded, kv_cache, settings, role, kv_receiver, metrics, drain)
+    worker_pb2_grpc.add_DecodeWorkerServicer_to_server(ElasticDecodeServicer(worker), server)
+    worker_pb2_grpc.add_PrefillWorkerServicer_to_server(ElasticPrefillServicer(worker), server)
+    worker_pb2_grpc.add_RoleControlServicer_to_server(RoleControlServicer(worker), server)
+    kv_receiver.add_to_server(server)
+    health = add_health(server)
+    server.start()
+    health.set("", health_pb2.HealthCheckResponse.SERVING)
+    liveness = LivenessWatch(health, worker.dead_reason)
+
+    def close() -> None:
+        liveness.stop()
+        kv_receiver.close()
+        worker.stop()
+        if endpoint:
+            endpoint.stop()
+
+    return StartedWorker(server, address, health, drain, worker.idle, close, args.drain_timeout_s,
+                         {"worker": worker, "kv_receiver": kv_receiver,
+                          "metrics_address": f"127.0.0.1:{endpoint.port}" if endpoint else ""})
+
+
+def main(argv: list[str] | None = None) -> None:
+    role, prefill_args, decode_args = parse_args(argv)
+    args = decode_args
+    configure_process(args.threads, args.log_level, args.log_format, args.worker_id)
+    check_credentials_or_exit(args)
+    started = start_worker(role, prefill_args, decode_args)
+    announce_ready(started.address, args.worker_id, role=role, switchable=True,
+                   metrics_address=started.extras["metrics_address"])
+    try:
+        serve_until_signal(started.server, started.health, started.drain, started.is_idle, args.drain_timeout_s)
+    finally:
+        started.close()
+
+
+if __name__ == "__main__":
+    main()
