@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import sys
+import time
 from collections.abc import Iterator
 from concurrent import futures
 from pathlib import Path
@@ -111,6 +112,11 @@ def test_a_frame_naming_another_workers_segment_is_refused(workers: dict[str, st
         _generate_via(workers["decode"], forger_address, "forged-segment")
     assert err.value.code() == grpc.StatusCode.UNAVAILABLE
     assert err.value.details().startswith("prefill failed on")  # the router retries on another prefill worker
+    # the decode worker fails the request as soon as it refuses the frame, which can be before the
+    # forger's PushKv call returns its ack: wait for that call to end
+    deadline = time.monotonic() + 30
+    while not (servicer.acks or servicer.errors) and time.monotonic() < deadline:
+        time.sleep(0.02)
     assert servicer.acks and not servicer.acks[0].ok, (servicer.calls, servicer.errors, err.value.details())
     assert "does not belong to the prefill worker called" in servicer.acks[0].error
     wait_idle([("decode", workers["decode"]), ("prefill", workers["prefill"])])
