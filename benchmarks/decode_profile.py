@@ -17,11 +17,11 @@ import time
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from engine.config import EngineConfig
-from engine.llm_engine import LLMEngine
-from engine.model_fetch import resolve_model
-from engine.model_loader import load_model
-from engine.sampling_params import SamplingParams
+from pdserve.engine.config import EngineConfig
+from pdserve.engine.llm_engine import LLMEngine
+from pdserve.engine.model_fetch import resolve_model
+from pdserve.engine.model_loader import load_model
+from pdserve.engine.sampling_params import SamplingParams
 
 
 def running_engine(loaded, batch: int, context: int) -> LLMEngine:  # noqa: ANN001

@@ -30,12 +30,12 @@ from collections.abc import Callable
 import torch
 from transformers import AutoModelForCausalLM
 
-from engine.config import EngineConfig
-from engine.llm_engine import LLMEngine
-from engine.model_fetch import resolve_model
-from engine.model_loader import load_model
-from engine.sampling_params import SamplingParams
-from engine.tokenization import encode_text
+from pdserve.engine.config import EngineConfig
+from pdserve.engine.llm_engine import LLMEngine
+from pdserve.engine.model_fetch import resolve_model
+from pdserve.engine.model_loader import load_model
+from pdserve.engine.sampling_params import SamplingParams
+from pdserve.engine.tokenization import encode_text
 
 WORDS = "the river ran past the old mill carrying leaves and light of evening while children played".split()
 

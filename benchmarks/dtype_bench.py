@@ -29,11 +29,11 @@ from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
-from engine.config import EngineConfig
-from engine.llm_engine import LLMEngine
-from engine.model_fetch import resolve_model
-from engine.model_loader import LoadedModel, load_model
-from engine.sampling_params import SamplingParams
+from pdserve.engine.config import EngineConfig
+from pdserve.engine.llm_engine import LLMEngine
+from pdserve.engine.model_fetch import resolve_model
+from pdserve.engine.model_loader import LoadedModel, load_model
+from pdserve.engine.sampling_params import SamplingParams
 
 DTYPES = ("float32", "bfloat16")
 TOPICS = ("the sea", "a mountain", "the city at night", "an old library", "a train journey", "winter",
@@ -83,7 +83,7 @@ def served_burst(http_address: str, model: str, num_prompts: int, max_tokens: in
 
 
 def run_served(args: argparse.Namespace) -> float:
-    from cluster.local import LocalCluster, LocalClusterConfig
+    from pdserve.cluster.local import LocalCluster, LocalClusterConfig
 
     clusters = {}
     try:

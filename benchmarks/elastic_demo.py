@@ -31,11 +31,11 @@ import grpc
 REPO = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(REPO), str(REPO / "proto")]
 
-from capacity.metrics import RequestRecord  # noqa: E402
-from cluster.autoscaler import Autoscaler, AutoscalerConfig, AutoscalerLoop, PlannerSplits  # noqa: E402
-from cluster.client import PdserveClient, build_request, sampling_params, status_rows  # noqa: E402
-from cluster.engine_flags import sim_worker_args  # noqa: E402
-from cluster.local import LocalCluster, LocalClusterConfig  # noqa: E402
+from pdserve.capacity.metrics import RequestRecord  # noqa: E402
+from pdserve.cluster.autoscaler import Autoscaler, AutoscalerConfig, AutoscalerLoop, PlannerSplits  # noqa: E402
+from pdserve.cluster.client import PdserveClient, build_request, sampling_params, status_rows  # noqa: E402
+from pdserve.cluster.engine_flags import sim_worker_args  # noqa: E402
+from pdserve.cluster.local import LocalCluster, LocalClusterConfig  # noqa: E402
 from pdserve.v1 import common_pb2, router_pb2_grpc  # noqa: E402
 
 # profile time
@@ -235,7 +235,7 @@ def main() -> int:
     plan = plan_requests(args.phase_s)
     planner = PlannerSplits(str(profile), SLO_TTFT_S / args.speedup, SLO_TPOT_S / args.speedup, 0.9, args.speedup)
     for phase in PHASES:  # plan the nominal mixes before serving (the planner is CPU-heavy)
-        from cluster.autoscaler import Mix
+        from pdserve.cluster.autoscaler import Mix
 
         planner(Mix(phase["prompt"], phase["output"], phase["rate"] * args.speedup), 4)
     chosen = [c for c in CONFIGS if not args.only or c[0].split()[0] in args.only.split(",")]

@@ -49,7 +49,7 @@ def step_exactness() -> list[Row]:
 
 def streamed(client, prompt_ids: list[int], max_tokens: int) -> tuple[float, list[float], int]:  # noqa: ANN001
     """(TTFT, inter-token gaps, tokens) of one streamed request, timed here."""
-    from cluster.client import build_request, sampling_params
+    from pdserve.cluster.client import build_request, sampling_params
 
     request = build_request(token_ids=prompt_ids, params=sampling_params(max_tokens=max_tokens, ignore_eos=True))
     start = time.perf_counter()
@@ -63,7 +63,7 @@ def streamed(client, prompt_ids: list[int], max_tokens: int) -> tuple[float, lis
 
 
 def burst(address: str, num_prompts: int, prompt_len: int, max_tokens: int) -> dict[str, float]:
-    from cluster.client import PdserveClient
+    from pdserve.cluster.client import PdserveClient
 
     prompts = [[100 + (i * 31 + j * 7) % 20000 for j in range(prompt_len)] for i in range(num_prompts)]
     with PdserveClient(address, timeout_s=300) as client:
@@ -82,7 +82,7 @@ def burst(address: str, num_prompts: int, prompt_len: int, max_tokens: int) -> d
 
 
 def step_serving(args: argparse.Namespace) -> list[Row]:
-    from cluster.local import LocalCluster, LocalClusterConfig
+    from pdserve.cluster.local import LocalCluster, LocalClusterConfig
     from pdserve.transport import open_channel
     from pdserve.v1 import worker_pb2, worker_pb2_grpc
 
@@ -129,7 +129,7 @@ def timed(fn, repeats: int = 10) -> float:  # noqa: ANN001
 
 
 def _ipc_child(conn) -> None:  # noqa: ANN001 - a multiprocessing connection; bytes only cross it
-    from kv_transfer import cuda_ipc
+    from pdserve.kv_transfer import cuda_ipc
 
     data, shape, dtype = conn.recv_bytes(), json.loads(conn.recv_bytes()), conn.recv_bytes().decode()
     start = time.perf_counter()
@@ -140,11 +140,11 @@ def _ipc_child(conn) -> None:  # noqa: ANN001 - a multiprocessing connection; by
 
 
 def step_kv(args: argparse.Namespace) -> list[Row]:
-    from engine.config import EngineConfig
-    from engine.kv_cache import KVCache, host_empty
-    from engine.model_fetch import resolve_model
-    from engine.model_loader import load_model
-    from kv_transfer import cuda_ipc
+    from pdserve.engine.config import EngineConfig
+    from pdserve.engine.kv_cache import KVCache, host_empty
+    from pdserve.engine.model_fetch import resolve_model
+    from pdserve.engine.model_loader import load_model
+    from pdserve.kv_transfer import cuda_ipc
 
     config = EngineConfig(device=args.device, dtype=args.dtype)
     shape = load_model(resolve_model(None), config.torch_dtype, "cpu").kv_shape(16)

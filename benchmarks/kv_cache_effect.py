@@ -36,12 +36,12 @@ from pathlib import Path
 
 import torch
 
-from engine.block_pool import blocks_for_tokens
-from engine.kv_cache import KVCache
-from engine.model_fetch import resolve_model
-from engine.model_loader import LoadedModel, load_model
-from engine.model_runner import StepInput
-from engine.runners import build_runner
+from pdserve.engine.block_pool import blocks_for_tokens
+from pdserve.engine.kv_cache import KVCache
+from pdserve.engine.model_fetch import resolve_model
+from pdserve.engine.model_loader import LoadedModel, load_model
+from pdserve.engine.model_runner import StepInput
+from pdserve.engine.runners import build_runner
 
 PROMPT = "The history of the city of Jinan, told from its springs to its winters:"
 

@@ -26,10 +26,10 @@ import uuid
 
 import torch
 
-from engine.kv_cache import segment_prefix
-from engine.worker_runtime import make_server
-from kv_transfer import KvSpec, KvTransferServicer, get_backend, grpc_message_options
-from kv_transfer.base import dtype_name
+from pdserve.engine.kv_cache import segment_prefix
+from pdserve.engine.worker_runtime import make_server
+from pdserve.kv_transfer import KvSpec, KvTransferServicer, get_backend, grpc_message_options
+from pdserve.kv_transfer.base import dtype_name
 
 SMOLLM2 = dict(layers=30, kv_heads=3, head_dim=64, block_size=16)
 
@@ -76,8 +76,8 @@ def shm_in_place_seconds(receiver: KvTransferServicer, address: str, tokens: int
     round runs once per entry of `checksums` (interleaved); returns the times per entry."""
     import threading
 
-    from engine.kv_cache import KVCache, KVCacheShape
-    from kv_transfer.shm_backend import ShmKvSender
+    from pdserve.engine.kv_cache import KVCache, KVCacheShape
+    from pdserve.kv_transfer.shm_backend import ShmKvSender
 
     g = SMOLLM2
     n = -(-tokens // g["block_size"])
@@ -108,7 +108,7 @@ def shm_in_place_seconds(receiver: KvTransferServicer, address: str, tokens: int
 
 def ray_seconds(tokens: int, repeats: int) -> float:
     """ray.put in this process + ray.get in a worker actor of this node (the "ray" backend, end to end)."""
-    from cluster.ray_kv_bench import ray_send_seconds
+    from pdserve.cluster.ray_kv_bench import ray_send_seconds
 
     return ray_send_seconds(lambda: kv_for(tokens), repeats)
 
@@ -167,8 +167,8 @@ def checksum_cost(tokens_list: list[int], repeats: int) -> None:
 
 
 def ttft_share(tokens_list: list[int], repeats: int) -> None:
-    from cluster.client import PdserveClient, build_request
-    from cluster.local import LocalCluster, LocalClusterConfig
+    from pdserve.cluster.client import PdserveClient, build_request
+    from pdserve.cluster.local import LocalCluster, LocalClusterConfig
     from pdserve.v1 import common_pb2
 
     with LocalCluster(LocalClusterConfig(model=None, prefill=1, decode=1, colocated=0)) as cluster:

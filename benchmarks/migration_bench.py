@@ -32,9 +32,9 @@ import threading
 
 import grpc
 
-from cluster.local import LocalCluster, LocalClusterConfig
-from engine.model_fetch import resolve_model
-from engine.model_loader import load_model
+from pdserve.cluster.local import LocalCluster, LocalClusterConfig
+from pdserve.engine.model_fetch import resolve_model
+from pdserve.engine.model_loader import load_model
 from pdserve.v1 import common_pb2, router_pb2, router_pb2_grpc
 
 DELIVERED = 8  # output tokens before the move

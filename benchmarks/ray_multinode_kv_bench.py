@@ -31,7 +31,7 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=5)
     args = ap.parse_args()
 
-    from cluster.ray_kv_bench import cross_node_seconds
+    from pdserve.cluster.ray_kv_bench import cross_node_seconds
 
     specs = {t: kv_for(t) for t in args.tokens}
     ray_times = cross_node_seconds([(t, spec.shape) for t, (spec, _) in specs.items()], SMOLLM2["block_size"],

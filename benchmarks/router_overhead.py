@@ -7,7 +7,7 @@ GetInfo) sends `--tokens` tokens per stream, one every `--interval-ms`, each car
 (`--streams`, e.g. 1 and 256) three ways and records, for every token, receive time - send time:
 
   direct   DecodeWorker.Generate on the stand-in
-  router   Router.Generate on a real router process (`python -m router --colocated STAND-IN`)
+  router   Router.Generate on a real router process (`python -m pdserve.router --colocated STAND-IN`)
   http     POST /v1/completions with stream=true on that router's HTTP API
 
 Added latency per token = p50(router) - p50(direct), and p50(http) - p50(router). The stand-in
@@ -35,7 +35,7 @@ from pathlib import Path
 import aiohttp
 import grpc
 
-from cluster.processes import ManagedProcess
+from pdserve.cluster.processes import ManagedProcess
 from pdserve.v1 import common_pb2, router_pb2, router_pb2_grpc, worker_pb2, worker_pb2_grpc
 
 STAND_IN = r'''
@@ -149,8 +149,8 @@ def main() -> None:
             env = dict(os.environ)
             if loop != "default":
                 env["PDSERVE_EVENT_LOOP"] = loop
-            router = ManagedProcess(f"router-{loop}", [sys.executable, "-m", "router", "--port", "0", "--http-port",
-                                                       "0", "--colocated", stand_in_address,
+            router = ManagedProcess(f"router-{loop}", [sys.executable, "-m", "pdserve.router", "--port", "0",
+                                                       "--http-port", "0", "--colocated", stand_in_address,
                                                        "--max-concurrent-streams", "1024", "--log-level", "WARNING"],
                                     logs / f"router-{loop}.log", env=env)
             processes.append(router)

@@ -23,9 +23,9 @@ from collections import Counter
 
 import aiohttp
 
-from capacity.bench import BenchConfig, run_bench
-from capacity.workload import LengthDist
-from cluster.local import LocalCluster, LocalClusterConfig
+from pdserve.capacity.bench import BenchConfig, run_bench
+from pdserve.capacity.workload import LengthDist
+from pdserve.cluster.local import LocalCluster, LocalClusterConfig
 from pdserve.transport import open_channel
 from pdserve.v1 import common_pb2, worker_pb2, worker_pb2_grpc
 

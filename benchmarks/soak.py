@@ -24,7 +24,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 
-from cluster.local import LocalCluster, LocalClusterConfig
+from pdserve.cluster.local import LocalCluster, LocalClusterConfig
 from pdserve.transport import open_channel
 from pdserve.v1 import common_pb2, router_pb2, router_pb2_grpc, worker_pb2, worker_pb2_grpc
 

@@ -15,8 +15,8 @@ import argparse
 import random
 import statistics
 
-from cluster.client import PdserveClient, build_request
-from cluster.local import LocalCluster, LocalClusterConfig
+from pdserve.cluster.client import PdserveClient, build_request
+from pdserve.cluster.local import LocalCluster, LocalClusterConfig
 from pdserve.v1 import common_pb2
 
 

@@ -26,10 +26,10 @@ from typing import Any
 import grpc
 import numpy as np
 
-from capacity.arrivals import arrival_times
-from capacity.metrics import LATENCY_METRICS, RequestRecord, summarize
-from capacity.workload import LengthDist, corpus_token_ids, cut_prompts
-from cluster.client import build_request, sampling_params
+from pdserve.capacity.arrivals import arrival_times
+from pdserve.capacity.metrics import LATENCY_METRICS, RequestRecord, summarize
+from pdserve.capacity.workload import LengthDist, corpus_token_ids, cut_prompts
+from pdserve.cluster.client import build_request, sampling_params
 from pdserve.extras import require
 from pdserve.v1 import common_pb2, router_pb2_grpc
 
@@ -102,7 +102,7 @@ def load_corpus_ids(model: str | None) -> list[int]:
     """Corpus token ids with the tokenizer of ``model`` (None: the default model)."""
     from transformers import AutoTokenizer
 
-    from engine.model_fetch import resolve_model
+    from pdserve.engine.model_fetch import resolve_model
 
     return corpus_token_ids(AutoTokenizer.from_pretrained(resolve_model(model)))
 

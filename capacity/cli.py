@@ -14,11 +14,11 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from capacity.arrivals import parse_rate
-from capacity.metrics import parse_slo
-from capacity.workload import length_dist
-from cluster.engine_flags import add_engine_flags, engine_worker_args
-from cluster.tables import format_table
+from pdserve.capacity.arrivals import parse_rate
+from pdserve.capacity.metrics import parse_slo
+from pdserve.capacity.workload import length_dist
+from pdserve.cluster.engine_flags import add_engine_flags, engine_worker_args
+from pdserve.cluster.tables import format_table
 from pdserve.extras import require
 
 DEFAULT_URL = "127.0.0.1:50051"
@@ -118,7 +118,7 @@ def _rates(text: str) -> list[float]:
 
 
 def bench_config(args: argparse.Namespace, url: str) -> Any:
-    from capacity.bench import BenchConfig
+    from pdserve.capacity.bench import BenchConfig
 
     return BenchConfig(
         url=url, input_len=length_dist(args.input_len, args.input_hist, "128"),
@@ -133,7 +133,7 @@ def bench_config(args: argparse.Namespace, url: str) -> Any:
 
 
 def _cmd_bench(args: argparse.Namespace) -> int:
-    from capacity.bench import print_summary, run_bench
+    from pdserve.capacity.bench import print_summary, run_bench
 
     require("rich", "pdserve bench")  # before the run, not after it
 
@@ -154,7 +154,7 @@ def _cmd_bench(args: argparse.Namespace) -> int:
 
 
 def _cmd_sweep(args: argparse.Namespace) -> int:
-    from capacity.sweep import run_sweep, select_configs
+    from pdserve.capacity.sweep import run_sweep, select_configs
 
     require("rich", "pdserve sweep")  # before the runs, not after them
     require("matplotlib", "pdserve sweep's plots")
@@ -168,7 +168,7 @@ def _cmd_sweep(args: argparse.Namespace) -> int:
         return 2
     doc = run_sweep(config, args.workers, args.rates, Path(args.output_dir), args.model,
                     log=lambda s: print(s, file=sys.stderr, flush=True), worker_args=worker_args, configs=configs)
-    from capacity.sweep import csv_row
+    from pdserve.capacity.sweep import csv_row
 
     cols = ("config", "rate", "goodput", "slo_attainment_all", "ttft_p90_ms", "tpot_mean_ms", "itl_p99_ms")
     rows = [[_fmt(csv_row(p)[c]) for c in cols] for p in doc["points"]]
@@ -182,7 +182,7 @@ def _fmt(value: object) -> str:
 
 
 def _cmd_profile(args: argparse.Namespace) -> int:
-    from capacity.profiler import run_profile
+    from pdserve.capacity.profiler import run_profile
 
     profile = run_profile(args.model, args.threads, args.repeats, args.contention,
                           progress=lambda s: print(s, file=sys.stderr))
@@ -193,13 +193,13 @@ def _cmd_profile(args: argparse.Namespace) -> int:
 
 
 def _load_profile(path: str | None) -> Any:
-    from engine.sim_profile import load_profile
+    from pdserve.engine.sim_profile import load_profile
 
     return load_profile(path) if path else None
 
 
 def _cmd_simulate(args: argparse.Namespace) -> int:
-    from capacity.planner import Slos, Workload, format_rows, parse_tail_slo, plan, timing_for
+    from pdserve.capacity.planner import Slos, Workload, format_rows, parse_tail_slo, plan, timing_for
 
     if args.plot:
         require("matplotlib", "pdserve plan simulate --plot")
@@ -233,14 +233,14 @@ def _cmd_simulate(args: argparse.Namespace) -> int:
     if args.output:
         Path(args.output).write_text(json.dumps(result, indent=1))
     if args.plot:
-        from capacity.plots import plot_plan
+        from pdserve.capacity.plots import plot_plan
 
         plot_plan(Path(args.plot), result)
     return 0
 
 
 def _cmd_validate(args: argparse.Namespace) -> int:
-    from capacity.planner import HEADLINE, VALIDATED, sweep_prompts, timing_for, validate
+    from pdserve.capacity.planner import HEADLINE, VALIDATED, sweep_prompts, timing_for, validate
 
     try:
         timing = timing_for(_load_profile(args.profile))
@@ -262,7 +262,7 @@ def _cmd_validate(args: argparse.Namespace) -> int:
 
 
 def _cmd_calibrate(args: argparse.Namespace) -> int:
-    from capacity.planner import calibrate_overhead, sweep_prompts
+    from pdserve.capacity.planner import calibrate_overhead, sweep_prompts
 
     try:
         sweep = json.loads(Path(args.sweep).read_text())

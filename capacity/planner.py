@@ -29,11 +29,11 @@ from typing import Any
 
 import numpy as np
 
-from capacity.arrivals import arrival_times
-from capacity.metrics import RequestRecord, bootstrap_goodput, summarize
-from capacity.simulator import Deployment, PrefixCache, Timing, simulate
-from capacity.workload import LengthDist
-from engine.sim_profile import Profile
+from pdserve.capacity.arrivals import arrival_times
+from pdserve.capacity.metrics import RequestRecord, bootstrap_goodput, summarize
+from pdserve.capacity.simulator import Deployment, PrefixCache, Timing, simulate
+from pdserve.capacity.workload import LengthDist
+from pdserve.engine.sim_profile import Profile
 
 TAIL_METRICS = ("ttft", "tpot", "itl", "e2e")
 TAIL_STATS = ("p90", "p99", "mean", "median")
@@ -252,7 +252,7 @@ PromptSource = Callable[[Mapping[str, Any]], tuple[list[list[int]], list[list[in
 def sweep_prompts(sweep: Mapping[str, Any]) -> PromptSource:
     """The token ids `bench` sent at a sweep point, regenerated from its seed and the corpus as cut
     by the model's tokenizer: (measured prompts by request index, warm-up prompts)."""
-    from capacity.bench import BenchConfig, load_corpus_ids, plan_requests
+    from pdserve.capacity.bench import BenchConfig, load_corpus_ids, plan_requests
 
     bench = sweep["bench"]
     corpus = load_corpus_ids(bench.get("model"))
@@ -307,7 +307,7 @@ def _warm_and_hash(prompts: tuple[list[list[int]], list[list[int]]], caches: lis
                    indices: Sequence[int], inputs: Sequence[int], block_size: int) -> list[list[bytes]]:
     """Cache the warm-up prompts where round robin sent them; return the measured prompts' block
     hashes in replay order (ValueError when the regenerated prompts do not match the records)."""
-    from engine.block_pool import block_hashes
+    from pdserve.engine.block_pool import block_hashes
 
     measured, warm = prompts
     for j, ids in enumerate(warm):
@@ -351,7 +351,7 @@ def calibrate_overhead(profile: Profile, sweep: Mapping[str, Any], prompts: Prom
     converted to wall seconds (divided by the sweep's speedup) and never negative."""
     from dataclasses import replace
 
-    from engine.sim_profile import Overhead
+    from pdserve.engine.sim_profile import Overhead
 
     speedup = float(sweep["bench"].get("speedup", 1.0))
     base = replace(profile, overhead=Overhead())

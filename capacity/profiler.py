@@ -26,7 +26,7 @@ from typing import Any
 
 import numpy as np
 
-from engine.sim_profile import DecodeCost, EngineLimits, LinkCost, PrefillCost, Profile
+from pdserve.engine.sim_profile import DecodeCost, EngineLimits, LinkCost, PrefillCost, Profile
 
 PREFILL_TOKENS = (32, 128, 256, 512, 1024)
 DECODE_BATCHES = (1, 4, 16)
@@ -70,8 +70,8 @@ def device_description(threads: int) -> dict[str, Any]:
 
 
 def _profile_compute(loaded: Any, repeats: int) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
-    from engine.kv_cache import KVCache
-    from engine.model_runner import ModelRunner, StepInput
+    from pdserve.engine.kv_cache import KVCache
+    from pdserve.engine.model_runner import ModelRunner, StepInput
 
     max_tokens = max(*PREFILL_TOKENS, *DECODE_CONTEXTS)
     kv = KVCache(loaded.kv_shape(BLOCK_SIZE), math.ceil(max_tokens / BLOCK_SIZE) + 1)
@@ -95,9 +95,9 @@ def _profile_transfer(loaded: Any, repeats: int) -> list[dict[str, float]]:
     import grpc
     import torch
 
-    from kv_transfer import KvSpec
-    from kv_transfer.base import dtype_name
-    from kv_transfer.grpc_backend import GrpcKvSender, KvTransferServicer, grpc_message_options
+    from pdserve.kv_transfer import KvSpec
+    from pdserve.kv_transfer.base import dtype_name
+    from pdserve.kv_transfer.grpc_backend import GrpcKvSender, KvTransferServicer, grpc_message_options
 
     shape = loaded.kv_shape(BLOCK_SIZE)
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=4), options=grpc_message_options())
@@ -158,8 +158,8 @@ def run_profile(model: str | None = None, threads: int = 1, repeats: int = 3, co
     """Measure and fit; return the profile (`contention`: workers sharing the machine, this one included)."""
     import torch
 
-    from engine.model_fetch import resolve_model
-    from engine.model_loader import load_model
+    from pdserve.engine.model_fetch import resolve_model
+    from pdserve.engine.model_loader import load_model
 
     if contention < 1:
         raise ValueError(f"contention must be >= 1, got {contention}")

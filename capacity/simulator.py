@@ -39,8 +39,8 @@ from collections import OrderedDict, deque
 from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass, field
 
-from capacity.metrics import RequestRecord
-from engine.sim_profile import Profile
+from pdserve.capacity.metrics import RequestRecord
+from pdserve.engine.sim_profile import Profile
 
 
 def blocks_for(tokens: int, block_size: int) -> int:

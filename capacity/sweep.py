@@ -18,8 +18,8 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from capacity.bench import BenchConfig, load_corpus_ids, run_bench
-from capacity.metrics import RequestRecord, bootstrap_goodput
+from pdserve.capacity.bench import BenchConfig, load_corpus_ids, run_bench
+from pdserve.capacity.metrics import RequestRecord, bootstrap_goodput
 
 CSV_COLUMNS = (
     "config", "prefill", "decode", "colocated", "rate", "completed", "failed", "request_throughput",
@@ -104,7 +104,7 @@ def add_goodput_cis(doc: dict[str, Any]) -> None:
 
 def write_outputs(output_dir: Path, doc: dict[str, Any]) -> None:
     """results.json, results.csv and the plots (goodput intervals are added first when missing)."""
-    from capacity.plots import write_plots
+    from pdserve.capacity.plots import write_plots
 
     add_goodput_cis(doc)
     output_dir.mkdir(parents=True, exist_ok=True)
@@ -129,7 +129,7 @@ def run_sweep(
 ) -> dict[str, Any]:
     """Run every configuration (or `configs`) at every rate; write and return the results document.
     `worker_args` go to every worker (the sim engine's flags: then one thread per worker)."""
-    from cluster.local import LocalCluster, LocalClusterConfig
+    from pdserve.cluster.local import LocalCluster, LocalClusterConfig
 
     corpus_ids = load_corpus_ids(model)
     threads = 1 if bench.engine == "sim" else threads_per_worker(budget)

@@ -17,7 +17,7 @@ from typing import Any
 
 import numpy as np
 
-from capacity.corpus import CORPUS
+from pdserve.capacity.corpus import CORPUS
 
 
 @dataclass(frozen=True)

@@ -328,8 +328,8 @@ class PlannerSplits:
 
     def __init__(self, profile_path: str, ttft_s: float | None, tpot_s: float | None, target: float = 0.9,
                  speedup: float = 1.0, num_requests: int = 120) -> None:
-        from capacity.planner import Slos, timing_for
-        from engine.sim_profile import load_profile
+        from pdserve.capacity.planner import Slos, timing_for
+        from pdserve.engine.sim_profile import load_profile
 
         self._timing = timing_for(load_profile(profile_path))
         slos = {k: v for k, v in (("ttft", ttft_s), ("tpot", tpot_s)) if v is not None}
@@ -346,9 +346,9 @@ class PlannerSplits:
         return self._cache[key]
 
     def _rates(self, prompt: int, output: int, n: int) -> dict[int, float]:
-        from capacity.planner import Workload, max_rate
-        from capacity.simulator import Deployment
-        from capacity.workload import LengthDist
+        from pdserve.capacity.planner import Workload, max_rate
+        from pdserve.capacity.simulator import Deployment
+        from pdserve.capacity.workload import LengthDist
 
         workload = Workload(LengthDist(values=(prompt,), weights=(1.0,)), LengthDist(values=(output,), weights=(1.0,)))
         started = time.monotonic()
@@ -456,7 +456,7 @@ class AutoscalerLoop:
         outcome = "done"
         try:
             if decision.kind == "switch":
-                from cluster.elastic_cli import ROLE_PB
+                from pdserve.cluster.elastic_cli import ROLE_PB
 
                 self._stub.SwitchRole(router_pb2.SwitchRoleRequest(
                     worker_id=decision.worker_id, role=ROLE_PB[decision.role], drain_timeout_s=120.0),

@@ -33,14 +33,14 @@ from typing import Any
 import grpc
 from google.protobuf.json_format import MessageToDict
 
-from capacity.cli import add_bench, add_plan, add_sweep
-from cluster.client import DEFAULT_ADDRESS, PdserveClient, build_request, collect, sampling_params, status_rows
-from cluster.deploy_config import DeploymentConfig, add_flags, config_from_args
-from cluster.elastic_cli import add_role
-from cluster.local import ClusterStartError, LocalCluster
-from cluster.migrate_cli import add_migrate
-from cluster.tables import format_table
-from cluster.trace_view import trace_lines
+from pdserve.capacity.cli import add_bench, add_plan, add_sweep
+from pdserve.cluster.client import DEFAULT_ADDRESS, PdserveClient, build_request, collect, sampling_params, status_rows
+from pdserve.cluster.deploy_config import DeploymentConfig, add_flags, config_from_args
+from pdserve.cluster.elastic_cli import add_role
+from pdserve.cluster.local import ClusterStartError, LocalCluster
+from pdserve.cluster.migrate_cli import add_migrate
+from pdserve.cluster.tables import format_table
+from pdserve.cluster.trace_view import trace_lines
 from pdserve.extras import MissingExtra, require
 from pdserve.transport import is_loopback
 from pdserve.v1 import common_pb2, router_pb2
@@ -49,7 +49,7 @@ STATUS_COLUMNS = ("role", "worker_id", "address", "pid", "queue", "kv used/total
 
 
 def _cmd_model_fetch(args: argparse.Namespace) -> int:
-    from engine.model_fetch import fetch_default_model
+    from pdserve.engine.model_fetch import fetch_default_model
 
     path = fetch_default_model(force=args.force, progress=lambda s: print(s, file=sys.stderr))
     print(path)
@@ -137,7 +137,7 @@ def _interrupt(_signum: int, _frame: FrameType | None) -> None:
 
 
 def _cmd_serve_ray(config: DeploymentConfig) -> int:
-    from cluster.ray_cluster import RayCluster
+    from pdserve.cluster.ray_cluster import RayCluster
 
     signal.signal(signal.SIGTERM, _interrupt)
     try:
@@ -161,7 +161,7 @@ def _cmd_serve_ray(config: DeploymentConfig) -> int:
 
 def _cmd_scale(args: argparse.Namespace) -> int:
     ray = require("ray", "pdserve scale")
-    from cluster.ray_cluster import get_controller
+    from pdserve.cluster.ray_cluster import get_controller
 
     if args.prefill < 1 or args.decode < 1:
         print("error: need --prefill >= 1 and --decode >= 1", file=sys.stderr)
@@ -205,7 +205,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         _print_extras(cluster.http_address, cluster.metrics_addresses, bool(config.security.tls_cert))
         options = config.autoscale_options()
         if options is not None:  # the SLO autoscaler: switches worker roles through the router
-            from cluster.autoscaler import start_local_autoscaler
+            from pdserve.cluster.autoscaler import start_local_autoscaler
 
             scalers.append(start_local_autoscaler(cluster.router_address, options,
                                                   _token_of_file(config.security.auth_token_file),
@@ -335,7 +335,7 @@ def _keep_trace(responses: Iterator[router_pb2.GenerateResponse],
 def _ray_router_address(address: str) -> str:
     """The router address of the `serve --ray` deployment on the Ray cluster at `address` (via its controller)."""
     ray = require("ray", "pdserve status --address")
-    from cluster.ray_cluster import get_controller
+    from pdserve.cluster.ray_cluster import get_controller
 
     try:
         return str(ray.get(get_controller(address).router_address.remote(), timeout=30))

@@ -16,8 +16,8 @@ from dataclasses import dataclass, field
 
 import grpc
 
-from cluster.client import DEFAULT_ADDRESS, status_rows
-from cluster.tables import format_table
+from pdserve.cluster.client import DEFAULT_ADDRESS, status_rows
+from pdserve.cluster.tables import format_table
 from pdserve.v1 import common_pb2, router_pb2, router_pb2_grpc
 
 ROLE_PB = {"prefill": common_pb2.WORKER_ROLE_PREFILL, "decode": common_pb2.WORKER_ROLE_DECODE,

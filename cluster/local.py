@@ -6,13 +6,13 @@ Workers bind to 127.0.0.1; the router binds to ``router.host``.
 
 Configuration: a `cluster.deploy_config.DeploymentConfig` (or the flat `LocalClusterConfig`, which
 stands for one). Each process gets its settings as one JSON document, ``<log_dir>/<name>.config.json``
-(`python -m router|prefill_worker|decode_worker --config FILE`), made by the same
+(`python -m pdserve.router|pdserve.prefill_worker|pdserve.decode_worker --config FILE`), made by the same
 `deploy_config.worker_document` / `router_document` the Ray launcher uses, and validated by the
-process on arrival. With elastic roles (``elastic`` section) every worker is `python -m elastic_worker
+process on arrival. With elastic roles (``elastic`` section) every worker is `python -m pdserve.elastic_worker
 --role ROLE --config FILE`, its document holding both roles' worker documents.
 
 Security: the router takes the public API's bearer token and certificate (``auth_token_file``,
-``tls_cert_file``/``tls_key_file``; `python -m router` flags of the same names). The internal plane
+``tls_cert_file``/``tls_key_file``; `python -m pdserve.router` flags of the same names). The internal plane
 (router -> workers, decode -> prefill, KV pushes) requires an internal token: the configured one
 (``PDSERVE_INTERNAL_TOKEN[_FILE]``), else one generated for this launcher, passed to every child
 in its environment (`pdserve.transport.launcher_token`).
@@ -38,14 +38,14 @@ from typing import Any, NamedTuple
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from cluster.deploy_config import WORKER_HOST, DeploymentConfig, flat_sections, router_document, worker_document
-from cluster.processes import ManagedProcess, ProcessStartError, stop_all
+from pdserve.cluster.deploy_config import WORKER_HOST, DeploymentConfig, flat_sections, router_document, worker_document
+from pdserve.cluster.processes import ManagedProcess, ProcessStartError, stop_all
 from pdserve.process_config import write_document
 from pdserve.transport import ENV_TOKEN, ENV_TOKEN_FILE, internal_token, launcher_token, open_channel
 
 STOP_GRACE_S = 5.0
-PROCESS_MODULES = {"prefill": "prefill_worker", "decode": "decode_worker", "colocated": "decode_worker",
-                   "router": "router"}
+PROCESS_MODULES = {"prefill": "pdserve.prefill_worker", "decode": "pdserve.decode_worker",
+                   "colocated": "pdserve.decode_worker", "router": "pdserve.router"}
 _REPO = Path(__file__).resolve().parents[1]
 
 
@@ -183,7 +183,8 @@ def free_port(host: str = WORKER_HOST) -> int:
 def child_env(internal_token_file: str | None = None) -> dict[str, str]:
     """Environment of the children: ours, with this checkout (and its stubs) first on PYTHONPATH, and
     the internal token (the configured file, else the environment's, else this launcher's generated one)."""
-    paths = [str(_REPO), str(_REPO / "proto")]
+    # a source checkout: its folders and stubs first (an installed package needs nothing on the path)
+    paths = [str(_REPO), str(_REPO / "proto")] if (_REPO / "proto" / "pdserve").is_dir() else []
     if os.environ.get("PYTHONPATH"):
         paths.append(os.environ["PYTHONPATH"])
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(paths), "PYTHONUNBUFFERED": "1"}
@@ -264,10 +265,10 @@ class LocalCluster:
 
     def _launch(self, name: str, kind: str, document: dict[str, Any]) -> ManagedProcess:
         """Start `python -m <module of kind> --config <name>.config.json` (plus the kind's extra flags);
-        a worker with elastic roles: `python -m elastic_worker --role <kind> --config ...`."""
+        a worker with elastic roles: `python -m pdserve.elastic_worker --role <kind> --config ...`."""
         path = write_document(self.log_dir / f"{name}.config.json", document)
         if kind != "router" and self.deployment.elastic.switchable:
-            module = ["elastic_worker", "--role", kind]
+            module = ["pdserve.elastic_worker", "--role", kind]
         else:
             module = [PROCESS_MODULES[kind]]
         argv = [sys.executable, "-m", *module, "--config", str(path), *self._extra.get(kind, ())]

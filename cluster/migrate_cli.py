@@ -14,7 +14,7 @@ import sys
 import grpc
 from google.protobuf.json_format import MessageToDict
 
-from cluster.client import DEFAULT_ADDRESS, PdserveClient
+from pdserve.cluster.client import DEFAULT_ADDRESS, PdserveClient
 
 
 def add_migrate(commands: argparse._SubParsersAction) -> None:

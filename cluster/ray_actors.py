@@ -1,6 +1,6 @@
 """The pdserve processes as Ray actors: a worker actor (prefill or decode) and the router actor.
 
-A worker actor's ``__init__`` builds exactly what ``python -m prefill_worker`` / ``python -m
+A worker actor's ``__init__`` builds exactly what ``python -m pdserve.prefill_worker`` / ``python -m
 decode_worker`` build (their ``start_worker``), from the same config document
 (`cluster.deploy_config.worker_document`, validated by the worker's own parser), so both
 deployment modes share one code path: the worker serves gRPC on its own port, and the router
@@ -23,7 +23,7 @@ import importlib
 import os
 from typing import Any
 
-WORKER_MODULES = {"prefill": "prefill_worker.__main__", "decode": "decode_worker.__main__"}
+WORKER_MODULES = {"prefill": "pdserve.prefill_worker.__main__", "decode": "pdserve.decode_worker.__main__"}
 
 
 def _use_internal_token(token: str | None) -> None:
@@ -42,7 +42,7 @@ class WorkerActor:
                  extra_argv: tuple[str, ...] = ()) -> None:
         import ray
 
-        from engine.worker_runtime import NODE_HOST_ENV, NODE_ID_ENV, configure_process
+        from pdserve.engine.worker_runtime import NODE_HOST_ENV, NODE_ID_ENV, configure_process
 
         _use_internal_token(internal_token)
         if role not in WORKER_MODULES:
@@ -57,7 +57,7 @@ class WorkerActor:
         self.started = module.start_worker(args)
         self._ray_receiver: Any = None
         if role == "decode" and args.kv_backend == "ray":
-            from kv_transfer.ray_backend import RayKvReceiver
+            from pdserve.kv_transfer.ray_backend import RayKvReceiver
 
             self._ray_receiver = RayKvReceiver(self.started.extras["kv_receiver"], args.kv_timeout_s)
 
@@ -108,9 +108,9 @@ class RouterActor:
     def __init__(self, document: dict[str, Any], internal_token: str | None = None,
                  auth_token: str | None = None) -> None:
         _use_internal_token(internal_token)
-        from router.__main__ import config_from_args, parse_args
-        from router.server import serve
-        from telemetry.logs import configure_logging
+        from pdserve.router.__main__ import config_from_args, parse_args
+        from pdserve.router.server import serve
+        from pdserve.telemetry.logs import configure_logging
 
         args = parse_args([], document={**document, **_workers_after_restart()})
         configure_logging("router", args.log_level, args.log_format)
@@ -125,7 +125,7 @@ class RouterActor:
         return f"{self.server.host}:{self.server.http_port}" if self.server.http_port is not None else ""
 
     def add_worker(self, address: str, role: str) -> None:
-        from router.worker_pool import WorkerEndpoint
+        from pdserve.router.worker_pool import WorkerEndpoint
 
         if address in self.server.pool.addresses():  # a restarted router may have learned it already
             return
@@ -162,7 +162,7 @@ def _workers_after_restart() -> dict[str, list[str]]:
 
     if not ray.get_runtime_context().was_current_actor_reconstructed:
         return {}
-    from cluster.ray_cluster import CONTROLLER_NAME, NAMESPACE
+    from pdserve.cluster.ray_cluster import CONTROLLER_NAME, NAMESPACE
 
     controller = ray.get_actor(CONTROLLER_NAME, namespace=NAMESPACE)
     workers = ray.get(controller.router_workers.remote(), timeout=60)

@@ -53,10 +53,10 @@ try:
 except ImportError as exc:
     raise missing_extra("ray", "The Ray deployment (pdserve serve --ray, scale, status --address)") from exc
 
-from cluster.deploy_config import DeploymentConfig, _abspath, flat_sections, router_document, worker_document
-from cluster.ray_actors import RouterActor, WorkerActor
+from pdserve.cluster.deploy_config import DeploymentConfig, _abspath, flat_sections, router_document, worker_document
+from pdserve.cluster.ray_actors import RouterActor, WorkerActor
+from pdserve.router.auth import load_token
 from pdserve.transport import launcher_token
-from router.auth import load_token
 
 log = logging.getLogger(__name__)
 

@@ -15,8 +15,8 @@ from typing import Any
 
 import torch
 
-from kv_transfer.base import KvSpec
 from pdserve.extras import missing_extra
+from pdserve.kv_transfer.base import KvSpec
 
 try:
     import ray
@@ -30,13 +30,13 @@ class _BenchReceiver:
     """Registers the intake for each header it is sent, then receives it like a decode actor."""
 
     def __init__(self) -> None:
-        from kv_transfer.grpc_backend import KvTransferServicer
-        from kv_transfer.ray_backend import RayKvReceiver
+        from pdserve.kv_transfer.grpc_backend import KvTransferServicer
+        from pdserve.kv_transfer.ray_backend import RayKvReceiver
 
         self.receiver = RayKvReceiver(KvTransferServicer())
 
     def receive_kv(self, header: dict[str, Any], refs: list[Any]) -> dict[str, Any]:
-        from kv_transfer.ray_backend import spec_from_header
+        from pdserve.kv_transfer.ray_backend import spec_from_header
 
         spec, _ = spec_from_header(header)
         pending = self.receiver.expect(spec, deadline_s=60)
@@ -49,7 +49,7 @@ class _BenchReceiver:
 
 def ray_send_seconds(make_kv: Callable[[], tuple[KvSpec, torch.Tensor]], repeats: int) -> float:
     """Median seconds of one RayKvSender.send of `make_kv()`'s tensor to an actor on this node."""
-    from kv_transfer.ray_backend import NAMESPACE, RayKvSender
+    from pdserve.kv_transfer.ray_backend import NAMESPACE, RayKvSender
 
     if not ray.is_initialized():  # left running for the next call (ends with the process)
         ray.init(num_cpus=2, include_dashboard=False, namespace=NAMESPACE, log_to_driver=False)
@@ -85,8 +85,8 @@ class _GrpcReceiver:
     """A gRPC KvTransfer server (the "grpc" backend's receiving end) inside an actor."""
 
     def __init__(self) -> None:
-        from engine.worker_runtime import make_server
-        from kv_transfer import KvTransferServicer, grpc_message_options
+        from pdserve.engine.worker_runtime import make_server
+        from pdserve.kv_transfer import KvTransferServicer, grpc_message_options
 
         self.receiver = KvTransferServicer()
         self.server = make_server(8, grpc_message_options())
@@ -126,7 +126,7 @@ class _NodeSender:
         return statistics.median(times)
 
     def ray_send(self, target: str, shape: tuple[int, ...], block_size: int, tokens: int, repeats: int) -> float:
-        from kv_transfer.ray_backend import RayKvSender
+        from pdserve.kv_transfer.ray_backend import RayKvSender
 
         sender, times = RayKvSender(f"ray:{target}"), []
         for i in range(repeats + 1):
@@ -139,7 +139,7 @@ class _NodeSender:
 
     def grpc_send(self, receiver: Any, shape: tuple[int, ...], block_size: int, tokens: int,  # noqa: ANN401
                   repeats: int) -> float:
-        from kv_transfer import get_backend
+        from pdserve.kv_transfer import get_backend
 
         sender = get_backend("grpc").sender_factory(ray.get(receiver.get_address.remote()))
         times = []
@@ -163,7 +163,7 @@ def cross_node_seconds(shapes: list[tuple[int, tuple[int, ...]]], block_size: in
     same within node-a, and over gRPC node-a -> node-b."""
     from ray.cluster_utils import Cluster
 
-    from kv_transfer.ray_backend import NAMESPACE
+    from pdserve.kv_transfer.ray_backend import NAMESPACE
 
     cluster = Cluster(initialize_head=True, head_node_args={
         "num_cpus": 1, "object_store_memory": NODE_STORE_BYTES, "include_dashboard": False})

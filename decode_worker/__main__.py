@@ -1,4 +1,4 @@
-"""`python -m decode_worker`: one decode (or colocated) worker process; gRPC on loopback by default.
+"""`python -m pdserve.decode_worker`: one decode (or colocated) worker process; gRPC on loopback by default.
 
 Serves DecodeWorker, KvTransfer (the gRPC KV backend's receiver) and health on one port.
 """
@@ -10,14 +10,14 @@ from typing import Any
 
 from grpc_health.v1 import health_pb2
 
-from decode_worker.servicer import DecodeServicer
-from decode_worker.worker import DecodeWorker
-from engine.config import EngineConfig
-from engine.metrics import WorkerMetrics
-from engine.model_fetch import resolve_model
-from engine.model_loader import load_model
-from engine.sim_runner import add_engine_args, load_sim_worker
-from engine.worker_runtime import (
+from pdserve.decode_worker.servicer import DecodeServicer
+from pdserve.decode_worker.worker import DecodeWorker
+from pdserve.engine.config import EngineConfig
+from pdserve.engine.metrics import WorkerMetrics
+from pdserve.engine.model_fetch import resolve_model
+from pdserve.engine.model_loader import load_model
+from pdserve.engine.sim_runner import add_engine_args, load_sim_worker
+from pdserve.engine.worker_runtime import (
     Drain,
     LivenessWatch,
     StartedWorker,
@@ -32,12 +32,12 @@ from engine.worker_runtime import (
     make_server,
     serve_until_signal,
 )
-from kv_transfer import KvTransferServicer, grpc_message_options
+from pdserve.kv_transfer import KvTransferServicer, grpc_message_options
 from pdserve.limits import receive_options
 from pdserve.process_config import add_config_arg, parse_with_document
+from pdserve.telemetry.prometheus import start_metrics_endpoint
 from pdserve.transport import check_bind_allowed
 from pdserve.v1 import worker_pb2_grpc
-from telemetry.prometheus import start_metrics_endpoint
 
 
 def parse_args(argv: list[str] | None = None, document: dict[str, Any] | None = None) -> argparse.Namespace:
@@ -47,7 +47,7 @@ def parse_args(argv: list[str] | None = None, document: dict[str, Any] | None = 
 
 def build_parser() -> argparse.ArgumentParser:
     """This worker's command-line flags (also read by `elastic_worker`, which takes both roles' flags)."""
-    ap = argparse.ArgumentParser(prog="python -m decode_worker", description=__doc__)
+    ap = argparse.ArgumentParser(prog="python -m pdserve.decode_worker", description=__doc__)
     add_worker_args(ap, worker_id="decode-0", kv_cache_mb=512)
     ap.add_argument("--colocated", action="store_true", help="prefill every request here (classic server)")
     ap.add_argument("--local-prefill-threshold", type=int, default=0,

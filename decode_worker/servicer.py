@@ -22,15 +22,15 @@ from typing import Any
 
 import grpc
 
-from decode_worker.worker import AdmissionError, DecodeWorker, StreamError, Suspended, WorkerDead
-from engine.block_pool import blocks_for_tokens
-from engine.llm_engine import TokenOutput
-from engine.model_loader import LoadedModel
-from engine.sampler import TokenLogprob
-from engine.sampling_params import SamplingParams
-from engine.tokenization import encode_chat, encode_text
-from engine.trace import token_bytes
-from engine.worker_runtime import (
+from pdserve.decode_worker.worker import AdmissionError, DecodeWorker, StreamError, Suspended, WorkerDead
+from pdserve.engine.block_pool import blocks_for_tokens
+from pdserve.engine.llm_engine import TokenOutput
+from pdserve.engine.model_loader import LoadedModel
+from pdserve.engine.sampler import TokenLogprob
+from pdserve.engine.sampling_params import SamplingParams
+from pdserve.engine.tokenization import encode_chat, encode_text
+from pdserve.engine.trace import token_bytes
+from pdserve.engine.worker_runtime import (
     Drain,
     finish_reason_to_pb,
     node_identity,
@@ -38,9 +38,9 @@ from engine.worker_runtime import (
     sampling_params_to_pb,
     trace_events_to_pb,
 )
-from kv_transfer import KvSpec, KvTransferError, KvTransferServicer, get_backend
-from kv_transfer.shm_backend import SEGMENT_PREFIX as SHM_PREFIX
-from kv_transfer.shm_backend import InPlaceKv
+from pdserve.kv_transfer import KvSpec, KvTransferError, KvTransferServicer, get_backend
+from pdserve.kv_transfer.shm_backend import SEGMENT_PREFIX as SHM_PREFIX
+from pdserve.kv_transfer.shm_backend import InPlaceKv
 from pdserve.serving import MIGRATION_FAILURE, PREFILL_FAILURE
 from pdserve.transport import open_aio_channel
 from pdserve.v1 import common_pb2, router_pb2, worker_pb2, worker_pb2_grpc

@@ -25,16 +25,16 @@ from typing import Any, TypeVar
 
 import torch
 
-from engine.block_pool import blocks_for_tokens
-from engine.config import EngineConfig
-from engine.engine_loop import EngineLoop, LoopDead
-from engine.kv_cache import KVCache
-from engine.llm_engine import BlockWriter, LLMEngine, TokenOutput
-from engine.metrics import WorkerMetrics
-from engine.model_loader import LoadedModel
-from engine.sampling_params import SamplingParams
-from engine.sequence import Sequence
-from kv_transfer import KvSpec
+from pdserve.engine.block_pool import blocks_for_tokens
+from pdserve.engine.config import EngineConfig
+from pdserve.engine.engine_loop import EngineLoop, LoopDead
+from pdserve.engine.kv_cache import KVCache
+from pdserve.engine.llm_engine import BlockWriter, LLMEngine, TokenOutput
+from pdserve.engine.metrics import WorkerMetrics
+from pdserve.engine.model_loader import LoadedModel
+from pdserve.engine.sampling_params import SamplingParams
+from pdserve.engine.sequence import Sequence
+from pdserve.kv_transfer import KvSpec
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")

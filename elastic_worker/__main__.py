@@ -1,7 +1,7 @@
-"""`python -m elastic_worker --role {prefill,decode,colocated} [flags]`: a worker process that can
+"""`python -m pdserve.elastic_worker --role {prefill,decode,colocated} [flags]`: a worker process that can
 change role at runtime (RoleControl.SetRole; `pdserve role`), with its model loaded once.
 
-Takes the flags of both `python -m prefill_worker` and `python -m decode_worker` (each role reads
+Takes the flags of both `python -m pdserve.prefill_worker` and `python -m pdserve.decode_worker` (each role reads
 its own; shared ones such as --model, --kv-cache-mb and --block-size are one value for both), or
 ``--config FILE``: {"prefill": <prefill document>, "decode": <decode document>} as `pdserve serve
 --elastic` writes it (flags given as well override it). Serves
@@ -19,20 +19,20 @@ from typing import Any
 
 from grpc_health.v1 import health_pb2
 
-from decode_worker import __main__ as decode_main
-from elastic_worker.servicer import (
+from pdserve.decode_worker import __main__ as decode_main
+from pdserve.elastic_worker.servicer import (
     ElasticDecodeServicer,
     ElasticPrefillServicer,
     RoleControlServicer,
 )
-from elastic_worker.worker import ROLES, ElasticSettings, ElasticWorker, prefill_config_of
-from engine.config import EngineConfig
-from engine.llm_engine import build_cache
-from engine.metrics import WorkerMetrics
-from engine.model_fetch import resolve_model
-from engine.model_loader import load_model
-from engine.sim_runner import load_sim_worker
-from engine.worker_runtime import (
+from pdserve.elastic_worker.worker import ROLES, ElasticSettings, ElasticWorker, prefill_config_of
+from pdserve.engine.config import EngineConfig
+from pdserve.engine.llm_engine import build_cache
+from pdserve.engine.metrics import WorkerMetrics
+from pdserve.engine.model_fetch import resolve_model
+from pdserve.engine.model_loader import load_model
+from pdserve.engine.sim_runner import load_sim_worker
+from pdserve.engine.worker_runtime import (
     Drain,
     LivenessWatch,
     StartedWorker,
@@ -45,14 +45,14 @@ from engine.worker_runtime import (
     make_server,
     serve_until_signal,
 )
-from kv_transfer import KvTransferServicer
-from kv_transfer.modelled import install_modelled_links
+from pdserve.kv_transfer import KvTransferServicer
+from pdserve.kv_transfer.modelled import install_modelled_links
 from pdserve.limits import receive_options
+from pdserve.prefill_worker import __main__ as prefill_main
 from pdserve.process_config import namespace_from_document
+from pdserve.telemetry.prometheus import start_metrics_endpoint
 from pdserve.transport import check_bind_allowed
 from pdserve.v1 import worker_pb2_grpc
-from prefill_worker import __main__ as prefill_main
-from telemetry.prometheus import start_metrics_endpoint
 
 
 def parse_args(argv: list[str] | None = None, document: dict[str, Any] | None = None,
@@ -63,7 +63,7 @@ def parse_args(argv: list[str] | None = None, document: dict[str, Any] | None = 
     process document (`deploy_config.worker_document`), validated by that role's parser; flags on
     the command line override both."""
     argv = list(sys.argv[1:] if argv is None else argv)
-    role_parser = argparse.ArgumentParser(prog="python -m elastic_worker", description=__doc__, add_help=False)
+    role_parser = argparse.ArgumentParser(prog="python -m pdserve.elastic_worker", description=__doc__, add_help=False)
     role_parser.add_argument("--role", choices=ROLES, required=True, help="the role to start in")
     role_parser.add_argument("--config", default=None, metavar="FILE",
                              help='JSON {"prefill": {...}, "decode": {...}}: each role\'s process document')

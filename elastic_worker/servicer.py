@@ -13,7 +13,7 @@ from collections.abc import AsyncIterator
 
 import grpc
 
-from elastic_worker.worker import COLOCATED, DECODE, PREFILL, ElasticWorker, SwitchTimeout
+from pdserve.elastic_worker.worker import COLOCATED, DECODE, PREFILL, ElasticWorker, SwitchTimeout
 from pdserve.v1 import common_pb2, router_pb2, worker_pb2, worker_pb2_grpc
 
 log = logging.getLogger(__name__)

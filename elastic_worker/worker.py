@@ -27,17 +27,17 @@ from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Any
 
-from decode_worker.servicer import DecodeServicer
-from decode_worker.worker import DecodeWorker
-from engine.config import EngineConfig
-from engine.kv_cache import KVCache
-from engine.metrics import WorkerMetrics
-from engine.model_loader import LoadedModel
-from engine.worker_runtime import Drain
-from kv_transfer import KvTransferServicer
-from prefill_worker.faults import FaultInjector
-from prefill_worker.servicer import PrefillServicer
-from prefill_worker.worker import PrefillWorker
+from pdserve.decode_worker.servicer import DecodeServicer
+from pdserve.decode_worker.worker import DecodeWorker
+from pdserve.engine.config import EngineConfig
+from pdserve.engine.kv_cache import KVCache
+from pdserve.engine.metrics import WorkerMetrics
+from pdserve.engine.model_loader import LoadedModel
+from pdserve.engine.worker_runtime import Drain
+from pdserve.kv_transfer import KvTransferServicer
+from pdserve.prefill_worker.faults import FaultInjector
+from pdserve.prefill_worker.servicer import PrefillServicer
+from pdserve.prefill_worker.worker import PrefillWorker
 
 log = logging.getLogger(__name__)
 

@@ -13,8 +13,8 @@ Invariants:
   which is ours (`engine.attention`).
 """
 
-from engine.block_pool import BlockPool, NoFreeBlocksError
-from engine.config import EngineConfig
-from engine.sampling_params import SamplingParams
+from pdserve.engine.block_pool import BlockPool, NoFreeBlocksError
+from pdserve.engine.config import EngineConfig
+from pdserve.engine.sampling_params import SamplingParams
 
 __all__ = ["BlockPool", "EngineConfig", "NoFreeBlocksError", "SamplingParams"]

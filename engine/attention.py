@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from transformers import AttentionInterface
 from transformers.masking_utils import AttentionMaskInterface
 
-from engine.kv_cache import KVCache
+from pdserve.engine.kv_cache import KVCache
 
 ATTN_IMPLEMENTATION = "pdserve_paged"
 

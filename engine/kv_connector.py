@@ -13,8 +13,8 @@ from __future__ import annotations
 
 import abc
 
-from engine.model_runner import LayerCallback
-from engine.sequence import Sequence
+from pdserve.engine.model_runner import LayerCallback
+from pdserve.engine.sequence import Sequence
 
 
 class KvConnector(abc.ABC):

@@ -24,19 +24,19 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.block_pool import BlockPool, block_hashes, blocks_for_tokens
-from engine.config import EngineConfig
-from engine.kv_cache import KVCache
-from engine.kv_connector import KvConnector
-from engine.model_loader import LoadedModel
-from engine.model_runner import StepInput
-from engine.runners import build_runner
-from engine.sampler import TokenLogprob, sample, token_logprobs
-from engine.sampling_params import SamplingParams
-from engine.scheduler import PassItem, ScheduledPass, Scheduler
-from engine.sequence import Sequence, SequenceStatus
-from engine.stop_checker import FINISH_ABORT, FINISH_ERROR, FINISH_LENGTH
-from engine.trace import DecodeStepEvent, PrefillPassEvent, TraceEvent
+from pdserve.engine.block_pool import BlockPool, block_hashes, blocks_for_tokens
+from pdserve.engine.config import EngineConfig
+from pdserve.engine.kv_cache import KVCache
+from pdserve.engine.kv_connector import KvConnector
+from pdserve.engine.model_loader import LoadedModel
+from pdserve.engine.model_runner import StepInput
+from pdserve.engine.runners import build_runner
+from pdserve.engine.sampler import TokenLogprob, sample, token_logprobs
+from pdserve.engine.sampling_params import SamplingParams
+from pdserve.engine.scheduler import PassItem, ScheduledPass, Scheduler
+from pdserve.engine.sequence import Sequence, SequenceStatus
+from pdserve.engine.stop_checker import FINISH_ABORT, FINISH_ERROR, FINISH_LENGTH
+from pdserve.engine.trace import DecodeStepEvent, PrefillPassEvent, TraceEvent
 
 log = logging.getLogger(__name__)
 

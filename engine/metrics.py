@@ -19,7 +19,7 @@ from collections.abc import Callable
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
-from telemetry.prometheus import BATCH_SIZE_BUCKETS, LATENCY_BUCKETS
+from pdserve.telemetry.prometheus import BATCH_SIZE_BUCKETS, LATENCY_BUCKETS
 
 TRANSFER_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 

@@ -20,7 +20,7 @@ Conversion:
 
 The result lives in ``$PDSERVE_CACHE_DIR/models/SmolLM2-135M-Instruct`` (default cache root
 ``~/.cache/pdserve``) and is marked complete by a ``.complete`` file. Run
-``python -m engine.model_fetch [--force]`` to fetch it; it prints the folder.
+``python -m pdserve.engine.model_fetch [--force]`` to fetch it; it prints the folder.
 """
 
 from __future__ import annotations
@@ -242,7 +242,7 @@ def resolve_model(path_or_none: str | os.PathLike[str] | None) -> Path:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
-        prog="python -m engine.model_fetch", description="Fetch and convert the default model."
+        prog="python -m pdserve.engine.model_fetch", description="Fetch and convert the default model."
     )
     parser.add_argument("--force", action="store_true", help="re-download and re-convert")
     args = parser.parse_args(argv)

@@ -17,8 +17,8 @@ from typing import Any
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 
-from engine import attention
-from engine.kv_cache import KVCacheShape
+from pdserve.engine import attention
+from pdserve.engine.kv_cache import KVCacheShape
 
 _ARCH_BY_MODEL_TYPE = {
     "llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
@@ -118,7 +118,7 @@ _DIGESTS_LOCK = threading.Lock()
 
 
 def _digest_cache_file() -> Path:
-    from engine.model_fetch import cache_root
+    from pdserve.engine.model_fetch import cache_root
 
     return cache_root() / "file-sha256.json"
 
@@ -126,7 +126,7 @@ def _digest_cache_file() -> Path:
 def cached_file_sha256(path: Path) -> str:
     """sha256 of a file, remembered (in this process and in pdserve's cache folder) under its real
     path, size and mtime: a changed file is hashed again."""
-    from engine.model_fetch import file_sha256
+    from pdserve.engine.model_fetch import file_sha256
 
     st = path.stat()
     key = (str(path.resolve()), st.st_size, st.st_mtime_ns)

@@ -13,9 +13,9 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.attention import AttentionBatch, attention_batch
-from engine.kv_cache import KVCache
-from engine.model_loader import LoadedModel
+from pdserve.engine.attention import AttentionBatch, attention_batch
+from pdserve.engine.kv_cache import KVCache
+from pdserve.engine.model_loader import LoadedModel
 
 
 @dataclass(frozen=True)

@@ -4,10 +4,10 @@ chooses; engines and workers call `build_runner` instead of naming a runner clas
 
 from __future__ import annotations
 
-from engine.kv_cache import KVCache
-from engine.model_loader import LoadedModel
-from engine.model_runner import ModelRunner
-from engine.sim_runner import SimModel, SimRunner
+from pdserve.engine.kv_cache import KVCache
+from pdserve.engine.model_loader import LoadedModel
+from pdserve.engine.model_runner import ModelRunner
+from pdserve.engine.sim_runner import SimModel, SimRunner
 
 Runner = ModelRunner | SimRunner
 

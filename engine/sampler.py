@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.sampling_params import SamplingParams
+from pdserve.engine.sampling_params import SamplingParams
 
 _SEED_MIX = 0x9E3779B97F4A7C15
 

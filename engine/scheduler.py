@@ -26,9 +26,9 @@ import time
 from collections import deque
 from dataclasses import dataclass
 
-from engine.block_pool import BlockPool, block_hashes, blocks_for_tokens
-from engine.config import EngineConfig
-from engine.sequence import Sequence, SequenceStatus
+from pdserve.engine.block_pool import BlockPool, block_hashes, blocks_for_tokens
+from pdserve.engine.config import EngineConfig
+from pdserve.engine.sequence import Sequence, SequenceStatus
 
 
 @dataclass(frozen=True)

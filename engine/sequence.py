@@ -14,11 +14,11 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from engine.detokenizer import IncrementalDetokenizer
-from engine.sampler import TokenLogprob
-from engine.sampling_params import SamplingParams
-from engine.stop_checker import StopChecker
-from engine.trace import DetokenizeHoldEvent, TraceEvent
+from pdserve.engine.detokenizer import IncrementalDetokenizer
+from pdserve.engine.sampler import TokenLogprob
+from pdserve.engine.sampling_params import SamplingParams
+from pdserve.engine.stop_checker import StopChecker
+from pdserve.engine.trace import DetokenizeHoldEvent, TraceEvent
 
 
 class SequenceStatus(enum.Enum):

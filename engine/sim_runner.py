@@ -31,11 +31,11 @@ from typing import Any
 
 import torch
 
-from engine.config import EngineConfig
-from engine.kv_cache import KVCache, KVCacheShape
-from engine.model_loader import LoadedModel
-from engine.model_runner import StepInput
-from engine.sim_profile import Profile, load_profile
+from pdserve.engine.config import EngineConfig
+from pdserve.engine.kv_cache import KVCache, KVCacheShape
+from pdserve.engine.model_loader import LoadedModel
+from pdserve.engine.model_runner import StepInput
+from pdserve.engine.sim_profile import Profile, load_profile
 
 ENGINES = ("model", "sim")
 PLACEHOLDER_DTYPE = torch.float16
@@ -175,7 +175,7 @@ def add_engine_args(ap: argparse.ArgumentParser) -> None:
 def load_sim_worker(args: argparse.Namespace, config: EngineConfig) -> tuple[EngineConfig, LoadedModel]:
     """For `--engine sim`: the profile's engine limits applied to `config`, and the sim model.
     One torch thread: a sim worker only waits."""
-    from engine.model_fetch import resolve_model
+    from pdserve.engine.model_fetch import resolve_model
 
     if not args.profile:
         raise ValueError("--engine sim needs --profile FILE")

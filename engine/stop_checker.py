@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from engine.sampling_params import SamplingParams
+from pdserve.engine.sampling_params import SamplingParams
 
 FINISH_STOP = "stop"  # EOS or a stop token id
 FINISH_LENGTH = "length"

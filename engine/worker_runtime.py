@@ -25,16 +25,16 @@ from typing import Any
 import torch
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-from engine.sampling_params import SamplingParams
-from engine.stop_checker import FINISH_ABORT, FINISH_ERROR, FINISH_LENGTH, FINISH_STOP, FINISH_STOP_STRING
-from engine.trace import DecodeStepEvent, DetokenizeHoldEvent, PrefillPassEvent, TraceEvent, token_bytes
 from pdserve.devices import DEVICE_HELP, DTYPE_HELP, DTYPE_NAMES, check_device_name
+from pdserve.engine.sampling_params import SamplingParams
+from pdserve.engine.stop_checker import FINISH_ABORT, FINISH_ERROR, FINISH_LENGTH, FINISH_STOP, FINISH_STOP_STRING
+from pdserve.engine.trace import DecodeStepEvent, DetokenizeHoldEvent, PrefillPassEvent, TraceEvent, token_bytes
 from pdserve.serving import AioServer, RequestParseInterceptor, ready_line
+from pdserve.telemetry.grpc_logging import RequestLoggingInterceptor
+from pdserve.telemetry.logs import LOG_FORMATS, configure_logging
+from pdserve.telemetry.memory import bound_heap
 from pdserve.transport import add_port, server_interceptors, use_internal_token_file
 from pdserve.v1 import common_pb2
-from telemetry.grpc_logging import RequestLoggingInterceptor
-from telemetry.logs import LOG_FORMATS, configure_logging
-from telemetry.memory import bound_heap
 
 log = logging.getLogger(__name__)
 

@@ -7,7 +7,7 @@ wire framing, ``grpc_backend`` the "grpc" backend (registered on import of this 
 Needs ``proto/`` on ``sys.path`` for the generated ``pdserve.v1`` stubs.
 """
 
-from kv_transfer.base import (
+from pdserve.kv_transfer.base import (
     KvBackend,
     KvReceiver,
     KvSender,
@@ -17,19 +17,19 @@ from kv_transfer.base import (
     get_backend,
     register_backend,
 )
-from kv_transfer.framing import FrameAssembler, KvFrameError, encode_frames
-from kv_transfer.grpc_backend import GrpcKvSender, KvTransferServicer, grpc_message_options
-from kv_transfer.shm_backend import ShmKvSender  # registers the "shm" backend
+from pdserve.kv_transfer.framing import FrameAssembler, KvFrameError, encode_frames
+from pdserve.kv_transfer.grpc_backend import GrpcKvSender, KvTransferServicer, grpc_message_options
+from pdserve.kv_transfer.shm_backend import ShmKvSender  # registers the "shm" backend
 
 
 def _ray_sender(target_address: str) -> KvSender:
-    from kv_transfer.ray_backend import get_sender
+    from pdserve.kv_transfer.ray_backend import get_sender
 
     return get_sender(target_address)
 
 
 def _ray_receiver(*args: object, **kwargs: object) -> KvReceiver:
-    from kv_transfer.ray_backend import RayKvReceiver
+    from pdserve.kv_transfer.ray_backend import RayKvReceiver
 
     return RayKvReceiver(*args, **kwargs)  # type: ignore[arg-type]
 

@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING, Any, Generic, Protocol, TypeVar
 import torch
 
 if TYPE_CHECKING:
-    from engine.kv_cache import KVCache, KVCacheShape
+    from pdserve.engine.kv_cache import KVCache, KVCacheShape
     from pdserve.v1.kv_pb2 import KvAck
 
 #: Wire dtype names -> torch dtypes. Only these are accepted.

@@ -32,7 +32,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kv_transfer.base import SUPPORTED_DTYPES, dtype_name
+from pdserve.kv_transfer.base import SUPPORTED_DTYPES, dtype_name
 
 MAGIC = b"PDIPC1"
 MAX_HANDLE_BYTES = 256

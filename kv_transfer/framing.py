@@ -29,8 +29,8 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.kv_cache import host_empty, to_host
-from kv_transfer.base import KvSpec, dtype_name
+from pdserve.engine.kv_cache import host_empty, to_host
+from pdserve.kv_transfer.base import KvSpec, dtype_name
 from pdserve.v1.kv_pb2 import KvFrame, KvHeader
 
 DEFAULT_MAX_FRAME_BYTES = 4 * 1024 * 1024

@@ -31,7 +31,7 @@ from collections.abc import Callable, Iterable, Iterator
 import grpc
 import torch
 
-from kv_transfer.base import (
+from pdserve.kv_transfer.base import (
     KvReceiver,
     KvSender,
     KvSpec,
@@ -41,7 +41,7 @@ from kv_transfer.base import (
     SenderCache,
     register_backend,
 )
-from kv_transfer.framing import (
+from pdserve.kv_transfer.framing import (
     DEFAULT_MAX_FRAME_BYTES,
     DEFAULT_MAX_TOTAL_BYTES,
     FrameAssembler,
@@ -313,7 +313,7 @@ class KvTransferServicer(kv_pb2_grpc.KvTransferServicer, KvReceiver):
         return self._receive(pending, itertools.chain([first], frames))
 
     def _receive_shm(self, pending: GrpcPendingKv, frame: KvFrame, context: grpc.ServicerContext) -> KvAck:
-        from kv_transfer.shm_backend import (
+        from pdserve.kv_transfer.shm_backend import (
             ACK_MARGIN_S,
             InPlaceKv,
             check_header,

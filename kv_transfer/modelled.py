@@ -16,11 +16,11 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from kv_transfer.base import KvSender, KvSpec, LayerSource, get_backend, register_backend
+from pdserve.kv_transfer.base import KvSender, KvSpec, LayerSource, get_backend, register_backend
 
 if TYPE_CHECKING:
-    from engine.kv_cache import KVCache
-    from engine.sim_profile import Profile
+    from pdserve.engine.kv_cache import KVCache
+    from pdserve.engine.sim_profile import Profile
     from pdserve.v1.kv_pb2 import KvAck
 
 DelayFn = Callable[[KvSpec], float]

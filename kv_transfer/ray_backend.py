@@ -56,7 +56,7 @@ try:
 except ImportError as exc:
     raise missing_extra("ray", "The ray KV backend (--kv-backend ray)") from exc
 
-from kv_transfer.base import (
+from pdserve.kv_transfer.base import (
     KvReceiver,
     KvSender,
     KvSpec,
@@ -65,7 +65,7 @@ from kv_transfer.base import (
     SenderCache,
     register_backend,
 )
-from kv_transfer.grpc_backend import GrpcPendingKv, KvTransferServicer
+from pdserve.kv_transfer.grpc_backend import GrpcPendingKv, KvTransferServicer
 from pdserve.v1.kv_pb2 import KvAck
 
 BACKEND_NAME = "ray"

@@ -41,9 +41,9 @@ from multiprocessing import shared_memory
 import grpc
 import torch
 
-from engine.kv_cache import SHM_PREFIX, KVCache, segment_prefix
-from engine.kv_cache import untrack_segment as _untrack
-from kv_transfer.base import KvSender, KvSpec, KvTransferError, SenderCache, dtype_name, register_backend
+from pdserve.engine.kv_cache import SHM_PREFIX, KVCache, segment_prefix
+from pdserve.engine.kv_cache import untrack_segment as _untrack
+from pdserve.kv_transfer.base import KvSender, KvSpec, KvTransferError, SenderCache, dtype_name, register_backend
 from pdserve.transport import open_channel
 from pdserve.v1 import kv_pb2_grpc
 from pdserve.v1.kv_pb2 import KvAck, KvFrame, KvHeader

@@ -1,4 +1,4 @@
-"""`python -m prefill_worker`: one prefill worker process serving gRPC on loopback by default."""
+"""`python -m pdserve.prefill_worker`: one prefill worker process serving gRPC on loopback by default."""
 
 from __future__ import annotations
 
@@ -7,12 +7,12 @@ from typing import Any
 
 from grpc_health.v1 import health_pb2
 
-from engine.config import EngineConfig
-from engine.metrics import WorkerMetrics
-from engine.model_fetch import resolve_model
-from engine.model_loader import load_model
-from engine.sim_runner import add_engine_args, load_sim_worker
-from engine.worker_runtime import (
+from pdserve.engine.config import EngineConfig
+from pdserve.engine.metrics import WorkerMetrics
+from pdserve.engine.model_fetch import resolve_model
+from pdserve.engine.model_loader import load_model
+from pdserve.engine.sim_runner import add_engine_args, load_sim_worker
+from pdserve.engine.worker_runtime import (
     Drain,
     LivenessWatch,
     StartedWorker,
@@ -27,15 +27,15 @@ from engine.worker_runtime import (
     make_server,
     serve_until_signal,
 )
-from kv_transfer.modelled import install_modelled_links
+from pdserve.kv_transfer.modelled import install_modelled_links
 from pdserve.limits import receive_options
+from pdserve.prefill_worker.faults import FAULT_MODES, FaultInjector
+from pdserve.prefill_worker.servicer import PrefillServicer
+from pdserve.prefill_worker.worker import PrefillWorker
 from pdserve.process_config import add_config_arg, parse_with_document
+from pdserve.telemetry.prometheus import start_metrics_endpoint
 from pdserve.transport import check_bind_allowed
 from pdserve.v1 import worker_pb2_grpc
-from prefill_worker.faults import FAULT_MODES, FaultInjector
-from prefill_worker.servicer import PrefillServicer
-from prefill_worker.worker import PrefillWorker
-from telemetry.prometheus import start_metrics_endpoint
 
 
 def parse_args(argv: list[str] | None = None, document: dict[str, Any] | None = None) -> argparse.Namespace:
@@ -45,7 +45,7 @@ def parse_args(argv: list[str] | None = None, document: dict[str, Any] | None = 
 
 def build_parser() -> argparse.ArgumentParser:
     """This worker's command-line flags (also read by `elastic_worker`, which takes both roles' flags)."""
-    ap = argparse.ArgumentParser(prog="python -m prefill_worker", description=__doc__)
+    ap = argparse.ArgumentParser(prog="python -m pdserve.prefill_worker", description=__doc__)
     add_worker_args(ap, worker_id="prefill-0", kv_cache_mb=256)
     ap.add_argument("--max-batched-tokens", type=int, default=4096, help="token budget of one prefill pass")
     ap.add_argument("--prefill-chunk-tokens", type=int, default=512,

@@ -16,12 +16,12 @@ import os
 
 import grpc
 
-from engine.kv_cache import segment_prefix
-from engine.worker_runtime import Drain, node_identity, sampling_params_from_pb, trace_events_to_pb
-from kv_transfer import KvTransferError
-from kv_transfer.shm_backend import CHECKSUM_ALGORITHMS
+from pdserve.engine.kv_cache import segment_prefix
+from pdserve.engine.worker_runtime import Drain, node_identity, sampling_params_from_pb, trace_events_to_pb
+from pdserve.kv_transfer import KvTransferError
+from pdserve.kv_transfer.shm_backend import CHECKSUM_ALGORITHMS
+from pdserve.prefill_worker.worker import PrefillJob, PrefillWorker
 from pdserve.v1 import common_pb2, worker_pb2, worker_pb2_grpc
-from prefill_worker.worker import PrefillJob, PrefillWorker
 
 log = logging.getLogger(__name__)
 

@@ -26,22 +26,22 @@ from itertools import count
 
 import torch
 
-from engine.block_pool import blocks_for_tokens
-from engine.config import EngineConfig
-from engine.engine_loop import EngineLoop
-from engine.kv_cache import KVCache
-from engine.kv_connector import KvConnector
-from engine.llm_engine import LLMEngine
-from engine.metrics import WorkerMetrics
-from engine.model_loader import LoadedModel
-from engine.model_runner import LayerCallback
-from engine.sampling_params import SamplingParams
-from engine.sequence import Sequence, SequenceStatus
-from engine.trace import TraceEvent
-from kv_transfer import KvSpec, get_backend
-from kv_transfer.base import KvSender, check_request_id
-from prefill_worker.faults import FaultInjector
-from prefill_worker.layer_stream import LayerStream
+from pdserve.engine.block_pool import blocks_for_tokens
+from pdserve.engine.config import EngineConfig
+from pdserve.engine.engine_loop import EngineLoop
+from pdserve.engine.kv_cache import KVCache
+from pdserve.engine.kv_connector import KvConnector
+from pdserve.engine.llm_engine import LLMEngine
+from pdserve.engine.metrics import WorkerMetrics
+from pdserve.engine.model_loader import LoadedModel
+from pdserve.engine.model_runner import LayerCallback
+from pdserve.engine.sampling_params import SamplingParams
+from pdserve.engine.sequence import Sequence, SequenceStatus
+from pdserve.engine.trace import TraceEvent
+from pdserve.kv_transfer import KvSpec, get_backend
+from pdserve.kv_transfer.base import KvSender, check_request_id
+from pdserve.prefill_worker.faults import FaultInjector
+from pdserve.prefill_worker.layer_stream import LayerStream
 
 log = logging.getLogger(__name__)
 

@@ -1,4 +1,4 @@
-"""``python -m router``: run the router process.
+"""``python -m pdserve.router``: run the router process.
 
 Protocol shared with the worker processes: once serving, print exactly one line to stdout,
 ``PDSERVE_READY {"address": "HOST:PORT", "worker_id": "router", "pid": N}`` (plus ``http_address`` and
@@ -17,21 +17,21 @@ import threading
 from typing import Any
 
 from pdserve.process_config import add_config_arg, parse_with_document
+from pdserve.router.auth import load_token
+from pdserve.router.config import RouterConfig
+from pdserve.router.policies import POLICY_NAMES
+from pdserve.router.server import RouterServer, serve
 from pdserve.serving import ready_line
+from pdserve.telemetry.logs import LOG_FORMATS, configure_logging
+from pdserve.telemetry.memory import bound_heap
+from pdserve.telemetry.prometheus import start_metrics_endpoint
 from pdserve.transport import is_loopback, use_internal_token_file
-from router.auth import load_token
-from router.config import RouterConfig
-from router.policies import POLICY_NAMES
-from router.server import RouterServer, serve
-from telemetry.logs import LOG_FORMATS, configure_logging
-from telemetry.memory import bound_heap
-from telemetry.prometheus import start_metrics_endpoint
 
 STOP_GRACE_S = 5.0
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python -m router", description="pdserve router (gRPC).")
+    parser = argparse.ArgumentParser(prog="python -m pdserve.router", description="pdserve router (gRPC).")
     parser.add_argument("--host", default="127.0.0.1", help="interface to bind (default 127.0.0.1)")
     parser.add_argument("--port", type=int, default=50051, help="port to bind; 0 picks a free one")
     parser.add_argument("--prefill", action="append", default=[], metavar="ADDR", help="prefill worker")

@@ -5,9 +5,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from pdserve.limits import RECEIVE_LIMIT_BYTES
+from pdserve.router.policies import COLOCATED, DECODE, POLICY_NAMES, PREFILL
+from pdserve.router.worker_pool import WorkerEndpoint
 from pdserve.transport import is_loopback
-from router.policies import COLOCATED, DECODE, POLICY_NAMES, PREFILL
-from router.worker_pool import WorkerEndpoint
 
 MAX_RECEIVE_MESSAGE_BYTES = RECEIVE_LIMIT_BYTES  # requests above pdserve.limits.MAX_REQUEST_BYTES get 400
 

@@ -43,16 +43,16 @@ from dataclasses import dataclass, field
 
 import grpc
 
+from pdserve.router.admission import AdmissionQueue, Busy, QueueFull
+from pdserve.router.config import MAX_RECEIVE_MESSAGE_BYTES, RouterConfig
+from pdserve.router.metrics import RequestClock, RouterMetrics
+from pdserve.router.policies import DECODE, PREFILL, estimate_prompt_tokens, make_policy, prefix_key
+from pdserve.router.validation import InvalidRequest, validate_generate_request
+from pdserve.router.worker_pool import ROLE_PB, Lease, NoHealthyWorker, SwitchRefused, WorkerPool
 from pdserve.serving import MIGRATION_FAILURE, PREFILL_FAILURE
+from pdserve.telemetry.grpc_logging import log_finish, log_start, safe_id
 from pdserve.transport import internal_metadata, open_aio_channel
 from pdserve.v1 import common_pb2, router_pb2, worker_pb2, worker_pb2_grpc
-from router.admission import AdmissionQueue, Busy, QueueFull
-from router.config import MAX_RECEIVE_MESSAGE_BYTES, RouterConfig
-from router.metrics import RequestClock, RouterMetrics
-from router.policies import DECODE, PREFILL, estimate_prompt_tokens, make_policy, prefix_key
-from router.validation import InvalidRequest, validate_generate_request
-from router.worker_pool import ROLE_PB, Lease, NoHealthyWorker, SwitchRefused, WorkerPool
-from telemetry.grpc_logging import log_finish, log_start, safe_id
 
 log = logging.getLogger(__name__)
 

@@ -31,10 +31,9 @@ from typing import Any
 from aiohttp import web
 
 from pdserve.limits import RECEIVE_LIMIT_BYTES
-from pdserve.v1 import common_pb2, router_pb2
-from router.auth import BearerToken
-from router.core import RouterCore, RouterError
-from router.openai_protocol import (
+from pdserve.router.auth import BearerToken
+from pdserve.router.core import RouterCore, RouterError
+from pdserve.router.openai_protocol import (
     CHAT,
     COMPLETION,
     OpenAIError,
@@ -48,6 +47,7 @@ from router.openai_protocol import (
     usage,
     usage_chunk,
 )
+from pdserve.v1 import common_pb2, router_pb2
 
 log = logging.getLogger(__name__)
 

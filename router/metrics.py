@@ -13,7 +13,7 @@ import time
 from collections import Counter, deque
 from dataclasses import dataclass
 
-from router.prom_metrics import RouterPrometheus
+from pdserve.router.prom_metrics import RouterPrometheus
 
 SAMPLE_WINDOW = 10_000
 RECENT_WINDOW_S = 60.0  # finished requests kept for StatusResponse.recent (the autoscaler's input)

@@ -18,14 +18,14 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from pdserve.router.auth import BearerTokenInterceptor
+from pdserve.router.config import MAX_RECEIVE_MESSAGE_BYTES, RouterConfig
+from pdserve.router.core import RouterCore, RouterError
+from pdserve.router.metrics import RouterMetrics
+from pdserve.router.policies import COLOCATED, DECODE, PREFILL
+from pdserve.router.worker_pool import WorkerPool
 from pdserve.serving import AioServer, RequestParseInterceptor
 from pdserve.v1 import common_pb2, router_pb2, router_pb2_grpc
-from router.auth import BearerTokenInterceptor
-from router.config import MAX_RECEIVE_MESSAGE_BYTES, RouterConfig
-from router.core import RouterCore, RouterError
-from router.metrics import RouterMetrics
-from router.policies import COLOCATED, DECODE, PREFILL
-from router.worker_pool import WorkerPool
 
 log = logging.getLogger(__name__)
 
@@ -99,7 +99,7 @@ class RouterServer:
     def start_http(self, port: int, model_name: str, auth_token: str | None, timeout_s: float,
                    tls_cert_file: str | None = None, tls_key_file: str | None = None) -> int:
         """Serve the OpenAI-compatible HTTP API on this router's loop; return the bound port."""
-        from router.http_api import OpenAIHttpServer  # aiohttp only when asked
+        from pdserve.router.http_api import OpenAIHttpServer  # aiohttp only when asked
 
         self._http = OpenAIHttpServer(self.core, model_name, self.host, port, auth_token, timeout_s,
                                       tls_cert_file, tls_key_file)

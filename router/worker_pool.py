@@ -25,10 +25,10 @@ from dataclasses import dataclass, field
 
 import grpc
 
+from pdserve.router.admission import Busy
+from pdserve.router.policies import COLOCATED, DECODE, PREFILL, ROLES, Candidate, Policy
 from pdserve.transport import open_channel
 from pdserve.v1 import common_pb2, worker_pb2, worker_pb2_grpc
-from router.admission import Busy
-from router.policies import COLOCATED, DECODE, PREFILL, ROLES, Candidate, Policy
 
 log = logging.getLogger(__name__)
 

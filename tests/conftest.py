@@ -8,9 +8,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from engine.config import EngineConfig
-from engine.llm_engine import LLMEngine
-from engine.model_loader import LoadedModel, load_model
+from pdserve.engine.config import EngineConfig
+from pdserve.engine.llm_engine import LLMEngine
+from pdserve.engine.model_loader import LoadedModel, load_model
 
 TINY = dict(
     hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
@@ -20,7 +20,7 @@ TINY = dict(
 
 @pytest.fixture(scope="session")
 def default_model_dir() -> Path:
-    from engine.model_fetch import fetch_default_model
+    from pdserve.engine.model_fetch import fetch_default_model
 
     return fetch_default_model()
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from engine.sim_profile import DecodeCost, EngineLimits, LinkCost, Overhead, PrefillCost, Profile
+from pdserve.engine.sim_profile import DecodeCost, EngineLimits, LinkCost, Overhead, PrefillCost, Profile
 
 
 def make_profile(prefill: tuple[float, float, float] = (0.0, 0.0, 0.0),

@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 from prometheus_client import CollectorRegistry
 
-from engine.metrics import WorkerMetrics
-from router.prom_metrics import RouterPrometheus
+from pdserve.engine.metrics import WorkerMetrics
+from pdserve.router.prom_metrics import RouterPrometheus
 
 REPO = Path(__file__).resolve().parents[1]
 DASHBOARD = REPO / "docs" / "grafana" / "pdserve.json"
@@ -39,7 +39,7 @@ def exported() -> dict[str, set[str]]:
     worker.kv_transferred("grpc", "send", 1024, 0.01)
     worker.kv_failed("grpc", "send")
     worker.bind_gauges(lambda: 0, lambda: 0, lambda: 0, lambda: 1)
-    from cluster.autoscaler import AutoscalerMetrics
+    from pdserve.cluster.autoscaler import AutoscalerMetrics
 
     autoscaler = AutoscalerMetrics()  # the autoscaler's own registry (serve --autoscale)
     autoscaler.decisions.labels("switch", "prefill", "ok").inc()

@@ -53,12 +53,12 @@ def _floor(name: str) -> Version:
 def test_core_imports_need_no_extra() -> None:
     result = _run_without_extras("""
         import importlib, sys
-        for name in ("capacity.bench", "capacity.cli", "capacity.plots",
-                     "capacity.sweep",
-                     "cluster.cli", "cluster.local", "cluster.ray_actors",
-                     "decode_worker.worker", "engine.llm_engine", "kv_transfer.grpc_backend",
-                     "prefill_worker.worker", "router.http_api", "router.server",
-                     "telemetry.prometheus"):
+        for name in ("pdserve.capacity.bench", "pdserve.capacity.cli", "pdserve.capacity.plots",
+                     "pdserve.capacity.sweep",
+                     "pdserve.cluster.cli", "pdserve.cluster.local", "pdserve.cluster.ray_actors",
+                     "pdserve.decode_worker.worker", "pdserve.engine.llm_engine", "pdserve.kv_transfer.grpc_backend",
+                     "pdserve.prefill_worker.worker", "pdserve.router.http_api", "pdserve.router.server",
+                     "pdserve.telemetry.prometheus"):
             importlib.import_module(name)
         optional = ("ray", "matplotlib", "rich")
         loaded = sorted(m for m, v in sys.modules.items() if v is not None and m.split(".")[0] in optional)
@@ -72,29 +72,29 @@ def test_missing_extra_errors_name_the_extra(tmp_path: Path) -> None:
     result = _run_without_extras(f"""
         import contextlib, io, json
         from pdserve.extras import MissingExtra
-        for module in ("cluster.ray_cluster", "kv_transfer.ray_backend",
-                       "cluster.ray_kv_bench"):
+        for module in ("pdserve.cluster.ray_cluster", "pdserve.kv_transfer.ray_backend",
+                       "pdserve.cluster.ray_kv_bench"):
             try:
                 __import__(module)
             except MissingExtra as exc:
                 assert "pip install 'pdserve[ray]'" in str(exc) and "ray[default]" in str(exc), exc
             else:
                 raise AssertionError(module + " imported without ray")
-        import kv_transfer
+        from pdserve import kv_transfer
         try:
             kv_transfer.get_backend("ray").sender_factory("127.0.0.1:1")
         except MissingExtra as exc:
             assert "pdserve[ray]" in str(exc)
         else:
             raise AssertionError("the ray KV backend started without ray")
-        from capacity.plots import write_plots
+        from pdserve.capacity.plots import write_plots
         try:
             write_plots(None, {{"points": []}})
         except MissingExtra as exc:
             assert "matplotlib" in str(exc) and "pip install 'pdserve[capacity]'" in str(exc), exc
         else:
             raise AssertionError("plots without matplotlib")
-        from cluster.cli import main
+        from pdserve.cluster.cli import main
         results = {{}}
         for argv in (["scale", "--prefill", "1", "--decode", "1"], ["bench", "--url", "127.0.0.1:1"],
                      ["sweep", "--rates", "1", "--output-dir", {str(tmp_path)!r}],

@@ -1,6 +1,6 @@
 """One process's configuration as a JSON document: how the launchers hand settings to a router or
-worker process (`python -m router|prefill_worker|decode_worker --config FILE`, or the Ray actors,
-which pass the document itself).
+worker process (`python -m pdserve.router|pdserve.prefill_worker|pdserve.decode_worker --config FILE`,
+or the Ray actors, which pass the document itself).
 
 The document's keys are the process's own option names (argparse ``dest``: ``kv_cache_mb``,
 ``prefill_policy``, ...), so the standalone command lines and the launched processes share one

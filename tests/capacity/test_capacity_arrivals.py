@@ -7,8 +7,8 @@ import math
 import numpy as np
 import pytest
 
-from capacity.arrivals import arrival_times, parse_rate
-from capacity.workload import LengthDist, cut_prompts, length_dist
+from pdserve.capacity.arrivals import arrival_times, parse_rate
+from pdserve.capacity.workload import LengthDist, cut_prompts, length_dist
 
 
 def gaps(times: list[float]) -> np.ndarray:

@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from cluster.cli import main
-from cluster.local import LocalCluster, LocalClusterConfig
+from pdserve.cluster.cli import main
+from pdserve.cluster.local import LocalCluster, LocalClusterConfig
 
 
 @pytest.mark.slow

@@ -6,9 +6,9 @@ import math
 
 import pytest
 
-from capacity.cli import bench_config
-from capacity.sweep import best_config, sweep_configs, threads_per_worker
-from cluster.cli import build_parser
+from pdserve.capacity.cli import bench_config
+from pdserve.capacity.sweep import best_config, sweep_configs, threads_per_worker
+from pdserve.cluster.cli import build_parser
 
 
 def test_bench_arguments() -> None:
@@ -51,11 +51,11 @@ def test_sweep_configs() -> None:
 
 
 def test_engine_flags_reach_every_worker_and_the_bench(tmp_path) -> None:  # noqa: ANN001
-    from capacity.bench import to_profile_time
-    from capacity.metrics import RequestRecord
-    from capacity.sweep import select_configs
-    from cluster.cli import deployment_config
-    from cluster.deploy_config import worker_document
+    from pdserve.capacity.bench import to_profile_time
+    from pdserve.capacity.metrics import RequestRecord
+    from pdserve.capacity.sweep import select_configs
+    from pdserve.cluster.cli import deployment_config
+    from pdserve.cluster.deploy_config import worker_document
 
     profile = tmp_path / "p.json"
     profile.write_text("{}")
@@ -74,7 +74,7 @@ def test_engine_flags_reach_every_worker_and_the_bench(tmp_path) -> None:  # noq
             deployment_config(build_parser().parse_args(["serve", *bad]))
     bench = bench_config(build_parser().parse_args(["bench", "--speedup", "4", "--rate", "2"]), "h:1")
     assert bench.speedup == 4.0 and bench.to_json()["speedup"] == 4.0
-    from cluster.cli import main
+    from pdserve.cluster.cli import main
 
     # bench is a client: --speedup alone is fine (the cluster's); a named profile must exist
     assert main(["bench", "--url", "127.0.0.1:1", "--speedup", "4", "--profile", "missing.json"]) == 2

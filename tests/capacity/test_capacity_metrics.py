@@ -6,7 +6,7 @@ import math
 
 import pytest
 
-from capacity.metrics import RequestRecord, parse_slo, stats_ms, summarize
+from pdserve.capacity.metrics import RequestRecord, parse_slo, stats_ms, summarize
 
 
 def records() -> list[RequestRecord]:

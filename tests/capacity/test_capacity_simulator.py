@@ -7,12 +7,12 @@ import numpy as np
 import pytest
 from sim_profiles import make_profile
 
-from capacity.arrivals import arrival_times
-from capacity.metrics import RequestRecord
-from capacity.planner import Slos, Workload, parse_tail_slo, plan, slices, timing_for, validate
-from capacity.simulator import Deployment, Timing, simulate
-from capacity.workload import LengthDist
-from engine.sim_profile import Overhead
+from pdserve.capacity.arrivals import arrival_times
+from pdserve.capacity.metrics import RequestRecord
+from pdserve.capacity.planner import Slos, Workload, parse_tail_slo, plan, slices, timing_for, validate
+from pdserve.capacity.simulator import Deployment, Timing, simulate
+from pdserve.capacity.workload import LengthDist
+from pdserve.engine.sim_profile import Overhead
 
 
 def test_md1_mean_wait() -> None:
@@ -102,7 +102,7 @@ def test_validate_replays_the_measured_trace() -> None:
     for r in measured:  # the "measurement" is 10% slower in TPOT than the model
         r.itl = [g * 1.1 for g in r.itl]
         r.e2e = r.ttft + sum(r.itl)
-    from capacity.metrics import summarize
+    from pdserve.capacity.metrics import summarize
 
     slos = {"ttft": 1.0}
     duration = max(r.send_time + r.e2e for r in measured)
@@ -120,7 +120,7 @@ def test_validate_replays_the_measured_trace() -> None:
 
 
 def test_prefix_cache_skips_the_cached_blocks_of_a_repeated_prompt() -> None:
-    from capacity.simulator import PrefixCache
+    from pdserve.capacity.simulator import PrefixCache
 
     # 1 ms per prompt token; the same 160-token prompt twice: the second computes only its last block
     timing = timing_for(make_profile(prefill=(0.0, 0.001, 0.0)))

@@ -11,9 +11,9 @@ from pathlib import Path
 import pytest
 from sim_profiles import make_profile
 
-from cluster.cli import main
-from cluster.engine_flags import sim_worker_args
-from cluster.local import LocalCluster, LocalClusterConfig
+from pdserve.cluster.cli import main
+from pdserve.cluster.engine_flags import sim_worker_args
+from pdserve.cluster.local import LocalCluster, LocalClusterConfig
 
 
 def _bench(url: str, out: Path, *extra: str) -> dict:
@@ -98,7 +98,7 @@ def test_speedup_gives_the_same_profile_time_results(tmp_path: Path) -> None:
 def test_serve_max_queued_requests_reaches_the_router(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     """`pdserve serve --max-queued-requests N` (through the serve command's DeploymentConfig) bounds the
     router's queue, as `pdserve status` reports it."""
-    from cluster.cli import build_parser, deployment_config
+    from pdserve.cluster.cli import build_parser, deployment_config
 
     profile = make_profile(prefill=(0.004, 1e-5, 0.0), decode=(0.003, 1e-5, 0.0), transfer_s=0.001,
                            kv_capacity_tokens=512)

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 from sim_profiles import make_profile
 
-from engine.sim_profile import PROFILE_VERSION, Overhead, Profile, load_profile
+from pdserve.engine.sim_profile import PROFILE_VERSION, Overhead, Profile, load_profile
 
 SHIPPED = sorted((Path(__file__).resolve().parents[2] / "capacity" / "profiles").glob("*.json"))
 

@@ -7,7 +7,7 @@ import random
 
 import pytest
 
-from cluster.autoscaler import (
+from pdserve.cluster.autoscaler import (
     Autoscaler,
     AutoscalerConfig,
     Decision,

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from cluster.cli import build_parser, deployment_config, format_table
-from cluster.client import build_request, collect, sampling_params
-from cluster.local import LocalClusterConfig, WorkerProcess, local_router_document, local_worker_document
+from pdserve.cluster.cli import build_parser, deployment_config, format_table
+from pdserve.cluster.client import build_request, collect, sampling_params
+from pdserve.cluster.local import LocalClusterConfig, WorkerProcess, local_router_document, local_worker_document
 from pdserve.v1 import common_pb2, router_pb2
 
 
@@ -132,7 +132,7 @@ def test_elastic_flags_are_the_elastic_section() -> None:
 def test_elastic_worker_takes_both_documents_or_flags(tmp_path) -> None:  # noqa: ANN001
     import json
 
-    from elastic_worker.__main__ import parse_args as elastic_args
+    from pdserve.elastic_worker.__main__ import parse_args as elastic_args
 
     config = LocalClusterConfig(model="/m", threads_per_worker=2, elastic=True, local_prefill_threshold=5).deployment()
     document = local_worker_document(config, "decode", "decode-0")
@@ -194,8 +194,8 @@ def test_threads_default_splits_cpus() -> None:
 
 
 def test_worker_documents_parse_in_the_worker() -> None:
-    from decode_worker.__main__ import parse_args as decode_args
-    from prefill_worker.__main__ import parse_args as prefill_args
+    from pdserve.decode_worker.__main__ import parse_args as decode_args
+    from pdserve.prefill_worker.__main__ import parse_args as prefill_args
 
     config = LocalClusterConfig(model="/m", threads_per_worker=2, kv_cache_mb=64, colocated=1).deployment()
     assert config.worker_names() == [("prefill", "prefill-0"), ("decode", "decode-0"), ("colocated", "colocated-0")]
@@ -212,7 +212,7 @@ def test_worker_documents_parse_in_the_worker() -> None:
 
 
 def test_router_document() -> None:
-    from router.__main__ import config_from_args, parse_args
+    from pdserve.router.__main__ import config_from_args, parse_args
 
     workers = [
         WorkerProcess("prefill", "prefill-0", "127.0.0.1:1", 1),
@@ -262,8 +262,8 @@ def test_format_table_aligns() -> None:
 
 
 def test_serve_ray_flags_and_scale() -> None:
-    from cluster.deploy_config import worker_document
-    from cluster.ray_cluster import worker_resources
+    from pdserve.cluster.deploy_config import worker_document
+    from pdserve.cluster.ray_cluster import worker_resources
 
     args = _parse("serve", "--ray", "--address", "auto", "--prefill", "2", "--decode", "3", "--kv-backend", "ray",
                   "--gpus-per-worker", "1", "--placement", "spread", "--decode-resource", "decode_gpu")
@@ -289,7 +289,7 @@ def test_serve_ray_flags_and_scale() -> None:
 
 
 def test_serve_ray_multinode_flags() -> None:
-    from cluster.ray_cluster import PLACEMENTS, check_reachable, router_resources
+    from pdserve.cluster.ray_cluster import PLACEMENTS, check_reachable, router_resources
 
     config = deployment_config(_parse("serve", "--ray", "--placement", "strict_spread",
                                       "--router-resource", "pdserve_router"))
@@ -308,6 +308,6 @@ def test_serve_ray_multinode_flags() -> None:
 
 
 def test_scale_without_deployment_fails_cleanly(capsys) -> None:  # noqa: ANN001
-    from cluster.cli import main
+    from pdserve.cluster.cli import main
 
     assert main(["scale", "--prefill", "0", "--decode", "1"]) == 2

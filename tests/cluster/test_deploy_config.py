@@ -12,8 +12,8 @@ from typing import Any
 import pytest
 import yaml
 
-from cluster.cli import build_parser, deployment_config, main
-from cluster.deploy_config import (
+from pdserve.cluster.cli import build_parser, deployment_config, main
+from pdserve.cluster.deploy_config import (
     ConfigError,
     DeploymentConfig,
     _field_of,
@@ -23,7 +23,7 @@ from cluster.deploy_config import (
     router_document,
     worker_document,
 )
-from cluster.local import (
+from pdserve.cluster.local import (
     ClusterStartError,
     LocalCluster,
     WorkerProcess,
@@ -31,11 +31,11 @@ from cluster.local import (
     local_worker_document,
     worker_threads,
 )
-from decode_worker.__main__ import parse_args as decode_parse
-from elastic_worker.__main__ import parse_args as elastic_parse
-from prefill_worker.__main__ import parse_args as prefill_parse
-from router.__main__ import config_from_args
-from router.__main__ import parse_args as router_parse
+from pdserve.decode_worker.__main__ import parse_args as decode_parse
+from pdserve.elastic_worker.__main__ import parse_args as elastic_parse
+from pdserve.prefill_worker.__main__ import parse_args as prefill_parse
+from pdserve.router.__main__ import config_from_args
+from pdserve.router.__main__ import parse_args as router_parse
 
 REPO = Path(__file__).resolve().parents[2]
 EXAMPLES = sorted((REPO / "examples").glob("*.yaml"))
@@ -55,7 +55,7 @@ def received(config: DeploymentConfig) -> Received:
             document = local_worker_document(config, role, worker_id)
         else:
             document = worker_document(config, role, worker_id, config.ray.worker_host)
-        if config.mode == "local" and config.elastic.switchable:  # `python -m elastic_worker --role ROLE`
+        if config.mode == "local" and config.elastic.switchable:  # `python -m pdserve.elastic_worker --role ROLE`
             started, prefill_ns, decode_ns = elastic_parse(["--role", role], json.loads(json.dumps(document)))
             assert started == role
             out.append((role, prefill_ns if role == "prefill" else decode_ns))
@@ -89,7 +89,7 @@ def _ray(check: Callable[[DeploymentConfig], bool]) -> Callable[[DeploymentConfi
 
 
 def _ray_options() -> dict[str, Any]:
-    from cluster import ray_cluster
+    from pdserve.cluster import ray_cluster
 
     return {"worker": ray_cluster.worker_actor_options, "router": ray_cluster.router_actor_options,
             "resources": ray_cluster.worker_resources, "PLACEMENTS": ray_cluster.PLACEMENTS}
@@ -350,8 +350,8 @@ def test_router_document_becomes_router_config() -> None:
 
 def test_configuration_doc_lists_every_setting_as_the_code_defines_it() -> None:
     """docs/configuration.md's settings table is the one the code generates (regenerate it with
-    `python -m cluster.deploy_config` when a setting changes)."""
-    from cluster.deploy_config import REFERENCE_BEGIN, REFERENCE_END, field_names, reference_markdown
+    `python -m pdserve.cluster.deploy_config` when a setting changes)."""
+    from pdserve.cluster.deploy_config import REFERENCE_BEGIN, REFERENCE_END, field_names, reference_markdown
 
     doc = (Path(__file__).resolve().parents[2] / "docs" / "configuration.md").read_text()
     start, end = doc.index(REFERENCE_BEGIN), doc.index(REFERENCE_END) + len(REFERENCE_END)

@@ -13,11 +13,11 @@ from pathlib import Path
 import grpc
 import pytest
 
-from cluster.cli import main
-from cluster.processes import ManagedProcess, ProcessStartError, parse_ready_line, stop_all
+from pdserve.cluster.cli import main
+from pdserve.cluster.processes import ManagedProcess, ProcessStartError, parse_ready_line, stop_all
+from pdserve.router.config import RouterConfig
+from pdserve.router.server import serve
 from pdserve.v1 import common_pb2, router_pb2, worker_pb2_grpc
-from router.config import RouterConfig
-from router.server import serve
 
 READY = (
     'print("noise"); payload = {"address": "127.0.0.1:9", "worker_id": "w", "pid": os.getpid()}\n'

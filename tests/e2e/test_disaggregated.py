@@ -10,9 +10,9 @@ from collections.abc import Iterator
 import grpc
 import pytest
 
-from cluster.local import LocalCluster, LocalClusterConfig
-from engine.sampling_params import SamplingParams
-from engine.tokenization import encode_text
+from pdserve.cluster.local import LocalCluster, LocalClusterConfig
+from pdserve.engine.sampling_params import SamplingParams
+from pdserve.engine.tokenization import encode_text
 from pdserve.v1 import common_pb2, router_pb2, router_pb2_grpc
 
 from e2e_helpers import generate, generate_many, mixed_prompts, wait_idle, worker_info
@@ -32,8 +32,8 @@ def _roles(cluster: LocalCluster) -> list[tuple[str, str]]:
 @pytest.fixture(scope="module")
 def workload(default_model) -> tuple[list[str], list[int], list[list[int]]]:  # noqa: ANN001
     """32 prompts of mixed lengths and their greedy outputs from the engine in this process."""
-    from engine.config import EngineConfig
-    from engine.llm_engine import LLMEngine
+    from pdserve.engine.config import EngineConfig
+    from pdserve.engine.llm_engine import LLMEngine
 
     prompts = mixed_prompts(NUM_REQUESTS, seed=5)
     rng = random.Random(9)

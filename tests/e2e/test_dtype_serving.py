@@ -11,12 +11,12 @@ import grpc
 import pytest
 import torch
 
-from cluster.local import LocalCluster, LocalClusterConfig
-from engine.config import EngineConfig
-from engine.llm_engine import LLMEngine
-from engine.model_loader import load_model
-from engine.sampling_params import SamplingParams
-from engine.tokenization import encode_text
+from pdserve.cluster.local import LocalCluster, LocalClusterConfig
+from pdserve.engine.config import EngineConfig
+from pdserve.engine.llm_engine import LLMEngine
+from pdserve.engine.model_loader import load_model
+from pdserve.engine.sampling_params import SamplingParams
+from pdserve.engine.tokenization import encode_text
 
 from e2e_helpers import generate, worker_info
 

@@ -12,8 +12,8 @@ from pathlib import Path
 import grpc
 import pytest
 
-from cluster.cli import main
-from cluster.local import LocalCluster, LocalClusterConfig
+from pdserve.cluster.cli import main
+from pdserve.cluster.local import LocalCluster, LocalClusterConfig
 from pdserve.v1 import common_pb2, router_pb2, router_pb2_grpc
 
 PROMPT = "济南的冬"

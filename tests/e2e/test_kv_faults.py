@@ -10,10 +10,10 @@ import grpc
 import pytest
 import torch
 
-from cluster.local import LocalCluster, LocalClusterConfig
-from kv_transfer import KvSpec
-from kv_transfer.base import dtype_name
-from kv_transfer.framing import encode_frames
+from pdserve.cluster.local import LocalCluster, LocalClusterConfig
+from pdserve.kv_transfer import KvSpec
+from pdserve.kv_transfer.base import dtype_name
+from pdserve.kv_transfer.framing import encode_frames
 from pdserve.transport import open_channel
 from pdserve.v1 import common_pb2, kv_pb2_grpc, worker_pb2, worker_pb2_grpc
 

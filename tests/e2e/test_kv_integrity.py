@@ -15,13 +15,13 @@ import grpc
 import pytest
 from security_helpers import register_kv_targets
 
-from cluster.local import child_env
-from cluster.processes import ManagedProcess, stop_all
-from engine.kv_cache import segment_prefix
-from engine.model_loader import load_model
-from kv_transfer import KvSpec
-from kv_transfer.base import dtype_name
-from kv_transfer.shm_backend import header_for
+from pdserve.cluster.local import child_env
+from pdserve.cluster.processes import ManagedProcess, stop_all
+from pdserve.engine.kv_cache import segment_prefix
+from pdserve.engine.model_loader import load_model
+from pdserve.kv_transfer import KvSpec
+from pdserve.kv_transfer.base import dtype_name
+from pdserve.kv_transfer.shm_backend import header_for
 from pdserve.transport import open_channel
 from pdserve.v1 import common_pb2, kv_pb2_grpc, router_pb2, router_pb2_grpc, worker_pb2, worker_pb2_grpc
 from pdserve.v1.kv_pb2 import KvFrame
@@ -124,8 +124,8 @@ def test_a_frame_naming_another_workers_segment_is_refused(workers: dict[str, st
 
 def test_through_the_router_the_request_falls_back_to_an_honest_prefill_worker(workers: dict[str, str],
                                                                                forger) -> None:  # noqa: ANN001
-    from router.config import RouterConfig
-    from router.server import serve
+    from pdserve.router.config import RouterConfig
+    from pdserve.router.server import serve
 
     servicer, forger_address = forger
     expected = _generate_via(workers["decode"], workers["prefill"], "reference")

@@ -7,12 +7,12 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from cluster.local import LocalCluster, LocalClusterConfig
-from engine.block_pool import blocks_for_tokens
-from engine.config import EngineConfig
-from engine.llm_engine import LLMEngine
-from engine.sampling_params import SamplingParams
-from engine.tokenization import encode_text
+from pdserve.cluster.local import LocalCluster, LocalClusterConfig
+from pdserve.engine.block_pool import blocks_for_tokens
+from pdserve.engine.config import EngineConfig
+from pdserve.engine.llm_engine import LLMEngine
+from pdserve.engine.sampling_params import SamplingParams
+from pdserve.engine.tokenization import encode_text
 
 from e2e_helpers import generate, wait_idle, worker_info
 

@@ -12,12 +12,12 @@ from pathlib import Path
 import grpc
 import pytest
 
-from cluster.cli import main as pdserve_main
-from cluster.client import PdserveClient, status_rows
-from cluster.elastic_cli import switch_role
-from cluster.local import LocalCluster, LocalClusterConfig
-from engine.sampling_params import SamplingParams
-from engine.tokenization import encode_text
+from pdserve.cluster.cli import main as pdserve_main
+from pdserve.cluster.client import PdserveClient, status_rows
+from pdserve.cluster.elastic_cli import switch_role
+from pdserve.cluster.local import LocalCluster, LocalClusterConfig
+from pdserve.engine.sampling_params import SamplingParams
+from pdserve.engine.tokenization import encode_text
 from pdserve.v1 import common_pb2, router_pb2, router_pb2_grpc
 
 from e2e_helpers import mixed_prompts, wait_idle
@@ -32,9 +32,9 @@ def workload(tiny_llama_dir: Path) -> tuple[list[str], list[int], list[list[int]
     from the engine in this process. A tiny random model has near-ties between logits, where the
     batch a sequence runs in can flip a greedy token; this workload has none (each request run alone
     gives the batched output), so any difference is the system's."""
-    from engine.config import EngineConfig
-    from engine.llm_engine import LLMEngine
-    from engine.model_loader import load_model
+    from pdserve.engine.config import EngineConfig
+    from pdserve.engine.llm_engine import LLMEngine
+    from pdserve.engine.model_loader import load_model
 
     loaded = load_model(tiny_llama_dir)
     prompts = mixed_prompts(NUM_STREAMS, seed=12)

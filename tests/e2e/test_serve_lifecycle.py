@@ -8,7 +8,7 @@ import subprocess
 import sys
 import time
 
-from cluster.local import LocalCluster, LocalClusterConfig
+from pdserve.cluster.local import LocalCluster, LocalClusterConfig
 
 from e2e_helpers import generate, wait_idle, worker_info
 
@@ -27,7 +27,7 @@ def _alive(pid: int) -> bool:
 
 def test_serve_prints_address_serves_and_stops_on_sigterm_without_orphans() -> None:
     proc = subprocess.Popen(
-        [sys.executable, "-m", "cluster.cli", "serve", "--port", "0", "--threads-per-worker", "1"],
+        [sys.executable, "-m", "pdserve.cluster.cli", "serve", "--port", "0", "--threads-per-worker", "1"],
         stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
     )
     try:

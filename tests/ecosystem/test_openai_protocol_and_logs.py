@@ -8,8 +8,8 @@ import logging
 import grpc
 import pytest
 
-from router.openai_protocol import CHAT, COMPLETION, OpenAIError, error_from_grpc, parse_request
-from telemetry.logs import make_formatter
+from pdserve.router.openai_protocol import CHAT, COMPLETION, OpenAIError, error_from_grpc, parse_request
+from pdserve.telemetry.logs import make_formatter
 
 
 def test_completion_request_maps_to_grpc() -> None:

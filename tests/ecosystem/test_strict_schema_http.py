@@ -10,8 +10,8 @@ from collections.abc import Iterator
 
 import pytest
 
-from router.config import RouterConfig
-from router.server import RouterServer, serve
+from pdserve.router.config import RouterConfig
+from pdserve.router.server import RouterServer, serve
 
 MODEL = "m"
 

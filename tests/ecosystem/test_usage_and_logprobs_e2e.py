@@ -14,7 +14,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from cluster.local import LocalCluster, LocalClusterConfig
+from pdserve.cluster.local import LocalCluster, LocalClusterConfig
 from pdserve.v1 import common_pb2, router_pb2, router_pb2_grpc
 
 BLOCK_SIZE = 16  # the workers' default --block-size

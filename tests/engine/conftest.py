@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from engine.model_loader import LoadedModel, load_model
+from pdserve.engine.model_loader import LoadedModel, load_model
 
 
 @pytest.fixture(scope="session")

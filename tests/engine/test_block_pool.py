@@ -1,6 +1,6 @@
 import pytest
 
-from engine.block_pool import BlockPool, NoFreeBlocksError, blocks_for_tokens
+from pdserve.engine.block_pool import BlockPool, NoFreeBlocksError, blocks_for_tokens
 
 
 def test_allocate_free_roundtrip() -> None:
@@ -56,7 +56,7 @@ def test_bad_sizes(args: tuple[int, int]) -> None:
 
 
 def test_prefix_cache_keeps_freed_blocks_until_evicted() -> None:
-    from engine.block_pool import block_hashes
+    from pdserve.engine.block_pool import block_hashes
 
     pool = BlockPool(4, 2)
     prompt = [1, 2, 3, 4, 5]
@@ -77,7 +77,7 @@ def test_prefix_cache_keeps_freed_blocks_until_evicted() -> None:
 
 
 def test_shared_prefix_blocks_are_reference_counted() -> None:
-    from engine.block_pool import block_hashes
+    from pdserve.engine.block_pool import block_hashes
 
     pool = BlockPool(8, 2)
     hashes = block_hashes([1, 2, 3, 4], 2)
@@ -103,7 +103,7 @@ def _python_hash_chain(token_ids: list[int], block_size: int) -> list[int]:
 def test_a_python_hash_collision_no_longer_aliases_cached_blocks() -> None:
     """hash(-1) == hash(-2) in CPython, so token tuples holding them collide under hash(): a prompt
     built that way was handed another prompt's cached K/V. sha256 block hashes tell them apart."""
-    from engine.block_pool import block_hashes
+    from pdserve.engine.block_pool import block_hashes
 
     victim, attacker = [5, 6, -1, -1, 7, 8], [5, 6, -2, -2, 7, 8]
     assert hash(-1) == hash(-2)
@@ -120,7 +120,7 @@ def test_a_python_hash_collision_no_longer_aliases_cached_blocks() -> None:
 
 
 def test_block_hashes_are_chained_sha256_over_the_whole_prefix() -> None:
-    from engine.block_pool import block_hashes
+    from pdserve.engine.block_pool import block_hashes
 
     a, b = block_hashes([1, 2, 3, 4], 2), block_hashes([9, 2, 3, 4], 2)
     assert all(isinstance(h, bytes) and len(h) == 32 for h in a)

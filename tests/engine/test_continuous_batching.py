@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import random
 
-from engine.sampling_params import SamplingParams
-from engine.tokenization import encode_text
+from pdserve.engine.sampling_params import SamplingParams
+from pdserve.engine.tokenization import encode_text
 
 WORDS = "river mill evening children market flour dawn sea poem capital France story old light".split()
 
@@ -37,7 +37,7 @@ def test_32_sequences_joining_and_leaving_match_solo_runs(default_model, make_en
 
 
 def test_preemption_recomputes_and_matches(tiny_llama_dir, make_engine) -> None:  # noqa: ANN001
-    from engine.model_loader import load_model
+    from pdserve.engine.model_loader import load_model
 
     loaded = load_model(tiny_llama_dir)
     prompts = _prompts(loaded.tokenizer, 6, seed=11)
@@ -49,7 +49,7 @@ def test_preemption_recomputes_and_matches(tiny_llama_dir, make_engine) -> None:
 
 
 def test_request_too_long_for_the_pool_finishes_with_length(tiny_llama_dir, make_engine) -> None:  # noqa: ANN001
-    from engine.model_loader import load_model
+    from pdserve.engine.model_loader import load_model
 
     engine = make_engine(load_model(tiny_llama_dir), num_blocks=2, block_size=8)
     engine.add_request("r", list(range(10, 20)), SamplingParams(max_tokens=50, ignore_eos=True))

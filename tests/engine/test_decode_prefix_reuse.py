@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import torch
 
-from engine.block_pool import blocks_for_tokens
-from engine.model_runner import StepInput
-from engine.sampling_params import SamplingParams
+from pdserve.engine.block_pool import blocks_for_tokens
+from pdserve.engine.model_runner import StepInput
+from pdserve.engine.sampling_params import SamplingParams
 
 PARAMS = SamplingParams(max_tokens=8, ignore_eos=True)
 

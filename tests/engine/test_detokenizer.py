@@ -5,7 +5,7 @@ import random
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from engine.detokenizer import IncrementalDetokenizer
+from pdserve.engine.detokenizer import IncrementalDetokenizer
 
 
 def _stream(tokenizer, ids: list[int]) -> list[str]:  # noqa: ANN001

@@ -13,9 +13,9 @@ import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
-from engine.detokenizer import IncrementalDetokenizer
-from engine.model_loader import load_model
-from engine.sampling_params import SamplingParams
+from pdserve.engine.detokenizer import IncrementalDetokenizer
+from pdserve.engine.model_loader import load_model
+from pdserve.engine.sampling_params import SamplingParams
 
 CORPUS = ["The capital of France is Paris, and the capital of Italy is Rome.",
           "Winter in Jinan is clear and bright; the sun is warm.", "a cat sat on the mat with another cat",

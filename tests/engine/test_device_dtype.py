@@ -8,14 +8,14 @@ import argparse
 import pytest
 import torch
 
-from engine.config import EngineConfig, resolve_device, resolve_dtype
-from engine.kv_cache import KVCache, host_empty, to_host
-from engine.model_loader import load_model
-from engine.model_runner import ModelRunner, StepInput
-from engine.sampler import sample
-from engine.sampling_params import SamplingParams
-from engine.worker_runtime import add_worker_args
 from pdserve.devices import check_device_name, worker_flags
+from pdserve.engine.config import EngineConfig, resolve_device, resolve_dtype
+from pdserve.engine.kv_cache import KVCache, host_empty, to_host
+from pdserve.engine.model_loader import load_model
+from pdserve.engine.model_runner import ModelRunner, StepInput
+from pdserve.engine.sampler import sample
+from pdserve.engine.sampling_params import SamplingParams
+from pdserve.engine.worker_runtime import add_worker_args
 
 
 def test_auto_resolves_to_fp32_on_cpu_and_bf16_on_cuda() -> None:
@@ -63,8 +63,8 @@ def test_worker_flags_default_to_auto_and_reject_bad_names() -> None:
 
 
 def test_serve_passes_device_and_dtype_to_every_worker() -> None:
-    from cluster.cli import build_parser, deployment_config
-    from cluster.local import LocalClusterConfig, local_worker_document
+    from pdserve.cluster.cli import build_parser, deployment_config
+    from pdserve.cluster.local import LocalClusterConfig, local_worker_document
 
     args = build_parser().parse_args(["serve", "--prefill", "1", "--decode", "1", "--dtype", "bfloat16"])
     config = deployment_config(args)
@@ -78,9 +78,9 @@ def test_serve_passes_device_and_dtype_to_every_worker() -> None:
 
 def test_ray_workers_get_the_same_flags() -> None:
     pytest.importorskip("ray")
-    from cluster.cli import build_parser, deployment_config
-    from cluster.deploy_config import worker_document
-    from cluster.ray_cluster import worker_resources
+    from pdserve.cluster.cli import build_parser, deployment_config
+    from pdserve.cluster.deploy_config import worker_document
+    from pdserve.cluster.ray_cluster import worker_resources
 
     args = build_parser().parse_args(["serve", "--ray", "--device", "cuda", "--gpus-per-worker", "1"])
     config = deployment_config(args)

@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-from engine.llm_engine import TokenOutput
-from engine.sampling_params import SamplingParams
-from engine.sequence import Sequence
-from engine.trace import DecodeStepEvent, DetokenizeHoldEvent, PrefillPassEvent, token_bytes
+from pdserve.engine.llm_engine import TokenOutput
+from pdserve.engine.sampling_params import SamplingParams
+from pdserve.engine.sequence import Sequence
+from pdserve.engine.trace import DecodeStepEvent, DetokenizeHoldEvent, PrefillPassEvent, token_bytes
 
 PROMPT = "济南的冬"
 

@@ -13,8 +13,8 @@ import grpc
 import pytest
 import torch
 
-from engine import model_loader
-from engine.model_loader import fingerprint, load_model
+from pdserve.engine import model_loader
+from pdserve.engine.model_loader import fingerprint, load_model
 from pdserve.transport import open_channel
 
 
@@ -70,7 +70,7 @@ def test_a_changed_tokenizer_changes_the_fingerprint(tiny_llama_dir: Path, tmp_p
 
 def test_file_digests_are_cached_by_size_and_mtime(tiny_llama_dir: Path, tmp_path: Path,
                                                     monkeypatch: pytest.MonkeyPatch) -> None:
-    from engine import model_fetch
+    from pdserve.engine import model_fetch
 
     monkeypatch.setenv("PDSERVE_CACHE_DIR", str(tmp_path / "cache"))
     copy = Path(shutil.copytree(tiny_llama_dir, tmp_path / "m"))
@@ -106,8 +106,8 @@ def test_kv_from_a_worker_with_another_fingerprint_is_refused(kv_backend: str, t
                                                               merged_dir: Path, tmp_path: Path) -> None:
     """A real prefill worker process serving the merged model, a real decode worker process serving
     the base model: the decode worker refuses the K/V, naming the fingerprint, and frees everything."""
-    from cluster.local import child_env
-    from cluster.processes import ManagedProcess, stop_all
+    from pdserve.cluster.local import child_env
+    from pdserve.cluster.processes import ManagedProcess, stop_all
     from pdserve.v1 import common_pb2, worker_pb2, worker_pb2_grpc
 
     def start(role: str, model: Path, *extra: str) -> ManagedProcess:

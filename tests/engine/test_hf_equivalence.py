@@ -8,10 +8,10 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from engine.model_loader import LoadedModel
-from engine.model_runner import StepInput
-from engine.sampling_params import SamplingParams
-from engine.tokenization import encode_chat, encode_text
+from pdserve.engine.model_loader import LoadedModel
+from pdserve.engine.model_runner import StepInput
+from pdserve.engine.sampling_params import SamplingParams
+from pdserve.engine.tokenization import encode_chat, encode_text
 
 PARAGRAPH = (
     "The river ran quietly past the old mill, carrying leaves and the last light of the evening. "

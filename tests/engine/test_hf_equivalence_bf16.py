@@ -21,10 +21,10 @@ import torch
 from test_hf_equivalence import PROMPTS, _encode
 from transformers import AutoModelForCausalLM
 
-from engine.model_loader import load_model
-from engine.model_runner import StepInput
-from engine.sampler import sample
-from engine.sampling_params import SamplingParams
+from pdserve.engine.model_loader import load_model
+from pdserve.engine.model_runner import StepInput
+from pdserve.engine.sampler import sample
+from pdserve.engine.sampling_params import SamplingParams
 
 MAX_TOKENS = 4  # enough to cross the rule; bf16 runs emulated (slowly) on CPUs without AVX-512 BF16
 DEVICE = os.environ.get("PDSERVE_TEST_DEVICE", "cpu")

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from engine.kv_cache import KVCache, KVCacheShape
+from pdserve.engine.kv_cache import KVCache, KVCacheShape
 
 
 def _rss_mb() -> float:

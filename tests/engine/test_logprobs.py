@@ -6,8 +6,8 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from engine.model_loader import load_model
-from engine.sampling_params import SamplingParams
+from pdserve.engine.model_loader import load_model
+from pdserve.engine.sampling_params import SamplingParams
 
 
 def run(engine, prompt_ids: list[int], params: SamplingParams) -> list:  # noqa: ANN001

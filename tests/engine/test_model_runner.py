@@ -6,9 +6,9 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from engine.kv_cache import KVCache
-from engine.model_loader import LoadedModel
-from engine.model_runner import ModelRunner, StepInput
+from pdserve.engine.kv_cache import KVCache
+from pdserve.engine.model_loader import LoadedModel
+from pdserve.engine.model_runner import ModelRunner, StepInput
 
 
 @pytest.fixture(scope="module")

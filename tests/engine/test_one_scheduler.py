@@ -7,11 +7,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.kv_connector import KvConnector
-from engine.llm_engine import LLMEngine
-from engine.model_runner import LayerCallback
-from engine.sampling_params import SamplingParams
-from engine.sequence import Sequence, SequenceStatus
+from pdserve.engine.kv_connector import KvConnector
+from pdserve.engine.llm_engine import LLMEngine
+from pdserve.engine.model_runner import LayerCallback
+from pdserve.engine.sampling_params import SamplingParams
+from pdserve.engine.sequence import Sequence, SequenceStatus
 
 PREFIX = list(range(10, 58))  # three full blocks of 16
 PROMPTS = [PREFIX + [7, 8, 9], PREFIX + [60, 61], list(range(100, 170)), [5, 6]]
@@ -69,7 +69,7 @@ class RecordingConnector(KvConnector):
 def test_a_prefill_engine_hands_off_and_holds_blocks_until_released(tiny_llama, make_engine) -> None:  # noqa: ANN001
     colocated = make_engine(tiny_llama)
     expected = colocated.generate(PROMPTS, SamplingParams(max_tokens=1))
-    from engine.config import EngineConfig
+    from pdserve.engine.config import EngineConfig
 
     connector = RecordingConnector()
     prefill = LLMEngine(tiny_llama, EngineConfig(num_blocks=64, prefill_chunk_tokens=16, prefix_caching=True),

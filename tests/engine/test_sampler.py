@@ -3,8 +3,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.sampler import _filter_top_k_top_p, sample, sample_one
-from engine.sampling_params import SamplingParams
+from pdserve.engine.sampler import _filter_top_k_top_p, sample, sample_one
+from pdserve.engine.sampling_params import SamplingParams
 
 
 def test_greedy_is_argmax() -> None:

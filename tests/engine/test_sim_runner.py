@@ -8,14 +8,14 @@ from pathlib import Path
 import pytest
 import torch
 
-from engine.kv_cache import KVCache
-from engine.model_runner import StepInput
-from engine.runners import build_runner
-from engine.sampling_params import SamplingParams
-from engine.sim_profile import DecodeCost, LinkCost, PrefillCost, Profile
-from engine.sim_runner import SimLoadedModel, SimRunner, load_sim_model
-from kv_transfer import KvSpec
-from kv_transfer.modelled import ModelledLinkSender, shipped_tokens
+from pdserve.engine.kv_cache import KVCache
+from pdserve.engine.model_runner import StepInput
+from pdserve.engine.runners import build_runner
+from pdserve.engine.sampling_params import SamplingParams
+from pdserve.engine.sim_profile import DecodeCost, LinkCost, PrefillCost, Profile
+from pdserve.engine.sim_runner import SimLoadedModel, SimRunner, load_sim_model
+from pdserve.kv_transfer import KvSpec
+from pdserve.kv_transfer.modelled import ModelledLinkSender, shipped_tokens
 
 PROFILE = Profile(name="unit", model_name="tiny", kv_bytes_per_token=1000.0,
                   prefill=PrefillCost(0.05, 0.001, 1e-6), decode=DecodeCost(0.02, 0.001, 1e-5),

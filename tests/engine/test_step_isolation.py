@@ -6,9 +6,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.llm_engine import LLMEngine
-from engine.model_runner import StepInput
-from engine.sampling_params import SamplingParams
+from pdserve.engine.llm_engine import LLMEngine
+from pdserve.engine.model_runner import StepInput
+from pdserve.engine.sampling_params import SamplingParams
 
 PROMPTS = {"a": list(range(10, 30)), "b": list(range(40, 47)), "poison": list(range(60, 75)),
            "c": list(range(80, 113)), "d": [5, 6, 7]}

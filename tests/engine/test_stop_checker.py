@@ -1,7 +1,7 @@
 from __future__ import annotations
 
-from engine.sampling_params import SamplingParams
-from engine.stop_checker import StopChecker
+from pdserve.engine.sampling_params import SamplingParams
+from pdserve.engine.stop_checker import StopChecker
 
 EOS = frozenset({2})
 

@@ -6,9 +6,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kv_transfer import get_backend
-from kv_transfer.base import KvSpec, KvTransferError
-from kv_transfer.grpc_backend import KvTransferServicer
+from pdserve.kv_transfer import get_backend
+from pdserve.kv_transfer.base import KvSpec, KvTransferError
+from pdserve.kv_transfer.grpc_backend import KvTransferServicer
 
 
 def _spec(request_id: str = "r1", dtype: str = "bfloat16") -> KvSpec:
@@ -81,7 +81,7 @@ def test_ray_backend_is_registered() -> None:
 
 
 def test_ray_header_round_trip_and_validation() -> None:
-    from kv_transfer.ray_backend import actor_name, header_for, spec_from_header
+    from pdserve.kv_transfer.ray_backend import actor_name, header_for, spec_from_header
 
     spec = _spec()
     header = header_for(spec, 42)
@@ -105,7 +105,7 @@ def test_ray_header_round_trip_and_validation() -> None:
 
 
 def test_ray_receiver_refuses_bad_input_without_ray(intake: KvTransferServicer) -> None:
-    from kv_transfer.ray_backend import RayKvReceiver, header_for
+    from pdserve.kv_transfer.ray_backend import RayKvReceiver, header_for
 
     receiver = RayKvReceiver(intake)
     assert not receiver.receive({"request_id": "x"}, [])["ok"]

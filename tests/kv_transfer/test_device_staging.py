@@ -9,10 +9,10 @@ import math
 import pytest
 import torch
 
-from kv_transfer import cuda_ipc
-from kv_transfer.base import KvSpec
-from kv_transfer.framing import FrameAssembler, KvFrameError, encode_frames
-from kv_transfer.shm_backend import check_header, header_for
+from pdserve.kv_transfer import cuda_ipc
+from pdserve.kv_transfer.base import KvSpec
+from pdserve.kv_transfer.framing import FrameAssembler, KvFrameError, encode_frames
+from pdserve.kv_transfer.shm_backend import check_header, header_for
 
 
 def spec(dtype: str, fingerprint: str) -> KvSpec:

@@ -11,8 +11,8 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from kv_transfer.base import SUPPORTED_DTYPES, KvSpec
-from kv_transfer.framing import FrameAssembler, KvFrameError, encode_frames, plan_frames
+from pdserve.kv_transfer.base import SUPPORTED_DTYPES, KvSpec
+from pdserve.kv_transfer.framing import FrameAssembler, KvFrameError, encode_frames, plan_frames
 from pdserve.v1.kv_pb2 import KvFrame
 
 

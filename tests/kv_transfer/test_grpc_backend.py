@@ -14,10 +14,10 @@ import grpc
 import pytest
 import torch
 
-from kv_transfer import get_backend
-from kv_transfer.base import SUPPORTED_DTYPES, KvSpec, KvTransferError
-from kv_transfer.framing import encode_frames
-from kv_transfer.grpc_backend import (
+from pdserve.kv_transfer import get_backend
+from pdserve.kv_transfer.base import SUPPORTED_DTYPES, KvSpec, KvTransferError
+from pdserve.kv_transfer.framing import encode_frames
+from pdserve.kv_transfer.grpc_backend import (
     GrpcKvSender,
     KvTransferServicer,
     close_senders,

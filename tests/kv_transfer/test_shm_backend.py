@@ -7,10 +7,10 @@ import os
 import pytest
 import torch
 
-from engine.kv_cache import segment_prefix
-from engine.worker_runtime import make_server
-from kv_transfer import KvSpec, KvTransferError, KvTransferServicer, get_backend, grpc_message_options
-from kv_transfer.shm_backend import SEGMENT_PREFIX, ShmKvSender, header_for
+from pdserve.engine.kv_cache import segment_prefix
+from pdserve.engine.worker_runtime import make_server
+from pdserve.kv_transfer import KvSpec, KvTransferError, KvTransferServicer, get_backend, grpc_message_options
+from pdserve.kv_transfer.shm_backend import SEGMENT_PREFIX, ShmKvSender, header_for
 from pdserve.v1 import kv_pb2_grpc
 from pdserve.v1.kv_pb2 import KvFrame
 
@@ -49,7 +49,7 @@ def test_roundtrip_is_bit_exact_and_segments_are_unlinked_at_exit(receiver, dtyp
     get_backend("shm").sender_factory(address).send(spec, kv, 11, timeout_s=10)
     got, first = pending.wait(5)
     assert torch.equal(got.view(torch.uint8), kv.view(torch.uint8)) and first == 11
-    from kv_transfer.shm_backend import _POOL
+    from pdserve.kv_transfer.shm_backend import _POOL
 
     _POOL.close()  # what runs at exit: no segment of ours survives it
     assert _segments() <= before
@@ -82,7 +82,7 @@ def test_foreign_segment_names_are_refused(receiver) -> None:  # noqa: ANN001
 
 
 def _cache(num_blocks: int = 12, shared: bool = True):  # noqa: ANN202
-    from engine.kv_cache import KVCache, KVCacheShape
+    from pdserve.engine.kv_cache import KVCache, KVCacheShape
 
     cache = KVCache(KVCacheShape(num_layers=3, num_kv_heads=2, head_dim=8, block_size=16, dtype=torch.float32),
                     num_blocks, shared=shared)
@@ -186,7 +186,7 @@ def test_block_ids_outside_the_segment_are_refused(receiver, field: str, header_
 def test_copy_blocks_matches_fancy_indexing() -> None:
     import random
 
-    from kv_transfer.shm_backend import copy_blocks
+    from pdserve.kv_transfer.shm_backend import copy_blocks
 
     rng = random.Random(3)
     src = torch.randn(2, 2, 30, 4, 1, 2)
@@ -204,7 +204,7 @@ def test_copy_blocks_matches_fancy_indexing() -> None:
 def test_segments_of_dead_processes_are_removed() -> None:
     from multiprocessing import shared_memory
 
-    from engine.kv_cache import remove_stale_segments, untrack_segment
+    from pdserve.engine.kv_cache import remove_stale_segments, untrack_segment
 
     dead_pid = 2**22 + 12345  # above the default pid_max: no such process
     names = [f"{SEGMENT_PREFIX}cache-{dead_pid}-x", f"{SEGMENT_PREFIX}{dead_pid}-y", f"{SEGMENT_PREFIX}{os.getpid()}-z"]
@@ -247,7 +247,7 @@ def test_another_workers_segment_is_refused_before_it_is_opened(receiver, in_pla
     assert not ack.ok and "does not belong to the prefill worker called" in ack.error
     with pytest.raises(KvTransferError, match="does not belong"):
         pending.wait(1)
-    from kv_transfer.shm_backend import _MAPPED
+    from pdserve.kv_transfer.shm_backend import _MAPPED
 
     assert victim.shm_name not in _MAPPED  # refused before the segment was opened
 
@@ -284,7 +284,7 @@ def _send_in_place(servicer, address: str, spec: KvSpec, header) -> tuple[object
 
 @pytest.mark.parametrize("algorithm", ["xxh3", "crc32"])
 def test_checksum_over_the_copied_blocks(receiver, algorithm: str) -> None:  # noqa: ANN001
-    from kv_transfer.shm_backend import blocks_checksum
+    from pdserve.kv_transfer.shm_backend import blocks_checksum
 
     servicer, address = receiver
     source = _cache()
@@ -301,7 +301,7 @@ def test_checksum_over_the_copied_blocks(receiver, algorithm: str) -> None:  # n
 @pytest.mark.parametrize("algorithm", ["xxh3", "crc32"])
 def test_blocks_that_do_not_match_their_checksum_are_refused(receiver, algorithm: str) -> None:  # noqa: ANN001
     """Bytes changed after the sender's checksum (a writer on the segment): the copy is refused."""
-    from kv_transfer.shm_backend import blocks_checksum
+    from pdserve.kv_transfer.shm_backend import blocks_checksum
 
     servicer, address = receiver
     source = _cache()

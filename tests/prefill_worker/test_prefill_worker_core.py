@@ -12,14 +12,14 @@ import grpc
 import pytest
 import torch
 
-from engine.block_pool import BlockPool, blocks_for_tokens
-from engine.config import EngineConfig
-from engine.llm_engine import LLMEngine
-from engine.model_loader import LoadedModel
-from engine.model_runner import StepInput
-from engine.sampling_params import SamplingParams
-from kv_transfer.grpc_backend import KvTransferServicer, grpc_message_options
-from prefill_worker.worker import PrefillJob, PrefillWorker
+from pdserve.engine.block_pool import BlockPool, blocks_for_tokens
+from pdserve.engine.config import EngineConfig
+from pdserve.engine.llm_engine import LLMEngine
+from pdserve.engine.model_loader import LoadedModel
+from pdserve.engine.model_runner import StepInput
+from pdserve.engine.sampling_params import SamplingParams
+from pdserve.kv_transfer.grpc_backend import KvTransferServicer, grpc_message_options
+from pdserve.prefill_worker.worker import PrefillJob, PrefillWorker
 
 GREEDY = SamplingParams(max_tokens=4)
 PREFIX = list(range(10, 58))  # three full blocks of 16
@@ -69,7 +69,7 @@ def make_worker(tiny_llama: LoadedModel) -> Iterator[Callable[..., PrefillWorker
 
 @pytest.fixture(scope="module")
 def tiny_llama(tiny_llama_dir) -> LoadedModel:  # noqa: ANN001
-    from engine.model_loader import load_model
+    from pdserve.engine.model_loader import load_model
 
     return load_model(tiny_llama_dir)
 

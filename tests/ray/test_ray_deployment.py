@@ -17,12 +17,12 @@ import torch
 
 ray = pytest.importorskip("ray")
 
-from cluster.ray_cluster import RayCluster, RayClusterConfig  # noqa: E402
-from engine.config import EngineConfig  # noqa: E402
-from engine.llm_engine import LLMEngine  # noqa: E402
-from engine.sampling_params import SamplingParams  # noqa: E402
-from engine.tokenization import encode_text  # noqa: E402
-from kv_transfer.base import KvSpec  # noqa: E402
+from pdserve.cluster.ray_cluster import RayCluster, RayClusterConfig  # noqa: E402
+from pdserve.engine.config import EngineConfig  # noqa: E402
+from pdserve.engine.llm_engine import LLMEngine  # noqa: E402
+from pdserve.engine.sampling_params import SamplingParams  # noqa: E402
+from pdserve.engine.tokenization import encode_text  # noqa: E402
+from pdserve.kv_transfer.base import KvSpec  # noqa: E402
 from pdserve.v1 import common_pb2, router_pb2, router_pb2_grpc  # noqa: E402
 
 from e2e_helpers import generate, mixed_prompts, wait_idle, worker_info  # noqa: E402
@@ -189,8 +189,8 @@ def test_scale_up_and_down_during_a_stream_loses_nothing(default_model, ray_clus
 
 def test_object_lost_fails_the_intake() -> None:
     """The prefill side died after ray.put: the receiver's intake fails (no hang, no bad KV)."""
-    from kv_transfer.grpc_backend import KvTransferServicer
-    from kv_transfer.ray_backend import RayKvReceiver, header_for, payload_of
+    from pdserve.kv_transfer.grpc_backend import KvTransferServicer
+    from pdserve.kv_transfer.ray_backend import RayKvReceiver, header_for, payload_of
 
     @ray.remote(num_cpus=0)
     class Owner:

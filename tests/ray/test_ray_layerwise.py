@@ -16,13 +16,13 @@ import torch
 
 ray = pytest.importorskip("ray")
 
-from cluster.ray_cluster import RayCluster, RayClusterConfig  # noqa: E402
-from engine.config import EngineConfig  # noqa: E402
-from engine.llm_engine import LLMEngine  # noqa: E402
-from engine.sampling_params import SamplingParams  # noqa: E402
-from engine.tokenization import encode_text  # noqa: E402
-from kv_transfer.base import KvSpec, KvTransferError  # noqa: E402
-from kv_transfer.ray_backend import (  # noqa: E402
+from pdserve.cluster.ray_cluster import RayCluster, RayClusterConfig  # noqa: E402
+from pdserve.engine.config import EngineConfig  # noqa: E402
+from pdserve.engine.llm_engine import LLMEngine  # noqa: E402
+from pdserve.engine.sampling_params import SamplingParams  # noqa: E402
+from pdserve.engine.tokenization import encode_text  # noqa: E402
+from pdserve.kv_transfer.base import KvSpec, KvTransferError  # noqa: E402
+from pdserve.kv_transfer.ray_backend import (  # noqa: E402
     MIN_PART_BYTES,
     NAMESPACE,
     RayKvSender,
@@ -32,7 +32,7 @@ from kv_transfer.ray_backend import (  # noqa: E402
     payload_of,
     plan_parts,
 )
-from prefill_worker.layer_stream import LayerStream  # noqa: E402
+from pdserve.prefill_worker.layer_stream import LayerStream  # noqa: E402
 
 from e2e_helpers import generate, wait_idle  # noqa: E402
 
@@ -56,8 +56,8 @@ def host() -> Iterator[Any]:
 
     class ReceiverHost:
         def __init__(self) -> None:
-            from kv_transfer.grpc_backend import KvTransferServicer
-            from kv_transfer.ray_backend import RayKvReceiver
+            from pdserve.kv_transfer.grpc_backend import KvTransferServicer
+            from pdserve.kv_transfer.ray_backend import RayKvReceiver
 
             self.receiver = RayKvReceiver(KvTransferServicer(), get_timeout_s=10)
             self.pending: dict[str, Any] = {}

@@ -37,13 +37,13 @@ import psutil  # noqa: E402  (a Ray dependency)
 from ray.cluster_utils import Cluster  # noqa: E402
 from ray.util.placement_group import placement_group_table  # noqa: E402
 
-from cluster.client import PdserveClient, status_rows  # noqa: E402
-from cluster.ray_cluster import NAMESPACE, ROUTER_NAME, RayCluster, RayClusterConfig  # noqa: E402
-from engine.config import EngineConfig  # noqa: E402
-from engine.llm_engine import LLMEngine  # noqa: E402
-from engine.model_loader import load_model  # noqa: E402
-from engine.sampling_params import SamplingParams  # noqa: E402
-from engine.tokenization import encode_text  # noqa: E402
+from pdserve.cluster.client import PdserveClient, status_rows  # noqa: E402
+from pdserve.cluster.ray_cluster import NAMESPACE, ROUTER_NAME, RayCluster, RayClusterConfig  # noqa: E402
+from pdserve.engine.config import EngineConfig  # noqa: E402
+from pdserve.engine.llm_engine import LLMEngine  # noqa: E402
+from pdserve.engine.model_loader import load_model  # noqa: E402
+from pdserve.engine.sampling_params import SamplingParams  # noqa: E402
+from pdserve.engine.tokenization import encode_text  # noqa: E402
 
 from e2e_helpers import generate, mixed_prompts, wait_idle, worker_info  # noqa: E402
 
@@ -108,7 +108,7 @@ def _env() -> dict[str, str]:
 
 
 def _cli(*args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "cluster.cli", *args], capture_output=True, text=True,
+    return subprocess.run([sys.executable, "-m", "pdserve.cluster.cli", *args], capture_output=True, text=True,
                           timeout=timeout, env=_env(), cwd=ROOT)
 
 
@@ -127,7 +127,7 @@ def test_cli_joins_cluster_strict_spread_grpc_kv_across_nodes(cluster: Cluster, 
     nodes_before = set(_alive_nodes())
     env = _env()
     serve = subprocess.Popen(
-        [sys.executable, "-m", "cluster.cli", "serve", "--ray", "--address", cluster.address, "--port", "0",
+        [sys.executable, "-m", "pdserve.cluster.cli", "serve", "--ray", "--address", cluster.address, "--port", "0",
          "--model", str(tiny_llama_dir), "--prefill", "1", "--decode", "1", "--placement", "strict_spread",
          "--router-resource", "node_head",
          "--worker-host", "node", "--kv-backend", "grpc", "--threads-per-worker", "1", "--kv-cache-mb", "32",

@@ -26,7 +26,7 @@ def test_serve_ray_http_port_serves_the_openai_api(tmp_path: Path) -> None:
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), str(REPO / "proto"),
                                                         os.environ.get("PYTHONPATH", "")])}
     env.pop("PDSERVE_AUTH_TOKEN", None)
-    argv = [sys.executable, "-m", "cluster.cli", "serve", "--ray", "--port", "0", "--http-port", "0",
+    argv = [sys.executable, "-m", "pdserve.cluster.cli", "serve", "--ray", "--port", "0", "--http-port", "0",
             "--threads-per-worker", "1", "--kv-cache-mb", "64", "--device", "cpu", "--model-name", "smol",
             "--log-format", "json", "--local-prefill-threshold", "4", "--prefill-policy", "prefix_affinity",
             "--decode-policy", "prefix_affinity", "--kv-streaming", "layer"]

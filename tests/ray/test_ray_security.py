@@ -17,9 +17,9 @@ ray = pytest.importorskip("ray")
 
 from security_helpers import self_signed, token_file  # noqa: E402
 
-from cluster.cli import build_parser, deployment_config  # noqa: E402
-from cluster.client import PdserveClient, build_request, sampling_params  # noqa: E402
-from cluster.ray_cluster import RayCluster  # noqa: E402
+from pdserve.cluster.cli import build_parser, deployment_config  # noqa: E402
+from pdserve.cluster.client import PdserveClient, build_request, sampling_params  # noqa: E402
+from pdserve.cluster.ray_cluster import RayCluster  # noqa: E402
 from pdserve.v1 import worker_pb2, worker_pb2_grpc  # noqa: E402
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow]

@@ -5,8 +5,8 @@ from __future__ import annotations
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from pdserve.router.validation import InvalidRequest, validate_generate_request
 from pdserve.v1 import common_pb2, router_pb2
-from router.validation import InvalidRequest, validate_generate_request
 
 texts = st.text(max_size=64)
 params = st.builds(

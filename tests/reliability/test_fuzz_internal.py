@@ -17,10 +17,10 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from engine.sampling_params import SamplingParams
-from kv_transfer import KvSpec, KvTransferError
-from kv_transfer.framing import encode_frames
-from kv_transfer.shm_backend import blocks_checksum, header_for
+from pdserve.engine.sampling_params import SamplingParams
+from pdserve.kv_transfer import KvSpec, KvTransferError
+from pdserve.kv_transfer.framing import encode_frames
+from pdserve.kv_transfer.shm_backend import blocks_checksum, header_for
 from pdserve.transport import open_channel
 from pdserve.v1 import common_pb2, kv_pb2_grpc, worker_pb2, worker_pb2_grpc
 from pdserve.v1.kv_pb2 import KvAck, KvFrame
@@ -35,10 +35,10 @@ EXPECTED_CODES = {grpc.StatusCode.OK, grpc.StatusCode.INVALID_ARGUMENT, grpc.Sta
 
 @pytest.fixture(scope="module")
 def servers(tiny_llama_dir: Path) -> Iterator[dict[str, object]]:
-    from decode_worker.__main__ import parse_args as decode_args
-    from decode_worker.__main__ import start_worker as start_decode
-    from prefill_worker.__main__ import parse_args as prefill_args
-    from prefill_worker.__main__ import start_worker as start_prefill
+    from pdserve.decode_worker.__main__ import parse_args as decode_args
+    from pdserve.decode_worker.__main__ import start_worker as start_decode
+    from pdserve.prefill_worker.__main__ import parse_args as prefill_args
+    from pdserve.prefill_worker.__main__ import start_worker as start_prefill
 
     common = ["--model", str(tiny_llama_dir), "--kv-cache-mb", "2", "--threads", "1", "--drain-timeout-s", "1"]
     prefill = start_prefill(prefill_args(common + ["--kv-timeout-s", "5", "--request-timeout-s", "10"]))
@@ -213,7 +213,7 @@ def pushes(draw: st.DrawFn) -> tuple[str, int, list[tuple[str, object]], bool]:
 
 
 def test_fuzzed_kv_pushes_never_crash_nor_leak(servers: dict[str, object]) -> None:
-    from engine.kv_cache import segment_prefix
+    from pdserve.engine.kv_cache import segment_prefix
 
     decode_servicer = servers["decode"].extras["servicer"]  # type: ignore[attr-defined]
     worker, receiver = decode_servicer.worker, servers["decode"].extras["kv_receiver"]  # type: ignore[attr-defined]

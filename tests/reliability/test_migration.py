@@ -20,12 +20,12 @@ from pathlib import Path
 import grpc
 import pytest
 
-from cluster.local import LocalCluster, LocalClusterConfig
-from engine.config import EngineConfig
-from engine.llm_engine import LLMEngine
-from engine.model_loader import load_model
-from engine.sampling_params import SamplingParams
-from engine.tokenization import encode_text
+from pdserve.cluster.local import LocalCluster, LocalClusterConfig
+from pdserve.engine.config import EngineConfig
+from pdserve.engine.llm_engine import LLMEngine
+from pdserve.engine.model_loader import load_model
+from pdserve.engine.sampling_params import SamplingParams
+from pdserve.engine.tokenization import encode_text
 from pdserve.transport import open_channel
 from pdserve.v1 import common_pb2, router_pb2, router_pb2_grpc, worker_pb2, worker_pb2_grpc
 
@@ -170,7 +170,7 @@ def test_migrate_cli_and_errors(tiny_llama_dir: Path) -> None:
                      if cluster.workers[0].role == "prefill" else "prefill-0")
         assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION
         env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), str(REPO / "proto")])}
-        out = subprocess.run([sys.executable, "-m", "cluster.cli", "migrate", "--url", cluster.router_address,
+        out = subprocess.run([sys.executable, "-m", "pdserve.cluster.cli", "migrate", "--url", cluster.router_address,
                               "cli-move"], capture_output=True, text=True, timeout=120, env=env, cwd=REPO)
         assert out.returncode == 0, out.stderr
         assert f"from {source.address} to {target.address}" in out.stdout

@@ -15,13 +15,14 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from security_helpers import self_signed  # noqa: E402
 
-from cluster.client import PdserveClient, build_request
-from router.config import RouterConfig
-from router.server import RouterServer, serve
+from pdserve.cluster.client import PdserveClient, build_request
+from pdserve.router.config import RouterConfig
+from pdserve.router.server import RouterServer, serve
 
 TOKEN = "s3cret-token"
 REPO = Path(__file__).resolve().parents[2]
-PACKAGES = ["engine", "router", "prefill_worker", "decode_worker", "kv_transfer", "cluster", "telemetry", "proto"]
+PACKAGES = ["engine", "router", "prefill_worker", "decode_worker", "elastic_worker", "kv_transfer", "cluster",
+            "capacity", "telemetry", "proto"]
 
 
 @pytest.fixture
@@ -67,9 +68,9 @@ def test_token_without_tls() -> None:
 def test_internal_services_bind_to_loopback_by_default() -> None:
     import argparse
 
-    from decode_worker.__main__ import parse_args as decode_args
-    from prefill_worker.__main__ import parse_args as prefill_args
-    from router.__main__ import build_parser
+    from pdserve.decode_worker.__main__ import parse_args as decode_args
+    from pdserve.prefill_worker.__main__ import parse_args as prefill_args
+    from pdserve.router.__main__ import build_parser
 
     assert decode_args([]).host == prefill_args([]).host == "127.0.0.1"
     router_args = build_parser().parse_args([])
@@ -124,8 +125,8 @@ def _ca_and_leaf(tmp: Path) -> dict[str, str]:
 
 
 def test_internal_mtls_between_router_and_workers(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    from cluster.local import LocalCluster, LocalClusterConfig
     from pdserve import transport
+    from pdserve.cluster.local import LocalCluster, LocalClusterConfig
     from pdserve.v1 import worker_pb2, worker_pb2_grpc
 
     from e2e_helpers import generate, wait_idle, worker_info
@@ -151,10 +152,10 @@ def test_internal_mtls_between_router_and_workers(tmp_path: Path, monkeypatch: p
 
 
 def _run_module(module: str, *args: str, env_extra: dict[str, str] | None = None) -> subprocess.CompletedProcess:
-    from cluster.local import child_env
+    from pdserve.cluster.local import child_env
 
     env = {k: v for k, v in child_env().items() if not k.startswith(("PDSERVE_INTERNAL", "PDSERVE_AUTH"))}
-    return subprocess.run([sys.executable, "-m", module, *args], capture_output=True, text=True,
+    return subprocess.run([sys.executable, "-m", f"pdserve.{module}", *args], capture_output=True, text=True,
                           env={**env, **(env_extra or {})}, timeout=120)
 
 
@@ -216,8 +217,8 @@ def test_router_metrics_beyond_loopback_need_a_token() -> None:
 def test_internal_token_is_required_and_sent(monkeypatch: pytest.MonkeyPatch) -> None:
     """A real internal server (the workers' make_server) with a token refuses calls without it and
     takes those from `open_channel`, which sends it; health stays open."""
-    from engine.worker_runtime import add_health, bind, make_server
     from pdserve import transport
+    from pdserve.engine.worker_runtime import add_health, bind, make_server
     from pdserve.v1 import common_pb2, worker_pb2, worker_pb2_grpc
 
     monkeypatch.setenv(transport.ENV_TOKEN, "internal-secret")

@@ -24,8 +24,8 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from security_helpers import self_signed, token_file
 
-from cluster.client import PdserveClient, build_request, sampling_params
-from cluster.local import child_env
+from pdserve.cluster.client import PdserveClient, build_request, sampling_params
+from pdserve.cluster.local import child_env
 from pdserve.limits import MAX_REQUEST_BYTES
 from pdserve.transport import TOKEN_METADATA
 from pdserve.v1 import worker_pb2, worker_pb2_grpc
@@ -68,7 +68,7 @@ def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
     cert, key = self_signed(tmp)
     env = {**child_env(), "PDSERVE_INTERNAL_TOKEN": INTERNAL}  # configured (not generated): the test knows it
     env.pop("PDSERVE_AUTH_TOKEN", None)
-    argv = [sys.executable, "-m", "cluster.cli", "serve", "--port", "0", "--http-port", "0",
+    argv = [sys.executable, "-m", "pdserve.cluster.cli", "serve", "--port", "0", "--http-port", "0",
             "--threads-per-worker", "1", "--kv-cache-mb", "64", "--device", "cpu", "--log-dir", str(tmp / "logs"),
             "--auth-token-file", token_file(tmp, TOKEN), "--tls-cert", cert, "--tls-key", key,
             "--metrics", "--metrics-host", "0.0.0.0"]
@@ -101,7 +101,7 @@ def _code(call) -> grpc.StatusCode:  # noqa: ANN001
 
 def _cli(*args: str) -> subprocess.CompletedProcess:
     env = {k: v for k, v in child_env().items() if k != "PDSERVE_AUTH_TOKEN"}
-    return subprocess.run([sys.executable, "-m", "cluster.cli", *args], capture_output=True, text=True, env=env,
+    return subprocess.run([sys.executable, "-m", "pdserve.cluster.cli", *args], capture_output=True, text=True, env=env,
                           timeout=120)
 
 

@@ -9,9 +9,9 @@ import grpc
 import pytest
 from router_fakes import FakePrefill
 
+from pdserve.router.config import RouterConfig
+from pdserve.router.server import RouterServer, serve
 from pdserve.v1 import router_pb2_grpc, worker_pb2_grpc
-from router.config import RouterConfig
-from router.server import RouterServer, serve
 
 
 def _start(add: Callable[[grpc.Server], None]) -> tuple[grpc.Server, str]:

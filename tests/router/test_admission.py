@@ -12,9 +12,9 @@ import grpc
 import pytest
 from router_fakes import FakeDecode, FakePrefill
 
+from pdserve.router.admission import AdmissionQueue, Busy, QueueFull
+from pdserve.router.config import RouterConfig
 from pdserve.v1 import common_pb2, router_pb2
-from router.admission import AdmissionQueue, Busy, QueueFull
-from router.config import RouterConfig
 
 
 class Slots:

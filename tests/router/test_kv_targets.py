@@ -8,8 +8,8 @@ from dataclasses import dataclass, field
 import grpc
 from router_fakes import FakeDecode, FakePrefill
 
+from pdserve.router.config import RouterConfig
 from pdserve.v1 import common_pb2, router_pb2, worker_pb2
-from router.config import RouterConfig
 
 
 @dataclass

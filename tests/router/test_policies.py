@@ -4,8 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from pdserve.v1 import common_pb2, router_pb2
-from router.policies import (
+from pdserve.router.policies import (
     DECODE,
     PREFILL,
     Candidate,
@@ -16,6 +15,7 @@ from router.policies import (
     make_policy,
     prefill_load,
 )
+from pdserve.v1 import common_pb2, router_pb2
 
 
 def _c(address: str, healthy: bool = True, **load: int) -> Candidate:
@@ -95,7 +95,7 @@ def test_estimate_prompt_tokens() -> None:
 
 
 def test_prefix_affinity_sends_a_shared_prefix_to_one_worker_and_spreads_others() -> None:
-    from router.policies import PrefixAffinity, prefix_key
+    from pdserve.router.policies import PrefixAffinity, prefix_key
 
     policy = PrefixAffinity(max_imbalance=1000)
     workers = [_c(f"10.0.0.{i}:1") for i in range(4)]
@@ -111,8 +111,8 @@ def test_prefix_affinity_sends_a_shared_prefix_to_one_worker_and_spreads_others(
 
 
 def test_decode_prefix_affinity_keeps_a_prefix_on_one_decode_worker_within_a_load_bound() -> None:
-    from router.config import RouterConfig
-    from router.policies import make_policy, prefix_key
+    from pdserve.router.config import RouterConfig
+    from pdserve.router.policies import make_policy, prefix_key
 
     policy = make_policy("prefix_affinity", "decode")
     assert RouterConfig(decode_policy="prefix_affinity").decode_policy == "prefix_affinity"

@@ -15,8 +15,8 @@ import grpc
 from grpc_reflection.v1alpha.proto_reflection_descriptor_database import ProtoReflectionDescriptorDatabase
 from router_fakes import SCRIPT, FakeDecode, FakePrefill
 
+from pdserve.router.config import RouterConfig
 from pdserve.v1 import common_pb2, router_pb2
-from router.config import RouterConfig
 
 REPO = Path(__file__).resolve().parents[2]
 REQUEST = router_pb2.GenerateRequest(prompt="Hello", params=common_pb2.SamplingParams(max_tokens=3))
@@ -164,8 +164,8 @@ def test_reflection_lists_router_service(start_router) -> None:
 
 def test_importing_router_does_not_import_torch() -> None:
     code = (
-        "import sys, router, router.server, router.__main__\n"
-        "bad = [m for m in ('torch', 'transformers', 'engine') if m in sys.modules]\n"
+        "import sys, pdserve.router, pdserve.router.server, pdserve.router.__main__\n"
+        "bad = [m for m in ('torch', 'transformers', 'pdserve.engine') if m in sys.modules]\n"
         "assert not bad, bad\n"
     )
     subprocess.run([sys.executable, "-c", code], check=True, cwd=REPO, timeout=60)
@@ -174,7 +174,7 @@ def test_importing_router_does_not_import_torch() -> None:
 def test_router_process_prints_ready_line_and_stops_on_sigterm(fake_server) -> None:
     colocated = fake_server(FakeDecode(role=common_pb2.WORKER_ROLE_COLOCATED))
     proc = subprocess.Popen(
-        [sys.executable, "-m", "router", "--port", "0", "--colocated", colocated],
+        [sys.executable, "-m", "pdserve.router", "--port", "0", "--colocated", colocated],
         cwd=REPO,
         stdout=subprocess.PIPE,
         stderr=subprocess.DEVNULL,

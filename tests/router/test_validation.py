@@ -8,10 +8,10 @@ from collections.abc import Iterator
 import grpc
 import pytest
 
+from pdserve.router.config import RouterConfig
+from pdserve.router.server import serve
+from pdserve.router.validation import InvalidRequest, validate_generate_request
 from pdserve.v1 import common_pb2, router_pb2, router_pb2_grpc
-from router.config import RouterConfig
-from router.server import serve
-from router.validation import InvalidRequest, validate_generate_request
 
 P = common_pb2.SamplingParams
 M = common_pb2.ChatMessage

@@ -6,9 +6,9 @@ import grpc
 import pytest
 from router_fakes import FakeDecode, FakePrefill
 
+from pdserve.router.config import RouterConfig
+from pdserve.router.worker_pool import WorkerEndpoint
 from pdserve.v1 import router_pb2
-from router.config import RouterConfig
-from router.worker_pool import WorkerEndpoint
 
 
 def test_add_routes_to_new_workers_and_remove_stops_it(fake_server, start_router) -> None:  # noqa: ANN001
@@ -32,7 +32,7 @@ def test_add_routes_to_new_workers_and_remove_stops_it(fake_server, start_router
 def test_lease_of_a_removed_worker_releases_quietly(fake_server, start_router) -> None:  # noqa: ANN001
     prefill, decode = fake_server(FakePrefill()), fake_server(FakeDecode())
     server, _ = start_router(RouterConfig(prefill=(prefill,), decode=(decode,)))
-    from router.policies import make_policy
+    from pdserve.router.policies import make_policy
 
     lease = server.pool.assign(make_policy("round_robin", "decode"), make_policy("round_robin", "prefill"), 5)
     server.pool.remove(decode)

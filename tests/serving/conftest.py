@@ -13,16 +13,16 @@ from pathlib import Path
 import grpc
 import pytest
 
-from engine.worker_runtime import StartedWorker
+from pdserve.engine.worker_runtime import StartedWorker
+from pdserve.router.config import RouterConfig
+from pdserve.router.server import RouterServer, serve
 from pdserve.v1 import router_pb2_grpc
-from router.config import RouterConfig
-from router.server import RouterServer, serve
 
 
 @pytest.fixture
 def start_colocated(tiny_llama_dir: Path) -> Iterator[Callable[..., StartedWorker]]:
     """Start a colocated decode worker on the tiny Llama model with extra flags; stopped afterwards."""
-    from decode_worker.__main__ import parse_args, start_worker
+    from pdserve.decode_worker.__main__ import parse_args, start_worker
 
     started: list[StartedWorker] = []
 

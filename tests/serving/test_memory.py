@@ -20,7 +20,7 @@ def _run(code: str, **env: str) -> subprocess.CompletedProcess[str]:
 def test_trim_gives_freed_heap_back() -> None:
     """Freed small allocations stay in the heap until malloc_trim returns them to the OS."""
     result = _run("""
-        from telemetry.memory import rss_mb, trim
+        from pdserve.telemetry.memory import rss_mb, trim
         blocks = [bytearray(512) for _ in range(400_000)]  # ~250 MB of small (heap, not mmap) chunks
         keep = blocks[-1]
         del blocks
@@ -35,7 +35,7 @@ def test_trim_gives_freed_heap_back() -> None:
 def test_bound_heap_starts_trim_thread_once() -> None:
     result = _run("""
         import threading
-        from telemetry.memory import bound_heap
+        from pdserve.telemetry.memory import bound_heap
         assert bound_heap(trim_interval_s=0.05) and bound_heap()
         print(sum(t.name == "malloc-trim" for t in threading.enumerate()))
     """)
@@ -46,7 +46,7 @@ def test_bound_heap_starts_trim_thread_once() -> None:
 def test_heap_knobs_are_off_by_default() -> None:
     code = """
         import threading
-        from telemetry.memory import bound_heap
+        from pdserve.telemetry.memory import bound_heap
         assert bound_heap()
         print(sum(t.name == "malloc-trim" for t in threading.enumerate()))
     """
@@ -57,7 +57,7 @@ def test_heap_knobs_are_off_by_default() -> None:
 def test_tracemalloc_reports_growing_call_site() -> None:
     result = _run("""
         import logging, time
-        from telemetry.memory import bound_heap
+        from pdserve.telemetry.memory import bound_heap
         logging.basicConfig(level=logging.INFO)
         bound_heap()
         hoard = []

@@ -12,14 +12,14 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from engine.config import EngineConfig
-from engine.llm_engine import LLMEngine
-from engine.model_loader import load_model
-from engine.sampling_params import SamplingParams
-from engine.tokenization import encode_text
+from pdserve.engine.config import EngineConfig
+from pdserve.engine.llm_engine import LLMEngine
+from pdserve.engine.model_loader import load_model
+from pdserve.engine.sampling_params import SamplingParams
+from pdserve.engine.tokenization import encode_text
+from pdserve.router.config import RouterConfig
 from pdserve.transport import open_channel
 from pdserve.v1 import common_pb2, kv_pb2_grpc, router_pb2, router_pb2_grpc, worker_pb2, worker_pb2_grpc
-from router.config import RouterConfig
 
 PROMPTS = ["The river runs", "Once upon a time in a city", "Winter light on the lake", "A poem about flour",
            "The market at dawn", "Children by the sea"]

@@ -501,7 +501,7 @@ class PrefillWorker:
 
 
 class RoleControlStub:
-    """Service of a worker that can change role in its process (`python -m elastic_worker`); it also serves
+    """Service of a worker that can change role in its process (`python -m pdserve.elastic_worker`); it also serves
     DecodeWorker, PrefillWorker and KvTransfer, answering the role it has now and refusing the others'
     work with UNAVAILABLE.
     """
@@ -520,7 +520,7 @@ class RoleControlStub:
 
 
 class RoleControlServicer:
-    """Service of a worker that can change role in its process (`python -m elastic_worker`); it also serves
+    """Service of a worker that can change role in its process (`python -m pdserve.elastic_worker`); it also serves
     DecodeWorker, PrefillWorker and KvTransfer, answering the role it has now and refusing the others'
     work with UNAVAILABLE.
     """
@@ -552,7 +552,7 @@ def add_RoleControlServicer_to_server(servicer, server):
 
  # This class is part of an EXPERIMENTAL API.
 class RoleControl:
-    """Service of a worker that can change role in its process (`python -m elastic_worker`); it also serves
+    """Service of a worker that can change role in its process (`python -m pdserve.elastic_worker`); it also serves
     DecodeWorker, PrefillWorker and KvTransfer, answering the role it has now and refusing the others'
     work with UNAVAILABLE.
     """
