@@ -9,6 +9,7 @@ SIGTERM / SIGINT stop the server gracefully (open streams get 5 s) and exit 0.
 from __future__ import annotations
 
 import argparse
+import gc
 import logging
 import os
 import signal
@@ -124,6 +125,9 @@ def main(argv: list[str] | None = None) -> int:
         signal.signal(sig, lambda _signum, _frame: stop.set())
     server, _port = serve(config)
     extras = start_extras(config, server)
+    # start-up objects (modules, grpc, aiohttp, protobuf descriptors) go to the permanent generation:
+    # the collections that the per-token garbage of the relay triggers no longer scan them
+    gc.freeze()
     print(ready_line(server.address, "router", **extras.addresses), flush=True)
     stop.wait()
     logging.getLogger(__name__).info("stopping (grace %.0f s)", STOP_GRACE_S)

@@ -78,11 +78,9 @@ class AdmissionQueue(Generic[L]):
                       deadline_s: float | None = None) -> L:
         """Wait until `assign()` returns a lease (it raises Busy while every worker is full; any
         other exception fails this waiter). Raises QueueFull when refused at once."""
-        if not self._heap:
-            try:  # fast path: nobody waits and there is room
-                return self._admitted(assign(), time.monotonic())
-            except Busy:
-                pass
+        lease = self.try_now(assign)
+        if lease is not None:
+            return lease
         self._refuse_if_hopeless(deadline_s)
         waiter: _Waiter[L] = _Waiter((0 if retry else 1, -priority, next(self._order)), assign,
                                      asyncio.get_running_loop().create_future())
@@ -95,6 +93,16 @@ class AdmissionQueue(Generic[L]):
                 self._release(waiter.future.result())  # admitted in the same tick it left
             waiter.future.cancel()
             raise
+
+    def try_now(self, assign: Callable[[], L]) -> L | None:
+        """The fast path of `acquire`, without awaiting: a lease when nobody waits and `assign()`
+        finds room, None when the caller has to queue (exceptions of `assign` other than Busy pass)."""
+        if self._heap:
+            return None
+        try:
+            return self._admitted(assign(), time.monotonic())
+        except Busy:
+            return None
 
     def wake(self) -> None:
         """Capacity may have changed: admit waiters from the head while they fit."""

@@ -62,6 +62,8 @@ RETRYABLE = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.INTERNAL, gr
 REQUEST_FAULTS = frozenset({grpc.StatusCode.INTERNAL, grpc.StatusCode.UNKNOWN})
 #: Outcomes of a request that completed (StatusResponse.recent: ok).
 _FINISHED_OK = frozenset({"FINISH_REASON_STOP", "FINISH_REASON_LENGTH", "FINISH_REASON_STOP_STRING"})
+#: What a grpc.aio call's read() returns at the end of the stream.
+_EOF = grpc.aio.EOF
 #: After a failure, how long to wait for some worker of the needed role to be healthy again.
 RECOVERY_WAIT_S = 3.0
 #: How long Router.Migrate waits for the target to hold the K/V.
@@ -167,13 +169,19 @@ class RouterCore:
         state.echo_id = request.request_id or state.internal_id
         started = log_start("Generate", safe_id(state.echo_id), state.internal_id, label="internal_id")
         self.metrics.started()
+        self._live[id(state)] = state
         try:
-            async for response in self._attempts(state):
+            # one async-generator layer between the decode stream and the caller per token: the
+            # attempt loop relays the decode worker's stream itself (no nested generators)
+            async for response in self._attempt_loop(state):
                 yield response
         except RouterError as exc:
             state.outcome = exc.code.name
             raise
         finally:
+            del self._live[id(state)]
+            if state.migration is not None:
+                self._settle_quietly(state, RouterError(grpc.StatusCode.ABORTED, "the request ended first"))
             self.metrics.finished(state.outcome)
             self.metrics.remember(state.clock.sample(ok=state.outcome in _FINISHED_OK))
             log_finish("Generate", safe_id(state.echo_id), started, _status_of(state.outcome))
@@ -333,16 +341,6 @@ class RouterCore:
         self._stubs.clear()
 
     # ----- attempts ------------------------------------------------------------------------------
-    async def _attempts(self, state: _Request) -> AsyncIterator[router_pb2.GenerateResponse]:
-        self._live[id(state)] = state
-        try:
-            async for response in self._attempt_loop(state):
-                yield response
-        finally:
-            del self._live[id(state)]
-            if state.migration is not None:
-                self._settle_quietly(state, RouterError(grpc.StatusCode.ABORTED, "the request ended first"))
-
     def _settle_quietly(self, state: _Request, error: RouterError) -> None:
         if state.migration is not None:
             self._abandon(state, state.migration, error)
@@ -360,10 +358,33 @@ class RouterCore:
             admitted_at = time.monotonic()
             result = _Attempt()
             state.lease = lease
+            call: grpc.aio.UnaryStreamCall | None = None
             try:
-                async for response in self._relay(state, lease, result):
+                # the relay, inline (an async generator per attempt would add a layer per token)
+                call = self._open_decode(state, lease)
+                while True:
+                    try:
+                        response = await call.read()
+                    except grpc.aio.AioRpcError as exc:
+                        self._on_decode_error(state, lease, result, exc)  # raises when not retryable
+                        break
+                    if response is _EOF:
+                        result.failure = _Failure(lease.decode_address, grpc.StatusCode.UNAVAILABLE,
+                                                  f"decode worker {lease.decode_address} ended the stream early")
+                        break
+                    if response.HasField("migration"):
+                        if self._on_marker(state, lease, response.migration, result):
+                            break
+                        continue
+                    finished = _stamp(response, state, lease)
+                    if finished:
+                        state.outcome = common_pb2.FinishReason.Name(response.finish_reason)
                     yield response
+                    if finished:
+                        break
             finally:
+                if call is not None:
+                    call.cancel()
                 state.lease = None
                 self._release(lease)
                 self.admission.finished(time.monotonic() - admitted_at, self.pool.total_slots())
@@ -429,10 +450,13 @@ class RouterCore:
         recovery_deadline = time.monotonic() + (RECOVERY_WAIT_S if retry else 0.0)
         while True:
             try:
-                lease = await asyncio.wait_for(
-                    self.admission.acquire(lambda: self._assign(state), state.request.priority, retry,
-                                           state.remaining_s()),
-                    timeout=state.remaining_s())
+                # room now: no queueing, and no wait_for task (the common case under capacity)
+                lease = self.admission.try_now(lambda: self._assign(state)) if state.remaining_s() > 0 else None
+                if lease is None:
+                    lease = await asyncio.wait_for(
+                        self.admission.acquire(lambda: self._assign(state), state.request.priority, retry,
+                                               state.remaining_s()),
+                        timeout=state.remaining_s())
             except QueueFull as exc:
                 raise RouterError(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc), exc.retry_after_s) from None
             except (asyncio.TimeoutError, TimeoutError):
@@ -465,39 +489,22 @@ class RouterCore:
         lease.release()
 
     # ----- relaying ------------------------------------------------------------------------------
-    async def _relay(self, state: _Request, lease: Lease,
-                     result: _Attempt) -> AsyncIterator[router_pb2.GenerateResponse]:
-        """Relay one decode worker's stream; on a retryable failure set `result.failure` and stop."""
-        decode_request = _decode_request(state, lease)
-        call = self._stub(lease.decode_address).Generate(decode_request, timeout=max(0.001, state.remaining_s()),
+    def _open_decode(self, state: _Request, lease: Lease) -> grpc.aio.UnaryStreamCall:
+        """Start one attempt's DecodeWorker.Generate call (read by `_attempt_loop`)."""
+        return self._stub(lease.decode_address).Generate(_decode_request(state, lease),
+                                                         timeout=max(0.001, state.remaining_s()),
                                                          metadata=self._metadata)
-        try:
-            async for response in call:
-                if response.HasField("migration"):
-                    if self._on_marker(state, lease, response.migration, result):
-                        return
-                    continue
-                finished = _stamp(response, state, lease)
-                state.delivered.extend(response.token_ids)
-                if finished:
-                    state.outcome = common_pb2.FinishReason.Name(response.finish_reason)
-                yield response
-                if finished:
-                    return
-        except grpc.aio.AioRpcError as exc:
-            details = exc.details() or exc.code().name
-            if exc.code() not in RETRYABLE:
-                log.info("decode worker %s failed: %s: %s", lease.decode_address, exc.code().name, details)
-                raise RouterError(exc.code(), details or f"decode worker {lease.decode_address} failed") from None
-            failed = lease.prefill_address if details.startswith(PREFILL_FAILURE) else lease.decode_address
-            if details.startswith(MIGRATION_FAILURE) and state.migration is not None:
-                failed = state.migration.source  # the target is fine: the source could not hand over
-            result.failure = _Failure(failed, exc.code(), f"{exc.code().name}: {details}")
-            return
-        finally:
-            call.cancel()
-        result.failure = _Failure(lease.decode_address, grpc.StatusCode.UNAVAILABLE,
-                                  f"decode worker {lease.decode_address} ended the stream early")
+
+    def _on_decode_error(self, state: _Request, lease: Lease, result: _Attempt, exc: grpc.aio.AioRpcError) -> None:
+        """A decode call failed: a retryable failure goes to `result.failure`; any other raises RouterError."""
+        details = exc.details() or exc.code().name
+        if exc.code() not in RETRYABLE:
+            log.info("decode worker %s failed: %s: %s", lease.decode_address, exc.code().name, details)
+            raise RouterError(exc.code(), details or f"decode worker {lease.decode_address} failed") from None
+        failed = lease.prefill_address if details.startswith(PREFILL_FAILURE) else lease.decode_address
+        if details.startswith(MIGRATION_FAILURE) and state.migration is not None:
+            failed = state.migration.source  # the target is fine: the source could not hand over
+        result.failure = _Failure(failed, exc.code(), f"{exc.code().name}: {details}")
 
     def _on_marker(self, state: _Request, lease: Lease, marker: router_pb2.MigrationMarker,
                    result: _Attempt) -> bool:
@@ -539,7 +546,13 @@ def _status_of(outcome: str) -> str:
 def _stamp(response: router_pb2.GenerateResponse, state: _Request, lease: Lease) -> bool:
     """Fill router-side fields of one relayed response; return True if it is the last one."""
     response.request_id = state.echo_id
-    if response.text or response.token_ids:
+    token_ids = response.token_ids
+    count = len(token_ids)
+    if count == 1:  # one token per step: cheaper than extending from the protobuf container
+        state.delivered.append(token_ids[0])
+    elif count:
+        state.delivered.extend(token_ids)
+    if count or response.text:
         state.clock.on_tokens()
         lease.prefill_done()
     if response.finish_reason == common_pb2.FINISH_REASON_UNSPECIFIED:

@@ -3,19 +3,28 @@
 Definitions follow ``vllm bench serve``: TTFT = request received -> first response carrying tokens;
 ITL = gap between consecutive responses carrying tokens; E2E = request received -> last response.
 Thread-safe; samples are kept in bounded windows so memory stays constant.
+
+ITL is measured at every token-carrying response but recorded in batches (`ITL_BATCH` gaps, and
+whatever is left when the request ends), so the relay does not take the metrics lock and update
+the histogram once per token.
 """
 
 from __future__ import annotations
 
+import bisect
 import statistics
 import threading
 import time
 from collections import Counter, deque
 from dataclasses import dataclass
 
+from prometheus_client import Histogram
+
 from pdserve.router.prom_metrics import RouterPrometheus
 
 SAMPLE_WINDOW = 10_000
+#: A request's inter-token gaps are recorded this many at a time (and the rest when it ends).
+ITL_BATCH = 32
 RECENT_WINDOW_S = 60.0  # finished requests kept for StatusResponse.recent (the autoscaler's input)
 
 
@@ -55,6 +64,11 @@ class LatencySeries:
         self._samples.append(seconds)
         self._count += 1
         self._max = max(self._max, seconds)
+
+    def add_many(self, values: list[float]) -> None:
+        self._samples.extend(values)
+        self._count += len(values)
+        self._max = max(self._max, *values)
 
     def summary(self) -> LatencySummary:
         if not self._samples:
@@ -131,6 +145,16 @@ class RouterMetrics:
         if histogram is not None:
             histogram.observe(seconds)
 
+    def record_many(self, series: LatencySeries, values: list[float]) -> None:
+        """`record` for several samples at once (one lock, one histogram update per bucket)."""
+        if not values:
+            return
+        with self._lock:
+            series.add_many(values)
+        histogram = self._prom_series.get(id(series))
+        if histogram is not None:
+            observe_many(histogram, values)
+
     def summaries(self) -> dict[str, LatencySummary]:
         with self._lock:
             return {"ttft": self.ttft.summary(), "itl": self.itl.summary(), "e2e": self.e2e.summary()}
@@ -148,16 +172,28 @@ class RequestClock:
         self.prompt_tokens = 0
         self.output_tokens = 0
         self._last_token_at: float | None = None
+        self._itl: list[float] = []  # gaps not recorded yet (see ITL_BATCH)
 
     def on_tokens(self) -> None:
         """Call when a response carrying tokens (text or ids) is about to be sent."""
         now = time.monotonic()
-        if self._last_token_at is None:
+        last = self._last_token_at
+        self._last_token_at = now
+        if last is None:
             self.ttft_s = now - self.start
             self._metrics.record(self._metrics.ttft, self.ttft_s)
-        else:
-            self._metrics.record(self._metrics.itl, now - self._last_token_at)
-        self._last_token_at = now
+            return
+        itl = self._itl
+        itl.append(now - last)
+        if len(itl) >= ITL_BATCH:
+            self.flush()
+
+    def flush(self) -> None:
+        """Record the inter-token gaps measured so far (on_tokens does every ITL_BATCH; finish and
+        sample do the rest)."""
+        if self._itl:
+            self._metrics.record_many(self._metrics.itl, self._itl)
+            self._itl = []
 
     def elapsed_s(self) -> float:
         return time.monotonic() - self.start
@@ -169,13 +205,38 @@ class RequestClock:
 
     def finish(self) -> float:
         """Record and return the end-to-end latency."""
+        self.flush()
         e2e = time.monotonic() - self.start
         self.e2e_s = e2e
         self._metrics.record(self._metrics.e2e, e2e)
         return e2e
 
     def sample(self, ok: bool) -> FinishedSample:
-        """This request as a FinishedSample (call once it ended)."""
+        """This request as a FinishedSample (call once it ended); records the gaps not recorded yet."""
+        self.flush()
         tpot = (self.e2e_s - self.ttft_s) / (self.output_tokens - 1) if self.output_tokens > 1 and self.e2e_s else 0.0
         return FinishedSample(time.monotonic(), self.ttft_s, tpot, self.queue_s, self.prompt_tokens,
                               self.output_tokens, ok)
+
+
+def observe_many(histogram: Histogram, values: list[float]) -> None:
+    """`histogram.observe(v)` for every v in `values`, with one update of its sum and of each bucket
+    hit (prometheus_client's Histogram takes a lock per update). Falls back to observing one by one
+    when the histogram does not have the fields this relies on (`_upper_bounds`, `_buckets`, `_sum`)."""
+    bounds = getattr(histogram, "_upper_bounds", None)
+    buckets = getattr(histogram, "_buckets", None)
+    total = getattr(histogram, "_sum", None)
+    if bounds is None or buckets is None or total is None or len(bounds) != len(buckets):
+        for value in values:
+            histogram.observe(value)
+        return
+    counts: dict[int, int] = {}
+    for value in values:
+        if value != value:  # NaN: observe() counts it in no bucket
+            continue
+        index = bisect.bisect_left(bounds, value)  # the first bound >= value, as observe() picks
+        if index < len(bounds):
+            counts[index] = counts.get(index, 0) + 1
+    total.inc(sum(values))
+    for index, count in counts.items():
+        buckets[index].inc(count)

@@ -115,6 +115,8 @@ class Lease:
 
     def prefill_done(self) -> None:
         """The first token arrived: the prompt no longer loads the prefill worker (idempotent)."""
+        if not self._prefill_pending:  # every later token: it only ever goes from True to False
+            return
         with self._lock:
             pending, self._prefill_pending = self._prefill_pending, False
         if pending:

@@ -182,12 +182,22 @@ class RequestParseInterceptor(grpc.aio.ServerInterceptor):
                 return await behavior(await _parse(parse, raw, context), context)
 
             return grpc.unary_unary_rpc_method_handler(unary, None, handler.response_serializer)
+        if handler.unary_stream is not None and inspect.iscoroutinefunction(handler.unary_stream):
+            writer_behavior = handler.unary_stream  # writes its responses with context.write
+
+            async def writer(raw: bytes, context: grpc.aio.ServicerContext) -> None:
+                await writer_behavior(await _parse(parse, raw, context), context)
+
+            return grpc.unary_stream_rpc_method_handler(writer, None, handler.response_serializer)
         if handler.unary_stream is not None and inspect.isasyncgenfunction(handler.unary_stream):
             stream_behavior = handler.unary_stream
 
-            async def stream(raw: bytes, context: grpc.aio.ServicerContext) -> Any:
+            # a coroutine writing each response, as grpc.aio itself does for an async generator; not
+            # a wrapping async generator, which would add a layer to every streamed message
+            async def stream(raw: bytes, context: grpc.aio.ServicerContext) -> None:
+                write = context.write
                 async for response in stream_behavior(await _parse(parse, raw, context), context):
-                    yield response
+                    await write(response)
 
             return grpc.unary_stream_rpc_method_handler(stream, None, handler.response_serializer)
         return handler
