@@ -14,7 +14,7 @@ Added latency per token = p50(router) - p50(direct), and p50(http) - p50(router)
 keeps the engine out of the picture, so what is left is the relay itself. With `--loops asyncio
 uvloop` one router per event-loop kind is started (PDSERVE_EVENT_LOOP) and all are measured in the
 same interleaved rounds. The router's CPU time per relayed token (from /proc) is printed beside
-the latencies: it does not depend on what else the machine runs. Example:
+the latencies: it moves much less than they do with what else the machine runs. Example:
 
   python benchmarks/router_overhead.py --streams 1 256 --tokens 30 --interval-ms 100 --loops asyncio uvloop
 """
