@@ -194,7 +194,7 @@ class RaySection:
                             modes=_RAY_ONLY, why=_RAY_WHY)
     router_max_restarts: int = opt(3, "restarts of the router actor (it re-reads its workers)",
                                    flag="--router-max-restarts", min=0, modes=_RAY_ONLY, why=_RAY_WHY)
-    poll_interval_s: float = opt(1.0, "how often the controller checks worker addresses (s)",
+    poll_interval_s: float = opt(1.0, "how often the controller checks worker addresses and roles (s)",
                                  flag="--ray-poll-interval", gt=0, modes=_RAY_ONLY, why=_RAY_WHY)
 
 
