@@ -141,8 +141,12 @@ class RayClusterConfig:
 
 def local_num_cpus(config: DeploymentConfig) -> int:
     """Logical CPUs of a local Ray instance: the machine's, but at least 4x what the initial placement
-    group takes (router + workers), so that scaling up finds room (they are scheduling units only)."""
-    needed = 1 + (0 if config.ray.gpus_per_worker else config.size("prefill") + config.size("decode"))
+    group takes (router + workers), and room for the autoscaler's max_workers, so that scaling up finds
+    room (they are scheduling units only)."""
+    workers = config.size("prefill") + config.size("decode")
+    if config.elastic.autoscale:
+        workers = max(workers, config.elastic.max_workers)
+    needed = 1 + (0 if config.ray.gpus_per_worker else workers)
     return max(os.cpu_count() or 1, 4 * needed)
 
 
