@@ -6,8 +6,8 @@ actors, min 3 / max 5 workers).
   switched actor keeps its process (the model stays loaded), and `pdserve status` and the
   controller show the new role.
 - The Ray actuator (the autoscaler loop's resize) adds a worker when told to scale up, refuses at
-  max_workers, removes one (draining: its running streams are migrated, none changes) when told to
-  scale down, refuses at min_workers.
+  max_workers, removes one (draining: its running streams are live-migrated to the other decode
+  workers, none changes) when told to scale down, refuses at min_workers.
 
 The loop's period is an hour here, so that it takes no decision of its own during the test; one
 tick is run on demand (`Controller.autoscaler_tick`) against the Ray router."""
@@ -183,8 +183,12 @@ def test_ray_actuator_adds_and_removes_workers_within_min_max(cluster: RayCluste
     decode = [w for w in cluster.workers() if w["role"] == "decode"]
     victim = max(decode, key=lambda w: worker_info(w["address"], "decode").running_requests)
     assert worker_info(victim["address"], "decode").running_requests > 0
+    others = [w["address"] for w in decode if w is not victim]
+    migrated_in = sum(worker_info(a, "decode").requests_migrated_in for a in others)
     assert cluster.resize("remove", "decode", victim["name"]) == f"removed {victim['name']}"
     streams.check()
+    # its running streams moved to the other decode workers (live migration) rather than waiting it out
+    assert sum(worker_info(a, "decode").requests_migrated_in for a in others) > migrated_in
     assert victim["name"] not in _router_roles(address)
     assert cluster.resize("remove", "prefill") == "removed prefill-1"  # the newest prefill worker
     assert cluster.resize("remove", "decode") == "refused: 3 workers, min_workers 3"
