@@ -154,6 +154,12 @@ def _cmd_serve_ray(config: DeploymentConfig) -> int:
         print(format_table(("name", "role", "address"), [[w["name"], w["role"], w["address"]]
                                                           for w in cluster.workers()]))
         _print_extras(cluster.http_address, {}, bool(config.security.tls_cert))
+        if config.elastic.switchable:
+            print(f"workers switch roles: `pdserve role --url {cluster.router_address} WORKER_ID {{prefill,decode}}`")
+        options = config.autoscale_options()
+        if options is not None:  # the loop runs in the controller actor (cluster.ray_elastic)
+            print(f"autoscaler (in the controller): keeping {config.elastic.slo} with "
+                  f"{options.min_workers}..{options.max_workers} workers")
         print("`pdserve scale --prefill N --decode M` resizes; Ctrl-C (or SIGTERM) stops everything.", flush=True)
 
     return _serve_until_interrupt(cluster, announce)
