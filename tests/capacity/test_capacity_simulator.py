@@ -176,8 +176,9 @@ def test_calibration_recovers_the_overhead_of_a_simulated_measurement() -> None:
         arrivals = arrival_times(150, rate, 1.0, 5 + rate_index)
         rng = np.random.default_rng(rate_index)
         inputs, outputs = list(rng.integers(64, 256, 150)), list(rng.integers(16, 48, 150))
+        true_profile = replace(base, overhead=truth)
         measured = simulate(Deployment(1, 2), arrivals, inputs, outputs,
-                            Timing(replace(base, overhead=truth), replace(base, overhead=truth), overhead_scale=speedup))
+                            Timing(true_profile, true_profile, overhead_scale=speedup))
         duration = max(r.send_time + r.e2e for r in measured)
         points.append({"config": "1P2D", "prefill": 1, "decode": 2, "colocated": 0, "rate": rate,
                        "rate_index": rate_index, "summary": summarize(measured, duration, slos),
