@@ -430,8 +430,10 @@ def simulate(
     engines = [_EngineWorker(loop, timing.decode, scale, np.random.default_rng([timing.seed, 0, i]))
                for i in range(dep.colocated or dep.decode)]
     caches = list(prefix_caches) if prefix_caches is not None else [None] * dep.prefill
-    prefills = [_PrefillWorker(loop, timing.prefill, scale, timing.backend, cache,
-                               np.random.default_rng([timing.seed, 1, i])) for i, cache in enumerate(caches[: dep.prefill])]
+    prefills = []
+    for i, cache in enumerate(caches[: dep.prefill]):
+        rng = np.random.default_rng([timing.seed, 1, i])
+        prefills.append(_PrefillWorker(loop, timing.prefill, scale, timing.backend, cache, rng))
     for req in reqs:
         slot = req.index + timing.rr_offset
         engine = engines[slot % len(engines)]
