@@ -349,6 +349,11 @@ def _rel(predicted: float, measured: float) -> float:
 
 
 # ----- calibration of the serving stack's overhead -------------------------------------------------
+#: The lognormal factor's p99 (exp(2.326 s - s^2 / 2) at mean 1) grows with its deviation s up to
+#: s = 2.326 (a factor of about 15) and falls beyond: the calibration searches s below that.
+JITTER_SIGMA_MAX = 2.326
+
+
 def calibrate_overhead(profile: Profile, sweep: Mapping[str, Any], prompts: PromptSource | None = None,
                        iterations: int = 3) -> Profile:
     """`profile` with ``overhead`` measured on a calibration sweep of a sim cluster (another run than
@@ -358,8 +363,8 @@ def calibrate_overhead(profile: Profile, sweep: Mapping[str, Any], prompts: Prom
       finite differences) of the points' measured mean TPOT; the per-sequence term needs points at
       two or more loads (batch sizes); with one point only the per-pass term is fitted;
     * the log-space deviation of the pass overhead's random factor (``jitter_sigma``): bisection
-      for a mean signed error of ITL p99 of zero (0 when the constant overhead already reaches
-      it), then the two terms above are fitted again with it;
+      in [0, JITTER_SIGMA_MAX] for a mean signed error of ITL p99 of zero (0 when the constant
+      overhead already reaches it), then the two terms above are fitted again with it;
     * per request: the mean excess TTFT left once the pass terms are in the model."""
     from dataclasses import replace
 
@@ -395,7 +400,7 @@ def calibrate_overhead(profile: Profile, sweep: Mapping[str, Any], prompts: Prom
 
     over = fit_pass(Overhead())
     if itl_error(over) < 0:
-        low, high = 0.0, 3.0
+        low, high = 0.0, JITTER_SIGMA_MAX
         for _ in range(10):
             mid = (low + high) / 2
             low, high = (mid, high) if itl_error(replace(over, jitter_sigma=mid)) < 0 else (low, mid)
