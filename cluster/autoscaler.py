@@ -378,6 +378,8 @@ class AutoscalerMetrics:
         self.target_prefill = Gauge("pdserve_autoscaler_target_prefill_workers",
                                     "Prefill workers the planner recommends for the current mix (-1: none)",
                                     registry=r)
+        self.last_decision = Gauge("pdserve_autoscaler_last_decision_timestamp_seconds",
+                                   "Unix time of the autoscaler's latest action (0: none yet)", registry=r)
 
     def observe(self, last: dict[str, Any]) -> None:
         for role in (PREFILL, DECODE):
@@ -450,8 +452,10 @@ class AutoscalerLoop:
         return decisions
 
     def _execute(self, decision: Decision, obs: Observation) -> None:
+        fields = {"decision": decision.kind, "worker_id": decision.worker_id, "role": decision.role,
+                  "reason": decision.reason}
         log.info("autoscaler: %s %s -> %s: %s", decision.kind, decision.worker_id or "-", decision.role,
-                 decision.reason)
+                 decision.reason, extra=fields)
         started = time.monotonic()
         outcome = "done"
         try:
@@ -469,7 +473,11 @@ class AutoscalerLoop:
             outcome = exc.code().name
             log.warning("autoscaler: %s of %s failed: %s: %s", decision.kind, decision.worker_id, outcome,
                         exc.details())
+        took = time.monotonic() - started
         self.metrics.decisions.labels(decision.kind, decision.role, outcome).inc()
+        self.metrics.last_decision.set_to_current_time()
+        log.info("autoscaler: %s %s -> %s %s in %.2f s", decision.kind, decision.worker_id or "-", decision.role,
+                 outcome, took, extra={**fields, "outcome": outcome, "took_s": round(took, 3)})
         self.history.append({"at": started, "took_s": time.monotonic() - started, "kind": decision.kind,
                              "worker_id": decision.worker_id, "role": decision.role, "reason": decision.reason,
                              "outcome": outcome})
