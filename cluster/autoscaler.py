@@ -483,18 +483,20 @@ class AutoscalerLoop:
                              "outcome": outcome})
 
 
-def autoscaler_config(options: Any, can_resize: bool = False) -> AutoscalerConfig:
-    """AutoscalerConfig from `cluster.elastic_cli.AutoscaleOptions`."""
+def autoscaler_config(options: Any, can_resize: bool = False, speedup: float = 1.0) -> AutoscalerConfig:
+    """AutoscalerConfig from `cluster.elastic_cli.AutoscaleOptions`. The SLOs are in profile time on a
+    sim cluster run `speedup` times faster (as `pdserve bench --speedup` reports): the loop, which
+    watches the wall clock, keeps them divided by `speedup`."""
     slo = options.slo
-    return AutoscalerConfig(ttft_s=slo["ttft_ms"] / 1000 if "ttft_ms" in slo else None,
-                            tpot_s=slo["tpot_ms"] / 1000 if "tpot_ms" in slo else None,
+    return AutoscalerConfig(ttft_s=slo["ttft_ms"] / 1000 / speedup if "ttft_ms" in slo else None,
+                            tpot_s=slo["tpot_ms"] / 1000 / speedup if "tpot_ms" in slo else None,
                             min_workers=options.min_workers, max_workers=options.max_workers, can_resize=can_resize)
 
 
 def start_local_autoscaler(router_address: str, options: Any, token: str | None = None,
                            speedup: float = 1.0) -> AutoscalerLoop:
     """Start the loop for a local deployment (role switches only); the planner when a profile is known."""
-    config = autoscaler_config(options)
+    config = autoscaler_config(options, speedup=speedup)
     planner = PlannerSplits(options.profile, config.ttft_s, config.tpot_s, config.target, speedup) \
         if options.profile else None
     core = Autoscaler(config, planner)
