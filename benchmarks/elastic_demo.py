@@ -46,8 +46,8 @@ from pdserve.cluster.engine_flags import sim_worker_args  # noqa: E402
 from pdserve.cluster.local import LocalCluster, LocalClusterConfig  # noqa: E402
 
 # profile time
-PHASES = ({"name": "A: long prompts, short outputs", "prompt": 2048, "output": 8, "rate": 44.0},
-          {"name": "B: short prompts, long outputs", "prompt": 128, "output": 64, "rate": 22.0})
+PHASES = ({"name": "A: long prompts, short outputs", "prompt": 2048, "output": 8, "rate": 40.0},
+          {"name": "B: short prompts, long outputs", "prompt": 128, "output": 64, "rate": 18.0})
 SLOS = {"ttft": 0.5, "tpot": 0.04}  # seconds, profile time
 # the autoscaler's time constants in profile seconds (divided by the speedup for the wall-clock loop)
 AUTOSCALER = {"window_s": 1.5, "confirm_s": 0.5, "cooldown_s": 1.5, "interval_s": 0.1}
@@ -202,6 +202,9 @@ def main() -> int:
     ap.add_argument("--log-dir", default=None, help="process logs (default: a temporary folder)")
     ap.add_argument("--only", default="", help="comma-separated configurations to run, e.g. 2P2D,autoscaled")
     ap.add_argument("--no-planner", action="store_true", help="autoscale on pressure signals only")
+    ap.add_argument("--fixed-from", default=None, metavar="RESULTS_JSON",
+                    help="take the fixed splits' results from an earlier run of the same trace (same phases, "
+                         "SLOs, --phase-s, --speedup, --seed, --workers) and run only the autoscaled one")
     args = ap.parse_args()
     out = Path(args.output_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -214,6 +217,16 @@ def main() -> int:
     start_p = n // 2
     configs = [(f"{p}P{n - p}D", p, n - p, False) for p in range(1, n)] + [("autoscaled", start_p, n - start_p, True)]
     chosen = [c for c in configs if not args.only or c[0] in args.only.split(",")]
+    reused: list[dict] = []
+    if args.fixed_from:
+        earlier = json.loads(Path(args.fixed_from).read_text())
+        same = {"phases": [dict(p) for p in PHASES], "slos_s": SLOS, "phase_s": args.phase_s,
+                "speedup": args.speedup, "seed": args.seed, "workers": n}
+        differs = [k for k, v in same.items() if earlier.get(k, 0 if k == "seed" else None) != v]
+        if differs:
+            raise SystemExit(f"--fixed-from {args.fixed_from}: another trace ({', '.join(differs)} differ)")
+        reused = [r for r in earlier["results"] if not r["name"].startswith("auto")]
+        chosen = [c for c in chosen if c[3]]
     planner = None
     if any(auto for *_, auto in chosen) and not args.no_planner:
         planner = PlannerSplits(str(profile), SLOS["ttft"] / args.speedup, SLOS["tpot"] / args.speedup, 0.9,
@@ -224,8 +237,8 @@ def main() -> int:
                                                            for p, r in sorted(rates.items())), flush=True)
     print(f"{len(trace)} requests over {2 * args.phase_s:.0f} profile seconds "
           f"({2 * args.phase_s / args.speedup:.0f} s wall per configuration); logs in {log_dir}", flush=True)
-    results = [run_config(name, p, d, auto, trace, phases, profile, args.speedup, planner, log_dir)
-               for name, p, d, auto in chosen]
+    results = reused + [run_config(name, p, d, auto, trace, phases, profile, args.speedup, planner, log_dir)
+                        for name, p, d, auto in chosen]
     fixed = [r for r in results if not r["name"].startswith("auto")]
     auto = [r for r in results if r["name"].startswith("auto")]
     summary = {}
@@ -240,7 +253,8 @@ def main() -> int:
               f"autoscaled / worst fixed ({worst['name']}) = {summary['autoscaled_over_worst_fixed']:.2f}")
     doc = {"engine": "sim", "command": " ".join(["python", "benchmarks/elastic_demo.py", *sys.argv[1:]]),
            "phases": PHASES, "slos_s": SLOS, "autoscaler_profile_s": AUTOSCALER, "phase_s": args.phase_s,
-           "speedup": args.speedup, "workers": n, "requests": len(trace), "summary": summary, "results": results}
+           "speedup": args.speedup, "seed": args.seed, "workers": n, "requests": len(trace),
+           "fixed_from": args.fixed_from, "summary": summary, "results": results}
     (out / "results.json").write_text(json.dumps(doc, indent=1))
     plot(results, args.phase_s, n, out / "elastic_demo.png")
     print(f"wrote {out / 'results.json'} and {out / 'elastic_demo.png'}")
