@@ -141,8 +141,8 @@ def run_config(name: str, prefill: int, decode: int, autoscale: bool, trace: lis
         "attainment_by_phase": by_phase, "completed": summary["completed"], "failed": summary["failed"],
         "duration_s": summary["duration_s"], "switches": history,
         "roles": [((t - t0) * speedup, p, d) for t, p, d in roles],
-        "requests": [{"send": r.send_time, "phase": p, "good": g, "ttft": r.ttft, "tpot": r.tpot, "error": r.error}
-                     for r, p, g in zip(records, phases, good, strict=True)],
+        "requests": [{"send": _round(r.send_time), "phase": p, "good": g, "ttft": _round(r.ttft),
+                      "tpot": _round(r.tpot), "error": r.error} for r, p, g in zip(records, phases, good, strict=True)],
     }
     print(f"   goodput {result['goodput']:.2f} req/s, attainment {result['attainment']:.1%} "
           f"(A {by_phase[0]:.0%}, B {by_phase[1]:.0%}), completed {summary['completed']}/{len(records)}, "
@@ -151,6 +151,10 @@ def run_config(name: str, prefill: int, decode: int, autoscale: bool, trace: lis
         print(f"   t={h['at']:.1f}s {h['kind']} {h['worker_id']} -> {h['role']} ({h['outcome']}, "
               f"{h['took_s']:.2f}s): {h['reason']}", flush=True)
     return result
+
+
+def _round(value: float | None) -> float | None:
+    return None if value is None else round(value, 4)
 
 
 def plot(results: list[dict], phase_s: float, workers: int, out: Path) -> None:
