@@ -378,6 +378,8 @@ class AutoscalerMetrics:
         self.target_prefill = Gauge("pdserve_autoscaler_target_prefill_workers",
                                     "Prefill workers the planner recommends for the current mix (-1: none)",
                                     registry=r)
+        self.last_decision = Gauge("pdserve_autoscaler_last_decision_timestamp_seconds",
+                                   "Unix time of the autoscaler's latest action (0: none yet)", registry=r)
 
     def observe(self, last: dict[str, Any]) -> None:
         for role in (PREFILL, DECODE):
@@ -450,8 +452,10 @@ class AutoscalerLoop:
         return decisions
 
     def _execute(self, decision: Decision, obs: Observation) -> None:
+        fields = {"decision": decision.kind, "worker_id": decision.worker_id, "role": decision.role,
+                  "reason": decision.reason}
         log.info("autoscaler: %s %s -> %s: %s", decision.kind, decision.worker_id or "-", decision.role,
-                 decision.reason)
+                 decision.reason, extra=fields)
         started = time.monotonic()
         outcome = "done"
         try:
@@ -469,24 +473,30 @@ class AutoscalerLoop:
             outcome = exc.code().name
             log.warning("autoscaler: %s of %s failed: %s: %s", decision.kind, decision.worker_id, outcome,
                         exc.details())
+        took = time.monotonic() - started
         self.metrics.decisions.labels(decision.kind, decision.role, outcome).inc()
+        self.metrics.last_decision.set_to_current_time()
+        log.info("autoscaler: %s %s -> %s %s in %.2f s", decision.kind, decision.worker_id or "-", decision.role,
+                 outcome, took, extra={**fields, "outcome": outcome, "took_s": round(took, 3)})
         self.history.append({"at": started, "took_s": time.monotonic() - started, "kind": decision.kind,
                              "worker_id": decision.worker_id, "role": decision.role, "reason": decision.reason,
                              "outcome": outcome})
 
 
-def autoscaler_config(options: Any, can_resize: bool = False) -> AutoscalerConfig:
-    """AutoscalerConfig from `cluster.elastic_cli.AutoscaleOptions`."""
+def autoscaler_config(options: Any, can_resize: bool = False, speedup: float = 1.0) -> AutoscalerConfig:
+    """AutoscalerConfig from `cluster.elastic_cli.AutoscaleOptions`. The SLOs are in profile time on a
+    sim cluster run `speedup` times faster (as `pdserve bench --speedup` reports): the loop, which
+    watches the wall clock, keeps them divided by `speedup`."""
     slo = options.slo
-    return AutoscalerConfig(ttft_s=slo["ttft_ms"] / 1000 if "ttft_ms" in slo else None,
-                            tpot_s=slo["tpot_ms"] / 1000 if "tpot_ms" in slo else None,
+    return AutoscalerConfig(ttft_s=slo["ttft_ms"] / 1000 / speedup if "ttft_ms" in slo else None,
+                            tpot_s=slo["tpot_ms"] / 1000 / speedup if "tpot_ms" in slo else None,
                             min_workers=options.min_workers, max_workers=options.max_workers, can_resize=can_resize)
 
 
 def start_local_autoscaler(router_address: str, options: Any, token: str | None = None,
                            speedup: float = 1.0) -> AutoscalerLoop:
     """Start the loop for a local deployment (role switches only); the planner when a profile is known."""
-    config = autoscaler_config(options)
+    config = autoscaler_config(options, speedup=speedup)
     planner = PlannerSplits(options.profile, config.ttft_s, config.tpot_s, config.target, speedup) \
         if options.profile else None
     core = Autoscaler(config, planner)
