@@ -413,12 +413,17 @@ class AutoscalerLoop:
     interval_s: float = 1.0
     token: str | None = None
     resize: Callable[[Decision, Observation], None] | None = None
+    tls_ca_file: str | None = None  # a router serving TLS: PEM to trust (serve passes its own certificate)
     metrics: AutoscalerMetrics = field(default_factory=AutoscalerMetrics)
     history: list[dict[str, Any]] = field(default_factory=list)  # every action: time, decision, outcome
 
     def __post_init__(self) -> None:
         self._stop = threading.Event()
-        self._channel = grpc.insecure_channel(self.router_address)
+        if self.tls_ca_file:
+            with open(self.tls_ca_file, "rb") as f:
+                self._channel = grpc.secure_channel(self.router_address, grpc.ssl_channel_credentials(f.read()))
+        else:
+            self._channel = grpc.insecure_channel(self.router_address)
         self._stub = router_pb2_grpc.RouterStub(self._channel)
         self._metadata = (("authorization", f"Bearer {self.token}"),) if self.token else None
         self._thread = threading.Thread(target=self._run, name="autoscaler", daemon=True)
@@ -429,7 +434,8 @@ class AutoscalerLoop:
 
     def stop(self) -> None:
         self._stop.set()
-        self._thread.join(timeout=30)
+        if self._thread.ident is not None:  # started
+            self._thread.join(timeout=30)
         self._channel.close()
 
     def _run(self) -> None:
@@ -494,11 +500,11 @@ def autoscaler_config(options: Any, can_resize: bool = False, speedup: float = 1
 
 
 def start_local_autoscaler(router_address: str, options: Any, token: str | None = None,
-                           speedup: float = 1.0) -> AutoscalerLoop:
+                           speedup: float = 1.0, tls_ca_file: str | None = None) -> AutoscalerLoop:
     """Start the loop for a local deployment (role switches only); the planner when a profile is known."""
     config = autoscaler_config(options, speedup=speedup)
     planner = PlannerSplits(options.profile, config.ttft_s, config.tpot_s, config.target, speedup) \
         if options.profile else None
     core = Autoscaler(config, planner)
     log.info("autoscaler: keeping %s, %s", options.slo, "planner on " + options.profile if planner else "no planner")
-    return AutoscalerLoop(router_address, core, options.interval_s, token).start()
+    return AutoscalerLoop(router_address, core, options.interval_s, token, tls_ca_file=tls_ca_file).start()

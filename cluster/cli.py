@@ -234,7 +234,8 @@ def _start_autoscaler(cluster: LocalCluster, config: DeploymentConfig, options: 
     logger.setLevel(obs.log_level.upper())
     logger.propagate = False
     token = _token_of_file(config.security.auth_token_file)
-    loop = start_local_autoscaler(cluster.router_address, options, token, speedup=config.model.speedup)
+    loop = start_local_autoscaler(cluster.router_address, options, token, speedup=config.model.speedup,
+                                  tls_ca_file=config.security.tls_cert or None)  # over TLS: trust our own cert
     if not obs.metrics:
         return [loop]
     guarded = not is_loopback(obs.metrics_host)  # beyond loopback: bearer token (config checked it is set)

@@ -263,7 +263,8 @@ class Controller:
             from pdserve.cluster.ray_elastic import RayAutoscaler
 
             self._autoscaler = RayAutoscaler(self, self.router_address_value, options, auth_token,
-                                             speedup=config.model.speedup)
+                                             speedup=config.model.speedup,
+                                             tls_ca_file=config.security.tls_cert or None)
 
     # ----- actors ----------------------------------------------------------------------------
     def _new_worker(self, role: str, bundle: int, pg: Any = None) -> _Worker:  # noqa: ANN401 - PlacementGroup

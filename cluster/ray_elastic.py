@@ -111,7 +111,8 @@ class RayAutoscaler:
     """The autoscaler loop of a Ray deployment, run inside the controller actor."""
 
     def __init__(self, workers: WorkerSet, router_address: str, options: Any,  # noqa: ANN401 - AutoscaleOptions
-                 token: str | None = None, speedup: float = 1.0) -> None:
+                 token: str | None = None, speedup: float = 1.0, tls_ca_file: str | None = None) -> None:
+        """`tls_ca_file`: the router's TLS certificate, read on this (the head) node, as trust root."""
         config = autoscaler_config(options, can_resize=True)
         planner = PlannerSplits(options.profile, config.ttft_s, config.tpot_s, config.target, speedup) \
             if options.profile else None
@@ -119,6 +120,7 @@ class RayAutoscaler:
         self.actuator = RayActuator(workers, options.min_workers, options.max_workers)
         self.interval_s = options.interval_s
         self.token = token
+        self.tls_ca_file = tls_ca_file
         self._lock = threading.Lock()
         self.loop = self._start(router_address)
         log.info("autoscaler on Ray: keeping %s with %d..%d workers, %s", options.slo, options.min_workers,
@@ -126,7 +128,8 @@ class RayAutoscaler:
 
     def _start(self, router_address: str) -> AutoscalerLoop:
         return AutoscalerLoop(router_address, self.core, self.interval_s, self.token,
-                              resize=lambda decision, obs: self.actuator(decision, obs)).start()
+                              resize=lambda decision, obs: self.actuator(decision, obs),
+                              tls_ca_file=self.tls_ca_file).start()
 
     def follow(self, router_address: str) -> None:
         """The router moved (restarted on a new port or node): go on against the new address, with
