@@ -150,7 +150,15 @@ async def run_bench_async(
     """Run the warm-up and the measured requests; return {config, summary, records}."""
     measured = plan_requests(config, corpus_ids, config.num_prompts, config.seed)
     warm = plan_requests(config, corpus_ids, config.warmup, config.seed + 1000) if config.warmup else []
-    limit = config.max_concurrency or config.num_prompts + config.warmup
+    return await run_planned_async(config, measured, warm, on_done)
+
+
+async def run_planned_async(config: BenchConfig, measured: Sequence[PlannedRequest],
+                            warm: Sequence[PlannedRequest] = (), on_done: ProgressFn | None = None) -> dict[str, Any]:
+    """Send planned requests (a trace made elsewhere, e.g. a workload that shifts) with ``config``'s
+    connection, concurrency limit, SLOs and speedup (its lengths, rate and counts are not used);
+    return {config, summary, records}, records in profile time."""
+    limit = config.max_concurrency or len(measured) + len(warm)
     semaphore = asyncio.Semaphore(limit)
     async with _channel(config) as channel:
         stub = router_pb2_grpc.RouterStub(channel)

@@ -100,7 +100,7 @@ def add_plan(commands: argparse._SubParsersAction) -> None:
     sim.set_defaults(func=_cmd_simulate)
     val = sub.add_parser("validate", help="replay a sweep's requests in the simulator; report the errors")
     val.add_argument("--profile", required=True)
-    val.add_argument("--sweep", required=True, help="results.json of `pdserve sweep`")
+    val.add_argument("--sweep", required=True, help="results.json of `pdserve sweep` (or results.json.gz)")
     val.add_argument("--no-prefix-cache", action="store_true",
                      help="do not model the prefill workers' prefix caches (no tokenizer needed)")
     val.add_argument("--output", default=None, metavar="FILE")
@@ -108,7 +108,7 @@ def add_plan(commands: argparse._SubParsersAction) -> None:
     cal = sub.add_parser("calibrate", help="measure the serving stack's overhead from a calibration sweep "
                                           "of a sim cluster; write the profile with it")
     cal.add_argument("--profile", required=True)
-    cal.add_argument("--sweep", required=True, help="results.json of a sim-engine `pdserve sweep`")
+    cal.add_argument("--sweep", required=True, help="results.json of a sim-engine `pdserve sweep` (or results.json.gz)")
     cal.add_argument("--output", required=True, metavar="FILE")
     cal.set_defaults(func=_cmd_calibrate)
 
@@ -239,12 +239,22 @@ def _cmd_simulate(args: argparse.Namespace) -> int:
     return 0
 
 
+def read_sweep(path: str) -> Any:
+    """A sweep's results.json, or a gzip of it (``.gz``: how large reports are committed)."""
+    import gzip
+
+    if path.endswith(".gz"):
+        with gzip.open(path, "rt") as f:
+            return json.load(f)
+    return json.loads(Path(path).read_text())
+
+
 def _cmd_validate(args: argparse.Namespace) -> int:
     from pdserve.capacity.planner import HEADLINE, VALIDATED, sweep_prompts, timing_for, validate
 
     try:
         timing = timing_for(_load_profile(args.profile))
-        sweep = json.loads(Path(args.sweep).read_text())
+        sweep = read_sweep(args.sweep)
         result = validate(timing, sweep, None if args.no_prefix_cache else sweep_prompts(sweep))
     except (ValueError, OSError, KeyError) as exc:
         print(f"error: {exc}", file=sys.stderr)
@@ -265,7 +275,7 @@ def _cmd_calibrate(args: argparse.Namespace) -> int:
     from pdserve.capacity.planner import calibrate_overhead, sweep_prompts
 
     try:
-        sweep = json.loads(Path(args.sweep).read_text())
+        sweep = read_sweep(args.sweep)
         profile = calibrate_overhead(_load_profile(args.profile), sweep, sweep_prompts(sweep))
     except (ValueError, OSError, KeyError) as exc:
         print(f"error: {exc}", file=sys.stderr)

@@ -20,7 +20,11 @@ The model follows the workers' code paths pass by pass, with the pass times of a
 * Colocated worker: the same engine with local prefills: new prompts join the decode pass (mixed
   batch) within the token budget, batch slots and free blocks (one block of headroom per running
   sequence), and their first token is emitted at the end of that pass.
-* Overhead: every pass takes ``overhead.per_pass_s * overhead_scale`` more, and every token of a
+* Overhead: every pass over n sequences takes ``(overhead.per_pass_s + n * overhead.per_seq_s) *
+  overhead_scale`` more (a decode worker's commit of arrived KV counts as one sequence of its next
+  pass: it emits and streams a token), multiplied, when ``overhead.jitter_sigma`` > 0, by a random
+  factor of mean 1 (lognormal with that log-space deviation; one generator per worker, seeded by
+  ``Timing.seed``: the same seed gives the same timeline), and every token of a
   request reaches the client ``overhead.per_request_s * overhead_scale`` after it is emitted
   (``overhead_scale`` is the sim cluster's speedup when predicting a sim sweep: wall-clock overhead
   reads K times larger in profile time).
@@ -38,6 +42,8 @@ import math
 from collections import OrderedDict, deque
 from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass, field
+
+import numpy as np
 
 from pdserve.capacity.metrics import RequestRecord
 from pdserve.engine.sim_profile import Profile
@@ -119,6 +125,7 @@ class Timing:
     overhead_scale: float = 1.0
     backend: str = "shm"
     rr_offset: int = 0
+    seed: int = 0  # of the overhead's random delays (same seed, same timeline)
 
 
 @dataclass(eq=False)  # identity: requests are removed from lists by who they are
@@ -165,10 +172,11 @@ class EventLoop:
 class _Loop:
     """A worker's loop thread: calls arriving during a pass run when it ends (`_drain`)."""
 
-    def __init__(self, loop: EventLoop, profile: Profile, scale: float) -> None:
+    def __init__(self, loop: EventLoop, profile: Profile, scale: float, rng: np.random.Generator | None = None) -> None:
         self.loop, self.profile = loop, profile
         self.limits = profile.engine
-        self.pass_overhead = profile.overhead.per_pass_s * scale
+        self.overhead, self.scale = profile.overhead, scale
+        self.rng = rng or np.random.default_rng(0)
         self.free = profile.engine.num_blocks
         self.busy = False
         self.inbox: deque[Callable[[], None]] = deque()
@@ -190,7 +198,7 @@ class _Loop:
     def _start_pass(self) -> None:
         raise NotImplementedError
 
-    def _run_pass(self, seconds: float, then: Callable[[], None]) -> None:
+    def _run_pass(self, seconds: float, num_seqs: int, then: Callable[[], None]) -> None:
         self.busy = True
 
         def end() -> None:
@@ -198,17 +206,22 @@ class _Loop:
             self.busy = False
             self._iterate()
 
-        self.loop.at(self.loop.now + seconds + self.pass_overhead, end)
+        extra = self.overhead.pass_s(num_seqs) * self.scale
+        sigma = self.overhead.jitter_sigma
+        if sigma > 0 and extra > 0:
+            extra *= float(self.rng.lognormal(-sigma**2 / 2, sigma))
+        self.loop.at(self.loop.now + seconds + extra, end)
 
 
 class _EngineWorker(_Loop):
     """Decode or colocated worker: `LLMEngine` (scheduler + block pool) behind the loop."""
 
-    def __init__(self, loop: EventLoop, profile: Profile, scale: float) -> None:
-        super().__init__(loop, profile, scale)
+    def __init__(self, loop: EventLoop, profile: Profile, scale: float, rng: np.random.Generator | None = None) -> None:
+        super().__init__(loop, profile, scale, rng)
         self.running: list[SimRequest] = []
         self.waiting: deque[SimRequest] = deque()
         self.parked: list[tuple[SimRequest, Callable[[], None]]] = []
+        self.commits = 0  # arrived KV committed since the last pass (their cost joins the next pass)
 
     # ----- blocks ------------------------------------------------------------------------------
     def _grow(self, req: SimRequest, tokens: int) -> bool:
@@ -246,6 +259,7 @@ class _EngineWorker(_Loop):
         self.call(lambda: self._commit(req))
 
     def _commit(self, req: SimRequest) -> None:
+        self.commits += 1
         self._emit(req)
         if not req.done:
             self.running.append(req)
@@ -311,7 +325,8 @@ class _EngineWorker(_Loop):
             return
         items = [(self._prefill_tokens(r), 0) for r in prefill]
         seconds = self.profile.pass_s(items, len(decode), sum(r.num_tokens for r in decode))
-        self._run_pass(seconds, lambda: self._end_pass(decode, prefill))
+        num_seqs, self.commits = len(decode) + len(prefill) + self.commits, 0
+        self._run_pass(seconds, num_seqs, lambda: self._end_pass(decode, prefill))
 
     def _end_pass(self, decode: list[SimRequest], prefill: list[SimRequest]) -> None:
         for req in decode:
@@ -337,8 +352,8 @@ class _PrefillWorker(_Loop):
     """`PrefillWorker`: FIFO admission by free blocks, chunked passes, KV shipped after each prompt."""
 
     def __init__(self, loop: EventLoop, profile: Profile, scale: float, backend: str,
-                 cache: PrefixCache | None = None) -> None:
-        super().__init__(loop, profile, scale)
+                 cache: PrefixCache | None = None, rng: np.random.Generator | None = None) -> None:
+        super().__init__(loop, profile, scale, rng)
         self.backend = backend
         self.cache = cache
         self.queue: deque[_PrefillJob] = deque()
@@ -373,7 +388,7 @@ class _PrefillWorker(_Loop):
             budget -= n
         if step:
             seconds = self.profile.pass_s([(n, job.computed) for job, n in step], 0, 0)
-            self._run_pass(seconds, lambda: self._end_pass(step))
+            self._run_pass(seconds, len(step), lambda: self._end_pass(step))
 
     def _end_pass(self, step: list[tuple[_PrefillJob, int]]) -> None:
         for job, n in step:
@@ -412,9 +427,13 @@ def simulate(
     reqs = [SimRequest(i, t, max(1, n), max(1, m), block_hashes=h)
             for i, (t, n, m, h) in enumerate(zip(arrivals, input_lens, output_lens, hashes, strict=True))]
     scale = timing.overhead_scale
-    engines = [_EngineWorker(loop, timing.decode, scale) for _ in range(dep.colocated or dep.decode)]
+    engines = [_EngineWorker(loop, timing.decode, scale, np.random.default_rng([timing.seed, 0, i]))
+               for i in range(dep.colocated or dep.decode)]
     caches = list(prefix_caches) if prefix_caches is not None else [None] * dep.prefill
-    prefills = [_PrefillWorker(loop, timing.prefill, scale, timing.backend, cache) for cache in caches[: dep.prefill]]
+    prefills = []
+    for i, cache in enumerate(caches[: dep.prefill]):
+        rng = np.random.default_rng([timing.seed, 1, i])
+        prefills.append(_PrefillWorker(loop, timing.prefill, scale, timing.backend, cache, rng))
     for req in reqs:
         slot = req.index + timing.rr_offset
         engine = engines[slot % len(engines)]

@@ -378,6 +378,8 @@ class AutoscalerMetrics:
         self.target_prefill = Gauge("pdserve_autoscaler_target_prefill_workers",
                                     "Prefill workers the planner recommends for the current mix (-1: none)",
                                     registry=r)
+        self.last_decision = Gauge("pdserve_autoscaler_last_decision_timestamp_seconds",
+                                   "Unix time of the autoscaler's latest action (0: none yet)", registry=r)
 
     def observe(self, last: dict[str, Any]) -> None:
         for role in (PREFILL, DECODE):
@@ -411,12 +413,17 @@ class AutoscalerLoop:
     interval_s: float = 1.0
     token: str | None = None
     resize: Callable[[Decision, Observation], None] | None = None
+    tls_ca_file: str | None = None  # a router serving TLS: PEM to trust (serve passes its own certificate)
     metrics: AutoscalerMetrics = field(default_factory=AutoscalerMetrics)
     history: list[dict[str, Any]] = field(default_factory=list)  # every action: time, decision, outcome
 
     def __post_init__(self) -> None:
         self._stop = threading.Event()
-        self._channel = grpc.insecure_channel(self.router_address)
+        if self.tls_ca_file:
+            with open(self.tls_ca_file, "rb") as f:
+                self._channel = grpc.secure_channel(self.router_address, grpc.ssl_channel_credentials(f.read()))
+        else:
+            self._channel = grpc.insecure_channel(self.router_address)
         self._stub = router_pb2_grpc.RouterStub(self._channel)
         self._metadata = (("authorization", f"Bearer {self.token}"),) if self.token else None
         self._thread = threading.Thread(target=self._run, name="autoscaler", daemon=True)
@@ -427,7 +434,8 @@ class AutoscalerLoop:
 
     def stop(self) -> None:
         self._stop.set()
-        self._thread.join(timeout=30)
+        if self._thread.ident is not None:  # started
+            self._thread.join(timeout=30)
         self._channel.close()
 
     def _run(self) -> None:
@@ -450,8 +458,10 @@ class AutoscalerLoop:
         return decisions
 
     def _execute(self, decision: Decision, obs: Observation) -> None:
+        fields = {"decision": decision.kind, "worker_id": decision.worker_id, "role": decision.role,
+                  "reason": decision.reason}
         log.info("autoscaler: %s %s -> %s: %s", decision.kind, decision.worker_id or "-", decision.role,
-                 decision.reason)
+                 decision.reason, extra=fields)
         started = time.monotonic()
         outcome = "done"
         try:
@@ -469,26 +479,32 @@ class AutoscalerLoop:
             outcome = exc.code().name
             log.warning("autoscaler: %s of %s failed: %s: %s", decision.kind, decision.worker_id, outcome,
                         exc.details())
+        took = time.monotonic() - started
         self.metrics.decisions.labels(decision.kind, decision.role, outcome).inc()
+        self.metrics.last_decision.set_to_current_time()
+        log.info("autoscaler: %s %s -> %s %s in %.2f s", decision.kind, decision.worker_id or "-", decision.role,
+                 outcome, took, extra={**fields, "outcome": outcome, "took_s": round(took, 3)})
         self.history.append({"at": started, "took_s": time.monotonic() - started, "kind": decision.kind,
                              "worker_id": decision.worker_id, "role": decision.role, "reason": decision.reason,
                              "outcome": outcome})
 
 
-def autoscaler_config(options: Any, can_resize: bool = False) -> AutoscalerConfig:
-    """AutoscalerConfig from `cluster.elastic_cli.AutoscaleOptions`."""
+def autoscaler_config(options: Any, can_resize: bool = False, speedup: float = 1.0) -> AutoscalerConfig:
+    """AutoscalerConfig from `cluster.elastic_cli.AutoscaleOptions`. The SLOs are in profile time on a
+    sim cluster run `speedup` times faster (as `pdserve bench --speedup` reports): the loop, which
+    watches the wall clock, keeps them divided by `speedup`."""
     slo = options.slo
-    return AutoscalerConfig(ttft_s=slo["ttft_ms"] / 1000 if "ttft_ms" in slo else None,
-                            tpot_s=slo["tpot_ms"] / 1000 if "tpot_ms" in slo else None,
+    return AutoscalerConfig(ttft_s=slo["ttft_ms"] / 1000 / speedup if "ttft_ms" in slo else None,
+                            tpot_s=slo["tpot_ms"] / 1000 / speedup if "tpot_ms" in slo else None,
                             min_workers=options.min_workers, max_workers=options.max_workers, can_resize=can_resize)
 
 
 def start_local_autoscaler(router_address: str, options: Any, token: str | None = None,
-                           speedup: float = 1.0) -> AutoscalerLoop:
+                           speedup: float = 1.0, tls_ca_file: str | None = None) -> AutoscalerLoop:
     """Start the loop for a local deployment (role switches only); the planner when a profile is known."""
-    config = autoscaler_config(options)
+    config = autoscaler_config(options, speedup=speedup)
     planner = PlannerSplits(options.profile, config.ttft_s, config.tpot_s, config.target, speedup) \
         if options.profile else None
     core = Autoscaler(config, planner)
     log.info("autoscaler: keeping %s, %s", options.slo, "planner on " + options.profile if planner else "no planner")
-    return AutoscalerLoop(router_address, core, options.interval_s, token).start()
+    return AutoscalerLoop(router_address, core, options.interval_s, token, tls_ca_file=tls_ca_file).start()

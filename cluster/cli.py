@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import os
 import signal
 import sys
@@ -154,6 +155,12 @@ def _cmd_serve_ray(config: DeploymentConfig) -> int:
         print(format_table(("name", "role", "address"), [[w["name"], w["role"], w["address"]]
                                                           for w in cluster.workers()]))
         _print_extras(cluster.http_address, {}, bool(config.security.tls_cert))
+        if config.elastic.switchable:
+            print(f"workers switch roles: `pdserve role --url {cluster.router_address} WORKER_ID {{prefill,decode}}`")
+        options = config.autoscale_options()
+        if options is not None:  # the loop runs in the controller actor (cluster.ray_elastic)
+            print(f"autoscaler (in the controller): keeping {config.elastic.slo} with "
+                  f"{options.min_workers}..{options.max_workers} workers")
         print("`pdserve scale --prefill N --decode M` resizes; Ctrl-C (or SIGTERM) stops everything.", flush=True)
 
     return _serve_until_interrupt(cluster, announce)
@@ -205,13 +212,38 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         _print_extras(cluster.http_address, cluster.metrics_addresses, bool(config.security.tls_cert))
         options = config.autoscale_options()
         if options is not None:  # the SLO autoscaler: switches worker roles through the router
-            from pdserve.cluster.autoscaler import start_local_autoscaler
-
-            scalers.append(start_local_autoscaler(cluster.router_address, options,
-                                                  _token_of_file(config.security.auth_token_file),
-                                                  speedup=config.model.speedup))
+            scalers.extend(_start_autoscaler(cluster, config, options))
 
     return _serve_until_interrupt(cluster, announce, lambda: [s.stop() for s in scalers])
+
+
+def _start_autoscaler(cluster: LocalCluster, config: DeploymentConfig, options: Any) -> list[Any]:  # noqa: ANN401
+    """The local autoscaler loop in this process: its decisions logged to stderr and to
+    `<log_dir>/autoscaler.log`, and (with observability.metrics) its registry served on a /metrics of
+    its own, under the router's rules (loopback, or metrics_host with the auth token and TLS).
+    Returns what to stop: the loop, then the endpoint."""
+    from pdserve.cluster.autoscaler import start_local_autoscaler
+    from pdserve.telemetry.logs import make_formatter
+    from pdserve.telemetry.prometheus import MetricsEndpoint
+
+    obs = config.observability
+    logger = logging.getLogger("pdserve.cluster.autoscaler")
+    for handler in (logging.StreamHandler(sys.stderr), logging.FileHandler(cluster.log_dir / "autoscaler.log")):
+        handler.setFormatter(make_formatter("autoscaler", obs.log_format))
+        logger.addHandler(handler)
+    logger.setLevel(obs.log_level.upper())
+    logger.propagate = False
+    token = _token_of_file(config.security.auth_token_file)
+    loop = start_local_autoscaler(cluster.router_address, options, token, speedup=config.model.speedup,
+                                  tls_ca_file=config.security.tls_cert or None)  # over TLS: trust our own cert
+    if not obs.metrics:
+        return [loop]
+    guarded = not is_loopback(obs.metrics_host)  # beyond loopback: bearer token (config checked it is set)
+    tls = (config.security.tls_cert, config.security.tls_key) if config.security.tls_cert else None
+    endpoint = MetricsEndpoint(loop.metrics.registry, 0, obs.metrics_host, token if guarded else None,
+                               tls if guarded else None)
+    print(f"metrics autoscaler: {endpoint.url}", flush=True)
+    return [loop, endpoint]
 
 
 def _serve_until_interrupt(cluster: Any, announce: Callable[[], None],  # noqa: ANN401 - either launcher

@@ -3,7 +3,7 @@ every process.
 
 - Sections (frozen dataclasses): ``model``, ``router``, the pools ``prefill``, ``decode`` and
   ``colocated``, ``kv`` (KV transfer), ``ray``, ``security``, ``observability``, ``elastic`` (role
-  switches and the SLO autoscaler; local only), plus ``mode`` ("local" or "ray") and
+  switches and the SLO autoscaler; local and Ray), plus ``mode`` ("local" or "ray") and
   ``startup_timeout_s``. Each field carries its help text, its flag, its bounds or choices and the
   modes that honour it (`opt`); `--help`, validation and `--print-config` all read them.
 - Sources: a YAML or TOML file (`load_file`), then `pdserve serve` flags on top (`add_flags`,
@@ -194,7 +194,7 @@ class RaySection:
                             modes=_RAY_ONLY, why=_RAY_WHY)
     router_max_restarts: int = opt(3, "restarts of the router actor (it re-reads its workers)",
                                    flag="--router-max-restarts", min=0, modes=_RAY_ONLY, why=_RAY_WHY)
-    poll_interval_s: float = opt(1.0, "how often the controller checks worker addresses (s)",
+    poll_interval_s: float = opt(1.0, "how often the controller checks worker addresses and roles (s)",
                                  flag="--ray-poll-interval", gt=0, modes=_RAY_ONLY, why=_RAY_WHY)
 
 
@@ -227,28 +227,23 @@ class ObservabilitySection:
                             flag="--metrics-host", modes=("local",), why="the Ray deployment serves no /metrics")
 
 
-_ELASTIC_WHY = ("role switches and the SLO autoscaler run on local processes; the Ray deployment scales with "
-                "`pdserve scale`")
-_LOCAL_ONLY = ("local",)
-
-
 @dataclass(frozen=True)
 class ElasticSection:
     """Elastic roles and the SLO autoscaler: workers that switch between prefill and
-    decode at runtime (`pdserve role`), and a loop that switches them to keep the SLOs."""
+    decode at runtime (`pdserve role`), and a loop that switches them to keep the SLOs (on Ray it
+    also adds and removes workers within min_workers..max_workers)."""
 
     enabled: bool = opt(False, "workers can switch between prefill and decode at runtime (`pdserve role`; "
-                        "`python -m pdserve.elastic_worker`)", flag="--elastic", modes=_LOCAL_ONLY, why=_ELASTIC_WHY)
-    autoscale: bool = opt(False, "switch worker roles to keep elastic.slo (implies elastic.enabled)",
-                          flag="--autoscale", modes=_LOCAL_ONLY, why=_ELASTIC_WHY)
+                        "`python -m pdserve.elastic_worker`, or elastic worker actors with --ray)", flag="--elastic")
+    autoscale: bool = opt(False, "switch worker roles to keep elastic.slo, and with --ray add or remove workers "
+                          "within min/max_workers (implies elastic.enabled)", flag="--autoscale")
     slo: str = opt("", "SLOs the autoscaler keeps, e.g. ttft_ms=500,tpot_ms=50 (needs elastic.autoscale)",
-                   flag="--slo", modes=_LOCAL_ONLY, why=_ELASTIC_WHY)
-    min_workers: int = opt(2, "the autoscaler's lower bound of the worker count", flag="--min-workers", min=2,
-                           modes=_LOCAL_ONLY, why=_ELASTIC_WHY)
-    max_workers: int = opt(8, "the autoscaler's upper bound of the worker count", flag="--max-workers", min=2,
-                           modes=_LOCAL_ONLY, why=_ELASTIC_WHY)
-    interval_s: float = opt(1.0, "the autoscaler's control loop period (s)", flag="--autoscale-interval", gt=0,
-                            modes=_LOCAL_ONLY, why=_ELASTIC_WHY)
+                   flag="--slo")
+    min_workers: int = opt(2, "the autoscaler's lower bound of the worker count (--ray: it never removes below it)",
+                           flag="--min-workers", min=2)
+    max_workers: int = opt(8, "the autoscaler's upper bound of the worker count (--ray: it never adds above it)",
+                           flag="--max-workers", min=2)
+    interval_s: float = opt(1.0, "the autoscaler's control loop period (s)", flag="--autoscale-interval", gt=0)
 
     @property
     def switchable(self) -> bool:
@@ -266,7 +261,7 @@ GROUP_TITLES = {
     "model": "model", "router": "router", "prefill": "prefill pool", "decode": "decode pool",
     "colocated": "colocated pool", "kv": "KV transfer", "ray": "Ray (with --ray; see docs/ray.md)",
     "security": "security (see docs/security.md)", "observability": "observability",
-    "elastic": "elastic roles and the SLO autoscaler (local only; see docs/configuration.md)",
+    "elastic": "elastic roles and the SLO autoscaler (see docs/configuration.md, docs/ray.md)",
 }
 
 
@@ -347,6 +342,10 @@ class DeploymentConfig:
             self.autoscale_options()
         except ValueError as exc:
             raise ConfigError(f"elastic: {exc}") from None
+        if self.mode == "ray" and not elastic.min_workers <= self.num_workers <= elastic.max_workers:
+            raise ConfigError(f"elastic.min_workers/max_workers: the deployment starts with {self.num_workers} "
+                              f"workers, outside {elastic.min_workers}..{elastic.max_workers} "
+                              "(--ray resizes within them)")
 
     def autoscale_options(self) -> Any:  # noqa: ANN401 - cluster.elastic_cli.AutoscaleOptions (lazy import)
         """The SLO autoscaler's options (`cluster.elastic_cli.AutoscaleOptions`), or None without

@@ -73,7 +73,7 @@ def _cmd_role(args: argparse.Namespace) -> int:
 class AutoscaleOptions:
     """`serve --autoscale` (the ``elastic`` section; `DeploymentConfig.autoscale_options`): the SLOs it
     keeps and the bounds of the worker count (a local deployment keeps its workers and switches their
-    roles; the section is refused with --ray)."""
+    roles; a Ray deployment also adds and removes workers within the bounds: cluster.ray_elastic)."""
 
     slo: dict[str, float] = field(default_factory=dict)  # "ttft_ms", "tpot_ms" -> limit in ms
     min_workers: int = 2

@@ -5,9 +5,15 @@ decode_worker`` build (their ``start_worker``), from the same config document
 (`cluster.deploy_config.worker_document`, validated by the worker's own parser), so both
 deployment modes share one code path: the worker serves gRPC on its own port, and the router
 talks to it as it talks to a local process. The actor adds what a launcher needs: ``address()``,
-``info()``, ``drain()``, ``is_idle()``, ``stop()``; a decode actor also takes KV from the Ray
+``info()``, ``state()``, ``drain()``, ``is_idle()``, ``stop()``; a decode actor also takes KV from the Ray
 object store (``receive_kv`` for a whole request, ``receive_kv_part`` for layer-wise parts: the "ray" KV
 backend's receiving end).
+
+An elastic worker actor (``serve --ray --elastic`` / ``--autoscale``: its document is
+{"prefill": ..., "decode": ...}, `is_elastic_document`) runs ``python -m pdserve.elastic_worker``'s
+``start_worker`` instead: one loaded model and KV pool, every role's services on one port, and
+RoleControl.SetRole (the router's SwitchRole, `pdserve role`) changes its role in place. ``role``
+and ``state()`` then report the current role (the controller's watcher reads it).
 
 The router actor serves the public gRPC API; ``add_worker`` / ``remove_worker`` change its worker
 set at runtime (the controller calls them when workers are added, removed or restarted).
@@ -24,6 +30,12 @@ import os
 from typing import Any
 
 WORKER_MODULES = {"prefill": "pdserve.prefill_worker.__main__", "decode": "pdserve.decode_worker.__main__"}
+ELASTIC_KINDS = frozenset(WORKER_MODULES)
+
+
+def is_elastic_document(document: dict[str, Any]) -> bool:
+    """An elastic worker's document: {"prefill": <prefill document>, "decode": <decode document>}."""
+    return set(document) == ELASTIC_KINDS and all(isinstance(v, dict) for v in document.values())
 
 
 def _use_internal_token(token: str | None) -> None:
@@ -49,17 +61,35 @@ class WorkerActor:
             raise ValueError(f"role must be one of {sorted(WORKER_MODULES)}, got {role!r}")
         os.environ[NODE_ID_ENV] = ray.get_runtime_context().get_node_id()  # reported in WorkerInfo.node_id
         os.environ[NODE_HOST_ENV] = ray.util.get_node_ip_address()
-        module = importlib.import_module(WORKER_MODULES[role])
-        args = module.parse_args(list(extra_argv), document=document)
-        configure_process(args.threads, args.log_level, args.log_format, args.worker_id)
-        self.role = role
+        self._elastic: Any = None  # the ElasticWorker of an elastic actor
+        if is_elastic_document(document):
+            from pdserve.elastic_worker import __main__ as elastic_main
+
+            _, prefill_args, args = elastic_main.parse_args(["--role", role, *extra_argv], document=document)
+            configure_process(args.threads, args.log_level, args.log_format, args.worker_id)
+            self.started = elastic_main.start_worker(role, prefill_args, args)
+            self._elastic = self.started.extras["worker"]
+        else:
+            module = importlib.import_module(WORKER_MODULES[role])
+            args = module.parse_args(list(extra_argv), document=document)
+            configure_process(args.threads, args.log_level, args.log_format, args.worker_id)
+            self.started = module.start_worker(args)
+        self._role = role
         self.worker_id = args.worker_id
-        self.started = module.start_worker(args)
         self._ray_receiver: Any = None
-        if role == "decode" and args.kv_backend == "ray":
+        if getattr(args, "kv_backend", "") == "ray" and (role == "decode" or self._elastic is not None):
             from pdserve.kv_transfer.ray_backend import RayKvReceiver
 
             self._ray_receiver = RayKvReceiver(self.started.extras["kv_receiver"], args.kv_timeout_s)
+
+    @property
+    def role(self) -> str:
+        """The current role (an elastic actor's changes with each switch)."""
+        return str(self._elastic.role) if self._elastic is not None else self._role
+
+    def state(self) -> dict[str, Any]:
+        """address, current role and whether it can switch roles (the controller's watcher polls this)."""
+        return {"address": self.started.address, "role": self.role, "elastic": self._elastic is not None}
 
     def address(self) -> str:
         """host:port of this worker's gRPC server (changes when the actor restarts)."""
@@ -69,6 +99,7 @@ class WorkerActor:
         import ray
 
         return {"role": self.role, "worker_id": self.worker_id, "address": self.started.address,
+                "elastic": self._elastic is not None, "role_switches": self._elastic.switches if self._elastic else 0,
                 "pid": os.getpid(), "node_id": ray.get_runtime_context().get_node_id(),
                 "host": ray.util.get_node_ip_address(),
                 "draining": self.started.drain.draining, "idle": self.started.is_idle(),

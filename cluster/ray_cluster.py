@@ -141,8 +141,12 @@ class RayClusterConfig:
 
 def local_num_cpus(config: DeploymentConfig) -> int:
     """Logical CPUs of a local Ray instance: the machine's, but at least 4x what the initial placement
-    group takes (router + workers), so that scaling up finds room (they are scheduling units only)."""
-    needed = 1 + (0 if config.ray.gpus_per_worker else config.size("prefill") + config.size("decode"))
+    group takes (router + workers), and room for the autoscaler's max_workers, so that scaling up finds
+    room (they are scheduling units only)."""
+    workers = config.size("prefill") + config.size("decode")
+    if config.elastic.autoscale:
+        workers = max(workers, config.elastic.max_workers)
+    needed = 1 + (0 if config.ray.gpus_per_worker else workers)
     return max(os.cpu_count() or 1, 4 * needed)
 
 
@@ -191,8 +195,17 @@ def drain_timeout_s(config: DeploymentConfig) -> float:
 
 
 def ray_worker_document(config: DeploymentConfig, role: str, worker_id: str) -> dict[str, Any]:
-    """The config document a worker actor gets (`worker_host` "node" resolved on this node)."""
+    """The config document a worker actor gets (`worker_host` "node" resolved on this node). With
+    elastic roles (`elastic.enabled` or `elastic.autoscale`) it is {"prefill": ..., "decode": ...},
+    both roles' documents, as `python -m pdserve.elastic_worker` takes it: the actor can switch roles."""
     host = ray.util.get_node_ip_address() if config.ray.worker_host == "node" else config.ray.worker_host
+    return worker_actor_document(config, role, worker_id, host)
+
+
+def worker_actor_document(config: DeploymentConfig, role: str, worker_id: str, host: str) -> dict[str, Any]:
+    """`ray_worker_document` on a given host (no Ray needed)."""
+    if config.elastic.switchable:
+        return {kind: worker_document(config, kind, worker_id, host) for kind in ROLES}
     return worker_document(config, role, worker_id, host)
 
 
@@ -234,6 +247,7 @@ class Controller:
                                f"{config.startup_timeout_s:.0f} s: not enough resources in the cluster") from None
         self._router: Any = None
         self._router_probe: Any = None  # pending address() call of the watcher
+        self._autoscaler: Any = None  # cluster.ray_elastic.RayAutoscaler with elastic.autoscale
         try:
             for i, role in enumerate(roles):
                 self._workers.append(self._new_worker(role, bundle=i + 1))
@@ -244,6 +258,13 @@ class Controller:
             raise
         self._watcher = threading.Thread(target=self._watch, name="pdserve-watch", daemon=True)
         self._watcher.start()
+        options = config.autoscale_options()
+        if options is not None:  # `serve --ray --autoscale`: the loop runs here (see cluster.ray_elastic)
+            from pdserve.cluster.ray_elastic import RayAutoscaler
+
+            self._autoscaler = RayAutoscaler(self, self.router_address_value, options, auth_token,
+                                             speedup=config.model.speedup,
+                                             tls_ca_file=config.security.tls_cert or None)
 
     # ----- actors ----------------------------------------------------------------------------
     def _new_worker(self, role: str, bundle: int, pg: Any = None) -> _Worker:  # noqa: ANN401 - PlacementGroup
@@ -330,21 +351,24 @@ class Controller:
         if address != self.router_address_value:
             log.warning("router moved from %s to %s (restarted)", self.router_address_value, address)
             self.router_address_value = address
+            if self._autoscaler is not None:
+                self._autoscaler.follow(address)
 
     def check_workers(self) -> None:
-        """One watcher pass: ask each worker its address; re-register moved ones, drop dead ones."""
+        """One watcher pass: ask each worker its address and role; re-register moved ones, drop dead
+        ones, note the new role of one that switched (`pdserve role`, the autoscaler)."""
         self.check_router()
         with self._lock:
             workers = [w for w in self._workers if not w.draining]
         for worker in workers:
             if worker.probe is None:
-                worker.probe = worker.handle.address.remote()
+                worker.probe = worker.handle.state.remote()
             ready, _ = ray.wait([worker.probe], timeout=0)
             if not ready:
                 continue
             probe, worker.probe = worker.probe, None
             try:
-                address = ray.get(probe)
+                state = ray.get(probe)
             except ActorDiedError:
                 log.warning("worker %s died for good; removing it from the router", worker.name)
                 self._forget(worker)
@@ -352,16 +376,21 @@ class Controller:
                 continue
             except RayError:  # restarting: ask again next pass
                 continue
-            if address != worker.address:
-                self._reregister(worker, address)
+            if state["address"] != worker.address:
+                self._reregister(worker, state["address"], state["role"])
+            elif state["role"] != worker.role:  # switched in place; the router switched it itself
+                log.info("worker %s is now %s (was %s)", worker.name, state["role"], worker.role)
+                worker.role = state["role"]
 
-    def _reregister(self, worker: _Worker, address: str) -> None:
-        log.warning("worker %s moved from %s to %s (restarted); updating the router", worker.name,
-                    worker.address, address)
+    def _reregister(self, worker: _Worker, address: str, role: str) -> None:
+        """A restarted worker serves on a new port, in the role it was created with (an elastic one
+        that had switched starts over in its first role)."""
+        log.warning("worker %s moved from %s to %s (restarted, %s); updating the router", worker.name,
+                    worker.address, address, role)
         if worker.address:
             ray.get(self._router.remove_worker.remote(worker.address))
-        ray.get(self._router.add_worker.remote(address, worker.role))
-        worker.address = address
+        ray.get(self._router.add_worker.remote(address, role))
+        worker.address, worker.role = address, role
 
     def _forget(self, worker: _Worker) -> None:
         with self._lock:
@@ -376,27 +405,74 @@ class Controller:
         if prefill < 1 or decode < 1:
             raise ValueError(f"need prefill >= 1 and decode >= 1, got {prefill} and {decode}")
         with self._scale_lock:
+            self.refresh_roles()
             with self._lock:
                 current = {r: [w for w in self._workers if w.role == r and not w.draining] for r in ROLES}
             targets = {"prefill": prefill, "decode": decode}
             roles = [r for r in ROLES for _ in range(targets[r] - len(current[r]))]
-            pg = self._placement_group_for(roles) if roles else None
-            added = [self._new_worker(r, bundle=i, pg=pg) for i, r in enumerate(roles)]
             removed = [w for r in ROLES for w in current[r][targets[r]:]]
-            if added:
-                try:
-                    self._wait_serving(added)
-                except BaseException:  # e.g. no resources for them: take them back, keep the rest as is
-                    for worker in added:
-                        ray.kill(worker.handle, no_restart=True)
-                    remove_placement_group(pg)
-                    raise
-                for worker in added:
-                    ray.get(self._router.add_worker.remote(worker.address, worker.role))
-                with self._lock:
-                    self._workers.extend(added)
+            added = self._add(roles)
             self._retire(removed)
         return {"added": [w.name for w in added], "removed": [w.name for w in removed]}
+
+    def _add(self, roles: list[str]) -> list[_Worker]:
+        """Start workers of these roles in a placement group of their own, register them once they serve."""
+        if not roles:
+            return []
+        pg = self._placement_group_for(roles)
+        added = [self._new_worker(r, bundle=i, pg=pg) for i, r in enumerate(roles)]
+        try:
+            self._wait_serving(added)
+        except BaseException:  # e.g. no resources for them: take them back, keep the rest as is
+            for worker in added:
+                ray.kill(worker.handle, no_restart=True)
+            remove_placement_group(pg)
+            raise
+        for worker in added:
+            ray.get(self._router.add_worker.remote(worker.address, worker.role))
+        with self._lock:
+            self._workers.extend(added)
+        return added
+
+    def refresh_roles(self) -> None:
+        """Read every live worker's current role now (the watcher does it each poll; a switch may have
+        happened since): `scale`, `add_worker` and `remove_worker` count workers by role."""
+        with self._lock:
+            workers = [w for w in self._workers if not w.draining and w.address]
+        try:
+            states = ray.get([w.handle.state.remote() for w in workers], timeout=30)
+        except RayError as exc:  # a worker restarting: the watcher sorts it out
+            log.warning("reading worker roles: %s", exc)
+            return
+        for worker, state in zip(workers, states, strict=True):
+            if state["address"] == worker.address:
+                worker.role = state["role"]
+
+    def add_worker(self, role: str) -> str:
+        """Start one worker of `role` and register it once it serves (the autoscaler's scale-out);
+        returns its name."""
+        if role not in ROLES:
+            raise ValueError(f"role must be one of {', '.join(ROLES)}, got {role!r}")
+        with self._scale_lock:
+            (added,) = self._add([role])
+        return added.name
+
+    def remove_worker(self, name: str) -> bool:
+        """Retire one worker by name (the autoscaler's scale-in): it drains (reports unhealthy, takes
+        no new work; the router migrates the requests running on a decode worker to the others),
+        then leaves the router and its actor is killed once idle. False when no live worker has that
+        name; ValueError when it is the last worker of its role."""
+        with self._scale_lock:
+            self.refresh_roles()
+            with self._lock:
+                live = [w for w in self._workers if not w.draining]
+            worker = next((w for w in live if w.name == name), None)
+            if worker is None:
+                return False
+            if sum(w.role == worker.role for w in live) <= 1:
+                raise ValueError(f"{name} is the last {worker.role} worker")
+            self._retire([worker])
+        return True
 
     def _placement_group_for(self, roles: list[str]) -> Any:  # noqa: ANN401 - PlacementGroup
         """A placement group (the deployment's strategy) with one bundle per worker a scale-up adds.
@@ -446,10 +522,38 @@ class Controller:
             log.info("worker %s retired", worker.name)
         self._release_unused_groups(workers)
 
+    # ----- the autoscaler (cluster.ray_elastic) -----------------------------------------------
+    def resize(self, kind: str, role: str, worker_id: str = "", reason: str = "requested") -> str:
+        """Carry out one autoscaler resize decision ("add" a worker of `role`, "remove" `worker_id`
+        or, without one, the newest worker of `role`) through the Ray actuator, within the elastic
+        section's min/max workers; returns the outcome ("added NAME", "removed NAME", "refused: ...")."""
+        from pdserve.cluster.autoscaler import Decision
+        from pdserve.cluster.ray_elastic import RayActuator
+
+        if self._autoscaler is not None:
+            actuator = self._autoscaler.actuator
+        else:
+            elastic = self.config.elastic
+            actuator = RayActuator(self, elastic.min_workers, elastic.max_workers)
+        return actuator(Decision(kind, role, reason, worker_id))
+
+    def autoscaler_status(self) -> dict[str, Any] | None:
+        """The autoscaler's latest measurements, decisions and resizes (None: not autoscaling)."""
+        return self._autoscaler.status() if self._autoscaler is not None else None
+
+    def autoscaler_tick(self) -> list[dict[str, str]]:
+        """Run one autoscaler tick now (as the loop does every elastic.interval_s); its decisions."""
+        if self._autoscaler is None:
+            raise RuntimeError("the deployment runs no autoscaler (serve --autoscale)")
+        return [{"kind": d.kind, "role": d.role, "worker_id": d.worker_id, "reason": d.reason}
+                for d in self._autoscaler.loop.tick()]
+
     # ----- teardown --------------------------------------------------------------------------
     def shutdown(self) -> None:
-        """Stop the router and every worker, release the placement group."""
+        """Stop the autoscaler, the router and every worker, release the placement group."""
         self._stop.set()
+        if getattr(self, "_autoscaler", None) is not None:
+            self._autoscaler.stop()
         if self._router is not None:
             try:
                 ray.get(self._router.stop.remote(), timeout=15)
@@ -574,6 +678,15 @@ class RayCluster:
         """Resize the pools (blocks until added workers serve and removed ones are drained and gone)."""
         timeout = self.deployment.startup_timeout_s + drain_timeout_s(self.deployment) + 60
         return dict(ray.get(self._controller.scale.remote(prefill, decode), timeout=timeout))
+
+    def resize(self, kind: str, role: str, worker_id: str = "") -> str:
+        """One autoscaler resize through the controller's Ray actuator (`Controller.resize`)."""
+        timeout = self.deployment.startup_timeout_s + drain_timeout_s(self.deployment) + 60
+        return str(ray.get(self._controller.resize.remote(kind, role, worker_id), timeout=timeout))
+
+    def autoscaler_status(self) -> dict[str, Any] | None:
+        status: dict[str, Any] | None = ray.get(self._controller.autoscaler_status.remote(), timeout=30)
+        return status
 
     def stop(self) -> None:
         if self._stopped:

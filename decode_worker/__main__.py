@@ -8,29 +8,22 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from grpc_health.v1 import health_pb2
-
 from pdserve.decode_worker.servicer import DecodeServicer
 from pdserve.decode_worker.worker import DecodeWorker
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.metrics import WorkerMetrics
-from pdserve.engine.model_fetch import resolve_model
-from pdserve.engine.model_loader import load_model
-from pdserve.engine.sim_runner import add_engine_args, load_sim_worker
+from pdserve.engine.sim_runner import add_engine_args
 from pdserve.engine.worker_runtime import (
     Drain,
-    LivenessWatch,
     StartedWorker,
-    add_health,
     add_observability_args,
     add_worker_args,
-    announce_ready,
     apply_internal_credentials,
     bind,
-    check_credentials_or_exit,
-    configure_process,
+    load_worker_model,
     make_server,
-    serve_until_signal,
+    run_worker_process,
+    start_serving,
 )
 from pdserve.kv_transfer import KvTransferServicer, grpc_message_options
 from pdserve.limits import receive_options
@@ -97,10 +90,7 @@ def start_worker(args: argparse.Namespace) -> StartedWorker:
     config = EngineConfig(model=args.model, dtype=args.dtype, device=args.device, block_size=args.block_size,
                           kv_cache_memory_mb=args.kv_cache_mb, max_num_seqs=args.max_num_seqs,
                           max_num_batched_tokens=args.max_batched_tokens, prefix_caching=args.prefix_caching)
-    if args.engine == "sim":
-        config, loaded = load_sim_worker(args, config)
-    else:
-        loaded = load_model(resolve_model(args.model), config.torch_dtype, config.device)
+    config, loaded = load_worker_model(args, config)
     metrics = WorkerMetrics()
     worker = DecodeWorker(loaded, config, admission_timeout_s=args.admission_timeout_s, metrics=metrics,
                           die_after_steps=args.inject_loop_death_after_steps,
@@ -116,34 +106,14 @@ def start_worker(args: argparse.Namespace) -> StartedWorker:
                               kv_checksum=args.kv_checksum)
     worker_pb2_grpc.add_DecodeWorkerServicer_to_server(servicer, server)
     kv_receiver.add_to_server(server)
-    health = add_health(server)
-    server.start()
-    health.set("", health_pb2.HealthCheckResponse.SERVING)
-    liveness = LivenessWatch(health, lambda: worker.dead_reason)
-
-    def close() -> None:
-        liveness.stop()
-        kv_receiver.close()
-        worker.stop()
-        if endpoint:
-            endpoint.stop()
-
-    return StartedWorker(server, address, health, drain, worker.idle, close, args.drain_timeout_s,
-                         {"servicer": servicer, "kv_receiver": kv_receiver,
-                          "metrics_address": f"127.0.0.1:{endpoint.port}" if endpoint else ""})
+    return start_serving(server, address, drain, worker.idle, lambda: worker.dead_reason, args.drain_timeout_s,
+                         stops=(kv_receiver.close, worker.stop), endpoint=endpoint,
+                         extras={"servicer": servicer, "kv_receiver": kv_receiver})
 
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
-    configure_process(args.threads, args.log_level, args.log_format, args.worker_id)
-    check_credentials_or_exit(args)
-    started = start_worker(args)
-    announce_ready(started.address, args.worker_id, role="colocated" if args.colocated else "decode",
-                   metrics_address=started.extras["metrics_address"])
-    try:
-        serve_until_signal(started.server, started.health, started.drain, started.is_idle, args.drain_timeout_s)
-    finally:
-        started.close()
+    run_worker_process(args, lambda: start_worker(args), role="colocated" if args.colocated else "decode")
 
 
 if __name__ == "__main__":

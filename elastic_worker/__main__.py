@@ -17,8 +17,6 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from grpc_health.v1 import health_pb2
-
 from pdserve.decode_worker import __main__ as decode_main
 from pdserve.elastic_worker.servicer import (
     ElasticDecodeServicer,
@@ -29,21 +27,15 @@ from pdserve.elastic_worker.worker import ROLES, ElasticSettings, ElasticWorker,
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.llm_engine import build_cache
 from pdserve.engine.metrics import WorkerMetrics
-from pdserve.engine.model_fetch import resolve_model
-from pdserve.engine.model_loader import load_model
-from pdserve.engine.sim_runner import load_sim_worker
 from pdserve.engine.worker_runtime import (
     Drain,
-    LivenessWatch,
     StartedWorker,
-    add_health,
-    announce_ready,
     apply_internal_credentials,
     bind,
-    check_credentials_or_exit,
-    configure_process,
+    load_worker_model,
     make_server,
-    serve_until_signal,
+    run_worker_process,
+    start_serving,
 )
 from pdserve.kv_transfer import KvTransferServicer
 from pdserve.kv_transfer.modelled import install_modelled_links
@@ -102,14 +94,12 @@ def start_worker(role: str, prefill_args: argparse.Namespace, decode_args: argpa
     decode_config = EngineConfig(model=args.model, dtype=args.dtype, device=args.device, block_size=args.block_size,
                                  kv_cache_memory_mb=args.kv_cache_mb, max_num_seqs=args.max_num_seqs,
                                  max_num_batched_tokens=args.max_batched_tokens, prefix_caching=args.prefix_caching)
+    decode_config, loaded = load_worker_model(args, decode_config)
     chunk_tokens = prefill_args.prefill_chunk_tokens or None
     sim = args.engine == "sim"
     if sim:
-        decode_config, loaded = load_sim_worker(args, decode_config)
         chunk_tokens = loaded.model.profile.engine.prefill_chunk_tokens
         install_modelled_links(loaded.model.profile, args.speedup)
-    else:
-        loaded = load_model(resolve_model(args.model), decode_config.torch_dtype, decode_config.device)
     prefill_config = prefill_config_of(decode_config, prefill_args.max_batched_tokens, sim)
     kv_cache = build_cache(loaded, decode_config, shared=prefill_args.shared_kv_cache)
     metrics = WorkerMetrics()
@@ -126,35 +116,14 @@ def start_worker(role: str, prefill_args: argparse.Namespace, decode_args: argpa
     worker_pb2_grpc.add_PrefillWorkerServicer_to_server(ElasticPrefillServicer(worker), server)
     worker_pb2_grpc.add_RoleControlServicer_to_server(RoleControlServicer(worker), server)
     kv_receiver.add_to_server(server)
-    health = add_health(server)
-    server.start()
-    health.set("", health_pb2.HealthCheckResponse.SERVING)
-    liveness = LivenessWatch(health, worker.dead_reason)
-
-    def close() -> None:
-        liveness.stop()
-        kv_receiver.close()
-        worker.stop()
-        if endpoint:
-            endpoint.stop()
-
-    return StartedWorker(server, address, health, drain, worker.idle, close, args.drain_timeout_s,
-                         {"worker": worker, "kv_receiver": kv_receiver,
-                          "metrics_address": f"127.0.0.1:{endpoint.port}" if endpoint else ""})
+    return start_serving(server, address, drain, worker.idle, worker.dead_reason, args.drain_timeout_s,
+                         stops=(kv_receiver.close, worker.stop), endpoint=endpoint,
+                         extras={"worker": worker, "kv_receiver": kv_receiver})
 
 
 def main(argv: list[str] | None = None) -> None:
     role, prefill_args, decode_args = parse_args(argv)
-    args = decode_args
-    configure_process(args.threads, args.log_level, args.log_format, args.worker_id)
-    check_credentials_or_exit(args)
-    started = start_worker(role, prefill_args, decode_args)
-    announce_ready(started.address, args.worker_id, role=role, switchable=True,
-                   metrics_address=started.extras["metrics_address"])
-    try:
-        serve_until_signal(started.server, started.health, started.drain, started.is_idle, args.drain_timeout_s)
-    finally:
-        started.close()
+    run_worker_process(decode_args, lambda: start_worker(role, prefill_args, decode_args), role=role, switchable=True)
 
 
 if __name__ == "__main__":

@@ -56,6 +56,30 @@ class ElasticDecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
             return worker_pb2.AbortResponse(found=False)
         return core.servicer.Abort(request, context)  # type: ignore[union-attr]
 
+    # live migration's source side: a draining or switching decode core hands its running requests over
+    def SetKvTargets(self, request: worker_pb2.KvTargets,  # noqa: N802
+                     context: grpc.ServicerContext) -> worker_pb2.KvTargetsAck:
+        core = self._worker.core
+        if core.role == PREFILL:  # no sequence to migrate from here; the router registers again on a switch
+            return worker_pb2.KvTargetsAck(num_targets=0)
+        return core.servicer.SetKvTargets(request, context)  # type: ignore[union-attr]
+
+    async def Suspend(self, request: worker_pb2.SuspendRequest,  # noqa: N802
+                      context: grpc.aio.ServicerContext) -> worker_pb2.SuspendResponse:
+        core = self._worker.core
+        if core.role == PREFILL:
+            await context.abort(grpc.StatusCode.NOT_FOUND,
+                                f"worker {self._worker.settings.worker_id} is a prefill worker now")
+        return await core.servicer.Suspend(request, context)  # type: ignore[union-attr]
+
+    async def MigrateOut(self, request: worker_pb2.MigrateOutRequest,  # noqa: N802
+                         context: grpc.aio.ServicerContext) -> worker_pb2.MigrateOutResponse:
+        core = self._worker.core
+        if core.role == PREFILL:
+            await context.abort(grpc.StatusCode.NOT_FOUND,
+                                f"worker {self._worker.settings.worker_id} is a prefill worker now")
+        return await core.servicer.MigrateOut(request, context)  # type: ignore[union-attr]
+
 
 class ElasticPrefillServicer(worker_pb2_grpc.PrefillWorkerServicer):
     def __init__(self, worker: ElasticWorker) -> None:

@@ -19,7 +19,7 @@ Document (every time in seconds, every size in bytes or tokens)::
       "transfer": {"shm": {"latency_s": x, "bytes_per_s": y}, "grpc": {...}, "ray": {...}},
       "engine": {"block_size": 16, "kv_capacity_tokens": N, "max_num_seqs": 64,
                  "max_batched_tokens": 4096, "prefill_chunk_tokens": 512},
-      "overhead": {"per_pass_s": 0.0, "per_request_s": 0.0},
+      "overhead": {"per_pass_s": 0.0, "per_seq_s": 0.0, "per_request_s": 0.0, "jitter_sigma": 0.0},
       "points": {...raw measurements, optional...}
     }
 
@@ -29,7 +29,10 @@ pass of B decoding sequences holding C context tokens in total costs the decode 
 pass (prefill items joining a decode step) costs both minus the smaller constant term, which is
 counted once. A KV hand-off of T tokens over a backend costs latency_s + T*kv_bytes_per_token /
 bytes_per_s. ``overhead`` is what the serving stack adds on the machine that runs a sim cluster
-(wall seconds, scaled by the speedup like any wall time): per pass and once per request.
+(wall seconds, scaled by the speedup like any wall time): per pass, per sequence in a pass (the
+loop thread's scheduling, sampling, detokenizing and streaming of each sequence's token), the pass
+overhead multiplied by a random factor of mean 1 (lognormal, log-space deviation ``jitter_sigma``:
+late wake-ups and stalls of a process on a busy machine), and once per request.
 
 Invariants: `Profile.from_json(p.to_json()) == p`; loading rejects another format, another
 version, missing fields and negative coefficients with a ValueError that names the field.
@@ -157,17 +160,27 @@ class Overhead:
 
     per_pass_s: float = 0.0
     per_request_s: float = 0.0
+    per_seq_s: float = 0.0  # per sequence in a pass (a missing key reads 0: older profiles load)
+    # the pass overhead is multiplied by a random factor of mean 1 (lognormal with this log-space
+    # deviation; 0: constant): late wake-ups and stalls of a process on a busy machine
+    jitter_sigma: float = 0.0
 
     def __post_init__(self) -> None:
-        if self.per_pass_s < 0 or self.per_request_s < 0:
+        if min(self.per_pass_s, self.per_request_s, self.per_seq_s, self.jitter_sigma) < 0:
             raise ValueError(f"overhead: must be >= 0, got {self}")
 
+    def pass_s(self, num_seqs: int) -> float:
+        """Wall seconds the stack adds to one pass over `num_seqs` sequences."""
+        return self.per_pass_s + self.per_seq_s * num_seqs
+
     def to_json(self) -> dict[str, Any]:
-        return {"per_pass_s": self.per_pass_s, "per_request_s": self.per_request_s}
+        return {"per_pass_s": self.per_pass_s, "per_seq_s": self.per_seq_s, "per_request_s": self.per_request_s,
+                "jitter_sigma": self.jitter_sigma}
 
     @classmethod
     def from_json(cls, doc: Mapping[str, Any]) -> Overhead:
-        return cls(float(doc.get("per_pass_s", 0.0)), float(doc.get("per_request_s", 0.0)))
+        return cls(float(doc.get("per_pass_s", 0.0)), float(doc.get("per_request_s", 0.0)),
+                   float(doc.get("per_seq_s", 0.0)), float(doc.get("jitter_sigma", 0.0)))
 
 
 @dataclass(frozen=True)

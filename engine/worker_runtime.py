@@ -291,3 +291,53 @@ def check_credentials_or_exit(args: argparse.Namespace) -> None:
     except (OSError, ValueError) as exc:
         print(f"error: {exc}", file=sys.stderr, flush=True)
         raise SystemExit(2) from None
+
+
+def load_worker_model(args: argparse.Namespace, config: Any) -> tuple[Any, Any]:  # noqa: ANN401
+    """(config, loaded model) for a worker's flags: the simulated engine's stand-in (`--engine sim`,
+    whose profile may change the config's limits) or the real model, resolved and loaded."""
+    if args.engine == "sim":
+        from pdserve.engine.sim_runner import load_sim_worker
+
+        return load_sim_worker(args, config)
+    from pdserve.engine.model_fetch import resolve_model
+    from pdserve.engine.model_loader import load_model
+
+    return config, load_model(resolve_model(args.model), config.torch_dtype, config.device)
+
+
+def start_serving(server: AioServer, address: str, drain: Drain, is_idle: Callable[[], bool],
+                  dead_reason: Callable[[], str], drain_timeout_s: float, *, stops: tuple[Callable[[], None], ...],
+                  endpoint: Any = None, extras: dict[str, object] | None = None) -> StartedWorker:  # noqa: ANN401
+    """The common tail of every role's `start_worker`: add health, start `server`, report SERVING, and
+    watch `dead_reason` (non-empty: the engine loop died -> NOT_SERVING). The returned worker's close()
+    stops the watch, then each of `stops` in order, then the metrics `endpoint` (if any); its extras
+    carry `metrics_address` ("" without an endpoint) besides `extras`."""
+    health_servicer = add_health(server)
+    server.start()
+    health_servicer.set("", health_pb2.HealthCheckResponse.SERVING)
+    liveness = LivenessWatch(health_servicer, dead_reason)
+
+    def close() -> None:
+        liveness.stop()
+        for stop in stops:
+            stop()
+        if endpoint:
+            endpoint.stop()
+
+    metrics_address = f"127.0.0.1:{endpoint.port}" if endpoint else ""
+    return StartedWorker(server, address, health_servicer, drain, is_idle, close, drain_timeout_s,
+                         {**(extras or {}), "metrics_address": metrics_address})
+
+
+def run_worker_process(args: argparse.Namespace, start: Callable[[], StartedWorker], **ready: object) -> None:
+    """A worker process's `main` after parsing: configure, check credentials, start, print the READY
+    line (with `ready`'s fields), serve until SIGTERM/SIGINT (draining), then close."""
+    configure_process(args.threads, args.log_level, args.log_format, args.worker_id)
+    check_credentials_or_exit(args)
+    started = start()
+    announce_ready(started.address, args.worker_id, **ready, metrics_address=started.extras["metrics_address"])
+    try:
+        serve_until_signal(started.server, started.health, started.drain, started.is_idle, args.drain_timeout_s)
+    finally:
+        started.close()

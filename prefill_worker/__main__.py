@@ -5,27 +5,20 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from grpc_health.v1 import health_pb2
-
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.metrics import WorkerMetrics
-from pdserve.engine.model_fetch import resolve_model
-from pdserve.engine.model_loader import load_model
-from pdserve.engine.sim_runner import add_engine_args, load_sim_worker
+from pdserve.engine.sim_runner import add_engine_args
 from pdserve.engine.worker_runtime import (
     Drain,
-    LivenessWatch,
     StartedWorker,
-    add_health,
     add_observability_args,
     add_worker_args,
-    announce_ready,
     apply_internal_credentials,
     bind,
-    check_credentials_or_exit,
-    configure_process,
+    load_worker_model,
     make_server,
-    serve_until_signal,
+    run_worker_process,
+    start_serving,
 )
 from pdserve.kv_transfer.modelled import install_modelled_links
 from pdserve.limits import receive_options
@@ -77,13 +70,11 @@ def start_worker(args: argparse.Namespace) -> StartedWorker:
     check_bind_allowed(args.host)
     config = EngineConfig(model=args.model, dtype=args.dtype, device=args.device, block_size=args.block_size,
                           kv_cache_memory_mb=args.kv_cache_mb, max_num_batched_tokens=args.max_batched_tokens)
+    config, loaded = load_worker_model(args, config)
     chunk_tokens = args.prefill_chunk_tokens or None
     if args.engine == "sim":  # the profile's limits; KV hand-offs take its modelled time
-        config, loaded = load_sim_worker(args, config)
         chunk_tokens = loaded.model.profile.engine.prefill_chunk_tokens
         install_modelled_links(loaded.model.profile, args.speedup)
-    else:
-        loaded = load_model(resolve_model(args.model), config.torch_dtype, config.device)
     metrics = WorkerMetrics()
     faults = FaultInjector(args.inject_kv_fault, args.inject_kv_fault_count)
     worker = PrefillWorker(loaded, config, transfer_timeout_s=args.kv_timeout_s, metrics=metrics, faults=faults,
@@ -96,31 +87,14 @@ def start_worker(args: argparse.Namespace) -> StartedWorker:
     address = bind(server, args.host, args.port)
     servicer = PrefillServicer(worker, args.worker_id, address, args.request_timeout_s, drain)
     worker_pb2_grpc.add_PrefillWorkerServicer_to_server(servicer, server)
-    health = add_health(server)
-    server.start()
-    health.set("", health_pb2.HealthCheckResponse.SERVING)
-    liveness = LivenessWatch(health, lambda: "" if worker.loop_alive() else "engine loop died")
-
-    def close() -> None:
-        liveness.stop()
-        worker.stop()
-        if endpoint:
-            endpoint.stop()
-
-    return StartedWorker(server, address, health, drain, worker.idle, close, args.drain_timeout_s,
-                         {"servicer": servicer, "metrics_address": f"127.0.0.1:{endpoint.port}" if endpoint else ""})
+    return start_serving(server, address, drain, worker.idle,
+                         lambda: "" if worker.loop_alive() else "engine loop died", args.drain_timeout_s,
+                         stops=(worker.stop,), endpoint=endpoint, extras={"servicer": servicer})
 
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
-    configure_process(args.threads, args.log_level, args.log_format, args.worker_id)
-    check_credentials_or_exit(args)
-    started = start_worker(args)
-    announce_ready(started.address, args.worker_id, role="prefill", metrics_address=started.extras["metrics_address"])
-    try:
-        serve_until_signal(started.server, started.health, started.drain, started.is_idle, args.drain_timeout_s)
-    finally:
-        started.close()
+    run_worker_process(args, lambda: start_worker(args), role="prefill")
 
 
 if __name__ == "__main__":

@@ -42,9 +42,9 @@ def exported() -> dict[str, set[str]]:
     from pdserve.cluster.autoscaler import AutoscalerMetrics
 
     autoscaler = AutoscalerMetrics()  # the autoscaler's own registry (serve --autoscale)
-    autoscaler.decisions.labels("switch", "prefill", "ok").inc()
+    autoscaler.decisions.labels("switch", "prefill", "done").inc()
     autoscaler.workers.labels("prefill").set(1)
-    autoscaler.attainment.labels("ttft_ms").set(1.0)
+    autoscaler.observe({"prefill": 1, "decode": 1, "ttft_attainment": 1.0, "tpot_attainment": 1.0})
     router.role_switches.labels("decode", "prefill").inc()
     names = _exported(router.registry)
     for name, labels in [*_exported(worker.registry).items(), *_exported(autoscaler.registry).items()]:
@@ -111,6 +111,9 @@ def test_dashboard_covers_the_serving_signals(dashboard: dict) -> None:
                    "pdserve_request_queue_time_seconds_bucket", "pdserve_kv_blocks_used", "pdserve_kv_blocks_total",
                    "pdserve_failovers_total"):
         assert needed in text, needed
+    for needed in ("pdserve_autoscaler_workers", "pdserve_autoscaler_decisions_total", "pdserve_role_switches_total",
+                   "pdserve_autoscaler_slo_attainment"):  # serve --autoscale: roles and decisions
+        assert needed in text, needed
     kv = [expr for _, expr in _queries(dashboard) if "pdserve_kv_transfer_" in expr]
     assert kv and all("backend" in expr for expr in kv), "KV transfer panels must split by backend"
 
@@ -120,7 +123,7 @@ def test_dashboard_is_importable_grafana_json(dashboard: dict) -> None:
     ids = [p["id"] for p in panels]
     assert len(ids) == len(set(ids))
     variables = {v["name"] for v in dashboard["templating"]["list"]}
-    assert {"datasource", "router_job", "worker_job"} <= variables
+    assert {"datasource", "router_job", "worker_job", "autoscaler_job"} <= variables
     for panel in panels:
         assert {"h", "w", "x", "y"} <= set(panel["gridPos"]) and panel["gridPos"]["x"] + panel["gridPos"]["w"] <= 24
         if panel["type"] != "row":

@@ -84,3 +84,16 @@ def test_engine_flags_reach_every_worker_and_the_bench(tmp_path) -> None:  # noq
     assert [c.name for c in select_configs(6, "1P5D,colocated x6")] == ["1P5D", "colocated x6"]
     with pytest.raises(ValueError, match="unknown"):
         select_configs(6, "2P2D")
+
+
+def test_read_sweep_takes_json_or_gzip(tmp_path) -> None:  # noqa: ANN001
+    import gzip
+    import json
+
+    from pdserve.capacity.cli import read_sweep
+
+    doc = {"bench": {"speedup": 0.05}, "points": [{"config": "1P1D", "records": []}]}
+    (tmp_path / "r.json").write_text(json.dumps(doc))
+    with gzip.open(tmp_path / "r.json.gz", "wt") as f:
+        json.dump(doc, f)
+    assert read_sweep(str(tmp_path / "r.json")) == doc == read_sweep(str(tmp_path / "r.json.gz"))

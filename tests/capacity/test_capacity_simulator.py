@@ -133,3 +133,60 @@ def test_prefix_cache_skips_the_cached_blocks_of_a_repeated_prompt() -> None:
     small = PrefixCache(capacity_blocks=3)
     small.add([1, 2, 3, 4])
     assert small.hits([1, 2]) == 0 and small.hits([2, 3, 4]) == 3  # least recently used went first
+
+
+def test_overhead_per_sequence_grows_with_the_batch() -> None:
+    # decode steps of 10 ms; the stack adds 1 ms per pass and 2 ms per sequence in it (scale 1)
+    profile = make_profile(decode=(0.01, 0.0, 0.0), overhead=Overhead(per_pass_s=0.001, per_seq_s=0.002))
+    (alone,) = simulate(Deployment(colocated=1), [0.0], [16], [4], timing_for(profile))
+    assert alone.itl == pytest.approx([0.01 + 0.001 + 0.002] * 3)
+    pair = simulate(Deployment(colocated=1), [0.0, 0.0], [16, 16], [4, 4], timing_for(profile))
+    assert pair[0].itl == pytest.approx([0.01 + 0.001 + 2 * 0.002] * 3)
+    # disaggregated: the commit of arrived KV costs one sequence in the decode worker's next pass
+    (d,) = simulate(Deployment(1, 1), [0.0], [16], [3], timing_for(profile))
+    assert d.itl == pytest.approx([0.013 + 0.002, 0.013])
+
+
+def _decode_run(sigma: float, seed: int) -> list[float]:
+    profile = make_profile(decode=(0.01, 0.0, 0.0), overhead=Overhead(per_pass_s=0.004, jitter_sigma=sigma))
+    timing = Timing(profile, profile, overhead_scale=1.0, seed=seed)
+    (r,) = simulate(Deployment(colocated=1), [0.0], [16], [2001], timing)
+    return r.itl
+
+
+def test_overhead_jitter_is_seeded_has_mean_one_and_a_heavy_tail() -> None:
+    assert _decode_run(0.0, 1) == pytest.approx([0.014] * 2000)  # sigma 0: the constant overhead
+    first, again, other = _decode_run(1.5, 1), _decode_run(1.5, 1), _decode_run(1.5, 2)
+    assert first == again and first != other  # same seed, same timeline
+    extra = np.array(first) - 0.01
+    assert extra.min() > 0 and float(np.mean(extra)) == pytest.approx(0.004, rel=0.2)  # factor of mean 1
+    assert float(np.percentile(extra, 99)) > 5 * 0.004 > 5 * float(np.median(extra))  # most passes cheap, a few slow
+
+
+def test_calibration_recovers_the_overhead_of_a_simulated_measurement() -> None:
+    from dataclasses import replace
+
+    from pdserve.capacity.metrics import summarize
+    from pdserve.capacity.planner import calibrate_overhead
+
+    base = make_profile(prefill=(0.005, 1e-5, 0.0), decode=(0.006, 1e-4, 0.0))
+    truth = Overhead(per_pass_s=0.002, per_seq_s=0.0005, per_request_s=0.01)
+    speedup, slos, points = 0.5, {"ttft": 1.0}, []
+    for rate_index, rate in enumerate((20.0, 120.0)):
+        arrivals = arrival_times(150, rate, 1.0, 5 + rate_index)
+        rng = np.random.default_rng(rate_index)
+        inputs, outputs = list(rng.integers(64, 256, 150)), list(rng.integers(16, 48, 150))
+        true_profile = replace(base, overhead=truth)
+        measured = simulate(Deployment(1, 2), arrivals, inputs, outputs,
+                            Timing(true_profile, true_profile, overhead_scale=speedup))
+        duration = max(r.send_time + r.e2e for r in measured)
+        points.append({"config": "1P2D", "prefill": 1, "decode": 2, "colocated": 0, "rate": rate,
+                       "rate_index": rate_index, "summary": summarize(measured, duration, slos),
+                       "records": [r.to_json() for r in measured]})
+    sweep = {"bench": {"output_len": {"uniform": [16, 48]}, "slos_ms": {"ttft": 1000.0}, "speedup": speedup,
+                       "warmup": 0}, "points": points}
+    fitted = calibrate_overhead(base, sweep).overhead
+    assert fitted.per_pass_s == pytest.approx(truth.per_pass_s, abs=5e-4)
+    assert fitted.per_seq_s == pytest.approx(truth.per_seq_s, rel=0.2)
+    assert fitted.per_request_s == pytest.approx(truth.per_request_s, abs=2e-3)
+    assert fitted.jitter_sigma < 0.2  # (nearly) none: the constant overhead already reaches the ITL p99

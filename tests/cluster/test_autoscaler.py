@@ -176,3 +176,15 @@ def test_config_is_validated() -> None:
         AutoscalerConfig()
     with pytest.raises(ValueError):
         AutoscalerConfig(ttft_s=1, min_workers=5, max_workers=4)
+
+
+def test_slos_of_a_sped_up_sim_cluster_are_in_profile_time() -> None:
+    """`serve --engine sim --speedup 4 --slo ttft_ms=500`: 500 ms of profile time, as `pdserve bench
+    --speedup 4` reports it, is 125 ms on the wall clock the loop watches."""
+    from pdserve.cluster.autoscaler import autoscaler_config
+    from pdserve.cluster.elastic_cli import AutoscaleOptions
+
+    options = AutoscaleOptions({"ttft_ms": 500.0, "tpot_ms": 40.0})
+    assert (autoscaler_config(options).ttft_s, autoscaler_config(options).tpot_s) == (0.5, 0.04)
+    sped_up = autoscaler_config(options, speedup=4.0)
+    assert (sped_up.ttft_s, sped_up.tpot_s) == (0.125, 0.01)

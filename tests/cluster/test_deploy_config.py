@@ -21,7 +21,6 @@ from pdserve.cluster.deploy_config import (
     flag_of,
     load_file,
     router_document,
-    worker_document,
 )
 from pdserve.cluster.local import (
     ClusterStartError,
@@ -53,9 +52,11 @@ def received(config: DeploymentConfig) -> Received:
     for i, (role, worker_id) in enumerate(config.worker_names()):
         if config.mode == "local":
             document = local_worker_document(config, role, worker_id)
-        else:
-            document = worker_document(config, role, worker_id, config.ray.worker_host)
-        if config.mode == "local" and config.elastic.switchable:  # `python -m pdserve.elastic_worker --role ROLE`
+        else:  # what a worker actor gets (cluster.ray_cluster.ray_worker_document)
+            from pdserve.cluster.ray_cluster import worker_actor_document
+
+            document = worker_actor_document(config, role, worker_id, config.ray.worker_host)
+        if config.elastic.switchable:  # `python -m pdserve.elastic_worker --role ROLE` (an elastic actor too)
             started, prefill_ns, decode_ns = elastic_parse(["--role", role], json.loads(json.dumps(document)))
             assert started == role
             out.append((role, prefill_ns if role == "prefill" else decode_ns))
@@ -184,7 +185,7 @@ CASES.update({
     "elastic.autoscale": (True, {"elastic.slo": "ttft_ms=500,tpot_ms=50"},
                           _autoscaler(slo={"ttft_ms": 500.0, "tpot_ms": 50.0})),
     "elastic.slo": ("tpot_ms=40", {"elastic.autoscale": True}, _autoscaler(slo={"tpot_ms": 40.0})),
-    "elastic.min_workers": (3, AUTOSCALE, _autoscaler(min_workers=3)),
+    "elastic.min_workers": (3, {**AUTOSCALE, "decode.count": 2}, _autoscaler(min_workers=3)),  # --ray: 3 start
     "elastic.max_workers": (5, AUTOSCALE, _autoscaler(max_workers=5)),
     "elastic.interval_s": (0.5, AUTOSCALE, _autoscaler(interval_s=0.5)),
 })
@@ -280,7 +281,8 @@ def test_unknown_keys_and_bad_values_fail_naming_the_key(tmp_path: Path) -> None
         "ray:\n  placement: spread\n": "ray.placement .* not supported without --ray",
         "mode: ray\nobservability:\n  metrics: true\n": "observability.metrics .* not supported with --ray",
         "kv:\n  backend: ray\n": "kv.backend: ray .* needs --ray",
-        "mode: ray\nelastic:\n  enabled: true\n": "elastic.enabled .* not supported with --ray",
+        "mode: ray\nelastic:\n  autoscale: true\n  slo: ttft_ms=5\n  min_workers: 3\n":
+            "elastic.min_workers/max_workers: the deployment starts with 2 workers, outside 3..8",
         "elastic:\n  slo: ttft_ms=5\n": "elastic.slo .* needs elastic.autoscale",
         "elastic:\n  autoscale: true\n": "elastic.autoscale .* needs elastic.slo",
         "elastic:\n  autoscale: true\n  slo: ttft=5\n": "elastic: --slo items look like",

@@ -55,6 +55,30 @@ def test_token_and_tls_are_enforced(secured_router) -> None:  # noqa: ANN001
     assert reply.status == health_pb2.HealthCheckResponse.SERVING
 
 
+def test_the_autoscaler_reaches_a_router_that_serves_tls_and_a_token(secured_router) -> None:  # noqa: ANN001
+    """`serve --autoscale` with --tls-cert: the loop trusts the serving certificate and sends the token
+    (it used to open a plaintext channel, so every tick failed)."""
+    from pdserve.cluster.autoscaler import Autoscaler, AutoscalerConfig, AutoscalerLoop
+
+    router, cert = secured_router
+    core = Autoscaler(AutoscalerConfig(ttft_s=0.5, tpot_s=0.05))
+    loop = AutoscalerLoop(router.address, core, token=TOKEN, tls_ca_file=cert)
+    try:
+        assert loop.tick() == []  # GetStatus answered over TLS (no workers: nothing to decide)
+        assert core.last["samples"] == 0 and core.last["decode"] == 0
+    finally:
+        loop.stop()
+    for kwargs, code in (({"token": TOKEN}, grpc.StatusCode.UNAVAILABLE),  # plaintext to a TLS port
+                         ({"tls_ca_file": cert}, grpc.StatusCode.UNAUTHENTICATED)):
+        plain = AutoscalerLoop(router.address, Autoscaler(AutoscalerConfig(ttft_s=0.5, tpot_s=0.05)), **kwargs)
+        try:
+            with pytest.raises(grpc.RpcError) as err:
+                plain.tick()
+            assert err.value.code() == code
+        finally:
+            plain.stop()
+
+
 def test_token_without_tls() -> None:
     router, _ = serve(RouterConfig(auth_token=TOKEN))
     try:
