@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import AsyncIterator
+from typing import Any
 
 import grpc
 
@@ -64,21 +65,22 @@ class ElasticDecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
             return worker_pb2.KvTargetsAck(num_targets=0)
         return core.servicer.SetKvTargets(request, context)  # type: ignore[union-attr]
 
-    async def Suspend(self, request: worker_pb2.SuspendRequest,  # noqa: N802
-                      context: grpc.aio.ServicerContext) -> worker_pb2.SuspendResponse:
+    async def _decode_servicer(self, context: grpc.aio.ServicerContext) -> Any:  # noqa: ANN401
+        """The decode core's servicer; NOT_FOUND while this worker is a prefill worker (it holds no
+        sequence to suspend or migrate)."""
         core = self._worker.core
         if core.role == PREFILL:
             await context.abort(grpc.StatusCode.NOT_FOUND,
                                 f"worker {self._worker.settings.worker_id} is a prefill worker now")
-        return await core.servicer.Suspend(request, context)  # type: ignore[union-attr]
+        return core.servicer
+
+    async def Suspend(self, request: worker_pb2.SuspendRequest,  # noqa: N802
+                      context: grpc.aio.ServicerContext) -> worker_pb2.SuspendResponse:
+        return await (await self._decode_servicer(context)).Suspend(request, context)
 
     async def MigrateOut(self, request: worker_pb2.MigrateOutRequest,  # noqa: N802
                          context: grpc.aio.ServicerContext) -> worker_pb2.MigrateOutResponse:
-        core = self._worker.core
-        if core.role == PREFILL:
-            await context.abort(grpc.StatusCode.NOT_FOUND,
-                                f"worker {self._worker.settings.worker_id} is a prefill worker now")
-        return await core.servicer.MigrateOut(request, context)  # type: ignore[union-attr]
+        return await (await self._decode_servicer(context)).MigrateOut(request, context)
 
 
 class ElasticPrefillServicer(worker_pb2_grpc.PrefillWorkerServicer):

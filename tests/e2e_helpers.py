@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import random
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -59,3 +60,66 @@ def wait_idle(workers: list[tuple[str, str]], timeout: float = 30) -> list[commo
         if time.monotonic() > deadline:
             raise AssertionError(f"workers not idle: {infos}")
         time.sleep(0.2)
+
+
+def greedy_workload(model_dir: object, n: int, prompt_seed: int = 12, length_seed: int = 3,
+                    lengths: tuple[int, int] = (60, 120)) -> tuple[list[str], list[int], list[list[int]]]:
+    """`n` prompts, output lengths drawn from `lengths` (long enough to be running during a role
+    switch, a migration or a removal), and their greedy outputs from the engine in this process.
+    A tiny random model has near-ties between logits, where the batch a sequence runs in can flip a
+    greedy token; the workload is checked to have none (each request run alone gives its batched
+    output), so any difference a test sees is the system's."""
+    from pdserve.engine.config import EngineConfig
+    from pdserve.engine.llm_engine import LLMEngine
+    from pdserve.engine.model_loader import load_model
+    from pdserve.engine.sampling_params import SamplingParams
+    from pdserve.engine.tokenization import encode_text
+
+    loaded = load_model(model_dir)
+    prompts = mixed_prompts(n, seed=prompt_seed)
+    rng = random.Random(length_seed)
+    max_tokens = [rng.randint(*lengths) for _ in prompts]
+    ids = [encode_text(loaded.tokenizer, p) for p in prompts]
+    params = [SamplingParams(max_tokens=m, ignore_eos=True) for m in max_tokens]
+    engine = LLMEngine(loaded, EngineConfig(num_blocks=1024))
+    expected = engine.generate(ids, params)
+    engine.pool.assert_all_free()
+    for i in range(n):
+        alone = LLMEngine(loaded, EngineConfig(num_blocks=1024)).generate([ids[i]], [params[i]])[0]
+        assert alone == expected[i], f"workload has a batch-dependent near-tie at request {i}: pick another seed"
+    return prompts, max_tokens, expected
+
+
+def _stream_into(address: str, prompt: str, max_tokens: int, first: threading.Event, out: list) -> None:
+    stub = router_pb2_grpc.RouterStub(grpc.insecure_channel(address))
+    request = router_pb2.GenerateRequest(
+        prompt=prompt, params=common_pb2.SamplingParams(max_tokens=max_tokens, ignore_eos=True))
+    try:
+        for response in stub.Generate(request, timeout=300):
+            out.extend(response.token_ids)
+            if response.token_ids:
+                first.set()
+    except grpc.RpcError as exc:  # recorded: the assertion names it
+        out.append(f"{exc.code().name}: {exc.details()}")
+
+
+class Streams:
+    """A `greedy_workload`'s streams through a router, each in a thread; the constructor returns once
+    8 have their first token, `check()` joins them and compares every token with the expected output."""
+
+    def __init__(self, address: str, workload: tuple[list[str], list[int], list[list[int]]]) -> None:
+        self.prompts, max_tokens, self.expected = workload
+        self.outputs: list[list] = [[] for _ in self.prompts]
+        self.started = [threading.Event() for _ in self.prompts]
+        self.threads = [threading.Thread(target=_stream_into, args=(address, p, m, e, o))
+                        for p, m, e, o in zip(self.prompts, max_tokens, self.started, self.outputs, strict=True)]
+        for t in self.threads:
+            t.start()
+        for event in self.started[:8]:
+            assert event.wait(120), "streams did not start"
+
+    def check(self) -> None:
+        for t in self.threads:
+            t.join(300)
+        for i, (got, want) in enumerate(zip(self.outputs, self.expected, strict=True)):
+            assert got == want, f"stream {i} differs (prompt {self.prompts[i][:30]!r})"

@@ -5,8 +5,6 @@ roles, and the switched workers then serve in them."""
 
 from __future__ import annotations
 
-import random
-import threading
 from pathlib import Path
 
 import grpc
@@ -16,11 +14,9 @@ from pdserve.cluster.cli import main as pdserve_main
 from pdserve.cluster.client import PdserveClient, status_rows
 from pdserve.cluster.elastic_cli import switch_role
 from pdserve.cluster.local import LocalCluster, LocalClusterConfig
-from pdserve.engine.sampling_params import SamplingParams
-from pdserve.engine.tokenization import encode_text
-from pdserve.v1 import common_pb2, router_pb2, router_pb2_grpc
+from pdserve.v1 import common_pb2, router_pb2
 
-from e2e_helpers import mixed_prompts, wait_idle
+from e2e_helpers import Streams, greedy_workload, wait_idle
 
 NUM_STREAMS = 16
 pytestmark = pytest.mark.slow
@@ -28,27 +24,8 @@ pytestmark = pytest.mark.slow
 
 @pytest.fixture(scope="module")
 def workload(tiny_llama_dir: Path) -> tuple[list[str], list[int], list[list[int]]]:
-    """16 prompts, long enough outputs to be running during the switches, and their greedy outputs
-    from the engine in this process. A tiny random model has near-ties between logits, where the
-    batch a sequence runs in can flip a greedy token; this workload has none (each request run alone
-    gives the batched output), so any difference is the system's."""
-    from pdserve.engine.config import EngineConfig
-    from pdserve.engine.llm_engine import LLMEngine
-    from pdserve.engine.model_loader import load_model
-
-    loaded = load_model(tiny_llama_dir)
-    prompts = mixed_prompts(NUM_STREAMS, seed=12)
-    rng = random.Random(3)
-    max_tokens = [rng.randint(60, 120) for _ in prompts]
-    engine = LLMEngine(loaded, EngineConfig(num_blocks=1024))
-    ids = [encode_text(loaded.tokenizer, p) for p in prompts]
-    params = [SamplingParams(max_tokens=m, ignore_eos=True) for m in max_tokens]
-    expected = engine.generate(ids, params)
-    engine.pool.assert_all_free()
-    for i in range(NUM_STREAMS):
-        alone = LLMEngine(loaded, EngineConfig(num_blocks=1024)).generate([ids[i]], [params[i]])[0]
-        assert alone == expected[i], f"workload has a batch-dependent near-tie at request {i}: pick another seed"
-    return prompts, max_tokens, expected
+    """16 prompts, outputs long enough to be running during the switches, their greedy outputs."""
+    return greedy_workload(tiny_llama_dir, NUM_STREAMS)
 
 
 @pytest.fixture(scope="module")
@@ -59,19 +36,6 @@ def cluster(tiny_llama_dir: Path):  # noqa: ANN201
         yield running
 
 
-def _stream(address: str, prompt: str, max_tokens: int, first: threading.Event, out: list) -> None:
-    stub = router_pb2_grpc.RouterStub(grpc.insecure_channel(address))
-    request = router_pb2.GenerateRequest(
-        prompt=prompt, params=common_pb2.SamplingParams(max_tokens=max_tokens, ignore_eos=True))
-    try:
-        for response in stub.Generate(request, timeout=300):
-            out.extend(response.token_ids)
-            if response.token_ids:
-                first.set()
-    except grpc.RpcError as exc:  # recorded: the assertion names it
-        out.append(f"{exc.code().name}: {exc.details()}")
-
-
 def _roles(address: str) -> dict[str, str]:
     with PdserveClient(address) as client:
         return {row["worker_id"]: row["role"] for row in status_rows(client.status())}
@@ -79,24 +43,13 @@ def _roles(address: str) -> dict[str, str]:
 
 def _run_streams_with_switches(cluster: LocalCluster, workload,  # noqa: ANN001
                                switches: list[tuple[str, str]]) -> list[router_pb2.SwitchRoleResponse]:
-    prompts, max_tokens, expected = workload
-    outputs: list[list] = [[] for _ in prompts]
-    started = [threading.Event() for _ in prompts]
-    threads = [threading.Thread(target=_stream, args=(cluster.router_address, p, m, e, o))
-               for p, m, e, o in zip(prompts, max_tokens, started, outputs, strict=True)]
-    for t in threads:
-        t.start()
-    for event in started[:8]:
-        assert event.wait(120), "streams did not start"
+    streams = Streams(cluster.router_address, workload)
     results = []
     for worker_id, role in switches:  # while the streams run
         result = switch_role(cluster.router_address, worker_id, role, drain_timeout_s=240)
         results.append(result)
         assert result.worker.role == common_pb2.WorkerRole.Value(f"WORKER_ROLE_{role.upper()}")
-    for t in threads:
-        t.join(300)
-    for i, (got, want) in enumerate(zip(outputs, expected, strict=True)):
-        assert got == want, f"stream {i} differs (prompt {prompts[i][:30]!r})"
+    streams.check()
     return results
 
 

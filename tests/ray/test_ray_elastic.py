@@ -15,13 +15,10 @@ tick is run on demand (`Controller.autoscaler_tick`) against the Ray router."""
 from __future__ import annotations
 
 import json
-import random
-import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
 
-import grpc
 import pytest
 
 ray = pytest.importorskip("ray")
@@ -31,9 +28,9 @@ from pdserve.cluster.client import PdserveClient, status_rows  # noqa: E402
 from pdserve.cluster.deploy_config import DeploymentConfig  # noqa: E402
 from pdserve.cluster.elastic_cli import switch_role  # noqa: E402
 from pdserve.cluster.ray_cluster import RayCluster  # noqa: E402
-from pdserve.v1 import common_pb2, router_pb2, router_pb2_grpc  # noqa: E402
+from pdserve.v1 import common_pb2  # noqa: E402
 
-from e2e_helpers import mixed_prompts, wait_idle, worker_info  # noqa: E402
+from e2e_helpers import Streams, greedy_workload, wait_idle, worker_info  # noqa: E402
 
 NUM_STREAMS = 16
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
@@ -49,25 +46,8 @@ def local_ray() -> Iterator[None]:
 @pytest.fixture(scope="module")
 def workload(tiny_llama_dir: Path) -> tuple[list[str], list[int], list[list[int]]]:
     """16 prompts with outputs long enough to be running during a switch or a removal, and their
-    greedy outputs from the engine in this process (checked free of batch-dependent near-ties, as in
-    tests/e2e/test_role_switch.py)."""
-    from pdserve.engine.config import EngineConfig
-    from pdserve.engine.llm_engine import LLMEngine
-    from pdserve.engine.model_loader import load_model
-    from pdserve.engine.sampling_params import SamplingParams
-    from pdserve.engine.tokenization import encode_text
-
-    loaded = load_model(tiny_llama_dir)
-    prompts = mixed_prompts(NUM_STREAMS, seed=12)
-    rng = random.Random(3)
-    max_tokens = [rng.randint(60, 120) for _ in prompts]
-    ids = [encode_text(loaded.tokenizer, p) for p in prompts]
-    params = [SamplingParams(max_tokens=m, ignore_eos=True) for m in max_tokens]
-    expected = LLMEngine(loaded, EngineConfig(num_blocks=1024)).generate(ids, params)
-    for i in range(NUM_STREAMS):
-        alone = LLMEngine(loaded, EngineConfig(num_blocks=1024)).generate([ids[i]], [params[i]])[0]
-        assert alone == expected[i], f"workload has a batch-dependent near-tie at request {i}: pick another seed"
-    return prompts, max_tokens, expected
+    greedy outputs (checked free of batch-dependent near-ties)."""
+    return greedy_workload(tiny_llama_dir, NUM_STREAMS)
 
 
 @pytest.fixture(scope="module")
@@ -81,40 +61,6 @@ def cluster(tiny_llama_dir: Path) -> Iterator[RayCluster]:
     })
     with RayCluster(config) as running:
         yield running
-
-
-def _stream(address: str, prompt: str, max_tokens: int, first: threading.Event, out: list) -> None:
-    stub = router_pb2_grpc.RouterStub(grpc.insecure_channel(address))
-    request = router_pb2.GenerateRequest(
-        prompt=prompt, params=common_pb2.SamplingParams(max_tokens=max_tokens, ignore_eos=True))
-    try:
-        for response in stub.Generate(request, timeout=300):
-            out.extend(response.token_ids)
-            if response.token_ids:
-                first.set()
-    except grpc.RpcError as exc:  # recorded: the assertion names it
-        out.append(f"{exc.code().name}: {exc.details()}")
-
-
-class Streams:
-    """The workload's 16 streams in threads; `check()` joins them and compares every token."""
-
-    def __init__(self, address: str, workload) -> None:  # noqa: ANN001
-        self.prompts, max_tokens, self.expected = workload
-        self.outputs: list[list] = [[] for _ in self.prompts]
-        self.started = [threading.Event() for _ in self.prompts]
-        self.threads = [threading.Thread(target=_stream, args=(address, p, m, e, o))
-                        for p, m, e, o in zip(self.prompts, max_tokens, self.started, self.outputs, strict=True)]
-        for t in self.threads:
-            t.start()
-        for event in self.started[:8]:
-            assert event.wait(120), "streams did not start"
-
-    def check(self) -> None:
-        for t in self.threads:
-            t.join(300)
-        for i, (got, want) in enumerate(zip(self.outputs, self.expected, strict=True)):
-            assert got == want, f"stream {i} differs (prompt {self.prompts[i][:30]!r})"
 
 
 def _router_roles(address: str) -> dict[str, str]:
