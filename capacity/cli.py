@@ -110,6 +110,12 @@ def add_plan(commands: argparse._SubParsersAction) -> None:
     cal.add_argument("--profile", required=True)
     cal.add_argument("--sweep", required=True, help="results.json of a sim-engine `pdserve sweep` (or results.json.gz)")
     cal.add_argument("--output", required=True, metavar="FILE")
+    cal.add_argument("--wake-sigma", type=float, default=None, metavar="S",
+                     help="model a delay per pass that does not grow with the batch, lognormal with this "
+                          "log-space deviation (measured on a step log), and fit its mean to ITL p99 "
+                          "instead of the pass overhead's random factor")
+    cal.add_argument("--jitter-sigma", type=float, default=0.0, metavar="S",
+                     help="with --wake-sigma: the pass overhead's random factor, held fixed (default 0)")
     cal.set_defaults(func=_cmd_calibrate)
 
 
@@ -276,7 +282,10 @@ def _cmd_calibrate(args: argparse.Namespace) -> int:
 
     try:
         sweep = read_sweep(args.sweep)
-        profile = calibrate_overhead(_load_profile(args.profile), sweep, sweep_prompts(sweep))
+        if args.wake_sigma is not None and min(args.wake_sigma, args.jitter_sigma) < 0:
+            raise ValueError("--wake-sigma and --jitter-sigma must be >= 0")
+        profile = calibrate_overhead(_load_profile(args.profile), sweep, sweep_prompts(sweep),
+                                     wake_sigma=args.wake_sigma, jitter_sigma=args.jitter_sigma)
     except (ValueError, OSError, KeyError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

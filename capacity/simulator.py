@@ -24,7 +24,9 @@ The model follows the workers' code paths pass by pass, with the pass times of a
   overhead_scale`` more (a decode worker's commit of arrived KV counts as one sequence of its next
   pass: it emits and streams a token), multiplied, when ``overhead.jitter_sigma`` > 0, by a random
   factor of mean 1 (lognormal with that log-space deviation; one generator per worker, seeded by
-  ``Timing.seed``: the same seed gives the same timeline), and every token of a
+  ``Timing.seed``: the same seed gives the same timeline), plus a delay that does not depend on the
+  batch (``overhead.wake_s`` on average, lognormal with log-space deviation ``overhead.wake_sigma``:
+  a sleep that ends late, a process waiting for a core), and every token of a
   request reaches the client ``overhead.per_request_s * overhead_scale`` after it is emitted
   (``overhead_scale`` is the sim cluster's speedup when predicting a sim sweep: wall-clock overhead
   reads K times larger in profile time).
@@ -210,6 +212,9 @@ class _Loop:
         sigma = self.overhead.jitter_sigma
         if sigma > 0 and extra > 0:
             extra *= float(self.rng.lognormal(-sigma**2 / 2, sigma))
+        wake, wake_sigma = self.overhead.wake_s * self.scale, self.overhead.wake_sigma
+        if wake > 0:  # drawn only when modelled: older profiles keep their timelines
+            extra += wake * float(self.rng.lognormal(-wake_sigma**2 / 2, wake_sigma)) if wake_sigma > 0 else wake
         self.loop.at(self.loop.now + seconds + extra, end)
 
 

@@ -164,9 +164,15 @@ class Overhead:
     # the pass overhead is multiplied by a random factor of mean 1 (lognormal with this log-space
     # deviation; 0: constant): late wake-ups and stalls of a process on a busy machine
     jitter_sigma: float = 0.0
+    # a delay added to every pass whatever its batch (a sleep that ends late, a process waiting
+    # for a core): mean `wake_s` wall seconds, lognormal with log-space deviation `wake_sigma`
+    # (0: constant); both 0 in older profiles (no such delay)
+    wake_s: float = 0.0
+    wake_sigma: float = 0.0
 
     def __post_init__(self) -> None:
-        if min(self.per_pass_s, self.per_request_s, self.per_seq_s, self.jitter_sigma) < 0:
+        if min(self.per_pass_s, self.per_request_s, self.per_seq_s, self.jitter_sigma, self.wake_s,
+               self.wake_sigma) < 0:
             raise ValueError(f"overhead: must be >= 0, got {self}")
 
     def pass_s(self, num_seqs: int) -> float:
@@ -175,12 +181,13 @@ class Overhead:
 
     def to_json(self) -> dict[str, Any]:
         return {"per_pass_s": self.per_pass_s, "per_seq_s": self.per_seq_s, "per_request_s": self.per_request_s,
-                "jitter_sigma": self.jitter_sigma}
+                "jitter_sigma": self.jitter_sigma, "wake_s": self.wake_s, "wake_sigma": self.wake_sigma}
 
     @classmethod
     def from_json(cls, doc: Mapping[str, Any]) -> Overhead:
         return cls(float(doc.get("per_pass_s", 0.0)), float(doc.get("per_request_s", 0.0)),
-                   float(doc.get("per_seq_s", 0.0)), float(doc.get("jitter_sigma", 0.0)))
+                   float(doc.get("per_seq_s", 0.0)), float(doc.get("jitter_sigma", 0.0)),
+                   float(doc.get("wake_s", 0.0)), float(doc.get("wake_sigma", 0.0)))
 
 
 @dataclass(frozen=True)
