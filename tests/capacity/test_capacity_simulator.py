@@ -190,3 +190,67 @@ def test_calibration_recovers_the_overhead_of_a_simulated_measurement() -> None:
     assert fitted.per_seq_s == pytest.approx(truth.per_seq_s, rel=0.2)
     assert fitted.per_request_s == pytest.approx(truth.per_request_s, abs=2e-3)
     assert fitted.jitter_sigma < 0.2  # (nearly) none: the constant overhead already reaches the ITL p99
+
+
+def _wake_run(over: Overhead, seed: int, batch: int = 1) -> list[float]:
+    """Inter-token latencies of the first of `batch` requests decoded together (10 ms steps)."""
+    profile = make_profile(decode=(0.01, 0.0, 0.0), overhead=over)
+    timing = Timing(profile, profile, overhead_scale=1.0, seed=seed)
+    return simulate(Deployment(colocated=1), [0.0] * batch, [16] * batch, [2001] * batch, timing)[0].itl
+
+
+def test_wake_delay_is_seeded_has_its_mean_and_does_not_grow_with_the_batch() -> None:
+    assert _wake_run(Overhead(wake_s=0.003), 1) == pytest.approx([0.013] * 2000)  # wake_sigma 0: constant
+    over = Overhead(wake_s=0.003, wake_sigma=1.5)
+    first, again, other = _wake_run(over, 1), _wake_run(over, 1), _wake_run(over, 2)
+    assert first == again and first != other  # same seed, same timeline
+    extra = np.array(first) - 0.01
+    assert extra.min() > 0 and float(np.mean(extra)) == pytest.approx(0.003, rel=0.2)
+    assert float(np.percentile(extra, 99)) > 5 * 0.003 > 5 * float(np.median(extra))  # a heavy tail
+    # the same delay at 8 sequences per pass: same draws, so the same timeline (a factor would scale)
+    assert _wake_run(over, 1, batch=8) == pytest.approx(first)
+    # beside a per-sequence overhead with its own factor: the delay adds, and the timeline stays seeded
+    both = Overhead(per_seq_s=0.001, jitter_sigma=0.8, wake_s=0.003, wake_sigma=1.5)
+    eight = np.array(_wake_run(both, 1, batch=8)) - 0.01
+    assert float(np.mean(eight)) == pytest.approx(0.003 + 8 * 0.001, rel=0.2)
+    assert list(eight) == list(np.array(_wake_run(both, 1, batch=8)) - 0.01)
+
+
+def test_older_profiles_keep_their_timelines() -> None:
+    # the wake delay draws nothing when absent: a jittered profile without it gives the old timeline
+    old = _decode_run(1.5, 3)
+    profile = make_profile(decode=(0.01, 0.0, 0.0), overhead=Overhead(per_pass_s=0.004, jitter_sigma=1.5,
+                                                                      wake_sigma=2.0))  # wake_s 0: no delay
+    (r,) = simulate(Deployment(colocated=1), [0.0], [16], [2001], Timing(profile, profile, seed=3))
+    assert r.itl == old
+
+
+def test_calibration_recovers_a_wake_delay_of_a_simulated_measurement() -> None:
+    from dataclasses import replace
+
+    from pdserve.capacity.metrics import summarize
+    from pdserve.capacity.planner import calibrate_overhead
+
+    base = make_profile(prefill=(0.005, 1e-5, 0.0), decode=(0.006, 1e-4, 0.0))
+    truth = Overhead(per_pass_s=0.001, per_seq_s=0.0003, per_request_s=0.01, wake_s=0.004, wake_sigma=1.5)
+    speedup, slos, points = 0.5, {"ttft": 1.0}, []
+    for rate_index, rate in enumerate((20.0, 100.0)):
+        arrivals = arrival_times(200, rate, 1.0, 5 + rate_index)
+        rng = np.random.default_rng(rate_index)
+        inputs, outputs = list(rng.integers(64, 256, 200)), list(rng.integers(16, 48, 200))
+        true_profile = replace(base, overhead=truth)
+        # another seed than the calibration's replay: the measurement's draws are not the model's
+        measured = simulate(Deployment(1, 2), arrivals, inputs, outputs,
+                            Timing(true_profile, true_profile, overhead_scale=speedup, seed=7))
+        duration = max(r.send_time + r.e2e for r in measured)
+        points.append({"config": "1P2D", "prefill": 1, "decode": 2, "colocated": 0, "rate": rate,
+                       "rate_index": rate_index, "summary": summarize(measured, duration, slos),
+                       "records": [r.to_json() for r in measured]})
+    sweep = {"bench": {"output_len": {"uniform": [16, 48]}, "slos_ms": {"ttft": 1000.0}, "speedup": speedup,
+                       "warmup": 0}, "points": points}
+    fitted = calibrate_overhead(base, sweep, wake_sigma=1.5).overhead
+    assert fitted.wake_sigma == 1.5 and fitted.jitter_sigma == 0.0  # the shapes are held, not fitted
+    assert fitted.wake_s == pytest.approx(truth.wake_s, rel=0.3)
+    # TPOT fixes the pass terms' total at the measured batch sizes
+    assert fitted.per_seq_s == pytest.approx(truth.per_seq_s, rel=0.2)
+    assert fitted.per_pass_s + fitted.wake_s == pytest.approx(truth.per_pass_s + truth.wake_s, abs=1e-3)
