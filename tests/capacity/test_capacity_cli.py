@@ -37,6 +37,11 @@ def test_sweep_and_plan_arguments() -> None:
     assert sim.rate == 3.0 and sim.max_workers == 8 and sim.profile_decode == "d.json" and sim.target == 0.9
     val = build_parser().parse_args(["plan", "validate", "--profile", "p.json", "--sweep", "r.json"])
     assert val.sweep == "r.json"
+    cal = build_parser().parse_args(["plan", "calibrate", "--profile", "p.json", "--sweep", "r.json", "--output", "o"])
+    assert cal.wake_sigma is None and cal.jitter_sigma == 0.0  # default: the factor model, as before
+    cal = build_parser().parse_args(["plan", "calibrate", "--profile", "p.json", "--sweep", "r.json", "--output", "o",
+                                     "--wake-sigma", "2.2", "--jitter-sigma", "0.86"])
+    assert cal.wake_sigma == 2.2 and cal.jitter_sigma == 0.86
     with pytest.raises(SystemExit):
         build_parser().parse_args(["plan", "simulate", "--rate", "1"])  # --profile missing
 
