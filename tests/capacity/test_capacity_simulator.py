@@ -163,28 +163,36 @@ def test_overhead_jitter_is_seeded_has_mean_one_and_a_heavy_tail() -> None:
     assert float(np.percentile(extra, 99)) > 5 * 0.004 > 5 * float(np.median(extra))  # most passes cheap, a few slow
 
 
-def test_calibration_recovers_the_overhead_of_a_simulated_measurement() -> None:
+def _simulated_sweep(base, truth: Overhead, rates: tuple[float, ...], n: int,  # noqa: ANN001
+                     **timing: object) -> dict:
+    """A sim-engine sweep's results.json as a 1P2D deployment with `truth` as its overhead would
+    measure it (`timing`: extra Timing arguments, e.g. another seed than the calibration's)."""
     from dataclasses import replace
 
     from pdserve.capacity.metrics import summarize
-    from pdserve.capacity.planner import calibrate_overhead
 
-    base = make_profile(prefill=(0.005, 1e-5, 0.0), decode=(0.006, 1e-4, 0.0))
-    truth = Overhead(per_pass_s=0.002, per_seq_s=0.0005, per_request_s=0.01)
     speedup, slos, points = 0.5, {"ttft": 1.0}, []
-    for rate_index, rate in enumerate((20.0, 120.0)):
-        arrivals = arrival_times(150, rate, 1.0, 5 + rate_index)
+    true_profile = replace(base, overhead=truth)
+    for rate_index, rate in enumerate(rates):
+        arrivals = arrival_times(n, rate, 1.0, 5 + rate_index)
         rng = np.random.default_rng(rate_index)
-        inputs, outputs = list(rng.integers(64, 256, 150)), list(rng.integers(16, 48, 150))
-        true_profile = replace(base, overhead=truth)
+        inputs, outputs = list(rng.integers(64, 256, n)), list(rng.integers(16, 48, n))
         measured = simulate(Deployment(1, 2), arrivals, inputs, outputs,
-                            Timing(true_profile, true_profile, overhead_scale=speedup))
+                            Timing(true_profile, true_profile, overhead_scale=speedup, **timing))
         duration = max(r.send_time + r.e2e for r in measured)
         points.append({"config": "1P2D", "prefill": 1, "decode": 2, "colocated": 0, "rate": rate,
                        "rate_index": rate_index, "summary": summarize(measured, duration, slos),
                        "records": [r.to_json() for r in measured]})
-    sweep = {"bench": {"output_len": {"uniform": [16, 48]}, "slos_ms": {"ttft": 1000.0}, "speedup": speedup,
-                       "warmup": 0}, "points": points}
+    return {"bench": {"output_len": {"uniform": [16, 48]}, "slos_ms": {"ttft": 1000.0}, "speedup": speedup,
+                      "warmup": 0}, "points": points}
+
+
+def test_calibration_recovers_the_overhead_of_a_simulated_measurement() -> None:
+    from pdserve.capacity.planner import calibrate_overhead
+
+    base = make_profile(prefill=(0.005, 1e-5, 0.0), decode=(0.006, 1e-4, 0.0))
+    truth = Overhead(per_pass_s=0.002, per_seq_s=0.0005, per_request_s=0.01)
+    sweep = _simulated_sweep(base, truth, (20.0, 120.0), 150)
     fitted = calibrate_overhead(base, sweep).overhead
     assert fitted.per_pass_s == pytest.approx(truth.per_pass_s, abs=5e-4)
     assert fitted.per_seq_s == pytest.approx(truth.per_seq_s, rel=0.2)
@@ -226,28 +234,12 @@ def test_older_profiles_keep_their_timelines() -> None:
 
 
 def test_calibration_recovers_a_wake_delay_of_a_simulated_measurement() -> None:
-    from dataclasses import replace
-
-    from pdserve.capacity.metrics import summarize
     from pdserve.capacity.planner import calibrate_overhead
 
     base = make_profile(prefill=(0.005, 1e-5, 0.0), decode=(0.006, 1e-4, 0.0))
     truth = Overhead(per_pass_s=0.001, per_seq_s=0.0003, per_request_s=0.01, wake_s=0.004, wake_sigma=1.5)
-    speedup, slos, points = 0.5, {"ttft": 1.0}, []
-    for rate_index, rate in enumerate((20.0, 100.0)):
-        arrivals = arrival_times(200, rate, 1.0, 5 + rate_index)
-        rng = np.random.default_rng(rate_index)
-        inputs, outputs = list(rng.integers(64, 256, 200)), list(rng.integers(16, 48, 200))
-        true_profile = replace(base, overhead=truth)
-        # another seed than the calibration's replay: the measurement's draws are not the model's
-        measured = simulate(Deployment(1, 2), arrivals, inputs, outputs,
-                            Timing(true_profile, true_profile, overhead_scale=speedup, seed=7))
-        duration = max(r.send_time + r.e2e for r in measured)
-        points.append({"config": "1P2D", "prefill": 1, "decode": 2, "colocated": 0, "rate": rate,
-                       "rate_index": rate_index, "summary": summarize(measured, duration, slos),
-                       "records": [r.to_json() for r in measured]})
-    sweep = {"bench": {"output_len": {"uniform": [16, 48]}, "slos_ms": {"ttft": 1000.0}, "speedup": speedup,
-                       "warmup": 0}, "points": points}
+    # another seed than the calibration's replay: the measurement's draws are not the model's
+    sweep = _simulated_sweep(base, truth, (20.0, 100.0), 200, seed=7)
     fitted = calibrate_overhead(base, sweep, wake_sigma=1.5).overhead
     assert fitted.wake_sigma == 1.5 and fitted.jitter_sigma == 0.0  # the shapes are held, not fitted
     assert fitted.wake_s == pytest.approx(truth.wake_s, rel=0.3)
