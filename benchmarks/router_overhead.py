@@ -12,11 +12,14 @@ GetInfo) sends `--tokens` tokens per stream, one every `--interval-ms`, each car
 
 Added latency per token = p50(router) - p50(direct), and p50(http) - p50(router). The stand-in
 keeps the engine out of the picture, so what is left is the relay itself. With `--loops asyncio
-uvloop` one router per event-loop kind is started (PDSERVE_EVENT_LOOP) and all are measured in the
-same interleaved rounds. The router's CPU time per relayed token (from /proc) is printed beside
+uvloop` one router per event-loop kind is started (PDSERVE_EVENT_LOOP), with `--transports generate
+mux` one router per transport to the stand-in (a Generate call per stream, or router --decode-mux's
+GenerateMux stream, which carries the tokens of one tick in one message), and all are measured in
+the same interleaved rounds. The router's CPU time per relayed token (from /proc) is printed beside
 the latencies: it moves much less than they do with what else the machine runs. Example:
 
   python benchmarks/router_overhead.py --streams 1 256 --tokens 30 --interval-ms 100 --loops asyncio uvloop
+  python benchmarks/router_overhead.py --streams 1 256 --tokens 30 --interval-ms 100 --transports generate mux
 """
 
 from __future__ import annotations
@@ -41,20 +44,27 @@ from pdserve.v1 import common_pb2, router_pb2, router_pb2_grpc, worker_pb2, work
 STAND_IN = r'''
 import asyncio, sys, time, grpc
 from pdserve.serving import ready_line
+from pdserve.decode_worker.mux import serve_mux
 from pdserve.v1 import common_pb2, router_pb2, worker_pb2_grpc
 
-TOKENS, INTERVAL = int(sys.argv[1]), float(sys.argv[2]) / 1000
+TOKENS, INTERVAL, ALIGNED = int(sys.argv[1]), float(sys.argv[2]) / 1000, sys.argv[3] == "aligned"
 
 class StandIn(worker_pb2_grpc.DecodeWorkerServicer):
     async def Generate(self, request, context):
         n = request.params.max_tokens or TOKENS
+        loop = asyncio.get_running_loop()
         for i in range(n):
-            await asyncio.sleep(INTERVAL)
+            # aligned: on a shared clock, every stream's token of a tick goes out together, as a decode
+            # step's do; free: each stream's own clock (started when its call arrived)
+            await asyncio.sleep(INTERVAL - loop.time() % INTERVAL if ALIGNED else INTERVAL)
             last = i == n - 1
             yield router_pb2.GenerateResponse(
                 text=f"{time.time_ns()} ", token_ids=[i % 100],
                 finish_reason=common_pb2.FINISH_REASON_LENGTH if last else 0,
                 usage=common_pb2.Usage(prompt_tokens=1, completion_tokens=n) if last else None)
+
+    async def GenerateMux(self, request_iterator, context):
+        await serve_mux(self.Generate, request_iterator, context)
 
     def GetInfo(self, request, context):
         return common_pb2.WorkerInfo(healthy=True, role=common_pb2.WORKER_ROLE_COLOCATED)
@@ -137,25 +147,37 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3, help="rounds of (direct, router, http) per stream count")
     ap.add_argument("--loops", nargs="+", default=["default"], choices=["default", "asyncio", "uvloop"],
                     help="event loop of the router under test (one router each, measured side by side)")
+    ap.add_argument("--tick", choices=["free", "aligned"], default="free",
+                    help="stand-in clock: free = each stream ticks from its own start (the calls arrive spread "
+                         "over a few ms, so a tick's tokens trickle); aligned = all streams tick together, the "
+                         "burst of a decode step")
+    ap.add_argument("--transports", nargs="+", default=["generate"], choices=["generate", "mux"],
+                    help="router -> stand-in transport: a Generate call per stream, or one GenerateMux stream "
+                         "(router --decode-mux); one router each, measured side by side")
     args = ap.parse_args()
     logs = Path(tempfile.mkdtemp(prefix="pdserve-overhead-"))
-    stand_in = ManagedProcess("stand-in", [sys.executable, "-c", STAND_IN, str(args.tokens), str(args.interval_ms)],
+    stand_in = ManagedProcess("stand-in", [sys.executable, "-c", STAND_IN, str(args.tokens), str(args.interval_ms),
+                                             args.tick],
                               logs / "stand-in.log")
     processes = [stand_in]
     try:
         stand_in_address = str(stand_in.wait_ready(60)["address"])
         routers: dict[str, tuple[str, str, int]] = {}
         for loop in args.loops:
-            env = dict(os.environ)
-            if loop != "default":
-                env["PDSERVE_EVENT_LOOP"] = loop
-            router = ManagedProcess(f"router-{loop}", [sys.executable, "-m", "pdserve.router", "--port", "0",
-                                                       "--http-port", "0", "--colocated", stand_in_address,
-                                                       "--max-concurrent-streams", "1024", "--log-level", "WARNING"],
-                                    logs / f"router-{loop}.log", env=env)
-            processes.append(router)
-            ready = router.wait_ready(60)
-            routers[loop] = (str(ready["address"]), str(ready["http_address"]), int(ready["pid"]))
+            for transport in args.transports:
+                env = dict(os.environ)
+                if loop != "default":
+                    env["PDSERVE_EVENT_LOOP"] = loop
+                name = loop if transport == "generate" else f"{loop}-mux"
+                extra = ["--decode-mux"] if transport == "mux" else []
+                router = ManagedProcess(f"router-{name}", [sys.executable, "-m", "pdserve.router", "--port", "0",
+                                                           "--http-port", "0", "--colocated", stand_in_address,
+                                                           "--max-concurrent-streams", "1024", "--log-level",
+                                                           "WARNING", *extra],
+                                        logs / f"router-{name}.log", env=env)
+                processes.append(router)
+                ready = router.wait_ready(60)
+                routers[name] = (str(ready["address"]), str(ready["http_address"]), int(ready["pid"]))
         print(f"{'streams':>7} {'mode':>16} {'p50 ms':>8} {'p90 ms':>8} {'added p50 ms':>13} "
               f"{'router CPU us/token':>20}")
         for streams in args.streams:

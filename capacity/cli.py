@@ -80,6 +80,13 @@ def add_plan(commands: argparse._SubParsersAction) -> None:
     prof.add_argument("--repeats", type=int, default=3)
     prof.add_argument("--contention", type=int, default=1, metavar="N",
                       help="measure while N - 1 co-running helpers keep other cores busy (N workers share the machine)")
+    prof.add_argument("--prefill-tokens", type=_int_list, default=None, metavar="N,N,...",
+                      help="prompt lengths of the prefill points (default 32,128,256,512,1024)")
+    prof.add_argument("--decode-batches", type=_int_list, default=None, metavar="B,B,...",
+                      help="batch sizes of the decode points (default 1,4,16); measure the batches your "
+                           "workload runs: the fit is a line in the batch")
+    prof.add_argument("--decode-contexts", type=_int_list, default=None, metavar="C,C,...",
+                      help="context lengths of the decode points (default 128,512,1024)")
     prof.add_argument("--output", default="profile.json")
     prof.set_defaults(func=_cmd_profile)
     sim = sub.add_parser("simulate", help="search prefill:decode ratios, colocated and sizes for a rate")
@@ -183,15 +190,30 @@ def _cmd_sweep(args: argparse.Namespace) -> int:
     return 0
 
 
+def _int_list(text: str) -> list[int]:
+    """"1,4,16" -> [1, 4, 16] (an argparse type)."""
+    try:
+        return [int(part) for part in text.split(",") if part.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
+
+
 def _fmt(value: object) -> str:
     return f"{value:.3f}" if isinstance(value, float) else str(value)
 
 
 def _cmd_profile(args: argparse.Namespace) -> int:
-    from pdserve.capacity.profiler import run_profile
+    from pdserve.capacity.profiler import DECODE_BATCHES, DECODE_CONTEXTS, PREFILL_TOKENS, run_profile
 
-    profile = run_profile(args.model, args.threads, args.repeats, args.contention,
-                          progress=lambda s: print(s, file=sys.stderr))
+    try:
+        profile = run_profile(args.model, args.threads, args.repeats, args.contention,
+                              progress=lambda s: print(s, file=sys.stderr),
+                              prefill_tokens=args.prefill_tokens or PREFILL_TOKENS,
+                              decode_batches=args.decode_batches or DECODE_BATCHES,
+                              decode_contexts=args.decode_contexts or DECODE_CONTEXTS)
+    except ValueError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
     profile.save(args.output)
     doc = profile.to_json()
     print(json.dumps({k: doc[k] for k in ("name", "prefill", "decode", "transfer", "contention_workers")}, indent=1))

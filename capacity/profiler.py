@@ -69,11 +69,13 @@ def device_description(threads: int) -> dict[str, Any]:
     }
 
 
-def _profile_compute(loaded: Any, repeats: int) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+def _profile_compute(loaded: Any, repeats: int, prefill_tokens: Sequence[int] = PREFILL_TOKENS,
+                     decode_batches: Sequence[int] = DECODE_BATCHES, decode_contexts: Sequence[int] = DECODE_CONTEXTS,
+                     ) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
     from pdserve.engine.kv_cache import KVCache
     from pdserve.engine.model_runner import ModelRunner, StepInput
 
-    max_tokens = max(*PREFILL_TOKENS, *DECODE_CONTEXTS)
+    max_tokens = max(*prefill_tokens, *decode_contexts)
     kv = KVCache(loaded.kv_shape(BLOCK_SIZE), math.ceil(max_tokens / BLOCK_SIZE) + 1)
     runner = ModelRunner(loaded, kv)
     table = list(range(kv.num_blocks))
@@ -82,11 +84,11 @@ def _profile_compute(loaded: Any, repeats: int) -> tuple[list[dict[str, Any]], l
     def pass_time(items: list[StepInput]) -> float:
         return timed(lambda: runner.forward(items), repeats)
 
-    prefill = [{"tokens": n, "latency_s": pass_time([StepInput([token] * n, 0, table)])} for n in PREFILL_TOKENS]
+    prefill = [{"tokens": n, "latency_s": pass_time([StepInput([token] * n, 0, table)])} for n in prefill_tokens]
     decode = [
         {"batch": b, "context": c, "latency_s": pass_time([StepInput([token], c - 1, table)] * b)}
-        for b in DECODE_BATCHES
-        for c in DECODE_CONTEXTS
+        for b in decode_batches
+        for c in decode_contexts
     ]
     return prefill, decode
 
@@ -153,9 +155,25 @@ def stop_contention(helpers: list[Any]) -> None:
         helper.wait()
 
 
+def check_grid(name: str, values: Sequence[int], minimum: int, count: int) -> tuple[int, ...]:
+    """A measurement grid: sorted distinct values >= minimum, at least `count` of them (for the fit)."""
+    grid = tuple(sorted(set(values)))
+    if len(grid) < count or grid[0] < minimum:
+        raise ValueError(f"{name}: need at least {count} distinct values >= {minimum}, got {list(values)}")
+    return grid
+
+
 def run_profile(model: str | None = None, threads: int = 1, repeats: int = 3, contention: int = 1,
-                progress: Callable[[str], object] = print) -> Profile:
-    """Measure and fit; return the profile (`contention`: workers sharing the machine, this one included)."""
+                progress: Callable[[str], object] = print, prefill_tokens: Sequence[int] = PREFILL_TOKENS,
+                decode_batches: Sequence[int] = DECODE_BATCHES,
+                decode_contexts: Sequence[int] = DECODE_CONTEXTS) -> Profile:
+    """Measure and fit; return the profile (`contention`: workers sharing the machine, this one included).
+    The grids say where the fits are measured: the prompt lengths, decode batch sizes and contexts a
+    workload will see give a profile that is accurate there (a line through batches 1-16 misses
+    the small batches of a light load)."""
+    prefill_tokens = check_grid("prefill tokens", prefill_tokens, 1, 3)
+    decode_batches = check_grid("decode batches", decode_batches, 1, 2)
+    decode_contexts = check_grid("decode contexts", decode_contexts, 2, 1)
     import torch
 
     from pdserve.engine.model_fetch import resolve_model
@@ -169,7 +187,7 @@ def run_profile(model: str | None = None, threads: int = 1, repeats: int = 3, co
     helpers = start_contention(contention - 1)
     try:
         progress(f"profiling prefill and decode passes ({contention - 1} co-running helper(s))")
-        prefill, decode = _profile_compute(loaded, repeats)
+        prefill, decode = _profile_compute(loaded, repeats, prefill_tokens, decode_batches, decode_contexts)
         progress("profiling KV transfer over loopback gRPC")
         transfer = _profile_transfer(loaded, repeats)
     finally:

@@ -102,6 +102,9 @@ class RouterSection:
                             flag="--max-attempts", min=1)
     http_port: int | None = opt(None, "also serve the OpenAI-compatible HTTP API on this port (0 picks one; "
                                 "default off)", flag="--http-port", min=0, max=65535)
+    decode_mux: bool = opt(False, "one GenerateMux stream per decode worker carries every request's tokens, a "
+                           "decode step's in one message (default: a Generate call per request)",
+                           flag="--decode-mux")
 
 
 @dataclass(frozen=True)
@@ -677,6 +680,7 @@ def router_document(config: DeploymentConfig, workers: dict[str, list[str]], met
         "prefill_policy": router.prefill_policy, "decode_policy": router.decode_policy,
         "max_stream_timeout": router.max_stream_timeout_s, "max_concurrent_streams": router.max_concurrent_streams,
         "max_queued_requests": router.max_queued_requests, "max_attempts": router.max_attempts,
+        "decode_mux": router.decode_mux,
         "http_port": router.http_port, "model_name": config.model.served_name,
         "metrics_port": metrics_port, "metrics_host": obs.metrics_host,
         "auth_token_file": _local_only(config, sec.auth_token_file),

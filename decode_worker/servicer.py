@@ -1,4 +1,4 @@
-"""Thin gRPC face of the decode worker: DecodeWorker.Generate/GetInfo/Abort.
+"""Thin gRPC face of the decode worker: DecodeWorker.Generate/GenerateMux/GetInfo/Abort.
 
 Generate is a coroutine on the server's event loop (no thread per stream). For a remote prefill:
 tokenize -> reserve blocks -> expect the KV -> ask the prefill worker -> commit the KV -> stream
@@ -22,6 +22,7 @@ from typing import Any
 
 import grpc
 
+from pdserve.decode_worker.mux import serve_mux
 from pdserve.decode_worker.worker import AdmissionError, DecodeWorker, StreamError, Suspended, WorkerDead
 from pdserve.engine.block_pool import blocks_for_tokens
 from pdserve.engine.llm_engine import TokenOutput
@@ -190,6 +191,11 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
             timer.cancel()
             self.worker.close_stream(request_id)
             self.worker.abort(request_id)
+
+    async def GenerateMux(self, request_iterator: AsyncIterator[worker_pb2.MuxRequest],  # noqa: N802
+                          context: grpc.aio.ServicerContext) -> None:
+        """Generate for many requests on one stream (decode_worker/mux.py)."""
+        await serve_mux(self.Generate, request_iterator, context)
 
     async def _migrate_in(self, request_id: str, request: worker_pb2.DecodeRequest, prompt_ids: list[int],
                           resume_ids: list[int], params: SamplingParams, deadline: float,

@@ -14,6 +14,7 @@ from typing import Any
 
 import grpc
 
+from pdserve.decode_worker.mux import serve_mux
 from pdserve.elastic_worker.worker import COLOCATED, DECODE, PREFILL, ElasticWorker, SwitchTimeout
 from pdserve.v1 import common_pb2, router_pb2, worker_pb2, worker_pb2_grpc
 
@@ -47,6 +48,12 @@ class ElasticDecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
                                 f"worker {self._worker.settings.worker_id} is a prefill worker now")
         async for response in core.servicer.Generate(request, context):  # type: ignore[union-attr]
             yield response
+
+    async def GenerateMux(self, request_iterator: AsyncIterator[worker_pb2.MuxRequest],  # noqa: N802
+                          context: grpc.aio.ServicerContext) -> None:
+        # each request goes through Generate above, so a request opened after a switch to prefill
+        # ends UNAVAILABLE as a Generate call would
+        await serve_mux(self.Generate, request_iterator, context)
 
     def GetInfo(self, request: worker_pb2.InfoRequest, context: grpc.ServicerContext) -> common_pb2.WorkerInfo:  # noqa: N802
         return worker_info(self._worker)

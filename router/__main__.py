@@ -57,6 +57,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--max-queued-requests", type=int, default=4096, metavar="N",
                         help="requests waiting for a decode slot; one more is refused with RESOURCE_EXHAUSTED "
                              "(HTTP 429, with a retry-after hint) (default 4096)")
+    parser.add_argument("--decode-mux", action="store_true",
+                        help="send every request to a decode worker on one GenerateMux stream per worker, which "
+                             "carries the tokens of a decode step in one message (default: one Generate call per "
+                             "request)")
     parser.add_argument("--max-attempts", type=int, default=3, metavar="N",
                         help="a request is tried on at most N (decode, prefill) pairs when workers fail (default 3)")
     parser.add_argument("--http-port", type=int, default=None, metavar="PORT",
@@ -100,6 +104,7 @@ def config_from_args(args: argparse.Namespace, auth_token: str | None = None) ->
         max_concurrent_streams=args.max_concurrent_streams,
         max_queued_requests=args.max_queued_requests,
         max_attempts=args.max_attempts,
+        decode_mux=args.decode_mux,
         auth_token=auth_token or load_token(args.auth_token_file, os.environ.get("PDSERVE_AUTH_TOKEN")),
         tls_cert_file=args.tls_cert,
         tls_key_file=args.tls_key,

@@ -40,6 +40,7 @@ class RouterConfig:
     metrics_port: int = 0  # Prometheus /metrics on metrics_host:metrics_port (0: off)
     metrics_host: str = "127.0.0.1"  # beyond loopback only with auth_token (then scrapes need it too)
     model_name: str = "default"  # the model id the HTTP API serves
+    decode_mux: bool = False  # one DecodeWorker.GenerateMux call per decode worker instead of a call per request
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:

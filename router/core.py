@@ -15,7 +15,9 @@ Invariants:
   (RESOURCE_EXHAUSTED with a retry-after hint) only when the queue is full or the predicted wait
   exceeds the request's own deadline.
 - Exactly one DecodeWorker.Generate call per attempt, with a deadline; when the client leaves, that
-  call is cancelled (the decode worker then cancels its prefill call and frees the KV).
+  call is cancelled (the decode worker then cancels its prefill call and frees the KV). With
+  --decode-mux the attempt is a request on the worker's GenerateMux call instead (router/mux.py),
+  read and cancelled the same way.
 - Failover: UNAVAILABLE (worker down, draining, engine loop dead, prefill side failed) marks that
   worker suspect and resumes the request elsewhere with the tokens already delivered. INTERNAL or
   UNKNOWN (a request that breaks a worker's step) is retried once on another worker without
@@ -46,6 +48,7 @@ import grpc
 from pdserve.router.admission import AdmissionQueue, Busy, QueueFull
 from pdserve.router.config import MAX_RECEIVE_MESSAGE_BYTES, RouterConfig
 from pdserve.router.metrics import RequestClock, RouterMetrics
+from pdserve.router.mux import DecodeMux, MuxCall
 from pdserve.router.policies import DECODE, PREFILL, estimate_prompt_tokens, make_policy, prefix_key
 from pdserve.router.validation import InvalidRequest, validate_generate_request
 from pdserve.router.worker_pool import ROLE_PB, Lease, NoHealthyWorker, SwitchRefused, WorkerPool
@@ -151,6 +154,7 @@ class RouterCore:
         self.admission: AdmissionQueue[Lease] = AdmissionQueue(config.max_queued_requests, self._release)
         self._dispatched = 0  # leases held (requests at a worker)
         self._stubs: dict[str, tuple[grpc.aio.Channel, worker_pb2_grpc.DecodeWorkerStub]] = {}
+        self._muxes: dict[str, DecodeMux] = {}  # --decode-mux: one GenerateMux call per decode worker
         self._metadata = internal_metadata()
         self._live: dict[int, _Request] = {}  # requests in flight, by id() (their internal id changes)
         self._tasks: set[asyncio.Task] = set()  # drain migrations under way
@@ -336,6 +340,9 @@ class RouterCore:
                      exc.details)
 
     async def close(self) -> None:
+        for mux in list(self._muxes.values()):
+            await mux.close()
+        self._muxes.clear()
         for channel, _ in self._stubs.values():
             await channel.close()
         self._stubs.clear()
@@ -358,7 +365,7 @@ class RouterCore:
             admitted_at = time.monotonic()
             result = _Attempt()
             state.lease = lease
-            call: grpc.aio.UnaryStreamCall | None = None
+            call: grpc.aio.UnaryStreamCall | MuxCall | None = None
             try:
                 # the relay, inline (an async generator per attempt would add a layer per token)
                 call = self._open_decode(state, lease)
@@ -489,11 +496,24 @@ class RouterCore:
         lease.release()
 
     # ----- relaying ------------------------------------------------------------------------------
-    def _open_decode(self, state: _Request, lease: Lease) -> grpc.aio.UnaryStreamCall:
-        """Start one attempt's DecodeWorker.Generate call (read by `_attempt_loop`)."""
-        return self._stub(lease.decode_address).Generate(_decode_request(state, lease),
-                                                         timeout=max(0.001, state.remaining_s()),
+    def _open_decode(self, state: _Request, lease: Lease) -> grpc.aio.UnaryStreamCall | MuxCall:
+        """Start one attempt's DecodeWorker.Generate call, or its request on the worker's GenerateMux
+        call with --decode-mux (either is read by `_attempt_loop`)."""
+        timeout_s = max(0.001, state.remaining_s())
+        if self._config.decode_mux:
+            return self._mux(lease.decode_address).open(_decode_request(state, lease), timeout_s)
+        return self._stub(lease.decode_address).Generate(_decode_request(state, lease), timeout=timeout_s,
                                                          metadata=self._metadata)
+
+    def _mux(self, address: str) -> DecodeMux:
+        mux = self._muxes.get(address)
+        if mux is None or mux.closed:
+            mux = self._muxes[address] = DecodeMux(address, self._stub(address), self._metadata, self._mux_closed)
+        return mux
+
+    def _mux_closed(self, mux: DecodeMux) -> None:
+        if self._muxes.get(mux.address) is mux:
+            del self._muxes[mux.address]
 
     def _on_decode_error(self, state: _Request, lease: Lease, result: _Attempt, exc: grpc.aio.AioRpcError) -> None:
         """A decode call failed: a retryable failure goes to `result.failure`; any other raises RouterError."""

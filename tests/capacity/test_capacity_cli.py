@@ -102,3 +102,25 @@ def test_read_sweep_takes_json_or_gzip(tmp_path) -> None:  # noqa: ANN001
     with gzip.open(tmp_path / "r.json.gz", "wt") as f:
         json.dump(doc, f)
     assert read_sweep(str(tmp_path / "r.json")) == doc == read_sweep(str(tmp_path / "r.json.gz"))
+
+
+def test_plan_profile_measures_the_grids_it_is_given(tiny_model) -> None:  # noqa: ANN001
+    """`--prefill-tokens/--decode-batches/--decode-contexts` set the points measured (a workload's own
+    range); a grid too small to fit is refused before anything is measured."""
+    from pdserve.capacity.profiler import _profile_compute, check_grid
+
+    args = build_parser().parse_args(["plan", "profile", "--prefill-tokens", "16,32,64", "--decode-batches", "1,2",
+                                      "--decode-contexts", "32,64"])
+    assert (args.prefill_tokens, args.decode_batches, args.decode_contexts) == ([16, 32, 64], [1, 2], [32, 64])
+    assert build_parser().parse_args(["plan", "profile"]).decode_batches is None  # the defaults
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["plan", "profile", "--decode-batches", "1,x"])
+    prefill, decode = _profile_compute(tiny_model, 1, (16, 32, 64), (1, 2), (32, 64))
+    assert [p["tokens"] for p in prefill] == [16, 32, 64]
+    assert [(p["batch"], p["context"]) for p in decode] == [(1, 32), (1, 64), (2, 32), (2, 64)]
+    assert all(p["latency_s"] > 0 for p in prefill + decode)
+    assert check_grid("decode batches", [4, 1, 4, 2], 1, 2) == (1, 2, 4)
+    with pytest.raises(ValueError, match="decode batches: need at least 2 distinct values"):
+        check_grid("decode batches", [4, 4], 1, 2)
+    with pytest.raises(ValueError, match=">= 2"):
+        check_grid("decode contexts", [1, 8], 2, 1)

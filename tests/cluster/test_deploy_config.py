@@ -123,6 +123,7 @@ CASES: dict[str, tuple[Any, dict[str, Any], Callable[[DeploymentConfig, Received
     "router.max_stream_timeout_s": (99.0, {}, _all(("router",), "max_stream_timeout", 99.0)),
     "router.max_attempts": (5, {}, _all(("router",), "max_attempts", 5)),
     "router.http_port": (8123, {}, _all(("router",), "http_port", 8123)),
+    "router.decode_mux": (True, {}, _all(("router",), "decode_mux", True)),
     "prefill.count": (2, {}, lambda c, got: sum(k == "prefill" for k, _ in got) == 2
                       and len(router_of(got).prefill) == 2),
     "decode.count": (3, {}, lambda c, got: sum(k == "decode" for k, _ in got) == 3

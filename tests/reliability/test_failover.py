@@ -37,10 +37,14 @@ def _run_all(address: str, prompts: list[str], max_tokens: int) -> list:  # noqa
         return list(pool.map(lambda p: generate(address, p, max_tokens, ignore_eos=True), prompts))
 
 
-def test_decode_worker_killed_mid_stream(default_model) -> None:  # noqa: ANN001
+@pytest.mark.parametrize("router_args", [(), ("--decode-mux",)], ids=["generate", "mux"])
+def test_decode_worker_killed_mid_stream(default_model, router_args: tuple[str, ...]) -> None:  # noqa: ANN001
+    # with --decode-mux the victim's GenerateMux stream carries all its requests: its end fails them
+    # all over at once
     prompts = mixed_prompts(20, seed=21)
     expected = _expected(default_model, prompts, 40)
-    with LocalCluster(LocalClusterConfig(prefill=1, decode=2, threads_per_worker=1)) as cluster:
+    with LocalCluster(LocalClusterConfig(prefill=1, decode=2, threads_per_worker=1,
+                                         router_args=router_args)) as cluster:
         victim = [w for w in cluster.workers if w.role == "decode"][0]
         with ThreadPoolExecutor(1) as bg:
             pending = bg.submit(_run_all, cluster.router_address, prompts, 40)

@@ -1,7 +1,9 @@
 """Live KV migration between decode workers (Router.Migrate), with real processes on loopback and a
 tiny random Llama: a request moved mid-stream gives exactly the tokens (and text) of an undisturbed
 run, the target computes no prompt token for it, a dead target falls back to failover, a draining
-worker hands its requests over, and `pdserve migrate` drives it from the command line.
+worker hands its requests over, and `pdserve migrate` drives it from the command line. The
+migration, failover and draining tests run with both router -> decode transports (a Generate call
+per request, and --decode-mux's GenerateMux stream).
 
 Decode workers sleep before each step (--inject-step-delay-ms) so that a tiny model's stream is
 still running when the test acts on it."""
@@ -48,10 +50,24 @@ def _expected(model_dir: Path, max_tokens: int, **params: object) -> list[int]:
     return out
 
 
+#: router -> decode worker transports: a Generate call per request, or router --decode-mux's one
+#: GenerateMux stream per decode worker (the same migration, failover and draining must hold)
+TRANSPORTS = pytest.mark.parametrize("router_args", [(), ("--decode-mux",)], ids=["generate", "mux"])
+
+
 def _cluster(model_dir: Path, delay_ms: int = 60, **extra: object) -> LocalCluster:
     return LocalCluster(LocalClusterConfig(
         model=str(model_dir), prefill=1, decode=2, threads_per_worker=1,
         decode_args=("--inject-step-delay-ms", str(delay_ms), "--kv-timeout-s", "20"), **extra))  # type: ignore[arg-type]
+
+
+def assert_muxed(cluster: LocalCluster, router_args: tuple[str, ...]) -> None:
+    """With --decode-mux the decode workers served the requests on GenerateMux, never Generate."""
+    logs = "".join((cluster.log_dir / f"{w.worker_id}.log").read_text() for w in _decoders(cluster))
+    if router_args:
+        assert "GenerateMux start" in logs and "Generate start" not in logs
+    else:
+        assert "GenerateMux start" not in logs
 
 
 class Stream:
@@ -125,11 +141,12 @@ def _live(cluster: LocalCluster, dead: frozenset[int] = frozenset()) -> list[tup
     return [(w.role, w.address) for w in cluster.workers if w.pid not in dead]
 
 
-@pytest.mark.parametrize("params", [{}, SEEDED], ids=["greedy", "seeded"])
+@pytest.mark.parametrize(("params", "router_args"), [({}, ()), (SEEDED, ()), ({}, ("--decode-mux",))],
+                         ids=["greedy", "seeded", "greedy-mux"])
 def test_migration_mid_stream_gives_identical_tokens_and_target_computes_no_prompt(
-        tiny_llama_dir: Path, params: dict) -> None:
+        tiny_llama_dir: Path, params: dict, router_args: tuple[str, ...]) -> None:
     expected = _expected(tiny_llama_dir, MAX_TOKENS, **params)
-    with _cluster(tiny_llama_dir) as cluster:
+    with _cluster(tiny_llama_dir, router_args=router_args) as cluster:
         undisturbed = generate(cluster.router_address, PROMPT, MAX_TOKENS, ignore_eos=True, **params)
         assert undisturbed.token_ids == expected
         stream = Stream(cluster.router_address, "move-me", MAX_TOKENS, **params)
@@ -149,6 +166,7 @@ def test_migration_mid_stream_gives_identical_tokens_and_target_computes_no_prom
         assert after_source.requests_migrated_out == 1
         assert stream.responses[-1].usage.completion_tokens == MAX_TOKENS
         wait_idle(_live(cluster))
+        assert_muxed(cluster, router_args)
 
 
 def test_migrate_cli_and_errors(tiny_llama_dir: Path) -> None:
@@ -180,9 +198,10 @@ def test_migrate_cli_and_errors(tiny_llama_dir: Path) -> None:
         wait_idle(_live(cluster))
 
 
-def test_target_killed_mid_migration_falls_back_to_failover(tiny_llama_dir: Path) -> None:
+@TRANSPORTS
+def test_target_killed_mid_migration_falls_back_to_failover(tiny_llama_dir: Path, router_args: tuple[str, ...]) -> None:
     expected = _expected(tiny_llama_dir, MAX_TOKENS)
-    with _cluster(tiny_llama_dir) as cluster:
+    with _cluster(tiny_llama_dir, router_args=router_args) as cluster:
         stream = Stream(cluster.router_address, "doomed-target", MAX_TOKENS)
         stream.wait_tokens(8)
         source, target = _source_and_target(cluster)
@@ -201,11 +220,14 @@ def test_target_killed_mid_migration_falls_back_to_failover(tiny_llama_dir: Path
         assert stream.token_ids == expected  # re-prefilled on the healthy worker, identical tokens
         assert worker_info(source.address, "decode").requests_migrated_out == 0
         wait_idle(_live(cluster, frozenset({target.pid})))  # the suspended blocks were freed
+        assert_muxed(cluster, router_args)
 
 
-def test_draining_decode_worker_migrates_its_running_requests(tiny_llama_dir: Path) -> None:
+@TRANSPORTS
+def test_draining_decode_worker_migrates_its_running_requests(tiny_llama_dir: Path,
+                                                              router_args: tuple[str, ...]) -> None:
     expected = _expected(tiny_llama_dir, MAX_TOKENS)
-    with _cluster(tiny_llama_dir, delay_ms=100) as cluster:
+    with _cluster(tiny_llama_dir, delay_ms=100, router_args=router_args) as cluster:
         stream = Stream(cluster.router_address, "drained", MAX_TOKENS)
         stream.wait_tokens(5)
         source, target = _source_and_target(cluster)
@@ -219,3 +241,4 @@ def test_draining_decode_worker_migrates_its_running_requests(tiny_llama_dir: Pa
             assert time.monotonic() < deadline
             time.sleep(0.1)
         wait_idle(_live(cluster, frozenset({source.pid})))
+        assert_muxed(cluster, router_args)

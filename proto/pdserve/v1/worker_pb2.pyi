@@ -16,6 +16,42 @@ class SetRoleRequest(_message.Message):
     drain_timeout_s: float
     def __init__(self, role: _Optional[_Union[_common_pb2.WorkerRole, str]] = ..., drain_timeout_s: _Optional[float] = ...) -> None: ...
 
+class MuxRequest(_message.Message):
+    __slots__ = ("open", "cancel")
+    OPEN_FIELD_NUMBER: _ClassVar[int]
+    CANCEL_FIELD_NUMBER: _ClassVar[int]
+    open: MuxOpen
+    cancel: str
+    def __init__(self, open: _Optional[_Union[MuxOpen, _Mapping]] = ..., cancel: _Optional[str] = ...) -> None: ...
+
+class MuxOpen(_message.Message):
+    __slots__ = ("request", "timeout_s")
+    REQUEST_FIELD_NUMBER: _ClassVar[int]
+    TIMEOUT_S_FIELD_NUMBER: _ClassVar[int]
+    request: DecodeRequest
+    timeout_s: float
+    def __init__(self, request: _Optional[_Union[DecodeRequest, _Mapping]] = ..., timeout_s: _Optional[float] = ...) -> None: ...
+
+class MuxResponse(_message.Message):
+    __slots__ = ("items",)
+    ITEMS_FIELD_NUMBER: _ClassVar[int]
+    items: _containers.RepeatedCompositeFieldContainer[MuxItem]
+    def __init__(self, items: _Optional[_Iterable[_Union[MuxItem, _Mapping]]] = ...) -> None: ...
+
+class MuxItem(_message.Message):
+    __slots__ = ("request_id", "response", "end", "code", "details")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    RESPONSE_FIELD_NUMBER: _ClassVar[int]
+    END_FIELD_NUMBER: _ClassVar[int]
+    CODE_FIELD_NUMBER: _ClassVar[int]
+    DETAILS_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    response: _router_pb2.GenerateResponse
+    end: bool
+    code: int
+    details: str
+    def __init__(self, request_id: _Optional[str] = ..., response: _Optional[_Union[_router_pb2.GenerateResponse, _Mapping]] = ..., end: _Optional[bool] = ..., code: _Optional[int] = ..., details: _Optional[str] = ...) -> None: ...
+
 class DecodeRequest(_message.Message):
     __slots__ = ("request_id", "prompt", "messages", "token_ids", "params", "prefill_address", "resume_output_ids", "client_request_id", "trace", "migrate_from_address", "migrate_request_id")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]

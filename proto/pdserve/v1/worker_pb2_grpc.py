@@ -42,6 +42,11 @@ class DecodeWorkerStub:
                 request_serializer=pdserve_dot_v1_dot_worker__pb2.DecodeRequest.SerializeToString,
                 response_deserializer=pdserve_dot_v1_dot_router__pb2.GenerateResponse.FromString,
                 _registered_method=True)
+        self.GenerateMux = channel.stream_stream(
+                '/pdserve.v1.DecodeWorker/GenerateMux',
+                request_serializer=pdserve_dot_v1_dot_worker__pb2.MuxRequest.SerializeToString,
+                response_deserializer=pdserve_dot_v1_dot_worker__pb2.MuxResponse.FromString,
+                _registered_method=True)
         self.GetInfo = channel.unary_unary(
                 '/pdserve.v1.DecodeWorker/GetInfo',
                 request_serializer=pdserve_dot_v1_dot_worker__pb2.InfoRequest.SerializeToString,
@@ -77,6 +82,19 @@ class DecodeWorkerServicer:
         """Run one request end to end: tokenize, reserve KV blocks, get the prompt
         prefilled (remotely via prefill_address or locally), then decode and
         stream deltas. Cancelling the call aborts the request and frees its KV.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def GenerateMux(self, request_iterator, context):
+        """Many Generate requests on one stream (opt-in: router --decode-mux). The router opens requests
+        (MuxRequest.open) and cancels them (MuxRequest.cancel) on one call per (router, decode worker)
+        pair; the worker answers with one MuxResponse per event-loop turn carrying every response of
+        that turn, each tagged with its request id, so the tokens of one decode step cross in one
+        message instead of one per request. Each request ends with an item whose `end` is set and
+        whose code/details are the status its Generate call would have ended with. Ending the call (or
+        losing the connection) cancels every request on it.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -130,6 +148,11 @@ def add_DecodeWorkerServicer_to_server(servicer, server):
                     servicer.Generate,
                     request_deserializer=pdserve_dot_v1_dot_worker__pb2.DecodeRequest.FromString,
                     response_serializer=pdserve_dot_v1_dot_router__pb2.GenerateResponse.SerializeToString,
+            ),
+            'GenerateMux': grpc.stream_stream_rpc_method_handler(
+                    servicer.GenerateMux,
+                    request_deserializer=pdserve_dot_v1_dot_worker__pb2.MuxRequest.FromString,
+                    response_serializer=pdserve_dot_v1_dot_worker__pb2.MuxResponse.SerializeToString,
             ),
             'GetInfo': grpc.unary_unary_rpc_method_handler(
                     servicer.GetInfo,
@@ -185,6 +208,33 @@ class DecodeWorker:
             '/pdserve.v1.DecodeWorker/Generate',
             pdserve_dot_v1_dot_worker__pb2.DecodeRequest.SerializeToString,
             pdserve_dot_v1_dot_router__pb2.GenerateResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GenerateMux(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/pdserve.v1.DecodeWorker/GenerateMux',
+            pdserve_dot_v1_dot_worker__pb2.MuxRequest.SerializeToString,
+            pdserve_dot_v1_dot_worker__pb2.MuxResponse.FromString,
             options,
             channel_credentials,
             insecure,
