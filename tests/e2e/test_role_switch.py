@@ -1,7 +1,8 @@
 """Live role switch, end to end on real processes (router + elastic workers on a tiny random Llama):
 while 16 streams run, a decode worker becomes a prefill worker and a prefill worker becomes a decode
 worker; every stream gets exactly the tokens of an undisturbed run, `pdserve status` shows the new
-roles, and the switched workers then serve in them."""
+roles, and the switched workers then serve in them. The router reaches the workers over
+GenerateMux (--decode-mux)."""
 
 from __future__ import annotations
 
@@ -14,7 +15,8 @@ from pdserve.cluster.cli import main as pdserve_main
 from pdserve.cluster.client import PdserveClient, status_rows
 from pdserve.cluster.elastic_cli import switch_role
 from pdserve.cluster.local import LocalCluster, LocalClusterConfig
-from pdserve.v1 import common_pb2, router_pb2
+from pdserve.transport import open_channel
+from pdserve.v1 import common_pb2, router_pb2, worker_pb2, worker_pb2_grpc
 
 from e2e_helpers import Streams, greedy_workload, wait_idle
 
@@ -30,8 +32,10 @@ def workload(tiny_llama_dir: Path) -> tuple[list[str], list[int], list[list[int]
 
 @pytest.fixture(scope="module")
 def cluster(tiny_llama_dir: Path):  # noqa: ANN201
+    # the router talks to the elastic workers over GenerateMux (--decode-mux), so the elastic decode
+    # face's mux is what these switches run under (the Generate path: the Ray and autoscale tests)
     config = LocalClusterConfig(model=str(tiny_llama_dir), prefill=2, decode=2, threads_per_worker=1, elastic=True,
-                                decode_args=("--max-num-seqs", "16"))
+                                decode_args=("--max-num-seqs", "16"), router_args=("--decode-mux",))
     with LocalCluster(config) as running:
         yield running
 
@@ -61,6 +65,14 @@ def test_switch_both_ways_during_16_streams_keeps_every_token(cluster, workload,
     assert results[0].drain_s > 0  # decode-1 held running streams and finished them before switching
     roles = _roles(cluster.router_address)
     assert roles == {"prefill-0": "prefill", "prefill-1": "decode", "decode-0": "decode", "decode-1": "prefill"}
+    # a request opened on decode-1's GenerateMux now ends as a Generate call would there: UNAVAILABLE
+    address = next(w.address for w in cluster.workers if w.worker_id == "decode-1")
+    opened = worker_pb2.MuxRequest(open=worker_pb2.MuxOpen(
+        request=worker_pb2.DecodeRequest(request_id="late", prompt="hi"), timeout_s=30))
+    items = [i for m in worker_pb2_grpc.DecodeWorkerStub(open_channel(address)).GenerateMux(iter([opened]), timeout=30)
+             for i in m.items]
+    assert [(i.request_id, i.end, i.code) for i in items] == [("late", True, grpc.StatusCode.UNAVAILABLE.value[0])]
+    assert "is a prefill worker now" in items[0].details
     # `pdserve status` shows the new roles
     assert pdserve_main(["status", "--url", cluster.router_address, "--json"]) == 0
     assert '"worker_id": "decode-1"' in capsys.readouterr().out
@@ -75,6 +87,8 @@ def test_switch_both_ways_during_16_streams_keeps_every_token(cluster, workload,
     assert pdserve_main(["role", "--url", cluster.router_address, "decode-1", "decode"]) == 0
     assert pdserve_main(["role", "--url", cluster.router_address, "prefill-1", "prefill"]) == 0
     assert _roles(cluster.router_address)["decode-1"] == "decode"
+    logs = "".join((cluster.log_dir / f"{w}.log").read_text() for w in ("decode-0", "prefill-1"))
+    assert "GenerateMux start" in logs and "Generate start" not in logs  # every stream went over the mux
 
 
 def test_switch_refused_when_it_would_leave_no_prefill_worker(cluster) -> None:  # noqa: ANN001
