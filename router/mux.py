@@ -28,12 +28,12 @@ from typing import Any
 
 import grpc
 
+from pdserve.serving import STATUS_BY_NUMBER
 from pdserve.v1 import worker_pb2, worker_pb2_grpc
 
 log = logging.getLogger(__name__)
 
 _EOF = grpc.aio.EOF
-_CODES = {code.value[0]: code for code in grpc.StatusCode}
 _CLOSE = object()  # ends the outgoing request stream
 
 
@@ -165,7 +165,7 @@ class DecodeMux:
                     if item.end:
                         del calls[item.request_id]
                         call._end(_EOF if item.code == 0 else
-                                  rpc_error(_CODES.get(item.code, grpc.StatusCode.UNKNOWN), item.details))
+                                  rpc_error(STATUS_BY_NUMBER.get(item.code, grpc.StatusCode.UNKNOWN), item.details))
         except grpc.aio.AioRpcError as exc:
             # the worker's side ended the call (it stopped, or the connection dropped): for the requests
             # on it that is the worker failing, as for a Generate call to a dead worker

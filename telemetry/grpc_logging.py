@@ -21,6 +21,8 @@ from typing import Any
 
 import grpc
 
+from pdserve.serving import STATUS_BY_NUMBER
+
 log = logging.getLogger("pdserve.trace")
 
 #: Longest id written to a log line (longer ones are cut and marked).
@@ -40,7 +42,7 @@ def _status_name(context: Any, error: BaseException | None) -> str:
     if isinstance(code, grpc.StatusCode):
         return code.name
     if isinstance(code, int) and code != 0:  # grpc.aio reports the raw status number
-        return next((c.name for c in grpc.StatusCode if c.value[0] == code), str(code))
+        return STATUS_BY_NUMBER[code].name if code in STATUS_BY_NUMBER else str(code)
     if error is not None:
         return "CANCELLED" if isinstance(error, (GeneratorExit, _cancelled_errors())) else "UNKNOWN"
     return "OK"

@@ -42,6 +42,9 @@ PREFILL_FAILURE = "prefill failed on"
 #: Start of the details of a migration target's UNAVAILABLE status when taking the request's K/V
 #: from the source decode worker failed (Router.Migrate): the router then fails the request over.
 MIGRATION_FAILURE = "migration failed from"
+#: grpc.StatusCode by its number: grpc.aio reports some statuses as raw numbers, and GenerateMux end
+#: items carry them as numbers.
+STATUS_BY_NUMBER: dict[int, grpc.StatusCode] = {code.value[0]: code for code in grpc.StatusCode}
 
 
 #: Which event loop the servers run on: ``uvloop`` (default when installed; cheaper per message) or
