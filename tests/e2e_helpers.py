@@ -123,3 +123,21 @@ class Streams:
             t.join(300)
         for i, (got, want) in enumerate(zip(self.outputs, self.expected, strict=True)):
             assert got == want, f"stream {i} differs (prompt {self.prompts[i][:30]!r})"
+
+
+def init_local_ray(num_cpus: int, attempts: int = 2) -> None:
+    """ray.init of a test module's own local Ray instance. On this 2-core machine the head node can
+    time out while starting ("timed out during startup": the previous module's instance is still
+    shutting down); that is start-up, not the behaviour under test, so it gets one more try after
+    a pause. Any other failure, or a second time-out, is raised."""
+    import ray
+
+    for attempt in range(attempts):
+        try:
+            ray.init(num_cpus=num_cpus, include_dashboard=False, log_to_driver=False)
+            return
+        except Exception as exc:  # ray raises a bare Exception for this
+            if "timed out during startup" not in str(exc) or attempt == attempts - 1:
+                raise
+            ray.shutdown()
+            time.sleep(10)

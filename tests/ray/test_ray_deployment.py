@@ -25,14 +25,14 @@ from pdserve.engine.tokenization import encode_text  # noqa: E402
 from pdserve.kv_transfer.base import KvSpec  # noqa: E402
 from pdserve.v1 import common_pb2, router_pb2, router_pb2_grpc  # noqa: E402
 
-from e2e_helpers import generate, mixed_prompts, wait_idle, worker_info  # noqa: E402
+from e2e_helpers import generate, init_local_ray, mixed_prompts, wait_idle, worker_info  # noqa: E402
 
 pytestmark = pytest.mark.ray
 
 
 @pytest.fixture(scope="module", autouse=True)
 def local_ray() -> Iterator[None]:
-    ray.init(num_cpus=8, include_dashboard=False, log_to_driver=False)
+    init_local_ray(num_cpus=8)
     yield
     ray.shutdown()
 

@@ -30,7 +30,7 @@ from pdserve.cluster.elastic_cli import switch_role  # noqa: E402
 from pdserve.cluster.ray_cluster import RayCluster  # noqa: E402
 from pdserve.v1 import common_pb2  # noqa: E402
 
-from e2e_helpers import Streams, greedy_workload, wait_idle, worker_info  # noqa: E402
+from e2e_helpers import Streams, greedy_workload, init_local_ray, wait_idle, worker_info  # noqa: E402
 
 NUM_STREAMS = 16
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
@@ -38,7 +38,7 @@ pytestmark = [pytest.mark.ray, pytest.mark.slow]
 
 @pytest.fixture(scope="module", autouse=True)
 def local_ray() -> Iterator[None]:
-    ray.init(num_cpus=8, include_dashboard=False, log_to_driver=False)
+    init_local_ray(num_cpus=8)
     yield
     ray.shutdown()
 

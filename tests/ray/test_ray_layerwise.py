@@ -34,7 +34,7 @@ from pdserve.kv_transfer.ray_backend import (  # noqa: E402
 )
 from pdserve.prefill_worker.layer_stream import LayerStream  # noqa: E402
 
-from e2e_helpers import generate, wait_idle  # noqa: E402
+from e2e_helpers import generate, init_local_ray, wait_idle  # noqa: E402
 
 pytestmark = pytest.mark.ray
 
@@ -44,7 +44,7 @@ TARGET = f"ray:{HOST_NAME}"
 
 @pytest.fixture(scope="module", autouse=True)
 def local_ray() -> Iterator[None]:
-    ray.init(num_cpus=6, include_dashboard=False, log_to_driver=False)
+    init_local_ray(num_cpus=6)
     yield
     ray.shutdown()
 
