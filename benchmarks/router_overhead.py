@@ -20,6 +20,10 @@ the latencies: it moves much less than they do with what else the machine runs. 
 
   python benchmarks/router_overhead.py --streams 1 256 --tokens 30 --interval-ms 100 --loops asyncio uvloop
   python benchmarks/router_overhead.py --streams 1 256 --tokens 30 --interval-ms 100 --transports generate mux
+
+`--router-cpu N` pins the routers to CPU N and everything else (client, stand-in) to the other CPUs,
+as a router deployed on its own core or machine runs: then the added latency is the relay's own
+cost, not the wait for a CPU that the client and the stand-in hold.
 """
 
 from __future__ import annotations
@@ -154,7 +158,18 @@ def main() -> None:
     ap.add_argument("--transports", nargs="+", default=["generate"], choices=["generate", "mux"],
                     help="router -> stand-in transport: a Generate call per stream, or one GenerateMux stream "
                          "(router --decode-mux); one router each, measured side by side")
+    ap.add_argument("--router-cpu", type=int, default=None, metavar="CPU",
+                    help="pin the routers to this CPU and the client and stand-in to the others (Linux), as a "
+                         "router on its own machine or core would run; default: no pinning, all share all CPUs")
     args = ap.parse_args()
+    pin: list[str] = []
+    if args.router_cpu is not None:
+        cpus = os.sched_getaffinity(0)
+        if args.router_cpu not in cpus or len(cpus) < 2:
+            ap.error(f"--router-cpu {args.router_cpu}: need it among this process's CPUs {sorted(cpus)}, "
+                     "with at least one other left for the client and stand-in")
+        os.sched_setaffinity(0, cpus - {args.router_cpu})  # the stand-in inherits it
+        pin = ["taskset", "-c", str(args.router_cpu)]  # every router thread, from its first
     logs = Path(tempfile.mkdtemp(prefix="pdserve-overhead-"))
     stand_in = ManagedProcess("stand-in", [sys.executable, "-c", STAND_IN, str(args.tokens), str(args.interval_ms),
                                              args.tick],
@@ -170,7 +185,7 @@ def main() -> None:
                     env["PDSERVE_EVENT_LOOP"] = loop
                 name = loop if transport == "generate" else f"{loop}-mux"
                 extra = ["--decode-mux"] if transport == "mux" else []
-                router = ManagedProcess(f"router-{name}", [sys.executable, "-m", "pdserve.router", "--port", "0",
+                router = ManagedProcess(f"router-{name}", [*pin, sys.executable, "-m", "pdserve.router", "--port", "0",
                                                            "--http-port", "0", "--colocated", stand_in_address,
                                                            "--max-concurrent-streams", "1024", "--log-level",
                                                            "WARNING", *extra],
