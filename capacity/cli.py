@@ -1,4 +1,4 @@
-"""The `pdserve bench`, `pdserve sweep` and `pdserve plan {profile,simulate,validate}` subcommands.
+"""The `pdserve bench`, `pdserve sweep` and `pdserve plan {profile,fit,simulate,validate,calibrate}` subcommands.
 
 Heavy imports (transformers, torch, matplotlib) happen inside the command functions, so building
 the parser stays cheap.
@@ -11,8 +11,9 @@ import json
 import math
 import os
 import sys
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from pdserve.capacity.arrivals import parse_rate
 from pdserve.capacity.metrics import parse_slo
@@ -20,6 +21,8 @@ from pdserve.capacity.workload import length_dist
 from pdserve.cluster.engine_flags import add_engine_flags, engine_worker_args
 from pdserve.cluster.tables import format_table
 from pdserve.extras import require
+
+T = TypeVar("T")
 
 DEFAULT_URL = "127.0.0.1:50051"
 
@@ -89,6 +92,15 @@ def add_plan(commands: argparse._SubParsersAction) -> None:
                       help="context lengths of the decode points (default 128,512,1024)")
     prof.add_argument("--output", default="profile.json")
     prof.set_defaults(func=_cmd_profile)
+    pfit = sub.add_parser("fit", help="fit a profile's pass model to the pass log of a serving run "
+                                      "(PDSERVE_PASS_LOG=DIR while it ran)")
+    pfit.add_argument("--pass-log", required=True, nargs="+", metavar="PATH",
+                      help="pass-log files, or folders of them (passes-*.csv)")
+    pfit.add_argument("--profile", required=True,
+                      help="base profile: transfer, engine limits and model are taken from it")
+    pfit.add_argument("--name", default=None, help="name of the new profile (default: the base's + -pass-log)")
+    pfit.add_argument("--output", required=True)
+    pfit.set_defaults(func=_cmd_fit)
     sim = sub.add_parser("simulate", help="search prefill:decode ratios, colocated and sizes for a rate")
     sim.add_argument("--profile", required=True)
     sim.add_argument("--profile-prefill", default=None, help="profile of the prefill device")
@@ -126,8 +138,20 @@ def add_plan(commands: argparse._SubParsersAction) -> None:
     cal.set_defaults(func=_cmd_calibrate)
 
 
-def _rates(text: str) -> list[float]:
-    return [parse_rate(t) for t in text.split(",") if t.strip()]
+def comma_list(parse: Callable[[str], T], what: str) -> Callable[[str], list[T]]:
+    """An argparse type: "a,b,c" -> [parse(a), parse(b), parse(c)]; an element that does not parse
+    is an ArgumentTypeError naming the list and why."""
+    def convert(text: str) -> list[T]:
+        try:
+            return [parse(part.strip()) for part in text.split(",") if part.strip()]
+        except ValueError as exc:
+            raise argparse.ArgumentTypeError(f"expected comma-separated {what}, got {text!r} ({exc})") from None
+
+    return convert
+
+
+_rates = comma_list(parse_rate, "rates (each > 0, or inf)")
+_int_list = comma_list(int, "integers")
 
 
 def bench_config(args: argparse.Namespace, url: str) -> Any:
@@ -190,14 +214,6 @@ def _cmd_sweep(args: argparse.Namespace) -> int:
     return 0
 
 
-def _int_list(text: str) -> list[int]:
-    """"1,4,16" -> [1, 4, 16] (an argparse type)."""
-    try:
-        return [int(part) for part in text.split(",") if part.strip()]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
-
-
 def _fmt(value: object) -> str:
     return f"{value:.3f}" if isinstance(value, float) else str(value)
 
@@ -217,6 +233,33 @@ def _cmd_profile(args: argparse.Namespace) -> int:
     profile.save(args.output)
     doc = profile.to_json()
     print(json.dumps({k: doc[k] for k in ("name", "prefill", "decode", "transfer", "contention_workers")}, indent=1))
+    return 0
+
+
+def _cmd_fit(args: argparse.Namespace) -> int:
+    from pdserve.capacity.profiler import fit_pass_log
+    from pdserve.engine.pass_log import read_pass_logs
+
+    try:
+        files: list[Path] = []
+        for given in map(Path, args.pass_log):
+            found = sorted(given.glob("passes-*.csv")) if given.is_dir() else [given]
+            if not found or not found[0].is_file():
+                raise ValueError(f"--pass-log {given}: no pass-log file there")
+            files += found
+        rows = read_pass_logs(files)
+        profile = fit_pass_log(_load_profile(args.profile), rows, args.name)
+    except (ValueError, OSError, KeyError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    profile.save(args.output)
+    fitted = profile.points["pass_log"]
+    print(f"fitted {fitted['passes']} passes from {len(files)} file(s): "
+          + ", ".join(f"{t} {c:.6g}" for t, c in zip(fitted["terms"], fitted["coef"], strict=True)))
+    for kind, stats in fitted["by_kind"].items():
+        if stats["passes"]:
+            print(f"  {kind}: {stats['passes']} passes, mean {1000 * stats['mean_s']:.1f} ms, "
+                  f"mean |residual| {1000 * stats['mean_abs_residual_s']:.1f} ms")
     return 0
 
 

@@ -276,7 +276,8 @@ def sweep_prompts(sweep: Mapping[str, Any]) -> PromptSource:
 def validate(timing: Timing, sweep: Mapping[str, Any], prompts: PromptSource | None = None) -> dict[str, Any]:
     """Predict every measured point of a sweep by replaying its trace; errors per metric and their mean.
 
-    With `prompts` (see `sweep_prompts`) the prefill workers' prefix caches are modelled too: they
+    With `prompts` (see `sweep_prompts`) the prefix caches of the workers that prefill (prefill
+    workers, or colocated workers) are modelled too: they
     persist across the rates of one configuration (one cluster serves them all, and `bench` sends
     the same prompts at every rate), warm-up prompts included, each prompt cached on the worker
     round robin sent it to."""
@@ -291,11 +292,11 @@ def validate(timing: Timing, sweep: Mapping[str, Any], prompts: PromptSource | N
         arrivals, inputs, outputs, indices = replay_trace(point, output_len)
         sent_before = int(point.get("rate_index", 0)) * (warmup + len(point["records"]))
         hashes, worker_caches = None, None
-        if prompts is not None and dep.prefill:
-            worker_caches = caches.setdefault(point["config"], [PrefixCache(timing.prefill.engine.num_blocks)
-                                                                for _ in range(dep.prefill)])
-            hashes = _warm_and_hash(prompts(point), worker_caches, sent_before, indices, inputs,
-                                    timing.prefill.engine.block_size)
+        if prompts is not None:
+            engine = timing.prefill.engine if dep.prefill else timing.decode.engine  # the workers that prefill
+            worker_caches = caches.setdefault(point["config"], [PrefixCache(engine.num_blocks)
+                                                                for _ in range(dep.prefill or dep.colocated)])
+            hashes = _warm_and_hash(prompts(point), worker_caches, sent_before, indices, inputs, engine.block_size)
         point_timing = Timing(timing.prefill, timing.decode, speedup, timing.backend, sent_before + warmup)
         predicted_records = simulate(dep, arrivals, inputs, outputs, point_timing, hashes, worker_caches)
         predicted = summarize(predicted_records, _duration(predicted_records), slos)

@@ -20,7 +20,7 @@ import math
 import platform
 import statistics
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from concurrent import futures
 from typing import Any
 
@@ -221,3 +221,68 @@ def run_profile(model: str | None = None, threads: int = 1, repeats: int = 3, co
 def _nonnegative(coef: list[float]) -> list[float]:
     """Least squares may give a tiny negative term on noisy points; a profile's terms are >= 0."""
     return [max(0.0, c) for c in coef]
+
+
+# ----- fitting to a serving run's pass log ---------------------------------------------------------
+#: Regressors of one pass in the joint fit: a constant, then the prefill and decode terms.
+PASS_LOG_TERMS = ("constant", "prefill_tokens", "prefill_attention", "decode_batch", "decode_context")
+MIN_PASS_LOG_LINES = 20
+
+
+def nonnegative_lstsq(x: np.ndarray, y: np.ndarray) -> np.ndarray:
+    """min |x c - y| over c >= 0 (Lawson-Hanson style: drop the most negative term, refit, until
+    every term left is >= 0; columns that are all zero stay 0)."""
+    active = [k for k in range(x.shape[1]) if np.any(x[:, k])]
+    while True:
+        coef = np.zeros(x.shape[1])
+        if active:
+            coef[active] = np.linalg.lstsq(x[:, active], y, rcond=None)[0]
+        negative = [k for k in active if coef[k] < 0]
+        if not negative:
+            return coef
+        active.remove(min(negative, key=lambda k: coef[k]))
+
+
+def fit_pass_log(base: Profile, rows: Sequence[Mapping[str, float]], name: str | None = None) -> Profile:
+    """`base` with its pass model fitted to pass-log lines (`engine.pass_log`) of a serving run:
+    seconds ~ a + b_p*prefill_tokens + c_p*prefill_attention + b_d*decode_batch + c_d*decode_context,
+    one non-negative least-squares fit over every pass, mixed ones included. Both formulas get the
+    one constant ``a``, so a mixed pass costs ``a`` once, as the pass model counts it. The pass log
+    times the loop's whole pass (scheduling, sampling, applying tokens), so ``overhead`` is reset
+    to zero; transfer, engine limits and the model come from `base`. ValueError when there are
+    fewer than MIN_PASS_LOG_LINES passes or no pass of a kind (prefill, decode)."""
+    from dataclasses import replace
+
+    from pdserve.engine.sim_profile import Overhead
+
+    if len(rows) < MIN_PASS_LOG_LINES:
+        raise ValueError(f"pass log: need at least {MIN_PASS_LOG_LINES} passes to fit, got {len(rows)}")
+    if not any(r["prefill_tokens"] for r in rows) or not any(r["decode_batch"] for r in rows):
+        raise ValueError("pass log: need passes with prompt tokens and passes with decoding sequences "
+                         "(log a run that prefills and decodes: both roles, or colocated workers)")
+    x = np.array([[1.0, r["prefill_tokens"], r["prefill_attention"], r["decode_batch"], r["decode_context"]]
+                  for r in rows])
+    y = np.array([r["seconds"] for r in rows])
+    a, bp, cp, bd, cd = (float(c) for c in nonnegative_lstsq(x, y))
+    residual = y - x @ np.array([a, bp, cp, bd, cd])
+    kinds = {
+        "prefill only": [i for i, r in enumerate(rows) if r["prefill_tokens"] and not r["decode_batch"]],
+        "decode only": [i for i, r in enumerate(rows) if r["decode_batch"] and not r["prefill_tokens"]],
+        "mixed": [i for i, r in enumerate(rows) if r["decode_batch"] and r["prefill_tokens"]],
+    }
+    summary = {kind: {"passes": len(idx),
+                      "mean_s": float(np.mean(y[idx])) if idx else None,
+                      "mean_abs_residual_s": float(np.mean(np.abs(residual[idx]))) if idx else None}
+               for kind, idx in kinds.items()}
+    return replace(
+        base,
+        name=name or f"{base.name}-pass-log",
+        description=f"{base.description}; pass model fitted to {len(rows)} passes of a serving run's pass log "
+                    "(`pdserve plan fit`)",
+        source=f"{base.source}; pass model: `pdserve plan fit` on a pass log",
+        prefill=PrefillCost(a, bp, cp),
+        decode=DecodeCost(a, bd, cd),
+        overhead=Overhead(),
+        points={**base.points, "pass_log": {"passes": len(rows), "terms": list(PASS_LOG_TERMS),
+                                            "coef": [a, bp, cp, bd, cd], "by_kind": summary}},
+    )

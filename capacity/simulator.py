@@ -32,8 +32,10 @@ The model follows the workers' code paths pass by pass, with the pass times of a
   reads K times larger in profile time).
 
 Per-request results are ``metrics.RequestRecord``s, so the simulated summary uses the very same
-metric code as the load generator. Not modelled: prefix-cache hits, request deadlines and admission
-timeouts, the transfer thread pool's size, CPU contention between processes.
+metric code as the load generator. Prefix-cache hits are modelled when the prompts' block hashes
+are given (`simulate`: on prefill workers, and on colocated workers, which prefill too). Not
+modelled: request deadlines and admission timeouts, the transfer thread pool's size, CPU
+contention between processes.
 """
 
 from __future__ import annotations
@@ -139,6 +141,7 @@ class SimRequest:
     token_times: list[float] = field(default_factory=list)
     blocks: int = 0  # blocks held on the decode / colocated worker
     recompute: bool = False  # preempted: its next pass recomputes prompt + outputs
+    prefix_hit: int = 0  # prompt tokens a colocated worker's prefix cache held when its prefill was scheduled
     block_hashes: Sequence[Hashable] = ()  # chained hashes of the prompt's full blocks (prefix cache)
 
     @property
@@ -221,8 +224,10 @@ class _Loop:
 class _EngineWorker(_Loop):
     """Decode or colocated worker: `LLMEngine` (scheduler + block pool) behind the loop."""
 
-    def __init__(self, loop: EventLoop, profile: Profile, scale: float, rng: np.random.Generator | None = None) -> None:
+    def __init__(self, loop: EventLoop, profile: Profile, scale: float, rng: np.random.Generator | None = None,
+                 cache: PrefixCache | None = None) -> None:
         super().__init__(loop, profile, scale, rng)
+        self.cache = cache  # colocated workers' prefix cache (a decode worker prefills nothing)
         self.running: list[SimRequest] = []
         self.waiting: deque[SimRequest] = deque()
         self.parked: list[tuple[SimRequest, Callable[[], None]]] = []
@@ -308,19 +313,29 @@ class _EngineWorker(_Loop):
     def _prefill_tokens(self, req: SimRequest) -> int:
         return req.num_tokens - 1 if req.token_times else req.input_len
 
+    def _cache_hit(self, req: SimRequest) -> int:
+        """Prompt tokens of a fresh request the prefix cache holds (full blocks, at least one token
+        left to compute), as `BlockPool` finds them."""
+        if self.cache is None or req.recompute or req.token_times:
+            return 0
+        bs = self.limits.block_size
+        return self.cache.hits(req.block_hashes[: (req.input_len - 1) // bs]) * bs
+
     def _schedule_prefill(self, budget: int) -> list[SimRequest]:
         batch: list[SimRequest] = []
         while self.waiting and len(self.running) + len(batch) < self.limits.max_num_seqs:
             req = self.waiting[0]
-            new = self._prefill_tokens(req)
-            if batch and new > budget:
+            tokens = self._prefill_tokens(req)
+            hit = self._cache_hit(req)
+            if batch and tokens - hit > budget:
                 break
-            needed = blocks_for(new, self.limits.block_size) + len(self.running) + len(batch)
-            if self.free < needed or not self._grow(req, new):
+            needed = blocks_for(tokens, self.limits.block_size) + len(self.running) + len(batch)
+            if self.free < needed or not self._grow(req, tokens):
                 break
             self.waiting.popleft()
+            req.prefix_hit = hit
             batch.append(req)
-            budget -= new
+            budget -= tokens - hit
         return batch
 
     def _start_pass(self) -> None:
@@ -328,7 +343,7 @@ class _EngineWorker(_Loop):
         prefill = self._schedule_prefill(self.limits.max_batched_tokens - len(decode))
         if not decode and not prefill:
             return
-        items = [(self._prefill_tokens(r), 0) for r in prefill]
+        items = [(self._prefill_tokens(r) - r.prefix_hit, r.prefix_hit) for r in prefill]
         seconds = self.profile.pass_s(items, len(decode), sum(r.num_tokens for r in decode))
         num_seqs, self.commits = len(decode) + len(prefill) + self.commits, 0
         self._run_pass(seconds, num_seqs, lambda: self._end_pass(decode, prefill))
@@ -338,7 +353,9 @@ class _EngineWorker(_Loop):
             self._emit(req)
         for req in prefill:
             fresh = not req.recompute
-            req.recompute = False
+            req.recompute, req.prefix_hit = False, 0
+            if fresh and self.cache is not None:
+                self.cache.add(req.block_hashes[: req.input_len // self.limits.block_size])
             if fresh:
                 self._emit(req)
             if not req.done:
@@ -425,16 +442,19 @@ def simulate(
     prefix_caches: Sequence[PrefixCache] | None = None,
 ) -> list[RequestRecord]:
     """Run every request to completion; return their records (send_time = arrival). With
-    `prompt_hashes` (each prompt's full-block hashes) and one `PrefixCache` per prefill worker,
-    prefill workers skip the cached prefix of a prompt, as with `--prefix-caching`."""
+    `prompt_hashes` (each prompt's full-block hashes) and one `PrefixCache` per prefill worker (per
+    colocated worker in a colocated deployment), those workers skip the cached prefix of a prompt,
+    as with `--prefix-caching`."""
     loop = EventLoop()
     hashes = prompt_hashes or [()] * len(arrivals)
     reqs = [SimRequest(i, t, max(1, n), max(1, m), block_hashes=h)
             for i, (t, n, m, h) in enumerate(zip(arrivals, input_lens, output_lens, hashes, strict=True))]
     scale = timing.overhead_scale
-    engines = [_EngineWorker(loop, timing.decode, scale, np.random.default_rng([timing.seed, 0, i]))
+    colocated_caches = list(prefix_caches) if prefix_caches is not None and dep.colocated else []
+    engines = [_EngineWorker(loop, timing.decode, scale, np.random.default_rng([timing.seed, 0, i]),
+                             colocated_caches[i] if colocated_caches else None)
                for i in range(dep.colocated or dep.decode)]
-    caches = list(prefix_caches) if prefix_caches is not None else [None] * dep.prefill
+    caches = list(prefix_caches) if prefix_caches is not None and dep.prefill else [None] * dep.prefill
     prefills = []
     for i, cache in enumerate(caches[: dep.prefill]):
         rng = np.random.default_rng([timing.seed, 1, i])

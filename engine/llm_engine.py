@@ -30,6 +30,7 @@ from pdserve.engine.kv_cache import KVCache
 from pdserve.engine.kv_connector import KvConnector
 from pdserve.engine.model_loader import LoadedModel
 from pdserve.engine.model_runner import StepInput
+from pdserve.engine.pass_log import PassLog
 from pdserve.engine.runners import build_runner
 from pdserve.engine.sampler import TokenLogprob, sample, token_logprobs
 from pdserve.engine.sampling_params import SamplingParams
@@ -80,6 +81,21 @@ def build_cache(loaded: LoadedModel, config: EngineConfig, shared: bool = False)
     return KVCache(shape, num_blocks, device=config.device, shared=shared)
 
 
+def _pass_shape(items: list[PassItem]) -> tuple[int, int, int, int]:
+    """(decode batch, decode context tokens, prompt tokens, prompt attention) of a pass, counted as
+    the simulated engine counts them (`engine.sim_runner.SimRunner.pass_seconds`)."""
+    batch = context = tokens = attention = 0
+    for item in items:
+        new, cached = len(item.token_ids), item.seq.num_cached
+        if new == 1 and cached > 0:
+            batch += 1
+            context += cached + 1
+        else:
+            tokens += new
+            attention += new * (cached + new)
+    return batch, context, tokens, attention
+
+
 class LLMEngine:
     def __init__(self, loaded: LoadedModel, config: EngineConfig, connector: KvConnector | None = None,
                  shared_kv_cache: bool = False, kv_cache: KVCache | None = None) -> None:
@@ -97,6 +113,7 @@ class LLMEngine:
         self.max_model_len = min(config.max_model_len or loaded.max_model_len, loaded.max_model_len)
         self.sequences: dict[str, Sequence] = {}  # every sequence not finished, handed-off ones included
         self.last_pass: ScheduledPass | None = None  # what the latest step planned (for metrics)
+        self.pass_log = PassLog.from_env()  # PDSERVE_PASS_LOG: every pass's time and shape (profile fitting)
 
     # ----- admission -------------------------------------------------------------------------
     def check_request(self, prompt_ids: list[int], resume_ids: list[int] | None = None) -> None:
@@ -237,11 +254,15 @@ class LLMEngine:
         """Run one pass: a decode step of every running sequence plus, in the same pass, prompt
         chunks that fit the remaining token budget and batch slots (mixed batch: a request joining
         mid-run costs no pass of its own)."""
+        started = time.perf_counter()
         planned = self.scheduler.schedule()
         self.last_pass = planned
         outputs = [self._finish(seq, FINISH_LENGTH) for seq in self._drain_overflowed()]
         if planned.items:
+            shape = _pass_shape(planned.items) if self.pass_log is not None else None
             outputs += self._run(planned.items)
+            if shape is not None:
+                self.pass_log.write(started, time.perf_counter() - started, *shape)  # type: ignore[union-attr]
         return outputs
 
     def _drain_overflowed(self) -> list[Sequence]:

@@ -124,3 +124,15 @@ def test_plan_profile_measures_the_grids_it_is_given(tiny_model) -> None:  # noq
         check_grid("decode batches", [4, 4], 1, 2)
     with pytest.raises(ValueError, match=">= 2"):
         check_grid("decode contexts", [1, 8], 2, 1)
+
+
+def test_comma_lists_name_the_bad_element(capsys) -> None:  # noqa: ANN001
+    """--rates and the profile grids share one comma-list parser; a bad element is a clear usage error."""
+    for argv, said in ((["sweep", "--workers", "2", "--rates", "0.5,-1", "--output-dir", "d"],
+                        "expected comma-separated rates (each > 0, or inf), got '0.5,-1' (rate must be > 0"),
+                       (["plan", "profile", "--prefill-tokens", "16,x"],
+                        "expected comma-separated integers, got '16,x'")):
+        with pytest.raises(SystemExit):
+            build_parser().parse_args(argv)
+        assert said in capsys.readouterr().err
+    assert build_parser().parse_args(["plan", "profile", "--prefill-tokens", " 16, 32 ,"]).prefill_tokens == [16, 32]

@@ -135,6 +135,25 @@ def test_prefix_cache_skips_the_cached_blocks_of_a_repeated_prompt() -> None:
     assert small.hits([1, 2]) == 0 and small.hits([2, 3, 4]) == 3  # least recently used went first
 
 
+def test_colocated_workers_prefix_cache_shortens_the_prefill_and_the_mixed_pass() -> None:
+    """A colocated worker prefills too, with the same prefix cache (the real engine's `BlockPool`):
+    a repeated prompt computes its last block only, alone or inside another request's decode step."""
+    from pdserve.capacity.simulator import PrefixCache
+
+    timing = timing_for(make_profile(prefill=(0.0, 0.001, 0.0), decode=(0.01, 0.0, 0.0)))
+    hashes = [list(range(1, 11))] * 2  # ten full blocks of 16 tokens
+    caches = [PrefixCache(capacity_blocks=100)]
+    first, second = simulate(Deployment(colocated=1), [0.0, 1.0], [160, 160], [1, 1], timing, hashes, caches)
+    assert first.ttft == pytest.approx(0.16) and second.ttft == pytest.approx(0.016)
+    # the repeat joins a running decode: its mixed pass costs 16 prompt tokens, not 160
+    cold = simulate(Deployment(colocated=1), [0.0, 0.1], [160, 160], [20, 2], timing, hashes, [PrefixCache(100)])
+    assert max(cold[1].itl) == pytest.approx(0.01)
+    assert max(cold[0].itl) == pytest.approx(0.016 + 0.01, abs=0.011)
+    # without hashes (no prompts known) nothing is cached, as before
+    plain = simulate(Deployment(colocated=1), [0.0, 1.0], [160, 160], [1, 1], timing)
+    assert plain[1].ttft == pytest.approx(0.16)
+
+
 def test_overhead_per_sequence_grows_with_the_batch() -> None:
     # decode steps of 10 ms; the stack adds 1 ms per pass and 2 ms per sequence in it (scale 1)
     profile = make_profile(decode=(0.01, 0.0, 0.0), overhead=Overhead(per_pass_s=0.001, per_seq_s=0.002))
