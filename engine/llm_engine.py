@@ -36,6 +36,7 @@ from pdserve.engine.sampler import TokenLogprob, sample, token_logprobs
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.engine.scheduler import PassItem, ScheduledPass, Scheduler
 from pdserve.engine.sequence import Sequence, SequenceStatus
+from pdserve.engine.sim_profile import prefill_terms, split_pass
 from pdserve.engine.stop_checker import FINISH_ABORT, FINISH_ERROR, FINISH_LENGTH
 from pdserve.engine.trace import DecodeStepEvent, PrefillPassEvent, TraceEvent
 
@@ -82,18 +83,10 @@ def build_cache(loaded: LoadedModel, config: EngineConfig, shared: bool = False)
 
 
 def _pass_shape(items: list[PassItem]) -> tuple[int, int, int, int]:
-    """(decode batch, decode context tokens, prompt tokens, prompt attention) of a pass, counted as
-    the simulated engine counts them (`engine.sim_runner.SimRunner.pass_seconds`)."""
-    batch = context = tokens = attention = 0
-    for item in items:
-        new, cached = len(item.token_ids), item.seq.num_cached
-        if new == 1 and cached > 0:
-            batch += 1
-            context += cached + 1
-        else:
-            tokens += new
-            attention += new * (cached + new)
-    return batch, context, tokens, attention
+    """(decode batch, decode context tokens, prompt tokens, prompt attention) of a pass, counted by
+    the pass model's own split, as the simulated engine counts them."""
+    prefill, batch, context = split_pass((len(item.token_ids), item.seq.num_cached) for item in items)
+    return (batch, context, *prefill_terms(prefill))
 
 
 class LLMEngine:

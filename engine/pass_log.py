@@ -10,7 +10,7 @@ terms of the profile's pass model (`engine.sim_profile`):
 
 ``decode_context`` is the decoding sequences' context tokens in total (this pass's token
 included) and ``prefill_attention`` is sum(new_i * (cached_i + new_i)) over prompt chunks, as the
-simulated engine counts them. `pdserve plan profile --from-pass-log DIR` fits a profile to these
+simulated engine counts them. `pdserve plan fit --pass-log DIR` fits a profile to these
 lines (`capacity.profiler.fit_pass_log`): mixed passes, sampling, scheduling and the contention of
 the workers that ran beside it are then in the fit, as measured while serving.
 
@@ -22,14 +22,12 @@ from __future__ import annotations
 
 import itertools
 import os
-import threading
 from pathlib import Path
 from typing import TextIO
 
 ENV_VAR = "PDSERVE_PASS_LOG"
 COLUMNS = ("start_s", "seconds", "decode_batch", "decode_context", "prefill_tokens", "prefill_attention")
-_counter = itertools.count()
-_lock = threading.Lock()
+_counter = itertools.count()  # next() on it is atomic: engines built on two threads get two files
 
 
 class PassLog:
@@ -47,9 +45,7 @@ class PassLog:
         folder = os.environ.get(ENV_VAR, "")
         if not folder:
             return None
-        with _lock:
-            index = next(_counter)
-        return cls(Path(folder) / f"passes-{os.getpid()}-{index}.csv")
+        return cls(Path(folder) / f"passes-{os.getpid()}-{next(_counter)}.csv")
 
     def write(self, start_s: float, seconds: float, decode_batch: int, decode_context: int,
               prefill_tokens: int, prefill_attention: int) -> None:

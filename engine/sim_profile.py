@@ -41,7 +41,7 @@ version, missing fields and negative coefficients with a ValueError that names t
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -61,6 +61,26 @@ def _coef(doc: Mapping[str, Any], name: str, count: int) -> tuple[float, ...]:
     return out
 
 
+def split_pass(items: Iterable[tuple[int, int]]) -> tuple[list[tuple[int, int]], int, int]:
+    """A pass's sequences, each (new tokens, cached tokens), in the pass model's terms: the prompt
+    chunks (new, cached), the decode batch, and its context tokens in total (this pass's token
+    included). A decode item is one new token on a cached prefix."""
+    prefill: list[tuple[int, int]] = []
+    batch = context = 0
+    for new, cached in items:
+        if new == 1 and cached > 0:
+            batch += 1
+            context += cached + 1
+        else:
+            prefill.append((new, cached))
+    return prefill, batch, context
+
+
+def prefill_terms(items: Sequence[tuple[int, int]]) -> tuple[int, int]:
+    """(new tokens, attention work sum(new_i * (cached_i + new_i))) of prompt chunks (new, cached)."""
+    return sum(n for n, _ in items), sum(n * (cached + n) for n, cached in items)
+
+
 @dataclass(frozen=True)
 class PrefillCost:
     """a + b*new_tokens + c*sum(new_i * (cached_i + new_i)) seconds per pass."""
@@ -71,8 +91,7 @@ class PrefillCost:
 
     def seconds(self, items: Sequence[tuple[int, int]]) -> float:
         """items: (new tokens, cached tokens) of each prompt chunk in the pass."""
-        new = sum(n for n, _ in items)
-        attention = sum(n * (cached + n) for n, cached in items)
+        new, attention = prefill_terms(items)
         return self.a + self.b * new + self.c * attention
 
     def to_json(self) -> dict[str, Any]:

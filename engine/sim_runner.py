@@ -35,7 +35,7 @@ from pdserve.engine.config import EngineConfig
 from pdserve.engine.kv_cache import KVCache, KVCacheShape
 from pdserve.engine.model_loader import LoadedModel
 from pdserve.engine.model_runner import StepInput
-from pdserve.engine.sim_profile import Profile, load_profile
+from pdserve.engine.sim_profile import Profile, load_profile, split_pass
 
 ENGINES = ("model", "sim")
 PLACEHOLDER_DTYPE = torch.float16
@@ -126,10 +126,7 @@ class SimRunner:
 
     def pass_seconds(self, items: list[StepInput]) -> float:
         """Profile time of one pass over `items` (decode items: one new token on a cached prefix)."""
-        decode = [i for i in items if len(i.token_ids) == 1 and i.num_cached > 0]
-        prefill = [(len(i.token_ids), i.num_cached) for i in items if not (len(i.token_ids) == 1 and i.num_cached > 0)]
-        context = sum(i.num_cached + 1 for i in decode)
-        return self.sim.profile.pass_s(prefill, len(decode), context)
+        return self.sim.profile.pass_s(*split_pass((len(i.token_ids), i.num_cached) for i in items))
 
     def next_token(self, item: StepInput) -> int:
         """The pseudo token after `item`'s last new token (a function of that token and its position)."""
