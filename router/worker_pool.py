@@ -280,6 +280,11 @@ class WorkerPool:
         (with `require_room`) Busy when every healthy decode worker is full."""
         with self._lock:
             candidates = self._candidates_locked((DECODE, COLOCATED), avoid)
+            # a decode worker that no prefill worker has acknowledged yet (it just turned healthy, and
+            # the registration is in flight) takes no request while a paired one can
+            prefills = self._candidates_locked((PREFILL,), avoid)
+            candidates = [c for c in candidates if c.role != DECODE
+                          or self._registered_with_locked(c.address, prefills)] or candidates
             if require_room:
                 roomy = [c for c in candidates if self._has_room_locked(c.address)]
                 if not roomy and any(c.healthy for c in candidates):
@@ -290,11 +295,10 @@ class WorkerPool:
                 raise NoHealthyWorker(self._missing_message((DECODE, COLOCATED), "decode"))
             prefill_address = ""
             if decode.role == DECODE:
-                candidates = self._candidates_locked((PREFILL,), avoid)
-                paired = self._registered_with_locked(decode.address, candidates)
+                paired = self._registered_with_locked(decode.address, prefills)
                 prefill = prefill_policy.pick(paired, prefix_key)
                 if prefill is None:
-                    raise NoHealthyWorker(self._missing_message((PREFILL,), "prefill") if not candidates or paired
+                    raise NoHealthyWorker(self._missing_message((PREFILL,), "prefill") if not prefills or paired
                                           else f"no prefill worker has registered decode worker "
                                                f"{decode.address} as a KV target yet")
                 prefill_address = prefill.address

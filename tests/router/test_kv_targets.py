@@ -37,3 +37,37 @@ def test_decode_workers_are_paired_only_with_prefill_workers_that_registered_the
     for _ in range(4):  # round robin would alternate; the refusing worker never gets the pair
         list(stub.Generate(request, timeout=10))
     assert [r.prefill_address for r in decode.requests] == [prefill_addresses[0]] * 4
+
+
+@dataclass
+class PickyPrefill(RegisteringPrefill):
+    """Refuses any target list that holds `unknown` (a new decode worker it has not heard of yet)."""
+
+    unknown: str = ""
+
+    def SetKvTargets(self, request: worker_pb2.KvTargets, context: grpc.ServicerContext):  # noqa: ANN201, N802
+        if self.unknown in request.targets:
+            context.abort(grpc.StatusCode.UNAVAILABLE, "not yet")
+        return super().SetKvTargets(request, context)
+
+
+def test_a_decode_worker_no_prefill_worker_registered_yet_is_not_picked(fake_server, start_router) -> None:  # noqa: ANN001
+    """A decode worker that turned healthy (a scale-up) but that no prefill worker has acknowledged
+    yet gets no request while a paired one can take it; the requests do not fail."""
+    old = FakeDecode(info=common_pb2.WorkerInfo(healthy=True, kv_address="ray:decode-old"))
+    new = FakeDecode(info=common_pb2.WorkerInfo(healthy=True, kv_address="ray:decode-new"))
+    prefill = PickyPrefill(unknown="ray:decode-new")
+    server, stub = start_router(RouterConfig(prefill=(fake_server(prefill),), decode=(fake_server(old),)))
+    from pdserve.router.worker_pool import WorkerEndpoint
+
+    server.pool.add(WorkerEndpoint(fake_server(new), "decode"))
+    assert server.pool.candidates(("decode",))[1].healthy  # healthy, yet not a KV target of the prefill
+    request = router_pb2.GenerateRequest(prompt="Hello", params=common_pb2.SamplingParams(max_tokens=3))
+    for _ in range(4):  # round robin would alternate between the two decode workers
+        list(stub.Generate(request, timeout=10))
+    assert len(old.requests) == 4 and not new.requests
+    prefill.unknown = ""  # the prefill worker now takes the new target: the next poll pairs it
+    server.pool.poll_once()
+    for _ in range(4):
+        list(stub.Generate(request, timeout=10))
+    assert len(new.requests) == 2
