@@ -255,7 +255,8 @@ def _cmd_fit(args: argparse.Namespace) -> int:
     profile.save(args.output)
     fitted = profile.points["pass_log"]
     print(f"fitted {fitted['passes']} passes from {len(files)} file(s): "
-          + ", ".join(f"{t} {c:.6g}" for t, c in zip(fitted["terms"], fitted["coef"], strict=True)))
+          + ", ".join(f"{t} {c:.6g}" for t, c in zip(fitted["terms"], fitted["coef"], strict=True))
+          + f"; passes spread around the fit by a log-space deviation of {fitted['pass_sigma']:.3f} (pass_sigma)")
     for kind, stats in fitted["by_kind"].items():
         if stats["passes"]:
             print(f"  {kind}: {stats['passes']} passes, mean {1000 * stats['mean_s']:.1f} ms, "

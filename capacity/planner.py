@@ -370,6 +370,9 @@ def calibrate_overhead(profile: Profile, sweep: Mapping[str, Any], prompts: Prom
       overhead already reaches it), then the two terms above are fitted again with it;
     * per request: the mean excess TTFT left once the pass terms are in the model.
 
+    The profile's ``pass_sigma`` (the spread of the pass model's own time, measured on a pass log)
+    is kept as it is.
+
     With ``wake_sigma`` (the shape of a delay added to every pass whatever its batch, measured on a
     step log, not fitted here) the ITL p99 target is met by the delay's mean ``wake_s`` instead:
     bisection in [0, WAKE_S_MAX] with ``jitter_sigma`` held at the value given (0: a constant
@@ -407,8 +410,9 @@ def calibrate_overhead(profile: Profile, sweep: Mapping[str, Any], prompts: Prom
     def itl_error(over: Overhead) -> float:
         return float(np.mean([p["itl_ms_p99"]["rel_error"] for p in run(over)]))
 
+    start = Overhead(pass_sigma=profile.overhead.pass_sigma)  # the pass model's spread is measured, not fitted here
     if wake_sigma is not None:
-        over = fit_pass(Overhead(jitter_sigma=jitter_sigma, wake_sigma=wake_sigma))
+        over = fit_pass(replace(start, jitter_sigma=jitter_sigma, wake_sigma=wake_sigma))
 
         def with_wake(wake: float) -> Overhead:  # the delay's mean moves out of the per-pass term (TPOT kept)
             return replace(over, wake_s=wake, per_pass_s=max(0.0, over.per_pass_s - wake))
@@ -421,7 +425,7 @@ def calibrate_overhead(profile: Profile, sweep: Mapping[str, Any], prompts: Prom
             over = fit_pass(with_wake((low + high) / 2))
         per_request = _mean_excess(run(over), "ttft_ms_mean") / 1000 / speedup
         return replace(profile, overhead=replace(over, per_request_s=per_request))
-    over = fit_pass(Overhead())
+    over = fit_pass(start)
     if itl_error(over) < 0:
         low, high = 0.0, JITTER_SIGMA_MAX
         for _ in range(10):

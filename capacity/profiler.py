@@ -249,7 +249,10 @@ def fit_pass_log(base: Profile, rows: Sequence[Mapping[str, float]], name: str |
     one non-negative least-squares fit over every pass, mixed ones included. Both formulas get the
     one constant ``a``, so a mixed pass costs ``a`` once, as the pass model counts it. The pass log
     times the loop's whole pass (scheduling, sampling, applying tokens), so ``overhead`` is reset
-    to zero; transfer, engine limits and the model come from `base`. ValueError when there are
+    to zero but for ``pass_sigma``: the standard deviation of log(measured / fitted) over the
+    passes, how far this machine's passes spread around the fit (the planner draws each pass's
+    time from a lognormal factor of mean 1 with it). Transfer, engine limits and the model come
+    from `base`. ValueError when there are
     fewer than MIN_PASS_LOG_LINES passes or no pass of a kind (prefill, decode)."""
     from dataclasses import replace
 
@@ -264,7 +267,10 @@ def fit_pass_log(base: Profile, rows: Sequence[Mapping[str, float]], name: str |
                   for r in rows])
     y = np.array([r["seconds"] for r in rows])
     a, bp, cp, bd, cd = (float(c) for c in nonnegative_lstsq(x, y))
-    residual = y - x @ np.array([a, bp, cp, bd, cd])
+    fitted = x @ np.array([a, bp, cp, bd, cd])
+    residual = y - fitted
+    positive = (fitted > 0) & (y > 0)
+    pass_sigma = float(np.std(np.log(y[positive] / fitted[positive]), ddof=1)) if positive.sum() > 1 else 0.0
     kinds = {
         "prefill only": [i for i, r in enumerate(rows) if r["prefill_tokens"] and not r["decode_batch"]],
         "decode only": [i for i, r in enumerate(rows) if r["decode_batch"] and not r["prefill_tokens"]],
@@ -282,7 +288,8 @@ def fit_pass_log(base: Profile, rows: Sequence[Mapping[str, float]], name: str |
         source=f"{base.source}; pass model: `pdserve plan fit` on a pass log",
         prefill=PrefillCost(a, bp, cp),
         decode=DecodeCost(a, bd, cd),
-        overhead=Overhead(),
+        overhead=Overhead(pass_sigma=pass_sigma),
         points={**base.points, "pass_log": {"passes": len(rows), "terms": list(PASS_LOG_TERMS),
-                                            "coef": [a, bp, cp, bd, cd], "by_kind": summary}},
+                                            "coef": [a, bp, cp, bd, cd], "pass_sigma": pass_sigma,
+                                            "by_kind": summary}},
     )

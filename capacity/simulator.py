@@ -20,6 +20,9 @@ The model follows the workers' code paths pass by pass, with the pass times of a
 * Colocated worker: the same engine with local prefills: new prompts join the decode pass (mixed
   batch) within the token budget, batch slots and free blocks (one block of headroom per running
   sequence), and their first token is emitted at the end of that pass.
+* Pass spread: with ``overhead.pass_sigma`` > 0 the pass model's time of each pass is multiplied by
+  a random factor of mean 1 (lognormal, from the same seeded generator): a real machine's passes
+  spread around the fit (`pdserve plan fit` measures it on a pass log).
 * Overhead: every pass over n sequences takes ``(overhead.per_pass_s + n * overhead.per_seq_s) *
   overhead_scale`` more (a decode worker's commit of arrived KV counts as one sequence of its next
   pass: it emits and streams a token), multiplied, when ``overhead.jitter_sigma`` > 0, by a random
@@ -211,6 +214,9 @@ class _Loop:
             self.busy = False
             self._iterate()
 
+        spread = self.overhead.pass_sigma
+        if spread > 0:  # drawn only when modelled: older profiles keep their timelines
+            seconds *= float(self.rng.lognormal(-spread**2 / 2, spread))
         extra = self.overhead.pass_s(num_seqs) * self.scale
         sigma = self.overhead.jitter_sigma
         if sigma > 0 and extra > 0:

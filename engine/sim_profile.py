@@ -19,7 +19,8 @@ Document (every time in seconds, every size in bytes or tokens)::
       "transfer": {"shm": {"latency_s": x, "bytes_per_s": y}, "grpc": {...}, "ray": {...}},
       "engine": {"block_size": 16, "kv_capacity_tokens": N, "max_num_seqs": 64,
                  "max_batched_tokens": 4096, "prefill_chunk_tokens": 512},
-      "overhead": {"per_pass_s": 0.0, "per_seq_s": 0.0, "per_request_s": 0.0, "jitter_sigma": 0.0},
+      "overhead": {"per_pass_s": 0.0, "per_seq_s": 0.0, "per_request_s": 0.0, "jitter_sigma": 0.0,
+                   "wake_s": 0.0, "wake_sigma": 0.0, "pass_sigma": 0.0},
       "points": {...raw measurements, optional...}
     }
 
@@ -32,7 +33,10 @@ bytes_per_s. ``overhead`` is what the serving stack adds on the machine that run
 (wall seconds, scaled by the speedup like any wall time): per pass, per sequence in a pass (the
 loop thread's scheduling, sampling, detokenizing and streaming of each sequence's token), the pass
 overhead multiplied by a random factor of mean 1 (lognormal, log-space deviation ``jitter_sigma``:
-late wake-ups and stalls of a process on a busy machine), and once per request.
+late wake-ups and stalls of a process on a busy machine), a delay per pass whatever its batch
+(mean ``wake_s``, lognormal with log-space deviation ``wake_sigma``), and once per request.
+``pass_sigma`` spreads the pass model's own time (a random factor of mean 1, lognormal): the
+planner draws it, the sim engine does not (it waits the mean).
 
 Invariants: `Profile.from_json(p.to_json()) == p`; loading rejects another format, another
 version, missing fields and negative coefficients with a ValueError that names the field.
@@ -188,10 +192,15 @@ class Overhead:
     # (0: constant); both 0 in older profiles (no such delay)
     wake_s: float = 0.0
     wake_sigma: float = 0.0
+    # the pass model's own time (prefill / decode formulas, not the overhead above) multiplied by a
+    # random factor of mean 1, lognormal with this log-space deviation: how far a real machine's
+    # passes spread around the fit (`pdserve plan fit` measures it on a pass log; 0: none, as in
+    # older profiles). Only the planner draws it: a sim engine waits the modelled time itself
+    pass_sigma: float = 0.0
 
     def __post_init__(self) -> None:
         if min(self.per_pass_s, self.per_request_s, self.per_seq_s, self.jitter_sigma, self.wake_s,
-               self.wake_sigma) < 0:
+               self.wake_sigma, self.pass_sigma) < 0:
             raise ValueError(f"overhead: must be >= 0, got {self}")
 
     def pass_s(self, num_seqs: int) -> float:
@@ -200,13 +209,15 @@ class Overhead:
 
     def to_json(self) -> dict[str, Any]:
         return {"per_pass_s": self.per_pass_s, "per_seq_s": self.per_seq_s, "per_request_s": self.per_request_s,
-                "jitter_sigma": self.jitter_sigma, "wake_s": self.wake_s, "wake_sigma": self.wake_sigma}
+                "jitter_sigma": self.jitter_sigma, "wake_s": self.wake_s, "wake_sigma": self.wake_sigma,
+                "pass_sigma": self.pass_sigma}
 
     @classmethod
     def from_json(cls, doc: Mapping[str, Any]) -> Overhead:
         return cls(float(doc.get("per_pass_s", 0.0)), float(doc.get("per_request_s", 0.0)),
                    float(doc.get("per_seq_s", 0.0)), float(doc.get("jitter_sigma", 0.0)),
-                   float(doc.get("wake_s", 0.0)), float(doc.get("wake_sigma", 0.0)))
+                   float(doc.get("wake_s", 0.0)), float(doc.get("wake_sigma", 0.0)),
+                   float(doc.get("pass_sigma", 0.0)))
 
 
 @dataclass(frozen=True)

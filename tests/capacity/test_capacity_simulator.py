@@ -265,3 +265,27 @@ def test_calibration_recovers_a_wake_delay_of_a_simulated_measurement() -> None:
     # TPOT fixes the pass terms' total at the measured batch sizes
     assert fitted.per_seq_s == pytest.approx(truth.per_seq_s, rel=0.2)
     assert fitted.per_pass_s + fitted.wake_s == pytest.approx(truth.per_pass_s + truth.wake_s, abs=1e-3)
+
+
+def test_pass_spread_multiplies_the_pass_models_time_is_seeded_and_keeps_the_mean() -> None:
+    # 10 ms decode steps (the pass model) beside a constant 4 ms pass overhead that the spread leaves alone
+    def run(spread: float, seed: int) -> np.ndarray:
+        return np.array(_wake_run(Overhead(per_pass_s=0.004, pass_sigma=spread), seed)) - 0.004
+
+    assert list(run(0.0, 1)) == pytest.approx([0.01] * 2000)  # 0: the pass model's time, no draw
+    first, again, other = run(0.3, 1), run(0.3, 1), run(0.3, 2)
+    assert list(first) == list(again) and list(first) != list(other)  # same seed, same timeline
+    assert first.min() > 0 and float(np.mean(first)) == pytest.approx(0.01, rel=0.05)  # factor of mean 1
+    assert float(np.std(np.log(first))) == pytest.approx(0.3, rel=0.1)  # lognormal with that deviation
+
+
+def test_calibration_keeps_the_measured_pass_spread() -> None:
+    from dataclasses import replace
+
+    from pdserve.capacity.planner import calibrate_overhead
+
+    base = make_profile(prefill=(0.005, 1e-5, 0.0), decode=(0.006, 1e-4, 0.0), overhead=Overhead(pass_sigma=0.2))
+    sweep = _simulated_sweep(replace(base, overhead=Overhead()), Overhead(per_pass_s=0.002, per_request_s=0.01),
+                             (20.0, 120.0), 100)
+    for wake_sigma in (None, 1.5):
+        assert calibrate_overhead(base, sweep, iterations=1, wake_sigma=wake_sigma).overhead.pass_sigma == 0.2

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -43,7 +44,8 @@ def test_fit_recovers_the_pass_model_and_counts_the_constant_once() -> None:
     # a mixed pass of 64 tokens beside 4 sequences of 100 tokens: the constant once
     expected = TRUE[0] + TRUE[1] * 64 + TRUE[2] * 64 * 64 + TRUE[3] * 4 + TRUE[4] * 400
     assert fitted.pass_s([(64, 0)], 4, 400) == pytest.approx(expected)
-    assert fitted.overhead == Overhead()  # the pass log times the loop's whole pass
+    # the pass log times the loop's whole pass: no overhead on top; noise-free passes do not spread
+    assert replace(fitted.overhead, pass_sigma=0.0) == Overhead() and fitted.overhead.pass_sigma < 1e-9
     assert fitted.transfer == base.transfer and fitted.engine == base.engine  # the rest is the base's
     assert fitted.points["pass_log"]["passes"] == 300
     assert {k: v["passes"] for k, v in fitted.points["pass_log"]["by_kind"].items()} == {
@@ -60,6 +62,16 @@ def test_fit_is_close_under_noise_and_never_negative() -> None:
     y = 5.0 - 0.1 * np.arange(10)  # falls with t: the slope would be negative
     coef = nonnegative_lstsq(x, y)
     assert coef[1] == 0 and coef[0] == pytest.approx(float(np.mean(y)))
+
+
+def test_fit_measures_how_far_the_passes_spread_around_it() -> None:
+    rows = _passes(3000, seed=2)
+    rng = np.random.default_rng(3)
+    for r in rows:  # each pass's time times a lognormal factor of log-space deviation 0.2
+        r["seconds"] *= float(rng.lognormal(0.0, 0.2))
+    fitted = fit_pass_log(make_profile(), rows)
+    assert fitted.overhead.pass_sigma == pytest.approx(0.2, rel=0.1)
+    assert fitted.points["pass_log"]["pass_sigma"] == fitted.overhead.pass_sigma
 
 
 def test_fit_refuses_too_little_or_one_sided_data() -> None:

@@ -16,7 +16,7 @@ SHIPPED = sorted((Path(__file__).resolve().parents[2] / "capacity" / "profiles")
 def test_round_trip_through_a_file(tmp_path: Path) -> None:
     profile = make_profile(prefill=(0.01, 2e-5, 3e-9), decode=(0.005, 1e-4, 5e-8), transfer_s=0.002,
                            overhead=Overhead(0.001, 0.01, per_seq_s=2e-4, jitter_sigma=1.5, wake_s=0.004,
-                                             wake_sigma=2.2), name="round-trip")
+                                             wake_sigma=2.2, pass_sigma=0.17), name="round-trip")
     path = tmp_path / "p.json"
     profile.save(path)
     assert load_profile(path) == profile
@@ -69,9 +69,12 @@ def test_overhead_of_an_older_profile_reads_zero_for_the_new_terms() -> None:
     over = Overhead.from_json({"per_pass_s": 0.01, "per_request_s": 0.05})
     assert over == Overhead(0.01, 0.05) and over.per_seq_s == 0.0 and over.jitter_sigma == 0.0
     assert over.wake_s == 0.0 and over.wake_sigma == 0.0  # no per-pass delay unless the profile says so
+    assert over.pass_sigma == 0.0  # nor a spread of the pass model's time
     assert over.pass_s(10) == pytest.approx(0.01)
     assert Overhead(0.01, 0.0, per_seq_s=0.001).pass_s(10) == pytest.approx(0.02)
     with pytest.raises(ValueError):
         Overhead(per_seq_s=-1.0)
     with pytest.raises(ValueError):
         Overhead(wake_s=-1e-3)
+    with pytest.raises(ValueError):
+        Overhead(pass_sigma=-0.1)
