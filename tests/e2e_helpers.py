@@ -2,16 +2,21 @@
 
 from __future__ import annotations
 
+import contextlib
 import random
 import threading
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from typing import Any, TypeVar
 
 import grpc
 
 from pdserve.transport import open_channel
 from pdserve.v1 import common_pb2, router_pb2, router_pb2_grpc, worker_pb2, worker_pb2_grpc
+
+T = TypeVar("T")
 
 WORDS = ("river mill evening children market flour dawn sea poem capital France story old light "
          "winter city mountain lake").split()
@@ -125,19 +130,53 @@ class Streams:
             assert got == want, f"stream {i} differs (prompt {self.prompts[i][:30]!r})"
 
 
-def init_local_ray(num_cpus: int, attempts: int = 2) -> None:
-    """ray.init of a test module's own local Ray instance. On this 2-core machine the head node can
-    time out while starting ("timed out during startup": the previous module's instance is still
-    shutting down); that is start-up, not the behaviour under test, so it gets one more try after
-    a pause. Any other failure, or a second time-out, is raised."""
-    import ray
+def _ray_children() -> list[Any]:
+    """This process's child processes that belong to Ray (GCS, raylets, their workers, the reaper):
+    a Ray instance this test process started and has not finished stopping."""
+    import ray  # noqa: F401, I001 - first: it puts its bundled psutil on the path
+    import psutil
 
+    found = []
+    for child in psutil.Process().children(recursive=True):
+        try:
+            command = " ".join(child.cmdline())
+        except psutil.Error:
+            continue
+        if "ray::" in command or "/ray/" in command:  # Ray's binaries and scripts live in its package
+            found.append(child)
+    return found
+
+
+def start_ray(start: Callable[[], T], attempts: int = 2, pause_s: float = 10.0) -> T:
+    """`start()` (ray.init, or a ray.cluster_utils.Cluster built with its nodes) for a test module's
+    own Ray. On this 2-core machine a node can time out while starting ("timed out during startup":
+    Ray waits a fixed 30 s for a raylet to register), most often while the previous module's
+    instance is still stopping. That is start-up, not the behaviour under test: the previous
+    instance's processes are given up to 30 s to end first, and a start that times out is cleaned
+    up (what it left running is killed) and tried once more after a pause. Any other failure, or a
+    second time-out, is raised."""
+    import ray  # noqa: I001 - first: it puts its bundled psutil on the path
+    import psutil
+
+    psutil.wait_procs(_ray_children(), timeout=30)
     for attempt in range(attempts):
         try:
-            ray.init(num_cpus=num_cpus, include_dashboard=False, log_to_driver=False)
-            return
+            return start()
         except Exception as exc:  # ray raises a bare Exception for this
             if "timed out during startup" not in str(exc) or attempt == attempts - 1:
                 raise
             ray.shutdown()
-            time.sleep(10)
+            left = _ray_children()
+            for process in left:
+                with contextlib.suppress(psutil.Error):
+                    process.kill()
+            psutil.wait_procs(left, timeout=30)
+            time.sleep(pause_s)
+    raise AssertionError("unreachable")
+
+
+def init_local_ray(num_cpus: int, attempts: int = 2) -> None:
+    """ray.init of a test module's own local Ray instance (through `start_ray`)."""
+    import ray
+
+    start_ray(lambda: ray.init(num_cpus=num_cpus, include_dashboard=False, log_to_driver=False), attempts)

@@ -45,7 +45,7 @@ from pdserve.engine.model_loader import load_model  # noqa: E402
 from pdserve.engine.sampling_params import SamplingParams  # noqa: E402
 from pdserve.engine.tokenization import encode_text  # noqa: E402
 
-from e2e_helpers import generate, mixed_prompts, wait_idle, worker_info  # noqa: E402
+from e2e_helpers import generate, mixed_prompts, start_ray, wait_idle, worker_info  # noqa: E402
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
 
@@ -63,12 +63,20 @@ def _node_args(cpus: int, name: str, decode_slot: bool = True) -> dict[str, Any]
 def cluster() -> Iterator[Cluster]:
     """Head (2 CPUs) + node-a (1 CPU, 1 decode_slot) + node-b (same): room for exactly a router and three
     workers, decode workers only on node-a and node-b."""
-    c = Cluster(initialize_head=True,
-                head_node_args={**_node_args(2, "node_head", decode_slot=False), "include_dashboard": False})
+    def build() -> Cluster:
+        c = Cluster(initialize_head=True,
+                    head_node_args={**_node_args(2, "node_head", decode_slot=False), "include_dashboard": False})
+        try:
+            c.add_node(**_node_args(1, "node_a"))
+            c.add_node(**_node_args(1, "node_b"))
+            c.wait_for_nodes()
+        except BaseException:
+            c.shutdown()
+            raise
+        return c
+
+    c = start_ray(build)
     try:
-        c.add_node(**_node_args(1, "node_a"))
-        c.add_node(**_node_args(1, "node_b"))
-        c.wait_for_nodes()
         ray.init(address=c.address, namespace=NAMESPACE, log_to_driver=False)
         yield c
     finally:
