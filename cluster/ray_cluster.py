@@ -38,10 +38,11 @@ import logging
 import os
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import TracebackType
-from typing import Any
+from typing import Any, TypeVar
 
 from pdserve.extras import missing_extra
 
@@ -587,6 +588,33 @@ def controller_node_id() -> str:
     return ray.get_runtime_context().get_node_id()
 
 
+T = TypeVar("T")
+
+#: what Ray's exception says when a new node's raylet did not register within Ray's fixed 30 s
+RAY_START_TIMED_OUT = "timed out during startup"
+
+
+def start_with_retry(start: Callable[[], T], attempts: int = 2, pause_s: float = 10.0,
+                     cleanup: Callable[[], None] | None = None) -> T:
+    """`start()` (a local ray.init, or a test's multi-node cluster), tried once more when Ray's
+    start-up times out: Ray gives a new node's raylet a fixed 30 s to register, which a busy small
+    machine, or one where another instance is still stopping, can miss. Between tries: a warning,
+    ray.shutdown(), `cleanup()` and a pause. Any other failure, or the last time-out, is raised."""
+    for attempt in range(1, attempts + 1):
+        try:
+            return start()
+        except Exception as exc:  # Ray raises a bare Exception for this
+            if RAY_START_TIMED_OUT not in str(exc) or attempt == attempts:
+                raise
+            log.warning("starting Ray timed out (try %d of %d): %s; trying again in %.0f s", attempt, attempts,
+                        exc, pause_s)
+            ray.shutdown()
+            if cleanup is not None:
+                cleanup()
+            time.sleep(pause_s)
+    raise AssertionError("unreachable: the loop returns or raises")
+
+
 def check_reachable(address: str | None, timeout_s: float = 5.0) -> None:
     """Fail fast (ConnectionError) when `address` is a Ray GCS "host:port" that accepts no connection:
     ``ray.init`` would otherwise retry for minutes. "auto", ``ray://`` and None are left to Ray
@@ -644,7 +672,10 @@ class RayCluster:
         if not ray.is_initialized():
             check_reachable(address)  # with an address, never start a local instance instead
             local = {"num_cpus": local_num_cpus(deployment)} if address is None else {}
-            ray.init(address=address, namespace=NAMESPACE, include_dashboard=False, **local)
+            if address is None:  # a local instance of our own: its start-up may time out on a busy machine
+                start_with_retry(lambda: ray.init(namespace=NAMESPACE, include_dashboard=False, **local))
+            else:
+                ray.init(address=address, namespace=NAMESPACE, include_dashboard=False)
             self._own_ray = address is None
         atexit.register(self.stop)
         try:

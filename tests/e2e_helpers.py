@@ -149,30 +149,25 @@ def _ray_children() -> list[Any]:
 
 def start_ray(start: Callable[[], T], attempts: int = 2, pause_s: float = 10.0) -> T:
     """`start()` (ray.init, or a ray.cluster_utils.Cluster built with its nodes) for a test module's
-    own Ray. On this 2-core machine a node can time out while starting ("timed out during startup":
-    Ray waits a fixed 30 s for a raylet to register), most often while the previous module's
-    instance is still stopping. That is start-up, not the behaviour under test: the previous
-    instance's processes are given up to 30 s to end first, and a start that times out is cleaned
-    up (what it left running is killed) and tried once more after a pause. Any other failure, or a
-    second time-out, is raised."""
-    import ray  # noqa: I001 - first: it puts its bundled psutil on the path
+    own Ray. On this 2-core machine a node can time out while starting, most often while the previous
+    module's instance is still stopping; that is start-up, not the behaviour under test. So the
+    previous instance's processes get up to 30 s to end first, and a start that times out is
+    cleaned up (what it left running is killed) and tried once more
+    (`pdserve.cluster.ray_cluster.start_with_retry`, which `pdserve serve --ray` uses too)."""
+    import ray  # noqa: F401, I001 - first: it puts its bundled psutil on the path
     import psutil
 
+    from pdserve.cluster.ray_cluster import start_with_retry
+
+    def kill_leftovers() -> None:
+        left = _ray_children()
+        for process in left:
+            with contextlib.suppress(psutil.Error):
+                process.kill()
+        psutil.wait_procs(left, timeout=30)
+
     psutil.wait_procs(_ray_children(), timeout=30)
-    for attempt in range(attempts):
-        try:
-            return start()
-        except Exception as exc:  # ray raises a bare Exception for this
-            if "timed out during startup" not in str(exc) or attempt == attempts - 1:
-                raise
-            ray.shutdown()
-            left = _ray_children()
-            for process in left:
-                with contextlib.suppress(psutil.Error):
-                    process.kill()
-            psutil.wait_procs(left, timeout=30)
-            time.sleep(pause_s)
-    raise AssertionError("unreachable")
+    return start_with_retry(start, attempts, pause_s, cleanup=kill_leftovers)
 
 
 def init_local_ray(num_cpus: int, attempts: int = 2) -> None:
