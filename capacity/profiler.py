@@ -252,8 +252,8 @@ def fit_pass_log(base: Profile, rows: Sequence[Mapping[str, float]], name: str |
     to zero but for ``pass_sigma``: the standard deviation of log(measured / fitted) over the
     passes, how far this machine's passes spread around the fit (the planner draws each pass's
     time from a lognormal factor of mean 1 with it). Transfer, engine limits and the model come
-    from `base`. ValueError when there are
-    fewer than MIN_PASS_LOG_LINES passes or no pass of a kind (prefill, decode)."""
+    from `base`. ValueError when there are fewer than MIN_PASS_LOG_LINES passes or no pass of a
+    kind (prefill, decode)."""
     from dataclasses import replace
 
     from pdserve.engine.sim_profile import Overhead

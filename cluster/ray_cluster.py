@@ -671,9 +671,9 @@ class RayCluster:
         address = deployment.ray.address
         if not ray.is_initialized():
             check_reachable(address)  # with an address, never start a local instance instead
-            local = {"num_cpus": local_num_cpus(deployment)} if address is None else {}
             if address is None:  # a local instance of our own: its start-up may time out on a busy machine
-                start_with_retry(lambda: ray.init(namespace=NAMESPACE, include_dashboard=False, **local))
+                num_cpus = local_num_cpus(deployment)
+                start_with_retry(lambda: ray.init(namespace=NAMESPACE, include_dashboard=False, num_cpus=num_cpus))
             else:
                 ray.init(address=address, namespace=NAMESPACE, include_dashboard=False)
             self._own_ray = address is None
