@@ -2,8 +2,13 @@
 
 One forward pass serves any mix of sequences: each brings its new tokens, how many of its tokens
 are already cached, and its block table. Prefill is "all prompt tokens new, none cached"; a decode
-step is "one new token, the rest cached". We drive transformers' own modules layer by layer (so
-any Llama-layout model works) and compute logits only where a token will be sampled.
+step is "one new token, the rest cached". Logits are computed only where a token will be sampled.
+
+Two forwards compute the same thing from the same weights:
+- "fast" (`engine.fast_forward`): fused q/k/v and gate/up GEMMs with a kernel chosen per weight at
+  load, for the Llama, Mistral, Qwen2 and Qwen3 families; the default where the model allows it;
+- "hf": transformers' own modules driven layer by layer, so any Llama-layout model works.
+`PDSERVE_FORWARD=hf|fast|auto` (or the `forward` argument) picks one; "auto" is fast where supported.
 """
 
 from __future__ import annotations
@@ -11,9 +16,12 @@ from __future__ import annotations
 from collections.abc import Callable, Collection
 from dataclasses import dataclass
 
+import os
+
 import torch
 
 from pdserve.engine.attention import AttentionBatch, attention_batch
+from pdserve.engine.fast_forward import FastForward, fast_forward_for
 from pdserve.engine.kv_cache import KVCache
 from pdserve.engine.model_loader import LoadedModel
 
@@ -28,6 +36,22 @@ class StepInput:
 
 
 LayerCallback = Callable[[int], None]
+FORWARD_ENV = "PDSERVE_FORWARD"
+FORWARDS = ("auto", "fast", "hf")
+
+
+def _choose_forward(model: object, forward: str | None) -> FastForward | None:
+    """The FastForward to run, or None for transformers' modules (ValueError on an unknown name,
+    or on "fast" for a model the fast path does not cover)."""
+    forward = (forward or os.environ.get(FORWARD_ENV) or "auto").lower()
+    if forward not in FORWARDS:
+        raise ValueError(f"forward {forward!r}: expected one of {', '.join(FORWARDS)}")
+    if forward == "hf":
+        return None
+    fast = fast_forward_for(model)
+    if fast is None and forward == "fast":
+        raise ValueError(f"forward 'fast' requested, but {FastForward.unsupported_reason(model)}")
+    return fast
 
 
 def _check_same_place(loaded: LoadedModel, kv_cache: KVCache) -> None:
@@ -42,13 +66,15 @@ def _check_same_place(loaded: LoadedModel, kv_cache: KVCache) -> None:
 class ModelRunner:
     """Owns no scheduling state: callers decide what runs; this computes it."""
 
-    def __init__(self, loaded: LoadedModel, kv_cache: KVCache) -> None:
+    def __init__(self, loaded: LoadedModel, kv_cache: KVCache, forward: str | None = None) -> None:
         self.loaded = loaded
         self.model = loaded.model
         self.kv_cache = kv_cache
         self.block_size = kv_cache.shape.block_size
         self.device = kv_cache.kv.device  # weights, K/V and every index tensor of a pass live here
         _check_same_place(loaded, kv_cache)
+        self.fast = _choose_forward(self.model, forward)
+        self.forward_name = "fast" if self.fast is not None else "hf"
         self.num_forward_passes = 0
         self.full_logits: dict[int, torch.Tensor] = {}  # the last pass's `full_rows` logits
         self.num_prefill_tokens = 0  # new tokens of sequences that were not decoding (prompts, recomputes)
@@ -91,6 +117,39 @@ class ModelRunner:
             [torch.arange(i.num_cached, i.num_cached + len(i.token_ids)) for i in items]
         ).unsqueeze(0).to(device)  # [1, T]
         last = torch.tensor(batch.query_lens).cumsum(0) - 1  # [N] index of each last new token
+        if self.fast is not None:
+            hidden = self._fast_layers(batch, input_ids[0], positions[0], on_layer_done)  # [T, E]
+        else:
+            hidden = self._hf_layers(batch, input_ids, positions, on_layer_done)[0]  # [T, E]
+        self.full_logits = {}
+        starts = (last + 1 - torch.tensor(batch.query_lens)).tolist()
+        for row in full_rows:
+            self.full_logits[row] = self._norm_logits(hidden[starts[row] : starts[row] + batch.query_lens[row]])
+        logits = self._norm_logits(hidden[last.to(device)])  # [N, V]
+        self.num_forward_passes += 1
+        self.num_prefill_tokens += sum(batch.query_lens[batch.num_decode :])
+        return logits
+
+    def _norm_logits(self, rows: torch.Tensor) -> torch.Tensor:
+        """Final norm and LM head over hidden rows [N, E] -> float32 logits [N, V]."""
+        if self.fast is not None:
+            return self.fast.norm_logits(rows)
+        return self.model.lm_head(self.model.model.norm(rows)).float()
+
+    def _fast_layers(self, batch: AttentionBatch, input_ids: torch.Tensor, positions: torch.Tensor,
+                     on_layer_done: LayerCallback | None) -> torch.Tensor:
+        fast = self.fast
+        assert fast is not None
+        hidden = torch.nn.functional.embedding(input_ids, fast.embed)  # [T, E]
+        cos, sin = fast.rotary_tables(positions, hidden.dtype)
+        for index in range(len(fast.layers)):
+            hidden = fast.layer(index, hidden, batch, cos, sin)
+            if on_layer_done is not None:
+                on_layer_done(index)
+        return hidden
+
+    def _hf_layers(self, batch: AttentionBatch, input_ids: torch.Tensor, positions: torch.Tensor,
+                   on_layer_done: LayerCallback | None) -> torch.Tensor:
         inner = self.model.model
         with attention_batch(batch):
             hidden = inner.embed_tokens(input_ids)  # [1, T, E]
@@ -99,12 +158,4 @@ class ModelRunner:
                 hidden = layer(hidden, attention_mask=None, position_ids=positions, position_embeddings=rotary)
                 if on_layer_done is not None:
                     on_layer_done(index)
-        self.full_logits = {}
-        starts = (last + 1 - torch.tensor(batch.query_lens)).tolist()
-        for row in full_rows:
-            rows = hidden[0, starts[row] : starts[row] + batch.query_lens[row]]
-            self.full_logits[row] = self.model.lm_head(inner.norm(rows)).float()  # [Q, V]
-        hidden = inner.norm(hidden[0, last.to(device)])  # [N, E]
-        self.num_forward_passes += 1
-        self.num_prefill_tokens += sum(batch.query_lens[batch.num_decode :])
-        return self.model.lm_head(hidden).float()  # [N, V]
+        return hidden

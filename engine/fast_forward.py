@@ -1,0 +1,285 @@
+"""pdserve's own forward pass for the Llama family (Llama, Mistral, Qwen2, Qwen3) over the paged cache.
+
+transformers' modules, driven layer by layer, cost three q/k/v GEMMs and two gate/up GEMMs per layer
+and a dozen small eager ops around each. This module runs the same arithmetic from the same weights
+with fewer, larger operations:
+
+- **Fused projections, made at load.** q, k and v become one [Nq + 2 Nkv, E] weight and gate and up
+  one [2 I, E] weight (with their biases, Qwen2's q/k/v included). The transformers modules are
+  re-pointed at row views of the fused tensors, so nothing is stored twice and the general path
+  (`ModelRunner(forward="hf")`) still runs from the same memory.
+- **One kernel choice per weight, measured at load.** Each distinct GEMM shape is timed once with
+  a plain `F.linear` and with a oneDNN linear whose weight was reordered once
+  (`torch.ops.mkldnn._reorder_linear_weight` / `_linear_pointwise`, what vLLM's CPU build calls
+  through its own binding); the faster one, at a decode batch and at a single row, is kept. A
+  reordered weight is an extra copy of that weight; `PDSERVE_LINEAR=plain|packed|auto` overrides the
+  choice (tests use it to run both kernels).
+- **The attention** is `engine.attention.paged_attention`, which the transformers path uses too.
+
+Exactness: every op is the one transformers runs, in the same order and dtype (RMSNorm in float32,
+RoPE from the model's own rotary module, `act(gate) * up`), so greedy fp32 output stays
+token-identical to Hugging Face; tests/engine/test_fast_forward.py holds it to that per family.
+
+Anything outside the shapes this module knows (another activation, a norm with a bias, sliding
+windows) falls back to the transformers path: `FastForward.build` returns None and says why.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+import weakref
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from transformers.activations import ACT2FN
+
+from pdserve.engine.attention import AttentionBatch, paged_attention
+
+log = logging.getLogger(__name__)
+
+#: model_type -> whether its attention has per-head q/k RMSNorm (Qwen3).
+FAST_FAMILIES = {"llama": False, "mistral": False, "qwen2": False, "qwen3": True}
+LINEAR_ENV = "PDSERVE_LINEAR"
+_LINEAR_MODES = ("auto", "plain", "packed")
+
+
+def _mkldnn_linear_available(dtype: torch.dtype) -> bool:
+    if not torch.backends.mkldnn.is_available() or not hasattr(torch.ops.mkldnn, "_linear_pointwise"):
+        return False
+    try:
+        w = torch.ops.mkldnn._reorder_linear_weight(torch.zeros(8, 8, dtype=dtype), None)
+        torch.ops.mkldnn._linear_pointwise(torch.zeros(2, 8, dtype=dtype), w, None, "none", [], "")
+    except RuntimeError:  # e.g. bf16 on a CPU without AVX-512 BF16 / AVX-NE-CONVERT
+        return False
+    return True
+
+
+class Linear:
+    """y = x W^T + b through the kernel chosen for this weight (plain `F.linear` or a oneDNN linear
+    with the weight reordered once). `weight` stays the plain [N, K] tensor either way."""
+
+    __slots__ = ("weight", "bias", "packed", "kernel")
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, packed: torch.Tensor | None) -> None:
+        self.weight, self.bias, self.packed = weight, bias, packed
+        self.kernel = "packed" if packed is not None else "plain"
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if self.packed is not None:
+            return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
+        return F.linear(x, self.weight, self.bias)
+
+
+def _median_ms(fn: Any, repeats: int = 5) -> float:
+    fn()
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    times.sort()
+    return times[len(times) // 2] * 1e3
+
+
+class LinearFactory:
+    """Builds `Linear`s, choosing each distinct (K, N) shape's kernel once by timing it."""
+
+    def __init__(self, dtype: torch.dtype, device: torch.device, mode: str | None = None) -> None:
+        mode = (mode or os.environ.get(LINEAR_ENV) or "auto").lower()
+        if mode not in _LINEAR_MODES:
+            raise ValueError(f"{LINEAR_ENV}={mode!r}: expected one of {', '.join(_LINEAR_MODES)}")
+        self.can_pack = device.type == "cpu" and _mkldnn_linear_available(dtype)
+        if mode == "packed" and not self.can_pack:
+            log.warning("%s=packed: oneDNN linear is not available for %s on this CPU; using F.linear",
+                        LINEAR_ENV, dtype)
+        self.mode = mode if self.can_pack else "plain"
+        self.choices: dict[tuple[int, int], str] = {}  # (K, N) -> "plain" | "packed"
+        self.timings: dict[tuple[int, int], dict[str, float]] = {}
+
+    def _choose(self, weight: torch.Tensor, bias: torch.Tensor | None, packed: torch.Tensor) -> str:
+        n, k = weight.shape
+        if (k, n) in self.choices:
+            return self.choices[(k, n)]
+        score = {"plain": 0.0, "packed": 0.0}
+        for rows in (1, 32):  # a single sequence and a decode batch weigh the same
+            x = torch.randn(rows, k, dtype=weight.dtype, device=weight.device)
+            plain = _median_ms(lambda: F.linear(x, weight, bias))
+            fast = _median_ms(lambda: torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], ""))
+            score["plain"] += plain / min(plain, fast)
+            score["packed"] += fast / min(plain, fast)
+        choice = "packed" if score["packed"] < score["plain"] else "plain"
+        self.choices[(k, n)], self.timings[(k, n)] = choice, score
+        return choice
+
+    def __call__(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> Linear:
+        weight = weight.detach()
+        bias = None if bias is None else bias.detach()
+        if self.mode == "plain":
+            return Linear(weight, bias, None)
+        with torch.inference_mode():
+            packed = torch.ops.mkldnn._reorder_linear_weight(weight, None)
+            if self.mode == "auto" and self._choose(weight, bias, packed) == "plain":
+                return Linear(weight, bias, None)
+        return Linear(weight, bias, packed)
+
+
+def _fuse(module_list: list[torch.nn.Linear], attr: str) -> torch.Tensor | None:
+    """Concatenate the modules' `attr` (weight or bias) along the output rows and re-point each
+    module's parameter at its row view of the fused tensor (no second copy stays alive)."""
+    parts = [getattr(m, attr) for m in module_list]
+    if all(p is None for p in parts):
+        return None
+    if any(p is None for p in parts):
+        raise ValueError("some fused projections have a bias and some do not")
+    fused = torch.cat([p.detach() for p in parts], dim=0)
+    start = 0
+    for module, part in zip(module_list, parts, strict=True):
+        rows = part.shape[0]
+        getattr(module, attr).data = fused[start : start + rows]
+        start += rows
+    return fused
+
+
+@dataclass
+class _Layer:
+    input_norm: torch.Tensor
+    post_norm: torch.Tensor
+    qkv: Linear
+    o: Linear
+    gate_up: Linear
+    down: Linear
+    q_norm: torch.Tensor | None
+    k_norm: torch.Tensor | None
+
+
+def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """transformers' LlamaRMSNorm, op for op (float32 statistics, weight times the input dtype)."""
+    dtype = x.dtype
+    h = x.to(torch.float32)
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * h.to(dtype)
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+class FastForward:
+    """The fused forward of one loaded model (shared by every engine of that model in a process)."""
+
+    def __init__(self, model: Any, layers: list[_Layer], lm_head: Linear, factory: LinearFactory) -> None:
+        c = model.config
+        self.model = model
+        self.layers = layers
+        self.lm_head = lm_head
+        self.factory = factory
+        self.embed = model.model.embed_tokens.weight
+        self.final_norm = model.model.norm.weight
+        self.rotary = model.model.rotary_emb
+        self.eps = float(c.rms_norm_eps)
+        self.num_heads = int(c.num_attention_heads)
+        self.num_kv_heads = int(c.num_key_value_heads)
+        self.head_dim = int(getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads)
+        self.scale = self.head_dim**-0.5
+        self.act = ACT2FN[c.hidden_act]
+        self.intermediate = int(c.intermediate_size)
+
+    # ---- construction ----------------------------------------------------------------------------
+    @staticmethod
+    def unsupported_reason(model: Any) -> str | None:
+        """Why this model cannot take the fast path (None when it can)."""
+        c = model.config
+        if c.model_type not in FAST_FAMILIES:
+            return f"model_type {c.model_type!r} is not one of {sorted(FAST_FAMILIES)}"
+        if c.hidden_act not in ACT2FN:
+            return f"activation {c.hidden_act!r}"
+        if getattr(c, "use_sliding_window", False):
+            return "sliding-window attention"
+        layer = model.model.layers[0]
+        attn, mlp = layer.self_attn, layer.mlp
+        for name in ("q_proj", "k_proj", "v_proj", "o_proj"):
+            if not isinstance(getattr(attn, name, None), torch.nn.Linear):
+                return f"self_attn.{name} is not a plain linear layer"
+        for name in ("gate_proj", "up_proj", "down_proj"):
+            if not isinstance(getattr(mlp, name, None), torch.nn.Linear):
+                return f"mlp.{name} is not a plain linear layer"
+        if getattr(model.model.norm, "bias", None) is not None:
+            return "a norm with a bias"
+        return None
+
+    @classmethod
+    def build(cls, model: Any, mode: str | None = None) -> FastForward | None:
+        reason = cls.unsupported_reason(model)
+        if reason is not None:
+            log.info("fast forward not used (%s): transformers' modules run the model", reason)
+            return None
+        weight = model.lm_head.weight
+        factory = LinearFactory(weight.dtype, weight.device, mode)
+        qwen3 = FAST_FAMILIES[model.config.model_type]
+        layers = []
+        with torch.no_grad():
+            for layer in model.model.layers:
+                attn, mlp = layer.self_attn, layer.mlp
+                projections = [attn.q_proj, attn.k_proj, attn.v_proj]
+                gate_up = [mlp.gate_proj, mlp.up_proj]
+                layers.append(_Layer(
+                    input_norm=layer.input_layernorm.weight.detach(),
+                    post_norm=layer.post_attention_layernorm.weight.detach(),
+                    qkv=factory(_fuse(projections, "weight"), _fuse(projections, "bias")),
+                    o=factory(attn.o_proj.weight, attn.o_proj.bias),
+                    gate_up=factory(_fuse(gate_up, "weight"), _fuse(gate_up, "bias")),
+                    down=factory(mlp.down_proj.weight, mlp.down_proj.bias),
+                    q_norm=attn.q_norm.weight.detach() if qwen3 else None,
+                    k_norm=attn.k_norm.weight.detach() if qwen3 else None,
+                ))
+            lm_head = factory(model.lm_head.weight, getattr(model.lm_head, "bias", None))
+        fast = cls(model, layers, lm_head, factory)
+        log.info("fast forward: %d layers, kernels %s", len(layers),
+                 {f"{k}x{n}": v for (k, n), v in factory.choices.items()} or factory.mode)
+        return fast
+
+    # ---- the pass --------------------------------------------------------------------------------
+    def rotary_tables(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin [T, 1, D] from the model's own rotary module (its scaling rules included)."""
+        probe = torch.empty(1, dtype=dtype, device=positions.device)
+        cos, sin = self.rotary(probe, position_ids=positions.unsqueeze(0))
+        return cos[0].unsqueeze(1), sin[0].unsqueeze(1)
+
+    def layer(self, index: int, hidden: torch.Tensor, batch: AttentionBatch, cos: torch.Tensor,
+              sin: torch.Tensor) -> torch.Tensor:
+        """One decoder layer over the packed tokens: hidden [T, E] -> [T, E]."""
+        p = self.layers[index]
+        t = hidden.shape[0]
+        hq, hkv, d = self.num_heads, self.num_kv_heads, self.head_dim
+        x = _rms_norm(hidden, p.input_norm, self.eps)
+        qkv = p.qkv(x)
+        q, k, v = qkv.split([hq * d, hkv * d, hkv * d], dim=-1)
+        q, k, v = q.view(t, hq, d), k.view(t, hkv, d), v.view(t, hkv, d)
+        if p.q_norm is not None and p.k_norm is not None:
+            q, k = _rms_norm(q, p.q_norm, self.eps), _rms_norm(k, p.k_norm, self.eps)
+        q = (q * cos) + (_rotate_half(q) * sin)
+        k = (k * cos) + (_rotate_half(k) * sin)
+        attn = paged_attention(batch, index, q, k, v, self.scale)  # [T, Hq * D]
+        hidden = hidden + p.o(attn)
+        x = _rms_norm(hidden, p.post_norm, self.eps)
+        gate, up = p.gate_up(x).split([self.intermediate, self.intermediate], dim=-1)
+        return hidden + p.down(self.act(gate) * up)
+
+    def norm_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Final norm and LM head: hidden [N, E] -> float32 logits [N, V]."""
+        return self.lm_head(_rms_norm(hidden, self.final_norm, self.eps)).float()
+
+
+_BUILT: weakref.WeakKeyDictionary[Any, FastForward | None] = weakref.WeakKeyDictionary()
+
+
+def fast_forward_for(model: Any, mode: str | None = None) -> FastForward | None:
+    """The model's FastForward, built on first use and shared by every engine of the process."""
+    if model not in _BUILT:
+        _BUILT[model] = FastForward.build(model, mode)
+    return _BUILT[model]
