@@ -8,12 +8,13 @@ with fewer, larger operations:
   one [2 I, E] weight (with their biases, Qwen2's q/k/v included). The transformers modules are
   re-pointed at row views of the fused tensors, so nothing is stored twice and the general path
   (`ModelRunner(forward="hf")`) still runs from the same memory.
-- **One kernel choice per weight, measured at load.** Each distinct GEMM shape is timed once with
-  a plain `F.linear` and with a oneDNN linear whose weight was reordered once
-  (`torch.ops.mkldnn._reorder_linear_weight` / `_linear_pointwise`, what vLLM's CPU build calls
-  through its own binding); the faster one, at a decode batch and at a single row, is kept. A
-  reordered weight is an extra copy of that weight; `PDSERVE_LINEAR=plain|packed|auto` overrides the
-  choice (tests use it to run both kernels).
+- **Kernels chosen per weight, measured at load.** Each distinct GEMM shape is timed once with a
+  plain `F.linear` and with a oneDNN linear whose weight was reordered once
+  (`torch.ops.mkldnn._reorder_linear_weight` / `_linear_pointwise`, the oneDNN path vLLM's CPU build
+  takes through its own binding), at 1 to 64 rows: the packed kernel serves a pass from the row
+  count where it wins (on the AVX2 EPYC of docs/performance.md: 1.5-3x at 16-64 rows, slower at one
+  row). A reordered weight is an extra copy of that weight; `PDSERVE_LINEAR=plain|packed|auto`
+  overrides the choice (the exactness tests run both kernels).
 - **The attention** is `engine.attention.paged_attention`, which the transformers path uses too.
 
 Exactness: every op is the one transformers runs, in the same order and dtype (RMSNorm in float32,
@@ -59,19 +60,26 @@ def _mkldnn_linear_available(dtype: torch.dtype) -> bool:
 
 
 class Linear:
-    """y = x W^T + b through the kernel chosen for this weight (plain `F.linear` or a oneDNN linear
-    with the weight reordered once). `weight` stays the plain [N, K] tensor either way."""
+    """y = x W^T + b through the kernel chosen for this weight and this many rows: plain `F.linear`
+    below `packed_from_rows` rows, a oneDNN linear with the weight reordered once from there on.
+    `weight` stays the plain [N, K] tensor either way."""
 
-    __slots__ = ("weight", "bias", "packed", "kernel")
+    __slots__ = ("weight", "bias", "packed", "packed_from_rows")
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, packed: torch.Tensor | None) -> None:
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, packed: torch.Tensor | None,
+                 packed_from_rows: int = 1) -> None:
         self.weight, self.bias, self.packed = weight, bias, packed
-        self.kernel = "packed" if packed is not None else "plain"
+        self.packed_from_rows = packed_from_rows if packed is not None else _NEVER
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        if self.packed is not None:
+        if x.shape[0] >= self.packed_from_rows:
             return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
         return F.linear(x, self.weight, self.bias)
+
+
+_NEVER = 2**62
+#: Row counts timed per weight shape to place the switch from plain to packed.
+PROBE_ROWS = (1, 4, 16, 64)
 
 
 def _median_ms(fn: Any, repeats: int = 5) -> float:
@@ -86,7 +94,9 @@ def _median_ms(fn: Any, repeats: int = 5) -> float:
 
 
 class LinearFactory:
-    """Builds `Linear`s, choosing each distinct (K, N) shape's kernel once by timing it."""
+    """Builds `Linear`s. In "auto" mode each distinct (K, N) shape is timed once with both kernels
+    at PROBE_ROWS rows; the packed kernel takes over from the smallest probed row count at which it
+    wins there and at every larger one (never, if it loses at the largest)."""
 
     def __init__(self, dtype: torch.dtype, device: torch.device, mode: str | None = None) -> None:
         mode = (mode or os.environ.get(LINEAR_ENV) or "auto").lower()
@@ -97,23 +107,26 @@ class LinearFactory:
             log.warning("%s=packed: oneDNN linear is not available for %s on this CPU; using F.linear",
                         LINEAR_ENV, dtype)
         self.mode = mode if self.can_pack else "plain"
-        self.choices: dict[tuple[int, int], str] = {}  # (K, N) -> "plain" | "packed"
-        self.timings: dict[tuple[int, int], dict[str, float]] = {}
+        self.switch_rows: dict[tuple[int, int], int] = {}  # (K, N) -> packed from this many rows
+        self.timings: dict[tuple[int, int], dict[int, tuple[float, float]]] = {}  # rows -> (plain, packed) ms
 
-    def _choose(self, weight: torch.Tensor, bias: torch.Tensor | None, packed: torch.Tensor) -> str:
+    def _switch_rows(self, weight: torch.Tensor, bias: torch.Tensor | None, packed: torch.Tensor) -> int:
         n, k = weight.shape
-        if (k, n) in self.choices:
-            return self.choices[(k, n)]
-        score = {"plain": 0.0, "packed": 0.0}
-        for rows in (1, 32):  # a single sequence and a decode batch weigh the same
-            x = torch.randn(rows, k, dtype=weight.dtype, device=weight.device)
-            plain = _median_ms(lambda: F.linear(x, weight, bias))
-            fast = _median_ms(lambda: torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], ""))
-            score["plain"] += plain / min(plain, fast)
-            score["packed"] += fast / min(plain, fast)
-        choice = "packed" if score["packed"] < score["plain"] else "plain"
-        self.choices[(k, n)], self.timings[(k, n)] = choice, score
-        return choice
+        if (k, n) not in self.switch_rows:
+            timings = {}
+            for rows in PROBE_ROWS:
+                x = torch.randn(rows, k, dtype=weight.dtype, device=weight.device)
+                timings[rows] = (_median_ms(lambda: F.linear(x, weight, bias)),
+                                 _median_ms(lambda: torch.ops.mkldnn._linear_pointwise(
+                                     x, packed, bias, "none", [], "")))
+            switch = _NEVER
+            for rows in reversed(PROBE_ROWS):
+                plain, fast = timings[rows]
+                if fast >= plain:
+                    break
+                switch = rows
+            self.switch_rows[(k, n)], self.timings[(k, n)] = switch, timings
+        return self.switch_rows[(k, n)]
 
     def __call__(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> Linear:
         weight = weight.detach()
@@ -122,9 +135,16 @@ class LinearFactory:
             return Linear(weight, bias, None)
         with torch.inference_mode():
             packed = torch.ops.mkldnn._reorder_linear_weight(weight, None)
-            if self.mode == "auto" and self._choose(weight, bias, packed) == "plain":
-                return Linear(weight, bias, None)
-        return Linear(weight, bias, packed)
+            switch = 1 if self.mode == "packed" else self._switch_rows(weight, bias, packed)
+        if switch == _NEVER:
+            return Linear(weight, bias, None)
+        return Linear(weight, bias, packed, switch)
+
+    def describe(self) -> str:
+        if self.mode != "auto":
+            return f"every linear {self.mode}"
+        return ", ".join(f"{k}x{n}: " + ("plain" if s == _NEVER else f"packed from {s} rows")
+                         for (k, n), s in self.switch_rows.items())
 
 
 def _fuse(module_list: list[torch.nn.Linear], attr: str) -> torch.Tensor | None:
@@ -239,8 +259,7 @@ class FastForward:
                 ))
             lm_head = factory(model.lm_head.weight, getattr(model.lm_head, "bias", None))
         fast = cls(model, layers, lm_head, factory)
-        log.info("fast forward: %d layers, kernels %s", len(layers),
-                 {f"{k}x{n}": v for (k, n), v in factory.choices.items()} or factory.mode)
+        log.info("fast forward: %d layers; linear kernels: %s", len(layers), factory.describe())
         return fast
 
     # ---- the pass --------------------------------------------------------------------------------

@@ -1,0 +1,135 @@
+"""The fast forward (engine/fast_forward.py) against transformers, per supported family and per
+linear kernel: the same logits as the transformers path, greedy tokens identical to `generate`."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from pdserve.engine.fast_forward import FastForward, Linear, LinearFactory, fast_forward_for
+from pdserve.engine.kv_cache import KVCache
+from pdserve.engine.model_loader import LoadedModel, load_model
+from pdserve.engine.model_runner import ModelRunner, StepInput
+from tests.conftest import TINY
+
+FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
+
+
+def _config(family: str, vocab: int) -> object:
+    from transformers import LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
+
+    cls = {"llama": LlamaConfig, "mistral": MistralConfig, "qwen2": Qwen2Config, "qwen3": Qwen3Config}[family]
+    extra: dict[str, object] = {"head_dim": 16} if family == "qwen3" else {}
+    if family == "mistral":
+        extra["sliding_window"] = None
+    return cls(vocab_size=vocab, eos_token_id=2, bos_token_id=1, **TINY, **extra)
+
+
+@pytest.fixture(scope="module", params=FAMILIES)
+def family_dir(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory,
+               default_model_dir: Path) -> Path:
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(default_model_dir)
+    torch.manual_seed(4321)
+    out = tmp_path_factory.mktemp(f"fast-{request.param}")
+    AutoModelForCausalLM.from_config(_config(request.param, len(tokenizer))).save_pretrained(out)
+    tokenizer.save_pretrained(out)
+    return out
+
+
+def _greedy(runner: ModelRunner, prompts: list[list[int]], steps: int) -> list[list[int]]:
+    """Prefill every prompt in one packed pass, then decode them together; greedy tokens."""
+    tables = [list(range(16 * i, 16 * i + 16)) for i in range(len(prompts))]
+    logits = runner.forward([StepInput(p, 0, t) for p, t in zip(prompts, tables, strict=True)])
+    seqs = [list(p) for p in prompts]
+    out: list[list[int]] = [[] for _ in prompts]
+    for _ in range(steps):
+        nxt = [int(row.argmax()) for row in logits]
+        for i, n in enumerate(nxt):
+            out[i].append(n)
+        logits = runner.forward([StepInput([n], len(s), t) for s, n, t in zip(seqs, nxt, tables, strict=True)])
+        seqs = [s + [n] for s, n in zip(seqs, nxt, strict=True)]
+    return out
+
+
+PROMPTS = [list(range(5, 18)), list(range(300, 307)), [42], list(range(1000, 1040, 2))]
+
+
+@pytest.mark.parametrize("linear", ["plain", "packed"])
+def test_fast_forward_greedy_matches_generate(family_dir: Path, linear: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("PDSERVE_LINEAR", linear)
+    loaded = load_model(family_dir)
+    runner = ModelRunner(loaded, KVCache(loaded.kv_shape(4), 16 * len(PROMPTS)), forward="fast")
+    assert runner.forward_name == "fast"
+    expected_kernel = linear == "packed" and runner.fast is not None and runner.fast.factory.can_pack
+    assert (runner.fast.layers[0].qkv.packed is not None) == expected_kernel  # type: ignore[union-attr]
+    got = _greedy(runner, PROMPTS, steps=12)
+    reference = AutoModelForCausalLM.from_pretrained(family_dir, attn_implementation="eager").eval()
+    for prompt, tokens in zip(PROMPTS, got, strict=True):
+        with torch.no_grad():
+            want = reference.generate(torch.tensor([prompt]), max_new_tokens=12, do_sample=False,
+                                      min_new_tokens=12, pad_token_id=0)[0, len(prompt):].tolist()
+        assert tokens == want
+
+
+def test_fast_and_hf_forward_give_the_same_logits(family_dir: Path) -> None:
+    loaded = load_model(family_dir)
+    fast = ModelRunner(loaded, KVCache(loaded.kv_shape(4), 64), forward="fast")
+    hf = ModelRunner(loaded, KVCache(loaded.kv_shape(4), 64), forward="hf")
+    assert (fast.forward_name, hf.forward_name) == ("fast", "hf")
+    items = [StepInput(list(range(7, 20)), 0, [0, 1, 2, 3]), StepInput([9, 8, 7], 0, [5, 6])]
+    torch.testing.assert_close(fast.forward(items, full_rows=[0]), hf.forward(items, full_rows=[0]),
+                               atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(fast.full_logits[0], hf.full_logits[0], atol=1e-5, rtol=1e-5)
+    # a mixed pass: two decodes, then a prompt that reads a cached prefix (chunked prefill)
+    mixed = [StepInput([3], 13, [0, 1, 2, 3]), StepInput([4], 3, [5, 6]), StepInput(list(range(50, 58)), 0, [8, 9]),
+             ]
+    torch.testing.assert_close(fast.forward(mixed), hf.forward(mixed), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(fast.kv_cache.kv, hf.kv_cache.kv, atol=1e-5, rtol=1e-5)
+
+
+def test_fused_weights_are_shared_with_the_transformers_modules(tiny_llama: LoadedModel) -> None:
+    fast = fast_forward_for(tiny_llama.model)
+    assert fast is not None
+    attn = tiny_llama.model.model.layers[0].self_attn
+    qkv = fast.layers[0].qkv.weight
+    assert attn.q_proj.weight.data_ptr() == qkv.data_ptr()  # a row view, not a copy
+    nq = attn.q_proj.weight.shape[0]
+    assert attn.k_proj.weight.data_ptr() == qkv[nq:].data_ptr()
+    assert torch.equal(torch.cat([attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight]), qkv)
+
+
+def test_a_model_outside_the_fast_path_runs_on_transformers_modules(tiny_llama_dir: Path) -> None:
+    loaded = load_model(tiny_llama_dir)
+    loaded.model.model.layers[0].mlp.down_proj = torch.nn.Identity()  # not a plain linear any more
+    assert "down_proj" in str(FastForward.unsupported_reason(loaded.model))
+    runner = ModelRunner(loaded, KVCache(loaded.kv_shape(4), 8), forward="auto")
+    assert runner.forward_name == "hf" and runner.fast is None
+    with pytest.raises(ValueError, match="down_proj"):
+        ModelRunner(loaded, KVCache(loaded.kv_shape(4), 8), forward="fast")
+    with pytest.raises(ValueError, match="expected one of"):
+        ModelRunner(loaded, KVCache(loaded.kv_shape(4), 8), forward="turbo")
+
+
+def test_linear_switches_kernel_at_its_row_count() -> None:
+    factory = LinearFactory(torch.float32, torch.device("cpu"), mode="packed")
+    if not factory.can_pack:
+        pytest.skip("no oneDNN linear in this torch build")  # the plain kernel is tested everywhere else
+    torch.manual_seed(0)
+    weight, bias = torch.randn(48, 32), torch.randn(48)
+    packed = factory(weight, bias)
+    linear = Linear(weight, bias, packed.packed, packed_from_rows=4)
+    for rows in (1, 3, 4, 9):
+        x = torch.randn(rows, 32)
+        torch.testing.assert_close(linear(x), torch.nn.functional.linear(x, weight, bias), atol=1e-5, rtol=1e-5)
+    assert Linear(weight, bias, None).packed_from_rows > 2**40  # plain only: never switches
+
+
+def test_linear_mode_is_validated(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("PDSERVE_LINEAR", "fastest")
+    with pytest.raises(ValueError, match="PDSERVE_LINEAR"):
+        LinearFactory(torch.float32, torch.device("cpu"))
