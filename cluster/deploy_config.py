@@ -112,8 +112,8 @@ class PoolSection:
     """Settings every worker pool has."""
 
     count: int | None = opt(None, "workers in this pool", min=0)
-    threads: int | None = opt(None, "torch threads per worker (default: CPUs / workers locally, Ray's choice with "
-                              "--ray)", min=1)
+    threads: int | None = opt(None, "torch threads per worker (default: the CPUs split among the workers of "
+                              "its phase locally, Ray's choice with --ray)", min=1)
     kv_cache_mb: int = opt(512, "KV cache memory per worker (MB)", min=1)
     max_batched_tokens: int = opt(4096, "token budget of one forward pass", min=1)
     prefix_caching: bool = opt(True, "reuse the K/V of prompt prefixes this worker holds")
@@ -558,7 +558,7 @@ def load_file(path: str | Path) -> dict[str, Any]:
 # ----- flags ------------------------------------------------------------------------------------
 
 FANOUT_FLAGS = {  # one flag that sets a field of every pool
-    "--threads-per-worker": ("threads", "torch threads of every worker (default: CPUs / workers)"),
+    "--threads-per-worker": ("threads", "torch threads of every worker (default: the CPUs split among the workers of its phase)"),
     "--kv-cache-mb": ("kv_cache_mb", "KV cache size of every worker (MB)"),
 }
 

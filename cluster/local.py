@@ -144,9 +144,16 @@ def _cpu_count() -> int:
 
 
 def worker_threads(config: DeploymentConfig, role: str) -> int:
-    """Torch threads of a worker of `role`: the pool's setting, else the CPUs split evenly (at least 1)."""
+    """Torch threads of a worker of `role`: the pool's setting, else the CPUs split among the workers
+    of its phase (at least 1). Prefill workers form one phase; decode and colocated workers the other.
+    The two phases take turns on a request, so a 1P1D pair on one host gives each worker every CPU:
+    on 2 cores that served 1.4x the output tok/s of one thread each (docs/performance.md,
+    `benchmarks/peer_vllm.py --pd-threads 1|2`)."""
     threads: int | None = getattr(config, role).threads
-    return threads or max(1, _cpu_count() // config.num_workers)
+    if threads:
+        return threads
+    phase = config.size("prefill") if role == "prefill" else config.size("decode") + config.size("colocated")
+    return max(1, _cpu_count() // max(1, phase))
 
 
 def local_worker_document(config: DeploymentConfig, role: str, worker_id: str) -> dict[str, Any]:

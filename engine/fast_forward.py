@@ -27,6 +27,7 @@ windows) falls back to the transformers path: `FastForward.build` returns None a
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import time
@@ -48,7 +49,9 @@ LINEAR_ENV = "PDSERVE_LINEAR"
 _LINEAR_MODES = ("auto", "plain", "packed")
 
 
-def _mkldnn_linear_available(dtype: torch.dtype) -> bool:
+@functools.lru_cache(maxsize=None)
+def mkldnn_linear_available(dtype: torch.dtype) -> bool:
+    """Whether this torch build and CPU have a oneDNN linear kernel for `dtype`."""
     if not torch.backends.mkldnn.is_available() or not hasattr(torch.ops.mkldnn, "_linear_pointwise"):
         return False
     try:
@@ -102,7 +105,7 @@ class LinearFactory:
         mode = (mode or os.environ.get(LINEAR_ENV) or "auto").lower()
         if mode not in _LINEAR_MODES:
             raise ValueError(f"{LINEAR_ENV}={mode!r}: expected one of {', '.join(_LINEAR_MODES)}")
-        self.can_pack = device.type == "cpu" and _mkldnn_linear_available(dtype)
+        self.can_pack = device.type == "cpu" and mkldnn_linear_available(dtype)
         if mode == "packed" and not self.can_pack:
             log.warning("%s=packed: oneDNN linear is not available for %s on this CPU; using F.linear",
                         LINEAR_ENV, dtype)

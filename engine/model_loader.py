@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import os
 import threading
 from dataclasses import dataclass
@@ -19,6 +20,8 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, Genera
 
 from pdserve.engine import attention
 from pdserve.engine.kv_cache import KVCacheShape
+
+log = logging.getLogger(__name__)
 
 _ARCH_BY_MODEL_TYPE = {
     "llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
@@ -179,10 +182,30 @@ def _eos_ids(path: Path, config: Any, tokenizer: Any) -> frozenset[int]:
     return frozenset(ids)
 
 
+#: Served bf16 over fp32 on a CPU without a oneDNN bf16 kernel (AVX2 AMD EPYC, 2 cores,
+#: benchmarks/peer_vllm.py; docs/performance.md): what the warning below quotes.
+AVX2_BF16_SERVED_RATIO = "0.37x"
+
+
+def warn_if_slow_bf16(dtype: torch.dtype, device: str) -> bool:
+    """Log a warning (and return True) when bf16 is asked for on a CPU whose oneDNN has no bf16
+    kernel (no AVX-512 BW/VL/DQ, AVX-512 BF16, AMX or AVX-NE-CONVERT): every bf16 GEMM then runs
+    converted in plain AVX2 code, slower than fp32."""
+    from pdserve.engine.fast_forward import mkldnn_linear_available
+
+    if dtype != torch.bfloat16 or torch.device(device).type != "cpu" or mkldnn_linear_available(torch.bfloat16):
+        return False
+    log.warning("bfloat16 on this CPU (%s, no native bf16 kernel) is slower than float32: served output tok/s "
+                "measured %s of float32 on an AVX2 CPU. Use --dtype float32 (or auto) here; bf16 pays on CPUs "
+                "with AVX-512 BF16 or AMX.", torch.backends.cpu.get_cpu_capability(), AVX2_BF16_SERVED_RATIO)
+    return True
+
+
 def load_model(path: str | Path, dtype: torch.dtype = torch.float32, device: str = "cpu") -> LoadedModel:
     """Load weights and tokenizer from a local folder; attention runs over pdserve's paged cache."""
     path = Path(path)
     config = check_supported(path)
+    warn_if_slow_bf16(dtype, device)
     attention.register()
     model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation=attention.ATTN_IMPLEMENTATION)
     model = model.to(torch.device(device)).eval()  # type: ignore[arg-type]  # transformers types .to oddly

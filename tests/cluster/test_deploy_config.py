@@ -326,9 +326,15 @@ def test_examples_load(example: Path) -> None:
         assert config.mode == "ray" and config.ray.placement == "spread"
 
 
-def test_worker_threads_split_cpus_unless_set() -> None:
+def test_worker_threads_split_cpus_unless_set(monkeypatch: pytest.MonkeyPatch) -> None:
     config = DeploymentConfig.from_dict({"prefill": {"threads": 3}})
     assert worker_threads(config, "prefill") == 3 and worker_threads(config, "decode") >= 1
+    monkeypatch.setattr("pdserve.cluster.local._cpu_count", lambda: 8)
+    config = DeploymentConfig.from_dict({"prefill": {"count": 2}, "decode": {"count": 1}, "colocated": {"count": 1}})
+    # each phase splits the CPUs among its own workers: prefill 8 / 2, decode + colocated 8 / 2
+    assert [worker_threads(config, role) for role in ("prefill", "decode", "colocated")] == [4, 4, 4]
+    one_pair = DeploymentConfig.from_dict({"prefill": {"count": 1}, "decode": {"count": 1}})
+    assert worker_threads(one_pair, "prefill") == worker_threads(one_pair, "decode") == 8
 
 
 def test_local_launcher_writes_each_process_document_to_its_log_dir(tmp_path: Path) -> None:

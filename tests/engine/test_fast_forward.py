@@ -133,3 +133,16 @@ def test_linear_mode_is_validated(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("PDSERVE_LINEAR", "fastest")
     with pytest.raises(ValueError, match="PDSERVE_LINEAR"):
         LinearFactory(torch.float32, torch.device("cpu"))
+
+
+def test_bf16_on_a_cpu_without_a_bf16_kernel_warns(monkeypatch: pytest.MonkeyPatch,
+                                                    caplog: pytest.LogCaptureFixture) -> None:
+    from pdserve.engine import fast_forward, model_loader
+
+    monkeypatch.setattr(fast_forward, "mkldnn_linear_available", lambda dtype: False)
+    with caplog.at_level("WARNING", logger="pdserve.engine.model_loader"):
+        assert model_loader.warn_if_slow_bf16(torch.bfloat16, "cpu")
+    assert "slower than float32" in caplog.text and model_loader.AVX2_BF16_SERVED_RATIO in caplog.text
+    assert not model_loader.warn_if_slow_bf16(torch.float32, "cpu")
+    monkeypatch.setattr(fast_forward, "mkldnn_linear_available", lambda dtype: True)
+    assert not model_loader.warn_if_slow_bf16(torch.bfloat16, "cpu")
