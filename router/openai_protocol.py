@@ -7,7 +7,8 @@ and ``/v1/chat/completions`` (text messages), with ``max_tokens`` / ``max_comple
 ``top_logprobs``), ``echo`` (completions, also with ``max_tokens: 0``; not streamed), and the
 vLLM-style extras ``top_k``, ``ignore_eos`` and ``stop_token_ids``. The schema is strict: every other
 field (``n>1``, ``tools``, ``tool_choice``, ``functions``, ``response_format`` other than text,
-``logit_bias``, ``best_of>1``, ``suffix``, penalties,
+``logit_bias``, ``best_of>1``, ``suffix``, penalties other than their neutral values (``presence_penalty``
+/``frequency_penalty`` 0, vLLM's ``repetition_penalty`` 1),
 unknown keys, unknown ``stream_options`` keys ...) is refused with 400 whose ``param`` names the
 field, rather than silently ignored. Harmless labels (``user``, ``metadata``, ``parallel_tool_calls``)
 are accepted. The official ``openai`` client sends only the fields its caller passes.
@@ -41,7 +42,9 @@ _UNSUPPORTED_OFF_VALUES: dict[str, tuple[Any, ...]] = {
     "tools": (None, []), "tool_choice": (None, "none"),
     "functions": (None, []), "function_call": (None, "none"), "best_of": (None, 1),
     "suffix": (None, ""), "logit_bias": (None, {}), "presence_penalty": (None, 0, 0.0),
-    "frequency_penalty": (None, 0, 0.0), "audio": (None,), "modalities": (None, ["text"]), "prediction": (None,),
+    "frequency_penalty": (None, 0, 0.0),
+    "repetition_penalty": (None, 1, 1.0),  # vLLM's extra; its benchmark client always sends 1.0
+    "audio": (None,), "modalities": (None, ["text"]), "prediction": (None,),
     "response_format": (None, {"type": "text"}), "store": (None, False), "reasoning_effort": (None,),
     "service_tier": (None, "auto", "default"), "web_search_options": (None,),
 }

@@ -46,7 +46,7 @@ CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_to
     ("tool_choice", "auto"), ("tool_choice", "required"),
     ("functions", [{"name": "f", "parameters": {}}]), ("function_call", "auto"),
     ("logit_bias", {"50256": -100}), ("presence_penalty", 0.5), ("frequency_penalty", 1),
-    ("top_logprobs", 2), ("store", True), ("reasoning_effort", "low"), ("service_tier", "flex"),
+    ("repetition_penalty", 1.2), ("top_logprobs", 2), ("store", True), ("reasoning_effort", "low"), ("service_tier", "flex"),
     ("modalities", ["text", "audio"]), ("audio", {"voice": "x"}), ("prediction", {"type": "content"}),
     ("web_search_options", {}), ("n", 2), ("definitely_not_a_field", 1), ("guided_json", {}),
 ])
@@ -74,6 +74,7 @@ def test_unknown_stream_options_key_is_refused(router: RouterServer) -> None:
     {"user": "alice", "metadata": {"k": "v"}, "parallel_tool_calls": True, "n": 1},
     {"response_format": {"type": "text"}, "tool_choice": "none", "tools": [], "logit_bias": {}, "store": False,
      "presence_penalty": 0, "frequency_penalty": 0.0, "service_tier": "auto", "logprobs": False, "echo": False},
+    {"repetition_penalty": 1.0},  # vLLM's benchmark client (`vllm bench serve`) sends it on every request
     {"temperature": 0.5, "top_p": 0.9, "seed": 1, "stop": ["x"], "top_k": 5, "ignore_eos": True,
      "stop_token_ids": [2], "max_completion_tokens": 4},
 ])
