@@ -7,7 +7,7 @@ up). Then, for each dtype and each of --rounds rounds, the servers run one after
 
   vllm        `vllm serve MODEL` (VLLM_TARGET_DEVICE=cpu, its defaults otherwise)
   colocated   `pdserve serve --prefill 0 --decode 0 --colocated 1` (one worker, --threads threads)
-  1p1d        `pdserve serve --prefill 1 --decode 1` (each worker --pd-threads threads)
+  1p1d        `pdserve serve --prefill 1 --decode 1` (threads: pdserve's default, or --pd-threads)
 
 Each gets a warm-up, then --num-requests streamed chat requests sent at once (--max-tokens output
 tokens each, `ignore_eos`, greedy). Reported per server: output tok/s (all output tokens over the
@@ -151,8 +151,9 @@ def pdserve_server(kind: str, dtype: str, args: argparse.Namespace, log_dir: Pat
     if kind == "colocated":
         argv += ["--prefill", "0", "--decode", "0", "--colocated", "1", "--colocated-threads", str(args.threads)]
     else:
-        argv += ["--prefill", "1", "--decode", "1", "--prefill-threads", str(args.pd_threads),
-                 "--decode-threads", str(args.pd_threads)]
+        argv += ["--prefill", "1", "--decode", "1"]
+        if args.pd_threads:  # else pdserve's default (each phase splits the CPUs among its own workers)
+            argv += ["--prefill-threads", str(args.pd_threads), "--decode-threads", str(args.pd_threads)]
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT), str(ROOT / "proto"), env.get("PYTHONPATH", "")])
     return Server(kind, argv, port, env, log_dir / f"{kind}-{dtype}.log")
@@ -262,7 +263,8 @@ def main() -> None:
     ap.add_argument("--num-requests", type=int, default=32)
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--threads", type=int, default=2, help="threads of the colocated worker (default 2)")
-    ap.add_argument("--pd-threads", type=int, default=1, help="threads of each 1P1D worker (default 1)")
+    ap.add_argument("--pd-threads", type=int, default=None,
+                    help="threads of each 1P1D worker (default: pdserve's, every CPU of the host for a 1P1D pair)")
     ap.add_argument("--vllm-kv-bytes", type=int, default=4 * 10**9,
                     help="vLLM's --kv-cache-memory-bytes (its default asks for 92%% of RAM)")
     ap.add_argument("--vllm-bench", action="store_true", help="also run `vllm bench serve` against pdserve")
@@ -284,7 +286,7 @@ def main() -> None:
     print(cpu_description(), flush=True)
     print(f"model {model_path}; {args.num_requests} streamed chat requests at once, {args.max_tokens} output "
           f"tokens each (ignore_eos, greedy); colocated threads {args.threads}, 1P1D threads per worker "
-          f"{args.pd_threads}", flush=True)
+          f"{args.pd_threads or 'default'}", flush=True)
     results: list[dict[str, Any]] = []
     for dtype in args.dtypes:
         for round_ in range(args.rounds):
