@@ -5,12 +5,17 @@ and the torch profiler's top operators by self CPU time for one step. Then, at b
 step must read (every weight once, plus the K/V of the context) divided by the step time, as a
 ratio against a same-run measured memory read bandwidth (a large tensor sum).
 
+With --forwards fast hf, each batch size runs with both forwards (engine/model_runner.py) in the
+same process, one after another, and the fast/hf step-time ratio is printed.
+
   python benchmarks/decode_profile.py --batch 1 16 64
+  python benchmarks/decode_profile.py --batch 1 32 --forwards fast hf
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import time
 
@@ -60,6 +65,8 @@ def main() -> None:
     ap.add_argument("--context", type=int, default=64)
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--top", type=int, default=8)
+    ap.add_argument("--forwards", nargs="+", default=[None], choices=("fast", "hf"),
+                    help="run each batch with these forwards (default: the engine's own choice)")
     args = ap.parse_args()
     loaded = load_model(resolve_model(None))
     weight_bytes = sum(p.numel() * p.element_size() for p in loaded.model.parameters())
@@ -67,26 +74,41 @@ def main() -> None:
         with profile(activities=[ProfilerActivity.CPU]):  # the profiler's own first-use set-up
             torch.ones(8).sum()
         for batch in args.batch:
-            engine = running_engine(loaded, batch, args.context)
-            step_time(engine, 2)
-            median = step_time(engine, args.steps)
-            with profile(activities=[ProfilerActivity.CPU]):
-                engine.step()  # warm the profiled path too
-            with profile(activities=[ProfilerActivity.CPU]) as prof:
-                engine.step()
-            print(f"\nbatch {batch}: {median * 1e3:.1f} ms per decode step, {batch / median:.0f} tokens/s")
-            print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=args.top))
-            if batch == 1:
-                shape = engine.kv_cache.shape
-                kv_bytes = 2 * shape.num_layers * (args.context + 12) * shape.num_kv_heads * shape.head_dim * 4
-                bandwidth = read_bandwidth()
-                moved = (weight_bytes + kv_bytes) / median
-                print(f"batch 1: reads {(weight_bytes + kv_bytes) / 2**20:.0f} MiB per step -> "
-                      f"{moved / 1e9:.2f} GB/s; measured read bandwidth {bandwidth / 1e9:.2f} GB/s; "
-                      f"ratio {moved / bandwidth:.2f}")
-            for rid in list(engine.sequences):
-                engine.abort(rid)
-            engine.pool.assert_all_free()
+            medians = {}
+            for forward in args.forwards:
+                medians[forward] = profile_batch(loaded, batch, forward, weight_bytes, args)
+            if len(medians) == 2:
+                print(f"batch {batch}: fast/hf step time {medians['fast'] / medians['hf']:.2f} "
+                      f"(fast is {medians['hf'] / medians['fast']:.2f}x the tokens/s)")
+
+
+def profile_batch(loaded, batch: int, forward: str | None, weight_bytes: int,  # noqa: ANN001
+                  args: argparse.Namespace) -> float:
+    """Median decode step of `batch` sequences with `forward`, and its profile; returns the median."""
+    if forward is not None:
+        os.environ["PDSERVE_FORWARD"] = forward
+    engine = running_engine(loaded, batch, args.context)
+    step_time(engine, 2)
+    median = step_time(engine, args.steps)
+    with profile(activities=[ProfilerActivity.CPU]):
+        engine.step()  # warm the profiled path too
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        engine.step()
+    print(f"\nbatch {batch}, forward {engine.runner.forward_name}: {median * 1e3:.1f} ms per decode step, "
+          f"{batch / median:.0f} tokens/s")
+    print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=args.top))
+    if batch == 1:
+        shape = engine.kv_cache.shape
+        kv_bytes = 2 * shape.num_layers * (args.context + 12) * shape.num_kv_heads * shape.head_dim * 4
+        bandwidth = read_bandwidth()
+        moved = (weight_bytes + kv_bytes) / median
+        print(f"batch 1: reads {(weight_bytes + kv_bytes) / 2**20:.0f} MiB per step -> "
+              f"{moved / 1e9:.2f} GB/s; measured read bandwidth {bandwidth / 1e9:.2f} GB/s; "
+              f"ratio {moved / bandwidth:.2f}")
+    for rid in list(engine.sequences):
+        engine.abort(rid)
+    engine.pool.assert_all_free()
+    return median
 
 
 if __name__ == "__main__":

@@ -18,8 +18,9 @@ vLLM's in the same round. The CPU model and its vector flags are printed first.
   python benchmarks/peer_vllm.py --dtypes float32 bfloat16 --rounds 2 --json out.json
   python benchmarks/peer_vllm.py --vllm-bench                   # also `vllm bench serve` on pdserve
 
-With --vllm-bench, vLLM's own client (`vllm bench serve --backend openai-chat`, random dataset)
-is run against each pdserve server too, so a tool nobody here wrote confirms the figures.
+With --vllm-bench, vLLM's own client (`vllm bench serve --backend openai-chat`, random dataset of
+64-token prompts, the same request count and output length) then runs against every server too,
+vLLM included, so a tool nobody here wrote confirms the figures.
 """
 
 from __future__ import annotations
@@ -193,7 +194,7 @@ async def one_request(session: aiohttp.ClientSession, base: str, model: str, i: 
                 arrivals.append(time.perf_counter())
     if not arrivals:
         return {"error": "no tokens"}
-    itls = [b - a for a, b in zip(arrivals, arrivals[1:])]
+    itls = [b - a for a, b in zip(arrivals, arrivals[1:], strict=False)]
     return {"ttft": arrivals[0] - t0, "itl": itls, "tokens": tokens or len(arrivals), "end": arrivals[-1]}
 
 
@@ -244,7 +245,7 @@ def measure(server: Server, args: argparse.Namespace, model_path: str) -> dict[s
     try:
         asyncio.run(burst(server.base, model, 4, 8))  # warm-up
         result = asyncio.run(burst(server.base, model, args.num_requests, args.max_tokens))
-        if args.vllm_bench and server.name != "vllm":
+        if args.vllm_bench:
             result["vllm_bench"] = run_vllm_bench(args, server, model, model_path)
         return result
     finally:
@@ -267,7 +268,7 @@ def main() -> None:
                     help="threads of each 1P1D worker (default: pdserve's, every CPU of the host for a 1P1D pair)")
     ap.add_argument("--vllm-kv-bytes", type=int, default=4 * 10**9,
                     help="vLLM's --kv-cache-memory-bytes (its default asks for 92%% of RAM)")
-    ap.add_argument("--vllm-bench", action="store_true", help="also run `vllm bench serve` against pdserve")
+    ap.add_argument("--vllm-bench", action="store_true", help="also run `vllm bench serve` against every server")
     ap.add_argument("--startup-timeout", type=float, default=600)
     ap.add_argument("--log-dir", default="/tmp/pdserve-peer-vllm")
     ap.add_argument("--json", default=None, help="write every result here")
@@ -317,9 +318,11 @@ def main() -> None:
             tok = statistics.median(r["tok_s"] for r in rows)
             ratios = [r["vs_vllm"] for r in rows if r["vs_vllm"]]
             itl = [r["itl_p50_ms"] for r in rows if "itl_p50_ms" in r]
+            bench = [r["vllm_bench"].get("output_throughput") or 0.0 for r in rows if "vllm_bench" in r]
             print(f"  {dtype:9s} {name:10s} {tok:7.1f} tok/s"
                   + (f"  {statistics.median(ratios):.2f}x vLLM ({min(ratios):.2f}-{max(ratios):.2f})" if ratios else "")
-                  + (f"  ITL p50 {statistics.median(itl):.0f} ms" if itl else ""))
+                  + (f"  ITL p50 {statistics.median(itl):.0f} ms" if itl else "")
+                  + (f"  | vllm bench serve: {statistics.median(bench):.1f} tok/s" if bench else ""))
     if args.json:
         Path(args.json).write_text(json.dumps({"cpu": cpu_description(), "args": vars(args), "results": results},
                                               indent=1))

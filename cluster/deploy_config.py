@@ -558,7 +558,8 @@ def load_file(path: str | Path) -> dict[str, Any]:
 # ----- flags ------------------------------------------------------------------------------------
 
 FANOUT_FLAGS = {  # one flag that sets a field of every pool
-    "--threads-per-worker": ("threads", "torch threads of every worker (default: the CPUs split among the workers of its phase)"),
+    "--threads-per-worker": ("threads", "torch threads of every worker (default: the CPUs split among the "
+                                        "workers of its phase)"),
     "--kv-cache-mb": ("kv_cache_mb", "KV cache size of every worker (MB)"),
 }
 

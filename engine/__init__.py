@@ -9,8 +9,9 @@ Invariants:
   a sequence owns the blocks listed in its block table and nothing else.
 - Every block handed out by `BlockPool` is returned by whoever ends the sequence (finish, abort,
   error, preemption); `BlockPool.assert_all_free()` checks it when idle.
-- The model's own modules (transformers) compute everything but attention over the paged cache,
-  which is ours (`engine.attention`).
+- The model's weights come from transformers; the forward is `engine.fast_forward` for the Llama
+  family (transformers' own modules otherwise), and attention over the paged cache is ours
+  (`engine.attention`).
 """
 
 from pdserve.engine.block_pool import BlockPool, NoFreeBlocksError

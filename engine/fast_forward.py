@@ -49,7 +49,7 @@ LINEAR_ENV = "PDSERVE_LINEAR"
 _LINEAR_MODES = ("auto", "plain", "packed")
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def mkldnn_linear_available(dtype: torch.dtype) -> bool:
     """Whether this torch build and CPU have a oneDNN linear kernel for `dtype`."""
     if not torch.backends.mkldnn.is_available() or not hasattr(torch.ops.mkldnn, "_linear_pointwise"):
@@ -117,11 +117,12 @@ class LinearFactory:
         n, k = weight.shape
         if (k, n) not in self.switch_rows:
             timings = {}
+            generator = torch.Generator(device=weight.device).manual_seed(0)  # leaves the global RNG alone
             for rows in PROBE_ROWS:
-                x = torch.randn(rows, k, dtype=weight.dtype, device=weight.device)
-                timings[rows] = (_median_ms(lambda: F.linear(x, weight, bias)),
-                                 _median_ms(lambda: torch.ops.mkldnn._linear_pointwise(
-                                     x, packed, bias, "none", [], "")))
+                x = torch.randn(rows, k, generator=generator, device=weight.device).to(weight.dtype)
+                timings[rows] = (_median_ms(functools.partial(F.linear, x, weight, bias)),
+                                 _median_ms(functools.partial(torch.ops.mkldnn._linear_pointwise,
+                                                              x, packed, bias, "none", [], "")))
             switch = _NEVER
             for rows in reversed(PROBE_ROWS):
                 plain, fast = timings[rows]

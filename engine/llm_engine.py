@@ -32,7 +32,7 @@ from pdserve.engine.model_loader import LoadedModel
 from pdserve.engine.model_runner import StepInput
 from pdserve.engine.pass_log import PassLog
 from pdserve.engine.runners import build_runner
-from pdserve.engine.sampler import TokenLogprob, sample, token_logprobs
+from pdserve.engine.sampler import TokenHistory, TokenLogprob, sample, token_logprobs
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.engine.scheduler import PassItem, ScheduledPass, Scheduler
 from pdserve.engine.sequence import Sequence, SequenceStatus
@@ -136,6 +136,10 @@ class LLMEngine:
         if request_id in self.sequences:
             raise ValueError(f"request id {request_id!r} is already in this engine")
         self.check_request(prompt_ids, resume_ids)
+        vocab = self.loaded.config.vocab_size
+        outside = [t for t, _ in params.logit_bias if t >= vocab]
+        if outside:
+            raise ValueError(f"logit_bias: token id {outside[0]} is outside the vocabulary [0, {vocab})")
         seq = Sequence.create(request_id, prompt_ids, params, self.loaded.tokenizer, self.loaded.eos_token_ids,
                               trace=trace)
         seq.replay(resume_ids)
@@ -283,8 +287,11 @@ class LLMEngine:
             [StepInput(item.token_ids, item.seq.num_cached, item.seq.block_table) for item in items],
             on_layer_done=on_layer, **extra)
         rows = [row for row, item in enumerate(items) if item.samples]
-        sampled = sample(logits[rows], [items[r].seq.params for r in rows],
-                         [items[r].seq.next_output_index for r in rows])
+        seqs = [items[r].seq for r in rows]
+        histories = [TokenHistory(seq.all_ids, seq.next_output_index) if seq.params.penalized else None
+                     for seq in seqs]
+        sampled = sample(logits[rows], [seq.params for seq in seqs], [seq.next_output_index for seq in seqs],
+                         histories, self.loaded.eos_token_ids)
         logprobs: dict[int, _PassLogprobs] = {}
         for row in full_rows:
             seq, start = items[row].seq, items[row].seq.num_cached

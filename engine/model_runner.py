@@ -13,10 +13,9 @@ Two forwards compute the same thing from the same weights:
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable, Collection
 from dataclasses import dataclass
-
-import os
 
 import torch
 

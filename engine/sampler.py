@@ -1,4 +1,11 @@
-"""Token sampling: greedy, temperature, top-k, top-p, with per-request seeds.
+"""Token sampling: penalties and biases, then greedy or temperature, top-k, top-p and min-p, with
+per-request seeds.
+
+Penalties (`apply_penalties`) run on the whole batch at once, as tensors, before anything else: a
+[R, V] table of which tokens each penalized row has seen (prompt and output) and how often each
+appeared in its output, built from the row's tokens alone (`TokenHistory`). Nothing else is
+kept between steps, so a prefill worker sampling the first token and the decode worker sampling
+the rest apply the same rule, and a failover or a migration rebuilds it exactly.
 
 A seeded request draws its i-th output token from a generator seeded by (seed, i) alone, so the
 draw never depends on the batch it ran in, nor on where an interrupted request is resumed.
@@ -11,6 +18,7 @@ tokens whichever device computed its logits (given the same logits).
 
 from __future__ import annotations
 
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -39,11 +47,88 @@ def _filter_top_k_top_p(logits: torch.Tensor, top_k: int, top_p: float) -> torch
     return logits
 
 
+@dataclass(frozen=True)
+class TokenHistory:
+    """What a row's penalties read: its tokens (prompt, then output so far) and how many of the
+    last ones are output."""
+
+    ids: Sequence[int]
+    num_output: int
+
+
+def apply_penalties(logits: torch.Tensor, params: Sequence[SamplingParams],
+                    histories: Sequence[TokenHistory | None], eos_token_ids: Collection[int] = ()) -> torch.Tensor:
+    """logits [B, V] -> a new [B, V] tensor with each penalized row's repetition, presence and
+    frequency penalties, logit bias and min_tokens mask applied (vLLM's semantics); rows without
+    any are unchanged. `histories[i]` must be given for every penalized row."""
+    rows = [i for i, p in enumerate(params) if p.penalized]
+    if not rows:
+        return logits
+    device, vocab = logits.device, logits.shape[-1]
+    out = logits.float().clone()
+    sub = out[rows]  # [R, V]
+    row_of_seen, seen_ids, row_of_output, output_ids = [], [], [], []
+    bias_rows, bias_ids, bias_values, banned_rows, banned_ids = [], [], [], [], []
+    for r, i in enumerate(rows):
+        p, history = params[i], histories[i]
+        assert history is not None, "a penalized row needs its token history"
+        ids = [t for t in history.ids if 0 <= t < vocab]
+        outputs = [t for t in history.ids[len(history.ids) - history.num_output :] if 0 <= t < vocab]
+        if p.repetition_penalty != 1.0:
+            row_of_seen += [r] * len(ids)
+            seen_ids += ids
+        if p.presence_penalty or p.frequency_penalty:
+            row_of_output += [r] * len(outputs)
+            output_ids += outputs
+        for token, bias in p.logit_bias:
+            if token < vocab:
+                bias_rows.append(r)
+                bias_ids.append(token)
+                bias_values.append(bias)
+        if history.num_output < p.min_tokens:
+            stops = set(p.stop_token_ids) | (set() if p.ignore_eos else set(eos_token_ids))
+            stops = {t for t in stops if t < vocab}
+            banned_rows += [r] * len(stops)
+            banned_ids += sorted(stops)
+
+    def index(values: list[int]) -> torch.Tensor:
+        return torch.tensor(values, dtype=torch.long, device=device)
+
+    if seen_ids:
+        seen = torch.zeros_like(sub, dtype=torch.bool)
+        seen[index(row_of_seen), index(seen_ids)] = True
+        penalty = torch.tensor([params[i].repetition_penalty for i in rows], device=device).unsqueeze(1)
+        sub = torch.where(seen, torch.where(sub > 0, sub / penalty, sub * penalty), sub)
+    if output_ids:
+        counts = torch.zeros_like(sub)
+        counts.index_put_((index(row_of_output), index(output_ids)), torch.ones(len(output_ids), device=device),
+                          accumulate=True)
+        presence = torch.tensor([params[i].presence_penalty for i in rows], device=device).unsqueeze(1)
+        frequency = torch.tensor([params[i].frequency_penalty for i in rows], device=device).unsqueeze(1)
+        sub = sub - frequency * counts - presence * (counts > 0)
+    if bias_ids:
+        sub.index_put_((index(bias_rows), index(bias_ids)), torch.tensor(bias_values, device=device),
+                       accumulate=True)
+    if banned_ids:
+        sub[index(banned_rows), index(banned_ids)] = float("-inf")
+    out[rows] = sub
+    return out
+
+
+def _filter_min_p(logits: torch.Tensor, min_p: float) -> torch.Tensor:
+    """logits [V] (after temperature) -> tokens whose probability is below min_p times the most
+    likely token's at -inf."""
+    probs = torch.softmax(logits, dim=-1)
+    return logits.masked_fill(probs < min_p * probs.max(), float("-inf"))
+
+
 def sample_one(logits: torch.Tensor, params: SamplingParams, step: int) -> int:
-    """Draw one token id from logits [V] for output position `step`."""
+    """Draw one token id from logits [V] (penalties already applied) for output position `step`."""
     if params.greedy:
         return int(torch.argmax(logits))
     logits = _filter_top_k_top_p(logits.float().cpu() / params.temperature, params.top_k, params.top_p)
+    if params.min_p > 0.0:
+        logits = _filter_min_p(logits, params.min_p)
     probs = torch.softmax(logits, dim=-1)
     generator = None
     if params.seed is not None:
@@ -51,8 +136,14 @@ def sample_one(logits: torch.Tensor, params: SamplingParams, step: int) -> int:
     return int(torch.multinomial(probs, 1, generator=generator))
 
 
-def sample(logits: torch.Tensor, params: list[SamplingParams], steps: list[int]) -> list[int]:
-    """logits: [B, V] on any device; one SamplingParams and output position per row -> B token ids."""
+def sample(logits: torch.Tensor, params: list[SamplingParams], steps: list[int],
+           histories: Sequence[TokenHistory | None] | None = None, eos_token_ids: Collection[int] = ()) -> list[int]:
+    """logits: [B, V] on any device; one SamplingParams and output position per row -> B token ids.
+    Rows with penalties, biases or min_tokens need their `histories` (see apply_penalties)."""
+    if any(p.penalized for p in params):
+        if histories is None:
+            raise ValueError("penalized rows need their token histories")
+        logits = apply_penalties(logits, params, histories, eos_token_ids)
     if all(p.greedy for p in params):
         return torch.argmax(logits, dim=-1).tolist()
     if logits.device.type != "cpu":

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from pdserve.limits import MAX_LOGIT_BIAS, MAX_LOGIT_BIAS_ENTRIES
+
 MAX_STOP_STRINGS = 16
 MAX_STOP_STRING_CHARS = 256
 MAX_LOGPROBS = 20  # OpenAI's bound on alternatives per position
@@ -28,6 +30,13 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: int | None = None  # log-probability of each output token plus this many alternatives
     prompt_logprobs: int | None = None  # the same for each prompt token (the first has none)
+    # penalties and biases (engine/sampler.py applies them; common.proto documents each)
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    min_p: float = 0.0
+    min_tokens: int = 0
+    logit_bias: tuple[tuple[int, float], ...] = field(default_factory=tuple)  # (token id, bias), sorted
 
     def __post_init__(self) -> None:
         if not 1 <= self.max_tokens <= 1_000_000:
@@ -45,6 +54,30 @@ class SamplingParams:
             if value is not None and not 0 <= value <= MAX_LOGPROBS:
                 raise ValueError(f"{name} must be in [0, {MAX_LOGPROBS}], got {value}")
         self._check_stops()
+        self._check_penalties()
+
+    def _check_penalties(self) -> None:
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            if not -2.0 <= value <= 2.0:
+                raise ValueError(f"{name} must be in [-2, 2], got {value}")
+        if not 0.0 < self.repetition_penalty <= 2.0:
+            raise ValueError(f"repetition_penalty must be in (0, 2], got {self.repetition_penalty}")
+        if not 0.0 <= self.min_p <= 1.0:
+            raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
+        if not 0 <= self.min_tokens <= self.max_tokens:
+            raise ValueError(f"min_tokens must be in [0, max_tokens={self.max_tokens}], got {self.min_tokens}")
+        if len(self.logit_bias) > MAX_LOGIT_BIAS_ENTRIES:
+            raise ValueError(f"logit_bias: at most {MAX_LOGIT_BIAS_ENTRIES} entries, got {len(self.logit_bias)}")
+        for token, bias in self.logit_bias:
+            if token < 0 or not -MAX_LOGIT_BIAS <= bias <= MAX_LOGIT_BIAS:
+                raise ValueError(f"logit_bias[{token}]: token ids >= 0 and biases in [-100, 100], got {bias}")
+
+    @property
+    def penalized(self) -> bool:
+        """Whether any penalty, bias or min_tokens changes this request's logits."""
+        return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0
+                    or self.min_tokens or self.logit_bias)
 
     def _check_stops(self) -> None:
         if len(self.stop) > MAX_STOP_STRINGS:

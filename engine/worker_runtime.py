@@ -76,6 +76,12 @@ def sampling_params_from_pb(pb: common_pb2.SamplingParams) -> SamplingParams:
         ignore_eos=pb.ignore_eos,
         logprobs=pb.logprobs if pb.HasField("logprobs") else None,
         prompt_logprobs=pb.prompt_logprobs if pb.HasField("prompt_logprobs") else None,
+        presence_penalty=pb.presence_penalty if pb.HasField("presence_penalty") else 0.0,
+        frequency_penalty=pb.frequency_penalty if pb.HasField("frequency_penalty") else 0.0,
+        repetition_penalty=pb.repetition_penalty if pb.HasField("repetition_penalty") else 1.0,
+        min_p=pb.min_p if pb.HasField("min_p") else 0.0,
+        min_tokens=pb.min_tokens,
+        logit_bias=tuple(sorted(pb.logit_bias.items())),
     )
 
 
@@ -91,6 +97,16 @@ def sampling_params_to_pb(params: SamplingParams) -> common_pb2.SamplingParams:
         pb.logprobs = params.logprobs
     if params.prompt_logprobs is not None:
         pb.prompt_logprobs = params.prompt_logprobs
+    if params.presence_penalty:
+        pb.presence_penalty = params.presence_penalty
+    if params.frequency_penalty:
+        pb.frequency_penalty = params.frequency_penalty
+    if params.repetition_penalty != 1.0:
+        pb.repetition_penalty = params.repetition_penalty
+    if params.min_p:
+        pb.min_p = params.min_p
+    pb.min_tokens = params.min_tokens
+    pb.logit_bias.update(dict(params.logit_bias))
     return pb
 
 

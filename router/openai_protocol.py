@@ -4,11 +4,11 @@ Supported: ``/v1/completions`` (prompt: a string, one-string list, token ids or 
 and ``/v1/chat/completions`` (text messages), with ``max_tokens`` / ``max_completion_tokens``,
 ``temperature``, ``top_p``, ``seed``, ``stop`` (string or list), ``stream``,
 ``stream_options.include_usage``, ``n=1``, ``logprobs`` (completions: 0-20; chat: true plus
-``top_logprobs``), ``echo`` (completions, also with ``max_tokens: 0``; not streamed), and the
-vLLM-style extras ``top_k``, ``ignore_eos`` and ``stop_token_ids``. The schema is strict: every other
-field (``n>1``, ``tools``, ``tool_choice``, ``functions``, ``response_format`` other than text,
-``logit_bias``, ``best_of>1``, ``suffix``, penalties other than their neutral values (``presence_penalty``
-/``frequency_penalty`` 0, vLLM's ``repetition_penalty`` 1),
+``top_logprobs``), ``echo`` (completions, also with ``max_tokens: 0``; not streamed),
+``presence_penalty``, ``frequency_penalty``, ``logit_bias``, and the vLLM-style extras ``top_k``,
+``ignore_eos``, ``stop_token_ids``, ``repetition_penalty``, ``min_p`` and ``min_tokens``. The schema
+is strict: every other field (``n>1``, ``tools``, ``tool_choice``, ``functions``, ``response_format``
+other than text, ``best_of>1``, ``suffix``,
 unknown keys, unknown ``stream_options`` keys ...) is refused with 400 whose ``param`` names the
 field, rather than silently ignored. Harmless labels (``user``, ``metadata``, ``parallel_tool_calls``)
 are accepted. The official ``openai`` client sends only the fields its caller passes.
@@ -25,6 +25,7 @@ from typing import Any
 
 import grpc
 
+from pdserve.limits import MAX_LOGIT_BIAS, MAX_LOGIT_BIAS_ENTRIES
 from pdserve.v1 import common_pb2, router_pb2
 
 COMPLETION = "text_completion"
@@ -41,10 +42,7 @@ FINISH_REASONS = {
 _UNSUPPORTED_OFF_VALUES: dict[str, tuple[Any, ...]] = {
     "tools": (None, []), "tool_choice": (None, "none"),
     "functions": (None, []), "function_call": (None, "none"), "best_of": (None, 1),
-    "suffix": (None, ""), "logit_bias": (None, {}), "presence_penalty": (None, 0, 0.0),
-    "frequency_penalty": (None, 0, 0.0),
-    "repetition_penalty": (None, 1, 1.0),  # vLLM's extra; its benchmark client always sends 1.0
-    "audio": (None,), "modalities": (None, ["text"]), "prediction": (None,),
+    "suffix": (None, ""), "audio": (None,), "modalities": (None, ["text"]), "prediction": (None,),
     "response_format": (None, {"type": "text"}), "store": (None, False), "reasoning_effort": (None,),
     "service_tier": (None, "auto", "default"), "web_search_options": (None,),
 }
@@ -53,7 +51,9 @@ _UNSUPPORTED_OFF_VALUES: dict[str, tuple[Any, ...]] = {
 # (``include_usage``; other keys are refused), ``n`` only as 1.
 _IGNORED = frozenset({"model", "user", "stream", "stream_options", "n", "metadata", "parallel_tool_calls"})
 _KNOWN = frozenset({"prompt", "messages", "max_tokens", "max_completion_tokens", "temperature", "top_p", "seed",
-                    "stop", "top_k", "ignore_eos", "stop_token_ids", "logprobs", "top_logprobs", "echo"}) \
+                    "stop", "top_k", "ignore_eos", "stop_token_ids", "logprobs", "top_logprobs", "echo",
+                    "presence_penalty", "frequency_penalty", "repetition_penalty", "min_p", "min_tokens",
+                    "logit_bias"}) \
     | _IGNORED | frozenset(_UNSUPPORTED_OFF_VALUES)
 _STREAM_OPTIONS = frozenset({"include_usage"})
 MAX_INT32 = 2**31 - 1
@@ -241,7 +241,39 @@ def _sampling_params(body: dict[str, Any]) -> common_pb2.SamplingParams:
     params.ignore_eos = _optional_bool(body, "ignore_eos")
     params.stop.extend(_stop(body.get("stop")))
     params.stop_token_ids.extend(_token_ids(body.get("stop_token_ids") or [], "stop_token_ids"))
+    _penalties(body, params)
     return params
+
+
+def _penalties(body: dict[str, Any], params: common_pb2.SamplingParams) -> None:
+    """OpenAI's presence/frequency penalties and logit_bias, and vLLM's repetition_penalty, min_p and
+    min_tokens (neutral values leave the field unset)."""
+    for name, low, high, neutral in (("presence_penalty", -2.0, 2.0, 0.0), ("frequency_penalty", -2.0, 2.0, 0.0),
+                                     ("min_p", 0.0, 1.0, 0.0)):
+        value = _number(body, name, low, high)
+        if value is not None and value != neutral:
+            setattr(params, name, value)
+    repetition = _number(body, "repetition_penalty", 0.0, 2.0, low_open=True)
+    if repetition is not None and repetition != 1.0:
+        params.repetition_penalty = repetition
+    min_tokens = _integer(body, "min_tokens", 0, MAX_INT32)
+    if min_tokens:
+        params.min_tokens = min_tokens
+    bias = body.get("logit_bias")
+    if bias is None:
+        return
+    if not isinstance(bias, dict) or len(bias) > MAX_LOGIT_BIAS_ENTRIES:
+        raise OpenAIError(400, f"logit_bias: must be an object of at most {MAX_LOGIT_BIAS_ENTRIES} token ids",
+                          param="logit_bias")
+    for key, value in bias.items():
+        token = str(key)
+        if not token.isdigit() or int(token) > MAX_INT32:
+            raise OpenAIError(400, f"logit_bias: keys must be token ids, got {key!r}", param="logit_bias")
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or \
+                not -MAX_LOGIT_BIAS <= value <= MAX_LOGIT_BIAS:
+            raise OpenAIError(400, f"logit_bias[{token}]: must be a number in [-100, 100], got {value!r}",
+                              param="logit_bias")
+        params.logit_bias[int(token)] = float(value)
 
 
 def _stop(stop: object) -> list[str]:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import math
 
-from pdserve.limits import MAX_REQUEST_BYTES
+from pdserve.limits import MAX_LOGIT_BIAS, MAX_LOGIT_BIAS_ENTRIES, MAX_REQUEST_BYTES
 from pdserve.v1 import common_pb2, router_pb2
 
 MAX_REQUEST_ID_CHARS = 128
@@ -125,6 +125,28 @@ def _check_scalars(params: common_pb2.SamplingParams) -> None:
             raise InvalidRequest(f"params.{name}", f"must be in [0, 20], got {getattr(params, name)}")
     if params.HasField("seed") and params.seed >= SEED_LIMIT:
         raise InvalidRequest("params.seed", f"must be < 2**63, got {params.seed}")
+    _check_penalties(params)
+
+
+def _check_penalties(params: common_pb2.SamplingParams) -> None:
+    for name, low, high in (("presence_penalty", -2.0, 2.0), ("frequency_penalty", -2.0, 2.0),
+                            ("min_p", 0.0, 1.0)):
+        value = getattr(params, name)
+        if params.HasField(name) and not (low <= value <= high and math.isfinite(value)):
+            raise InvalidRequest(f"params.{name}", f"must be in [{low:g}, {high:g}], got {value}")
+    if params.HasField("repetition_penalty") and not (0.0 < params.repetition_penalty <= 2.0):
+        raise InvalidRequest("params.repetition_penalty", f"must be in (0, 2], got {params.repetition_penalty}")
+    max_tokens = params.max_tokens if params.HasField("max_tokens") else 16
+    if not 0 <= params.min_tokens <= max_tokens:
+        raise InvalidRequest("params.min_tokens", f"must be in [0, max_tokens={max_tokens}], got {params.min_tokens}")
+    if len(params.logit_bias) > MAX_LOGIT_BIAS_ENTRIES:
+        raise InvalidRequest("params.logit_bias",
+                             f"at most {MAX_LOGIT_BIAS_ENTRIES} entries, got {len(params.logit_bias)}")
+    for token, bias in params.logit_bias.items():
+        if token < 0:
+            raise InvalidRequest("params.logit_bias", f"token ids must be >= 0, got {token}")
+        if not (-MAX_LOGIT_BIAS <= bias <= MAX_LOGIT_BIAS and math.isfinite(bias)):
+            raise InvalidRequest("params.logit_bias", f"bias of token {token} must be in [-100, 100], got {bias}")
 
 
 def _check_stop(params: common_pb2.SamplingParams) -> None:

@@ -1,4 +1,5 @@
-"""The one request-size limit every pdserve process agrees on.
+"""The request limits every pdserve process agrees on: the request size, and the bounds of the
+sampling fields the router and the engine both check (`logit_bias`).
 
 The router refuses a request whose serialized `GenerateRequest` is larger than `MAX_REQUEST_BYTES`
 with INVALID_ARGUMENT (HTTP 400) naming the limit. Every gRPC server and channel on the request path
@@ -16,6 +17,9 @@ from __future__ import annotations
 MAX_REQUEST_BYTES = 8 * 1024 * 1024
 #: grpc.max_receive_message_length of every server and channel on the request path (16 MiB).
 RECEIVE_LIMIT_BYTES = 2 * MAX_REQUEST_BYTES
+#: Most `logit_bias` entries of one request, and the largest bias magnitude (OpenAI's range).
+MAX_LOGIT_BIAS_ENTRIES = 1024
+MAX_LOGIT_BIAS = 100.0
 
 
 def receive_options(at_least: int = 0) -> list[tuple[str, int]]:

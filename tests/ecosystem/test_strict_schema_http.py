@@ -45,8 +45,7 @@ CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_to
     ("tools", [{"type": "function", "function": {"name": "f", "parameters": {}}}]),
     ("tool_choice", "auto"), ("tool_choice", "required"),
     ("functions", [{"name": "f", "parameters": {}}]), ("function_call", "auto"),
-    ("logit_bias", {"50256": -100}), ("presence_penalty", 0.5), ("frequency_penalty", 1),
-    ("repetition_penalty", 1.2), ("top_logprobs", 2), ("store", True), ("reasoning_effort", "low"), ("service_tier", "flex"),
+    ("top_logprobs", 2), ("store", True), ("reasoning_effort", "low"), ("service_tier", "flex"),
     ("modalities", ["text", "audio"]), ("audio", {"voice": "x"}), ("prediction", {"type": "content"}),
     ("web_search_options", {}), ("n", 2), ("definitely_not_a_field", 1), ("guided_json", {}),
 ])
@@ -59,6 +58,17 @@ def test_unimplemented_fields_are_refused_by_name(router: RouterServer, path: st
     assert status == 400, body
     assert error["param"] == field and field in error["message"]
     assert error["type"] == "invalid_request_error"
+
+
+@pytest.mark.parametrize(("field", "value"), [
+    ("presence_penalty", 2.5), ("frequency_penalty", "1"), ("repetition_penalty", 0), ("repetition_penalty", 3),
+    ("min_p", 1.5), ("min_tokens", -1), ("logit_bias", {"abc": 1}), ("logit_bias", {"5": 101}),
+    ("logit_bias", [5, 1]), ("logit_bias", {"5": True}),
+])
+def test_out_of_range_penalties_are_refused_by_name(router: RouterServer, field: str, value: object) -> None:
+    for path, base in (("/v1/chat/completions", CHAT), ("/v1/completions", COMPLETION)):
+        status, body = post(router, path, {**base, field: value})
+        assert status == 400 and body["error"]["param"] == field, (path, body)
 
 
 def test_unknown_stream_options_key_is_refused(router: RouterServer) -> None:
@@ -75,6 +85,8 @@ def test_unknown_stream_options_key_is_refused(router: RouterServer) -> None:
     {"response_format": {"type": "text"}, "tool_choice": "none", "tools": [], "logit_bias": {}, "store": False,
      "presence_penalty": 0, "frequency_penalty": 0.0, "service_tier": "auto", "logprobs": False, "echo": False},
     {"repetition_penalty": 1.0},  # vLLM's benchmark client (`vllm bench serve`) sends it on every request
+    {"presence_penalty": 0.5, "frequency_penalty": -1, "repetition_penalty": 1.2, "min_p": 0.05, "min_tokens": 2,
+     "logit_bias": {"50": -100, "7": 2.5}},
     {"temperature": 0.5, "top_p": 0.9, "seed": 1, "stop": ["x"], "top_k": 5, "ignore_eos": True,
      "stop_token_ids": [2], "max_completion_tokens": 4},
 ])
