@@ -28,11 +28,13 @@ windows) falls back to the transformers path: `FastForward.build` returns None a
 from __future__ import annotations
 
 import functools
+import json
 import logging
 import os
 import time
 import weakref
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -96,10 +98,51 @@ def _median_ms(fn: Any, repeats: int = 5) -> float:
     return times[len(times) // 2] * 1e3
 
 
+def _machine_key() -> str:
+    """What a kernel timing depends on: the CPU model, torch's view of it, torch and the threads."""
+    model = "unknown"
+    try:
+        with open("/proc/cpuinfo") as f:
+            model = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), model)
+    except OSError:
+        pass
+    return (f"{model}|{torch.backends.cpu.get_cpu_capability()}|torch {torch.__version__}|"
+            f"{torch.get_num_threads()} threads")
+
+
+def _choices_file() -> Path:
+    from pdserve.engine.model_fetch import cache_root
+
+    return cache_root() / "linear-kernels.json"
+
+
+def _read_choices() -> dict[str, int]:
+    try:
+        data = json.loads(_choices_file().read_text())
+    except (OSError, ValueError):
+        return {}
+    return {k: v for k, v in data.items() if isinstance(v, int)} if isinstance(data, dict) else {}
+
+
+def _write_choices(choices: dict[str, int]) -> None:
+    """Best effort and atomic: a worker that cannot write only times again next start."""
+    target = _choices_file()
+    try:
+        target.parent.mkdir(parents=True, exist_ok=True)
+        merged = {**_read_choices(), **choices}
+        tmp = target.with_name(f".{target.name}.{os.getpid()}")
+        tmp.write_text(json.dumps(merged, indent=1, sort_keys=True))
+        os.replace(tmp, target)
+    except OSError:
+        pass
+
+
 class LinearFactory:
     """Builds `Linear`s. In "auto" mode each distinct (K, N) shape is timed once with both kernels
     at PROBE_ROWS rows; the packed kernel takes over from the smallest probed row count at which it
-    wins there and at every larger one (never, if it loses at the largest)."""
+    wins there and at every larger one (never, if it loses at the largest). The choice is kept in
+    pdserve's cache folder (`linear-kernels.json`) under the CPU model, torch version, thread count
+    and dtype, so a restarted worker on the same machine does not time again."""
 
     def __init__(self, dtype: torch.dtype, device: torch.device, mode: str | None = None) -> None:
         mode = (mode or os.environ.get(LINEAR_ENV) or "auto").lower()
@@ -110,12 +153,19 @@ class LinearFactory:
             log.warning("%s=packed: oneDNN linear is not available for %s on this CPU; using F.linear",
                         LINEAR_ENV, dtype)
         self.mode = mode if self.can_pack else "plain"
+        self.dtype = str(dtype).removeprefix("torch.")
+        self.machine = _machine_key()
+        self.remembered = _read_choices() if self.mode == "auto" else {}
         self.switch_rows: dict[tuple[int, int], int] = {}  # (K, N) -> packed from this many rows
         self.timings: dict[tuple[int, int], dict[int, tuple[float, float]]] = {}  # rows -> (plain, packed) ms
 
     def _switch_rows(self, weight: torch.Tensor, bias: torch.Tensor | None, packed: torch.Tensor) -> int:
         n, k = weight.shape
         if (k, n) not in self.switch_rows:
+            remembered = self.remembered.get(self._key(k, n))
+            if isinstance(remembered, int):
+                self.switch_rows[(k, n)] = remembered
+                return remembered
             timings = {}
             generator = torch.Generator(device=weight.device).manual_seed(0)  # leaves the global RNG alone
             for rows in PROBE_ROWS:
@@ -130,7 +180,12 @@ class LinearFactory:
                     break
                 switch = rows
             self.switch_rows[(k, n)], self.timings[(k, n)] = switch, timings
+            self.remembered[self._key(k, n)] = switch
+            _write_choices(self.remembered)
         return self.switch_rows[(k, n)]
+
+    def _key(self, k: int, n: int) -> str:
+        return f"{self.machine}|{self.dtype}|{k}x{n}"
 
     def __call__(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> Linear:
         weight = weight.detach()

@@ -184,7 +184,7 @@ def _eos_ids(path: Path, config: Any, tokenizer: Any) -> frozenset[int]:
 
 #: Served bf16 over fp32 on a CPU without a oneDNN bf16 kernel (AVX2 AMD EPYC, 2 cores,
 #: benchmarks/peer_vllm.py; docs/performance.md): what the warning below quotes.
-AVX2_BF16_SERVED_RATIO = "0.37x"
+AVX2_BF16_SERVED_RATIO = "0.17x"
 
 
 def warn_if_slow_bf16(dtype: torch.dtype, device: str) -> bool:

@@ -130,3 +130,22 @@ def test_inputs_only_a_worker_can_check_are_refused_cleanly(request_kwargs, fiel
     assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and field in err.value.details()
     assert generate(one_p_one_d.router_address, "Hello", 2).token_ids  # everyone else is still served
     wait_idle(_roles(one_p_one_d))
+
+
+def test_penalties_and_biases_cross_the_hand_off(one_p_one_d, default_model) -> None:  # noqa: ANN001
+    """The prefill worker samples the first token and the decode worker the rest: with every
+    penalty, a bias and min_tokens set, 1P1D gives the tokens of one engine in one process."""
+    from pdserve.engine.config import EngineConfig
+    from pdserve.engine.llm_engine import LLMEngine
+
+    prompt = "The cat sat on the mat. The cat sat on the mat. The cat sat on the"
+    ids = encode_text(default_model.tokenizer, prompt)
+    engine = LLMEngine(default_model, EngineConfig(num_blocks=256))
+    first = engine.generate([ids], [SamplingParams(max_tokens=1)])[0][0]
+    params = {"repetition_penalty": 1.3, "presence_penalty": 0.4, "frequency_penalty": 0.3, "min_tokens": 12,
+              "logit_bias": {first: -100.0}}
+    expected = engine.generate([ids], [SamplingParams(max_tokens=14, **{
+        **params, "logit_bias": ((first, -100.0),)})])[0]
+    result = generate(one_p_one_d.router_address, prompt, 14, **params)
+    assert result.token_ids == expected
+    assert result.token_ids[0] != first and len(result.token_ids) >= 12  # the bias and min_tokens held

@@ -146,3 +146,23 @@ def test_bf16_on_a_cpu_without_a_bf16_kernel_warns(monkeypatch: pytest.MonkeyPat
     assert not model_loader.warn_if_slow_bf16(torch.float32, "cpu")
     monkeypatch.setattr(fast_forward, "mkldnn_linear_available", lambda dtype: True)
     assert not model_loader.warn_if_slow_bf16(torch.bfloat16, "cpu")
+
+
+def test_auto_kernel_choice_is_timed_once_per_machine(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from pdserve.engine import fast_forward
+
+    monkeypatch.setenv("PDSERVE_CACHE_DIR", str(tmp_path))
+    if not LinearFactory(torch.float32, torch.device("cpu"), mode="auto").can_pack:
+        pytest.skip("no oneDNN linear in this torch build")  # nothing to choose between
+    timed = []
+    real = fast_forward._median_ms
+    monkeypatch.setattr(fast_forward, "_median_ms", lambda fn, repeats=5: timed.append(1) or real(fn, repeats))
+    weight = torch.randn(40, 24)
+    first = LinearFactory(torch.float32, torch.device("cpu"), mode="auto")
+    first(weight)
+    assert len(timed) == 2 * len(fast_forward.PROBE_ROWS)  # both kernels at every probed row count
+    assert (tmp_path / "linear-kernels.json").is_file()
+    second = LinearFactory(torch.float32, torch.device("cpu"), mode="auto")
+    second(weight)
+    assert len(timed) == 2 * len(fast_forward.PROBE_ROWS)  # read back, not timed again
+    assert second.switch_rows == first.switch_rows

@@ -19,11 +19,21 @@ from pdserve.engine.tokenization import encode_text
 
 from e2e_helpers import generate, mixed_prompts, wait_idle, worker_info
 
+#: Every other request of the decode-kill test carries penalties: their state must be rebuilt
+#: exactly from the tokens on the worker that takes the request over.
+PENALTIES = {"repetition_penalty": 1.2, "presence_penalty": 0.3, "frequency_penalty": 0.2}
 
-def _expected(default_model, prompts: list[str], max_tokens: int) -> list[list[int]]:  # noqa: ANN001
+
+def _penalties(i: int, penalized: bool) -> dict[str, float]:
+    return PENALTIES if penalized and i % 2 == 0 else {}
+
+
+def _expected(default_model, prompts: list[str], max_tokens: int,  # noqa: ANN001
+              penalized: bool = False) -> list[list[int]]:
     engine = LLMEngine(default_model, EngineConfig(num_blocks=1024))
     ids = [encode_text(default_model.tokenizer, p) for p in prompts]
-    out = engine.generate(ids, SamplingParams(max_tokens=max_tokens, ignore_eos=True))
+    out = engine.generate(ids, [SamplingParams(max_tokens=max_tokens, ignore_eos=True, **_penalties(i, penalized))
+                                for i in range(len(prompts))])
     engine.pool.assert_all_free()
     return out
 
@@ -32,9 +42,10 @@ def _live(cluster: LocalCluster, dead: set[int] = frozenset()) -> list[tuple[str
     return [(w.role, w.address) for w in cluster.workers if w.pid not in dead]
 
 
-def _run_all(address: str, prompts: list[str], max_tokens: int) -> list:  # noqa: ANN401
+def _run_all(address: str, prompts: list[str], max_tokens: int, penalized: bool = False) -> list:  # noqa: ANN401
     with ThreadPoolExecutor(len(prompts)) as pool:
-        return list(pool.map(lambda p: generate(address, p, max_tokens, ignore_eos=True), prompts))
+        return list(pool.map(lambda ip: generate(address, ip[1], max_tokens, ignore_eos=True,
+                                                 **_penalties(ip[0], penalized)), enumerate(prompts)))
 
 
 @pytest.mark.parametrize("router_args", [(), ("--decode-mux",)], ids=["generate", "mux"])
@@ -42,12 +53,12 @@ def test_decode_worker_killed_mid_stream(default_model, router_args: tuple[str, 
     # with --decode-mux the victim's GenerateMux stream carries all its requests: its end fails them
     # all over at once
     prompts = mixed_prompts(20, seed=21)
-    expected = _expected(default_model, prompts, 40)
+    expected = _expected(default_model, prompts, 40, penalized=True)
     with LocalCluster(LocalClusterConfig(prefill=1, decode=2, threads_per_worker=1,
                                          router_args=router_args)) as cluster:
         victim = [w for w in cluster.workers if w.role == "decode"][0]
         with ThreadPoolExecutor(1) as bg:
-            pending = bg.submit(_run_all, cluster.router_address, prompts, 40)
+            pending = bg.submit(_run_all, cluster.router_address, prompts, 40, True)
             deadline = time.monotonic() + 120
             while worker_info(victim.address, "decode").running_requests < 3:  # mid-stream, holding requests
                 assert time.monotonic() < deadline and not pending.done()

@@ -39,6 +39,8 @@ REPO = Path(__file__).resolve().parents[2]
 PROMPT = "Tell me a story about the old mill by the river, the market and the winter " * 3
 MAX_TOKENS = 60
 SEEDED = dict(temperature=0.9, top_p=0.95, seed=1234)
+#: Seeded sampling with every penalty and min-p: the target rebuilds their state from the tokens.
+PENALIZED = dict(SEEDED, repetition_penalty=1.2, presence_penalty=0.3, frequency_penalty=0.2, min_p=0.05)
 
 
 def _expected(model_dir: Path, max_tokens: int, **params: object) -> list[int]:
@@ -141,8 +143,8 @@ def _live(cluster: LocalCluster, dead: frozenset[int] = frozenset()) -> list[tup
     return [(w.role, w.address) for w in cluster.workers if w.pid not in dead]
 
 
-@pytest.mark.parametrize(("params", "router_args"), [({}, ()), (SEEDED, ()), ({}, ("--decode-mux",))],
-                         ids=["greedy", "seeded", "greedy-mux"])
+@pytest.mark.parametrize(("params", "router_args"), [({}, ()), (PENALIZED, ()), ({}, ("--decode-mux",))],
+                         ids=["greedy", "seeded-penalized", "greedy-mux"])
 def test_migration_mid_stream_gives_identical_tokens_and_target_computes_no_prompt(
         tiny_llama_dir: Path, params: dict, router_args: tuple[str, ...]) -> None:
     expected = _expected(tiny_llama_dir, MAX_TOKENS, **params)
