@@ -17,6 +17,7 @@ that succeeded, as in an undisturbed run.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from collections.abc import Callable, Iterable
@@ -44,6 +45,18 @@ log = logging.getLogger(__name__)
 
 #: Writes a request's received K/V into (the cache tensor, the block ids to fill).
 BlockWriter = Callable[[torch.Tensor, list[int]], None]
+
+
+def bad_words_ids(tokenizer: object, words: tuple[str, ...]) -> tuple[tuple[int, ...], ...]:
+    """vLLM's bad-word token sequences: each word encoded as is and after a space, without special
+    tokens, duplicates dropped (the same on every worker, so both phases ban the same tokens)."""
+    found: list[tuple[int, ...]] = []
+    for word in words:
+        for text in (word, " " + word.lstrip()):
+            ids = tuple(tokenizer.encode(text, add_special_tokens=False))  # type: ignore[attr-defined]
+            if ids and ids not in found:
+                found.append(ids)
+    return tuple(found)
 
 
 @dataclass(frozen=True)
@@ -137,9 +150,13 @@ class LLMEngine:
             raise ValueError(f"request id {request_id!r} is already in this engine")
         self.check_request(prompt_ids, resume_ids)
         vocab = self.loaded.config.vocab_size
-        outside = [t for t, _ in params.logit_bias if t >= vocab]
-        if outside:
-            raise ValueError(f"logit_bias: token id {outside[0]} is outside the vocabulary [0, {vocab})")
+        for name, ids in (("logit_bias", [t for t, _ in params.logit_bias]),
+                          ("allowed_token_ids", list(params.allowed_token_ids))):
+            outside = [t for t in ids if t >= vocab]
+            if outside:
+                raise ValueError(f"{name}: token id {outside[0]} is outside the vocabulary [0, {vocab})")
+        if params.bad_words and not params.bad_words_ids:
+            params = dataclasses.replace(params, bad_words_ids=bad_words_ids(self.loaded.tokenizer, params.bad_words))
         seq = Sequence.create(request_id, prompt_ids, params, self.loaded.tokenizer, self.loaded.eos_token_ids,
                               trace=trace)
         seq.replay(resume_ids)

@@ -59,8 +59,8 @@ class TokenHistory:
 def apply_penalties(logits: torch.Tensor, params: Sequence[SamplingParams],
                     histories: Sequence[TokenHistory | None], eos_token_ids: Collection[int] = ()) -> torch.Tensor:
     """logits [B, V] -> a new [B, V] tensor with each penalized row's repetition, presence and
-    frequency penalties, logit bias and min_tokens mask applied (vLLM's semantics); rows without
-    any are unchanged. `histories[i]` must be given for every penalized row."""
+    frequency penalties, logit bias, bad words, min_tokens mask and allowed tokens applied (vLLM's
+    semantics); rows without any are unchanged. `histories[i]` must be given for every penalized row."""
     rows = [i for i, p in enumerate(params) if p.penalized]
     if not rows:
         return logits
@@ -85,6 +85,11 @@ def apply_penalties(logits: torch.Tensor, params: Sequence[SamplingParams],
                 bias_rows.append(r)
                 bias_ids.append(token)
                 bias_values.append(bias)
+        for word in p.bad_words_ids:
+            if len(word) == 1 or tuple(outputs[len(outputs) - len(word) + 1 :]) == word[:-1]:
+                if word[-1] < vocab:
+                    banned_rows.append(r)
+                    banned_ids.append(word[-1])
         if history.num_output < p.min_tokens:
             stops = set(p.stop_token_ids) | (set() if p.ignore_eos else set(eos_token_ids))
             stops = {t for t in stops if t < vocab}
@@ -111,6 +116,13 @@ def apply_penalties(logits: torch.Tensor, params: Sequence[SamplingParams],
                        accumulate=True)
     if banned_ids:
         sub[index(banned_rows), index(banned_ids)] = float("-inf")
+    allowed = [(r, [t for t in params[i].allowed_token_ids if t < vocab]) for r, i in enumerate(rows)
+               if params[i].allowed_token_ids]
+    if allowed:
+        keep = torch.zeros_like(sub, dtype=torch.bool)
+        keep[index([r for r, ids in allowed for _ in ids]), index([t for _, ids in allowed for t in ids])] = True
+        keep[index([r for r in range(len(rows)) if not params[rows[r]].allowed_token_ids])] = True
+        sub = sub.masked_fill(~keep, float("-inf"))
     out[rows] = sub
     return out
 

@@ -4,7 +4,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from pdserve.limits import MAX_LOGIT_BIAS, MAX_LOGIT_BIAS_ENTRIES
+from pdserve.limits import (
+    MAX_ALLOWED_TOKEN_IDS,
+    MAX_BAD_WORD_CHARS,
+    MAX_BAD_WORDS,
+    MAX_LOGIT_BIAS,
+    MAX_LOGIT_BIAS_ENTRIES,
+)
 
 MAX_STOP_STRINGS = 16
 MAX_STOP_STRING_CHARS = 256
@@ -37,6 +43,11 @@ class SamplingParams:
     min_p: float = 0.0
     min_tokens: int = 0
     logit_bias: tuple[tuple[int, float], ...] = field(default_factory=tuple)  # (token id, bias), sorted
+    allowed_token_ids: tuple[int, ...] = field(default_factory=tuple)  # empty: every token
+    bad_words: tuple[str, ...] = field(default_factory=tuple)
+    # `bad_words` as token sequences: filled by the engine from its tokenizer (LLMEngine.new_sequence)
+    bad_words_ids: tuple[tuple[int, ...], ...] = field(default_factory=tuple)
+    skip_special_tokens: bool = True
 
     def __post_init__(self) -> None:
         if not 1 <= self.max_tokens <= 1_000_000:
@@ -72,12 +83,16 @@ class SamplingParams:
         for token, bias in self.logit_bias:
             if token < 0 or not -MAX_LOGIT_BIAS <= bias <= MAX_LOGIT_BIAS:
                 raise ValueError(f"logit_bias[{token}]: token ids >= 0 and biases in [-100, 100], got {bias}")
+        if len(self.allowed_token_ids) > MAX_ALLOWED_TOKEN_IDS or any(t < 0 for t in self.allowed_token_ids):
+            raise ValueError(f"allowed_token_ids: at most {MAX_ALLOWED_TOKEN_IDS} ids, each >= 0")
+        if len(self.bad_words) > MAX_BAD_WORDS or any(not 1 <= len(w) <= MAX_BAD_WORD_CHARS for w in self.bad_words):
+            raise ValueError(f"bad_words: at most {MAX_BAD_WORDS} words of 1..{MAX_BAD_WORD_CHARS} characters")
 
     @property
     def penalized(self) -> bool:
         """Whether any penalty, bias or min_tokens changes this request's logits."""
         return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0
-                    or self.min_tokens or self.logit_bias)
+                    or self.min_tokens or self.logit_bias or self.allowed_token_ids or self.bad_words_ids)
 
     def _check_stops(self) -> None:
         if len(self.stop) > MAX_STOP_STRINGS:

@@ -82,6 +82,9 @@ def sampling_params_from_pb(pb: common_pb2.SamplingParams) -> SamplingParams:
         min_p=pb.min_p if pb.HasField("min_p") else 0.0,
         min_tokens=pb.min_tokens,
         logit_bias=tuple(sorted(pb.logit_bias.items())),
+        allowed_token_ids=tuple(pb.allowed_token_ids),
+        bad_words=tuple(pb.bad_words),
+        skip_special_tokens=pb.skip_special_tokens if pb.HasField("skip_special_tokens") else True,
     )
 
 
@@ -107,6 +110,10 @@ def sampling_params_to_pb(params: SamplingParams) -> common_pb2.SamplingParams:
         pb.min_p = params.min_p
     pb.min_tokens = params.min_tokens
     pb.logit_bias.update(dict(params.logit_bias))
+    pb.allowed_token_ids.extend(params.allowed_token_ids)
+    pb.bad_words.extend(params.bad_words)
+    if not params.skip_special_tokens:
+        pb.skip_special_tokens = False
     return pb
 
 

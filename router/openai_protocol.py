@@ -6,7 +6,8 @@ and ``/v1/chat/completions`` (text messages), with ``max_tokens`` / ``max_comple
 ``stream_options.include_usage``, ``n=1``, ``logprobs`` (completions: 0-20; chat: true plus
 ``top_logprobs``), ``echo`` (completions, also with ``max_tokens: 0``; not streamed),
 ``presence_penalty``, ``frequency_penalty``, ``logit_bias``, and the vLLM-style extras ``top_k``,
-``ignore_eos``, ``stop_token_ids``, ``repetition_penalty``, ``min_p`` and ``min_tokens``. The schema
+``ignore_eos``, ``stop_token_ids``, ``repetition_penalty``, ``min_p``, ``min_tokens``,
+``allowed_token_ids``, ``bad_words`` and ``skip_special_tokens``. The schema
 is strict: every other field (``n>1``, ``tools``, ``tool_choice``, ``functions``, ``response_format``
 other than text, ``best_of>1``, ``suffix``,
 unknown keys, unknown ``stream_options`` keys ...) is refused with 400 whose ``param`` names the
@@ -53,7 +54,7 @@ _IGNORED = frozenset({"model", "user", "stream", "stream_options", "n", "metadat
 _KNOWN = frozenset({"prompt", "messages", "max_tokens", "max_completion_tokens", "temperature", "top_p", "seed",
                     "stop", "top_k", "ignore_eos", "stop_token_ids", "logprobs", "top_logprobs", "echo",
                     "presence_penalty", "frequency_penalty", "repetition_penalty", "min_p", "min_tokens",
-                    "logit_bias"}) \
+                    "logit_bias", "allowed_token_ids", "bad_words", "skip_special_tokens"}) \
     | _IGNORED | frozenset(_UNSUPPORTED_OFF_VALUES)
 _STREAM_OPTIONS = frozenset({"include_usage"})
 MAX_INT32 = 2**31 - 1
@@ -259,6 +260,13 @@ def _penalties(body: dict[str, Any], params: common_pb2.SamplingParams) -> None:
     min_tokens = _integer(body, "min_tokens", 0, MAX_INT32)
     if min_tokens:
         params.min_tokens = min_tokens
+    params.allowed_token_ids.extend(_token_ids(body.get("allowed_token_ids") or [], "allowed_token_ids"))
+    bad_words = body.get("bad_words")
+    if bad_words is not None and not (isinstance(bad_words, list) and all(isinstance(w, str) for w in bad_words)):
+        raise OpenAIError(400, "bad_words: must be a list of strings", param="bad_words")
+    params.bad_words.extend(bad_words or [])
+    if body.get("skip_special_tokens") is not None:
+        params.skip_special_tokens = _optional_bool(body, "skip_special_tokens")
     bias = body.get("logit_bias")
     if bias is None:
         return

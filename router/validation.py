@@ -10,7 +10,14 @@ from __future__ import annotations
 
 import math
 
-from pdserve.limits import MAX_LOGIT_BIAS, MAX_LOGIT_BIAS_ENTRIES, MAX_REQUEST_BYTES
+from pdserve.limits import (
+    MAX_ALLOWED_TOKEN_IDS,
+    MAX_BAD_WORD_CHARS,
+    MAX_BAD_WORDS,
+    MAX_LOGIT_BIAS,
+    MAX_LOGIT_BIAS_ENTRIES,
+    MAX_REQUEST_BYTES,
+)
 from pdserve.v1 import common_pb2, router_pb2
 
 MAX_REQUEST_ID_CHARS = 128
@@ -147,6 +154,16 @@ def _check_penalties(params: common_pb2.SamplingParams) -> None:
             raise InvalidRequest("params.logit_bias", f"token ids must be >= 0, got {token}")
         if not (-MAX_LOGIT_BIAS <= bias <= MAX_LOGIT_BIAS and math.isfinite(bias)):
             raise InvalidRequest("params.logit_bias", f"bias of token {token} must be in [-100, 100], got {bias}")
+    if len(params.allowed_token_ids) > MAX_ALLOWED_TOKEN_IDS:
+        raise InvalidRequest("params.allowed_token_ids",
+                             f"at most {MAX_ALLOWED_TOKEN_IDS} ids, got {len(params.allowed_token_ids)}")
+    _check_non_negative("params.allowed_token_ids", list(params.allowed_token_ids))
+    if len(params.bad_words) > MAX_BAD_WORDS:
+        raise InvalidRequest("params.bad_words", f"at most {MAX_BAD_WORDS} words, got {len(params.bad_words)}")
+    for i, word in enumerate(params.bad_words):
+        if not 1 <= len(word) <= MAX_BAD_WORD_CHARS:
+            raise InvalidRequest(f"params.bad_words[{i}]",
+                                 f"must be 1..{MAX_BAD_WORD_CHARS} characters, got {len(word)}")
 
 
 def _check_stop(params: common_pb2.SamplingParams) -> None:

@@ -20,6 +20,10 @@ RECEIVE_LIMIT_BYTES = 2 * MAX_REQUEST_BYTES
 #: Most `logit_bias` entries of one request, and the largest bias magnitude (OpenAI's range).
 MAX_LOGIT_BIAS_ENTRIES = 1024
 MAX_LOGIT_BIAS = 100.0
+#: Most `allowed_token_ids` and `bad_words` of one request, and the longest bad word (characters).
+MAX_ALLOWED_TOKEN_IDS = 4096
+MAX_BAD_WORDS = 64
+MAX_BAD_WORD_CHARS = 256
 
 
 def receive_options(at_least: int = 0) -> list[tuple[str, int]]:

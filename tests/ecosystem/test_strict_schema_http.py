@@ -63,7 +63,8 @@ def test_unimplemented_fields_are_refused_by_name(router: RouterServer, path: st
 @pytest.mark.parametrize(("field", "value"), [
     ("presence_penalty", 2.5), ("frequency_penalty", "1"), ("repetition_penalty", 0), ("repetition_penalty", 3),
     ("min_p", 1.5), ("min_tokens", -1), ("logit_bias", {"abc": 1}), ("logit_bias", {"5": 101}),
-    ("logit_bias", [5, 1]), ("logit_bias", {"5": True}),
+    ("logit_bias", [5, 1]), ("logit_bias", {"5": True}), ("allowed_token_ids", [-1]), ("allowed_token_ids", "5"),
+    ("bad_words", "cat"), ("bad_words", [""]), ("skip_special_tokens", "no"),
 ])
 def test_out_of_range_penalties_are_refused_by_name(router: RouterServer, field: str, value: object) -> None:
     for path, base in (("/v1/chat/completions", CHAT), ("/v1/completions", COMPLETION)):
@@ -86,7 +87,8 @@ def test_unknown_stream_options_key_is_refused(router: RouterServer) -> None:
      "presence_penalty": 0, "frequency_penalty": 0.0, "service_tier": "auto", "logprobs": False, "echo": False},
     {"repetition_penalty": 1.0},  # vLLM's benchmark client (`vllm bench serve`) sends it on every request
     {"presence_penalty": 0.5, "frequency_penalty": -1, "repetition_penalty": 1.2, "min_p": 0.05, "min_tokens": 2,
-     "logit_bias": {"50": -100, "7": 2.5}},
+     "logit_bias": {"50": -100, "7": 2.5}, "allowed_token_ids": [5, 6, 7], "bad_words": ["cat", "sat on"],
+     "skip_special_tokens": False},
     {"temperature": 0.5, "top_p": 0.9, "seed": 1, "stop": ["x"], "top_k": 5, "ignore_eos": True,
      "stop_token_ids": [2], "max_completion_tokens": 4},
 ])

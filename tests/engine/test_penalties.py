@@ -118,3 +118,42 @@ def test_logit_bias_banning_the_argmax_matches_generate(default_model: LoadedMod
         want = reference.generate(torch.tensor([ids]), max_new_tokens=12, min_new_tokens=12, do_sample=False,
                                   sequence_bias={(first,): -100.0}, pad_token_id=0)[0, len(ids):].tolist()
     assert got == want
+
+
+def test_allowed_token_ids_and_bad_words() -> None:
+    logits = _logits(1)
+    allowed = SamplingParams(allowed_token_ids=(4, 9, 30))
+    out = apply_penalties(logits, [allowed], [TokenHistory([1], 0)])
+    assert torch.isfinite(out[0]).nonzero().flatten().tolist() == [4, 9, 30]
+    assert sample(logits, [allowed], [0], [TokenHistory([1], 0)]) == [max((4, 9, 30), key=lambda t: logits[0, t])]
+    words = SamplingParams(bad_words=("x",), bad_words_ids=((7,), (11, 12, 13)))
+    plain = apply_penalties(logits, [words], [TokenHistory([1, 2, 11], 1)])  # output [11]: not the whole prefix
+    assert plain[0, 7] == float("-inf") and torch.isfinite(plain[0, 13])
+    after_prefix = apply_penalties(logits, [words], [TokenHistory([11, 12, 11, 12], 3)])  # output ends 11, 12
+    assert after_prefix[0, 13] == float("-inf") and after_prefix[0, 7] == float("-inf")
+
+
+def test_bad_words_and_skip_special_tokens_in_the_engine(default_model: LoadedModel) -> None:
+    from pdserve.engine.llm_engine import bad_words_ids
+
+    tok = default_model.tokenizer
+    variants = bad_words_ids(tok, ("cat",))
+    assert tuple(tok.encode("cat", add_special_tokens=False)) in variants
+    assert tuple(tok.encode(" cat", add_special_tokens=False)) in variants
+    engine = LLMEngine(default_model, EngineConfig(num_blocks=256))
+    ids = tok(PROMPTS[0])["input_ids"]
+    free = engine.generate([ids], [SamplingParams(max_tokens=8)])[0]
+    banned = engine.generate([ids], [SamplingParams(max_tokens=8, bad_words=("cat", "mat"))])[0]
+    forbidden = {w[0] for w in bad_words_ids(tok, ("cat", "mat")) if len(w) == 1}
+    assert forbidden & set(free) and not forbidden & set(banned)  # the free run says cat or mat; the other never
+    special = tok.convert_tokens_to_ids("<|im_end|>")
+    texts = {}
+    for skip in (True, False):
+        params = SamplingParams(max_tokens=2, ignore_eos=True, allowed_token_ids=(special,), skip_special_tokens=skip)
+        engine.add_request(f"special-{skip}", ids, params)
+        outputs = []
+        while engine.has_work:
+            outputs += engine.step()
+        texts[skip] = "".join(o.text for o in outputs)
+    assert texts[True] == "" and texts[False] == "<|im_end|><|im_end|>"
+    engine.pool.assert_all_free()
