@@ -18,9 +18,11 @@ vLLM's in the same round. The CPU model and its vector flags are printed first.
   python benchmarks/peer_vllm.py --dtypes float32 bfloat16 --rounds 2 --json out.json
   python benchmarks/peer_vllm.py --vllm-bench                   # also `vllm bench serve` on pdserve
 
-With --vllm-bench, vLLM's own client (`vllm bench serve --backend openai-chat`, random dataset of
-64-token prompts, the same request count and output length) then runs against every server too,
-vLLM included, so a tool nobody here wrote confirms the figures.
+With --vllm-bench, vLLM's own client (`vllm bench serve`, by default `--backend openai-chat` on the
+random dataset of 64-token prompts; --vllm-bench-backends openai openai-chat and
+--vllm-bench-datasets random prefix_repetition for the rest; the same request count and output
+length) then runs against every server too, vLLM included, so a tool nobody here wrote confirms the
+figures and every request is answered.
 """
 
 from __future__ import annotations
@@ -220,24 +222,41 @@ async def burst(base: str, model: str, n: int, max_tokens: int) -> dict[str, Any
             "itl_p50_ms": pct(itls, 0.5), "itl_p90_ms": pct(itls, 0.9)}
 
 
+ENDPOINTS = {"openai": "/v1/completions", "openai-chat": "/v1/chat/completions"}
+
+
 def run_vllm_bench(args: argparse.Namespace, server: Server, model: str, model_path: str) -> dict[str, Any]:
-    """vLLM's own benchmark client against a server; returns its JSON result (or the error)."""
+    """vLLM's own benchmark client against a server, for every backend x dataset asked for:
+    {"backend/dataset": its figures, or the error}."""
+    results = {}
+    for backend in args.vllm_bench_backends:
+        for dataset in args.vllm_bench_datasets:
+            results[f"{backend}/{dataset}"] = _vllm_bench_once(args, server, model, model_path, backend, dataset)
+    return results
+
+
+def _vllm_bench_once(args: argparse.Namespace, server: Server, model: str, model_path: str, backend: str,
+                     dataset: str) -> dict[str, Any]:
     exe = str(Path(args.venv) / "bin" / "vllm")
-    out = Path(args.log_dir) / f"vllm-bench-{server.name}.json"
-    argv = [exe, "bench", "serve", "--backend", "openai-chat", "--base-url", server.base,
-            "--endpoint", "/v1/chat/completions", "--model", model, "--tokenizer", model_path,
-            "--dataset-name", "random", "--random-input-len", "64", "--random-output-len", str(args.max_tokens),
-            "--num-prompts", str(args.num_requests), "--ignore-eos", "--save-result",
+    out = Path(args.log_dir) / f"vllm-bench-{server.name}-{backend}-{dataset}.json"
+    out.unlink(missing_ok=True)
+    argv = [exe, "bench", "serve", "--backend", backend, "--base-url", server.base,
+            "--endpoint", ENDPOINTS[backend], "--model", model, "--tokenizer", model_path,
+            "--dataset-name", dataset, "--num-prompts", str(args.num_requests), "--ignore-eos", "--save-result",
             "--result-dir", str(out.parent), "--result-filename", out.name]
+    if dataset == "random":
+        argv += ["--random-input-len", "64", "--random-output-len", str(args.max_tokens)]
+    else:  # prefix_repetition: 4 shared 48-token prefixes, 16-token suffixes
+        argv += ["--prefix-repetition-prefix-len", "48", "--prefix-repetition-suffix-len", "16",
+                 "--prefix-repetition-num-prefixes", "4", "--prefix-repetition-output-len", str(args.max_tokens)]
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
     env["VLLM_TARGET_DEVICE"] = "cpu"
     done = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=1800)
     if done.returncode != 0 or not out.exists():
         return {"error": (done.stderr or done.stdout)[-500:]}
     data = json.loads(out.read_text())
-    return {k: data.get(k) for k in ("completed", "failed", "output_throughput", "median_ttft_ms",
-                                      "median_itl_ms", "p90_itl_ms") if k in data} | {
-        "completed": data.get("completed"), "num_prompts": args.num_requests}
+    keys = ("completed", "failed", "output_throughput", "median_ttft_ms", "median_itl_ms", "p99_itl_ms")
+    return {k: data.get(k) for k in keys} | {"num_prompts": args.num_requests}
 
 
 def measure(server: Server, args: argparse.Namespace, model_path: str) -> dict[str, Any]:
@@ -269,6 +288,10 @@ def main() -> None:
     ap.add_argument("--vllm-kv-bytes", type=int, default=4 * 10**9,
                     help="vLLM's --kv-cache-memory-bytes (its default asks for 92%% of RAM)")
     ap.add_argument("--vllm-bench", action="store_true", help="also run `vllm bench serve` against every server")
+    ap.add_argument("--vllm-bench-backends", nargs="+", default=["openai-chat"], choices=tuple(ENDPOINTS),
+                    help="vllm bench serve backends (default openai-chat)")
+    ap.add_argument("--vllm-bench-datasets", nargs="+", default=["random"], choices=("random", "prefix_repetition"),
+                    help="vllm bench serve datasets (default random)")
     ap.add_argument("--startup-timeout", type=float, default=600)
     ap.add_argument("--log-dir", default="/tmp/pdserve-peer-vllm")
     ap.add_argument("--json", default=None, help="write every result here")
@@ -318,11 +341,12 @@ def main() -> None:
             tok = statistics.median(r["tok_s"] for r in rows)
             ratios = [r["vs_vllm"] for r in rows if r["vs_vllm"]]
             itl = [r["itl_p50_ms"] for r in rows if "itl_p50_ms" in r]
-            bench = [r["vllm_bench"].get("output_throughput") or 0.0 for r in rows if "vllm_bench" in r]
+            bench = [b.get("output_throughput") or 0.0 for r in rows for b in r.get("vllm_bench", {}).values()]
             print(f"  {dtype:9s} {name:10s} {tok:7.1f} tok/s"
                   + (f"  {statistics.median(ratios):.2f}x vLLM ({min(ratios):.2f}-{max(ratios):.2f})" if ratios else "")
                   + (f"  ITL p50 {statistics.median(itl):.0f} ms" if itl else "")
-                  + (f"  | vllm bench serve: {statistics.median(bench):.1f} tok/s" if bench else ""))
+                  + (f"  | vllm bench serve: {statistics.median(bench):.1f} tok/s (median over its runs)"
+                     if bench else ""))
     if args.json:
         Path(args.json).write_text(json.dumps({"cpu": cpu_description(), "args": vars(args), "results": results},
                                               indent=1))

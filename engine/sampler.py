@@ -43,6 +43,7 @@ def _filter_top_k_top_p(logits: torch.Tensor, top_k: int, top_p: float) -> torch
         probs = torch.softmax(sorted_logits, dim=-1)
         # drop a token when the mass before it already reaches top_p (the first token always stays)
         drop = (torch.cumsum(probs, dim=-1) - probs) >= top_p
+        drop[0] = False  # a top_p below float32's range (1e-300 rounds to 0) must not drop them all
         logits = logits.scatter(0, order, sorted_logits.masked_fill(drop, float("-inf")))
     return logits
 
@@ -138,10 +139,13 @@ def sample_one(logits: torch.Tensor, params: SamplingParams, step: int) -> int:
     """Draw one token id from logits [V] (penalties already applied) for output position `step`."""
     if params.greedy:
         return int(torch.argmax(logits))
-    logits = _filter_top_k_top_p(logits.float().cpu() / params.temperature, params.top_k, params.top_p)
+    raw = logits.float().cpu()
+    logits = _filter_top_k_top_p(raw / params.temperature, params.top_k, params.top_p)
     if params.min_p > 0.0:
         logits = _filter_min_p(logits, params.min_p)
     probs = torch.softmax(logits, dim=-1)
+    if not bool(torch.isfinite(probs).all()) or float(probs.sum()) <= 0.0:
+        return int(torch.argmax(raw))  # nothing left to draw from in floating point: the argmax
     generator = None
     if params.seed is not None:
         generator = torch.Generator().manual_seed(step_seed(params.seed, step))

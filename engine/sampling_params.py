@@ -17,6 +17,10 @@ MAX_STOP_STRING_CHARS = 256
 MAX_LOGPROBS = 20  # OpenAI's bound on alternatives per position
 
 
+#: Temperatures below this sample greedily (vLLM's threshold, `_SAMPLING_EPS`).
+GREEDY_BELOW_TEMPERATURE = 1e-5
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     """temperature 0 means greedy. top_k 0 and top_p 1.0 disable those filters.
@@ -105,4 +109,6 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0
+        """Temperature 0, or below GREEDY_BELOW_TEMPERATURE: logits divided by such a temperature
+        overflow to infinities and the draw to NaN, and the draw is the argmax in all but rounding."""
+        return self.temperature < GREEDY_BELOW_TEMPERATURE

@@ -157,3 +157,14 @@ def test_bad_words_and_skip_special_tokens_in_the_engine(default_model: LoadedMo
         texts[skip] = "".join(o.text for o in outputs)
     assert texts[True] == "" and texts[False] == "<|im_end|><|im_end|>"
     engine.pool.assert_all_free()
+
+
+@pytest.mark.parametrize("params", [
+    SamplingParams(temperature=1e-40), SamplingParams(temperature=1e-40, seed=3),
+    SamplingParams(temperature=1.0, top_p=1e-300, seed=5), SamplingParams(temperature=2e-6, top_k=3),
+])
+def test_extreme_temperatures_and_top_p_sample_the_argmax_instead_of_failing(params: SamplingParams) -> None:
+    """A client's `temperature: 1e-40` once overflowed the logits to infinities, the draw to NaN,
+    and `multinomial` raised on the prefill worker (issue: one client cannot hurt another)."""
+    logits = _logits(2) * 10
+    assert sample(logits, [params, params], [0, 1]) == logits.argmax(dim=-1).tolist()
