@@ -14,7 +14,9 @@ with fewer, larger operations:
   takes through its own binding), at 1 to 64 rows: the packed kernel serves a pass from the row
   count where it wins (on the AVX2 EPYC of docs/performance.md: 1.5-3x at 16-64 rows, slower at one
   row). A reordered weight is an extra copy of that weight; `PDSERVE_LINEAR=plain|packed|auto`
-  overrides the choice (the exactness tests run both kernels).
+  overrides the choice (the exactness tests run both kernels). The choice is remembered per
+  machine (see LinearFactory); `PDSERVE_LINEAR=retime` times again, e.g. after timing on a busy
+  machine.
 - **The attention** is `engine.attention.paged_attention`, which the transformers path uses too.
 
 Exactness: every op is the one transformers runs, in the same order and dtype (RMSNorm in float32,
@@ -48,7 +50,7 @@ log = logging.getLogger(__name__)
 #: model_type -> whether its attention has per-head q/k RMSNorm (Qwen3).
 FAST_FAMILIES = {"llama": False, "mistral": False, "qwen2": False, "qwen3": True}
 LINEAR_ENV = "PDSERVE_LINEAR"
-_LINEAR_MODES = ("auto", "plain", "packed")
+_LINEAR_MODES = ("auto", "plain", "packed", "retime")
 
 
 @functools.cache
@@ -152,10 +154,11 @@ class LinearFactory:
         if mode == "packed" and not self.can_pack:
             log.warning("%s=packed: oneDNN linear is not available for %s on this CPU; using F.linear",
                         LINEAR_ENV, dtype)
-        self.mode = mode if self.can_pack else "plain"
+        retime = mode == "retime"  # "auto", timing again and replacing what the cache holds
+        self.mode = ("auto" if retime else mode) if self.can_pack else "plain"
         self.dtype = str(dtype).removeprefix("torch.")
         self.machine = _machine_key()
-        self.remembered = _read_choices() if self.mode == "auto" else {}
+        self.remembered = _read_choices() if self.mode == "auto" and not retime else {}
         self.switch_rows: dict[tuple[int, int], int] = {}  # (K, N) -> packed from this many rows
         self.timings: dict[tuple[int, int], dict[int, tuple[float, float]]] = {}  # rows -> (plain, packed) ms
 

@@ -44,9 +44,13 @@ def generate(address: str, prompt: str, max_tokens: int, timeout: float = 300, *
                   responses[-1].finish_reason, responses)
 
 
-def generate_many(address: str, prompts: list[str], max_tokens: list[int]) -> list[Result]:
+def generate_many(address: str, prompts: list[str], max_tokens: list[int],
+                  params: list[dict[str, object]] | None = None) -> list[Result]:
+    """Every prompt at once; `params[i]`: extra SamplingParams fields of request i."""
+    extra = params or [{} for _ in prompts]
     with ThreadPoolExecutor(max_workers=len(prompts)) as pool:
-        return list(pool.map(lambda pm: generate(address, pm[0], pm[1]), zip(prompts, max_tokens, strict=True)))
+        return list(pool.map(lambda pmx: generate(address, pmx[0], pmx[1], **pmx[2]),
+                             zip(prompts, max_tokens, extra, strict=True)))
 
 
 def worker_info(address: str, role: str) -> common_pb2.WorkerInfo:

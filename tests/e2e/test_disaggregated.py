@@ -29,9 +29,16 @@ def _roles(cluster: LocalCluster) -> list[tuple[str, str]]:
     return [(w[0], w[2]) for w in cluster.workers]
 
 
+def _penalties(i: int) -> dict[str, float]:
+    """Every fourth request carries penalties (the first token is sampled on the prefill worker,
+    the rest on decode: both must apply them alike)."""
+    return {"repetition_penalty": 1.25, "frequency_penalty": 0.3, "presence_penalty": 0.2} if i % 4 == 0 else {}
+
+
 @pytest.fixture(scope="module")
 def workload(default_model) -> tuple[list[str], list[int], list[list[int]]]:  # noqa: ANN001
-    """32 prompts of mixed lengths and their greedy outputs from the engine in this process."""
+    """32 prompts of mixed lengths and their greedy outputs from the engine in this process
+    (every fourth with penalties)."""
     from pdserve.engine.config import EngineConfig
     from pdserve.engine.llm_engine import LLMEngine
 
@@ -40,7 +47,7 @@ def workload(default_model) -> tuple[list[str], list[int], list[list[int]]]:  # 
     max_tokens = [rng.randint(2, 16) for _ in prompts]
     engine = LLMEngine(default_model, EngineConfig(num_blocks=1024))
     ids = [encode_text(default_model.tokenizer, p) for p in prompts]
-    expected = engine.generate(ids, [SamplingParams(max_tokens=m) for m in max_tokens])
+    expected = engine.generate(ids, [SamplingParams(max_tokens=m, **_penalties(i)) for i, m in enumerate(max_tokens)])
     engine.pool.assert_all_free()
     return prompts, max_tokens, expected
 
@@ -56,7 +63,8 @@ def test_outputs_identical_to_engine_in_one_process(topology: str, workload, one
     prompts, max_tokens, expected = workload
     cluster = one_p_one_d if topology == "1p1d" else _start(*{"2p2d": (2, 2), "colocated": (0, 0, 1)}[topology])
     try:
-        results = generate_many(cluster.router_address, prompts, max_tokens)
+        results = generate_many(cluster.router_address, prompts, max_tokens,
+                                [_penalties(i) for i in range(len(prompts))])
         for i, (result, want) in enumerate(zip(results, expected, strict=True)):
             assert result.token_ids == want, f"request {i}: {prompts[i][:40]!r}"
         infos = wait_idle(_roles(cluster))

@@ -137,9 +137,14 @@ def test_errors_have_openai_shape(cluster: LocalCluster, client: openai.OpenAI, 
     with pytest.raises(openai.BadRequestError) as hot:
         client.chat.completions.create(model=model, messages=MESSAGES, max_tokens=4, temperature=7.5)
     assert hot.value.response.json()["error"]["param"] == "temperature" and "temperature" in hot.value.message
-    for unsupported in ({"best_of": 3}, {"logit_bias": {"1": 5}}, {"logprobs": 21}):  # logprobs 0-20 only
+    for unsupported in ({"best_of": 3}, {"logit_bias": {"1": 500}}, {"logprobs": 21}):  # logprobs 0-20 only
         with pytest.raises(openai.BadRequestError):
             client.completions.create(model=model, prompt=PROMPT, max_tokens=4, **unsupported)
+    # the official client's penalty and bias arguments are served (their semantics: tests/engine/test_penalties.py)
+    served = client.completions.create(
+        model=model, prompt=PROMPT, max_tokens=4, temperature=0, frequency_penalty=0.5, presence_penalty=0.5,
+        logit_bias={"1": 5}, extra_body={"min_tokens": 4, "repetition_penalty": 1.1})
+    assert served.usage is not None and served.usage.completion_tokens == 4 and served.choices[0].text
     with pytest.raises(openai.BadRequestError) as tools:
         client.chat.completions.create(model=model, messages=MESSAGES, tools=[
             {"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {}}}}])

@@ -39,7 +39,7 @@ def test_chat_request_maps_to_grpc() -> None:
     ({"stop": 5}, "stop", 400), ({"logprobs": 21}, "logprobs", 400), ({"logprobs": True}, "logprobs", 400),
     ({"top_logprobs": 2}, "top_logprobs", 400), ({"max_tokens": 0, "echo": False}, "max_tokens", 400),
     ({"echo": True, "stream": True}, "echo", 400), ({"best_of": 2}, "best_of", 400),
-    ({"frequency_penalty": 0.5}, "frequency_penalty", 400), ({"bogus": 1}, "bogus", 400),
+    ({"frequency_penalty": 2.5}, "frequency_penalty", 400), ({"bogus": 1}, "bogus", 400),
     ({"prompt": ["a", "b"]}, "prompt", 400), ({"model": "other"}, "model", 404),
 ])
 def test_invalid_requests_name_the_field(body: dict[str, object], param: str, status: int) -> None:

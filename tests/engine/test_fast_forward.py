@@ -166,3 +166,5 @@ def test_auto_kernel_choice_is_timed_once_per_machine(tmp_path: Path, monkeypatc
     second(weight)
     assert len(timed) == 2 * len(fast_forward.PROBE_ROWS)  # read back, not timed again
     assert second.switch_rows == first.switch_rows
+    LinearFactory(torch.float32, torch.device("cpu"), mode="retime")(weight)
+    assert len(timed) == 4 * len(fast_forward.PROBE_ROWS)  # PDSERVE_LINEAR=retime times again
