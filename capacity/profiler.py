@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import math
 import platform
-import statistics
 import time
 from collections.abc import Callable, Mapping, Sequence
 from concurrent import futures
@@ -27,6 +26,7 @@ from typing import Any
 import numpy as np
 
 from pdserve.engine.sim_profile import DecodeCost, EngineLimits, LinkCost, PrefillCost, Profile
+from pdserve.engine.timing import timed
 
 PREFILL_TOKENS = (32, 128, 256, 512, 1024)
 DECODE_BATCHES = (1, 4, 16)
@@ -38,17 +38,6 @@ MAX_BATCHED_TOKENS = 4096
 MAX_NUM_SEQS = 64
 BLOCK_SIZE = 16
 PREFILL_CHUNK_TOKENS = 512  # prefill_worker --prefill-chunk-tokens default
-
-
-def timed(fn: Callable[[], object], repeats: int) -> float:
-    """Median wall time of ``fn`` over ``repeats`` runs, after one untimed warm-up run."""
-    fn()
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
 
 
 def fit(rows: Sequence[Sequence[float]], y: Sequence[float]) -> list[float]:

@@ -33,7 +33,6 @@ import functools
 import json
 import logging
 import os
-import time
 import weakref
 from dataclasses import dataclass
 from pathlib import Path
@@ -44,6 +43,7 @@ import torch.nn.functional as F
 from transformers.activations import ACT2FN
 
 from pdserve.engine.attention import AttentionBatch, paged_attention
+from pdserve.engine.timing import timed
 
 log = logging.getLogger(__name__)
 
@@ -90,14 +90,7 @@ PROBE_ROWS = (1, 4, 16, 64)
 
 
 def _median_ms(fn: Any, repeats: int = 5) -> float:
-    fn()
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    times.sort()
-    return times[len(times) // 2] * 1e3
+    return timed(fn, repeats) * 1e3
 
 
 def _machine_key() -> str:
