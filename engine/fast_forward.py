@@ -19,8 +19,8 @@ with fewer, larger operations:
   machine.
 - **The attention** is `engine.attention.paged_attention`, which the transformers path uses too.
 
-Exactness: every op is the one transformers runs, in the same order and dtype (RMSNorm in float32,
-RoPE from the model's own rotary module, `act(gate) * up`), so greedy fp32 output stays
+Exactness: the norms are the model's own modules, RoPE is transformers' `apply_rotary_pos_emb` over
+the model's own rotary tables, and the MLP is `act(gate) * up`, so greedy fp32 output stays
 token-identical to Hugging Face; tests/engine/test_fast_forward.py holds it to that per family.
 
 Anything outside the shapes this module knows (another activation, a norm with a bias, sliding
@@ -41,6 +41,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from transformers.activations import ACT2FN
+from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
 from pdserve.engine.attention import AttentionBatch, paged_attention
 from pdserve.engine.timing import timed
@@ -155,30 +156,34 @@ class LinearFactory:
         self.switch_rows: dict[tuple[int, int], int] = {}  # (K, N) -> packed from this many rows
         self.timings: dict[tuple[int, int], dict[int, tuple[float, float]]] = {}  # rows -> (plain, packed) ms
 
-    def _switch_rows(self, weight: torch.Tensor, bias: torch.Tensor | None, packed: torch.Tensor) -> int:
-        n, k = weight.shape
+    def _known_switch(self, k: int, n: int) -> int | None:
+        """The shape's switch row count if already timed (here or by an earlier start), else None."""
         if (k, n) not in self.switch_rows:
             remembered = self.remembered.get(self._key(k, n))
-            if isinstance(remembered, int):
-                self.switch_rows[(k, n)] = remembered
-                return remembered
-            timings = {}
-            generator = torch.Generator(device=weight.device).manual_seed(0)  # leaves the global RNG alone
-            for rows in PROBE_ROWS:
-                x = torch.randn(rows, k, generator=generator, device=weight.device).to(weight.dtype)
-                timings[rows] = (_median_ms(functools.partial(F.linear, x, weight, bias)),
-                                 _median_ms(functools.partial(torch.ops.mkldnn._linear_pointwise,
-                                                              x, packed, bias, "none", [], "")))
-            switch = _NEVER
-            for rows in reversed(PROBE_ROWS):
-                plain, fast = timings[rows]
-                if fast >= plain:
-                    break
-                switch = rows
-            self.switch_rows[(k, n)], self.timings[(k, n)] = switch, timings
-            self.remembered[self._key(k, n)] = switch
-            _write_choices(self.remembered)
+            if not isinstance(remembered, int):
+                return None
+            self.switch_rows[(k, n)] = remembered
         return self.switch_rows[(k, n)]
+
+    def _time_switch(self, weight: torch.Tensor, bias: torch.Tensor | None, packed: torch.Tensor) -> int:
+        n, k = weight.shape
+        timings = {}
+        generator = torch.Generator(device=weight.device).manual_seed(0)  # leaves the global RNG alone
+        for rows in PROBE_ROWS:
+            x = torch.randn(rows, k, generator=generator, device=weight.device).to(weight.dtype)
+            timings[rows] = (_median_ms(functools.partial(F.linear, x, weight, bias)),
+                             _median_ms(functools.partial(torch.ops.mkldnn._linear_pointwise,
+                                                          x, packed, bias, "none", [], "")))
+        switch = _NEVER
+        for rows in reversed(PROBE_ROWS):
+            plain, fast = timings[rows]
+            if fast >= plain:
+                break
+            switch = rows
+        self.switch_rows[(k, n)], self.timings[(k, n)] = switch, timings
+        self.remembered[self._key(k, n)] = switch
+        _write_choices(self.remembered)
+        return switch
 
     def _key(self, k: int, n: int) -> str:
         return f"{self.machine}|{self.dtype}|{k}x{n}"
@@ -188,9 +193,14 @@ class LinearFactory:
         bias = None if bias is None else bias.detach()
         if self.mode == "plain":
             return Linear(weight, bias, None)
+        n, k = weight.shape
+        switch = 1 if self.mode == "packed" else self._known_switch(k, n)
+        if switch == _NEVER:  # known to lose at every probed row count: no reordered copy is made
+            return Linear(weight, bias, None)
         with torch.inference_mode():
             packed = torch.ops.mkldnn._reorder_linear_weight(weight, None)
-            switch = 1 if self.mode == "packed" else self._switch_rows(weight, bias, packed)
+            if switch is None:
+                switch = self._time_switch(weight, bias, packed)
         if switch == _NEVER:
             return Linear(weight, bias, None)
         return Linear(weight, bias, packed, switch)
@@ -219,29 +229,23 @@ def _fuse(module_list: list[torch.nn.Linear], attr: str) -> torch.Tensor | None:
     return fused
 
 
+def _fuse_weights(module_list: list[torch.nn.Linear]) -> torch.Tensor:
+    """`_fuse` of the weights, which every linear layer has."""
+    fused = _fuse(module_list, "weight")
+    assert fused is not None, "a linear layer without a weight"
+    return fused
+
+
 @dataclass
 class _Layer:
-    input_norm: torch.Tensor
-    post_norm: torch.Tensor
+    input_norm: torch.nn.Module  # the model's own RMSNorm modules: their arithmetic, unchanged
+    post_norm: torch.nn.Module
     qkv: Linear
     o: Linear
     gate_up: Linear
     down: Linear
-    q_norm: torch.Tensor | None
-    k_norm: torch.Tensor | None
-
-
-def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """transformers' LlamaRMSNorm, op for op (float32 statistics, weight times the input dtype)."""
-    dtype = x.dtype
-    h = x.to(torch.float32)
-    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * h.to(dtype)
-
-
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    q_norm: torch.nn.Module | None
+    k_norm: torch.nn.Module | None
 
 
 class FastForward:
@@ -254,9 +258,8 @@ class FastForward:
         self.lm_head = lm_head
         self.factory = factory
         self.embed = model.model.embed_tokens.weight
-        self.final_norm = model.model.norm.weight
+        self.final_norm = model.model.norm
         self.rotary = model.model.rotary_emb
-        self.eps = float(c.rms_norm_eps)
         self.num_heads = int(c.num_attention_heads)
         self.num_kv_heads = int(c.num_key_value_heads)
         self.head_dim = int(getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads)
@@ -303,14 +306,14 @@ class FastForward:
                 projections = [attn.q_proj, attn.k_proj, attn.v_proj]
                 gate_up = [mlp.gate_proj, mlp.up_proj]
                 layers.append(_Layer(
-                    input_norm=layer.input_layernorm.weight.detach(),
-                    post_norm=layer.post_attention_layernorm.weight.detach(),
-                    qkv=factory(_fuse(projections, "weight"), _fuse(projections, "bias")),
+                    input_norm=layer.input_layernorm,
+                    post_norm=layer.post_attention_layernorm,
+                    qkv=factory(_fuse_weights(projections), _fuse(projections, "bias")),
                     o=factory(attn.o_proj.weight, attn.o_proj.bias),
-                    gate_up=factory(_fuse(gate_up, "weight"), _fuse(gate_up, "bias")),
+                    gate_up=factory(_fuse_weights(gate_up), _fuse(gate_up, "bias")),
                     down=factory(mlp.down_proj.weight, mlp.down_proj.bias),
-                    q_norm=attn.q_norm.weight.detach() if qwen3 else None,
-                    k_norm=attn.k_norm.weight.detach() if qwen3 else None,
+                    q_norm=attn.q_norm if qwen3 else None,
+                    k_norm=attn.k_norm if qwen3 else None,
                 ))
             lm_head = factory(model.lm_head.weight, getattr(model.lm_head, "bias", None))
         fast = cls(model, layers, lm_head, factory)
@@ -319,10 +322,10 @@ class FastForward:
 
     # ---- the pass --------------------------------------------------------------------------------
     def rotary_tables(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos, sin [T, 1, D] from the model's own rotary module (its scaling rules included)."""
+        """cos, sin [T, D] from the model's own rotary module (its scaling rules included)."""
         probe = torch.empty(1, dtype=dtype, device=positions.device)
         cos, sin = self.rotary(probe, position_ids=positions.unsqueeze(0))
-        return cos[0].unsqueeze(1), sin[0].unsqueeze(1)
+        return cos[0], sin[0]
 
     def layer(self, index: int, hidden: torch.Tensor, batch: AttentionBatch, cos: torch.Tensor,
               sin: torch.Tensor) -> torch.Tensor:
@@ -330,23 +333,22 @@ class FastForward:
         p = self.layers[index]
         t = hidden.shape[0]
         hq, hkv, d = self.num_heads, self.num_kv_heads, self.head_dim
-        x = _rms_norm(hidden, p.input_norm, self.eps)
+        x = p.input_norm(hidden)
         qkv = p.qkv(x)
         q, k, v = qkv.split([hq * d, hkv * d, hkv * d], dim=-1)
         q, k, v = q.view(t, hq, d), k.view(t, hkv, d), v.view(t, hkv, d)
         if p.q_norm is not None and p.k_norm is not None:
-            q, k = _rms_norm(q, p.q_norm, self.eps), _rms_norm(k, p.k_norm, self.eps)
-        q = (q * cos) + (_rotate_half(q) * sin)
-        k = (k * cos) + (_rotate_half(k) * sin)
+            q, k = p.q_norm(q), p.k_norm(k)
+        q, k = apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=1)  # transformers' own RoPE, [T, H, D]
         attn = paged_attention(batch, index, q, k, v, self.scale)  # [T, Hq * D]
         hidden = hidden + p.o(attn)
-        x = _rms_norm(hidden, p.post_norm, self.eps)
+        x = p.post_norm(hidden)
         gate, up = p.gate_up(x).split([self.intermediate, self.intermediate], dim=-1)
         return hidden + p.down(self.act(gate) * up)
 
     def norm_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Final norm and LM head: hidden [N, E] -> float32 logits [N, V]."""
-        return self.lm_head(_rms_norm(hidden, self.final_norm, self.eps)).float()
+        return self.lm_head(self.final_norm(hidden)).float()
 
 
 _BUILT: weakref.WeakKeyDictionary[Any, FastForward | None] = weakref.WeakKeyDictionary()
