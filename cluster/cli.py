@@ -35,7 +35,15 @@ import grpc
 from google.protobuf.json_format import MessageToDict
 
 from pdserve.capacity.cli import add_bench, add_plan, add_sweep
-from pdserve.cluster.client import DEFAULT_ADDRESS, PdserveClient, build_request, collect, sampling_params, status_rows
+from pdserve.cluster.client import (
+    DEFAULT_ADDRESS,
+    PdserveClient,
+    build_request,
+    collect,
+    placement_warnings,
+    sampling_params,
+    status_rows,
+)
 from pdserve.cluster.deploy_config import DeploymentConfig, add_flags, config_from_args
 from pdserve.cluster.elastic_cli import add_role
 from pdserve.cluster.local import ClusterStartError, LocalCluster
@@ -152,6 +160,8 @@ def _cmd_serve_ray(config: DeploymentConfig) -> int:
 
     def announce() -> None:
         print(f"router: {cluster.router_address}")
+        print(f"placement: {cluster.placement}" + (f" (auto: {_placement_why(cluster.placement)})"
+                                                   if config.ray.placement == "auto" else ""))
         print(format_table(("name", "role", "address"), [[w["name"], w["role"], w["address"]]
                                                           for w in cluster.workers()]))
         _print_extras(cluster.http_address, {}, bool(config.security.tls_cert))
@@ -164,6 +174,11 @@ def _cmd_serve_ray(config: DeploymentConfig) -> int:
         print("`pdserve scale --prefill N --decode M` resizes; Ctrl-C (or SIGTERM) stops everything.", flush=True)
 
     return _serve_until_interrupt(cluster, announce)
+
+
+def _placement_why(placement: str) -> str:
+    return ("each pool's workers on different nodes" if placement == "spread"
+            else "a single-node cluster; --placement spread spreads the pools once it has more")
 
 
 def _cmd_scale(args: argparse.Namespace) -> int:
@@ -364,21 +379,23 @@ def _keep_trace(responses: Iterator[router_pb2.GenerateResponse],
         yield response
 
 
-def _ray_router_address(address: str) -> str:
-    """The router address of the `serve --ray` deployment on the Ray cluster at `address` (via its controller)."""
+def _ray_router_address(address: str) -> tuple[str, int]:
+    """The router address of the `serve --ray` deployment on the Ray cluster at `address` (via its
+    controller), and how many live nodes that cluster has."""
     ray = require("ray", "pdserve status --address")
-    from pdserve.cluster.ray_cluster import get_controller
+    from pdserve.cluster.ray_cluster import get_controller, live_node_count
 
     try:
-        return str(ray.get(get_controller(address).router_address.remote(), timeout=30))
+        return str(ray.get(get_controller(address).router_address.remote(), timeout=30)), live_node_count()
     finally:
         ray.shutdown()
 
 
 def _cmd_status(args: argparse.Namespace) -> int:
+    nodes = 0  # live Ray nodes (0: not known)
     if args.address is not None:
         try:
-            args.url = _ray_router_address(args.address)
+            args.url, nodes = _ray_router_address(args.address)
         except Exception as exc:  # noqa: BLE001 - no deployment, Ray unreachable
             print(f"error: {type(exc).__name__}: {exc}", file=sys.stderr)
             return 1
@@ -391,10 +408,12 @@ def _cmd_status(args: argparse.Namespace) -> int:
         print(f"error: {exc.code().name}: {exc.details()}", file=sys.stderr)
         return 1
     rows = status_rows(status)
+    warnings = placement_warnings(rows, nodes)
     if args.json:
         doc = {
             **({"router_address": args.url} if args.address is not None else {}),
             "workers": rows,
+            "warnings": warnings,
             "in_flight_requests": status.in_flight_requests,
             "total_requests": status.total_requests,
             "queued_requests": status.queued_requests,
@@ -407,6 +426,8 @@ def _cmd_status(args: argparse.Namespace) -> int:
     print(f"in flight: {status.in_flight_requests}  total requests: {status.total_requests}  "
           f"queued: {status.queued_requests}/{status.max_queued_requests}  "
           f"mean queue time: {_mean_queue_time(status):.3f} s")
+    for warning in warnings:
+        print(f"warning: {warning}", file=sys.stderr)
     return 0
 
 

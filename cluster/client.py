@@ -193,3 +193,20 @@ def status_rows(status: router_pb2.StatusResponse) -> list[dict[str, object]]:
         }
         for w in status.workers
     ]
+
+
+def placement_warnings(rows: list[dict[str, object]], cluster_nodes: int = 0) -> list[str]:
+    """One line per pool whose workers (two or more) all run on one node of a multi-node cluster:
+    losing that node loses the pool. `cluster_nodes`: the cluster's live nodes when known (0: judge
+    by the nodes the workers run on)."""
+    nodes = {str(r["node_id"]) for r in rows if r["node_id"]}
+    if max(cluster_nodes, len(nodes)) < 2:
+        return []
+    warnings = []
+    for role in dict.fromkeys(str(r["role"]) for r in rows):
+        pool = [r for r in rows if r["role"] == role]
+        where = {str(r["node_id"]) for r in pool}
+        if len(pool) >= 2 and len(where) == 1 and "" not in where:
+            warnings.append(f"all {len(pool)} {role} workers run on node {where.pop()[:12]}: losing that node "
+                            f"loses the {role} pool (serve with --placement spread)")
+    return warnings

@@ -37,7 +37,7 @@ ENGINES = ("model", "sim")
 KV_BACKENDS = ("auto", "grpc", "shm", "ray")
 KV_STREAMING = ("request", "layer")
 KV_CHECKSUMS = ("", "xxh3", "crc32")
-PLACEMENTS = ("pack", "spread", "strict_spread")
+PLACEMENTS = ("auto", "pack", "spread", "strict_spread")
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"  # engine.model_fetch.MODEL_NAME (not imported: it pulls numpy)
 WORKER_HOST = "127.0.0.1"  # local workers always bind loopback
 
@@ -181,8 +181,10 @@ class RaySection:
 
     address: str | None = opt(None, "Ray cluster to join (e.g. auto); default: start a local Ray instance",
                               flag="--address", modes=_RAY_ONLY, why=_RAY_WHY)
-    placement: str = opt("pack", "placement group strategy (strict_spread: every worker and the router on its own "
-                         "node)", flag="--placement", choices=PLACEMENTS, modes=_RAY_ONLY, why=_RAY_WHY)
+    placement: str = opt("auto", "where the actors go: spread (each pool's workers over different nodes, so a node "
+                         "loss leaves every pool a worker), pack (all on as few nodes as possible), strict_spread "
+                         "(every worker and the router on its own node), auto (spread on a cluster of several "
+                         "nodes, else pack)", flag="--placement", choices=PLACEMENTS, modes=_RAY_ONLY, why=_RAY_WHY)
     worker_host: str = opt("127.0.0.1", "interface of the workers' gRPC servers; 'node' = the node's IP (needed "
                            "across nodes)", flag="--worker-host", modes=_RAY_ONLY, why=_RAY_WHY)
     gpus_per_worker: float | None = opt(None, "GPUs per worker actor (default: 1 CPU)", flag="--gpus-per-worker",
@@ -195,6 +197,9 @@ class RaySection:
                                       "node has", flag="--router-resource", modes=_RAY_ONLY, why=_RAY_WHY)
     max_restarts: int = opt(3, "restarts of a worker actor that died", flag="--max-restarts", min=0,
                             modes=_RAY_ONLY, why=_RAY_WHY)
+    restart_wait_s: float = opt(60.0, "when no worker of a pool is healthy but one is restarting, requests (new and "
+                                "in flight) wait this long for it, within their deadline, instead of failing (0: "
+                                "fail at once)", flag="--restart-wait", min=0, modes=_RAY_ONLY, why=_RAY_WHY)
     router_max_restarts: int = opt(3, "restarts of the router actor (it re-reads its workers)",
                                    flag="--router-max-restarts", min=0, modes=_RAY_ONLY, why=_RAY_WHY)
     poll_interval_s: float = opt(1.0, "how often the controller checks worker addresses and roles (s)",
@@ -682,6 +687,8 @@ def router_document(config: DeploymentConfig, workers: dict[str, list[str]], met
         "max_stream_timeout": router.max_stream_timeout_s, "max_concurrent_streams": router.max_concurrent_streams,
         "max_queued_requests": router.max_queued_requests, "max_attempts": router.max_attempts,
         "decode_mux": router.decode_mux,
+        # only Ray restarts a dead worker (actor max_restarts); local workers that die stay dead
+        "worker_restart_wait": config.ray.restart_wait_s if config.mode == "ray" and config.ray.max_restarts else 0.0,
         "http_port": router.http_port, "model_name": config.model.served_name,
         "metrics_port": metrics_port, "metrics_host": obs.metrics_host,
         "auth_token_file": _local_only(config, sec.auth_token_file),

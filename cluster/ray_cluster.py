@@ -2,9 +2,14 @@
 
 Layout (namespace :data:`NAMESPACE`):
 - ``pdserve-controller`` (detached, named, pinned to the head node: it owns the router and worker
-  actors, which share its fate, so it must not sit on a node that can be lost alone): creates a
-  placement group (PACK, SPREAD or STRICT_SPREAD) with one bundle for the router and one per initial
-  worker, the worker actors (``prefill-0``, ``decode-0``, ...; ``max_restarts`` each) and the router
+  actors, which share its fate, so it must not sit on a node that can be lost alone): reserves the
+  placement (`resolve_placement`: ``auto`` is ``spread`` on a cluster of several live nodes, else
+  ``pack``). ``pack`` and ``strict_spread``: one placement group (PACK or STRICT_SPREAD) with a bundle
+  for the router and one per initial worker. ``spread``: the router's bundle alone (on the head node
+  when it has room: its loss ends the cluster anyway), and one SPREAD
+  group per pool, so that each pool's workers land on different nodes (a single group over all
+  bundles may put two workers of one pool together) and the loss of one node leaves every pool a
+  worker. Then it starts the worker actors (``prefill-0``, ``decode-0``, ...; ``max_restarts`` each) and the router
   actor (``pdserve-router``). A watcher
   thread asks every worker for its ``address()`` each ``poll_interval_s``: a restarted worker (new
   port) is re-registered with the router, a worker that died for good is removed; it also notes the
@@ -65,7 +70,7 @@ NAMESPACE = "pdserve"  # kv_transfer.ray_backend.NAMESPACE (not imported: it pul
 CONTROLLER_NAME = "pdserve-controller"
 ROUTER_NAME = "pdserve-router"
 KV_BACKENDS = ("grpc", "ray")
-PLACEMENTS = {"pack": "PACK", "spread": "SPREAD", "strict_spread": "STRICT_SPREAD"}
+PLACEMENTS = {"pack": "PACK", "spread": "SPREAD", "strict_spread": "STRICT_SPREAD"}  # + "auto" (resolve_placement)
 ROLES = ("prefill", "decode")
 
 
@@ -87,7 +92,8 @@ class RayClusterConfig:
     prefill_resource: str | None = None  # custom resource (1 unit) each prefill worker needs, e.g. prefill_gpu
     decode_resource: str | None = None
     router_resource: str | None = None  # custom resource (1 unit) the router needs: pins it to e.g. the head node
-    placement: str = "pack"
+    placement: str = "auto"  # auto: spread on a cluster of several nodes, else pack
+    restart_wait_s: float = 60.0  # requests wait this long for a restarting worker when none of its pool is healthy
     threads_per_worker: int | None = None
     kv_cache_mb: int | None = None
     device: str = "cpu"  # every worker's device and dtype (the CLI passes "auto"); Ray picks which GPU
@@ -123,7 +129,7 @@ class RayClusterConfig:
                       "gpus_per_worker": self.gpus_per_worker, "prefill_resource": self.prefill_resource,
                       "decode_resource": self.decode_resource, "router_resource": self.router_resource,
                       "max_restarts": self.max_restarts, "router_max_restarts": self.router_max_restarts,
-                      "poll_interval_s": self.poll_interval_s}
+                      "poll_interval_s": self.poll_interval_s, "restart_wait_s": self.restart_wait_s}
         return DeploymentConfig.from_dict(doc)
 
     def extra_args(self) -> dict[str, tuple[str, ...]]:
@@ -210,6 +216,18 @@ def worker_actor_document(config: DeploymentConfig, role: str, worker_id: str, h
     return worker_document(config, role, worker_id, host)
 
 
+def resolve_placement(placement: str, live_nodes: int) -> str:
+    """The placement a deployment gets: ``auto`` is ``spread`` on a cluster of several live nodes (a
+    node loss then leaves every pool a worker), ``pack`` on one; any other is itself."""
+    if placement != "auto":
+        return placement
+    return "spread" if live_nodes > 1 else "pack"
+
+
+def live_node_count() -> int:
+    return sum(1 for node in ray.nodes() if node.get("Alive"))
+
+
 @dataclass
 class _Worker:
     name: str
@@ -238,20 +256,35 @@ class Controller:
         self._next_index = dict.fromkeys(ROLES, 0)
         self._stop = threading.Event()
         roles = ["prefill"] * config.size("prefill") + ["decode"] * config.size("decode")
-        bundles = [router_resources(config)] + [worker_resources(config, role) for role in roles]
-        self._pg = placement_group(bundles, strategy=PLACEMENTS[config.ray.placement], name="pdserve")
-        try:
-            ray.get(self._pg.ready(), timeout=config.startup_timeout_s)
-        except ray.exceptions.GetTimeoutError:
-            remove_placement_group(self._pg)
-            raise RuntimeError(f"placement group {bundles} ({config.ray.placement}) not placed within "
-                               f"{config.startup_timeout_s:.0f} s: not enough resources in the cluster") from None
+        self.placement = resolve_placement(config.ray.placement, live_node_count())
+        log.info("placement %s (configured %s, %d live nodes)", self.placement, config.ray.placement,
+                 live_node_count())
+        self._groups: list[Any] = []  # every placement group this controller reserved and still holds
+        if self.placement == "spread":  # the router alone (on this, the head node, if it has room), then a
+            # SPREAD group per pool: the node whose loss ends the cluster anyway also holds the entry point
+            self._pg = self._reserve([router_resources(config)], "STRICT_PACK", "pdserve",
+                                     ray.get_runtime_context().get_node_id())
+            try:
+                # separate groups are placed one after another, not jointly: the most constrained pool
+                # first (a custom resource or GPUs, then the larger), so that the others take what is left
+                order = sorted((r for r in ROLES if r in roles), reverse=True,
+                               key=lambda r: (set(worker_resources(config, r)) != {"CPU"}, roles.count(r)))
+                pools = {role: self._reserve([worker_resources(config, role)] * roles.count(role), "SPREAD",
+                                             f"pdserve-{role}") for role in order}
+            except BaseException:
+                self._remove_groups()
+                raise
+            placed = [(role, pools[role], roles[:i].count(role)) for i, role in enumerate(roles)]
+        else:
+            bundles = [router_resources(config)] + [worker_resources(config, role) for role in roles]
+            self._pg = self._reserve(bundles, PLACEMENTS[self.placement], "pdserve")
+            placed = [(role, None, i + 1) for i, role in enumerate(roles)]
         self._router: Any = None
         self._router_probe: Any = None  # pending address() call of the watcher
         self._autoscaler: Any = None  # cluster.ray_elastic.RayAutoscaler with elastic.autoscale
         try:
-            for i, role in enumerate(roles):
-                self._workers.append(self._new_worker(role, bundle=i + 1))
+            for role, pg, bundle in placed:
+                self._workers.append(self._new_worker(role, bundle=bundle, pg=pg))
             self._wait_serving(self._workers)
             self._router = self._start_router(self._workers)
         except BaseException:
@@ -266,6 +299,35 @@ class Controller:
             self._autoscaler = RayAutoscaler(self, self.router_address_value, options, auth_token,
                                              speedup=config.model.speedup,
                                              tls_ca_file=config.security.tls_cert or None)
+
+    # ----- placement -------------------------------------------------------------------------
+    def _reserve(self, bundles: list[dict[str, float]], strategy: str, name: str = "",
+                 near: str | None = None) -> Any:  # noqa: ANN401 - PlacementGroup
+        """A placement group of these bundles, ready (RuntimeError when the cluster cannot place it
+        within startup_timeout_s); kept in `_groups` until removed. `near`: a node id it prefers
+        (STRICT_PACK only; elsewhere when that node has no room)."""
+        pg = placement_group(bundles, strategy=strategy, name=name, _soft_target_node_id=near)
+        try:
+            ray.get(pg.ready(), timeout=self.config.startup_timeout_s)
+        except ray.exceptions.GetTimeoutError:
+            remove_placement_group(pg)
+            raise RuntimeError(f"placement group {bundles} ({strategy}) not placed within "
+                               f"{self.config.startup_timeout_s:.0f} s: not enough resources in the cluster") from None
+        self._groups.append(pg)
+        return pg
+
+    def _remove_group(self, pg: Any) -> None:  # noqa: ANN401 - PlacementGroup
+        if any(pg is held for held in self._groups):
+            self._groups = [held for held in self._groups if held is not pg]
+            remove_placement_group(pg)
+
+    def _remove_groups(self) -> None:
+        for pg in list(self._groups):
+            self._remove_group(pg)
+
+    def placement_name(self) -> str:
+        """The placement this deployment got (`resolve_placement` of the configured one)."""
+        return self.placement
 
     # ----- actors ----------------------------------------------------------------------------
     def _new_worker(self, role: str, bundle: int, pg: Any = None) -> _Worker:  # noqa: ANN401 - PlacementGroup
@@ -388,9 +450,11 @@ class Controller:
         that had switched starts over in its first role)."""
         log.warning("worker %s moved from %s to %s (restarted, %s); updating the router", worker.name,
                     worker.address, address, role)
+        # the new address first: requests waiting for a worker of this role (restart_wait_s) never see
+        # the pool without one
+        ray.get(self._router.add_worker.remote(address, role))
         if worker.address:
             ray.get(self._router.remove_worker.remote(worker.address))
-        ray.get(self._router.add_worker.remote(address, role))
         worker.address, worker.role = address, role
 
     def _forget(self, worker: _Worker) -> None:
@@ -427,7 +491,7 @@ class Controller:
         except BaseException:  # e.g. no resources for them: take them back, keep the rest as is
             for worker in added:
                 ray.kill(worker.handle, no_restart=True)
-            remove_placement_group(pg)
+            self._remove_group(pg)
             raise
         for worker in added:
             ray.get(self._router.add_worker.remote(worker.address, worker.role))
@@ -482,14 +546,7 @@ class Controller:
         strategy holds among the workers added together (and, being bundles, their resources are
         reserved as a unit), not between them and the earlier ones."""
         bundles = [worker_resources(self.config, role) for role in roles]
-        pg = placement_group(bundles, strategy=PLACEMENTS[self.config.ray.placement])
-        try:
-            ray.get(pg.ready(), timeout=self.config.startup_timeout_s)
-        except ray.exceptions.GetTimeoutError:
-            remove_placement_group(pg)
-            raise RuntimeError(f"placement group {bundles} ({self.config.ray.placement}) for the new workers not "
-                               f"placed within {self.config.startup_timeout_s:.0f} s: not enough resources") from None
-        return pg
+        return self._reserve(bundles, PLACEMENTS[self.placement])
 
     def _release_unused_groups(self, retired: list[_Worker]) -> None:
         """Remove the scale-up placement groups none of whose workers is left."""
@@ -497,7 +554,7 @@ class Controller:
             in_use = {id(w.pg) for w in self._workers if w.pg is not None}
         for pg in {id(w.pg): w.pg for w in retired if w.pg is not None}.values():
             if id(pg) not in in_use:
-                remove_placement_group(pg)
+                self._remove_group(pg)
 
     def _retire(self, workers: list[_Worker]) -> None:
         """Drain, wait until idle (at most drain_timeout_s), deregister and kill each worker."""
@@ -565,9 +622,7 @@ class Controller:
             workers, self._workers = self._workers, []
         for worker in workers:
             ray.kill(worker.handle, no_restart=True)
-        for pg in {id(w.pg): w.pg for w in workers if w.pg is not None}.values():
-            remove_placement_group(pg)
-        remove_placement_group(self._pg)
+        self._remove_groups()
 
 
 _RemoteWorker = ray.remote(WorkerActor)
@@ -686,6 +741,7 @@ class RayCluster:
             self.router_address: str = ray.get(self._controller.router_address.remote(),
                                                timeout=deployment.startup_timeout_s + 60)
             self.http_address: str = ray.get(self._controller.router_http_address.remote(), timeout=60)
+            self.placement: str = ray.get(self._controller.placement_name.remote(), timeout=60)
         except BaseException:
             self.stop()
             raise

@@ -63,6 +63,10 @@ def build_parser() -> argparse.ArgumentParser:
                              "request)")
     parser.add_argument("--max-attempts", type=int, default=3, metavar="N",
                         help="a request is tried on at most N (decode, prefill) pairs when workers fail (default 3)")
+    parser.add_argument("--worker-restart-wait", type=float, default=0.0, metavar="S",
+                        help="when no worker of a stage is healthy but some are still registered (their launcher "
+                             "restarts them), requests wait up to S seconds for one instead of failing (default 0: "
+                             "fail at once; `pdserve serve --ray` sets it from router.worker_restart_wait_s)")
     parser.add_argument("--http-port", type=int, default=None, metavar="PORT",
                         help="also serve the OpenAI-compatible HTTP API on this port (0 picks one; default off)")
     parser.add_argument("--model-name", default="default", help="model id the HTTP API serves (default 'default')")
@@ -105,6 +109,7 @@ def config_from_args(args: argparse.Namespace, auth_token: str | None = None) ->
         max_queued_requests=args.max_queued_requests,
         max_attempts=args.max_attempts,
         decode_mux=args.decode_mux,
+        worker_restart_wait_s=args.worker_restart_wait,
         auth_token=auth_token or load_token(args.auth_token_file, os.environ.get("PDSERVE_AUTH_TOKEN")),
         tls_cert_file=args.tls_cert,
         tls_key_file=args.tls_key,

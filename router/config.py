@@ -41,6 +41,10 @@ class RouterConfig:
     metrics_host: str = "127.0.0.1"  # beyond loopback only with auth_token (then scrapes need it too)
     model_name: str = "default"  # the model id the HTTP API serves
     decode_mux: bool = False  # one DecodeWorker.GenerateMux call per decode worker instead of a call per request
+    # when no worker of a stage is healthy but some are still registered (their launcher restarts them:
+    # Ray actors with max_restarts), requests wait this long for one to serve again instead of failing
+    # (0: fail at once, as for workers nobody restarts)
+    worker_restart_wait_s: float = 0.0
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
@@ -66,6 +70,8 @@ class RouterConfig:
         if not is_loopback(self.metrics_host) and not self.auth_token:
             raise ValueError(f"refusing to serve /metrics on {self.metrics_host}, beyond loopback, without an "
                              "auth token (--auth-token-file or PDSERVE_AUTH_TOKEN)")
+        if self.worker_restart_wait_s < 0:
+            raise ValueError(f"worker_restart_wait_s must be >= 0, got {self.worker_restart_wait_s}")
         if self.max_attempts < 1:
             raise ValueError(f"max_attempts must be >= 1, got {self.max_attempts}")
         if self.max_queued_requests < 1:

@@ -22,6 +22,10 @@ Invariants:
   worker suspect and resumes the request elsewhere with the tokens already delivered. INTERNAL or
   UNKNOWN (a request that breaks a worker's step) is retried once on another worker without
   suspecting anyone; failing the same way twice, it is a poison request and fails.
+- Restart wait (`worker_restart_wait_s`, set by the Ray launcher): when a stage has no healthy
+  worker but some are still registered and not draining (a dead Ray actor stays registered while
+  Ray restarts it), a request, new or failing over, waits for one within that bound and its own
+  deadline instead of failing; a stall, not an error. Waiting does not count as an attempt.
 - The worker lease of a request is released on every exit path.
 - Live migration (`migrate`, and for every request on a draining decode worker): the source
   suspends the request between two steps and ends its stream with a `suspended` marker after the
@@ -69,6 +73,8 @@ _FINISHED_OK = frozenset({"FINISH_REASON_STOP", "FINISH_REASON_LENGTH", "FINISH_
 _EOF = grpc.aio.EOF
 #: After a failure, how long to wait for some worker of the needed role to be healthy again.
 RECOVERY_WAIT_S = 3.0
+#: While waiting for a restarting worker: how often to look for a healthy one again.
+RESTART_POLL_S = 0.25
 #: How long Router.Migrate waits for the target to hold the K/V.
 MIGRATE_TIMEOUT_S = 120.0
 #: Between two tries to move a request off a draining worker (it may not be decoding yet).
@@ -453,8 +459,11 @@ class RouterCore:
 
     async def _acquire(self, state: _Request, retry: bool) -> Lease:
         """Wait in the admission queue for a worker pair. After a failure, wait a few health polls for
-        a worker that was only suspected to come back."""
+        a worker that was only suspected to come back. When a stage has no healthy worker but some are
+        still registered and the router is told they restart (worker_restart_wait_s), wait for one
+        within that bound and the request's deadline: the client sees a stall, not an error."""
         recovery_deadline = time.monotonic() + (RECOVERY_WAIT_S if retry else 0.0)
+        waited_since: float | None = None  # first found no healthy worker (restart wait)
         while True:
             try:
                 # room now: no queueing, and no wait_for task (the common case under capacity)
@@ -467,19 +476,45 @@ class RouterCore:
             except QueueFull as exc:
                 raise RouterError(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc), exc.retry_after_s) from None
             except (asyncio.TimeoutError, TimeoutError):
+                self._end_worker_wait(waited_since, "gave_up")
                 raise RouterError(grpc.StatusCode.DEADLINE_EXCEEDED,
                                   "request deadline passed while waiting for a decode slot") from None
+            except asyncio.CancelledError:  # the client left (or its deadline passed) while it waited
+                self._end_worker_wait(waited_since, "cancelled")
+                raise
             except NoHealthyWorker as exc:
-                if time.monotonic() >= recovery_deadline:
+                now = time.monotonic()
+                if exc.waiting and self._config.worker_restart_wait_s > 0:
+                    if waited_since is None:
+                        waited_since = now
+                        self.metrics.prom.worker_waits.labels(exc.stage).inc()
+                        log.warning("request_id=%s waits up to %.0f s for a %s worker to restart: %s",
+                                    safe_id(state.echo_id), self._config.worker_restart_wait_s, exc.stage, exc)
+                    if now - waited_since < self._config.worker_restart_wait_s and state.remaining_s() > 0:
+                        try:
+                            await asyncio.sleep(min(RESTART_POLL_S, state.remaining_s()))
+                        except asyncio.CancelledError:
+                            self._end_worker_wait(waited_since, "cancelled")
+                            raise
+                        continue
+                    self._end_worker_wait(waited_since, "gave_up")
+                    raise RouterError(grpc.StatusCode.UNAVAILABLE, f"{exc}; none served again within "
+                                                                   f"{now - waited_since:.0f} s") from None
+                if now >= recovery_deadline:
                     raise RouterError(grpc.StatusCode.UNAVAILABLE, str(exc)) from None
                 await asyncio.sleep(0.1)
                 continue
             finally:
                 self.metrics.prom.requests_waiting.set(len(self.admission))
+            self._end_worker_wait(waited_since, "served")
             if not retry:
                 state.clock.queue_s = state.clock.elapsed_s()
             self.metrics.prom.queue_time.observe(state.clock.elapsed_s())
             return lease
+
+    def _end_worker_wait(self, waited_since: float | None, outcome: str) -> None:
+        if waited_since is not None:
+            self.metrics.prom.worker_wait_time.labels(outcome).observe(time.monotonic() - waited_since)
 
     def _assign(self, state: _Request) -> Lease:
         if self._dispatched >= self._config.max_concurrent_streams:

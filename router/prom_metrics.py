@@ -6,6 +6,9 @@ received -> last response. Token counters come from the decode worker's final ``
 ``pdserve_num_requests_waiting`` and ``pdserve_request_queue_time_seconds`` describe the admission
 queue. ``pdserve_failovers_total`` counts requests moved to another worker after a failure,
 ``pdserve_migrations_total`` running requests moved live to another decode worker (Router.Migrate).
+``pdserve_worker_waits_total{stage}`` counts requests that found no healthy worker of a stage while a
+restarting one was still registered, and waited for it (``pdserve_worker_wait_seconds``: how long;
+``outcome`` served, gave_up or cancelled: the client left first).
 """
 
 from __future__ import annotations
@@ -45,5 +48,9 @@ class RouterPrometheus:
                                  registry=r)
         self.migrations = Counter("pdserve_migrations", "Running requests moved live to another decode worker",
                                   registry=r)
+        self.worker_waits = Counter("pdserve_worker_waits", "Requests that waited for a restarting worker of a "
+                                    "stage with no healthy one", ["stage"], registry=r)
+        self.worker_wait_time = Histogram("pdserve_worker_wait_seconds", "How long a request waited for a "
+                                          "restarting worker", ["outcome"], buckets=LATENCY_BUCKETS, registry=r)
         self.role_switches = Counter("pdserve_role_switches", "Workers switched from one role to another",
                                      ["from_role", "to_role"], registry=r)

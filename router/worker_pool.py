@@ -40,7 +40,14 @@ ROLE_PB = {
 
 
 class NoHealthyWorker(RuntimeError):
-    """No healthy worker of a needed stage; the message says which."""
+    """No healthy worker of a needed stage; the message says which. `stage` is "decode" or "prefill";
+    `waiting` counts the stage's workers still in the pool that may come back (registered, not
+    draining: one whose process died stays registered while its launcher restarts it)."""
+
+    def __init__(self, message: str, stage: str = "", waiting: int = 0) -> None:
+        super().__init__(message)
+        self.stage = stage
+        self.waiting = waiting
 
 
 class SwitchRefused(RuntimeError):
@@ -292,15 +299,16 @@ class WorkerPool:
                 candidates = roomy or candidates
             decode = decode_policy.pick(candidates, prefix_key)
             if decode is None:
-                raise NoHealthyWorker(self._missing_message((DECODE, COLOCATED), "decode"))
+                raise self._missing_locked((DECODE, COLOCATED), "decode")
             prefill_address = ""
             if decode.role == DECODE:
                 paired = self._registered_with_locked(decode.address, prefills)
                 prefill = prefill_policy.pick(paired, prefix_key)
                 if prefill is None:
-                    raise NoHealthyWorker(self._missing_message((PREFILL,), "prefill") if not prefills or paired
-                                          else f"no prefill worker has registered decode worker "
-                                               f"{decode.address} as a KV target yet")
+                    if not prefills or paired:
+                        raise self._missing_locked((PREFILL,), "prefill")
+                    raise NoHealthyWorker(f"no prefill worker has registered decode worker {decode.address} as a "
+                                          f"KV target yet", "prefill", len(prefills))
                 prefill_address = prefill.address
             return self._lease_locked(decode.address, prefill_address, prompt_tokens)
 
@@ -370,11 +378,12 @@ class WorkerPool:
             if state is not None:
                 state.healthy = False
 
-    def _missing_message(self, roles: Sequence[str], stage: str) -> str:
+    def _missing_locked(self, roles: Sequence[str], stage: str) -> NoHealthyWorker:
         configured = [a for a, s in self._workers.items() if s.endpoint.role in roles]
         if not configured:
-            return f"no {stage} worker configured"
-        return f"no healthy {stage} worker (configured: {', '.join(configured)})"
+            return NoHealthyWorker(f"no {stage} worker configured", stage)
+        waiting = sum(not s.held and not _draining(s) for s in self._workers.values() if s.endpoint.role in roles)
+        return NoHealthyWorker(f"no healthy {stage} worker (configured: {', '.join(configured)})", stage, waiting)
 
     def _lease_locked(self, decode_address: str, prefill_address: str, prompt_tokens: int) -> Lease:
         decode = self._workers[decode_address]

@@ -145,6 +145,7 @@ CASES: dict[str, tuple[Any, dict[str, Any], Callable[[DeploymentConfig, Received
     "ray.decode_resource": ("dgpu", {}, _ray(lambda c: _ray_options()["resources"](c, "decode").get("dgpu") == 1)),
     "ray.router_resource": ("head", {}, _ray(lambda c: _ray_options()["router"](c)["resources"] == {"head": 1.0})),
     "ray.max_restarts": (7, {}, _ray(lambda c: _ray_options()["worker"](c, "prefill", "p")["max_restarts"] == 7)),
+    "ray.restart_wait_s": (15.0, {}, _all(("router",), "worker_restart_wait", 15.0)),
     "ray.router_max_restarts": (6, {}, _ray(lambda c: _ray_options()["router"](c)["max_restarts"] == 6)),
     "ray.poll_interval_s": (0.25, {}, lambda c, _got: c.ray.poll_interval_s == 0.25),  # the controller's watcher
     "security.auth_token_file": ("TOKEN", {}, lambda c, got: (
