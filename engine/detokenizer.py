@@ -2,7 +2,9 @@
 
 Byte-level BPE can split one character (a Chinese one, an emoji) over several tokens. Each call
 decodes only a short window of recent tokens and holds text back while the window ends in an
-incomplete character (U+FFFD), so the concatenated deltas equal `tokenizer.decode(all_ids)`.
+incomplete character (U+FFFD, and the bytes of the last tokens end inside a UTF-8 sequence), so the
+concatenated deltas equal `tokenizer.decode(all_ids)`. A U+FFFD the model really generated is
+streamed when it is generated.
 
 The window is seeded with the last `PROMPT_CONTEXT_TOKENS` prompt tokens (as vLLM and TGI do), and
 only the text after the prompt's is emitted. Without that context a SentencePiece (Metaspace)
@@ -13,11 +15,53 @@ space of the first token it sees); with it the deltas equal
 
 from __future__ import annotations
 
+import re
 from collections.abc import Sequence
+from functools import lru_cache
 from typing import Any
 
 _REPLACEMENT = "\ufffd"
 PROMPT_CONTEXT_TOKENS = 8  # prompt tokens decoded before the first output token (vLLM uses 5)
+_BYTE_TOKEN = re.compile(r"<0x([0-9A-Fa-f]{2})>")  # SentencePiece byte fallback
+
+
+@lru_cache(maxsize=1)
+def _byte_level_decoder() -> dict[str, int]:
+    """The byte-level BPE alphabet (GPT-2's): each of the 256 bytes as one printable character."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    chars, extra = {}, 0
+    for byte in range(256):
+        if byte in printable:
+            chars[chr(byte)] = byte
+        else:
+            chars[chr(256 + extra)] = byte
+            extra += 1
+    return chars
+
+
+def token_bytes(token: str) -> bytes:
+    """The bytes a vocabulary entry stands for: byte-level BPE characters, a SentencePiece byte
+    (``<0xE9>``), or else its UTF-8 text (``▁`` as a space)."""
+    match = _BYTE_TOKEN.fullmatch(token)
+    if match:
+        return bytes([int(match.group(1), 16)])
+    table = _byte_level_decoder()
+    if all(ch in table for ch in token):
+        return bytes(table[ch] for ch in token)
+    return token.replace("\u2581", " ").encode("utf-8")
+
+
+def ends_inside_a_character(tail: bytes) -> bool:
+    """True when `tail` ends with the first bytes of a UTF-8 character whose other bytes are to come."""
+    for back in range(1, min(3, len(tail)) + 1):
+        byte = tail[-back]
+        if byte & 0xC0 == 0x80:  # a continuation byte: look further back for the lead
+            continue
+        if byte < 0xC0:  # ASCII ends a character
+            return False
+        needed = 2 if byte < 0xE0 else 3 if byte < 0xF0 else 4
+        return back < needed
+    return False
 
 
 class IncrementalDetokenizer:
@@ -48,12 +92,18 @@ class IncrementalDetokenizer:
         self.token_ids.append(token_id)
         prefix_text = self._decode(self.token_ids[self._prefix_offset : self._read_offset])
         full_text = self._decode(self.token_ids[self._prefix_offset :])
-        self.waiting = full_text.endswith(_REPLACEMENT)
+        # U+FFFD at the end: an incomplete character (hold it back) or one the model really wrote (stream
+        # it); the bytes of the last tokens tell which (a character is at most 4 bytes, each token >= 1)
+        self.waiting = full_text.endswith(_REPLACEMENT) and self._incomplete_tail()
         if self.waiting or len(full_text) <= len(prefix_text):
             return ""
         self._prefix_offset = self._read_offset
         self._read_offset = len(self.token_ids)
         return full_text[len(prefix_text) :]
+
+    def _incomplete_tail(self) -> bool:
+        tokens = self._tokenizer.convert_ids_to_tokens(self.token_ids[-4:])
+        return ends_inside_a_character(b"".join(token_bytes(t) for t in tokens if t is not None))
 
     def flush(self) -> str:
         """Return the held-back text (incomplete characters become U+FFFD, as in a full decode)."""

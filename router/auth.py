@@ -33,13 +33,17 @@ class BearerToken:
     def __init__(self, token: str) -> None:
         if not token:
             raise ValueError("auth token must not be empty")
-        self._expected = f"Bearer {token}".encode()
+        self._expected = token.encode()
 
     def accepts(self, header_value: str | bytes | None) -> bool:
+        """`Bearer <token>`; the scheme is case-insensitive (RFC 7235), the token compared in constant time."""
         if header_value is None:
             return False
-        given = header_value if isinstance(header_value, bytes) else header_value.encode()
-        return hmac.compare_digest(given, self._expected)
+        given = header_value if isinstance(header_value, bytes) else header_value.encode("utf-8", "surrogateescape")
+        scheme, _, credentials = given.partition(b" ")
+        if scheme.lower() != b"bearer":
+            return False
+        return hmac.compare_digest(credentials.strip(b" "), self._expected)
 
     def authorized(self, metadata: tuple[tuple[str, str | bytes], ...] | None) -> bool:
         for key, value in metadata or ():

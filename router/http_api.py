@@ -16,12 +16,23 @@ Invariants:
 - A refusal by the admission queue is 429 with a ``Retry-After`` header.
 - Errors are OpenAI's error object with the HTTP status mapped from the gRPC status (see
   ``router.openai_protocol.error_from_grpc``).
+- Bounded connections (values of uvicorn, which vLLM's server runs on, where it has them): a
+  connection that has not sent a complete request within ``KEEPALIVE_S`` (5 s, uvicorn's
+  ``timeout_keep_alive``) of opening or of its previous answer is closed, which covers idle and
+  half-sent requests; a body must arrive within ``BODY_TIMEOUT_S`` (408 otherwise); at most
+  ``max_connections`` are open at once (default: half the process's file-descriptor limit, so the
+  gRPC side and the worker channels keep theirs); one more is answered 503 and closed.
+- Bodies are UTF-8 JSON whatever ``charset`` says (RFC 8259). A body larger than
+  ``INLINE_PARSE_BYTES`` is parsed off the event loop; malformed JSON, nesting too deep, a lone UTF-16
+  surrogate, or an ``X-Request-Id`` that is not printable ASCII is a 400, never a 500.
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
+import resource
 import ssl
 import time
 import uuid
@@ -47,11 +58,74 @@ from pdserve.router.openai_protocol import (
     usage,
     usage_chunk,
 )
+from pdserve.router.validation import MAX_REQUEST_ID_CHARS
 from pdserve.v1 import common_pb2, router_pb2
 
 log = logging.getLogger(__name__)
 
 MAX_BODY_BYTES = RECEIVE_LIMIT_BYTES  # twice the request-size limit: larger prompts get 400 naming it
+KEEPALIVE_S = 5.0  # uvicorn's timeout_keep_alive (vLLM's default too); aiohttp's own is 3,630 s
+BODY_TIMEOUT_S = 30.0  # the whole body, once the headers are in
+INLINE_PARSE_BYTES = 64 * 1024  # larger bodies are parsed in a thread, off the event loop
+_REFUSED_BODY = json.dumps({"error": {"message": "too many open connections", "type": "server_error",
+                                       "param": None, "code": None}}).encode()
+_REFUSED = (b"HTTP/1.1 503 Service Unavailable\r\nContent-Type: application/json\r\nConnection: close\r\n"
+            b"Retry-After: 1\r\nContent-Length: %d\r\n\r\n%s" % (len(_REFUSED_BODY), _REFUSED_BODY))
+
+
+def default_max_connections() -> int:
+    """Half the soft file-descriptor limit (at least 64): the rest stays for gRPC and worker channels."""
+    soft, _hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    return max(64, soft // 2) if soft != resource.RLIM_INFINITY else 32768
+
+
+class _Refusal(asyncio.Protocol):
+    """A connection over the cap: a 503 answer, then closed (nothing read, nothing kept)."""
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        transport.write(_REFUSED)  # type: ignore[attr-defined]  # a stream transport (uvloop's is no subclass)
+        transport.close()
+
+
+class _CappedSite(web.TCPSite):
+    """`web.TCPSite` that refuses connections beyond `max_connections` (aiohttp has no such option)."""
+
+    def __init__(self, runner: web.AppRunner, host: str, port: int, ssl_context: ssl.SSLContext | None,
+                 max_connections: int) -> None:
+        super().__init__(runner, host, port, ssl_context=ssl_context)
+        self._max_connections = max_connections
+        self.refused = 0
+
+    async def start(self) -> None:
+        await web.BaseSite.start(self)  # registers the site with its runner (what TCPSite.start does first)
+        server = self._runner.server
+        assert server is not None
+
+        def protocol() -> asyncio.Protocol:
+            if len(server.connections) >= self._max_connections:
+                self.refused += 1
+                return _Refusal()
+            return server()
+
+        self._server = await asyncio.get_running_loop().create_server(
+            protocol, self._host, self._port, ssl=self._ssl_context, backlog=self._backlog)
+
+
+def _load_json(raw: bytes) -> Any:  # noqa: ANN401 - any JSON value
+    """The body as JSON (UTF-8); OpenAIError 400 for anything the API cannot take as it is."""
+    try:
+        body = json.loads(raw.decode("utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise OpenAIError(400, f"request body is not valid JSON: {exc}") from None
+    except RecursionError:
+        raise OpenAIError(400, "request body is nested too deeply") from None
+    try:  # JSON's \ud800 escapes decode to lone surrogates, which no later step can encode
+        json.dumps(body, ensure_ascii=False).encode("utf-8")
+    except UnicodeEncodeError:
+        raise OpenAIError(400, "request body contains a lone UTF-16 surrogate (\\ud800-\\udfff)") from None
+    except RecursionError:
+        raise OpenAIError(400, "request body is nested too deeply") from None
+    return body
 SERVING_ROLES = (common_pb2.WORKER_ROLE_DECODE, common_pb2.WORKER_ROLE_COLOCATED)
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
@@ -73,7 +147,7 @@ class OpenAIHttpServer:
 
     def __init__(self, core: RouterCore, model_name: str, host: str = "127.0.0.1", port: int = 0,
                  auth_token: str | None = None, timeout_s: float = 600.0, tls_cert_file: str | None = None,
-                 tls_key_file: str | None = None) -> None:
+                 tls_key_file: str | None = None, max_connections: int | None = None) -> None:
         self._core = core
         self.model_name = model_name
         self.host = host
@@ -83,6 +157,8 @@ class OpenAIHttpServer:
         self._tls = (tls_cert_file, tls_key_file) if tls_cert_file and tls_key_file else None
         self._created = int(time.time())
         self._runner: web.AppRunner | None = None
+        self.max_connections = max_connections or default_max_connections()
+        self.site: _CappedSite | None = None
 
     # ----- lifecycle ----------------------------------------------------------------------------
     async def start(self) -> int:
@@ -94,10 +170,10 @@ class OpenAIHttpServer:
             web.get("/v1/models", self._models),
             web.get("/health", self._health),
         ])
-        self._runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
+        self._runner = web.AppRunner(app, handler_cancellation=True, access_log=None, keepalive_timeout=KEEPALIVE_S)
         await self._runner.setup()
-        site = web.TCPSite(self._runner, self.host, self.port, ssl_context=self._ssl_context())
-        await site.start()
+        self.site = _CappedSite(self._runner, self.host, self.port, self._ssl_context(), self.max_connections)
+        await self.site.start()
         self.port = int(self._runner.addresses[0][1])
         scheme = "https" if self._tls else "http"
         log.info("OpenAI-compatible HTTP API on %s://%s:%d/v1 (model %s)", scheme, self.host, self.port,
@@ -145,11 +221,15 @@ class OpenAIHttpServer:
 
     async def _generate(self, request: web.Request, kind: str) -> web.StreamResponse:
         request_id = request.headers.get("X-Request-Id") or uuid.uuid4().hex
+        if len(request_id) > MAX_REQUEST_ID_CHARS or not all(0x20 <= ord(c) <= 0x7E for c in request_id):
+            return _error_response(OpenAIError(400, f"X-Request-Id: must be printable ASCII of at most "
+                                                    f"{MAX_REQUEST_ID_CHARS} characters"))
         try:
             try:
-                body = await request.json()
-            except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-                raise OpenAIError(400, f"request body is not valid JSON: {exc}") from None
+                raw = await asyncio.wait_for(request.read(), BODY_TIMEOUT_S)
+            except (asyncio.TimeoutError, TimeoutError):
+                raise OpenAIError(408, f"the request body did not arrive within {BODY_TIMEOUT_S:.0f} s") from None
+            body = _load_json(raw) if len(raw) <= INLINE_PARSE_BYTES else await asyncio.to_thread(_load_json, raw)
             parsed = parse_request(kind, body, self.model_name, request_id)
         except OpenAIError as exc:
             return _error_response(exc, request_id)

@@ -58,6 +58,8 @@ _KNOWN = frozenset({"prompt", "messages", "max_tokens", "max_completion_tokens",
     | _IGNORED | frozenset(_UNSUPPORTED_OFF_VALUES)
 _STREAM_OPTIONS = frozenset({"include_usage"})
 MAX_INT32 = 2**31 - 1
+MAX_USER_CHARS = 256
+MAX_METADATA_KEYS, MAX_METADATA_KEY_CHARS, MAX_METADATA_VALUE_CHARS = 16, 64, 512  # as OpenAI's API
 MAX_LOGPROBS = 20
 
 
@@ -187,6 +189,23 @@ def _check_supported(body: dict[str, Any]) -> None:
     unknown = sorted(set(body) - _KNOWN)
     if unknown:
         raise OpenAIError(400, f"{unknown[0]}: unknown or unsupported parameter", param=unknown[0])
+    _check_labels(body)
+
+
+def _check_labels(body: dict[str, Any]) -> None:
+    """``metadata`` and ``user`` are ignored, so they must stay small (OpenAI's own metadata limits)."""
+    user = body.get("user")
+    if user is not None and (not isinstance(user, str) or len(user) > MAX_USER_CHARS):
+        raise OpenAIError(400, f"user: must be a string of at most {MAX_USER_CHARS} characters", param="user")
+    metadata = body.get("metadata")
+    if metadata is None:
+        return
+    if not isinstance(metadata, dict) or len(metadata) > MAX_METADATA_KEYS:
+        raise OpenAIError(400, f"metadata: must be an object of at most {MAX_METADATA_KEYS} keys", param="metadata")
+    for key, value in metadata.items():
+        if len(key) > MAX_METADATA_KEY_CHARS or not isinstance(value, str) or len(value) > MAX_METADATA_VALUE_CHARS:
+            raise OpenAIError(400, f"metadata: keys of at most {MAX_METADATA_KEY_CHARS} characters, values strings "
+                                   f"of at most {MAX_METADATA_VALUE_CHARS}", param="metadata")
 
 
 def _same(value: object, off: object) -> bool:
@@ -294,9 +313,13 @@ def _stop(stop: object) -> list[str]:
     raise OpenAIError(400, "stop: must be a string or a list of strings", param="stop")
 
 
+def _is_token_id(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and 0 <= value <= MAX_INT32
+
+
 def _token_ids(value: object, name: str) -> list[int]:
-    if not isinstance(value, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in value):
-        raise OpenAIError(400, f"{name}: must be a list of integers", param=name)
+    if not isinstance(value, list) or not all(_is_token_id(t) for t in value):
+        raise OpenAIError(400, f"{name}: must be a list of token ids (integers in [0, {MAX_INT32}])", param=name)
     return list(value)
 
 
@@ -306,6 +329,8 @@ def _set_prompt(request: router_pb2.GenerateRequest, prompt: object) -> None:
     if isinstance(prompt, str):
         request.prompt = prompt
     elif isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+        if not all(_is_token_id(t) for t in prompt):
+            raise OpenAIError(400, f"prompt: token ids must be integers in [0, {MAX_INT32}]", param="prompt")
         request.token_ids.ids.extend(prompt)
     elif isinstance(prompt, list) and len(prompt) > 1:
         raise OpenAIError(400, "prompt: batches of several prompts are not supported; send one per request",

@@ -21,6 +21,7 @@ from pdserve.limits import (
 from pdserve.v1 import common_pb2, router_pb2
 
 MAX_REQUEST_ID_CHARS = 128
+MAX_PRIORITY = 100  # |priority|: a small ladder of classes, not an open-ended queue jump
 MAX_PROMPT_CHARS = 1_000_000
 MAX_MESSAGES = 256
 MAX_CONTENT_CHARS = 1_000_000
@@ -46,6 +47,8 @@ def validate_generate_request(request: router_pb2.GenerateRequest) -> None:
     """Raise InvalidRequest for the first invalid field of ``request``; return None when it is valid."""
     _check_size(request)
     _check_request_id(request.request_id)
+    if not -MAX_PRIORITY <= request.priority <= MAX_PRIORITY:
+        raise InvalidRequest("priority", f"must be in [-{MAX_PRIORITY}, {MAX_PRIORITY}], got {request.priority}")
     _check_input(request)
     if request.HasField("params"):
         check_params(request.params)

@@ -35,3 +35,30 @@ def test_random_streams_concatenate_to_full_decode(default_model, seed: int, len
     for delta in deltas:
         delta.encode("utf-8")  # valid UTF-8: no lone surrogates
     assert "".join(deltas) == tok.decode(ids, skip_special_tokens=True, clean_up_tokenization_spaces=False)
+
+
+def test_a_generated_replacement_character_streams_when_generated(default_model) -> None:  # noqa: ANN001
+    """U+FFFD the model really writes is not an incomplete character: it streams with its token, not
+    at the end (700 such tokens used to arrive as one chunk at the finish)."""
+    tok = default_model.tokenizer
+    ids = tok("\ufffd", add_special_tokens=False).input_ids * 50  # nothing but U+FFFD, as in the report
+    detok = IncrementalDetokenizer(tok)
+    deltas = [detok.add(t) for t in ids]
+    tail = detok.flush()
+    assert "".join(deltas) + tail == tok.decode(ids, skip_special_tokens=True, clean_up_tokenization_spaces=False)
+    assert "".join(deltas) == "\ufffd" * 50 and tail == ""
+    assert "".join(deltas[: len(ids) // 2]) == "\ufffd" * 25  # each arrived with its own tokens
+
+
+def test_utf8_tail_check() -> None:
+    from pdserve.engine.detokenizer import ends_inside_a_character, token_bytes
+
+    assert ends_inside_a_character("é".encode()[:1])
+    assert ends_inside_a_character("济".encode()[:2])
+    assert ends_inside_a_character("🙂".encode()[:3])
+    assert not ends_inside_a_character("é".encode())
+    assert not ends_inside_a_character("\ufffd".encode())  # the character itself, complete
+    assert not ends_inside_a_character(b"abc")
+    assert token_bytes("<0xE9>") == b"\xe9"
+    assert token_bytes("Ġhello") == b" hello"  # byte-level BPE: Ġ is the space
+    assert token_bytes("\u2581Paris") == b" Paris"  # SentencePiece
