@@ -51,6 +51,9 @@ log = logging.getLogger(__name__)
 LOCAL_HOSTS = frozenset({"127.0.0.1", "localhost", "[::1]", "::1"})
 #: Statuses from a prefill worker that are the request's own fault: passed on, never retried.
 CLIENT_ERRORS = frozenset({grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.RESOURCE_EXHAUSTED})
+#: The prefill worker's step broke on this request (not the worker): passed on as INTERNAL, which the
+#: router retries once elsewhere without suspecting anyone, and fails as a poison request the second time.
+STEP_FAULTS = frozenset({grpc.StatusCode.INTERNAL, grpc.StatusCode.UNKNOWN})
 CALL_ENDED = "the Prefill call ended before the KV arrived"
 
 
@@ -300,8 +303,9 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
                               trace: list[common_pb2.TraceEvent] | None = None) -> int:
         """Reserve, then have `prefill_address` compute the K/V of prompt + resumed tokens and push
         them here; return the prompt tokens the prefill worker took from its prefix cache. A failure on
-        the prefill side ends with UNAVAILABLE and details starting with PREFILL_FAILURE, so the
-        router prefills the request again elsewhere. `trace`: gets the prefill worker's pass events
+        the prefill side ends with UNAVAILABLE (INTERNAL when the prefill worker's step broke on this
+        request) and details starting with PREFILL_FAILURE, so the router prefills the request again
+        elsewhere (suspecting the prefill worker only for UNAVAILABLE). `trace`: gets the prefill worker's pass events
         and the KV hand-off."""
         backend, segment_prefix = await self._backend_and_segments(prefill_address, deadline, context)
         seq = await self._wait(self.worker.reserve(request_id, prompt_ids, params, resume_ids, trace is not None),
@@ -367,7 +371,9 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
         reason = pending.error()
         if status is not None and (not reason or CALL_ENDED in reason):
             reason = status[1]
-        await context.abort(grpc.StatusCode.UNAVAILABLE, f"{PREFILL_FAILURE} {prefill_address}: {reason or exc}")
+        step_fault = status is not None and status[0] in STEP_FAULTS
+        code = grpc.StatusCode.INTERNAL if step_fault else grpc.StatusCode.UNAVAILABLE
+        await context.abort(code, f"{PREFILL_FAILURE} {prefill_address}: {reason or exc}")
 
     async def _backend_and_segments(self, prefill_address: str, deadline: float,
                                     context: grpc.aio.ServicerContext) -> tuple[str, str]:

@@ -42,6 +42,8 @@ class RoguePrefill(worker_pb2_grpc.PrefillWorkerServicer):
             yield frame
 
     def Prefill(self, request, context):  # noqa: ANN001, ANN201, N802
+        if self.mode == "internal":  # what a prefill worker answers when its step broke on this request
+            context.abort(grpc.StatusCode.INTERNAL, "prefill failed: poisoned prompt")
         stub = kv_pb2_grpc.KvTransferStub(open_channel(request.kv_target_address))  # with the internal token
         ack = stub.PushKv(self._frames(request), timeout=30)
         if not ack.ok:
@@ -74,6 +76,28 @@ def test_bad_kv_fails_only_its_request(mode: str, cluster, default_model) -> Non
         assert err.value.code() == grpc.StatusCode.UNAVAILABLE
         assert ("checksum" if mode == "checksum" else "fingerprint") in err.value.details()
         assert len(good.token_ids) == 6
+        wait_idle([(w[0], w[2]) for w in cluster.workers])
+    finally:
+        server.stop(0)
+
+
+def test_a_prefill_step_fault_is_passed_on_as_the_requests_not_the_workers(cluster, default_model) -> None:  # noqa: ANN001
+    """Issue 29 row 1: INTERNAL from the prefill worker (its step broke on this request) reaches the
+    router as INTERNAL, a request fault it retries once without suspecting the worker, not as
+    UNAVAILABLE, which marks the prefill worker unhealthy for everyone."""
+    server = grpc.server(futures.ThreadPoolExecutor(4))
+    worker_pb2_grpc.add_PrefillWorkerServicer_to_server(RoguePrefill(default_model, "internal"), server)
+    rogue = f"127.0.0.1:{server.add_insecure_port('127.0.0.1:0')}"
+    server.start()
+    try:
+        decode = [w[2] for w in cluster.workers if w[0] == "decode"][0]
+        stub = worker_pb2_grpc.DecodeWorkerStub(open_channel(decode))
+        with pytest.raises(grpc.RpcError) as err:
+            list(stub.Generate(worker_pb2.DecodeRequest(
+                request_id="bad-internal", prompt="The river ran past the old mill", prefill_address=rogue,
+                params=common_pb2.SamplingParams(max_tokens=5)), timeout=60))
+        assert err.value.code() == grpc.StatusCode.INTERNAL
+        assert err.value.details().startswith(f"prefill failed on {rogue}") and "poisoned" in err.value.details()
         wait_idle([(w[0], w[2]) for w in cluster.workers])
     finally:
         server.stop(0)

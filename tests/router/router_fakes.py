@@ -25,7 +25,8 @@ SCRIPT = [
 @dataclass
 class FakeDecode(worker_pb2_grpc.DecodeWorkerServicer):
     """Decode worker double. mode: "ok" streams SCRIPT, "exhausted" fails RESOURCE_EXHAUSTED,
-    "hang" sends one message then waits until the call is cancelled."""
+    "hang" sends one message then waits until the call is cancelled, "prefill_internal" fails INTERNAL as
+    a decode worker does when the prefill worker's step broke on the request."""
 
     mode: str = "ok"
     role: int = common_pb2.WORKER_ROLE_DECODE
@@ -37,6 +38,9 @@ class FakeDecode(worker_pb2_grpc.DecodeWorkerServicer):
         self.requests.append(request)
         if self.mode == "exhausted":
             context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, "kv cache full: need 9 blocks, 0 free")
+        if self.mode == "prefill_internal":  # what a decode worker says when the prefill step broke on the request
+            context.abort(grpc.StatusCode.INTERNAL,
+                          f"prefill failed on {request.prefill_address}: prefill failed: poisoned prompt")
         if self.mode == "hang":
             context.add_callback(self.cancelled.set)
             yield router_pb2.GenerateResponse(request_id=request.request_id, text="x", token_ids=[1])

@@ -194,3 +194,22 @@ def test_router_process_prints_ready_line_and_stops_on_sigterm(fake_server) -> N
     finally:
         if proc.poll() is None:
             proc.kill()
+
+
+def test_a_request_that_breaks_the_prefill_step_blames_the_request_not_the_worker(fake_server, start_router) -> None:
+    """Issue 29 row 1: the prefill worker is not marked unhealthy for a request's own fault; the request
+    is tried once more, on another pair, then fails alone (INTERNAL); others keep being served."""
+    first, second = FakeDecode(mode="prefill_internal"), FakeDecode(mode="prefill_internal")
+    server, stub, prefill, _ = _pd(fake_server, start_router, first, second)
+    started = time.monotonic()
+    try:
+        list(stub.Generate(REQUEST, timeout=30))
+        raise AssertionError("expected an error")
+    except grpc.RpcError as error:
+        assert error.code() == grpc.StatusCode.INTERNAL
+        assert "failed the same way on two workers" in error.details() and "poisoned prompt" in error.details()
+    assert len(first.requests) + len(second.requests) == 2  # tried twice, then given up
+    assert all(w.healthy for w in server.core.pool.snapshot())  # nobody suspected: the prefill worker neither
+    first.mode = second.mode = "ok"
+    assert [r.text for r in stub.Generate(REQUEST, timeout=10)] == [r.text for r in SCRIPT]  # no 503
+    assert time.monotonic() - started < 10
