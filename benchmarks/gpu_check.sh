@@ -1,16 +1,17 @@
 #!/usr/bin/env bash
-# The GPU check, one command on a CUDA machine (under 10 minutes on one GPU):
-#   exactness tests on cuda, 1P1D on the GPU(s), TTFT/ITL and K/V hand-off bandwidth, then a table.
-# Run from the repository root with pdserve's environment active:
-#   bash benchmarks/gpu_check.sh            # writes benchmarks/reports/gpu-check-<UTC date>.json
-# Extra arguments go to benchmarks/gpu_check.py (e.g. --only exactness kv, --dtype float16).
+# The device check, one command (under 8 minutes on one H200; see benchmarks/gpu_check.py):
+#   bash benchmarks/gpu_check.sh [--device cpu] [--out DIR] [gpu_check.py options]
+# On a bare accelerator machine (its own Python and torch, no network): carry `.whl` and `.device`
+# (made here by `bash benchmarks/device_prepare.sh`); what is missing or too old there is installed
+# from the carried wheels into /tmp/pdserve-site, first on PYTHONPATH. Nothing is downloaded: the
+# models are built there with random weights from real configs. Results: a table, and gpu-check.json
+# under --out (default $OUT when set). `--device cpu` is the dry run the test suite runs.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-export PYTHONPATH="$PWD:$PWD/proto${PYTHONPATH:+:$PYTHONPATH}"
-PYTHON="${PYTHON:-python}"
-"$PYTHON" -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 'gpu_check: no CUDA device visible')"
-nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader || true
-mkdir -p benchmarks/reports
-out="benchmarks/reports/gpu-check-$(date -u +%Y-%m-%dT%H%M).json"
-timeout 600 "$PYTHON" benchmarks/gpu_check.py --out "$out" "$@"
-echo "rows written to $out"
+PYTHON="${PYTHON:-$( [[ -x .venv/bin/python ]] && echo .venv/bin/python || echo python3 )}"
+site="$("$PYTHON" benchmarks/device_deps.py --wheels .whl --target /tmp/pdserve-site)"
+export PYTHONPATH="$site:$PWD:$PWD/proto${PYTHONPATH:+:$PYTHONPATH}"
+if [[ " $* " != *" --device cpu "* ]]; then
+    nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader || true
+fi
+exec timeout 900 "$PYTHON" benchmarks/gpu_check.py "$@"
