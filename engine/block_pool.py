@@ -37,10 +37,13 @@ def blocks_for_tokens(num_tokens: int, block_size: int) -> int:
 _HASH_SEED = hashlib.sha256(b"pdserve.block_hash.v1").digest()
 
 
-def block_hashes(token_ids: Sequence[int], block_size: int) -> list[bytes]:
+def block_hashes(token_ids: Sequence[int], block_size: int, salt: str = "") -> list[bytes]:
     """Chained sha256 of each FULL block: hash i covers tokens [0, (i + 1) * block_size), as
-    sha256(hash i-1 || block_size || the block's token ids as little-endian int64)."""
+    sha256(hash i-1 || block_size || the block's token ids as little-endian int64). A `salt` (the
+    request's cache_salt) changes the chain's start, so salted blocks match only the same salt."""
     hashes, previous = [], _HASH_SEED
+    if salt:
+        previous = hashlib.sha256(_HASH_SEED + b"cache_salt" + salt.encode("utf-8")).digest()
     size = block_size.to_bytes(8, "little")
     for start in range(0, len(token_ids) - block_size + 1, block_size):
         block = struct.pack(f"<{block_size}q", *token_ids[start : start + block_size])

@@ -184,7 +184,7 @@ class LLMEngine:
         seq = self.new_sequence(request_id, prompt_ids, params, resume_ids, trace)
         seq.status = SequenceStatus.RESERVED
         if self.config.prefix_caching:
-            hashes = block_hashes(seq.all_ids, self.pool.block_size)
+            hashes = block_hashes(seq.all_ids, self.pool.block_size, seq.params.cache_salt)
             seq.block_table = self.pool.lookup(hashes[: (seq.num_tokens - 1) // self.pool.block_size])
             seq.num_reused_blocks = len(seq.block_table)
             seq.num_prefix_hit_tokens = min(seq.num_reused_blocks * self.pool.block_size, len(seq.prompt_ids))
@@ -207,7 +207,7 @@ class LLMEngine:
             kv_blocks(self.kv_cache.kv, targets)
         seq.num_cached = seq.num_tokens
         if self.config.prefix_caching:  # full blocks are never written again: later requests may share them
-            seq.prefix_hashes = block_hashes(seq.all_ids, self.pool.block_size)
+            seq.prefix_hashes = block_hashes(seq.all_ids, self.pool.block_size, seq.params.cache_salt)
             self.scheduler.cache_computed_blocks(seq, 0)
         out = self._append(seq, first_token)
         if not seq.is_finished:
@@ -227,7 +227,7 @@ class LLMEngine:
             self.kv_cache.scatter(targets, kv_blocks[:, :, first - block_offset :])
         seq.num_cached = num_cached
         if self.config.prefix_caching:
-            seq.prefix_hashes = block_hashes(seq.all_ids, self.pool.block_size)
+            seq.prefix_hashes = block_hashes(seq.all_ids, self.pool.block_size, seq.params.cache_salt)
             self.scheduler.cache_computed_blocks(seq, 0)
         seq.status = SequenceStatus.RUNNING
         self.scheduler.add_running(seq)

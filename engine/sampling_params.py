@@ -52,6 +52,7 @@ class SamplingParams:
     # `bad_words` as token sequences: filled by the engine from its tokenizer (LLMEngine.new_sequence)
     bad_words_ids: tuple[tuple[int, ...], ...] = field(default_factory=tuple)
     skip_special_tokens: bool = True
+    cache_salt: str = ""  # prefix-cache namespace: blocks are shared only within one salt
 
     def __post_init__(self) -> None:
         if not 1 <= self.max_tokens <= 1_000_000:

@@ -184,7 +184,8 @@ class Scheduler:
         headroom = len(self.running) + len(self.prefilling) if self.keeps_decoding else 0
         if not self.pool.can_allocate(needed + headroom):
             return False
-        hashes = block_hashes(tokens, self.pool.block_size) if self.config.prefix_caching else []
+        salt = seq.params.cache_salt
+        hashes = block_hashes(tokens, self.pool.block_size, salt) if self.config.prefix_caching else []
         # prompt log-probabilities need the logits at every prompt position: compute them all
         usable = 0 if seq.wants_prompt_logprobs() else (len(tokens) - 1) // self.pool.block_size
         hits = self.pool.lookup(hashes[:usable])

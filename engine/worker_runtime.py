@@ -85,6 +85,7 @@ def sampling_params_from_pb(pb: common_pb2.SamplingParams) -> SamplingParams:
         allowed_token_ids=tuple(pb.allowed_token_ids),
         bad_words=tuple(pb.bad_words),
         skip_special_tokens=pb.skip_special_tokens if pb.HasField("skip_special_tokens") else True,
+        cache_salt=pb.cache_salt,
     )
 
 
@@ -114,6 +115,7 @@ def sampling_params_to_pb(params: SamplingParams) -> common_pb2.SamplingParams:
     pb.bad_words.extend(params.bad_words)
     if not params.skip_special_tokens:
         pb.skip_special_tokens = False
+    pb.cache_salt = params.cache_salt
     return pb
 
 

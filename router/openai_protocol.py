@@ -54,7 +54,7 @@ _IGNORED = frozenset({"model", "user", "stream", "stream_options", "n", "metadat
 _KNOWN = frozenset({"prompt", "messages", "max_tokens", "max_completion_tokens", "temperature", "top_p", "seed",
                     "stop", "top_k", "ignore_eos", "stop_token_ids", "logprobs", "top_logprobs", "echo",
                     "presence_penalty", "frequency_penalty", "repetition_penalty", "min_p", "min_tokens",
-                    "logit_bias", "allowed_token_ids", "bad_words", "skip_special_tokens"}) \
+                    "logit_bias", "allowed_token_ids", "bad_words", "skip_special_tokens", "cache_salt"}) \
     | _IGNORED | frozenset(_UNSUPPORTED_OFF_VALUES)
 _STREAM_OPTIONS = frozenset({"include_usage"})
 MAX_INT32 = 2**31 - 1
@@ -286,6 +286,11 @@ def _penalties(body: dict[str, Any], params: common_pb2.SamplingParams) -> None:
     params.bad_words.extend(bad_words or [])
     if body.get("skip_special_tokens") is not None:
         params.skip_special_tokens = _optional_bool(body, "skip_special_tokens")
+    salt = body.get("cache_salt")
+    if salt is not None:
+        if not isinstance(salt, str):
+            raise OpenAIError(400, "cache_salt: must be a string", param="cache_salt")
+        params.cache_salt = salt
     bias = body.get("logit_bias")
     if bias is None:
         return

@@ -21,6 +21,7 @@ from pdserve.limits import (
 from pdserve.v1 import common_pb2, router_pb2
 
 MAX_REQUEST_ID_CHARS = 128
+MAX_CACHE_SALT_CHARS = 256
 MAX_PRIORITY = 100  # |priority|: a small ladder of classes, not an open-ended queue jump
 MAX_PROMPT_CHARS = 1_000_000
 MAX_MESSAGES = 256
@@ -161,6 +162,8 @@ def _check_penalties(params: common_pb2.SamplingParams) -> None:
         raise InvalidRequest("params.allowed_token_ids",
                              f"at most {MAX_ALLOWED_TOKEN_IDS} ids, got {len(params.allowed_token_ids)}")
     _check_non_negative("params.allowed_token_ids", list(params.allowed_token_ids))
+    if len(params.cache_salt) > MAX_CACHE_SALT_CHARS or any(not 0x20 <= ord(c) <= 0x7E for c in params.cache_salt):
+        raise InvalidRequest("params.cache_salt", f"at most {MAX_CACHE_SALT_CHARS} printable ASCII characters")
     if len(params.bad_words) > MAX_BAD_WORDS:
         raise InvalidRequest("params.bad_words", f"at most {MAX_BAD_WORDS} words, got {len(params.bad_words)}")
     for i, word in enumerate(params.bad_words):

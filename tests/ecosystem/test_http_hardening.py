@@ -130,10 +130,17 @@ def test_a_non_ascii_request_id_is_400(router: RouterServer) -> None:
     ({"metadata": ["not", "an", "object"]}, "metadata"),
     ({"user": "u" * 257}, "user"),
     ({"user": 5}, "user"),
+    ({"cache_salt": 5}, "cache_salt"),
 ])
 def test_ignored_labels_are_bounded(router: RouterServer, extra: dict, param: str) -> None:
     status, body = post(router.http_port, "/v1/chat/completions", {**CHAT, **extra})
     assert status == 400 and body["error"]["param"] == param, body
+
+
+def test_a_cache_salt_is_bounded(router: RouterServer) -> None:
+    status, body = post(router.http_port, "/v1/completions", {**COMPLETION, "cache_salt": "s" * 257})
+    assert status == 400 and "cache_salt" in body["error"]["message"], body
+    assert post(router.http_port, "/v1/completions", {**COMPLETION, "cache_salt": "tenant-7"})[0] == 503
 
 
 def test_labels_within_bounds_pass(router: RouterServer) -> None:

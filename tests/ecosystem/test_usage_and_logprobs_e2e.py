@@ -69,6 +69,22 @@ def test_repeated_prompt_reports_cached_tokens(cluster: LocalCluster) -> None:
     assert fresh.cached_tokens == 0
 
 
+def test_cache_salt_keeps_tenants_apart(cluster: LocalCluster) -> None:
+    """Issue 29 row 8: a tenant cannot learn another's prompt from cached_tokens. Blocks are shared only
+    within one cache_salt, through both phases (prefill and decode workers hash with the salt)."""
+    secret = f"[{cluster.config.prefill}] The PIN of the vault is 4711. " + " ".join(f"w{i}" for i in range(40))
+
+    def cached(salt: str | None) -> int:
+        body = {"prompt": secret, "max_tokens": 2, "temperature": 0, **({"cache_salt": salt} if salt else {})}
+        return post(cluster, "/v1/completions", body)["usage"]["prompt_tokens_details"]["cached_tokens"]
+
+    assert cached("tenant-a") == 0
+    assert cached("tenant-b") == 0  # the same prompt under another salt: nothing shared
+    assert cached(None) == 0  # nor with the unsalted namespace
+    assert cached("tenant-a") > 0  # within the salt it is shared as usual
+    assert cached(None) > 0
+
+
 @pytest.fixture(scope="module")
 def hf(tiny_llama_dir: Path) -> tuple:
     model = AutoModelForCausalLM.from_pretrained(tiny_llama_dir, dtype=torch.float32, attn_implementation="sdpa")
