@@ -41,7 +41,17 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from pdserve.cluster.deploy_config import WORKER_HOST, DeploymentConfig, flat_sections, router_document, worker_document
 from pdserve.cluster.processes import ManagedProcess, ProcessStartError, stop_all
 from pdserve.process_config import write_document
-from pdserve.transport import ENV_TOKEN, ENV_TOKEN_FILE, internal_token, launcher_token, open_channel
+from pdserve.transport import (
+    ENV_ROUTER_DIGEST,
+    ENV_ROUTER_TOKEN,
+    ENV_TOKEN,
+    ENV_TOKEN_FILE,
+    internal_token,
+    launcher_router_token,
+    launcher_token,
+    open_channel,
+    router_token_digest,
+)
 
 STOP_GRACE_S = 5.0
 PROCESS_MODULES = {"prefill": "pdserve.prefill_worker", "decode": "pdserve.decode_worker",
@@ -280,6 +290,12 @@ class LocalCluster:
             module = [PROCESS_MODULES[kind]]
         argv = [sys.executable, "-m", *module, "--config", str(path), *self._extra.get(kind, ())]
         env = child_env(self.deployment.security.internal_token_file)
+        # the router holds its credential; workers only its digest, to check SetKvTargets callers
+        env.pop(ENV_ROUTER_TOKEN, None)
+        if kind == "router":
+            env[ENV_ROUTER_TOKEN] = launcher_router_token()
+        else:
+            env[ENV_ROUTER_DIGEST] = router_token_digest(launcher_router_token())
         process = ManagedProcess(name, argv, self.log_dir / f"{name}.log", env)
         self._processes.append(process)
         return process

@@ -51,12 +51,16 @@ class WorkerActor:
     (``extra_argv``: flags on top of it)."""
 
     def __init__(self, role: str, document: dict[str, Any], internal_token: str | None = None,
-                 extra_argv: tuple[str, ...] = ()) -> None:
+                 extra_argv: tuple[str, ...] = (), router_digest: str = "") -> None:
         import ray
 
         from pdserve.engine.worker_runtime import NODE_HOST_ENV, NODE_ID_ENV, configure_process
 
         _use_internal_token(internal_token)
+        if router_digest:  # only the deployment's router may set this worker's KV targets
+            from pdserve.transport import ENV_ROUTER_DIGEST
+
+            os.environ[ENV_ROUTER_DIGEST] = router_digest
         if role not in WORKER_MODULES:
             raise ValueError(f"role must be one of {sorted(WORKER_MODULES)}, got {role!r}")
         os.environ[NODE_ID_ENV] = ray.get_runtime_context().get_node_id()  # reported in WorkerInfo.node_id
@@ -137,8 +141,12 @@ class RouterActor:
     public API's bearer token (read by the launcher)."""
 
     def __init__(self, document: dict[str, Any], internal_token: str | None = None,
-                 auth_token: str | None = None) -> None:
+                 auth_token: str | None = None, router_token: str | None = None) -> None:
         _use_internal_token(internal_token)
+        if router_token:  # the credential of the calls only the router makes (SetKvTargets)
+            from pdserve.transport import ENV_ROUTER_TOKEN
+
+            os.environ[ENV_ROUTER_TOKEN] = router_token
         from pdserve.router.__main__ import config_from_args, parse_args
         from pdserve.router.server import serve
         from pdserve.telemetry.logs import configure_logging

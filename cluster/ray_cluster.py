@@ -41,6 +41,7 @@ from __future__ import annotations
 import atexit
 import logging
 import os
+import secrets
 import threading
 import time
 from collections.abc import Callable
@@ -62,7 +63,7 @@ except ImportError as exc:
 from pdserve.cluster.deploy_config import DeploymentConfig, _abspath, flat_sections, router_document, worker_document
 from pdserve.cluster.ray_actors import RouterActor, WorkerActor
 from pdserve.router.auth import load_token
-from pdserve.transport import launcher_token
+from pdserve.transport import launcher_token, router_token_digest
 
 log = logging.getLogger(__name__)
 
@@ -248,6 +249,7 @@ class Controller:
                             format="%(asctime)s controller %(levelname)s %(message)s")
         self.config = config
         self._internal_token = internal_token
+        self._router_token = secrets.token_urlsafe(32)  # the router actor's own credential (SetKvTargets)
         self._auth_token = auth_token
         self._extra = extra_args or {}
         self._workers: list[_Worker] = []
@@ -338,7 +340,8 @@ class Controller:
         options["scheduling_strategy"] = PlacementGroupSchedulingStrategy(self._pg if pg is None else pg, bundle)
         document = ray_worker_document(self.config, role, name)
         handle = _RemoteWorker.options(**options).remote(role, document, self._internal_token,
-                                                         self._extra.get(role, ()))
+                                                         self._extra.get(role, ()),
+                                                         router_token_digest(self._router_token))
         return _Worker(name, role, handle, pg=pg)
 
     def _wait_serving(self, workers: list[_Worker]) -> None:
@@ -350,7 +353,7 @@ class Controller:
         addresses = {role: [w.address for w in workers if w.role == role] for role in ROLES}
         router = _RemoteRouter.options(
             **router_actor_options(self.config), scheduling_strategy=PlacementGroupSchedulingStrategy(self._pg, 0),
-        ).remote(router_document(self.config, addresses), self._internal_token, self._auth_token)
+        ).remote(router_document(self.config, addresses), self._internal_token, self._auth_token, self._router_token)
         timeout = self.config.startup_timeout_s
         self.router_address_value = ray.get(router.address.remote(), timeout=timeout)
         self.router_http_address_value = ray.get(router.http_address.remote(), timeout=30)

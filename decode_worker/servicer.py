@@ -43,7 +43,7 @@ from pdserve.kv_transfer import KvSpec, KvTransferError, KvTransferServicer, get
 from pdserve.kv_transfer.shm_backend import SEGMENT_PREFIX as SHM_PREFIX
 from pdserve.kv_transfer.shm_backend import InPlaceKv
 from pdserve.serving import MIGRATION_FAILURE, PREFILL_FAILURE
-from pdserve.transport import open_aio_channel
+from pdserve.transport import is_router_call, open_aio_channel
 from pdserve.v1 import common_pb2, router_pb2, worker_pb2, worker_pb2_grpc
 
 log = logging.getLogger(__name__)
@@ -498,6 +498,9 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
     # ----- live migration, source side -------------------------------------------------------
     def SetKvTargets(self, request: worker_pb2.KvTargets,  # noqa: N802
                      context: grpc.ServicerContext) -> worker_pb2.KvTargetsAck:
+        if not is_router_call(context.invocation_metadata()):
+            context.abort(grpc.StatusCode.PERMISSION_DENIED, "only the router may set KV targets (router credential "
+                                                             "missing or wrong)")
         targets = frozenset(t for t in request.targets if t)
         if targets != self._kv_targets:
             log.info("migration KV targets: %s", ", ".join(sorted(targets)) or "none")

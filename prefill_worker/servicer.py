@@ -21,6 +21,7 @@ from pdserve.engine.worker_runtime import Drain, node_identity, sampling_params_
 from pdserve.kv_transfer import KvTransferError
 from pdserve.kv_transfer.shm_backend import CHECKSUM_ALGORITHMS
 from pdserve.prefill_worker.worker import PrefillJob, PrefillWorker
+from pdserve.transport import is_router_call
 from pdserve.v1 import common_pb2, worker_pb2, worker_pb2_grpc
 
 log = logging.getLogger(__name__)
@@ -43,6 +44,9 @@ class PrefillServicer(worker_pb2_grpc.PrefillWorkerServicer):
 
     def SetKvTargets(self, request: worker_pb2.KvTargets,  # noqa: N802
                      context: grpc.ServicerContext) -> worker_pb2.KvTargetsAck:
+        if not is_router_call(context.invocation_metadata()):
+            context.abort(grpc.StatusCode.PERMISSION_DENIED, "only the router may set KV targets (router credential "
+                                                             "missing or wrong)")
         targets = frozenset(t for t in request.targets if t)
         if targets != self._kv_targets:
             log.info("KV targets: %s", ", ".join(sorted(targets)) or "none")

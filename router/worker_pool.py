@@ -27,7 +27,7 @@ import grpc
 
 from pdserve.router.admission import Busy
 from pdserve.router.policies import COLOCATED, DECODE, PREFILL, ROLES, Candidate, Policy
-from pdserve.transport import open_channel
+from pdserve.transport import open_channel, router_metadata
 from pdserve.v1 import common_pb2, worker_pb2, worker_pb2_grpc
 
 log = logging.getLogger(__name__)
@@ -226,7 +226,9 @@ class WorkerPool:
             calls = [(a, s.set_kv_targets, targets if s.endpoint.role == PREFILL else migration)
                      for a, s in self._workers.items() if s.set_kv_targets is not None
                      and (s.endpoint.role == PREFILL or s.healthy or _draining(s))]
-        futures = {a: (call.future(worker_pb2.KvTargets(targets=t), timeout=self._info_timeout_s), t)
+        metadata = router_metadata()  # only the router's credential may set them (workers check its digest)
+        futures = {a: (call.future(worker_pb2.KvTargets(targets=t), timeout=self._info_timeout_s,
+                                   metadata=metadata or None), t)
                    for a, call, t in calls}
         for address, (future, sent) in futures.items():
             acknowledged: frozenset[str] | None = frozenset(sent)

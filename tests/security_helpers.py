@@ -51,11 +51,12 @@ def token_file(tmp: Path, token: str, name: str = "token") -> str:
 def register_kv_targets(prefill_address: str, decode_addresses: list[str]) -> None:
     """What the router does on every poll (SetKvTargets): let a prefill worker push KV to these decode
     workers. Tests that call a decode worker directly, without a router, need it."""
-    from pdserve.transport import open_channel
+    from pdserve.transport import open_channel, router_metadata
     from pdserve.v1 import worker_pb2, worker_pb2_grpc
 
     info = worker_pb2.InfoRequest()
     targets = [worker_pb2_grpc.DecodeWorkerStub(open_channel(d)).GetInfo(info, timeout=10).kv_address
                for d in decode_addresses]
+    # in the router's name: a launcher in this process holds the router credential its workers check
     worker_pb2_grpc.PrefillWorkerStub(open_channel(prefill_address)).SetKvTargets(
-        worker_pb2.KvTargets(targets=targets), timeout=10)
+        worker_pb2.KvTargets(targets=targets), timeout=10, metadata=router_metadata() or None)

@@ -23,6 +23,7 @@ Hand-written (not generated); imports only grpc and the standard library.
 
 from __future__ import annotations
 
+import hashlib
 import hmac
 import ipaddress
 import os
@@ -157,6 +158,50 @@ def launcher_token() -> str:
     if _launcher_token is None:
         _launcher_token = secrets.token_urlsafe(32)
     return _launcher_token
+
+
+# ----- the router's own credential --------------------------------------------------------------
+#: The router process's credential for the calls only a router makes (SetKvTargets): the token itself,
+#: in the router's environment only. Workers get its sha256 (ENV_ROUTER_DIGEST), so neither another
+#: internal-token holder nor a worker can register KV targets in the router's name.
+ENV_ROUTER_TOKEN = "PDSERVE_ROUTER_TOKEN"
+ENV_ROUTER_DIGEST = "PDSERVE_ROUTER_TOKEN_SHA256"
+ROUTER_TOKEN_KEY = "x-pdserve-router-token"
+_launcher_router_token: str | None = None
+
+
+def launcher_router_token() -> str:
+    """The router credential a launcher hands its router: the configured one, else one generated once
+    per process (this process's own `router_metadata()` then carries it too)."""
+    global _launcher_router_token
+    if os.environ.get(ENV_ROUTER_TOKEN):
+        return os.environ[ENV_ROUTER_TOKEN]
+    if _launcher_router_token is None:
+        _launcher_router_token = secrets.token_urlsafe(32)
+    return _launcher_router_token
+
+
+def router_token_digest(token: str) -> str:
+    return hashlib.sha256(token.encode()).hexdigest()
+
+
+def router_metadata() -> tuple[tuple[str, str], ...]:
+    """Metadata naming this process as the router (empty when it holds no router credential)."""
+    token = os.environ.get(ENV_ROUTER_TOKEN) or _launcher_router_token
+    return ((ROUTER_TOKEN_KEY, token),) if token else ()
+
+
+def is_router_call(metadata: Any) -> bool:  # noqa: ANN401 - grpc metadata
+    """True when the call carries the router credential this worker was given (ENV_ROUTER_DIGEST), or
+    when it was given none (a worker started on its own: any internal-token holder may act as router)."""
+    digest = os.environ.get(ENV_ROUTER_DIGEST)
+    if not digest:
+        return True
+    for key, value in metadata or ():
+        if key == ROUTER_TOKEN_KEY:
+            presented = value if isinstance(value, str) else value.decode("utf-8", "replace")
+            return hmac.compare_digest(router_token_digest(presented), digest)
+    return False
 
 
 def _client_token() -> str | None:

@@ -227,3 +227,48 @@ def test_internal_plane_needs_its_token_and_kv_goes_only_to_registered_decode_wo
     after = stub.GetInfo(worker_pb2.InfoRequest(), timeout=10, metadata=token)
     assert after.prefill_tokens_computed == before.prefill_tokens_computed
     assert after.kv_bytes_sent == before.kv_bytes_sent
+
+
+def test_a_token_holder_cannot_redirect_kv_nor_starve_the_registry(served: Served) -> None:
+    """Issue 29 row 7: a peer holding the internal token calls SetKvTargets([its own socket]) (then a
+    Prefill aimed at it), or SetKvTargets([]) over and over. Only the router's own credential may set
+    KV targets: every such call is PERMISSION_DENIED, the prefill worker computes nothing and connects
+    nowhere, and honest requests keep being served meanwhile."""
+    prefill, decode = served.workers["prefill"], served.workers["decode"]
+    stub, token = _internal(prefill, INTERNAL)
+    decode_stub = worker_pb2_grpc.DecodeWorkerStub(grpc.insecure_channel(decode))
+    before = stub.GetInfo(worker_pb2.InfoRequest(), timeout=10, metadata=token)
+    with socket.socket() as trap:
+        trap.bind(("127.0.0.1", 0))
+        trap.listen(1)
+        trap.settimeout(1.0)
+        target = f"127.0.0.1:{trap.getsockname()[1]}"
+        for call in (lambda: stub.SetKvTargets(worker_pb2.KvTargets(targets=[target]), timeout=10, metadata=token),
+                     lambda: decode_stub.SetKvTargets(worker_pb2.KvTargets(targets=[target]), timeout=10,
+                                                      metadata=token),
+                     lambda: stub.SetKvTargets(worker_pb2.KvTargets(targets=[target]), timeout=10,
+                                               metadata=(*token, ("x-pdserve-router-token", "guessed")))):
+            with pytest.raises(grpc.RpcError) as err:
+                call()
+            assert err.value.code() == grpc.StatusCode.PERMISSION_DENIED, err.value.details()
+            assert "only the router may set KV targets" in err.value.details()
+        with pytest.raises(grpc.RpcError) as err:
+            stub.Prefill(worker_pb2.PrefillRequest(request_id="redirected", prompt_token_ids=[1, 2, 3],
+                                                   kv_target_address=target), timeout=30, metadata=token)
+        assert err.value.code() == grpc.StatusCode.PERMISSION_DENIED
+        with pytest.raises(socket.timeout):
+            trap.accept()
+    # the empty registry, sent as fast as it goes while an honest client works: refused, nothing lost
+    prompt = build_request(prompt="The capital of France is", params=sampling_params(max_tokens=3))
+    client = PdserveClient(served.router, 60, TOKEN, served.cert)
+    refused = 0
+    for _ in range(5):
+        for _ in range(20):
+            try:
+                stub.SetKvTargets(worker_pb2.KvTargets(targets=[]), timeout=10, metadata=token)
+            except grpc.RpcError as exc:
+                refused += exc.code() == grpc.StatusCode.PERMISSION_DENIED
+        assert len(client.complete(prompt).token_ids) == 3
+    assert refused == 100
+    after = stub.GetInfo(worker_pb2.InfoRequest(), timeout=10, metadata=token)
+    assert after.kv_bytes_sent > before.kv_bytes_sent  # the honest requests' KV went to the registered worker
