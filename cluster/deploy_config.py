@@ -143,6 +143,9 @@ class ColocatedPool(PoolSection):
                             modes=("local",),
                      why="the Ray deployment has prefill and decode pools only")
     max_num_seqs: int = opt(64, "most sequences in one decode batch", min=1)
+    chunk_tokens: int = opt(512, "prompts this worker prefills itself (colocated, logprob requests, short ones) go "
+                            "at most this many tokens per pass, so they stall running streams by one chunk at "
+                            "most (0: whole prompts)", min=0)
     admission_timeout_s: float = opt(30.0, "how long a request may wait for a decode slot at the worker (s)", gt=0)
 
 
@@ -668,7 +671,7 @@ def worker_document(config: DeploymentConfig, role: str, worker_id: str, host: s
     backend = config.kv.backend
     if config.mode == "ray" and backend == "auto":
         backend = "grpc"
-    doc.update(colocated=role == "colocated", max_num_seqs=pool.max_num_seqs,
+    doc.update(colocated=role == "colocated", max_num_seqs=pool.max_num_seqs, prefill_chunk_tokens=pool.chunk_tokens,
                admission_timeout_s=pool.admission_timeout_s, kv_backend=backend, kv_checksum=config.kv.checksum,
                kv_target=f"ray:{worker_id}" if backend == "ray" else "")
     if isinstance(pool, DecodePool):

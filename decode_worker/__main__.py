@@ -46,6 +46,10 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--local-prefill-threshold", type=int, default=0,
                     help="prompts shorter than this many tokens are prefilled here (0: off)")
     ap.add_argument("--max-num-seqs", type=int, default=64)
+    ap.add_argument("--prefill-chunk-tokens", type=int, default=512,
+                    help="prompts this worker prefills itself (colocated, logprob requests, short prompts) go at "
+                         "most this many tokens per pass, so running streams stall one chunk at most (0: whole "
+                         "prompts)")
     ap.add_argument("--max-batched-tokens", type=int, default=4096)
     ap.add_argument("--request-timeout-s", type=float, default=600.0)
     ap.add_argument("--admission-timeout-s", type=float, default=30.0)
@@ -89,7 +93,8 @@ def start_worker(args: argparse.Namespace) -> StartedWorker:
     check_bind_allowed(args.host)
     config = EngineConfig(model=args.model, dtype=args.dtype, device=args.device, block_size=args.block_size,
                           kv_cache_memory_mb=args.kv_cache_mb, max_num_seqs=args.max_num_seqs,
-                          max_num_batched_tokens=args.max_batched_tokens, prefix_caching=args.prefix_caching)
+                          max_num_batched_tokens=args.max_batched_tokens, prefix_caching=args.prefix_caching,
+                          prefill_chunk_tokens=args.prefill_chunk_tokens or None)
     config, loaded = load_worker_model(args, config)
     metrics = WorkerMetrics()
     worker = DecodeWorker(loaded, config, admission_timeout_s=args.admission_timeout_s, metrics=metrics,

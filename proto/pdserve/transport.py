@@ -276,6 +276,10 @@ def _aio_interceptors(token: str | None) -> list[grpc.aio.ClientInterceptor] | N
     return [_AioUnaryUnary(token), _AioUnaryStream(token), _AioStreamUnary(token)]
 
 
+def _never(_data: bytes) -> None:  # a refused call's request is never deserialized
+    return None
+
+
 async def _deny(request: Any, context: grpc.aio.ServicerContext) -> Any:
     await context.abort(grpc.StatusCode.UNAUTHENTICATED, UNAUTHENTICATED_MESSAGE)
 
@@ -309,16 +313,11 @@ class InternalTokenInterceptor(grpc.aio.ServerInterceptor):
             return handler
         if self.authorized(handler_call_details.invocation_metadata):
             return handler
-        if handler.request_streaming and handler.response_streaming:
-            return grpc.stream_stream_rpc_method_handler(_deny_stream, handler.request_deserializer,
-                                                         handler.response_serializer)
-        if handler.request_streaming:
-            return grpc.stream_unary_rpc_method_handler(_deny, handler.request_deserializer,
-                                                        handler.response_serializer)
+        # request-streaming whatever the method: the refused call's message is never read (see
+        # router.auth.refusal, which the public API's token check uses too)
         if handler.response_streaming:
-            return grpc.unary_stream_rpc_method_handler(_deny_stream, handler.request_deserializer,
-                                                        handler.response_serializer)
-        return grpc.unary_unary_rpc_method_handler(_deny, handler.request_deserializer, handler.response_serializer)
+            return grpc.stream_stream_rpc_method_handler(_deny_stream, _never, handler.response_serializer)
+        return grpc.stream_unary_rpc_method_handler(_deny, _never, handler.response_serializer)
 
 
 def server_interceptors() -> list[grpc.aio.ServerInterceptor]:

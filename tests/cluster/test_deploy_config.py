@@ -131,6 +131,8 @@ CASES: dict[str, tuple[Any, dict[str, Any], Callable[[DeploymentConfig, Received
     "colocated.count": (2, {}, lambda c, got: sum(k == "colocated" and ns.colocated for k, ns in got) == 2
                         and len(router_of(got).colocated) == 2),
     "prefill.chunk_tokens": (64, {}, _all(("prefill",), "prefill_chunk_tokens", 64)),
+    "decode.chunk_tokens": (96, {}, _all(("decode",), "prefill_chunk_tokens", 96)),
+    "colocated.chunk_tokens": (80, {"colocated.count": 1}, _all(("colocated",), "prefill_chunk_tokens", 80)),
     "decode.local_prefill_threshold": (12, {}, _all(("decode",), "local_prefill_threshold", 12)),
     "kv.backend": ("grpc", {}, _all(DECODERS, "kv_backend", "grpc")),
     "kv.streaming": ("layer", {}, _all(("prefill",), "kv_streaming", "layer")),

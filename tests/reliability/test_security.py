@@ -272,3 +272,63 @@ def test_internal_token_is_required_and_sent(monkeypatch: pytest.MonkeyPatch) ->
         assert reply.status == health_pb2.HealthCheckResponse.SERVING
     finally:
         server.stop(0)
+
+
+def _rss_mib(pid: int) -> float:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) / 1024
+    raise AssertionError("no VmRSS")
+
+
+@pytest.mark.skipif(not Path("/proc/self/status").exists(), reason="reads the router's memory from /proc")
+def test_unauthenticated_calls_are_refused_before_their_message_is_read(tmp_path: Path) -> None:
+    """Issue 29 row 2: 40 calls without the token, each carrying a 15 MiB message, against a router
+    process. The token is checked before the message is taken in, so the router's memory barely
+    moves (it grew by ~750 MiB, and kept it, when the whole message was read first)."""
+    import json
+    import threading
+    import time
+
+    from pdserve.cluster.local import child_env
+    from pdserve.v1 import common_pb2, router_pb2, router_pb2_grpc
+
+    token = tmp_path / "token"
+    token.write_text("the-token\n")
+    env = {k: v for k, v in child_env().items() if k != "PDSERVE_AUTH_TOKEN"}
+    router = subprocess.Popen([sys.executable, "-m", "pdserve.router", "--port", "0", "--auth-token-file", str(token)],
+                              stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=env)
+    try:
+        address = json.loads(router.stdout.readline().split(" ", 1)[1])["address"]  # type: ignore[union-attr]
+        time.sleep(0.5)
+        before = _rss_mib(router.pid)
+        big = router_pb2.GenerateRequest(prompt="x" * (15 * 2**20 - 100),
+                                         params=common_pb2.SamplingParams(max_tokens=1))
+        codes: list[grpc.StatusCode] = []
+
+        def call() -> None:
+            with grpc.insecure_channel(address, options=[("grpc.max_send_message_length", 32 * 2**20)]) as channel:
+                try:
+                    list(router_pb2_grpc.RouterStub(channel).Generate(big, timeout=60))
+                except grpc.RpcError as exc:
+                    codes.append(exc.code())
+
+        threads = [threading.Thread(target=call) for _ in range(40)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(90)
+        time.sleep(1.0)
+        grown = _rss_mib(router.pid) - before
+        assert codes == [grpc.StatusCode.UNAUTHENTICATED] * 40
+        assert grown < 150, f"the router took {grown:.0f} MiB for refused calls"
+        # and an authenticated client is served as before (no worker: UNAVAILABLE, past authentication)
+        with grpc.insecure_channel(address) as channel:
+            with pytest.raises(grpc.RpcError) as info:
+                small = router_pb2.GenerateRequest(prompt="hi", params=common_pb2.SamplingParams(max_tokens=1))
+                list(router_pb2_grpc.RouterStub(channel).Generate(
+                    small, metadata=(("authorization", "Bearer the-token"),), timeout=30))
+            assert info.value.code() == grpc.StatusCode.UNAVAILABLE
+    finally:
+        router.terminate()
+        router.wait(30)
