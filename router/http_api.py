@@ -23,15 +23,17 @@ Invariants:
   ``max_connections`` are open at once (default: half the process's file-descriptor limit, so the
   gRPC side and the worker channels keep theirs); one more is answered 503 and closed.
 - Bodies are UTF-8 JSON whatever ``charset`` says (RFC 8259). A body larger than
-  ``INLINE_PARSE_BYTES`` is parsed off the event loop; malformed JSON, nesting too deep, a lone UTF-16
+  ``INLINE_PARSE_BYTES`` is parsed and checked off the event loop; malformed JSON, nesting too deep, a lone UTF-16
   surrogate, or an ``X-Request-Id`` that is not printable ASCII is a 400, never a 500.
 """
 
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import json
 import logging
+import multiprocessing
 import resource
 import ssl
 import time
@@ -142,6 +144,38 @@ def _router_error(exc: RouterError, request_id: str | None = None) -> web.Respon
     return _error_response(error_from_grpc(exc.code, exc.details), request_id, exc.retry_after_s)
 
 
+def parse_body(kind: str, raw: bytes, model_name: str, request_id: str) -> tuple[Any, ...]:
+    """`parse_request` of a raw body, in the parser process: ("ok", serialized GenerateRequest,
+    answer options) or ("error", status, message, param). Only bytes and small values cross back."""
+    try:
+        parsed = parse_request(kind, _load_json(raw), model_name, request_id)
+    except OpenAIError as exc:
+        return ("error", exc.status, exc.message, exc.param)
+    options = {"stream": parsed.stream, "include_usage": parsed.include_usage, "logprobs": parsed.logprobs,
+               "echo": parsed.echo, "drop_output": parsed.drop_output}
+    return ("ok", parsed.grpc_request.SerializeToString(), options)
+
+
+_parser: concurrent.futures.ProcessPoolExecutor | None = None
+
+
+async def _parse_elsewhere(kind: str, raw: bytes, model_name: str, request_id: str) -> ParsedRequest:
+    """`parse_request` of a large body in a parser process (started on first use, one for the router)."""
+    global _parser
+    if _parser is None:
+        _parser = concurrent.futures.ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn"))
+    try:
+        answer = await asyncio.wrap_future(_parser.submit(parse_body, kind, raw, model_name, request_id))
+    except concurrent.futures.process.BrokenProcessPool:
+        _parser = None  # it died (out of memory, killed): the next large body starts another
+        raise OpenAIError(503, "the request parser process stopped; try again") from None
+    if answer[0] == "error":
+        raise OpenAIError(answer[1], answer[2], param=answer[3])
+    request = router_pb2.GenerateRequest()
+    request.ParseFromString(answer[1])
+    return ParsedRequest(kind=kind, grpc_request=request, **answer[2])
+
+
 class OpenAIHttpServer:
     """Serves the OpenAI API on ``host:port`` from a `RouterCore`; start and stop on the core's loop."""
 
@@ -229,8 +263,11 @@ class OpenAIHttpServer:
                 raw = await asyncio.wait_for(request.read(), BODY_TIMEOUT_S)
             except (asyncio.TimeoutError, TimeoutError):
                 raise OpenAIError(408, f"the request body did not arrive within {BODY_TIMEOUT_S:.0f} s") from None
-            body = _load_json(raw) if len(raw) <= INLINE_PARSE_BYTES else await asyncio.to_thread(_load_json, raw)
-            parsed = parse_request(kind, body, self.model_name, request_id)
+            if len(raw) <= INLINE_PARSE_BYTES:
+                parsed = parse_request(kind, _load_json(raw), self.model_name, request_id)
+            else:  # JSON and its checks (a million token ids or keys) in another process: json.loads holds
+                # the GIL throughout, so a thread would still freeze the loop that relays every stream
+                parsed = await _parse_elsewhere(kind, raw, self.model_name, request_id)
         except OpenAIError as exc:
             return _error_response(exc, request_id)
         responses = self._core.generate(parsed.grpc_request, self.timeout_s)

@@ -9,6 +9,7 @@ before the servicer runs.
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 
 from pdserve.limits import (
     MAX_ALLOWED_TOKEN_IDS,
@@ -109,10 +110,11 @@ def _check_token_ids(token_ids: common_pb2.TokenIds) -> None:
     _check_non_negative("token_ids", token_ids.ids)
 
 
-def _check_non_negative(field: str, values: list[int]) -> None:
-    for i, value in enumerate(values):
-        if value < 0:
-            raise InvalidRequest(f"{field}[{i}]", f"must be >= 0, got {value}")
+def _check_non_negative(field: str, values: Sequence[int]) -> None:
+    if not values or min(values) >= 0:  # one C-level pass: a million ids must not hold the event loop
+        return
+    i, value = next((i, v) for i, v in enumerate(values) if v < 0)
+    raise InvalidRequest(f"{field}[{i}]", f"must be >= 0, got {value}")
 
 
 def check_params(params: common_pb2.SamplingParams) -> None:
