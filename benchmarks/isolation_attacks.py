@@ -304,7 +304,8 @@ def main(argv: list[str] | None = None) -> int:
           f"{'goal ms':>8} {'memory +MB':>10}")
     for r in results:
         print(f"{r['row']:>3}  {r['attack']:46s} {str(r['attacker_as_expected']):>11} {len(r['honest_errors']):>13} "
-              f"{r['honest_max_gap_ms']:>10} {r['stall_goal_ms']:>8} {r['memory_grown_mb']:>10} ({r['memory_grown_by']})")
+              f"{r['honest_max_gap_ms']:>10} {r['stall_goal_ms']:>8} {r['memory_grown_mb']:>10} "
+              f"({r['memory_grown_by']})")
     if args.out:
         Path(args.out).write_text(json.dumps({"baseline_gap_ms": baseline * 1e3, "rows": results}, indent=1))
     missed = [r for r in results if not r["attacker_as_expected"] or r["honest_errors"]
