@@ -41,6 +41,13 @@ MEMORY_GOAL_MB = 50.0
 GAP_GOAL = 2.0
 
 
+def threads(pid: int) -> int:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("Threads:"):
+            return int(line.split()[1])
+    return -1
+
+
 def rss_mb(pid: int) -> float:
     for line in Path(f"/proc/{pid}/status").read_text().splitlines():
         if line.startswith("VmRSS:"):
@@ -295,6 +302,7 @@ def main(argv: list[str] | None = None) -> int:
                    "attacker_as_expected": expected(outcome), "honest_errors": errors[:3],
                    "honest_max_gap_ms": round(worst * 1e3, 1), "max_gap_over_baseline": round(worst / baseline, 2),
                    "memory_grown_mb": round(grown, 1), "memory_grown_by": max(growth, key=growth.get),
+                   "threads": {name: threads(pid) for name, pid in pids.items()},
                    "stall_goal_ms": round(max(GAP_GOAL * baseline, chunk_s) * 1e3, 1),
                    "seconds": round(seconds, 1)}
             results.append(row)

@@ -572,20 +572,28 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
                                              last_token_id=seq.output_ids[-1])
 
 
-def _logprob_pb(entry: TokenLogprob, tokenizer: Any) -> common_pb2.TokenLogprob:
-    def piece(token_id: int) -> str:
-        return tokenizer.decode([token_id], skip_special_tokens=False, clean_up_tokenization_spaces=False)
+def _pieces(tokenizer: Any, ids: set[int]) -> dict[int, str]:  # noqa: ANN401
+    """Each token decoded alone, in one batched call (a long prompt's logprobs name thousands of
+    tokens: one decode call each held the event loop for most of a second)."""
+    ordered = sorted(ids)
+    texts = tokenizer.batch_decode([[t] for t in ordered], skip_special_tokens=False,
+                                   clean_up_tokenization_spaces=False)
+    return dict(zip(ordered, texts, strict=True))
 
-    pb = common_pb2.TokenLogprob(token_id=entry.token_id, token=piece(entry.token_id))
+
+def _logprob_pb(entry: TokenLogprob, pieces: dict[int, str]) -> common_pb2.TokenLogprob:
+    pb = common_pb2.TokenLogprob(token_id=entry.token_id, token=pieces[entry.token_id])
     if entry.logprob is not None:
         pb.logprob = entry.logprob
-    pb.top.extend(common_pb2.TopLogprob(token_id=t, logprob=v, token=piece(t)) for t, v in entry.top)
+    pb.top.extend(common_pb2.TopLogprob(token_id=t, logprob=v, token=pieces[t]) for t, v in entry.top)
     return pb
 
 
 def _add_logprobs(response: router_pb2.GenerateResponse, out: TokenOutput, tokenizer: Any) -> None:
     """The log-probabilities an engine output carries, with each token decoded alone."""
+    entries = ([out.logprob] if out.logprob is not None else []) + list(out.prompt_logprobs or ())
+    pieces = _pieces(tokenizer, {t for e in entries for t in (e.token_id, *(t for t, _ in e.top))})
     if out.logprob is not None:
-        response.logprobs.append(_logprob_pb(out.logprob, tokenizer))
+        response.logprobs.append(_logprob_pb(out.logprob, pieces))
     if out.prompt_logprobs is not None:
-        response.prompt_logprobs.extend(_logprob_pb(e, tokenizer) for e in out.prompt_logprobs)
+        response.prompt_logprobs.extend(_logprob_pb(e, pieces) for e in out.prompt_logprobs)

@@ -30,6 +30,11 @@ from pdserve.engine.block_pool import BlockPool, block_hashes, blocks_for_tokens
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.sequence import Sequence, SequenceStatus
 
+#: Prompt chunks of a request that wants prompt log-probabilities are at most this long: each of its
+#: positions costs a log_softmax over the vocabulary (and its logits are kept), so a normal-sized chunk
+#: stalled the running streams several times longer than a plain one, and held chunk x vocab floats.
+PROMPT_LOGPROB_CHUNK_TOKENS = 128
+
 
 @dataclass(frozen=True)
 class PassItem:
@@ -170,6 +175,8 @@ class Scheduler:
 
     def _chunk_size(self, seq: Sequence, budget: int) -> int:
         chunk = self.config.prefill_chunk_tokens or self.config.max_num_batched_tokens
+        if seq.wants_prompt_logprobs():  # every position's log_softmax over the vocabulary: smaller chunks
+            chunk = min(chunk, PROMPT_LOGPROB_CHUNK_TOKENS)
         return max(0, min(len(seq.prefill_ids) - seq.num_cached, chunk, budget))
 
     def _has_slot(self) -> bool:
