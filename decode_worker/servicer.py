@@ -24,6 +24,7 @@ import grpc
 
 from pdserve.decode_worker.mux import serve_mux
 from pdserve.decode_worker.worker import AdmissionError, DecodeWorker, StreamError, Suspended, WorkerDead
+from pdserve.engine import structured
 from pdserve.engine.block_pool import blocks_for_tokens
 from pdserve.engine.llm_engine import TokenOutput
 from pdserve.engine.model_loader import LoadedModel
@@ -189,6 +190,8 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
             resume_ids = list(request.resume_output_ids)
             if len(resume_ids) >= params.max_tokens:
                 raise ValueError("resume_output_ids: as many tokens as max_tokens; nothing left to do")
+            if params.structured is not None:  # a bad schema is the request's 400, before any work
+                await asyncio.to_thread(structured.check, self.worker.loaded, *params.structured)
         except ValueError as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         self.worker.metrics.tokenize_time.observe(tokenize_s)

@@ -25,6 +25,7 @@ from dataclasses import dataclass
 
 import torch
 
+from pdserve.engine import structured
 from pdserve.engine.block_pool import BlockPool, block_hashes, blocks_for_tokens
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.kv_cache import KVCache
@@ -38,7 +39,8 @@ from pdserve.engine.sampling_params import SamplingParams
 from pdserve.engine.scheduler import PassItem, ScheduledPass, Scheduler
 from pdserve.engine.sequence import Sequence, SequenceStatus
 from pdserve.engine.sim_profile import prefill_terms, split_pass
-from pdserve.engine.stop_checker import FINISH_ABORT, FINISH_ERROR, FINISH_LENGTH
+from pdserve.engine.stop_checker import FINISH_ABORT, FINISH_ERROR, FINISH_LENGTH, FINISH_STOP
+from pdserve.engine.structured import Constraint
 from pdserve.engine.trace import DecodeStepEvent, PrefillPassEvent, TraceEvent
 
 log = logging.getLogger(__name__)
@@ -160,6 +162,9 @@ class LLMEngine:
         seq = Sequence.create(request_id, prompt_ids, params, self.loaded.tokenizer, self.loaded.eos_token_ids,
                               trace=trace)
         seq.replay(resume_ids)
+        if params.structured is not None:  # rebuilt from the tokens: the same on every worker
+            seq.constraint = Constraint(self.loaded, *params.structured)
+            seq.constraint.advance(resume_ids)
         self.sequences[request_id] = seq
         return seq
 
@@ -171,6 +176,8 @@ class LLMEngine:
         self.check_fits_pool(len(prompt_ids) + len(resume_ids or []))
         seq = self.new_sequence(request_id, prompt_ids, params, resume_ids, trace)
         seq.output_index_base = output_index
+        if seq.constraint is not None and output_index:  # the prompt ends with earlier outputs
+            seq.constraint.advance(prompt_ids[len(prompt_ids) - output_index:])
         self.scheduler.add_waiting(seq)
         return seq
 
@@ -307,7 +314,10 @@ class LLMEngine:
         seqs = [items[r].seq for r in rows]
         histories = [TokenHistory(seq.all_ids, seq.next_output_index) if seq.params.penalized else None
                      for seq in seqs]
-        sampled = sample(logits[rows], [seq.params for seq in seqs], [seq.next_output_index for seq in seqs],
+        row_logits = logits[rows]
+        if any(seq.constraint is not None for seq in seqs):
+            structured.apply(row_logits, [seq.constraint for seq in seqs])
+        sampled = sample(row_logits, [seq.params for seq in seqs], [seq.next_output_index for seq in seqs],
                          histories, self.loaded.eos_token_ids)
         logprobs: dict[int, _PassLogprobs] = {}
         for row in full_rows:
@@ -317,10 +327,10 @@ class LLMEngine:
             entries = token_logprobs(self.runner.full_logits[row][: len(targets)], targets,
                                      seq.params.prompt_logprobs or 0) if targets else []
             logprobs[row] = _PassLogprobs(prompt=(start + 1, entries))
-        for row, token in zip(rows, sampled, strict=True):
+        for slot, (row, token) in enumerate(zip(rows, sampled, strict=True)):
             num_top = items[row].seq.params.logprobs
             if num_top is not None:
-                entry = token_logprobs(logits[row : row + 1], [token], num_top)[0]
+                entry = token_logprobs(row_logits[slot : slot + 1], [token], num_top)[0]
                 logprobs[row] = _PassLogprobs(logprobs[row].prompt if row in logprobs else None, entry)
         return sampled, logprobs
 
@@ -376,6 +386,10 @@ class LLMEngine:
 
     def _append(self, seq: Sequence, token_id: int) -> TokenOutput:
         text = seq.append_token(token_id)
+        if seq.constraint is not None:
+            seq.constraint.consume(token_id)
+            if seq.constraint.done and not seq.is_finished:  # the structured output is complete
+                text += seq.finish(FINISH_STOP)
         if not seq.is_finished and seq.num_tokens >= self.max_model_len:
             text += seq.finish(FINISH_LENGTH)
         if seq.is_finished:

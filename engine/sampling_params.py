@@ -53,6 +53,9 @@ class SamplingParams:
     bad_words_ids: tuple[tuple[int, ...], ...] = field(default_factory=tuple)
     skip_special_tokens: bool = True
     cache_salt: str = ""  # prefix-cache namespace: blocks are shared only within one salt
+    # structured output (engine/structured.py): (kind, spec), e.g. ("json_schema", "{...}"),
+    # ("choice", '["yes", "no"]'); None: free text
+    structured: tuple[str, str] | None = None
 
     def __post_init__(self) -> None:
         if not 1 <= self.max_tokens <= 1_000_000:

@@ -57,6 +57,7 @@ class Sequence:
     prompt_logprobs: list[TokenLogprob] | None = None
     prompt_logprobs_sent: bool = False
     next_logprob: TokenLogprob | None = None  # SamplingParams.logprobs: of the token being appended
+    constraint: Any = None  # engine.structured.Constraint of a structured-output request
 
     @property
     def queue_and_prefill_s(self) -> tuple[float, float]:

@@ -12,6 +12,7 @@ the router stops routing to it and fails its requests over (`LivenessWatch`).
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import os
 import signal
@@ -86,7 +87,30 @@ def sampling_params_from_pb(pb: common_pb2.SamplingParams) -> SamplingParams:
         bad_words=tuple(pb.bad_words),
         skip_special_tokens=pb.skip_special_tokens if pb.HasField("skip_special_tokens") else True,
         cache_salt=pb.cache_salt,
+        structured=structured_from_pb(pb.structured) if pb.HasField("structured") else None,
     )
+
+
+def structured_from_pb(pb: common_pb2.StructuredOutput) -> tuple[str, str] | None:
+    """(kind, spec) of a StructuredOutput (engine/structured.py); a choice list as JSON text."""
+    kind = pb.WhichOneof("kind")
+    if kind is None or (kind == "json_object" and not pb.json_object):
+        return None
+    if kind == "choice":
+        return kind, json.dumps(list(pb.choice.choices))
+    if kind == "json_object":
+        return kind, ""
+    return kind, str(getattr(pb, kind))
+
+
+def structured_to_pb(structured: tuple[str, str], pb: common_pb2.StructuredOutput) -> None:
+    kind, spec = structured
+    if kind == "choice":
+        pb.choice.choices.extend(json.loads(spec))
+    elif kind == "json_object":
+        pb.json_object = True
+    else:
+        setattr(pb, kind, spec)
 
 
 def sampling_params_to_pb(params: SamplingParams) -> common_pb2.SamplingParams:
@@ -116,6 +140,8 @@ def sampling_params_to_pb(params: SamplingParams) -> common_pb2.SamplingParams:
     if not params.skip_special_tokens:
         pb.skip_special_tokens = False
     pb.cache_salt = params.cache_salt
+    if params.structured is not None:
+        structured_to_pb(params.structured, pb.structured)
     return pb
 
 

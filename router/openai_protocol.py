@@ -7,9 +7,10 @@ and ``/v1/chat/completions`` (text messages), with ``max_tokens`` / ``max_comple
 ``top_logprobs``), ``echo`` (completions, also with ``max_tokens: 0``; not streamed),
 ``presence_penalty``, ``frequency_penalty``, ``logit_bias``, and the vLLM-style extras ``top_k``,
 ``ignore_eos``, ``stop_token_ids``, ``repetition_penalty``, ``min_p``, ``min_tokens``,
-``allowed_token_ids``, ``bad_words`` and ``skip_special_tokens``. The schema
-is strict: every other field (``n>1``, ``tools``, ``tool_choice``, ``functions``, ``response_format``
-other than text, ``best_of>1``, ``suffix``,
+``allowed_token_ids``, ``bad_words``, ``skip_special_tokens`` and ``cache_salt``; structured outputs:
+``response_format`` (``json_object``, ``json_schema``), vLLM's ``structured_outputs`` (``json``,
+``regex``, ``choice``, ``grammar``) and ``guided_json|regex|choice|grammar``. The schema
+is strict: every other field (``n>1``, ``tools``, ``tool_choice``, ``functions``, ``best_of>1``, ``suffix``,
 unknown keys, unknown ``stream_options`` keys ...) is refused with 400 whose ``param`` names the
 field, rather than silently ignored. Harmless labels (``user``, ``metadata``, ``parallel_tool_calls``)
 are accepted. The official ``openai`` client sends only the fields its caller passes.
@@ -19,6 +20,7 @@ Errors are OpenAIError: HTTP status plus OpenAI's body ``{"error": {"message", "
 
 from __future__ import annotations
 
+import json
 import math
 import time
 from dataclasses import dataclass
@@ -44,7 +46,7 @@ _UNSUPPORTED_OFF_VALUES: dict[str, tuple[Any, ...]] = {
     "tools": (None, []), "tool_choice": (None, "none"),
     "functions": (None, []), "function_call": (None, "none"), "best_of": (None, 1),
     "suffix": (None, ""), "audio": (None,), "modalities": (None, ["text"]), "prediction": (None,),
-    "response_format": (None, {"type": "text"}), "store": (None, False), "reasoning_effort": (None,),
+    "store": (None, False), "reasoning_effort": (None,),
     "service_tier": (None, "auto", "default"), "web_search_options": (None,),
 }
 # Harmless: accepted and without effect on the answer. ``user`` and ``metadata`` are opaque labels,
@@ -54,7 +56,9 @@ _IGNORED = frozenset({"model", "user", "stream", "stream_options", "n", "metadat
 _KNOWN = frozenset({"prompt", "messages", "max_tokens", "max_completion_tokens", "temperature", "top_p", "seed",
                     "stop", "top_k", "ignore_eos", "stop_token_ids", "logprobs", "top_logprobs", "echo",
                     "presence_penalty", "frequency_penalty", "repetition_penalty", "min_p", "min_tokens",
-                    "logit_bias", "allowed_token_ids", "bad_words", "skip_special_tokens", "cache_salt"}) \
+                    "logit_bias", "allowed_token_ids", "bad_words", "skip_special_tokens", "cache_salt",
+                    "response_format", "structured_outputs", "guided_json", "guided_regex", "guided_choice",
+                    "guided_grammar"}) \
     | _IGNORED | frozenset(_UNSUPPORTED_OFF_VALUES)
 _STREAM_OPTIONS = frozenset({"include_usage"})
 MAX_INT32 = 2**31 - 1
@@ -286,6 +290,7 @@ def _penalties(body: dict[str, Any], params: common_pb2.SamplingParams) -> None:
     params.bad_words.extend(bad_words or [])
     if body.get("skip_special_tokens") is not None:
         params.skip_special_tokens = _optional_bool(body, "skip_special_tokens")
+    _structured(body, params)
     salt = body.get("cache_salt")
     if salt is not None:
         if not isinstance(salt, str):
@@ -306,6 +311,65 @@ def _penalties(body: dict[str, Any], params: common_pb2.SamplingParams) -> None:
             raise OpenAIError(400, f"logit_bias[{token}]: must be a number in [-100, 100], got {value!r}",
                               param="logit_bias")
         params.logit_bias[int(token)] = float(value)
+
+
+_GUIDED = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice", "guided_grammar": "grammar"}
+
+
+def _structured(body: dict[str, Any], params: common_pb2.SamplingParams) -> None:
+    """Structured outputs: OpenAI's `response_format` (json_object, json_schema), vLLM's
+    `structured_outputs` {json, regex, choice, grammar} and its older `guided_*` fields; one at most."""
+    given: list[tuple[str, str, object]] = []  # (field, kind, value)
+    response_format = body.get("response_format")
+    if response_format is not None:
+        if not isinstance(response_format, dict) or response_format.get("type") not in (
+                "text", "json_object", "json_schema"):
+            raise OpenAIError(400, "response_format: type must be text, json_object or json_schema",
+                              param="response_format")
+        if response_format["type"] == "json_object":
+            given.append(("response_format", "json_object", True))
+        elif response_format["type"] == "json_schema":
+            spec = response_format.get("json_schema")
+            schema = spec.get("schema") if isinstance(spec, dict) else None
+            if not isinstance(schema, dict):
+                raise OpenAIError(400, "response_format.json_schema.schema: must be a JSON Schema object",
+                                  param="response_format")
+            given.append(("response_format", "json", schema))
+    outputs = body.get("structured_outputs")
+    if outputs is not None:
+        if not isinstance(outputs, dict):
+            raise OpenAIError(400, "structured_outputs: must be an object", param="structured_outputs")
+        for key in sorted(set(outputs) - {"json", "regex", "choice", "grammar"}):
+            raise OpenAIError(400, f"structured_outputs.{key}: not supported by this server",
+                              param="structured_outputs")
+        given += [("structured_outputs", kind, value) for kind, value in outputs.items() if value is not None]
+    given += [(name, kind, body[name]) for name, kind in _GUIDED.items() if body.get(name) is not None]
+    if not given:
+        return
+    if len(given) > 1:
+        raise OpenAIError(400, f"{given[1][0]}: only one structured-output constraint per request",
+                          param=given[1][0])
+    name, kind, value = given[0]
+    target = params.structured
+    if kind == "json_object":
+        target.json_object = True
+    elif kind == "json":
+        if isinstance(value, str):
+            try:
+                value = json.loads(value)
+            except json.JSONDecodeError as exc:
+                raise OpenAIError(400, f"{name}: the JSON schema is not valid JSON: {exc}", param=name) from None
+        if not isinstance(value, dict):
+            raise OpenAIError(400, f"{name}: must be a JSON Schema object", param=name)
+        target.json_schema = json.dumps(value)
+    elif kind == "choice":
+        if not isinstance(value, list) or not value or not all(isinstance(c, str) and c for c in value):
+            raise OpenAIError(400, f"{name}: must be a non-empty list of non-empty strings", param=name)
+        target.choice.choices.extend(value)
+    else:
+        if not isinstance(value, str) or not value:
+            raise OpenAIError(400, f"{name}: must be a non-empty string", param=name)
+        setattr(target, kind, value)
 
 
 def _stop(stop: object) -> list[str]:

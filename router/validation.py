@@ -117,6 +117,24 @@ def _check_non_negative(field: str, values: Sequence[int]) -> None:
     raise InvalidRequest(f"{field}[{i}]", f"must be >= 0, got {value}")
 
 
+MAX_STRUCTURED_CHARS = 64 * 1024  # engine.structured.MAX_SPEC_CHARS (not imported: it is the engine's)
+MAX_CHOICES = 256
+
+
+def _check_structured(structured: common_pb2.StructuredOutput) -> None:
+    """Sizes only: whether a schema, regex or grammar compiles is the worker's (it has the tokenizer)."""
+    kind = structured.WhichOneof("kind")
+    if kind in ("json_schema", "regex", "grammar"):
+        text = getattr(structured, kind)
+        if not text or len(text) > MAX_STRUCTURED_CHARS:
+            raise InvalidRequest(f"params.structured.{kind}", f"1..{MAX_STRUCTURED_CHARS} characters")
+    elif kind == "choice":
+        choices = structured.choice.choices
+        if not 1 <= len(choices) <= MAX_CHOICES or any(not c or len(c) > 1024 for c in choices):
+            raise InvalidRequest("params.structured.choice", f"1..{MAX_CHOICES} non-empty strings of at most 1024 "
+                                                             "characters")
+
+
 def check_params(params: common_pb2.SamplingParams) -> None:
     """Raise InvalidRequest (field path ``params.<name>``) for the first invalid sampling parameter."""
     _check_scalars(params)
@@ -166,6 +184,7 @@ def _check_penalties(params: common_pb2.SamplingParams) -> None:
     _check_non_negative("params.allowed_token_ids", list(params.allowed_token_ids))
     if len(params.cache_salt) > MAX_CACHE_SALT_CHARS or any(not 0x20 <= ord(c) <= 0x7E for c in params.cache_salt):
         raise InvalidRequest("params.cache_salt", f"at most {MAX_CACHE_SALT_CHARS} printable ASCII characters")
+    _check_structured(params.structured)
     if len(params.bad_words) > MAX_BAD_WORDS:
         raise InvalidRequest("params.bad_words", f"at most {MAX_BAD_WORDS} words, got {len(params.bad_words)}")
     for i, word in enumerate(params.bad_words):

@@ -230,3 +230,52 @@ def _json_records(path: Path) -> list[dict[str, object]]:
             records.append(json.loads(line))
     assert records, f"no JSON log lines in {path}"
     return records
+
+
+STRUCTURED_SCHEMA = {
+    "type": "object",
+    "properties": {"city": {"type": "string", "enum": ["Paris", "Rome", "Madrid"]},
+                   "population_millions": {"type": "integer", "minimum": 0, "maximum": 40},
+                   "capital": {"type": "boolean"}},
+    "required": ["city", "population_millions", "capital"], "additionalProperties": False,
+}
+
+
+def test_json_schema_outputs_through_both_phases(client: openai.OpenAI, model: str) -> None:
+    """50 `response_format: json_schema` chats at temperature 1.0 on the default model, 1P1D (the first
+    token is constrained on the prefill worker, the rest on the decode worker): every answer parses
+    and validates against the schema."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    import jsonschema
+
+    fmt = {"type": "json_schema", "json_schema": {"name": "city", "schema": STRUCTURED_SCHEMA, "strict": True}}
+
+    def ask(i: int) -> str:
+        answer = client.chat.completions.create(
+            model=model, messages=[{"role": "user", "content": f"Name a European capital ({i})."}],
+            max_tokens=64, temperature=1.0, seed=i, response_format=fmt)  # type: ignore[arg-type]
+        assert answer.choices[0].finish_reason == "stop"
+        return answer.choices[0].message.content or ""
+
+    with ThreadPoolExecutor(16) as pool:
+        contents = list(pool.map(ask, range(50)))
+    for content in contents:
+        jsonschema.validate(json.loads(content), STRUCTURED_SCHEMA)
+
+
+def test_choice_regex_and_bad_schema(client: openai.OpenAI, model: str) -> None:
+    stream = client.chat.completions.create(
+        model=model, messages=[{"role": "user", "content": "Is the sea blue?"}], max_tokens=8, stream=True,
+        extra_body={"structured_outputs": {"choice": ["yes", "no", "sometimes"]}})
+    assert "".join(c.choices[0].delta.content or "" for c in stream if c.choices) in ("yes", "no", "sometimes")
+    completion = client.completions.create(model=model, prompt="A code:", max_tokens=12, temperature=1.0,
+                                           extra_body={"guided_regex": "[A-Z]{2}-[0-9]{4}"})
+    import re
+
+    assert re.fullmatch("[A-Z]{2}-[0-9]{4}", completion.choices[0].text)
+    with pytest.raises(openai.BadRequestError) as info:
+        client.chat.completions.create(model=model, messages=[{"role": "user", "content": "hi"}], max_tokens=4,
+                                       response_format={"type": "json_schema",  # type: ignore[arg-type]
+                                                        "json_schema": {"name": "x", "schema": {"type": "bogus"}}})
+    assert "json_schema" in str(info.value) and "bogus" in str(info.value)

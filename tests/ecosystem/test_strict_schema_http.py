@@ -40,14 +40,12 @@ CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_to
 
 
 @pytest.mark.parametrize(("field", "value"), [
-    ("response_format", {"type": "json_object"}),
-    ("response_format", {"type": "json_schema", "json_schema": {"name": "x", "schema": {}}}),
     ("tools", [{"type": "function", "function": {"name": "f", "parameters": {}}}]),
     ("tool_choice", "auto"), ("tool_choice", "required"),
     ("functions", [{"name": "f", "parameters": {}}]), ("function_call", "auto"),
     ("top_logprobs", 2), ("store", True), ("reasoning_effort", "low"), ("service_tier", "flex"),
     ("modalities", ["text", "audio"]), ("audio", {"voice": "x"}), ("prediction", {"type": "content"}),
-    ("web_search_options", {}), ("n", 2), ("definitely_not_a_field", 1), ("guided_json", {}),
+    ("web_search_options", {}), ("n", 2), ("definitely_not_a_field", 1), ("guided_decoding_backend", "x"),
 ])
 @pytest.mark.parametrize("path", ["/v1/chat/completions", "/v1/completions"])
 def test_unimplemented_fields_are_refused_by_name(router: RouterServer, path: str, field: str,
