@@ -33,7 +33,7 @@ from pdserve.engine.sequence import Sequence, SequenceStatus
 #: Prompt chunks of a request that wants prompt log-probabilities are at most this long: each of its
 #: positions costs a log_softmax over the vocabulary (and its logits are kept), so a normal-sized chunk
 #: stalled the running streams several times longer than a plain one, and held chunk x vocab floats.
-PROMPT_LOGPROB_CHUNK_TOKENS = 128
+PROMPT_LOGPROB_CHUNK_TOKENS = 64
 
 
 @dataclass(frozen=True)

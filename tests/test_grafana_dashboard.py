@@ -46,6 +46,8 @@ def exported() -> dict[str, set[str]]:
     autoscaler.workers.labels("prefill").set(1)
     autoscaler.observe({"prefill": 1, "decode": 1, "ttft_attainment": 1.0, "tpot_attainment": 1.0})
     router.role_switches.labels("decode", "prefill").inc()
+    router.worker_waits.labels("decode").inc()
+    router.worker_wait_time.labels("served").observe(1.0)
     names = _exported(router.registry)
     for name, labels in [*_exported(worker.registry).items(), *_exported(autoscaler.registry).items()]:
         names.setdefault(name, set()).update(labels)
