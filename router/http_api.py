@@ -30,6 +30,7 @@ Invariants:
 from __future__ import annotations
 
 import asyncio
+import atexit
 import concurrent.futures
 import json
 import logging
@@ -164,6 +165,7 @@ async def _parse_elsewhere(kind: str, raw: bytes, model_name: str, request_id: s
     global _parser
     if _parser is None:
         _parser = concurrent.futures.ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn"))
+        atexit.register(_parser.shutdown, wait=False)  # before interpreter teardown, not during it
     try:
         answer = await asyncio.wrap_future(_parser.submit(parse_body, kind, raw, model_name, request_id))
     except concurrent.futures.process.BrokenProcessPool:
