@@ -15,40 +15,13 @@ space of the first token it sees); with it the deltas equal
 
 from __future__ import annotations
 
-import re
 from collections.abc import Sequence
-from functools import lru_cache
 from typing import Any
+
+from pdserve.engine.trace import token_bytes
 
 _REPLACEMENT = "\ufffd"
 PROMPT_CONTEXT_TOKENS = 8  # prompt tokens decoded before the first output token (vLLM uses 5)
-_BYTE_TOKEN = re.compile(r"<0x([0-9A-Fa-f]{2})>")  # SentencePiece byte fallback
-
-
-@lru_cache(maxsize=1)
-def _byte_level_decoder() -> dict[str, int]:
-    """The byte-level BPE alphabet (GPT-2's): each of the 256 bytes as one printable character."""
-    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
-    chars, extra = {}, 0
-    for byte in range(256):
-        if byte in printable:
-            chars[chr(byte)] = byte
-        else:
-            chars[chr(256 + extra)] = byte
-            extra += 1
-    return chars
-
-
-def token_bytes(token: str) -> bytes:
-    """The bytes a vocabulary entry stands for: byte-level BPE characters, a SentencePiece byte
-    (``<0xE9>``), or else its UTF-8 text (``▁`` as a space)."""
-    match = _BYTE_TOKEN.fullmatch(token)
-    if match:
-        return bytes([int(match.group(1), 16)])
-    table = _byte_level_decoder()
-    if all(ch in table for ch in token):
-        return bytes(table[ch] for ch in token)
-    return token.replace("\u2581", " ").encode("utf-8")
 
 
 def ends_inside_a_character(tail: bytes) -> bool:
@@ -102,8 +75,7 @@ class IncrementalDetokenizer:
         return full_text[len(prefix_text) :]
 
     def _incomplete_tail(self) -> bool:
-        tokens = self._tokenizer.convert_ids_to_tokens(self.token_ids[-4:])
-        return ends_inside_a_character(b"".join(token_bytes(t) for t in tokens if t is not None))
+        return ends_inside_a_character(b"".join(token_bytes(self._tokenizer, self.token_ids[-4:])))
 
     def flush(self) -> str:
         """Return the held-back text (incomplete characters become U+FFFD, as in a full decode)."""

@@ -67,17 +67,24 @@ def _byte_decoder() -> dict[str, int]:
     return {chr(c): b for b, c in zip(printable, chars, strict=True)}
 
 
+def piece_bytes(token: str) -> bytes | None:
+    """The bytes of a vocabulary entry when its spelling says them exactly: a SentencePiece byte token
+    (``<0xE9>``; checked first, since its characters are byte-level ones too) or byte-level BPE
+    characters; None otherwise."""
+    if match := _BYTE_TOKEN.match(token):
+        return bytes([int(match.group(1), 16)])
+    decoder = _byte_decoder()
+    if token and all(ch in decoder for ch in token):
+        return bytes(decoder[ch] for ch in token)
+    return None
+
+
 def token_bytes(tokenizer: Any, token_ids: list[int] | tuple[int, ...]) -> list[bytes]:
     """The bytes each token stands for: exact for byte-level BPE and SentencePiece byte tokens,
     else the token's own decoded text (special tokens: their name)."""
-    decoder = _byte_decoder()
     pieces = []
     for token_id, token in zip(token_ids, tokenizer.convert_ids_to_tokens(list(token_ids)), strict=True):
-        token = token or ""
-        if token and all(ch in decoder for ch in token):
-            pieces.append(bytes(decoder[ch] for ch in token))
-        elif match := _BYTE_TOKEN.match(token):
-            pieces.append(bytes([int(match.group(1), 16)]))
-        else:
-            pieces.append(tokenizer.decode([token_id], clean_up_tokenization_spaces=False).encode())
+        exact = piece_bytes(token or "")
+        pieces.append(exact if exact is not None
+                      else tokenizer.decode([token_id], clean_up_tokenization_spaces=False).encode())
     return pieces

@@ -51,7 +51,8 @@ def test_a_generated_replacement_character_streams_when_generated(default_model)
 
 
 def test_utf8_tail_check() -> None:
-    from pdserve.engine.detokenizer import ends_inside_a_character, token_bytes
+    from pdserve.engine.detokenizer import ends_inside_a_character
+    from pdserve.engine.trace import piece_bytes
 
     assert ends_inside_a_character("é".encode()[:1])
     assert ends_inside_a_character("济".encode()[:2])
@@ -59,6 +60,6 @@ def test_utf8_tail_check() -> None:
     assert not ends_inside_a_character("é".encode())
     assert not ends_inside_a_character("\ufffd".encode())  # the character itself, complete
     assert not ends_inside_a_character(b"abc")
-    assert token_bytes("<0xE9>") == b"\xe9"
-    assert token_bytes("Ġhello") == b" hello"  # byte-level BPE: Ġ is the space
-    assert token_bytes("\u2581Paris") == b" Paris"  # SentencePiece
+    assert piece_bytes("<0xE9>") == b"\xe9"  # SentencePiece byte fallback, not the text "<0xE9>"
+    assert piece_bytes("Ġhello") == b" hello"  # byte-level BPE: Ġ is the space
+    assert piece_bytes("\u2581Paris") is None  # SentencePiece text: the tokenizer decodes it
