@@ -14,6 +14,8 @@ from typing import Any
 
 import grpc
 
+from pdserve.transport import refusal
+
 PROTECTED_PREFIX = "/pdserve.v1.Router/"
 UNAUTHENTICATED_MESSAGE = "missing or wrong bearer token (metadata 'authorization')"
 
@@ -25,20 +27,6 @@ async def _deny(request_iterator: Any, context: grpc.aio.ServicerContext) -> Any
 async def _deny_stream(request_iterator: Any, context: grpc.aio.ServicerContext) -> Any:  # noqa: ANN401
     await context.abort(grpc.StatusCode.UNAUTHENTICATED, UNAUTHENTICATED_MESSAGE)
     yield  # pragma: no cover - makes this an async generator, as streaming handlers are
-
-
-def _never(_data: bytes) -> None:  # the request of a refused call is never deserialized
-    return None
-
-
-def refusal(handler: grpc.RpcMethodHandler, unary: Any, streaming: Any) -> grpc.RpcMethodHandler:  # noqa: ANN401
-    """A handler that refuses a call without reading its request: declared request-streaming whatever
-    the method, so gRPC does not take in (and buffer) the request message before the refusal; the
-    call ends at once and its stream is reset. Reading first let unauthenticated 15 MiB messages hold
-    ~19 MiB each (40 of them: +750 MiB) until the whole message had arrived."""
-    if handler.response_streaming:
-        return grpc.stream_stream_rpc_method_handler(streaming, _never, handler.response_serializer)
-    return grpc.stream_unary_rpc_method_handler(unary, _never, handler.response_serializer)
 
 
 class BearerToken:

@@ -61,7 +61,7 @@ from pdserve.router.openai_protocol import (
     usage,
     usage_chunk,
 )
-from pdserve.router.validation import MAX_REQUEST_ID_CHARS
+from pdserve.router.validation import MAX_REQUEST_ID_CHARS, is_printable_ascii
 from pdserve.v1 import common_pb2, router_pb2
 
 log = logging.getLogger(__name__)
@@ -257,7 +257,7 @@ class OpenAIHttpServer:
 
     async def _generate(self, request: web.Request, kind: str) -> web.StreamResponse:
         request_id = request.headers.get("X-Request-Id") or uuid.uuid4().hex
-        if len(request_id) > MAX_REQUEST_ID_CHARS or not all(0x20 <= ord(c) <= 0x7E for c in request_id):
+        if len(request_id) > MAX_REQUEST_ID_CHARS or not is_printable_ascii(request_id):
             return _error_response(OpenAIError(400, f"X-Request-Id: must be printable ASCII of at most "
                                                     f"{MAX_REQUEST_ID_CHARS} characters"))
         try:

@@ -63,10 +63,14 @@ def _check_size(request: router_pb2.GenerateRequest) -> None:
                                         f"{MAX_REQUEST_BYTES // (1024 * 1024)} MiB), got {size}")
 
 
+def is_printable_ascii(text: str) -> bool:
+    return all(0x20 <= ord(ch) <= 0x7E for ch in text)
+
+
 def _check_request_id(request_id: str) -> None:
     if len(request_id) > MAX_REQUEST_ID_CHARS:
         raise InvalidRequest("request_id", f"at most {MAX_REQUEST_ID_CHARS} characters, got {len(request_id)}")
-    if any(not (0x20 <= ord(ch) <= 0x7E) for ch in request_id):
+    if not is_printable_ascii(request_id):
         raise InvalidRequest("request_id", "must be printable ASCII")
 
 
@@ -182,7 +186,7 @@ def _check_penalties(params: common_pb2.SamplingParams) -> None:
         raise InvalidRequest("params.allowed_token_ids",
                              f"at most {MAX_ALLOWED_TOKEN_IDS} ids, got {len(params.allowed_token_ids)}")
     _check_non_negative("params.allowed_token_ids", list(params.allowed_token_ids))
-    if len(params.cache_salt) > MAX_CACHE_SALT_CHARS or any(not 0x20 <= ord(c) <= 0x7E for c in params.cache_salt):
+    if len(params.cache_salt) > MAX_CACHE_SALT_CHARS or not is_printable_ascii(params.cache_salt):
         raise InvalidRequest("params.cache_salt", f"at most {MAX_CACHE_SALT_CHARS} printable ASCII characters")
     _check_structured(params.structured)
     if len(params.bad_words) > MAX_BAD_WORDS:
