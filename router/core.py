@@ -464,8 +464,11 @@ class RouterCore:
         within that bound and the request's deadline: the client sees a stall, not an error."""
         recovery_deadline = time.monotonic() + (RECOVERY_WAIT_S if retry else 0.0)
         waited_since: float | None = None  # first found no healthy worker (restart wait)
+        pause = 0.0  # before looking again for a healthy worker
         while True:
             try:
+                if pause:  # here, so that a client leaving during it is the CancelledError below
+                    await asyncio.sleep(pause)
                 # room now: no queueing, and no wait_for task (the common case under capacity)
                 lease = self.admission.try_now(lambda: self._assign(state)) if state.remaining_s() > 0 else None
                 if lease is None:
@@ -491,18 +494,14 @@ class RouterCore:
                         log.warning("request_id=%s waits up to %.0f s for a %s worker to restart: %s",
                                     safe_id(state.echo_id), self._config.worker_restart_wait_s, exc.stage, exc)
                     if now - waited_since < self._config.worker_restart_wait_s and state.remaining_s() > 0:
-                        try:
-                            await asyncio.sleep(min(RESTART_POLL_S, state.remaining_s()))
-                        except asyncio.CancelledError:
-                            self._end_worker_wait(waited_since, "cancelled")
-                            raise
+                        pause = min(RESTART_POLL_S, state.remaining_s())
                         continue
                     self._end_worker_wait(waited_since, "gave_up")
                     raise RouterError(grpc.StatusCode.UNAVAILABLE, f"{exc}; none served again within "
                                                                    f"{now - waited_since:.0f} s") from None
                 if now >= recovery_deadline:
                     raise RouterError(grpc.StatusCode.UNAVAILABLE, str(exc)) from None
-                await asyncio.sleep(0.1)
+                pause = 0.1
                 continue
             finally:
                 self.metrics.prom.requests_waiting.set(len(self.admission))
