@@ -30,7 +30,7 @@ from pdserve.engine.llm_engine import TokenOutput
 from pdserve.engine.model_loader import LoadedModel
 from pdserve.engine.sampler import TokenLogprob
 from pdserve.engine.sampling_params import SamplingParams
-from pdserve.engine.tokenization import encode_chat, encode_text
+from pdserve.engine.tokenization import chat_from_pb, encode_chat, encode_text
 from pdserve.engine.trace import token_bytes
 from pdserve.engine.worker_runtime import (
     Drain,
@@ -116,7 +116,8 @@ def _input_chars(request: worker_pb2.DecodeRequest) -> int:
     if kind == "prompt":
         return len(request.prompt)
     if kind == "messages":
-        return sum(len(m.content) + len(m.role) for m in request.messages.messages)
+        chat = request.messages
+        return len(chat.tools_json) + sum(len(m.content) + len(m.role) + len(m.tool_calls_json) for m in chat.messages)
     return 0
 
 
@@ -134,7 +135,7 @@ def prompt_ids_from_pb(loaded: LoadedModel, request: worker_pb2.DecodeRequest) -
     if kind == "prompt":
         return encode_text(loaded.tokenizer, request.prompt)
     if kind == "messages":
-        return encode_chat(loaded.tokenizer, [(m.role, m.content) for m in request.messages.messages])
+        return encode_chat(loaded.tokenizer, *chat_from_pb(request.messages))
     if kind == "token_ids":
         if not request.token_ids.ids:
             raise ValueError("token_ids: must not be empty")

@@ -41,9 +41,12 @@ class IncrementalDetokenizer:
     """Feed token ids one by one; get text deltas. `flush()` releases what is held at the end."""
 
     def __init__(self, tokenizer: Any, skip_special_tokens: bool = True,
-                 prompt_ids: Sequence[int] = ()) -> None:
+                 prompt_ids: Sequence[int] = (), spaces_between_special_tokens: bool = True) -> None:
         self._tokenizer = tokenizer
         self._skip_special = skip_special_tokens
+        # slow (Python) tokenizers join special tokens with spaces unless told not to; fast ones never
+        # do and ignore the flag, as in vLLM
+        self._decode_kwargs = {} if spaces_between_special_tokens else {"spaces_between_special_tokens": False}
         # the prompt's last tokens: context for the first output tokens, never emitted themselves
         self.token_ids: list[int] = list(prompt_ids[-PROMPT_CONTEXT_TOKENS:]) if prompt_ids else []
         self._prefix_offset = 0  # start of the decoding window
@@ -57,7 +60,7 @@ class IncrementalDetokenizer:
 
     def _decode(self, ids: list[int]) -> str:
         return self._tokenizer.decode(
-            ids, skip_special_tokens=self._skip_special, clean_up_tokenization_spaces=False
+            ids, skip_special_tokens=self._skip_special, clean_up_tokenization_spaces=False, **self._decode_kwargs
         )
 
     def add(self, token_id: int) -> str:

@@ -52,6 +52,8 @@ class SamplingParams:
     # `bad_words` as token sequences: filled by the engine from its tokenizer (LLMEngine.new_sequence)
     bad_words_ids: tuple[tuple[int, ...], ...] = field(default_factory=tuple)
     skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True  # honoured by slow tokenizers (as in vLLM)
+    include_stop_str_in_output: bool = False  # keep the stop string that ended the text
     cache_salt: str = ""  # prefix-cache namespace: blocks are shared only within one salt
     # structured output (engine/structured.py): (kind, spec), e.g. ("json_schema", "{...}"),
     # ("choice", '["yes", "no"]'); None: free text

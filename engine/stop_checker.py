@@ -2,7 +2,8 @@
 
 Stop strings are matched on the detokenized output. Text that could be the start of a stop string
 is held back (at most the longest stop string minus one character), so a stop string never reaches
-the client, and the streamed text never has to be taken back.
+the client (unless `include_stop_str_in_output`: then the text ends with it), and the streamed text
+never has to be taken back.
 """
 
 from __future__ import annotations
@@ -51,10 +52,11 @@ class StopChecker:
         # a stop string can only newly appear in the not-yet-emitted tail plus its overlap
         longest = max((len(s) for s in self.params.stop), default=0)
         start = max(0, self.emitted - longest)
-        hits = [i for s in self.params.stop if (i := self.text.find(s, start)) >= 0]
+        hits = [(i, len(s)) for s in self.params.stop if (i := self.text.find(s, start)) >= 0]
         if not hits:
             return False
-        self.text = self.text[: min(hits)]
+        first, length = min(hits, key=lambda hit: (hit[0], -hit[1]))  # the earliest; the longest there
+        self.text = self.text[: first + (length if self.params.include_stop_str_in_output else 0)]
         return True
 
     def _release(self, final: bool = False) -> str:

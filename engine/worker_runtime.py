@@ -66,6 +66,9 @@ def finish_reason_to_pb(reason: str | None) -> int:
 
 def sampling_params_from_pb(pb: common_pb2.SamplingParams) -> SamplingParams:
     """Protobuf -> validated SamplingParams (ValueError names the bad field)."""
+    if pb.n > 1:
+        raise ValueError(f"n: a worker generates one choice; n={pb.n} is served by the router, which runs "
+                         "each choice as a request of its own")
     return SamplingParams(
         max_tokens=pb.max_tokens if pb.HasField("max_tokens") else 16,
         temperature=pb.temperature if pb.HasField("temperature") else 0.0,
@@ -86,6 +89,9 @@ def sampling_params_from_pb(pb: common_pb2.SamplingParams) -> SamplingParams:
         allowed_token_ids=tuple(pb.allowed_token_ids),
         bad_words=tuple(pb.bad_words),
         skip_special_tokens=pb.skip_special_tokens if pb.HasField("skip_special_tokens") else True,
+        spaces_between_special_tokens=(pb.spaces_between_special_tokens
+                                       if pb.HasField("spaces_between_special_tokens") else True),
+        include_stop_str_in_output=pb.include_stop_str_in_output,
         cache_salt=pb.cache_salt,
         structured=structured_from_pb(pb.structured) if pb.HasField("structured") else None,
     )
@@ -139,6 +145,9 @@ def sampling_params_to_pb(params: SamplingParams) -> common_pb2.SamplingParams:
     pb.bad_words.extend(params.bad_words)
     if not params.skip_special_tokens:
         pb.skip_special_tokens = False
+    if not params.spaces_between_special_tokens:
+        pb.spaces_between_special_tokens = False
+    pb.include_stop_str_in_output = params.include_stop_str_in_output
     pb.cache_salt = params.cache_salt
     if params.structured is not None:
         structured_to_pb(params.structured, pb.structured)

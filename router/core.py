@@ -44,7 +44,7 @@ import asyncio
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 
 import grpc
@@ -143,6 +143,9 @@ class _Request:
     migration: _Migration | None = None  # asked for; its target attempt runs once the source suspended
     migrating: bool = False  # the attempt relaying now takes its K/V from a suspended source
     next_drain_try: float = 0.0
+    index: int = 0  # the choice of an n > 1 request (GenerateResponse.index)
+    pin: str = ""  # a decode worker to try first (it holds this prompt's K/V: choices after the first)
+    on_placed: Callable[[str], None] | None = None  # told the decode worker that produced the first token
 
     def remaining_s(self) -> float:
         return max(0.0, self.deadline - time.monotonic())
@@ -173,9 +176,71 @@ class RouterCore:
             validate_generate_request(request)
         except InvalidRequest as exc:
             raise RouterError(grpc.StatusCode.INVALID_ARGUMENT, str(exc)) from None
+        if request.params.n > 1:
+            async for response in self._choices(request, timeout_s):
+                yield response
+            return
+        async for response in self._generate_one(request, timeout_s):
+            yield response
+
+    async def _choices(self, request: router_pb2.GenerateRequest,
+                       timeout_s: float | None) -> AsyncIterator[router_pb2.GenerateResponse]:
+        """An n > 1 request as n choices, each a request of its own (own attempts, failover, lease),
+        their responses interleaved with `index` set. The prompt is prefilled once: choice 0 goes
+        the usual way; when its first token arrives, the others start on the decode worker that
+        produced it with no prefill worker, so they share the prompt's blocks from its prefix cache
+        and compute only the last partial block (a worker without room, or one that fails, sends a
+        choice the usual way). Choice i > 0 with a seed uses seed + i, as vLLM. The first choice to
+        fail fails the request, and the others are cancelled."""
+        n = request.params.n
+        loop = asyncio.get_running_loop()
+        placed: asyncio.Future[str] = loop.create_future()  # choice 0's decode worker ("": none)
+        events: asyncio.Queue = asyncio.Queue()  # (index, response | RouterError | None when done)
+
+        def place(address: str) -> None:
+            if not placed.done():
+                placed.set_result(address)
+
+        async def run(index: int) -> None:
+            child = router_pb2.GenerateRequest()
+            child.CopyFrom(request)
+            child.params.ClearField("n")
+            if index and request.params.HasField("seed"):
+                child.params.seed = request.params.seed + index
+            try:
+                pin = await placed if index else ""
+                async for response in self._generate_one(child, timeout_s, index, pin, place if not index else None):
+                    events.put_nowait((index, response))
+                events.put_nowait((index, None))
+            except RouterError as exc:
+                events.put_nowait((index, exc))
+            finally:
+                if not index:
+                    place("")  # it ended before a token (or failed): the others go the usual way
+
+        tasks = [asyncio.ensure_future(run(i)) for i in range(n)]
+        try:
+            running = n
+            while running:
+                index, item = await events.get()
+                if item is None:
+                    running -= 1
+                elif isinstance(item, RouterError):
+                    raise item
+                else:
+                    item.index = index
+                    yield item
+        finally:
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+
+    async def _generate_one(self, request: router_pb2.GenerateRequest, timeout_s: float | None, index: int = 0,
+                            pin: str = "", on_placed: Callable[[str], None] | None = None,
+                            ) -> AsyncIterator[router_pb2.GenerateResponse]:
         cap = self._config.max_stream_timeout_s
         state = _Request(request, uuid.uuid4().hex, "", time.monotonic() + min(timeout_s or cap, cap),
-                         RequestClock(self.metrics))
+                         RequestClock(self.metrics), index=index, pin=pin, on_placed=on_placed)
         state.echo_id = request.request_id or state.internal_id
         started = log_start("Generate", safe_id(state.echo_id), state.internal_id, label="internal_id")
         self.metrics.started()
@@ -390,6 +455,9 @@ class RouterCore:
                             break
                         continue
                     finished = _stamp(response, state, lease)
+                    if state.on_placed is not None and (response.token_ids or finished):
+                        state.on_placed(lease.decode_address)
+                        state.on_placed = None
                     if finished:
                         state.outcome = common_pb2.FinishReason.Name(response.finish_reason)
                     yield response
@@ -518,6 +586,11 @@ class RouterCore:
     def _assign(self, state: _Request) -> Lease:
         if self._dispatched >= self._config.max_concurrent_streams:
             raise Busy(f"{self._dispatched} requests at workers (--max-concurrent-streams)")
+        if state.pin and state.pin not in state.avoid:
+            lease = self.pool.lease_pinned(state.pin, estimate_prompt_tokens(state.request))
+            if lease is not None:
+                self._dispatched += 1
+                return lease
         lease = self.pool.assign(self._decode_policy, self._prefill_policy, estimate_prompt_tokens(state.request),
                                  frozenset(state.avoid), prefix_key(state.request), require_room=True)
         self._dispatched += 1

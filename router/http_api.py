@@ -45,6 +45,7 @@ from typing import Any
 from aiohttp import web
 
 from pdserve.limits import RECEIVE_LIMIT_BYTES
+from pdserve.router import tools
 from pdserve.router.auth import BearerToken
 from pdserve.router.core import RouterCore, RouterError
 from pdserve.router.openai_protocol import (
@@ -52,12 +53,14 @@ from pdserve.router.openai_protocol import (
     COMPLETION,
     OpenAIError,
     ParsedRequest,
+    answer_choice,
     answer_logprobs,
     chunk,
     error_from_grpc,
     finish_reason,
     full_answer,
     parse_request,
+    total_usage,
     usage,
     usage_chunk,
 )
@@ -153,7 +156,7 @@ def parse_body(kind: str, raw: bytes, model_name: str, request_id: str) -> tuple
     except OpenAIError as exc:
         return ("error", exc.status, exc.message, exc.param)
     options = {"stream": parsed.stream, "include_usage": parsed.include_usage, "logprobs": parsed.logprobs,
-               "echo": parsed.echo, "drop_output": parsed.drop_output}
+               "echo": parsed.echo, "drop_output": parsed.drop_output, "tools": parsed.tools}
     return ("ok", parsed.grpc_request.SerializeToString(), options)
 
 
@@ -287,56 +290,93 @@ class OpenAIHttpServer:
     # ----- relaying -------------------------------------------------------------------------------
     async def _collect(self, parsed: ParsedRequest,
                        responses: AsyncIterator[router_pb2.GenerateResponse]) -> web.Response:
-        texts: list[str] = []
-        entries: list[common_pb2.TokenLogprob] = []
+        n = parsed.n
+        texts: list[list[str]] = [[] for _ in range(n)]
+        entries: list[list[common_pb2.TokenLogprob]] = [[] for _ in range(n)]
         prompt_entries: list[common_pb2.TokenLogprob] = []
+        reasons: list[str | None] = [None] * n
+        usages: list[dict[str, int]] = [{}] * n
+        left = n
         async for response in responses:
-            texts.append(response.text)
-            entries.extend(response.logprobs)
-            prompt_entries.extend(response.prompt_logprobs)
+            i = response.index
+            texts[i].append(response.text)
+            entries[i].extend(response.logprobs)
+            if response.prompt_logprobs and not prompt_entries:
+                prompt_entries.extend(response.prompt_logprobs)
             reason = finish_reason(response)
             if reason is not None:
-                usage_ = usage(response)
-                text = "".join(texts)
-                if parsed.drop_output:  # `max_tokens: 0`: the one generated token is not part of the answer
-                    text, entries = "", []
-                    usage_.update(completion_tokens=0, total_tokens=usage_["prompt_tokens"])
-                if parsed.echo:
-                    prompt = parsed.grpc_request.prompt or "".join(e.token for e in prompt_entries)
-                    text = prompt + text
-                    entries = prompt_entries + entries
-                logprobs = answer_logprobs(parsed.kind, entries) if parsed.logprobs else None
-                answer = full_answer(parsed.kind, parsed.grpc_request.request_id, self.model_name, text,
-                                     reason, usage_, logprobs)
-                return web.json_response(answer, headers={"X-Request-Id": parsed.grpc_request.request_id})
-        raise OpenAIError(500, "the generation ended without a finish reason")
+                reasons[i], usages[i] = reason, usage(response)
+                left -= 1
+                if not left:
+                    break
+        else:
+            raise OpenAIError(500, "the generation ended without a finish reason")
+        choices = []
+        for i in range(n):
+            text: str | None = "".join(texts[i])
+            choice_entries, reason = entries[i], reasons[i]
+            if parsed.drop_output:  # `max_tokens: 0`: the one generated token is not part of the answer
+                text, choice_entries = "", []
+                usages[i].update(completion_tokens=0, total_tokens=usages[i]["prompt_tokens"])
+            if parsed.echo:
+                prompt = parsed.grpc_request.prompt or "".join(e.token for e in prompt_entries)
+                text = prompt + (text or "")
+                choice_entries = prompt_entries + choice_entries
+            calls: list[dict[str, Any]] = []
+            if parsed.tools is not None:
+                text, calls = tools.parse_output(parsed.tools, text or "")
+                reason = tools.finish_reason(parsed.tools, len(calls), reason or "stop")
+            logprobs = answer_logprobs(parsed.kind, choice_entries) if parsed.logprobs else None
+            choices.append(answer_choice(parsed.kind, i, text, reason, logprobs, calls))
+        answer = full_answer(parsed.kind, parsed.grpc_request.request_id, self.model_name, choices,
+                             total_usage(usages))
+        return web.json_response(answer, headers={"X-Request-Id": parsed.grpc_request.request_id})
 
     async def _stream(self, request: web.Request, parsed: ParsedRequest,
                       responses: AsyncIterator[router_pb2.GenerateResponse]) -> web.StreamResponse:
         first = await anext(responses, None)  # errors before the first token still get a plain error answer
-        request_id, kind = parsed.grpc_request.request_id, parsed.kind
+        request_id, kind, n = parsed.grpc_request.request_id, parsed.kind, parsed.n
         created = int(time.time())
         out = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
                                           "X-Request-Id": request_id})
         await out.prepare(request)
         send = _EventWriter(out)
+
+        def event(index: int, text: str | None, reason: str | None, logprobs: dict[str, Any] | None = None,
+                  calls: list[dict[str, Any]] | None = None, role: bool = False) -> dict[str, Any]:
+            return chunk(kind, request_id, self.model_name, created, text, reason, role=role, logprobs=logprobs,
+                         index=index, tool_calls=calls)
+
+        parsers = [tools.ToolStream(parsed.tools) for _ in range(n)] if parsed.tools is not None else None
         try:
             if kind == CHAT:
-                await send.data(chunk(kind, request_id, self.model_name, created, "", None, role=True))
+                for i in range(n):
+                    await send.data(event(i, "", None, role=True))
             response = first
-            offset = 0  # characters streamed so far (completions' text_offset)
+            offsets = [0] * n  # characters streamed so far per choice (completions' text_offset)
+            usages: list[dict[str, int]] = []
             while response is not None:
+                i = response.index
                 reason = finish_reason(response)
-                if response.text or reason is not None or response.logprobs:
-                    logprobs = answer_logprobs(kind, list(response.logprobs), offset) if parsed.logprobs else None
-                    offset += len(response.text)
-                    await send.data(chunk(kind, request_id, self.model_name, created,
-                                          response.text if response.text or kind != CHAT else None, reason,
-                                          logprobs=logprobs))
+                text: str | None = response.text
+                calls: list[dict[str, Any]] = []
+                if parsers is not None:
+                    text, calls = parsers[i].feed(response.text)
+                    if reason is not None:
+                        more, rest = parsers[i].finish()
+                        text, calls = text + more, calls + rest
+                        reason = tools.finish_reason(parsers[i].mode, parsers[i].calls, reason)
+                if text or calls or reason is not None or response.logprobs:
+                    logprobs = answer_logprobs(kind, list(response.logprobs), offsets[i]) if parsed.logprobs else None
+                    offsets[i] += len(response.text)
+                    await send.data(event(i, text if text or kind != CHAT else None, reason, logprobs, calls))
                 if reason is not None:
-                    if parsed.include_usage:
-                        await send.data(usage_chunk(kind, request_id, self.model_name, created, usage(response)))
-                    break
+                    usages.append(usage(response))
+                    if len(usages) == n:
+                        if parsed.include_usage:
+                            await send.data(usage_chunk(kind, request_id, self.model_name, created,
+                                                        total_usage(usages)))
+                        break
                 response = await anext(responses, None)
             else:
                 raise OpenAIError(500, "the generation ended without a finish reason")

@@ -3,17 +3,21 @@
 Supported: ``/v1/completions`` (prompt: a string, one-string list, token ids or one list of token ids)
 and ``/v1/chat/completions`` (text messages), with ``max_tokens`` / ``max_completion_tokens``,
 ``temperature``, ``top_p``, ``seed``, ``stop`` (string or list), ``stream``,
-``stream_options.include_usage``, ``n=1``, ``logprobs`` (completions: 0-20; chat: true plus
+``stream_options.include_usage``, ``n`` (1-128 choices, the prompt prefilled once), ``logprobs``
+(completions: 0-20; chat: true plus
 ``top_logprobs``), ``echo`` (completions, also with ``max_tokens: 0``; not streamed),
 ``presence_penalty``, ``frequency_penalty``, ``logit_bias``, and the vLLM-style extras ``top_k``,
 ``ignore_eos``, ``stop_token_ids``, ``repetition_penalty``, ``min_p``, ``min_tokens``,
-``allowed_token_ids``, ``bad_words``, ``skip_special_tokens`` and ``cache_salt``; structured outputs:
-``response_format`` (``json_object``, ``json_schema``), vLLM's ``structured_outputs`` (``json``,
-``regex``, ``choice``, ``grammar``) and ``guided_json|regex|choice|grammar``. The schema
-is strict: every other field (``n>1``, ``tools``, ``tool_choice``, ``functions``, ``best_of>1``, ``suffix``,
-unknown keys, unknown ``stream_options`` keys ...) is refused with 400 whose ``param`` names the
-field, rather than silently ignored. Harmless labels (``user``, ``metadata``, ``parallel_tool_calls``)
-are accepted. The official ``openai`` client sends only the fields its caller passes.
+``allowed_token_ids``, ``bad_words``, ``skip_special_tokens``, ``spaces_between_special_tokens``,
+``include_stop_str_in_output`` and ``cache_salt``; structured outputs: ``response_format``
+(``json_object``, ``json_schema``), vLLM's ``structured_outputs`` (``json``, ``regex``, ``choice``,
+``grammar``) and ``guided_json|regex|choice|grammar``; tools on chat completions: ``tools``,
+``tool_choice`` (``none``, ``auto``, ``required``, a named function), ``parallel_tool_calls``, and
+assistant ``tool_calls`` / ``tool`` messages in the conversation (router/tools.py). The schema is
+strict: every other field (``functions``, ``best_of>1``, ``suffix``, unknown keys, unknown
+``stream_options`` keys ...) is refused with 400 whose ``param`` names the field, rather than
+silently ignored (docs/api.md lists them with the reason). Harmless labels (``user``,
+``metadata``) are accepted. The official ``openai`` client sends only the fields its caller passes.
 
 Errors are OpenAIError: HTTP status plus OpenAI's body ``{"error": {"message", "type", "param", "code"}}``.
 """
@@ -28,7 +32,8 @@ from typing import Any
 
 import grpc
 
-from pdserve.limits import MAX_LOGIT_BIAS, MAX_LOGIT_BIAS_ENTRIES
+from pdserve.limits import MAX_LOGIT_BIAS, MAX_LOGIT_BIAS_ENTRIES, MAX_N
+from pdserve.router.tools import ToolError, ToolMode, parse_tools
 from pdserve.v1 import common_pb2, router_pb2
 
 COMPLETION = "text_completion"
@@ -43,22 +48,21 @@ FINISH_REASONS = {
 # Fields pdserve does not implement are accepted only with their "off" value (what a client that does not
 # use the feature may send); any other value is refused rather than silently ignored.
 _UNSUPPORTED_OFF_VALUES: dict[str, tuple[Any, ...]] = {
-    "tools": (None, []), "tool_choice": (None, "none"),
     "functions": (None, []), "function_call": (None, "none"), "best_of": (None, 1),
     "suffix": (None, ""), "audio": (None,), "modalities": (None, ["text"]), "prediction": (None,),
     "store": (None, False), "reasoning_effort": (None,),
     "service_tier": (None, "auto", "default"), "web_search_options": (None,),
 }
-# Harmless: accepted and without effect on the answer. ``user`` and ``metadata`` are opaque labels,
-# ``parallel_tool_calls`` only matters with ``tools`` (refused). ``stream_options`` is implemented
-# (``include_usage``; other keys are refused), ``n`` only as 1.
-_IGNORED = frozenset({"model", "user", "stream", "stream_options", "n", "metadata", "parallel_tool_calls"})
+# Harmless: accepted and without effect on the answer. ``user`` and ``metadata`` are opaque labels.
+# ``stream_options`` is implemented (``include_usage``; other keys are refused).
+_IGNORED = frozenset({"model", "user", "stream", "stream_options", "metadata"})
 _KNOWN = frozenset({"prompt", "messages", "max_tokens", "max_completion_tokens", "temperature", "top_p", "seed",
                     "stop", "top_k", "ignore_eos", "stop_token_ids", "logprobs", "top_logprobs", "echo",
                     "presence_penalty", "frequency_penalty", "repetition_penalty", "min_p", "min_tokens",
                     "logit_bias", "allowed_token_ids", "bad_words", "skip_special_tokens", "cache_salt",
                     "response_format", "structured_outputs", "guided_json", "guided_regex", "guided_choice",
-                    "guided_grammar"}) \
+                    "guided_grammar", "n", "tools", "tool_choice", "parallel_tool_calls", "include_stop_str_in_output",
+                    "spaces_between_special_tokens"}) \
     | _IGNORED | frozenset(_UNSUPPORTED_OFF_VALUES)
 _STREAM_OPTIONS = frozenset({"include_usage"})
 MAX_INT32 = 2**31 - 1
@@ -116,6 +120,11 @@ class ParsedRequest:
     logprobs: bool = False  # answer with log-probabilities (completions: `logprobs` set; chat: `logprobs: true`)
     echo: bool = False  # completions: the prompt (and its tokens' log-probabilities) before the output
     drop_output: bool = False  # `max_tokens: 0` with echo: one token is generated and not returned
+    tools: ToolMode | None = None  # chat with tools: how to read tool calls out of the output
+
+    @property
+    def n(self) -> int:
+        return max(1, self.grpc_request.params.n)
 
 
 def parse_request(kind: str, body: object, model_name: str, request_id: str) -> ParsedRequest:
@@ -125,9 +134,17 @@ def parse_request(kind: str, body: object, model_name: str, request_id: str) -> 
     _check_model(body.get("model"), model_name)
     _check_supported(body)
     request = router_pb2.GenerateRequest(request_id=request_id, params=_sampling_params(body))
+    tools = None
     if kind == CHAT:
         request.messages.CopyFrom(_messages(body.get("messages")))
+        try:
+            tools = parse_tools(body, request.messages, request.params)
+        except ToolError as exc:
+            raise OpenAIError(400, f"{exc.param}: {exc}", param=exc.param) from None
     else:
+        for name, off in (("tools", (None, [])), ("tool_choice", (None, "none"))):
+            if body.get(name) not in off:
+                raise OpenAIError(400, f"{name}: tools are a chat completions feature", param=name)
         _set_prompt(request, body.get("prompt"))
     stream = _optional_bool(body, "stream")
     options = body.get("stream_options")
@@ -139,7 +156,7 @@ def parse_request(kind: str, body: object, model_name: str, request_id: str) -> 
     if include_usage and not stream:
         raise OpenAIError(400, "stream_options is only allowed with stream=true", param="stream_options")
     logprobs, echo, drop_output = _logprob_options(kind, body, request.params, stream)
-    return ParsedRequest(kind, request, stream, include_usage, logprobs, echo, drop_output)
+    return ParsedRequest(kind, request, stream, include_usage, logprobs, echo, drop_output, tools)
 
 
 def _logprob_options(kind: str, body: dict[str, Any], params: common_pb2.SamplingParams,
@@ -184,9 +201,6 @@ def _check_model(model: object, model_name: str) -> None:
 
 
 def _check_supported(body: dict[str, Any]) -> None:
-    n = body.get("n")
-    if n is not None and (isinstance(n, bool) or n != 1):
-        raise OpenAIError(400, f"n: only n=1 is supported, got {n!r}", param="n")
     for name, off_values in _UNSUPPORTED_OFF_VALUES.items():
         if name in body and not any(_same(body[name], off) for off in off_values):
             raise OpenAIError(400, f"{name}: not supported by this server", param=name)
@@ -263,6 +277,12 @@ def _sampling_params(body: dict[str, Any]) -> common_pb2.SamplingParams:
     top_k = _integer(body, "top_k", -1, MAX_INT32)
     params.top_k = max(0, top_k or 0)  # vLLM uses -1 for "off"; pdserve uses 0
     params.ignore_eos = _optional_bool(body, "ignore_eos")
+    n = _integer(body, "n", 1, MAX_N)
+    if n is not None and n > 1:
+        params.n = n
+    params.include_stop_str_in_output = _optional_bool(body, "include_stop_str_in_output")
+    if body.get("spaces_between_special_tokens") is not None:
+        params.spaces_between_special_tokens = _optional_bool(body, "spaces_between_special_tokens")
     params.stop.extend(_stop(body.get("stop")))
     params.stop_token_ids.extend(_token_ids(body.get("stop_token_ids") or [], "stop_token_ids"))
     _penalties(body, params)
@@ -416,8 +436,28 @@ def _messages(messages: object) -> common_pb2.ChatMessages:
         if not isinstance(message, dict) or not isinstance(message.get("role"), str):
             raise OpenAIError(400, f"messages[{i}]: must be an object with a role", param="messages")
         role = "system" if message["role"] == "developer" else message["role"]
-        chat.messages.add(role=role, content=_content(message.get("content"), i))
+        turn = chat.messages.add(role=role, content=_content(message.get("content"), i))
+        calls = message.get("tool_calls")
+        if calls:
+            if role != "assistant" or not isinstance(calls, list) or not all(_is_call(c) for c in calls):
+                raise OpenAIError(400, f"messages[{i}].tool_calls: an assistant turn's list of "
+                                       "{\"id\", \"type\": \"function\", \"function\": {\"name\", \"arguments\"}}",
+                                  param="messages")
+            turn.tool_calls_json = json.dumps(calls, ensure_ascii=False)
+        for name in ("tool_call_id", "name"):
+            value = message.get(name)
+            if value is not None:
+                if not isinstance(value, str) or len(value) > 256:
+                    raise OpenAIError(400, f"messages[{i}].{name}: must be a string of at most 256 characters",
+                                      param="messages")
+                setattr(turn, name, value)
     return chat
+
+
+def _is_call(call: object) -> bool:
+    function = call.get("function") if isinstance(call, dict) else None
+    return (isinstance(function, dict) and isinstance(function.get("name"), str)
+            and isinstance(function.get("arguments", ""), (str, dict)))
 
 
 def _content(content: object, i: int) -> str:
@@ -489,20 +529,35 @@ def answer_logprobs(kind: str, entries: list[common_pb2.TokenLogprob], offset: i
     return chat_logprobs(entries) if kind == CHAT else completion_logprobs(entries, offset)
 
 
-def full_answer(kind: str, request_id: str, model: str, text: str, reason: str | None,
-                usage_: dict[str, int], logprobs: dict[str, Any] | None = None) -> dict[str, Any]:
-    """The non-streaming answer object."""
+def answer_choice(kind: str, index: int, text: str | None, reason: str | None,
+                  logprobs: dict[str, Any] | None = None,
+                  tool_calls: list[dict[str, Any]] | None = None) -> dict[str, Any]:
+    """One choice of a non-streaming answer (chat: `text` None with tool calls)."""
     if kind == CHAT:
-        choice: dict[str, Any] = {"index": 0, "message": {"role": "assistant", "content": text},
-                                  "logprobs": logprobs, "finish_reason": reason}
-    else:
-        choice = {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": reason}
+        message: dict[str, Any] = {"role": "assistant", "content": text}
+        if tool_calls:
+            message["tool_calls"] = tool_calls
+        return {"index": index, "message": message, "logprobs": logprobs, "finish_reason": reason}
+    return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": reason}
+
+
+def full_answer(kind: str, request_id: str, model: str, choices: list[dict[str, Any]],
+                usage_: dict[str, int]) -> dict[str, Any]:
+    """The non-streaming answer object."""
     return {"id": response_id(kind, request_id), "object": kind, "created": int(time.time()), "model": model,
-            "choices": [choice], "usage": usage_}
+            "choices": choices, "usage": usage_}
+
+
+def total_usage(usages: list[dict[str, int]]) -> dict[str, int]:
+    """The usage of n choices: the prompt once, every choice's completion tokens."""
+    first = usages[0]
+    completion = sum(u["completion_tokens"] for u in usages)
+    return {**first, "completion_tokens": completion, "total_tokens": first["prompt_tokens"] + completion}
 
 
 def chunk(kind: str, request_id: str, model: str, created: int, text: str | None, reason: str | None,
-          role: bool = False, logprobs: dict[str, Any] | None = None) -> dict[str, Any]:
+          role: bool = False, logprobs: dict[str, Any] | None = None, index: int = 0,
+          tool_calls: list[dict[str, Any]] | None = None) -> dict[str, Any]:
     """One streamed chunk (``text`` None with ``role`` True: the chat opening chunk)."""
     if kind == CHAT:
         delta: dict[str, Any] = {}
@@ -510,10 +565,12 @@ def chunk(kind: str, request_id: str, model: str, created: int, text: str | None
             delta["role"] = "assistant"
         if text is not None:
             delta["content"] = text
-        choice: dict[str, Any] = {"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": reason}
+        if tool_calls:
+            delta["tool_calls"] = tool_calls
+        choice: dict[str, Any] = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": reason}
         obj = "chat.completion.chunk"
     else:
-        choice = {"index": 0, "text": text or "", "logprobs": logprobs, "finish_reason": reason}
+        choice = {"index": index, "text": text or "", "logprobs": logprobs, "finish_reason": reason}
         obj = COMPLETION
     return {"id": response_id(kind, request_id), "object": obj, "created": created, "model": model,
             "choices": [choice]}

@@ -17,6 +17,7 @@ from pdserve.limits import (
     MAX_BAD_WORDS,
     MAX_LOGIT_BIAS,
     MAX_LOGIT_BIAS_ENTRIES,
+    MAX_N,
     MAX_REQUEST_BYTES,
 )
 from pdserve.v1 import common_pb2, router_pb2
@@ -160,6 +161,10 @@ def _check_scalars(params: common_pb2.SamplingParams) -> None:
             raise InvalidRequest(f"params.{name}", f"must be in [0, 20], got {getattr(params, name)}")
     if params.HasField("seed") and params.seed >= SEED_LIMIT:
         raise InvalidRequest("params.seed", f"must be < 2**63, got {params.seed}")
+    if not 0 <= params.n <= MAX_N:
+        raise InvalidRequest("params.n", f"must be in [1, {MAX_N}] (0: one), got {params.n}")
+    if params.n > 1 and params.HasField("seed") and params.seed + params.n > SEED_LIMIT:
+        raise InvalidRequest("params.seed", f"choice i uses seed + i: must be < 2**63 - n, got {params.seed}")
     _check_penalties(params)
 
 

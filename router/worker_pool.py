@@ -368,6 +368,17 @@ class WorkerPool:
                 raise ValueError(f"decode worker {address} is no longer in the pool")
             return self._lease_locked(address, "", 0)
 
+    def lease_pinned(self, address: str, prompt_tokens: int) -> Lease | None:
+        """A lease on decode (or colocated) worker `address` with no prefill worker (it prefills the
+        request itself, from the blocks it caches), or None when that worker is not healthy, is held
+        for a role switch, or is full. The choices after the first of an n > 1 request."""
+        with self._lock:
+            state = self._workers.get(address)
+            if (state is None or state.endpoint.role == PREFILL or not state.healthy or state.held
+                    or not self._has_room_locked(address)):
+                return None
+            return self._lease_locked(address, "", prompt_tokens)
+
     def draining(self) -> frozenset[str]:
         """Decode and colocated workers whose last poll said they are draining."""
         with self._lock:

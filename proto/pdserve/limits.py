@@ -24,6 +24,8 @@ MAX_LOGIT_BIAS = 100.0
 MAX_ALLOWED_TOKEN_IDS = 4096
 MAX_BAD_WORDS = 64
 MAX_BAD_WORD_CHARS = 256
+#: Most choices of one request (SamplingParams.n; OpenAI's bound).
+MAX_N = 128
 
 
 def receive_options(at_least: int = 0) -> list[tuple[str, int]]:

@@ -56,16 +56,22 @@ def grpc_generate(cluster: LocalCluster, max_tokens: int, prompt: str | None = N
     return "".join(r.text for r in responses), responses[-1].usage
 
 
+def _infos(cluster: LocalCluster) -> dict[str, worker_pb2.InfoResponse]:
+    """Each worker's GetInfo, by role (one worker per role here)."""
+    infos = {}
+    for worker in cluster.workers:
+        with open_channel(worker.address) as channel:  # workers need the launcher's internal token
+            stub_cls = worker_pb2_grpc.PrefillWorkerStub if worker.role == "prefill" else \
+                worker_pb2_grpc.DecodeWorkerStub
+            infos[worker.role] = stub_cls(channel).GetInfo(worker_pb2.InfoRequest(), timeout=10)
+    return infos
+
+
 def wait_idle(cluster: LocalCluster, timeout: float = 30) -> None:
     """Poll every worker's GetInfo until it holds no KV block and no request."""
     deadline = time.monotonic() + timeout
     while True:
-        infos = []
-        for worker in cluster.workers:
-            with open_channel(worker.address) as channel:  # workers need the launcher's internal token
-                stub_cls = worker_pb2_grpc.PrefillWorkerStub if worker.role == "prefill" else \
-                    worker_pb2_grpc.DecodeWorkerStub
-                infos.append(stub_cls(channel).GetInfo(worker_pb2.InfoRequest(), timeout=10))
+        infos = _infos(cluster).values()
         if all(i.kv_blocks_used == 0 and i.running_requests == 0 and i.queue_depth == 0 for i in infos):
             return
         assert time.monotonic() < deadline, f"workers not idle: {infos}"
@@ -279,3 +285,91 @@ def test_choice_regex_and_bad_schema(client: openai.OpenAI, model: str) -> None:
                                        response_format={"type": "json_schema",  # type: ignore[arg-type]
                                                         "json_schema": {"name": "x", "schema": {"type": "bogus"}}})
     assert "json_schema" in str(info.value) and "bogus" in str(info.value)
+
+
+def test_n_choices_prefill_the_prompt_once(cluster: LocalCluster, client: openai.OpenAI, model: str) -> None:
+    """n=4: four choices, the prompt computed once on the prefill worker; the decode worker computes
+    only the last partial block of each other choice (the rest comes from its prefix cache). With a
+    seed the four are reproducible."""
+    wait_idle(cluster)
+    before = _infos(cluster)
+    messages = [{"role": "user", "content": f"Tell me a short story about a fox. {uuid.uuid4().hex}"}]
+    answer = client.chat.completions.create(model=model, messages=messages, n=4, max_tokens=12, temperature=1.0,
+                                            seed=11)  # type: ignore[arg-type]
+    after = _infos(cluster)
+    assert sorted(c.index for c in answer.choices) == [0, 1, 2, 3]
+    prompt_tokens = answer.usage.prompt_tokens
+    assert answer.usage.completion_tokens == 4 * 12 and answer.usage.total_tokens == prompt_tokens + 48
+    prefilled = after["prefill"].prefill_tokens_computed - before["prefill"].prefill_tokens_computed
+    on_decode = after["decode"].prefill_tokens_computed - before["decode"].prefill_tokens_computed
+    assert prefilled == prompt_tokens, (prefilled, prompt_tokens)
+    assert 3 <= on_decode <= 3 * 16, on_decode  # < one block (16 tokens) per choice after the first
+    texts = [c.message.content for c in sorted(answer.choices, key=lambda c: c.index)]
+    assert len(set(texts)) > 1  # seeds seed + i: different draws
+    again = client.chat.completions.create(model=model, messages=messages, n=4, max_tokens=12, temperature=1.0,
+                                           seed=11)  # type: ignore[arg-type]
+    assert [c.message.content for c in sorted(again.choices, key=lambda c: c.index)] == texts
+    # streamed: every chunk names its choice, each choice finishes once, usage counts all of them
+    chunks = list(client.chat.completions.create(model=model, messages=messages, n=3, max_tokens=6, stream=True,
+                                                 stream_options={"include_usage": True}))
+    finished = [c.choices[0].index for c in chunks if c.choices and c.choices[0].finish_reason]
+    assert sorted(finished) == [0, 1, 2] and chunks[-1].usage.completion_tokens == 18
+    streamed = {i: "".join(c.choices[0].delta.content or "" for c in chunks if c.choices and c.choices[0].index == i)
+                for i in range(3)}
+    greedy = grpc_generate(cluster, 6, messages=messages)[0]
+    assert streamed == {0: greedy, 1: greedy, 2: greedy}  # greedy: three times the one answer
+    wait_idle(cluster)
+
+
+WEATHER_TOOL = {"type": "function", "function": {
+    "name": "get_weather", "description": "Current weather in a city",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string"},
+                                                    "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]}},
+                   "required": ["city", "unit"], "additionalProperties": False}}}
+
+
+@pytest.mark.parametrize("stream", [False, True])
+@pytest.mark.parametrize("choice", ["required", {"type": "function", "function": {"name": "get_weather"}}])
+def test_forced_tool_calls_validate_against_the_schema(client: openai.OpenAI, model: str, stream: bool,
+                                                       choice: object) -> None:
+    """`tool_choice` required or named on the default model (its template knows no tools): the
+    official client gets `tool_calls` whose arguments validate against the function's schema."""
+    import jsonschema
+
+    messages = [{"role": "user", "content": "What is the weather in Paris?"}]
+    kwargs = {"model": model, "messages": messages, "tools": [WEATHER_TOOL], "tool_choice": choice,
+              "max_tokens": 96, "temperature": 0.7, "seed": 5}
+    if stream:
+        calls: dict[int, dict[str, str]] = {}
+        reason = None
+        for part in client.chat.completions.create(stream=True, **kwargs):  # type: ignore[call-overload]
+            for delta in part.choices[0].delta.tool_calls or []:
+                call = calls.setdefault(delta.index, {"id": "", "name": "", "arguments": ""})
+                call["id"] += delta.id or ""
+                call["name"] += (delta.function.name or "") if delta.function else ""
+                call["arguments"] += (delta.function.arguments or "") if delta.function else ""
+            reason = part.choices[0].finish_reason or reason
+        found = [(c["id"], c["name"], c["arguments"]) for _, c in sorted(calls.items())]
+    else:
+        answer = client.chat.completions.create(**kwargs)  # type: ignore[call-overload]
+        reason = answer.choices[0].finish_reason
+        found = [(c.id, c.function.name, c.function.arguments) for c in answer.choices[0].message.tool_calls or []]
+    assert found and reason == ("tool_calls" if choice == "required" else "stop")
+    for call_id, name, arguments in found:
+        assert call_id.startswith("call_") and name == "get_weather"
+        jsonschema.validate(json.loads(arguments), WEATHER_TOOL["function"]["parameters"])
+
+
+def test_tool_conversation_round_trip(client: openai.OpenAI, model: str) -> None:
+    """A tool result fed back: the conversation with an assistant tool call and a tool turn renders and
+    is answered (auto: text or a call, never an error)."""
+    messages = [{"role": "user", "content": "What is the weather in Paris?"},
+                {"role": "assistant", "content": None, "tool_calls": [
+                    {"id": "call_1", "type": "function",
+                     "function": {"name": "get_weather", "arguments": '{"city": "Paris", "unit": "celsius"}'}}]},
+                {"role": "tool", "tool_call_id": "call_1", "content": "21 degrees and sunny"}]
+    answer = client.chat.completions.create(model=model, messages=messages, tools=[WEATHER_TOOL],  # type: ignore[arg-type]
+                                            max_tokens=24)
+    choice = answer.choices[0]
+    assert choice.finish_reason in ("stop", "length", "tool_calls")
+    assert choice.message.content or choice.message.tool_calls

@@ -34,7 +34,8 @@ def test_chat_request_maps_to_grpc() -> None:
 
 
 @pytest.mark.parametrize(("body", "param", "status"), [
-    ({"n": 2}, "n", 400), ({"temperature": 3}, "temperature", 400), ({"temperature": "hot"}, "temperature", 400),
+    ({"n": 0}, "n", 400), ({"n": 129}, "n", 400),
+    ({"temperature": 3}, "temperature", 400), ({"temperature": "hot"}, "temperature", 400),
     ({"top_p": 0}, "top_p", 400), ({"max_tokens": 0}, "max_tokens", 400), ({"seed": -1}, "seed", 400),
     ({"stop": 5}, "stop", 400), ({"logprobs": 21}, "logprobs", 400), ({"logprobs": True}, "logprobs", 400),
     ({"top_logprobs": 2}, "top_logprobs", 400), ({"max_tokens": 0, "echo": False}, "max_tokens", 400),

@@ -40,12 +40,12 @@ CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_to
 
 
 @pytest.mark.parametrize(("field", "value"), [
-    ("tools", [{"type": "function", "function": {"name": "f", "parameters": {}}}]),
-    ("tool_choice", "auto"), ("tool_choice", "required"),
+    ("tool_choice", "auto"), ("tool_choice", "required"),  # without tools
     ("functions", [{"name": "f", "parameters": {}}]), ("function_call", "auto"),
     ("top_logprobs", 2), ("store", True), ("reasoning_effort", "low"), ("service_tier", "flex"),
     ("modalities", ["text", "audio"]), ("audio", {"voice": "x"}), ("prediction", {"type": "content"}),
-    ("web_search_options", {}), ("n", 2), ("definitely_not_a_field", 1), ("guided_decoding_backend", "x"),
+    ("web_search_options", {}), ("n", 0), ("n", 129), ("n", True), ("definitely_not_a_field", 1),
+    ("guided_decoding_backend", "x"),
 ])
 @pytest.mark.parametrize("path", ["/v1/chat/completions", "/v1/completions"])
 def test_unimplemented_fields_are_refused_by_name(router: RouterServer, path: str, field: str,
@@ -70,6 +70,46 @@ def test_out_of_range_penalties_are_refused_by_name(router: RouterServer, field:
         assert status == 400 and body["error"]["param"] == field, (path, body)
 
 
+TOOL = {"type": "function", "function": {"name": "get_weather", "parameters": {
+    "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}
+
+
+@pytest.mark.parametrize(("extra", "param"), [
+    ({"tools": [TOOL], "tool_choice": {"type": "function", "function": {"name": "other"}}}, "tool_choice"),
+    ({"tools": [TOOL], "tool_choice": "sometimes"}, "tool_choice"),
+    ({"tools": [{"type": "function", "function": {"description": "no name"}}]}, "tools"),
+    ({"tools": [TOOL, TOOL]}, "tools"),
+    ({"tools": [TOOL], "parallel_tool_calls": "yes"}, "parallel_tool_calls"),
+    ({"tools": [TOOL], "tool_choice": "required", "response_format": {"type": "json_object"}}, "tool_choice"),
+    ({"messages": [{"role": "assistant", "content": None, "tool_calls": [{"function": {"arguments": "{}"}}]}]},
+     "messages"),
+])
+def test_bad_tool_fields_are_refused_by_name(router: RouterServer, extra: dict[str, object], param: str) -> None:
+    status, body = post(router, "/v1/chat/completions", {**CHAT, **extra})
+    assert status == 400 and body["error"]["param"] == param, body
+
+
+def test_tools_are_refused_on_completions(router: RouterServer) -> None:
+    status, body = post(router, "/v1/completions", {**COMPLETION, "tools": [TOOL]})
+    assert status == 400 and body["error"]["param"] == "tools", body
+
+
+@pytest.mark.parametrize("extra", [
+    {"tools": [TOOL]}, {"tools": [TOOL], "tool_choice": "auto"}, {"tools": [TOOL], "tool_choice": "required"},
+    {"tools": [TOOL], "tool_choice": {"type": "function", "function": {"name": "get_weather"}},
+     "parallel_tool_calls": False},
+    {"tools": [TOOL], "tool_choice": "none"},
+    {"messages": [{"role": "user", "content": "weather?"},
+                  {"role": "assistant", "content": None, "tool_calls": [
+                      {"id": "call_1", "type": "function",
+                       "function": {"name": "get_weather", "arguments": "{\"city\": \"Paris\"}"}}]},
+                  {"role": "tool", "tool_call_id": "call_1", "content": "sunny"}], "tools": [TOOL]},
+])
+def test_tool_requests_pass_validation(router: RouterServer, extra: dict[str, object]) -> None:
+    status, body = post(router, "/v1/chat/completions", {**CHAT, **extra})
+    assert status == 503, (extra, body)
+
+
 def test_unknown_stream_options_key_is_refused(router: RouterServer) -> None:
     status, body = post(router, "/v1/completions", {**COMPLETION, "stream": True,
                                                     "stream_options": {"continuous_usage_stats": True}})
@@ -81,6 +121,7 @@ def test_unknown_stream_options_key_is_refused(router: RouterServer) -> None:
     {},  # what the official openai client sends when its caller passes nothing else
     {"stream": True}, {"stream": True, "stream_options": {"include_usage": True}},
     {"user": "alice", "metadata": {"k": "v"}, "parallel_tool_calls": True, "n": 1},
+    {"n": 4, "seed": 3}, {"include_stop_str_in_output": True, "spaces_between_special_tokens": False},
     {"response_format": {"type": "text"}, "tool_choice": "none", "tools": [], "logit_bias": {}, "store": False,
      "presence_penalty": 0, "frequency_penalty": 0.0, "service_tier": "auto", "logprobs": False, "echo": False},
     {"repetition_penalty": 1.0},  # vLLM's benchmark client (`vllm bench serve`) sends it on every request

@@ -34,3 +34,14 @@ def test_eos_length_and_stop_token() -> None:
 def test_text_without_stop_is_released_in_full() -> None:
     text, reason, _ = _run(SamplingParams(max_tokens=3, stop=("zzz",)), [(5, "ab"), (6, "cz"), (7, "z")])
     assert text == "abczz" and reason == "length"
+
+
+def test_include_stop_str_in_output_keeps_the_stop_string() -> None:
+    pieces = [(10, "hello E"), (11, "N"), (12, "D more")]
+    assert _run(SamplingParams(max_tokens=50, stop=("END",), include_stop_str_in_output=True), pieces)[:2] == (
+        "hello END", "stop_string")
+    assert _run(SamplingParams(max_tokens=50, stop=("END",)), pieces)[:2] == ("hello ", "stop_string")
+    # two stop strings at one place: the text ends with the longer one; the earlier place wins
+    both = SamplingParams(max_tokens=50, stop=("ab", "abc", "x"), include_stop_str_in_output=True)
+    assert _run(both, [(10, "1abcd")])[0] == "1abc"
+    assert _run(both, [(10, "1x abc")])[0] == "1x"
