@@ -7,9 +7,14 @@ appeared in its output, built from the row's tokens alone (`TokenHistory`). Noth
 kept between steps, so a prefill worker sampling the first token and the decode worker sampling
 the rest apply the same rule, and a failover or a migration rebuilds it exactly.
 
-A seeded request draws its i-th output token from a generator seeded by (seed, i) alone, so the
-draw never depends on the batch it ran in, nor on where an interrupted request is resumed.
-Unseeded requests draw from the process's generator.
+Drawing (`sample`) is batched too: the rows that draw are divided by their temperatures, sorted
+once as one [R, V] tensor when any row filters (top-k, top-p, min-p, each row its own values; only
+the k best are sorted when every row has a top-k), and each row's token is found by inverse CDF:
+one uniform number u per row, the first token whose cumulative probability reaches u. Only u is
+per row: a seeded request's u comes from a generator seeded by (seed, i) alone for its i-th output
+token, so the draw never depends on the batch it ran in, nor on where an interrupted request is
+resumed. Unseeded rows take u from the process's generator. Every other step works on each row
+alone.
 
 Device: greedy rows take their argmax where the logits are (one small copy back); rows that draw
 are moved to the CPU first and draw from CPU generators, so a seeded request yields the same
@@ -31,21 +36,6 @@ _SEED_MIX = 0x9E3779B97F4A7C15
 def step_seed(seed: int, step: int) -> int:
     """A 63-bit seed for output position `step` of a request seeded with `seed`."""
     return (seed * _SEED_MIX + step * 0xBF58476D1CE4E5B9 + 1) % (2**63)
-
-
-def _filter_top_k_top_p(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
-    """logits: [V] float32 -> same shape with filtered entries at -inf."""
-    if top_k and top_k < logits.shape[-1]:
-        kth = torch.topk(logits, top_k).values[-1]
-        logits = logits.masked_fill(logits < kth, float("-inf"))
-    if top_p < 1.0:
-        sorted_logits, order = torch.sort(logits, descending=True)
-        probs = torch.softmax(sorted_logits, dim=-1)
-        # drop a token when the mass before it already reaches top_p (the first token always stays)
-        drop = (torch.cumsum(probs, dim=-1) - probs) >= top_p
-        drop[0] = False  # a top_p below float32's range (1e-300 rounds to 0) must not drop them all
-        logits = logits.scatter(0, order, sorted_logits.masked_fill(drop, float("-inf")))
-    return logits
 
 
 @dataclass(frozen=True)
@@ -128,28 +118,49 @@ def apply_penalties(logits: torch.Tensor, params: Sequence[SamplingParams],
     return out
 
 
-def _filter_min_p(logits: torch.Tensor, min_p: float) -> torch.Tensor:
-    """logits [V] (after temperature) -> tokens whose probability is below min_p times the most
-    likely token's at -inf."""
-    probs = torch.softmax(logits, dim=-1)
-    return logits.masked_fill(probs < min_p * probs.max(), float("-inf"))
+def _uniforms(params: Sequence[SamplingParams], steps: Sequence[int]) -> torch.Tensor:
+    """One U[0, 1) number per drawing row: from (seed, step) for a seeded row, else the process's."""
+    values = torch.rand(len(params), dtype=torch.float64)
+    for r, (p, step) in enumerate(zip(params, steps, strict=True)):
+        if p.seed is not None:
+            generator = torch.Generator().manual_seed(step_seed(p.seed, step))
+            values[r] = torch.rand(1, generator=generator, dtype=torch.float64)[0]
+    return values
 
 
-def sample_one(logits: torch.Tensor, params: SamplingParams, step: int) -> int:
-    """Draw one token id from logits [V] (penalties already applied) for output position `step`."""
-    if params.greedy:
-        return int(torch.argmax(logits))
-    raw = logits.float().cpu()
-    logits = _filter_top_k_top_p(raw / params.temperature, params.top_k, params.top_p)
-    if params.min_p > 0.0:
-        logits = _filter_min_p(logits, params.min_p)
-    probs = torch.softmax(logits, dim=-1)
-    if not bool(torch.isfinite(probs).all()) or float(probs.sum()) <= 0.0:
-        return int(torch.argmax(raw))  # nothing left to draw from in floating point: the argmax
-    generator = None
-    if params.seed is not None:
-        generator = torch.Generator().manual_seed(step_seed(params.seed, step))
-    return int(torch.multinomial(probs, 1, generator=generator))
+def _draw(raw: torch.Tensor, params: Sequence[SamplingParams], steps: Sequence[int]) -> list[int]:
+    """raw [R, V] float32 CPU logits (penalties applied) of rows that draw -> R token ids."""
+    temperature = torch.tensor([p.temperature for p in params], dtype=torch.float32).unsqueeze(1)
+    logits = raw / temperature
+    vocab = logits.shape[-1]
+    filtered = any(0 < p.top_k < vocab or p.top_p < 1.0 or p.min_p > 0.0 for p in params)
+    if filtered:  # most likely first: top-k, top-p and min-p are masks over sorted positions
+        ks = [p.top_k if 0 < p.top_k < vocab else vocab for p in params]
+        if max(ks) < vocab:  # every row keeps at most k: only the k best are sorted
+            logits, order = torch.topk(logits, max(ks), dim=-1)
+        else:
+            logits, order = torch.sort(logits, dim=-1, descending=True)
+        drop = torch.arange(logits.shape[-1]).unsqueeze(0) >= torch.tensor(ks).unsqueeze(1)
+        if any(p.top_p < 1.0 for p in params):
+            probs = torch.softmax(logits.masked_fill(drop, float("-inf")), dim=-1)
+            top_p = torch.tensor([p.top_p for p in params], dtype=torch.float32).unsqueeze(1)
+            # drop a token when the mass before it already reaches top_p
+            drop |= (torch.cumsum(probs, dim=-1) - probs) >= top_p
+        if any(p.min_p > 0.0 for p in params):
+            # p_i < min_p * p_max  <=>  logit_i - logit_max < log(min_p), whatever else is dropped
+            min_p = torch.tensor([p.min_p for p in params], dtype=torch.float32).unsqueeze(1)
+            drop |= (logits - logits[:, :1]) < torch.log(min_p)
+        drop[:, 0] = False  # the most likely token always stays (a top_p of 1e-300 rounds to 0)
+        logits = logits.masked_fill(drop, float("-inf"))
+    cdf = torch.cumsum(torch.softmax(logits, dim=-1, dtype=torch.float64), dim=-1)
+    total = cdf[:, -1]
+    u = _uniforms(params, steps) * total
+    picks = torch.searchsorted(cdf, u.unsqueeze(1)).squeeze(1).clamp_(max=logits.shape[-1] - 1)
+    tokens = order.gather(1, picks.unsqueeze(1)).squeeze(1) if filtered else picks
+    broken = ~torch.isfinite(total) | (total <= 0)  # nothing to draw from in floating point: the argmax
+    if bool(broken.any()):
+        tokens = torch.where(broken, torch.argmax(raw, dim=-1), tokens)
+    return tokens.tolist()
 
 
 def sample(logits: torch.Tensor, params: list[SamplingParams], steps: list[int],
@@ -160,11 +171,14 @@ def sample(logits: torch.Tensor, params: list[SamplingParams], steps: list[int],
         if histories is None:
             raise ValueError("penalized rows need their token histories")
         logits = apply_penalties(logits, params, histories, eos_token_ids)
-    if all(p.greedy for p in params):
-        return torch.argmax(logits, dim=-1).tolist()
-    if logits.device.type != "cpu":
-        logits = logits.float().cpu()  # one copy for the whole batch, not one per row
-    return [sample_one(logits[i], p, s) for i, (p, s) in enumerate(zip(params, steps, strict=True))]
+    tokens = torch.argmax(logits, dim=-1).tolist()
+    drawing = [i for i, p in enumerate(params) if not p.greedy]
+    if drawing:
+        raw = logits[drawing].float().cpu() if len(drawing) < len(params) else logits.float().cpu()
+        for i, token in zip(drawing, _draw(raw, [params[i] for i in drawing], [steps[i] for i in drawing]),
+                            strict=True):
+            tokens[i] = token
+    return tokens
 
 
 @dataclass(frozen=True)
