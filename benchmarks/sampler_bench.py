@@ -10,11 +10,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
 import statistics
 import time
 
 import torch
+from peer_vllm import cpu_description  # benchmarks/ is the script's own folder
 
 from pdserve.engine.sampler import sample, step_seed
 from pdserve.engine.sampling_params import SamplingParams
@@ -50,24 +50,6 @@ def old_sample(logits: torch.Tensor, params: list[SamplingParams], steps: list[i
     return [_old_sample_one(logits[i], p, s) for i, (p, s) in enumerate(zip(params, steps, strict=True))]
 
 
-def _cpu() -> str:
-    model, flags = platform.processor(), ""
-    try:
-        with open("/proc/cpuinfo") as info:
-            for line in info:
-                if line.startswith("model name") and not model:
-                    model = line.split(":", 1)[1].strip()
-                if line.startswith("model name"):
-                    model = line.split(":", 1)[1].strip()
-                if line.startswith("flags"):
-                    flags = " ".join(f for f in line.split(":", 1)[1].split()
-                                     if f.startswith(("avx", "amx")))
-                    break
-    except OSError:
-        pass
-    return f"{model} [{flags}] threads={torch.get_num_threads()}"
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--rows", type=int, default=32)
@@ -75,7 +57,7 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=30)
     ap.add_argument("--json", help="write the results here")
     args = ap.parse_args()
-    print(f"cpu: {_cpu()}  torch {torch.__version__}")
+    print(f"{cpu_description()}; threads {torch.get_num_threads()}, torch {torch.__version__}")
     torch.manual_seed(0)
     logits = torch.randn(args.rows, args.vocab) * 3
     settings = {
@@ -101,7 +83,7 @@ def main() -> None:
         print(f"{name:38s} row by row {old_ms:8.2f} ms   batched {new_ms:8.2f} ms   {old_ms / new_ms:5.2f}x")
     if args.json:
         with open(args.json, "w") as out:
-            json.dump({"cpu": _cpu(), "results": results}, out, indent=1)
+            json.dump({"cpu": cpu_description(), "results": results}, out, indent=1)
 
 
 if __name__ == "__main__":
