@@ -28,6 +28,7 @@ from typing import Any
 
 import grpc
 
+from pdserve.failures import FAILURE_KEY
 from pdserve.telemetry.grpc_logging import log_finish, log_start, safe_id
 from pdserve.v1 import router_pb2, worker_pb2
 
@@ -39,10 +40,11 @@ GenerateFn = Callable[[worker_pb2.DecodeRequest, Any], AsyncIterator[router_pb2.
 class MuxAbort(Exception):
     """What `_MuxContext.abort` raises: the request ends with this status."""
 
-    def __init__(self, code: grpc.StatusCode, details: str) -> None:
+    def __init__(self, code: grpc.StatusCode, details: str, failure: str = "") -> None:
         super().__init__(details)
         self.code = code
         self.details = details
+        self.failure = failure  # the typed failure's label (FAILURE_KEY), "" for none
 
 
 class _MuxContext:
@@ -56,8 +58,9 @@ class _MuxContext:
     def time_remaining(self) -> float | None:
         return None if self._deadline is None else max(0.0, self._deadline - time.monotonic())
 
-    async def abort(self, code: grpc.StatusCode, details: str = "") -> None:
-        raise MuxAbort(code, details)
+    async def abort(self, code: grpc.StatusCode, details: str = "",
+                    trailing_metadata: tuple[tuple[str, str], ...] = ()) -> None:
+        raise MuxAbort(code, details, next((v for k, v in trailing_metadata if k == FAILURE_KEY), ""))
 
 
 class MuxSession:
@@ -158,7 +161,7 @@ class MuxSession:
         request_id = request.request_id
         label = safe_id(request.client_request_id) if request.client_request_id else ""
         started = log_start("GenerateMux", safe_id(request_id), label)
-        code, details = grpc.StatusCode.OK, ""
+        code, details, failure = grpc.StatusCode.OK, "", ""
         send, item = self._send, worker_pb2.MuxItem
         stream = self._generate(request, _MuxContext(opened.timeout_s))
         try:
@@ -168,7 +171,7 @@ class MuxSession:
             finally:
                 await stream.aclose()  # a cancel may land in send(): Generate's own clean-up runs now
         except MuxAbort as exc:
-            code, details = exc.code, exc.details
+            code, details, failure = exc.code, exc.details, exc.failure
         except asyncio.CancelledError:
             code = grpc.StatusCode.CANCELLED
             raise  # cancelled by the router, or the call ended: nobody reads an end item
@@ -179,7 +182,7 @@ class MuxSession:
             if self._tasks.get(request_id) is asyncio.current_task():
                 del self._tasks[request_id]
             log_finish("GenerateMux", safe_id(request_id), started, code.name)
-        await send(item(request_id=request_id, end=True, code=code.value[0], details=details))
+        await send(item(request_id=request_id, end=True, code=code.value[0], details=details, failure=failure))
 
 
 async def serve_mux(generate: GenerateFn, requests: AsyncIterable[worker_pb2.MuxRequest],

@@ -5,8 +5,11 @@ tokenize -> reserve blocks -> expect the KV -> ask the prefill worker -> commit 
 tokens, which the engine loop thread hands to the event loop as they come. Every wait has a
 deadline; every early exit (error, client gone) aborts the request, which frees whatever it holds.
 
-Statuses: a request that broke its decode step ends INTERNAL; a worker that cannot serve (draining,
-engine loop dead, prefill side failed) answers UNAVAILABLE, so the router retries elsewhere.
+Statuses are typed failures (pdserve/failures.py: the status plus FAILURE_KEY in the trailing
+metadata): a request that broke a step is RequestFault (INTERNAL); a worker that cannot serve
+(draining, engine loop dead: side DECODE; the prefill side failed: side PREFILL; a migration source
+that could not hand over: MIGRATION_SOURCE) is WorkerUnavailable, so the router retries elsewhere,
+avoiding that side; a bad request is RequestInvalid, no room is Overloaded.
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ from typing import Any
 
 import grpc
 
+from pdserve import failures
 from pdserve.decode_worker.mux import serve_mux
 from pdserve.decode_worker.worker import AdmissionError, DecodeWorker, StreamError, Suspended, WorkerDead
 from pdserve.engine import structured
@@ -40,10 +44,18 @@ from pdserve.engine.worker_runtime import (
     sampling_params_to_pb,
     trace_events_to_pb,
 )
+from pdserve.failures import (
+    DECODE,
+    MIGRATION_SOURCE,
+    PREFILL,
+    Overloaded,
+    RequestFault,
+    RequestInvalid,
+    WorkerUnavailable,
+)
 from pdserve.kv_transfer import KvSpec, KvTransferError, KvTransferServicer, get_backend
 from pdserve.kv_transfer.shm_backend import SEGMENT_PREFIX as SHM_PREFIX
 from pdserve.kv_transfer.shm_backend import InPlaceKv
-from pdserve.serving import MIGRATION_FAILURE, PREFILL_FAILURE
 from pdserve.telemetry.memory import trim as trim_heap
 from pdserve.transport import is_router_call, open_aio_channel
 from pdserve.v1 import common_pb2, router_pb2, worker_pb2, worker_pb2_grpc
@@ -178,7 +190,7 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
     ) -> AsyncIterator[router_pb2.GenerateResponse]:
         start = time.perf_counter()
         if reason := self.unhealthy_reason():
-            await context.abort(grpc.StatusCode.UNAVAILABLE, f"decode worker {self.worker_id}: {reason}")
+            await failures.abort(context, WorkerUnavailable(f"decode worker {self.worker_id}: {reason}", DECODE))
         request_id = request.request_id or uuid.uuid4().hex
         try:
             tokenize_start = time.perf_counter()
@@ -194,7 +206,7 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
             if params.structured is not None:  # a bad schema is the request's 400, before any work
                 await asyncio.to_thread(structured.check, self.worker.loaded, *params.structured)
         except ValueError as exc:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+            await failures.abort(context, RequestInvalid(str(exc)))
         self.worker.metrics.tokenize_time.observe(tokenize_s)
         timings = common_pb2.Timings(tokenize_s=tokenize_s)
         trace: list[common_pb2.TraceEvent] | None = None  # events not sent yet (traced requests only)
@@ -237,11 +249,11 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
         """Live migration, target side: reserve blocks for prompt + outputs, expect the K/V of every
         token but the last, have the source push them (MigrateOut), then decode on. No prompt token
         is computed here. A failure of the source or of the push ends with UNAVAILABLE and details
-        starting with MIGRATION_FAILURE: the router then fails the request over (re-prefill)."""
+        WorkerUnavailable(MIGRATION_SOURCE): the router then fails the request over (re-prefill)."""
         source = request.migrate_from_address
         if not resume_ids or not request.migrate_request_id:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
-                                "migrate_from_address needs migrate_request_id and resume_output_ids")
+            await failures.abort(context, RequestInvalid(
+                "migrate_from_address needs migrate_request_id and resume_output_ids"))
         started = time.perf_counter()
         seq = await self._wait(self.worker.reserve(request_id, prompt_ids, params, resume_ids, trace), deadline,
                                context)
@@ -263,7 +275,8 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
         except (grpc.aio.AioRpcError, KvTransferError) as exc:
             pending.cancel("migration failed")
             reason = f"{exc.code().name}: {exc.details()}" if isinstance(exc, grpc.aio.AioRpcError) else str(exc)
-            await context.abort(grpc.StatusCode.UNAVAILABLE, f"{MIGRATION_FAILURE} {source}: {reason}")
+            await failures.abort(context, WorkerUnavailable(f"migration failed from {source}: {reason}",
+                                                            MIGRATION_SOURCE))
         finally:
             if not pending.done():
                 pending.cancel("request ended")
@@ -302,11 +315,11 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
         try:
             return await asyncio.wait_for(asyncio.wrap_future(future), timeout=max(0.0, deadline - time.perf_counter()))
         except AdmissionError as exc:
-            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))
+            await failures.abort(context, Overloaded(str(exc)))
         except WorkerDead as exc:
-            await context.abort(grpc.StatusCode.UNAVAILABLE, f"decode worker {self.worker_id}: {exc}")
+            await failures.abort(context, WorkerUnavailable(f"decode worker {self.worker_id}: {exc}", DECODE))
         except ValueError as exc:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+            await failures.abort(context, RequestInvalid(str(exc)))
         except asyncio.TimeoutError:
             future.cancel()
             await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, "request deadline passed while waiting")
@@ -318,7 +331,7 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
         """Reserve, then have `prefill_address` compute the K/V of prompt + resumed tokens and push
         them here; return the prompt tokens the prefill worker took from its prefix cache. A failure on
         the prefill side ends with UNAVAILABLE (INTERNAL when the prefill worker's step broke on this
-        request) and details starting with PREFILL_FAILURE, so the router prefills the request again
+        request), typed with side PREFILL (pdserve/failures.py), so the router prefills the request again
         elsewhere (suspecting the prefill worker only for UNAVAILABLE). `trace`: gets the prefill worker's pass events
         and the KV hand-off."""
         backend, segment_prefix = await self._backend_and_segments(prefill_address, deadline, context)
@@ -342,7 +355,14 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
         )
         loop = asyncio.get_running_loop()
         pending.add_done_callback(lambda p: loop.call_soon_threadsafe(call.cancel) if p.error() else None)
-        call.add_done_callback(lambda c: pending.cancel(CALL_ENDED) if not pending.done() else None)
+        call_ended: list[bool] = []  # the Prefill call ended while the KV intake still waited
+
+        def on_call_done(_call: Any) -> None:
+            if not pending.done():
+                call_ended.append(True)
+                pending.cancel(CALL_ENDED)
+
+        call.add_done_callback(on_call_done)
         kv = None
         try:
             if in_place:  # the ack (and so the response) waits for our copy: commit first
@@ -358,7 +378,7 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
         except (grpc.aio.AioRpcError, KvTransferError) as exc:
             pending.cancel("prefill failed")
             call.cancel()
-            await self._prefill_failed(exc, call, pending, prefill_address, context)
+            await self._prefill_failed(exc, call, pending, prefill_address, context, bool(call_ended))
         finally:
             if isinstance(kv, InPlaceKv):
                 kv.release()  # no-op once copied; otherwise the prefill worker stops waiting for us
@@ -373,7 +393,7 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
         return response.cached_tokens
 
     async def _prefill_failed(self, exc: Exception, call: grpc.aio.UnaryUnaryCall, pending: Any,
-                              prefill_address: str, context: grpc.aio.ServicerContext) -> None:
+                              prefill_address: str, context: grpc.aio.ServicerContext, call_ended: bool) -> None:
         """Pass the request's own faults on; report everything else as the prefill side's failure."""
         self._segment_prefixes.pop(prefill_address, None)  # it may have restarted: ask it again next time
         if isinstance(exc, grpc.aio.AioRpcError):
@@ -381,13 +401,14 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
         else:
             status = await _call_error(call)
         if status is not None and status[0] in CLIENT_ERRORS:
-            await context.abort(status[0], f"prefill worker {prefill_address}: {status[1]}")
+            failure = RequestInvalid if status[0] == grpc.StatusCode.INVALID_ARGUMENT else Overloaded
+            await failures.abort(context, failure(f"prefill worker {prefill_address}: {status[1]}"))
         reason = pending.error()
-        if status is not None and (not reason or CALL_ENDED in reason):
+        if status is not None and (not reason or call_ended):  # the call's own status says more
             reason = status[1]
         step_fault = status is not None and status[0] in STEP_FAULTS
-        code = grpc.StatusCode.INTERNAL if step_fault else grpc.StatusCode.UNAVAILABLE
-        await context.abort(code, f"{PREFILL_FAILURE} {prefill_address}: {reason or exc}")
+        kind = RequestFault if step_fault else WorkerUnavailable
+        await failures.abort(context, kind(f"prefill failed on {prefill_address}: {reason or exc}", PREFILL))
 
     async def _backend_and_segments(self, prefill_address: str, deadline: float,
                                     context: grpc.aio.ServicerContext) -> tuple[str, str]:
@@ -414,8 +435,8 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
             return backend, prefix
         if self.kv_backend == "auto":
             return "grpc", ""
-        await context.abort(grpc.StatusCode.UNAVAILABLE,
-                            f"{PREFILL_FAILURE} {prefill_address}: cannot bind its shm segments: {why or 'no prefix'}")
+        await failures.abort(context, WorkerUnavailable(
+            f"prefill failed on {prefill_address}: cannot bind its shm segments: {why or 'no prefix'}", PREFILL))
         raise AssertionError("unreachable")  # context.abort raises
 
     def _backend_for(self, prefill_address: str) -> str:
@@ -448,8 +469,8 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
                                                   migration=router_pb2.MigrationMarker(suspended=True))
                 return
             if isinstance(item, StreamError):
-                code = grpc.StatusCode.UNAVAILABLE if item.worker_failed else grpc.StatusCode.INTERNAL
-                await context.abort(code, f"decode worker {self.worker_id}: {item.message}")
+                kind = WorkerUnavailable if item.worker_failed else RequestFault
+                await failures.abort(context, kind(f"decode worker {self.worker_id}: {item.message}", DECODE))
             first_at = first_at or time.perf_counter()
             response = self._response(request_id, item, timings, start, first_at, prefill_cached)
             if item.logprob is not None or item.prompt_logprobs is not None:

@@ -307,16 +307,23 @@ class LLMEngine:
         on_layer = self.connector.layer_hook(completing) if self.connector and completing else None
         full_rows = [row for row, item in enumerate(items) if item.is_prefill and item.seq.wants_prompt_logprobs()]
         extra = {"full_rows": full_rows} if full_rows else {}  # only the real runner computes them
-        logits = self.runner.forward(
-            [StepInput(item.token_ids, item.seq.num_cached, item.seq.block_table) for item in items],
-            on_layer_done=on_layer, **extra)
         rows = [row for row, item in enumerate(items) if item.samples]
         seqs = [items[r].seq for r in rows]
+        # grammar masks are computed while the model runs (llguidance's threads, without the GIL)
+        masks = structured.start_masks([seq.constraint for seq in seqs], int(self.loaded.config.vocab_size)) \
+            if any(seq.constraint is not None for seq in seqs) else None
+        try:
+            logits = self.runner.forward(
+                [StepInput(item.token_ids, item.seq.num_cached, item.seq.block_table) for item in items],
+                on_layer_done=on_layer, **extra)
+        finally:
+            if masks is not None:  # a failed pass still waits: the matchers must be idle before anything else
+                structured.finish_masks(masks)
         histories = [TokenHistory(seq.all_ids, seq.next_output_index) if seq.params.penalized else None
                      for seq in seqs]
         row_logits = logits[rows]
-        if any(seq.constraint is not None for seq in seqs):
-            structured.apply(row_logits, [seq.constraint for seq in seqs])
+        if masks is not None:
+            structured.apply_masks(row_logits, masks)
         sampled = sample(row_logits, [seq.params for seq in seqs], [seq.next_output_index for seq in seqs],
                          histories, self.loaded.eos_token_ids)
         logprobs: dict[int, _PassLogprobs] = {}

@@ -4,9 +4,11 @@ Lark grammar), the way vLLM offers it.
 - A request's constraint is `(kind, spec)` (`SamplingParams.structured`); `grammar_of` turns it into
   an llguidance grammar, compiled once per (kind, spec) and cached. JSON output is compact (no free
   whitespace between tokens: a free-whitespace grammar lets a model pad forever).
-- Each constrained sequence holds a `Constraint` (an `LLMatcher`). Before sampling, the engine masks the
-  logits of constrained rows with the matcher's token bitmask (`apply`, batched, on the logits' device);
-  after sampling, the token is consumed; once the matcher is stopped the request is complete.
+- Each constrained sequence holds a `Constraint` (an `LLMatcher`). The engine starts filling the
+  token bitmasks of a pass's constrained rows before its forward pass (`start_masks`: llguidance's
+  threads, without the GIL, so they overlap the model) and masks the logits with them before
+  sampling (`apply_masks`, batched, on the logits' device); after sampling, the token is consumed;
+  once the matcher is stopped the request is complete.
 - State is derived from tokens only: a worker builds the matcher from the request and advances it
   by the output tokens it is given (`Constraint.advance`), so the prefill worker (which samples the
   first token), the decode worker, a failover and a live migration need no extra hand-off.
@@ -15,6 +17,8 @@ Lark grammar), the way vLLM offers it.
 from __future__ import annotations
 
 import json
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
 from functools import lru_cache
 from typing import Any
 
@@ -109,24 +113,59 @@ class Constraint:
         """The output is complete: nothing more may follow (the matcher stopped)."""
         return bool(self._matcher.is_stopped())
 
-    def fill(self, bitmask: torch.Tensor, row: int) -> None:
-        from llguidance.torch import fill_next_token_bitmask
 
-        fill_next_token_bitmask(self._matcher, bitmask, row)
+@dataclass
+class Masks:
+    """Token bitmasks being filled in the background for the constrained rows of a pass."""
+
+    rows: list[int]  # rows of the sampled logits that are constrained
+    bitmask: torch.Tensor  # [len(rows), words] int32
+    filled: Future
+
+
+_pool: tuple[ThreadPoolExecutor, Any] | None = None  # (the thread that waits, llguidance's executor)
+
+
+def _executors() -> tuple[ThreadPoolExecutor, Any]:  # noqa: ANN401
+    global _pool
+    if _pool is None:
+        _pool = (ThreadPoolExecutor(1, thread_name_prefix="pdserve-grammar"), _llg().LLExecutor())
+    return _pool
+
+
+def start_masks(constraints: list[Constraint | None], vocab: int) -> Masks | None:
+    """Start filling the bitmasks of the constrained rows (None when none is), on llguidance's own
+    threads, which run without the GIL: the engine starts this before the forward pass, so the
+    masks are computed while the model runs, as vLLM and SGLang overlap them."""
+    slots = [(row, c) for row, c in enumerate(constraints) if c is not None]
+    if not slots:
+        return None
+    from llguidance.torch import allocate_token_bitmask, fill_next_token_bitmask_par
+
+    bitmask = allocate_token_bitmask(len(slots), vocab)
+    pool, executor = _executors()
+    matchers = [(constraint._matcher, slot) for slot, (_, constraint) in enumerate(slots)]
+    return Masks([row for row, _ in slots], bitmask, pool.submit(fill_next_token_bitmask_par, executor, matchers,
+                                                                  bitmask))
+
+
+def finish_masks(masks: Masks) -> None:
+    """Wait until the bitmasks are filled (the matchers are free to advance after this)."""
+    masks.filled.result()
+
+
+def apply_masks(logits: torch.Tensor, masks: Masks) -> None:
+    """Mask, in place, the constrained rows of `logits` [B, V]: tokens their constraint forbids get -inf."""
+    from llguidance.torch import apply_token_bitmask_inplace
+
+    finish_masks(masks)
+    masked = logits[masks.rows].float()
+    apply_token_bitmask_inplace(masked, masks.bitmask.to(logits.device))
+    logits[masks.rows] = masked.to(logits.dtype)
 
 
 def apply(logits: torch.Tensor, constraints: list[Constraint | None]) -> None:
-    """Mask, in place, the rows of `logits` [B, V] whose constraint is set: tokens it forbids get -inf."""
-    rows = [i for i, c in enumerate(constraints) if c is not None]
-    if not rows:
-        return
-    from llguidance.torch import allocate_token_bitmask, apply_token_bitmask_inplace
-
-    bitmask = allocate_token_bitmask(len(rows), logits.shape[-1])
-    for slot, row in enumerate(rows):
-        constraint = constraints[row]
-        assert constraint is not None
-        constraint.fill(bitmask, slot)
-    masked = logits[rows].float()
-    apply_token_bitmask_inplace(masked, bitmask.to(logits.device))
-    logits[rows] = masked.to(logits.dtype)
+    """`start_masks` then `apply_masks` at once (no forward pass to overlap)."""
+    masks = start_masks(constraints, logits.shape[-1])
+    if masks is not None:
+        apply_masks(logits, masks)

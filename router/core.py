@@ -49,6 +49,8 @@ from dataclasses import dataclass, field
 
 import grpc
 
+from pdserve import failures
+from pdserve.failures import RequestFault, WorkerUnavailable
 from pdserve.router.admission import AdmissionQueue, Busy, QueueFull
 from pdserve.router.config import MAX_RECEIVE_MESSAGE_BYTES, RouterConfig
 from pdserve.router.metrics import RequestClock, RouterMetrics
@@ -56,17 +58,19 @@ from pdserve.router.mux import DecodeMux, MuxCall
 from pdserve.router.policies import DECODE, PREFILL, estimate_prompt_tokens, make_policy, prefix_key
 from pdserve.router.validation import InvalidRequest, validate_generate_request
 from pdserve.router.worker_pool import ROLE_PB, Lease, NoHealthyWorker, SwitchRefused, WorkerPool
-from pdserve.serving import MIGRATION_FAILURE, PREFILL_FAILURE
 from pdserve.telemetry.grpc_logging import log_finish, log_start, safe_id
 from pdserve.transport import internal_metadata, open_aio_channel
 from pdserve.v1 import common_pb2, router_pb2, worker_pb2, worker_pb2_grpc
 
 log = logging.getLogger(__name__)
 
-#: Statuses from a decode worker that mean "a worker failed", not "the request is wrong".
+#: Statuses from a decode worker that mean "a worker failed", not "the request is wrong", when the
+#: call carries no typed failure (pdserve/failures.py): a worker that died mid-call says nothing.
 RETRYABLE = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.INTERNAL, grpc.StatusCode.UNKNOWN})
-#: Statuses of a request that broke a worker's step (not the worker itself): never suspect the worker.
+#: Of those, the statuses of a request that broke a worker's step (not the worker itself).
 REQUEST_FAULTS = frozenset({grpc.StatusCode.INTERNAL, grpc.StatusCode.UNKNOWN})
+#: The typed failures the router fails over on.
+_RETRY_KINDS = frozenset({WorkerUnavailable.kind, RequestFault.kind})
 #: Outcomes of a request that completed (StatusResponse.recent: ok).
 _FINISHED_OK = frozenset({"FINISH_REASON_STOP", "FINISH_REASON_LENGTH", "FINISH_REASON_STOP_STRING"})
 #: What a grpc.aio call's read() returns at the end of the stream.
@@ -96,6 +100,7 @@ class _Failure:
     address: str  # the worker to avoid next time
     code: grpc.StatusCode
     details: str
+    request_fault: bool = False  # the request broke a step there: nobody is suspected
 
 
 @dataclass
@@ -517,7 +522,7 @@ class RouterCore:
                     safe_id(state.echo_id), state.internal_id, attempt + 1, failure.address, failure.details,
                     len(state.delivered))
         state.avoid.add(failure.address)
-        if failure.code in REQUEST_FAULTS:
+        if failure.request_fault:
             state.request_faults += 1
             if state.request_faults >= 2:
                 raise RouterError(failure.code, f"request failed the same way on two workers (not retried "
@@ -625,13 +630,18 @@ class RouterCore:
     def _on_decode_error(self, state: _Request, lease: Lease, result: _Attempt, exc: grpc.aio.AioRpcError) -> None:
         """A decode call failed: a retryable failure goes to `result.failure`; any other raises RouterError."""
         details = exc.details() or exc.code().name
-        if exc.code() not in RETRYABLE:
+        typed = failures.received(exc.trailing_metadata())  # the status's meaning; the text is for people
+        if not (typed.kind in _RETRY_KINDS if typed is not None else exc.code() in RETRYABLE):
             log.info("decode worker %s failed: %s: %s", lease.decode_address, exc.code().name, details)
             raise RouterError(exc.code(), details or f"decode worker {lease.decode_address} failed") from None
-        failed = lease.prefill_address if details.startswith(PREFILL_FAILURE) else lease.decode_address
-        if details.startswith(MIGRATION_FAILURE) and state.migration is not None:
+        side = typed.side if typed is not None else failures.DECODE
+        failed = lease.decode_address
+        if side == failures.PREFILL and lease.prefill_address:
+            failed = lease.prefill_address
+        elif side == failures.MIGRATION_SOURCE and state.migration is not None:
             failed = state.migration.source  # the target is fine: the source could not hand over
-        result.failure = _Failure(failed, exc.code(), f"{exc.code().name}: {details}")
+        fault = typed.kind == RequestFault.kind if typed is not None else exc.code() in REQUEST_FAULTS
+        result.failure = _Failure(failed, exc.code(), f"{exc.code().name}: {details}", fault)
 
     def _on_marker(self, state: _Request, lease: Lease, marker: router_pb2.MigrationMarker,
                    result: _Attempt) -> bool:

@@ -28,6 +28,7 @@ from typing import Any
 
 import grpc
 
+from pdserve.failures import FAILURE_KEY
 from pdserve.serving import STATUS_BY_NUMBER
 from pdserve.v1 import worker_pb2, worker_pb2_grpc
 
@@ -37,8 +38,10 @@ _EOF = grpc.aio.EOF
 _CLOSE = object()  # ends the outgoing request stream
 
 
-def rpc_error(code: grpc.StatusCode, details: str) -> grpc.aio.AioRpcError:
-    return grpc.aio.AioRpcError(code, grpc.aio.Metadata(), grpc.aio.Metadata(), details)
+def rpc_error(code: grpc.StatusCode, details: str, failure: str = "") -> grpc.aio.AioRpcError:
+    """The AioRpcError a Generate call would raise, with the typed failure in its trailing metadata."""
+    trailing = grpc.aio.Metadata((FAILURE_KEY, failure)) if failure else grpc.aio.Metadata()
+    return grpc.aio.AioRpcError(code, grpc.aio.Metadata(), trailing, details)
 
 
 class MuxCall:
@@ -165,7 +168,8 @@ class DecodeMux:
                     if item.end:
                         del calls[item.request_id]
                         call._end(_EOF if item.code == 0 else
-                                  rpc_error(STATUS_BY_NUMBER.get(item.code, grpc.StatusCode.UNKNOWN), item.details))
+                                  rpc_error(STATUS_BY_NUMBER.get(item.code, grpc.StatusCode.UNKNOWN), item.details,
+                                            item.failure))
         except grpc.aio.AioRpcError as exc:
             # the worker's side ended the call (it stopped, or the connection dropped): for the requests
             # on it that is the worker failing, as for a Generate call to a dead worker

@@ -36,12 +36,6 @@ CONTROL_THREADS = 32
 #: Start of the one stdout line a pdserve process prints once it serves: ``PDSERVE_READY {json}``
 #: (address, worker_id, pid, role and optional extra addresses); the launchers wait for it.
 READY_PREFIX = "PDSERVE_READY"
-#: Start of the details of a decode worker's UNAVAILABLE status when the prefill side failed (the
-#: prefill worker or the KV transfer): the router then avoids that prefill worker on the retry.
-PREFILL_FAILURE = "prefill failed on"
-#: Start of the details of a migration target's UNAVAILABLE status when taking the request's K/V
-#: from the source decode worker failed (Router.Migrate): the router then fails the request over.
-MIGRATION_FAILURE = "migration failed from"
 #: grpc.StatusCode by its number: grpc.aio reports some statuses as raw numbers, and GenerateMux end
 #: items carry them as numbers.
 STATUS_BY_NUMBER: dict[int, grpc.StatusCode] = {code.value[0]: code for code in grpc.StatusCode}

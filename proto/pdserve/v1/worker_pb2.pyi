@@ -39,18 +39,20 @@ class MuxResponse(_message.Message):
     def __init__(self, items: _Optional[_Iterable[_Union[MuxItem, _Mapping]]] = ...) -> None: ...
 
 class MuxItem(_message.Message):
-    __slots__ = ("request_id", "response", "end", "code", "details")
+    __slots__ = ("request_id", "response", "end", "code", "details", "failure")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     RESPONSE_FIELD_NUMBER: _ClassVar[int]
     END_FIELD_NUMBER: _ClassVar[int]
     CODE_FIELD_NUMBER: _ClassVar[int]
     DETAILS_FIELD_NUMBER: _ClassVar[int]
+    FAILURE_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     response: _router_pb2.GenerateResponse
     end: bool
     code: int
     details: str
-    def __init__(self, request_id: _Optional[str] = ..., response: _Optional[_Union[_router_pb2.GenerateResponse, _Mapping]] = ..., end: _Optional[bool] = ..., code: _Optional[int] = ..., details: _Optional[str] = ...) -> None: ...
+    failure: str
+    def __init__(self, request_id: _Optional[str] = ..., response: _Optional[_Union[_router_pb2.GenerateResponse, _Mapping]] = ..., end: _Optional[bool] = ..., code: _Optional[int] = ..., details: _Optional[str] = ..., failure: _Optional[str] = ...) -> None: ...
 
 class DecodeRequest(_message.Message):
     __slots__ = ("request_id", "prompt", "messages", "token_ids", "params", "prefill_address", "resume_output_ids", "client_request_id", "trace", "migrate_from_address", "migrate_request_id")
