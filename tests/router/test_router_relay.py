@@ -213,3 +213,22 @@ def test_a_request_that_breaks_the_prefill_step_blames_the_request_not_the_worke
     first.mode = second.mode = "ok"
     assert [r.text for r in stub.Generate(REQUEST, timeout=10)] == [r.text for r in SCRIPT]  # no 503
     assert time.monotonic() - started < 10
+
+
+def test_n_choices_go_to_the_first_choices_decode_worker_without_a_prefill(fake_server, start_router) -> None:
+    """n=3 over gRPC: choice 0 is prefilled by the prefill worker; choices 1 and 2 go to the decode
+    worker that produced choice 0's first token, with no prefill worker (it holds the prompt's
+    blocks), even under round robin; seeds are seed + i; every response names its choice."""
+    decodes = [FakeDecode(), FakeDecode()]
+    _, stub, prefill, _ = _pd(fake_server, start_router, *decodes)
+    request = router_pb2.GenerateRequest(prompt="Hello", params=common_pb2.SamplingParams(
+        max_tokens=3, n=3, seed=40, temperature=1.0))
+    responses = list(stub.Generate(request, timeout=10))
+    by_choice = {i: [r.text for r in responses if r.index == i] for i in range(3)}
+    assert by_choice == {i: [r.text for r in SCRIPT] for i in range(3)}
+    assert sum(1 for r in responses if r.finish_reason) == 3
+    first, other = decodes if decodes[0].requests else decodes[::-1]
+    assert not other.requests and len(first.requests) == 3
+    assert [r.prefill_address for r in first.requests] == [prefill, "", ""]
+    assert sorted(r.params.seed for r in first.requests) == [40, 41, 42]
+    assert all(r.params.n == 0 for r in first.requests)  # a worker gets one choice each
