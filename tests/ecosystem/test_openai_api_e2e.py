@@ -135,7 +135,7 @@ def test_closing_stream_mid_way_frees_blocks(cluster: LocalCluster, client: open
 
 def test_errors_have_openai_shape(cluster: LocalCluster, client: openai.OpenAI, model: str) -> None:
     with pytest.raises(openai.BadRequestError) as n2:
-        client.completions.create(model=model, prompt=PROMPT, max_tokens=4, n=2)
+        client.completions.create(model=model, prompt=PROMPT, max_tokens=4, n=129)  # OpenAI's bound is 128
     assert n2.value.status_code == 400
     error = n2.value.response.json()["error"]
     assert set(error) == {"message", "type", "param", "code"} and error["param"] == "n"
@@ -151,10 +151,11 @@ def test_errors_have_openai_shape(cluster: LocalCluster, client: openai.OpenAI, 
         model=model, prompt=PROMPT, max_tokens=4, temperature=0, frequency_penalty=0.5, presence_penalty=0.5,
         logit_bias={"1": 5}, extra_body={"min_tokens": 4, "repetition_penalty": 1.1})
     assert served.usage is not None and served.usage.completion_tokens == 4 and served.choices[0].text
-    with pytest.raises(openai.BadRequestError) as tools:
-        client.chat.completions.create(model=model, messages=MESSAGES, tools=[
+    with pytest.raises(openai.BadRequestError) as tools:  # a named function that is not among the tools
+        client.chat.completions.create(model=model, messages=MESSAGES, tool_choice={
+            "type": "function", "function": {"name": "g"}}, tools=[
             {"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {}}}}])
-    assert tools.value.response.json()["error"]["param"] == "tools"
+    assert tools.value.response.json()["error"]["param"] == "tool_choice"
     with pytest.raises(openai.NotFoundError):
         client.completions.create(model="no-such-model", prompt=PROMPT, max_tokens=4)
 
@@ -302,7 +303,10 @@ def test_n_choices_prefill_the_prompt_once(cluster: LocalCluster, client: openai
     assert answer.usage.completion_tokens == 4 * 12 and answer.usage.total_tokens == prompt_tokens + 48
     prefilled = after["prefill"].prefill_tokens_computed - before["prefill"].prefill_tokens_computed
     on_decode = after["decode"].prefill_tokens_computed - before["decode"].prefill_tokens_computed
-    assert prefilled == prompt_tokens, (prefilled, prompt_tokens)
+    # once: the prompt less what the prefill worker had cached (the chat template's system turn, which
+    # earlier requests share); twice would be more than the whole prompt
+    cached = answer.usage.prompt_tokens_details.cached_tokens
+    assert cached < prompt_tokens / 2 and prompt_tokens - cached <= prefilled <= prompt_tokens, (prefilled, cached)
     assert 3 <= on_decode <= 3 * 16, on_decode  # < one block (16 tokens) per choice after the first
     texts = [c.message.content for c in sorted(answer.choices, key=lambda c: c.index)]
     assert len(set(texts)) > 1  # seeds seed + i: different draws

@@ -122,10 +122,11 @@ def test_engine_streams_full_decode(family: str, tiny_sp_llama_dir: Path, tiny_l
     loaded = load_model(tiny_sp_llama_dir if family == "metaspace" else tiny_llama_dir)
     engine = make_engine(loaded)
     tokenizer = loaded.tokenizer
-    prompts = [tokenizer(p).input_ids for p, _ in TEXTS]
-    params = SamplingParams(max_tokens=40, temperature=1.0, seed=3, ignore_eos=True)
+    # each prompt with 4 seeds: 16 streams, so some first token starts a word whatever the draws
+    prompts = [tokenizer(p).input_ids for p, _ in TEXTS for _seed in range(4)]
     for i, prompt_ids in enumerate(prompts):
-        engine.add_request(f"r{i}", prompt_ids, params)
+        engine.add_request(f"r{i}", prompt_ids, SamplingParams(max_tokens=40, temperature=1.0, seed=3 + i % 4,
+                                                               ignore_eos=True))
     texts = {f"r{i}": "" for i in range(len(prompts))}
     outputs: dict[str, list[int]] = {f"r{i}": [] for i in range(len(prompts))}
     while engine.has_work:
