@@ -61,6 +61,35 @@ def tiny_model(tiny_model_dir: Path) -> LoadedModel:
     return load_model(tiny_model_dir)
 
 
+#: Folders (under tests/) whose tests start worker processes, a router process or Ray: all `slow`.
+SLOW_FOLDERS = frozenset({"e2e", "reliability", "ecosystem", "ray"})
+#: Folders whose tests start a Ray cluster: `ray` (and `slow`).
+RAY_FOLDERS = frozenset({"ray"})
+#: Modules elsewhere whose tests start worker processes (LocalCluster, `pdserve serve`, gpu_check.sh).
+SLOW_MODULES = frozenset({"capacity/test_sim_cluster.py", "capacity/test_capacity_bench_real.py",
+                          "test_gpu_check.py"})
+#: Fixtures that load the real default model (135M parameters) into the test process.
+SLOW_FIXTURES = frozenset({"default_model"})
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Mark tests `slow` (and `ray`) by where they live and what they use, so that `-m "not slow"`
+    (`./run test-fast`) is the fast lane; a marker set in the module itself is kept."""
+    root = Path(__file__).resolve().parent
+    for item in items:
+        try:
+            relative = item.path.resolve().relative_to(root)
+        except ValueError:  # a test outside tests/ (a path given on the command line)
+            continue
+        folder = relative.parts[0] if len(relative.parts) > 1 else ""
+        slow = (folder in SLOW_FOLDERS or relative.as_posix() in SLOW_MODULES
+                or not SLOW_FIXTURES.isdisjoint(getattr(item, "fixturenames", ())))
+        if folder in RAY_FOLDERS:
+            item.add_marker(pytest.mark.ray)
+        if slow:
+            item.add_marker(pytest.mark.slow)
+
+
 EngineFactory = Callable[..., LLMEngine]
 
 
