@@ -26,6 +26,15 @@ def default_model_dir() -> Path:
 
 
 @pytest.fixture(scope="session")
+def default_tokenizer(default_model_dir: Path):  # noqa: ANN201 - a transformers tokenizer
+    """The default model's tokenizer alone (what `default_model.tokenizer` is: load_model reads it with
+    AutoTokenizer), for tests of tokenization that need no weights."""
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(default_model_dir)
+
+
+@pytest.fixture(scope="session")
 def default_model(default_model_dir: Path) -> LoadedModel:
     torch.manual_seed(0)
     return load_model(default_model_dir)
@@ -65,9 +74,9 @@ def tiny_model(tiny_model_dir: Path) -> LoadedModel:
 SLOW_FOLDERS = frozenset({"e2e", "reliability", "ecosystem", "ray"})
 #: Folders whose tests start a Ray cluster: `ray` (and `slow`).
 RAY_FOLDERS = frozenset({"ray"})
-#: Modules elsewhere whose tests start worker processes (LocalCluster, `pdserve serve`, gpu_check.sh).
-SLOW_MODULES = frozenset({"capacity/test_sim_cluster.py", "capacity/test_capacity_bench_real.py",
-                          "test_gpu_check.py"})
+#: Modules elsewhere whose tests start worker processes (LocalCluster of sim-engine or real workers).
+#: (Single slow tests elsewhere carry their own @pytest.mark.slow, e.g. tests/test_gpu_check.py's dry run.)
+SLOW_MODULES = frozenset({"capacity/test_sim_cluster.py", "capacity/test_capacity_bench_real.py"})
 #: Fixtures that load the real default model (135M parameters) into the test process.
 SLOW_FIXTURES = frozenset({"default_model"})
 

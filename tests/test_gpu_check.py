@@ -17,9 +17,8 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 
 import device_deps  # noqa: E402
 
-pytestmark = pytest.mark.slow
 
-
+@pytest.mark.slow
 def test_dry_run_of_the_device_check_passes_every_step(tmp_path: Path) -> None:
     env = {**os.environ, "PYTHON": sys.executable}
     env.pop("OUT", None)

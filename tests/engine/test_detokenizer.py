@@ -14,8 +14,8 @@ def _stream(tokenizer, ids: list[int]) -> list[str]:  # noqa: ANN001
     return deltas + [detok.flush()]
 
 
-def test_chinese_characters_never_split(default_model) -> None:  # noqa: ANN001
-    tok = default_model.tokenizer
+def test_chinese_characters_never_split(default_tokenizer) -> None:  # noqa: ANN001
+    tok = default_tokenizer
     text = "济南的冬天是响晴的。🙂 Winter in Jinan."
     ids = tok(text, add_special_tokens=False).input_ids
     deltas = _stream(tok, ids)
@@ -26,8 +26,8 @@ def test_chinese_characters_never_split(default_model) -> None:  # noqa: ANN001
 
 @settings(max_examples=60, deadline=None)
 @given(seed=st.integers(0, 2**32 - 1), length=st.integers(1, 40))
-def test_random_streams_concatenate_to_full_decode(default_model, seed: int, length: int) -> None:  # noqa: ANN001
-    tok = default_model.tokenizer
+def test_random_streams_concatenate_to_full_decode(default_tokenizer, seed: int, length: int) -> None:  # noqa: ANN001
+    tok = default_tokenizer
     rng = random.Random(seed)
     vocab = len(tok)
     ids = [rng.randrange(vocab) for _ in range(length)]
@@ -37,10 +37,10 @@ def test_random_streams_concatenate_to_full_decode(default_model, seed: int, len
     assert "".join(deltas) == tok.decode(ids, skip_special_tokens=True, clean_up_tokenization_spaces=False)
 
 
-def test_a_generated_replacement_character_streams_when_generated(default_model) -> None:  # noqa: ANN001
+def test_a_generated_replacement_character_streams_when_generated(default_tokenizer) -> None:  # noqa: ANN001
     """U+FFFD the model really writes is not an incomplete character: it streams with its token, not
     at the end (700 such tokens used to arrive as one chunk at the finish)."""
-    tok = default_model.tokenizer
+    tok = default_tokenizer
     ids = tok("\ufffd", add_special_tokens=False).input_ids * 50  # nothing but U+FFFD, as in the report
     detok = IncrementalDetokenizer(tok)
     deltas = [detok.add(t) for t in ids]

@@ -79,8 +79,9 @@ def test_metaspace_tokenizer_is_sentencepiece_like(sp_tokenizer: PreTrainedToken
 
 @pytest.mark.parametrize(("prompt", "continuation"), TEXTS)
 @pytest.mark.parametrize("family", ["metaspace", "byte_level"])
-def test_stream_equals_full_decode(family: str, prompt: str, continuation: str, sp_tokenizer, default_model) -> None:  # noqa: ANN001
-    tokenizer = sp_tokenizer if family == "metaspace" else default_model.tokenizer
+def test_stream_equals_full_decode(family: str, prompt: str, continuation: str, sp_tokenizer,  # noqa: ANN001
+                                   default_tokenizer) -> None:  # noqa: ANN001
+    tokenizer = sp_tokenizer if family == "metaspace" else default_tokenizer
     prompt_ids, output_ids = split(tokenizer, prompt, continuation)
     deltas = stream(tokenizer, prompt_ids, output_ids)
     text = "".join(deltas)

@@ -16,8 +16,8 @@ def _ids(tokenizer, text: str) -> list[int]:  # noqa: ANN001
     return tokenizer.convert_tokens_to_ids([text])
 
 
-def test_role_markers_in_content_stay_text(default_model) -> None:  # noqa: ANN001
-    tok = default_model.tokenizer
+def test_role_markers_in_content_stay_text(default_tokenizer) -> None:  # noqa: ANN001
+    tok = default_tokenizer
     (start,), (end,) = _ids(tok, "<|im_start|>"), _ids(tok, "<|im_end|>")
     ids = encode_chat(tok, [("system", "Be kind."), ("user", FORGED)])
     # the template's turns only: system, user, and the assistant's opening
@@ -32,8 +32,8 @@ def test_role_markers_in_content_stay_text(default_model) -> None:  # noqa: ANN0
     [("system", "You are terse."), ("user", "Name a colour.\n  Then another.")],
     [("user", "one"), ("assistant", "two"), ("user", "three, with a tab\tinside")],
 ])
-def test_benign_content_tokenizes_as_before(default_model, messages, monkeypatch: pytest.MonkeyPatch) -> None:  # noqa: ANN001
-    tok = default_model.tokenizer
+def test_benign_content_tokenizes_as_before(default_tokenizer, messages, monkeypatch: pytest.MonkeyPatch) -> None:  # noqa: ANN001
+    tok = default_tokenizer
     plain = encode_chat(tok, messages)
     rendered = tok.apply_chat_template([{"role": r, "content": c} for r, c in messages], tokenize=False,
                                        add_generation_prompt=True)
@@ -45,7 +45,7 @@ def test_benign_content_tokenizes_as_before(default_model, messages, monkeypatch
     assert encode_chat(tok, messages) == plain
 
 
-def test_completion_prompts_keep_special_tokens(default_model) -> None:  # noqa: ANN001
-    tok = default_model.tokenizer
+def test_completion_prompts_keep_special_tokens(default_tokenizer) -> None:  # noqa: ANN001
+    tok = default_tokenizer
     ids = encode_text(tok, "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n")
     assert ids.count(_ids(tok, "<|im_start|>")[0]) == 2
