@@ -7,12 +7,13 @@ import math
 import socket
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from concurrent import futures
 
 import grpc
 import pytest
 import torch
+from waiting import eventually
 
 from pdserve.kv_transfer import get_backend
 from pdserve.kv_transfer.base import SUPPORTED_DTYPES, KvSpec, KvTransferError
@@ -147,7 +148,7 @@ def test_second_stream_for_same_request_is_refused(receiver: tuple[KvTransferSer
 
     with futures.ThreadPoolExecutor(1) as pool:
         first_push = pool.submit(raw_push, address, stalled())
-        _wait_until(lambda: pending._claimed)  # noqa: SLF001 - the first stream is bound
+        eventually(lambda: pending._claimed, 5.0, what="the first stream to be bound")  # noqa: SLF001
         dup_ack = raw_push(address, frames)
         release.set()
         assert first_push.result().ok
@@ -261,10 +262,3 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
-
-
-def _wait_until(cond: Callable[[], bool], timeout: float = 5.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not cond():
-        assert time.monotonic() < deadline, "condition not reached"
-        time.sleep(0.01)

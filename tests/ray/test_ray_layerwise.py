@@ -16,6 +16,8 @@ import torch
 
 ray = pytest.importorskip("ray")
 
+from waiting import eventually  # noqa: E402
+
 from pdserve.cluster.ray_cluster import RayCluster, RayClusterConfig  # noqa: E402
 from pdserve.engine.config import EngineConfig  # noqa: E402
 from pdserve.engine.llm_engine import LLMEngine  # noqa: E402
@@ -115,13 +117,6 @@ def _in_thread(fn: Callable[[], None]) -> threading.Thread:
     return thread
 
 
-def _until(predicate: Callable[[], bool], what: str, timeout: float = 20.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.02)
-
-
 def _state(host: Any) -> dict[str, Any]:  # noqa: ANN401 - a Ray ActorHandle
     return ray.get(host.state.remote(), timeout=30)
 
@@ -182,7 +177,8 @@ def test_parts_travel_before_the_last_layer_is_ready(host: Any) -> None:  # noqa
         sending = pool.submit(sender.send_layers, spec, stream, 30)
         _fill(stream, kv, range(3), delay_s=0)
         # the receiver copies the first three layers while the other three are not computed yet
-        _until(lambda: _state(host)["partial"].get(spec.request_id) == 3, "the first three layers to arrive")
+        eventually(lambda: _state(host)["partial"].get(spec.request_id) == 3, 20.0,
+                   what="the first three layers to arrive")
         assert not sending.done()
         _fill(stream, kv, range(3, spec.num_layers), delay_s=0)
         assert sending.result(timeout=30).ok
@@ -223,7 +219,7 @@ def test_source_failing_mid_stream_aborts_the_intake(host: Any) -> None:  # noqa
 
     def prefill_that_fails() -> None:
         _fill(stream, kv, range(3))
-        _until(lambda: _state(host)["partial"].get(spec.request_id) == 3, "a partial assembly")
+        eventually(lambda: _state(host)["partial"].get(spec.request_id) == 3, 20.0, what="a partial assembly")
         stream.fail(RuntimeError("forward pass exploded at layer 3"))
 
     filler = _in_thread(prefill_that_fails)
@@ -246,10 +242,10 @@ def test_cancelled_or_expired_intake_drops_its_partial_buffer(host: Any, how: st
     with ThreadPoolExecutor(1) as pool:
         sending = pool.submit(sender.send_layers, spec, stream, 30)
         _fill(stream, kv, range(2), delay_s=0)
-        _until(lambda: _state(host)["partial"].get(spec.request_id) == 2, "a partial assembly")
+        eventually(lambda: _state(host)["partial"].get(spec.request_id) == 2, 20.0, what="a partial assembly")
         if how == "cancel":  # what the decode worker does when its Prefill call failed or the client left
             assert ray.get(host.cancel.remote(spec.request_id, "client cancelled"), timeout=30)
-        _until(lambda: _state(host)["partial"] == {}, "the partial buffer to be dropped")
+        eventually(lambda: _state(host)["partial"] == {}, 20.0, what="the partial buffer to be dropped")
         _fill(stream, kv, range(2, spec.num_layers), delay_s=0)  # the rest arrives too late
         with pytest.raises(KvTransferError, match="refused"):
             sending.result(timeout=30)

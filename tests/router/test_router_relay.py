@@ -14,6 +14,7 @@ from pathlib import Path
 import grpc
 from grpc_reflection.v1alpha.proto_reflection_descriptor_database import ProtoReflectionDescriptorDatabase
 from router_fakes import SCRIPT, FakeDecode, FakePrefill
+from waiting import eventually
 
 from pdserve.router.config import RouterConfig
 from pdserve.v1 import common_pb2, router_pb2
@@ -107,14 +108,15 @@ def test_unreachable_decode_worker_gives_unavailable_quickly(fake_server, start_
 def test_unhealthy_report_and_recovery(fake_server, start_router) -> None:
     decode = FakeDecode()
     decode.info.healthy = False
-    _, stub, _, _ = _pd(fake_server, start_router, decode)
+    server, stub, _, _ = _pd(fake_server, start_router, decode)
     try:
         list(stub.Generate(REQUEST, timeout=10))
         raise AssertionError("expected an error")
     except grpc.RpcError as error:
         assert error.code() == grpc.StatusCode.UNAVAILABLE
     decode.info.healthy = True
-    time.sleep(1.2)  # two poll intervals
+    # the router's next poll (every 0.5 s) sees the worker healthy again
+    eventually(lambda: all(c.healthy for c in server.pool.candidates(["decode"])), 10, what="the decode worker healthy")
     assert list(stub.Generate(REQUEST, timeout=10))[-1].finish_reason == common_pb2.FINISH_REASON_STOP
 
 
