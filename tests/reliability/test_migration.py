@@ -16,6 +16,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -61,6 +62,24 @@ def _cluster(model_dir: Path, delay_ms: int = 60, **extra: object) -> LocalClust
     return LocalCluster(LocalClusterConfig(
         model=str(model_dir), prefill=1, decode=2, threads_per_worker=1,
         decode_args=("--inject-step-delay-ms", str(delay_ms), "--kv-timeout-s", "20"), **extra))  # type: ignore[arg-type]
+
+
+@pytest.fixture(scope="module")
+def shared_cluster(tiny_llama_dir: Path) -> Iterator[Callable[[tuple[str, ...]], LocalCluster]]:
+    """The clusters of the tests that kill no worker, one per router transport, started on first use
+    and shared by those tests: each ends with every worker idle, and reads worker counters as
+    differences, so none depends on what ran before it. (The tests that kill or drain a worker start
+    their own.)"""
+    started: dict[tuple[str, ...], LocalCluster] = {}
+
+    def get(router_args: tuple[str, ...]) -> LocalCluster:
+        if router_args not in started:
+            started[router_args] = _cluster(tiny_llama_dir, router_args=router_args)
+        return started[router_args]
+
+    yield get
+    for cluster in started.values():
+        cluster.stop()
 
 
 def assert_muxed(cluster: LocalCluster, router_args: tuple[str, ...]) -> None:
@@ -146,58 +165,60 @@ def _live(cluster: LocalCluster, dead: frozenset[int] = frozenset()) -> list[tup
 @pytest.mark.parametrize(("params", "router_args"), [({}, ()), (PENALIZED, ()), ({}, ("--decode-mux",))],
                          ids=["greedy", "seeded-penalized", "greedy-mux"])
 def test_migration_mid_stream_gives_identical_tokens_and_target_computes_no_prompt(
-        tiny_llama_dir: Path, params: dict, router_args: tuple[str, ...]) -> None:
+        tiny_llama_dir: Path, shared_cluster, params: dict, router_args: tuple[str, ...]) -> None:  # noqa: ANN001
     expected = _expected(tiny_llama_dir, MAX_TOKENS, **params)
-    with _cluster(tiny_llama_dir, router_args=router_args) as cluster:
-        undisturbed = generate(cluster.router_address, PROMPT, MAX_TOKENS, ignore_eos=True, **params)
-        assert undisturbed.token_ids == expected
-        stream = Stream(cluster.router_address, "move-me", MAX_TOKENS, **params)
-        stream.wait_tokens(10)
-        source, target = _source_and_target(cluster)
-        before = worker_info(target.address, "decode")
-        done = _migrate(cluster.router_address, "move-me", to=target.worker_id)
-        stream.result()
-        assert stream.token_ids == expected
-        assert stream.text == undisturbed.text  # detokenizer state moved too: no lost or repeated text
-        assert (done.from_address, done.to_address) == (source.address, target.address)
-        prompt_len = stream.responses[-1].usage.prompt_tokens
-        assert prompt_len + 10 - 1 <= done.num_tokens < prompt_len + MAX_TOKENS and done.kv_bytes > 0
-        after_target, after_source = worker_info(target.address, "decode"), worker_info(source.address, "decode")
-        assert after_target.requests_migrated_in == before.requests_migrated_in + 1
-        assert after_target.prefill_tokens_computed == before.prefill_tokens_computed == 0  # no prompt computed
-        assert after_source.requests_migrated_out == 1
-        assert stream.responses[-1].usage.completion_tokens == MAX_TOKENS
-        wait_idle(_live(cluster))
-        assert_muxed(cluster, router_args)
+    cluster = shared_cluster(router_args)
+    request_id = f"move-me-{len(params)}-{len(router_args)}"  # one per case: the cluster is shared
+    undisturbed = generate(cluster.router_address, PROMPT, MAX_TOKENS, ignore_eos=True, **params)
+    assert undisturbed.token_ids == expected
+    stream = Stream(cluster.router_address, request_id, MAX_TOKENS, **params)
+    stream.wait_tokens(10)
+    source, target = _source_and_target(cluster)
+    before, before_source = worker_info(target.address, "decode"), worker_info(source.address, "decode")
+    done = _migrate(cluster.router_address, request_id, to=target.worker_id)
+    stream.result()
+    assert stream.token_ids == expected
+    assert stream.text == undisturbed.text  # detokenizer state moved too: no lost or repeated text
+    assert (done.from_address, done.to_address) == (source.address, target.address)
+    prompt_len = stream.responses[-1].usage.prompt_tokens
+    assert prompt_len + 10 - 1 <= done.num_tokens < prompt_len + MAX_TOKENS and done.kv_bytes > 0
+    after_target, after_source = worker_info(target.address, "decode"), worker_info(source.address, "decode")
+    assert after_target.requests_migrated_in == before.requests_migrated_in + 1
+    assert after_target.prefill_tokens_computed == before.prefill_tokens_computed == 0  # no prompt computed
+    assert after_source.requests_migrated_out == before_source.requests_migrated_out + 1
+    assert stream.responses[-1].usage.completion_tokens == MAX_TOKENS
+    wait_idle(_live(cluster))
+    assert_muxed(cluster, router_args)
 
 
-def test_migrate_cli_and_errors(tiny_llama_dir: Path) -> None:
+def test_migrate_cli_and_errors(tiny_llama_dir: Path, shared_cluster) -> None:  # noqa: ANN001
     expected = _expected(tiny_llama_dir, MAX_TOKENS)
-    with _cluster(tiny_llama_dir) as cluster:
-        with pytest.raises(grpc.RpcError) as err:
-            _migrate(cluster.router_address, "nobody")
-        assert err.value.code() == grpc.StatusCode.NOT_FOUND
-        decode_stub = worker_pb2_grpc.DecodeWorkerStub(open_channel(_decoders(cluster)[0].address))
-        with pytest.raises(grpc.RpcError) as err:  # K/V goes only to registered decode workers
-            decode_stub.MigrateOut(worker_pb2.MigrateOutRequest(
-                request_id="x", target_request_id="y", kv_target_address="127.0.0.1:9", num_tokens=1), timeout=10)
-        assert err.value.code() == grpc.StatusCode.PERMISSION_DENIED
-        stream = Stream(cluster.router_address, "cli-move", MAX_TOKENS)
-        stream.wait_tokens(8)
-        source, target = _source_and_target(cluster)
-        with pytest.raises(grpc.RpcError) as err:  # a worker that is not a decode worker is no target
-            _migrate(cluster.router_address, "cli-move", to=cluster.workers[0].address
-                     if cluster.workers[0].role == "prefill" else "prefill-0")
-        assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION
-        env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), str(REPO / "proto")])}
-        out = subprocess.run([sys.executable, "-m", "pdserve.cluster.cli", "migrate", "--url", cluster.router_address,
-                              "cli-move"], capture_output=True, text=True, timeout=120, env=env, cwd=REPO)
-        assert out.returncode == 0, out.stderr
-        assert f"from {source.address} to {target.address}" in out.stdout
-        stream.result()
-        assert stream.token_ids == expected
-        assert worker_info(target.address, "decode").requests_migrated_in == 1
-        wait_idle(_live(cluster))
+    cluster = shared_cluster(())
+    with pytest.raises(grpc.RpcError) as err:
+        _migrate(cluster.router_address, "nobody")
+    assert err.value.code() == grpc.StatusCode.NOT_FOUND
+    decode_stub = worker_pb2_grpc.DecodeWorkerStub(open_channel(_decoders(cluster)[0].address))
+    with pytest.raises(grpc.RpcError) as err:  # K/V goes only to registered decode workers
+        decode_stub.MigrateOut(worker_pb2.MigrateOutRequest(
+            request_id="x", target_request_id="y", kv_target_address="127.0.0.1:9", num_tokens=1), timeout=10)
+    assert err.value.code() == grpc.StatusCode.PERMISSION_DENIED
+    stream = Stream(cluster.router_address, "cli-move", MAX_TOKENS)
+    stream.wait_tokens(8)
+    source, target = _source_and_target(cluster)
+    migrated_in = worker_info(target.address, "decode").requests_migrated_in
+    with pytest.raises(grpc.RpcError) as err:  # a worker that is not a decode worker is no target
+        _migrate(cluster.router_address, "cli-move", to=cluster.workers[0].address
+                 if cluster.workers[0].role == "prefill" else "prefill-0")
+    assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), str(REPO / "proto")])}
+    out = subprocess.run([sys.executable, "-m", "pdserve.cluster.cli", "migrate", "--url", cluster.router_address,
+                          "cli-move"], capture_output=True, text=True, timeout=120, env=env, cwd=REPO)
+    assert out.returncode == 0, out.stderr
+    assert f"from {source.address} to {target.address}" in out.stdout
+    stream.result()
+    assert stream.token_ids == expected
+    assert worker_info(target.address, "decode").requests_migrated_in == migrated_in + 1
+    wait_idle(_live(cluster))
 
 
 @TRANSPORTS
