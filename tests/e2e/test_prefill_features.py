@@ -6,6 +6,7 @@ import threading
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
+from waiting import eventually
 
 from pdserve.cluster.local import LocalCluster, LocalClusterConfig
 from pdserve.engine.block_pool import blocks_for_tokens
@@ -56,10 +57,12 @@ def test_short_prompt_is_not_stuck_behind_a_long_one() -> None:
                 finished.append(name)
 
         with ThreadPoolExecutor(2) as pool:
-            long = pool.submit(run, "long", "The river ran past the old mill at evening. " * 120)
+            # ~600 tokens: ten chunks of 64, each a separate pass the short prompt can go between
+            long = pool.submit(run, "long", "The river ran past the old mill at evening. " * 60)
             prefill = [w.address for w in cluster.workers if w.role == "prefill"][0]
-            while worker_info(prefill, "prefill").queue_depth == 0 and not long.done():
-                pass  # the long prompt is being prefilled, chunk by chunk
+            # the long prompt is being prefilled, chunk by chunk (polled, not spun: 2 cores)
+            eventually(lambda: worker_info(prefill, "prefill").queue_depth > 0 or long.done(), 120, interval=0.01,
+                       what="the long prompt in the prefill queue")
             pool.submit(run, "short", "Hello there").result()
             long.result()
         assert finished == ["short", "long"]
