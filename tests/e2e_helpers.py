@@ -71,13 +71,25 @@ def wait_idle(workers: list[tuple[str, str]], timeout: float = 30) -> list[commo
         time.sleep(0.2)
 
 
+_WORKLOADS: dict[tuple[object, ...], tuple[list[str], list[int], list[list[int]]]] = {}
+
+
 def greedy_workload(model_dir: object, n: int, prompt_seed: int = 12, length_seed: int = 3,
                     lengths: tuple[int, int] = (60, 120)) -> tuple[list[str], list[int], list[list[int]]]:
     """`n` prompts, output lengths drawn from `lengths` (long enough to be running during a role
     switch, a migration or a removal), and their greedy outputs from the engine in this process.
     A tiny random model has near-ties between logits, where the batch a sequence runs in can flip a
     greedy token; the workload is checked to have none (each request run alone gives its batched
-    output), so any difference a test sees is the system's."""
+    output), so any difference a test sees is the system's. Computed once per test session for the
+    same arguments (the modules that use it only read it)."""
+    key = (str(model_dir), n, prompt_seed, length_seed, lengths)
+    if key not in _WORKLOADS:
+        _WORKLOADS[key] = _greedy_workload(model_dir, n, prompt_seed, length_seed, lengths)
+    return _WORKLOADS[key]
+
+
+def _greedy_workload(model_dir: object, n: int, prompt_seed: int, length_seed: int,
+                     lengths: tuple[int, int]) -> tuple[list[str], list[int], list[list[int]]]:
     from pdserve.engine.config import EngineConfig
     from pdserve.engine.llm_engine import LLMEngine
     from pdserve.engine.model_loader import load_model
