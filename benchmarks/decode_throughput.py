@@ -35,7 +35,7 @@ from pdserve.engine.llm_engine import LLMEngine
 from pdserve.engine.model_fetch import resolve_model
 from pdserve.engine.model_loader import load_model
 from pdserve.engine.sampling_params import SamplingParams
-from pdserve.engine.tokenization import encode_text
+from pdserve.tokenization import encode_text
 
 WORDS = "the river ran past the old mill carrying leaves and light of evening while children played".split()
 

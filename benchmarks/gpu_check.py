@@ -152,7 +152,7 @@ def hf_generate(loaded: Any, prompts: list[list[int]], max_tokens: int, device: 
 
 
 def encode(loaded: Any, kind: str, text: str) -> list[int]:  # noqa: ANN401
-    from pdserve.engine.tokenization import encode_chat, encode_text
+    from pdserve.tokenization import encode_chat, encode_text
 
     return encode_chat(loaded.tokenizer, [("user", text)]) if kind == "chat" else encode_text(loaded.tokenizer, text)
 

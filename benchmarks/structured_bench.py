@@ -23,7 +23,7 @@ from pdserve.engine.llm_engine import LLMEngine
 from pdserve.engine.model_fetch import resolve_model
 from pdserve.engine.model_loader import load_model
 from pdserve.engine.sampling_params import SamplingParams
-from pdserve.engine.tokenization import encode_chat
+from pdserve.tokenization import encode_chat
 
 SCHEMA = {"type": "object", "properties": {"items": {"type": "array", "minItems": 64, "maxItems": 64,
                                                      "items": {"type": "string", "maxLength": 24}}},

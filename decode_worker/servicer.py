@@ -34,7 +34,6 @@ from pdserve.engine.llm_engine import TokenOutput
 from pdserve.engine.model_loader import LoadedModel
 from pdserve.engine.sampler import TokenLogprob
 from pdserve.engine.sampling_params import SamplingParams
-from pdserve.engine.tokenization import chat_from_pb, encode_chat, encode_text
 from pdserve.engine.trace import token_bytes
 from pdserve.engine.worker_runtime import (
     Drain,
@@ -57,6 +56,7 @@ from pdserve.kv_transfer import KvSpec, KvTransferError, KvTransferServicer, get
 from pdserve.kv_transfer.shm_backend import SEGMENT_PREFIX as SHM_PREFIX
 from pdserve.kv_transfer.shm_backend import InPlaceKv
 from pdserve.telemetry.memory import trim as trim_heap
+from pdserve.tokenization import chat_from_pb, encode_chat, encode_text
 from pdserve.transport import is_router_call, open_aio_channel
 from pdserve.v1 import common_pb2, router_pb2, worker_pb2, worker_pb2_grpc
 

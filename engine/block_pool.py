@@ -18,10 +18,12 @@ K/V; a sha256 collision cannot be built.
 
 from __future__ import annotations
 
-import hashlib
-import struct
 from collections import OrderedDict, deque
 from collections.abc import Iterable, Sequence
+
+from pdserve.prefix_hashing import block_hashes
+
+__all__ = ["BlockPool", "NoFreeBlocksError", "block_hashes", "blocks_for_tokens"]
 
 
 class NoFreeBlocksError(RuntimeError):
@@ -31,25 +33,6 @@ class NoFreeBlocksError(RuntimeError):
 def blocks_for_tokens(num_tokens: int, block_size: int) -> int:
     """How many blocks hold `num_tokens` tokens."""
     return -(-num_tokens // block_size)
-
-
-#: The chain's start value: a version tag, so a change of the scheme never matches old keys.
-_HASH_SEED = hashlib.sha256(b"pdserve.block_hash.v1").digest()
-
-
-def block_hashes(token_ids: Sequence[int], block_size: int, salt: str = "") -> list[bytes]:
-    """Chained sha256 of each FULL block: hash i covers tokens [0, (i + 1) * block_size), as
-    sha256(hash i-1 || block_size || the block's token ids as little-endian int64). A `salt` (the
-    request's cache_salt) changes the chain's start, so salted blocks match only the same salt."""
-    hashes, previous = [], _HASH_SEED
-    if salt:
-        previous = hashlib.sha256(_HASH_SEED + b"cache_salt" + salt.encode("utf-8")).digest()
-    size = block_size.to_bytes(8, "little")
-    for start in range(0, len(token_ids) - block_size + 1, block_size):
-        block = struct.pack(f"<{block_size}q", *token_ids[start : start + block_size])
-        previous = hashlib.sha256(previous + size + block).digest()
-        hashes.append(previous)
-    return hashes
 
 
 class BlockPool:

@@ -94,7 +94,7 @@ def _greedy_workload(model_dir: object, n: int, prompt_seed: int, length_seed: i
     from pdserve.engine.llm_engine import LLMEngine
     from pdserve.engine.model_loader import load_model
     from pdserve.engine.sampling_params import SamplingParams
-    from pdserve.engine.tokenization import encode_text
+    from pdserve.tokenization import encode_text
 
     loaded = load_model(model_dir)
     prompts = mixed_prompts(n, seed=prompt_seed)

@@ -12,7 +12,7 @@ import pytest
 
 from pdserve.cluster.local import LocalCluster, LocalClusterConfig
 from pdserve.engine.sampling_params import SamplingParams
-from pdserve.engine.tokenization import encode_text
+from pdserve.tokenization import encode_text
 from pdserve.v1 import common_pb2, router_pb2, router_pb2_grpc
 
 from e2e_helpers import generate, generate_many, mixed_prompts, wait_idle, worker_info

@@ -13,7 +13,7 @@ from pdserve.engine.block_pool import blocks_for_tokens
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.llm_engine import LLMEngine
 from pdserve.engine.sampling_params import SamplingParams
-from pdserve.engine.tokenization import encode_text
+from pdserve.tokenization import encode_text
 
 from e2e_helpers import generate, wait_idle, worker_info
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import random
 
 from pdserve.engine.sampling_params import SamplingParams
-from pdserve.engine.tokenization import encode_text
+from pdserve.tokenization import encode_text
 
 WORDS = "river mill evening children market flour dawn sea poem capital France story old light".split()
 

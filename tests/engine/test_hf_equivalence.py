@@ -11,7 +11,7 @@ from transformers import AutoModelForCausalLM
 from pdserve.engine.model_loader import LoadedModel
 from pdserve.engine.model_runner import StepInput
 from pdserve.engine.sampling_params import SamplingParams
-from pdserve.engine.tokenization import encode_chat, encode_text
+from pdserve.tokenization import encode_chat, encode_text
 
 PARAGRAPH = (
     "The river ran quietly past the old mill, carrying leaves and the last light of the evening. "

@@ -10,7 +10,7 @@ from pdserve.engine.block_pool import blocks_for_tokens
 from pdserve.engine.model_loader import load_model
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.engine.sequence import SequenceStatus
-from pdserve.engine.tokenization import encode_text
+from pdserve.tokenization import encode_text
 
 PROMPT = "The old mill by the river, the market and the winter city " * 4
 

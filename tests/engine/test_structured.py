@@ -13,7 +13,7 @@ import pytest
 
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.engine.structured import StructuredOutputError, check
-from pdserve.engine.tokenization import encode_text
+from pdserve.tokenization import encode_text
 
 SCHEMA = {
     "type": "object",

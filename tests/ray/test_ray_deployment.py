@@ -21,8 +21,8 @@ from pdserve.cluster.ray_cluster import RayCluster, RayClusterConfig  # noqa: E4
 from pdserve.engine.config import EngineConfig  # noqa: E402
 from pdserve.engine.llm_engine import LLMEngine  # noqa: E402
 from pdserve.engine.sampling_params import SamplingParams  # noqa: E402
-from pdserve.engine.tokenization import encode_text  # noqa: E402
 from pdserve.kv_transfer.base import KvSpec  # noqa: E402
+from pdserve.tokenization import encode_text  # noqa: E402
 from pdserve.v1 import common_pb2, router_pb2, router_pb2_grpc  # noqa: E402
 
 from e2e_helpers import generate, init_local_ray, mixed_prompts, wait_idle, worker_info  # noqa: E402

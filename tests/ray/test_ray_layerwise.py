@@ -22,7 +22,6 @@ from pdserve.cluster.ray_cluster import RayCluster, RayClusterConfig  # noqa: E4
 from pdserve.engine.config import EngineConfig  # noqa: E402
 from pdserve.engine.llm_engine import LLMEngine  # noqa: E402
 from pdserve.engine.sampling_params import SamplingParams  # noqa: E402
-from pdserve.engine.tokenization import encode_text  # noqa: E402
 from pdserve.kv_transfer.base import KvSpec, KvTransferError  # noqa: E402
 from pdserve.kv_transfer.ray_backend import (  # noqa: E402
     MIN_PART_BYTES,
@@ -35,6 +34,7 @@ from pdserve.kv_transfer.ray_backend import (  # noqa: E402
     plan_parts,
 )
 from pdserve.prefill_worker.layer_stream import LayerStream  # noqa: E402
+from pdserve.tokenization import encode_text  # noqa: E402
 
 from e2e_helpers import generate, init_local_ray, wait_idle  # noqa: E402
 

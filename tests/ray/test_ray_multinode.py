@@ -43,7 +43,7 @@ from pdserve.engine.config import EngineConfig  # noqa: E402
 from pdserve.engine.llm_engine import LLMEngine  # noqa: E402
 from pdserve.engine.model_loader import load_model  # noqa: E402
 from pdserve.engine.sampling_params import SamplingParams  # noqa: E402
-from pdserve.engine.tokenization import encode_text  # noqa: E402
+from pdserve.tokenization import encode_text  # noqa: E402
 
 from e2e_helpers import generate, mixed_prompts, start_ray, wait_idle, worker_info  # noqa: E402
 

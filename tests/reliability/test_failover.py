@@ -15,7 +15,7 @@ from pdserve.cluster.local import LocalCluster, LocalClusterConfig
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.llm_engine import LLMEngine
 from pdserve.engine.sampling_params import SamplingParams
-from pdserve.engine.tokenization import encode_text
+from pdserve.tokenization import encode_text
 
 from e2e_helpers import generate, mixed_prompts, wait_idle, worker_info
 

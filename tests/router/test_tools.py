@@ -8,9 +8,9 @@ import json
 import jsonschema
 import pytest
 
-from pdserve.engine.tokenization import chat_from_pb, encode_chat
 from pdserve.router import tools
 from pdserve.router.openai_protocol import CHAT, parse_request
+from pdserve.tokenization import chat_from_pb, encode_chat
 
 WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "Weather in a city", "parameters": {
     "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}
