@@ -31,7 +31,7 @@ from pdserve.devices import DEVICE_HELP, DTYPE_HELP, DTYPE_NAMES, check_device_n
 from pdserve.transport import is_loopback
 
 MODES = ("local", "ray")
-POLICIES = ("round_robin", "least_loaded", "prefix_affinity")  # router.policies.POLICY_NAMES
+POLICIES = ("round_robin", "least_loaded", "prefix_affinity", "kv_aware", "kv_oracle")  # router.policies.POLICY_NAMES
 LOG_FORMATS = ("text", "json")  # telemetry.logs.LOG_FORMATS
 ENGINES = ("model", "sim")
 KV_BACKENDS = ("auto", "grpc", "shm", "ray")
@@ -105,6 +105,15 @@ class RouterSection:
     decode_mux: bool = opt(False, "one GenerateMux stream per decode worker carries every request's tokens, a "
                            "decode step's in one message (default: a Generate call per request)",
                            flag="--decode-mux")
+    kv_aware_request_tokens: float = opt(128.0, "kv_aware policy: prompt tokens of work one running request on a "
+                                         "decode worker counts as", flag="--kv-aware-request-tokens", min=0)
+    kv_aware_kv_tokens: float = opt(512.0, "kv_aware policy: prompt tokens of work a full KV pool on a decode worker "
+                                    "counts as", flag="--kv-aware-kv-tokens", min=0)
+    conditional_disagg_tokens: int = opt(0, "with a KV-aware policy: requests with fewer prompt tokens uncached on "
+                                         "their decode worker are prefilled there (0: always disaggregate)",
+                                         flag="--conditional-disagg-tokens", min=0)
+    slo_ttft_s: float = opt(0.0, "refuse (RESOURCE_EXHAUSTED / HTTP 429 with Retry-After) a request whose predicted "
+                            "TTFT exceeds this many seconds, unless best_effort (0: off)", flag="--slo-ttft", min=0)
 
 
 @dataclass(frozen=True)
@@ -690,6 +699,11 @@ def router_document(config: DeploymentConfig, workers: dict[str, list[str]], met
         "max_stream_timeout": router.max_stream_timeout_s, "max_concurrent_streams": router.max_concurrent_streams,
         "max_queued_requests": router.max_queued_requests, "max_attempts": router.max_attempts,
         "decode_mux": router.decode_mux,
+        "kv_aware_request_tokens": router.kv_aware_request_tokens, "kv_aware_kv_tokens": router.kv_aware_kv_tokens,
+        "conditional_disagg_tokens": router.conditional_disagg_tokens, "slo_ttft": router.slo_ttft_s,
+        # KV-aware policies hash prompts with the served model's tokenizer
+        "tokenizer": (config.model.path or "default")
+        if {router.prefill_policy, router.decode_policy} & {"kv_aware", "kv_oracle"} else "",
         # only Ray restarts a dead worker (actor max_restarts); local workers that die stay dead
         "worker_restart_wait": config.ray.restart_wait_s if config.mode == "ray" and config.ray.max_restarts else 0.0,
         "http_port": router.http_port, "model_name": config.model.served_name,

@@ -15,6 +15,7 @@ from pdserve.engine.metrics import WorkerMetrics
 from pdserve.engine.sim_runner import add_engine_args
 from pdserve.engine.worker_runtime import (
     Drain,
+    KvEventsServicer,
     StartedWorker,
     add_observability_args,
     add_worker_args,
@@ -110,6 +111,8 @@ def start_worker(args: argparse.Namespace) -> StartedWorker:
                               kv_backend=args.kv_backend, kv_target=args.kv_target or address,
                               kv_checksum=args.kv_checksum)
     worker_pb2_grpc.add_DecodeWorkerServicer_to_server(servicer, server)
+    worker_pb2_grpc.add_KvEventsServicer_to_server(KvEventsServicer(args.worker_id, lambda: worker.engine.kv_events),
+                                                  server)
     kv_receiver.add_to_server(server)
     return start_serving(server, address, drain, worker.idle, lambda: worker.dead_reason, args.drain_timeout_s,
                          stops=(kv_receiver.close, worker.stop), endpoint=endpoint,

@@ -522,6 +522,7 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
             node_id=self.node_id, host=self.node_host,
             requests_migrated_in=self.worker.requests_migrated_in,
             requests_migrated_out=self.worker.requests_migrated_out,
+            kv_block_size=self.worker.engine.pool.block_size,
         )
 
     def Abort(self, request: worker_pb2.AbortRequest, context: grpc.ServicerContext) -> worker_pb2.AbortResponse:  # noqa: N802

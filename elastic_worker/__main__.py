@@ -29,6 +29,7 @@ from pdserve.engine.llm_engine import build_cache
 from pdserve.engine.metrics import WorkerMetrics
 from pdserve.engine.worker_runtime import (
     Drain,
+    KvEventsServicer,
     StartedWorker,
     apply_internal_credentials,
     bind,
@@ -115,6 +116,8 @@ def start_worker(role: str, prefill_args: argparse.Namespace, decode_args: argpa
     worker_pb2_grpc.add_DecodeWorkerServicer_to_server(ElasticDecodeServicer(worker), server)
     worker_pb2_grpc.add_PrefillWorkerServicer_to_server(ElasticPrefillServicer(worker), server)
     worker_pb2_grpc.add_RoleControlServicer_to_server(RoleControlServicer(worker), server)
+    worker_pb2_grpc.add_KvEventsServicer_to_server(
+        KvEventsServicer(args.worker_id, lambda: worker.core.worker.engine.kv_events), server)
     kv_receiver.add_to_server(server)
     return start_serving(server, address, drain, worker.idle, worker.dead_reason, args.drain_timeout_s,
                          stops=(kv_receiver.close, worker.stop), endpoint=endpoint,

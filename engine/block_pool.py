@@ -21,6 +21,7 @@ from __future__ import annotations
 from collections import OrderedDict, deque
 from collections.abc import Iterable, Sequence
 
+from pdserve.engine.kv_events import KvEventLog
 from pdserve.prefix_hashing import block_hashes
 
 __all__ = ["BlockPool", "NoFreeBlocksError", "block_hashes", "blocks_for_tokens"]
@@ -51,6 +52,7 @@ class BlockPool:
         self._block_of: dict[bytes, int] = {}  # prefix hash -> cached block
         self._evictable: OrderedDict[int, None] = OrderedDict()  # cached, unreferenced, LRU first
         self.cache_hits = 0  # blocks handed out again by lookup
+        self.events: KvEventLog | None = None  # told every block cached and evicted (KV-aware routing)
 
     @property
     def num_free(self) -> int:
@@ -109,6 +111,8 @@ class BlockPool:
             return
         self._block_of[prefix_hash] = block
         self._hash_of[block] = prefix_hash
+        if self.events is not None:
+            self.events.stored(prefix_hash)
 
     def lookup(self, hashes: Sequence[bytes]) -> list[int]:
         """Take a reference on the cached blocks of the longest cached prefix of `hashes`."""
@@ -126,8 +130,11 @@ class BlockPool:
 
     def _evict_one(self) -> None:
         block, _ = self._evictable.popitem(last=False)
-        del self._block_of[self._hash_of.pop(block)]
+        prefix_hash = self._hash_of.pop(block)
+        del self._block_of[prefix_hash]
         self._free.append(block)
+        if self.events is not None:
+            self.events.removed(prefix_hash)
 
     def ref_count(self, block: int) -> int:
         return self._ref_counts[block]

@@ -107,7 +107,7 @@ def _machine_key() -> str:
 
 
 def _choices_file() -> Path:
-    from pdserve.engine.model_fetch import cache_root
+    from pdserve.model_cache import cache_root
 
     return cache_root() / "linear-kernels.json"
 

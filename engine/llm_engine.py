@@ -30,6 +30,7 @@ from pdserve.engine.block_pool import BlockPool, block_hashes, blocks_for_tokens
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.kv_cache import KVCache
 from pdserve.engine.kv_connector import KvConnector
+from pdserve.engine.kv_events import KvEventLog
 from pdserve.engine.model_loader import LoadedModel
 from pdserve.engine.model_runner import StepInput
 from pdserve.engine.pass_log import PassLog
@@ -116,6 +117,7 @@ class LLMEngine:
         self.connector = connector
         self.kv_cache = kv_cache if kv_cache is not None else build_cache(loaded, config, shared=shared_kv_cache)
         self.pool = BlockPool(self.kv_cache.num_blocks, config.block_size)
+        self.kv_events = self.pool.events = KvEventLog()  # the prefix cache's changes, for the router
         self.runner = build_runner(loaded, self.kv_cache)
         self.scheduler = Scheduler(config, self.pool, keeps_decoding=connector is None)
         self.max_model_len = min(config.max_model_len or loaded.max_model_len, loaded.max_model_len)

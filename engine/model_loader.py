@@ -121,7 +121,7 @@ _DIGESTS_LOCK = threading.Lock()
 
 
 def _digest_cache_file() -> Path:
-    from pdserve.engine.model_fetch import cache_root
+    from pdserve.model_cache import cache_root
 
     return cache_root() / "file-sha256.json"
 

@@ -12,6 +12,7 @@ the router stops routing to it and fails its requests over (`LivenessWatch`).
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
 import logging
 import os
@@ -19,14 +20,16 @@ import signal
 import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+import grpc
 import torch
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from pdserve.devices import DEVICE_HELP, DTYPE_HELP, DTYPE_NAMES, check_device_name
+from pdserve.engine.kv_events import KvEventLog
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.engine.stop_checker import FINISH_ABORT, FINISH_ERROR, FINISH_LENGTH, FINISH_STOP, FINISH_STOP_STRING
 from pdserve.engine.trace import DecodeStepEvent, DetokenizeHoldEvent, PrefillPassEvent, TraceEvent, token_bytes
@@ -35,7 +38,7 @@ from pdserve.telemetry.grpc_logging import RequestLoggingInterceptor
 from pdserve.telemetry.logs import LOG_FORMATS, configure_logging
 from pdserve.telemetry.memory import bound_heap
 from pdserve.transport import add_port, server_interceptors, use_internal_token_file
-from pdserve.v1 import common_pb2
+from pdserve.v1 import common_pb2, worker_pb2, worker_pb2_grpc
 
 log = logging.getLogger(__name__)
 
@@ -401,3 +404,41 @@ def run_worker_process(args: argparse.Namespace, start: Callable[[], StartedWork
         serve_until_signal(started.server, started.health, started.drain, started.is_idle, args.drain_timeout_s)
     finally:
         started.close()
+
+
+#: How long a KvEvents.Subscribe call waits for new events before looking again (it also ends the
+#: wait when the call is cancelled, and picks up a new engine after a role switch).
+KV_EVENTS_POLL_S = 0.05
+
+
+class KvEventsServicer(worker_pb2_grpc.KvEventsServicer):
+    """KvEvents on a worker: its engine's `KvEventLog` (engine/kv_events.py) as batches. `current`
+    returns the log of the engine serving now (an elastic worker's changes with its role), or None
+    while there is none. Runs on the server's event loop; it never blocks it."""
+
+    def __init__(self, worker_id: str, current: Callable[[], KvEventLog | None]) -> None:
+        self._worker_id = worker_id
+        self._current = current
+
+    async def Subscribe(self, request: worker_pb2.KvEventsRequest,  # noqa: N802
+                        context: grpc.aio.ServicerContext) -> AsyncIterator[worker_pb2.KvEventBatch]:
+        epoch, after = request.epoch, request.after_seq
+        while True:
+            log_ = self._current()
+            batch = None
+            if log_ is not None:
+                batch = log_.read(after if log_.epoch == epoch else 0)
+            if batch is None:
+                await asyncio.sleep(KV_EVENTS_POLL_S)
+                continue
+            epoch, after = batch.epoch, batch.last_seq
+            yield worker_pb2.KvEventBatch(worker_id=self._worker_id, epoch=batch.epoch, first_seq=batch.first_seq,
+                                          last_seq=batch.last_seq, snapshot=batch.snapshot, keys=batch.keys,
+                                          stored=batch.stored)
+
+    def Lookup(self, request: worker_pb2.KvLookupRequest,  # noqa: N802
+               context: grpc.ServicerContext) -> worker_pb2.KvLookupResponse:
+        log_ = self._current()
+        if log_ is None:
+            return worker_pb2.KvLookupResponse()
+        return worker_pb2.KvLookupResponse(cached_blocks=log_.lookup(list(request.keys)), epoch=log_.epoch)

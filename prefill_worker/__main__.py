@@ -10,6 +10,7 @@ from pdserve.engine.metrics import WorkerMetrics
 from pdserve.engine.sim_runner import add_engine_args
 from pdserve.engine.worker_runtime import (
     Drain,
+    KvEventsServicer,
     StartedWorker,
     add_observability_args,
     add_worker_args,
@@ -87,6 +88,8 @@ def start_worker(args: argparse.Namespace) -> StartedWorker:
     address = bind(server, args.host, args.port)
     servicer = PrefillServicer(worker, args.worker_id, address, args.request_timeout_s, drain)
     worker_pb2_grpc.add_PrefillWorkerServicer_to_server(servicer, server)
+    worker_pb2_grpc.add_KvEventsServicer_to_server(KvEventsServicer(args.worker_id, lambda: worker.engine.kv_events),
+                                                  server)
     return start_serving(server, address, drain, worker.idle,
                          lambda: "" if worker.loop_alive() else "engine loop died", args.drain_timeout_s,
                          stops=(worker.stop,), endpoint=endpoint, extras={"servicer": servicer})

@@ -67,6 +67,22 @@ def build_parser() -> argparse.ArgumentParser:
                         help="when no worker of a stage is healthy but some are still registered (their launcher "
                              "restarts them), requests wait up to S seconds for one instead of failing (default 0: "
                              "fail at once; `pdserve serve --ray` sets it from router.worker_restart_wait_s)")
+    parser.add_argument("--tokenizer", default="", metavar="DIR",
+                        help="model folder whose tokenizer the router hashes prompts with, for the kv_aware and "
+                             "kv_oracle policies (the launcher passes the served model's)")
+    parser.add_argument("--kv-aware-request-tokens", type=float, default=128.0, metavar="T",
+                        help="kv_aware: prompt tokens of work one running request on a decode worker counts as "
+                             "(default 128)")
+    parser.add_argument("--kv-aware-kv-tokens", type=float, default=512.0, metavar="T",
+                        help="kv_aware: prompt tokens of work a full KV pool on a decode worker counts as "
+                             "(default 512)")
+    parser.add_argument("--conditional-disagg-tokens", type=int, default=0, metavar="N",
+                        help="with a KV-aware policy: a request with fewer than N prompt tokens uncached on its "
+                             "decode worker is prefilled there, not on a prefill worker (default 0: always "
+                             "disaggregate)")
+    parser.add_argument("--slo-ttft", type=float, default=0.0, metavar="S",
+                        help="refuse (RESOURCE_EXHAUSTED / HTTP 429 with Retry-After) a request whose predicted "
+                             "TTFT exceeds S seconds, unless it is best_effort (default 0: off)")
     parser.add_argument("--http-port", type=int, default=None, metavar="PORT",
                         help="also serve the OpenAI-compatible HTTP API on this port (0 picks one; default off)")
     parser.add_argument("--model-name", default="default", help="model id the HTTP API serves (default 'default')")
@@ -110,6 +126,11 @@ def config_from_args(args: argparse.Namespace, auth_token: str | None = None) ->
         max_attempts=args.max_attempts,
         decode_mux=args.decode_mux,
         worker_restart_wait_s=args.worker_restart_wait,
+        tokenizer=args.tokenizer,
+        kv_request_tokens=args.kv_aware_request_tokens,
+        kv_kv_tokens=args.kv_aware_kv_tokens,
+        conditional_disagg_tokens=args.conditional_disagg_tokens,
+        slo_ttft_s=args.slo_ttft,
         auth_token=auth_token or load_token(args.auth_token_file, os.environ.get("PDSERVE_AUTH_TOKEN")),
         tls_cert_file=args.tls_cert,
         tls_key_file=args.tls_key,

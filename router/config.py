@@ -45,6 +45,16 @@ class RouterConfig:
     # Ray actors with max_restarts), requests wait this long for one to serve again instead of failing
     # (0: fail at once, as for workers nobody restarts)
     worker_restart_wait_s: float = 0.0
+    # KV-aware routing (policies kv_aware / kv_oracle): the tokenizer (model folder) the router hashes
+    # prompts with; kv_aware's decode weights; conditional disaggregation's threshold (a request with
+    # fewer uncached tokens on its decode worker is prefilled there; 0: always disaggregate)
+    tokenizer: str = ""
+    kv_request_tokens: float = 128.0
+    kv_kv_tokens: float = 512.0
+    conditional_disagg_tokens: int = 0
+    # SLO admission: refuse (RESOURCE_EXHAUSTED, Retry-After) a request whose predicted TTFT exceeds
+    # this (seconds; 0: off); GenerateRequest.best_effort requests are admitted anyway
+    slo_ttft_s: float = 0.0
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
@@ -78,6 +88,9 @@ class RouterConfig:
             raise ValueError(f"max_queued_requests must be >= 1, got {self.max_queued_requests}")
         if self.max_concurrent_streams < 1:
             raise ValueError(f"max_concurrent_streams must be >= 1, got {self.max_concurrent_streams}")
+        for name in ("kv_request_tokens", "kv_kv_tokens", "conditional_disagg_tokens", "slo_ttft_s"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
         self.endpoints()  # validates addresses and uniqueness
 
     def endpoints(self) -> list[WorkerEndpoint]:

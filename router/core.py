@@ -53,9 +53,18 @@ from pdserve import failures
 from pdserve.failures import RequestFault, WorkerUnavailable
 from pdserve.router.admission import AdmissionQueue, Busy, QueueFull
 from pdserve.router.config import MAX_RECEIVE_MESSAGE_BYTES, RouterConfig
+from pdserve.router.kv_index import KvEventFeed, KvIndex, PromptKeys
 from pdserve.router.metrics import RequestClock, RouterMetrics
 from pdserve.router.mux import DecodeMux, MuxCall
-from pdserve.router.policies import DECODE, PREFILL, estimate_prompt_tokens, make_policy, prefix_key
+from pdserve.router.policies import (
+    DECODE,
+    KV_POLICIES,
+    PREFILL,
+    RouteHint,
+    estimate_prompt_tokens,
+    make_policy,
+    prefix_key,
+)
 from pdserve.router.validation import InvalidRequest, validate_generate_request
 from pdserve.router.worker_pool import ROLE_PB, Lease, NoHealthyWorker, SwitchRefused, WorkerPool
 from pdserve.telemetry.grpc_logging import log_finish, log_start, safe_id
@@ -150,6 +159,9 @@ class _Request:
     next_drain_try: float = 0.0
     index: int = 0  # the choice of an n > 1 request (GenerateResponse.index)
     pin: str = ""  # a decode worker to try first (it holds this prompt's K/V: choices after the first)
+    kv_keys: list[int] = field(default_factory=list)  # the prompt's block keys (KV-aware routing)
+    prompt_tokens: int = 0  # exact, when the router tokenized it (KV-aware routing); else 0
+    oracle: dict[str, int] | None = None  # kv_oracle: blocks cached per worker, asked at routing time
     on_placed: Callable[[str], None] | None = None  # told the decode worker that produced the first token
 
     def remaining_s(self) -> float:
@@ -163,8 +175,22 @@ class RouterCore:
         self._config = config
         self.pool = pool
         self.metrics = metrics
-        self._prefill_policy = make_policy(config.prefill_policy, PREFILL)
-        self._decode_policy = make_policy(config.decode_policy, DECODE)
+        weights = (config.kv_request_tokens, config.kv_kv_tokens)
+        self._prefill_policy = make_policy(config.prefill_policy, PREFILL, *weights)
+        self._decode_policy = make_policy(config.decode_policy, DECODE, *weights)
+        # KV-aware routing: the prompt's block keys, and what every worker caches (router/kv_index.py)
+        self._kv_aware = bool({config.prefill_policy, config.decode_policy} & set(KV_POLICIES))
+        self._kv_oracle = "kv_oracle" in (config.prefill_policy, config.decode_policy)
+        self.kv_index: KvIndex | None = None
+        self._prompt_keys: PromptKeys | None = None
+        if self._kv_aware:
+            self._prompt_keys = PromptKeys.load(config.tokenizer) if config.tokenizer else None
+            if self._prompt_keys is None:
+                log.warning("KV-aware policy without a tokenizer (--tokenizer): only token-id prompts get "
+                            "cache hints; the others are routed by load")
+            self.kv_index = KvIndex()
+            if not self._kv_oracle:
+                pool.attach_kv_feed(KvEventFeed(self.kv_index))
         self.admission: AdmissionQueue[Lease] = AdmissionQueue(config.max_queued_requests, self._release)
         self._dispatched = 0  # leases held (requests at a worker)
         self._stubs: dict[str, tuple[grpc.aio.Channel, worker_pb2_grpc.DecodeWorkerStub]] = {}
@@ -251,6 +277,8 @@ class RouterCore:
         self.metrics.started()
         self._live[id(state)] = state
         try:
+            if self._kv_aware:
+                await self._kv_keys(state)
             # one async-generator layer between the decode stream and the caller per token: the
             # attempt loop relays the decode worker's stream itself (no nested generators)
             async for response in self._attempt_loop(state):
@@ -591,15 +619,64 @@ class RouterCore:
     def _assign(self, state: _Request) -> Lease:
         if self._dispatched >= self._config.max_concurrent_streams:
             raise Busy(f"{self._dispatched} requests at workers (--max-concurrent-streams)")
+        prompt_tokens = state.prompt_tokens or estimate_prompt_tokens(state.request)
         if state.pin and state.pin not in state.avoid:
-            lease = self.pool.lease_pinned(state.pin, estimate_prompt_tokens(state.request))
+            lease = self.pool.lease_pinned(state.pin, prompt_tokens)
             if lease is not None:
                 self._dispatched += 1
                 return lease
-        lease = self.pool.assign(self._decode_policy, self._prefill_policy, estimate_prompt_tokens(state.request),
-                                 frozenset(state.avoid), prefix_key(state.request), require_room=True)
+        hint = self._hint(state) if self._kv_aware else None
+        lease = self.pool.assign(self._decode_policy, self._prefill_policy, prompt_tokens,
+                                 frozenset(state.avoid), prefix_key(state.request), require_room=True, hint=hint,
+                                 local_below=self._config.conditional_disagg_tokens if hint is not None else 0)
         self._dispatched += 1
+        self.metrics.prom.route_decisions.labels(lease.route).inc()
+        if hint is not None:
+            self.metrics.prom.route_cached_tokens.inc(hint.prompt_tokens - hint.uncached(
+                lease.prefill_address or lease.decode_address))
+            self.metrics.prom.route_prompt_tokens.inc(hint.prompt_tokens)
+            if lease.prefill_address:  # what the decode worker lacks crosses the network
+                self.metrics.prom.route_shipped_tokens.inc(hint.uncached(lease.decode_address))
         return lease
+
+    # ----- KV-aware routing ----------------------------------------------------------------------
+    async def _kv_keys(self, state: _Request) -> None:
+        """The prompt's block keys (tokenized off the event loop when large) and, for kv_oracle,
+        every worker's exact overlap."""
+        block_size = self.pool.kv_block_size()
+        if self._prompt_keys is None and state.request.WhichOneof("input") != "token_ids":
+            return
+        keys_of = (self._prompt_keys or PromptKeys(None)).keys
+        if _input_chars(state.request) <= INLINE_HASH_CHARS:
+            state.kv_keys, state.prompt_tokens = keys_of(state.request, block_size)
+        else:
+            state.kv_keys, state.prompt_tokens = await asyncio.to_thread(keys_of, state.request, block_size)
+        if self._kv_oracle and state.kv_keys:
+            state.oracle = await self._oracle_overlap(state.kv_keys)
+
+    async def _oracle_overlap(self, keys: list[int]) -> dict[str, int]:
+        """Every worker's exact prefix overlap now (KvEvents.Lookup), for the kv_oracle policy."""
+        addresses = list(self.pool.addresses())
+        request = worker_pb2.KvLookupRequest(keys=keys)
+
+        async def ask(address: str) -> int:
+            try:
+                stub = worker_pb2_grpc.KvEventsStub(self._channel(address))
+                answer = await stub.Lookup(request, timeout=2.0, metadata=self._metadata)
+                return answer.cached_blocks
+            except grpc.aio.AioRpcError:
+                return 0
+        counts = await asyncio.gather(*(ask(a) for a in addresses))
+        return {a: n for a, n in zip(addresses, counts, strict=True) if n}
+
+    def _hint(self, state: _Request) -> RouteHint | None:
+        """What each worker caches of this prompt, in tokens (None: the prompt was not tokenized)."""
+        if not state.prompt_tokens:
+            return None
+        block_size = self.pool.kv_block_size()
+        overlap = state.oracle if self._kv_oracle else (
+            self.kv_index.overlap(state.kv_keys) if self.kv_index is not None else {})
+        return RouteHint(state.prompt_tokens, {a: n * block_size for a, n in (overlap or {}).items()})
 
     def _release(self, lease: Lease) -> None:
         """Give a lease back (idempotent through Lease.release)."""
@@ -698,6 +775,21 @@ def _stamp(response: router_pb2.GenerateResponse, state: _Request, lease: Lease)
     response.timings.e2e_s = state.clock.finish()
     state.clock.count_tokens(response.usage.prompt_tokens, response.usage.completion_tokens)
     return True
+
+
+#: Prompts and chats up to this many characters are hashed for KV-aware routing on the event loop
+#: (well under a millisecond); larger ones in a thread.
+INLINE_HASH_CHARS = 16 * 1024
+
+
+def _input_chars(request: router_pb2.GenerateRequest) -> int:
+    kind = request.WhichOneof("input")
+    if kind == "prompt":
+        return len(request.prompt)
+    if kind == "messages":
+        chat = request.messages
+        return len(chat.tools_json) + sum(len(m.content) + len(m.tool_calls_json) for m in chat.messages)
+    return 0
 
 
 def _decode_request(state: _Request, lease: Lease) -> worker_pb2.DecodeRequest:

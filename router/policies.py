@@ -10,6 +10,17 @@ Load definitions (lower is better):
   router has sent to it that have not produced a first token yet; ties go to fewer in-flight requests.
 - decode: kv_blocks_used / kv_blocks_total + max(running_requests, router in-flight requests). The max
   (not the sum) avoids counting the same request twice: the router's count is the fresher of the two.
+
+`kv_aware` (KV-aware routing) adds what each worker already holds of the prompt, from the router's
+KV index (router/kv_index.py), in tokens of work ("uncached" = prompt tokens not in that worker's
+prefix cache):
+- prefill: cost = pending prompt tokens (as above) + uncached tokens there;
+- decode: cost = request_tokens x max(running, in flight) + kv_tokens x KV fraction + uncached tokens
+  there (what a prefill worker must compute and ship to it, or it must compute itself).
+The lowest cost wins; ties rotate. With no hint (no tokenizer, or a prompt the router could not
+tokenize) every worker's uncached count is the whole prompt, so the cost is the load alone.
+`kv_oracle` is the same cost with the overlap asked from every worker at routing time instead of
+read from the index: the exact baseline that benchmarks compare the index against.
 """
 
 from __future__ import annotations
@@ -17,8 +28,8 @@ from __future__ import annotations
 import hashlib
 import threading
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
 
 from pdserve.v1 import router_pb2
 
@@ -26,7 +37,12 @@ PREFILL = "prefill"
 DECODE = "decode"
 COLOCATED = "colocated"
 ROLES = (PREFILL, DECODE, COLOCATED)
-POLICY_NAMES = ("round_robin", "least_loaded", "prefix_affinity")
+POLICY_NAMES = ("round_robin", "least_loaded", "prefix_affinity", "kv_aware", "kv_oracle")
+KV_POLICIES = ("kv_aware", "kv_oracle")
+#: kv_aware's decode weights (tokens of prompt work one running request / a full KV pool is worth):
+#: defaults chosen on the multi-turn sim benchmark (docs/performance.md, KV-aware routing).
+DEFAULT_REQUEST_TOKENS = 128.0
+DEFAULT_KV_TOKENS = 512.0
 PREFIX_KEY_CHARS = 256  # how much of a prompt decides its prefill worker under prefix_affinity
 CHARS_PER_TOKEN_ESTIMATE = 4
 MESSAGE_OVERHEAD_TOKENS = 8
@@ -52,6 +68,18 @@ class Candidate:
         return self.kv_blocks_used / self.kv_blocks_total if self.kv_blocks_total > 0 else 0.0
 
 
+@dataclass(frozen=True)
+class RouteHint:
+    """What the router knows of one request's prompt for KV-aware routing: its length in tokens and,
+    per worker address, how many of its tokens that worker's prefix cache holds."""
+
+    prompt_tokens: int
+    cached_tokens: Mapping[str, int] = field(default_factory=dict)
+
+    def uncached(self, address: str) -> int:
+        return max(0, self.prompt_tokens - self.cached_tokens.get(address, 0))
+
+
 def prefill_load(candidate: Candidate) -> tuple[float, int]:
     """Load of a prefill worker: (pending prompt tokens, in-flight requests as tie-breaker)."""
     return (float(candidate.queued_prompt_tokens + candidate.in_flight_prompt_tokens), candidate.in_flight)
@@ -66,12 +94,15 @@ def decode_load(candidate: Candidate) -> tuple[float, int]:
 class Policy(ABC):
     """Chooses one healthy worker among candidates; unhealthy candidates are never chosen."""
 
-    def pick(self, candidates: Sequence[Candidate], key: str = "") -> Candidate | None:
+    def pick(self, candidates: Sequence[Candidate], key: str = "", hint: RouteHint | None = None) -> Candidate | None:
         """Return a healthy candidate, or None when no candidate is healthy. `key` identifies the
-        request's prompt prefix; only prefix-aware policies use it."""
+        request's prompt prefix; only prefix-aware policies use it. `hint`: what each worker caches
+        of the prompt; only KV-aware policies use it."""
         healthy = [c for c in candidates if c.healthy]
         if not healthy:
             return None
+        if hint is not None and isinstance(self, KvAware):
+            return self._choose_hinted(healthy, hint)
         return self._choose_for(healthy, key) if key else self._choose(healthy)
 
     def _choose_for(self, healthy: Sequence[Candidate], key: str) -> Candidate:
@@ -133,6 +164,35 @@ class PrefixAffinity(LeastLoaded):
         return self._choose(healthy)
 
 
+class KvAware(Policy):
+    """The lowest cost of load plus uncached prompt tokens (the module doc has the cost function)."""
+
+    def __init__(self, stage: str, request_tokens: float = DEFAULT_REQUEST_TOKENS,
+                 kv_tokens: float = DEFAULT_KV_TOKENS) -> None:
+        self.stage = stage
+        self.request_tokens = request_tokens
+        self.kv_tokens = kv_tokens
+        self._tie_breaker = RoundRobin()
+
+    def load(self, candidate: Candidate) -> float:
+        """The cost of a candidate before the prompt's uncached tokens (in tokens of work)."""
+        if self.stage == PREFILL:
+            return float(candidate.queued_prompt_tokens + candidate.in_flight_prompt_tokens)
+        requests = max(candidate.running_requests, candidate.in_flight)
+        return self.request_tokens * requests + self.kv_tokens * candidate.kv_fraction
+
+    def cost(self, candidate: Candidate, hint: RouteHint) -> float:
+        return self.load(candidate) + hint.uncached(candidate.address)
+
+    def _choose_hinted(self, healthy: Sequence[Candidate], hint: RouteHint) -> Candidate:
+        costs = [self.cost(c, hint) for c in healthy]
+        best = min(costs)
+        return self._tie_breaker._choose([c for c, cost in zip(healthy, costs, strict=True) if cost == best])
+
+    def _choose(self, healthy: Sequence[Candidate]) -> Candidate:
+        return self._choose_hinted(healthy, RouteHint(0))
+
+
 def prefix_key(request: router_pb2.GenerateRequest) -> str:
     """What decides prefix affinity: the start of the prompt (text, first chat turns, or token ids)."""
     kind = request.WhichOneof("input")
@@ -144,10 +204,14 @@ def prefix_key(request: router_pb2.GenerateRequest) -> str:
     return request.prompt[:PREFIX_KEY_CHARS]
 
 
-def make_policy(name: str, stage: str) -> Policy:
-    """Build the policy called ``name`` for ``stage`` (PREFILL or DECODE); ValueError if unknown."""
+def make_policy(name: str, stage: str, request_tokens: float = DEFAULT_REQUEST_TOKENS,
+                kv_tokens: float = DEFAULT_KV_TOKENS) -> Policy:
+    """Build the policy called ``name`` for ``stage`` (PREFILL or DECODE); ValueError if unknown.
+    `request_tokens`, `kv_tokens`: kv_aware's decode weights."""
     if stage not in (PREFILL, DECODE):
         raise ValueError(f"stage must be {PREFILL!r} or {DECODE!r}, got {stage!r}")
+    if name in KV_POLICIES:
+        return KvAware(stage, request_tokens, kv_tokens)
     if name == "round_robin":
         return RoundRobin()
     if name == "prefix_affinity":

@@ -54,3 +54,15 @@ class RouterPrometheus:
                                           "restarting worker", ["outcome"], buckets=LATENCY_BUCKETS, registry=r)
         self.role_switches = Counter("pdserve_role_switches", "Workers switched from one role to another",
                                      ["from_role", "to_role"], registry=r)
+        self.route_decisions = Counter("pdserve_route_decisions", "Requests by how they were placed: colocated, "
+                                       "disaggregated, local_cached / local_prefill_busy (conditional "
+                                       "disaggregation), pinned (n > 1), migration", ["route"], registry=r)
+        self.route_prompt_tokens = Counter("pdserve_route_prompt_tokens", "Prompt tokens of requests routed with a "
+                                           "KV hint (KV-aware policies)", registry=r)
+        self.route_cached_tokens = Counter("pdserve_route_cached_tokens", "Of those, tokens the KV index said the "
+                                           "worker that prefills them already caches", registry=r)
+        self.route_shipped_tokens = Counter("pdserve_route_shipped_tokens", "Of those, tokens the chosen decode "
+                                            "worker lacked and a prefill worker sent it (disaggregated requests)",
+                                            registry=r)
+        self.slo_shed = Counter("pdserve_slo_shed", "Requests refused because their predicted TTFT exceeded "
+                                "their SLO", registry=r)

@@ -26,7 +26,8 @@ from dataclasses import dataclass, field
 import grpc
 
 from pdserve.router.admission import Busy
-from pdserve.router.policies import COLOCATED, DECODE, PREFILL, ROLES, Candidate, Policy
+from pdserve.router.kv_index import KvEventFeed
+from pdserve.router.policies import COLOCATED, DECODE, PREFILL, ROLES, Candidate, Policy, RouteHint
 from pdserve.transport import open_channel, router_metadata
 from pdserve.v1 import common_pb2, worker_pb2, worker_pb2_grpc
 
@@ -112,6 +113,9 @@ class Lease:
     prefill_address: str  # empty when the decode worker is colocated
     prompt_tokens: int
     _pool: WorkerPool
+    #: why it has (or has not) a prefill worker: "colocated", "disaggregated", "pinned", "migration",
+    #: or, with conditional disaggregation, "local_cached" / "local_prefill_busy"
+    route: str = ""
     _prefill_pending: bool = True
     _released: bool = False
     _lock: threading.Lock = field(default_factory=threading.Lock)
@@ -154,6 +158,24 @@ class WorkerPool:
         self._thread: threading.Thread | None = None
         self._workers = {e.address: _open(e) for e in endpoints}
         self.on_change: Callable[[], None] | None = None
+        self._kv_feed: KvEventFeed | None = None
+
+    def attach_kv_feed(self, feed: KvEventFeed) -> None:
+        """Follow every worker's KV events (now and as workers are added) into `feed`'s index; a
+        removed worker leaves the index (KV-aware routing)."""
+        with self._lock:
+            self._kv_feed = feed
+            states = list(self._workers.items())
+        for address, state in states:
+            feed.watch(address, state.channel)
+
+    def kv_block_size(self) -> int:
+        """The KV block size the workers report (the first that reports one; 0 before any does)."""
+        with self._lock:
+            for state in self._workers.values():
+                if state.info is not None and state.info.kv_block_size > 0:
+                    return state.info.kv_block_size
+        return 0
 
     def _changed(self) -> None:
         if self.on_change is not None:
@@ -168,6 +190,8 @@ class WorkerPool:
     def close(self) -> None:
         """Stop polling and close every channel (in-flight calls on them fail with CANCELLED)."""
         self._stop.set()
+        if self._kv_feed is not None:
+            self._kv_feed.close()
         if self._thread is not None:
             self._thread.join(timeout=self._info_timeout_s + 1.0)
         for state in self._workers.values():
@@ -183,6 +207,8 @@ class WorkerPool:
                 raise ValueError(f"worker {endpoint.address} is already in the pool")
             self._workers[endpoint.address] = state
         log.info("worker %s (%s) added", endpoint.address, endpoint.role)
+        if self._kv_feed is not None:
+            self._kv_feed.watch(endpoint.address, state.channel)
         self._record_poll(endpoint.address, state.info_call.future(worker_pb2.InfoRequest(),
                                                                     timeout=self._info_timeout_s))
         self.register_kv_targets()  # a new decode worker is paired only once prefill workers know it
@@ -194,6 +220,8 @@ class WorkerPool:
         if state is None:
             return False
         log.info("worker %s (%s) removed", address, state.endpoint.role)
+        if self._kv_feed is not None:
+            self._kv_feed.unwatch(address)
         state.channel.close()
         return True
 
@@ -281,12 +309,18 @@ class WorkerPool:
 
     def assign(
         self, decode_policy: Policy, prefill_policy: Policy, prompt_tokens: int, avoid: frozenset[str] = frozenset(),
-        prefix_key: str = "", require_room: bool = False,
+        prefix_key: str = "", require_room: bool = False, hint: RouteHint | None = None, local_below: int = 0,
     ) -> Lease:
         """Pick a decode (or colocated) worker and, unless colocated, a prefill worker; count them in
         flight. Workers in `avoid` (they just failed this request) are picked only when no other
         healthy one is left. Raises NoHealthyWorker when a needed stage has no healthy worker, and
-        (with `require_room`) Busy when every healthy decode worker is full."""
+        (with `require_room`) Busy when every healthy decode worker is full.
+
+        Conditional disaggregation (`hint` and `local_below` > 0): the decode worker is picked first;
+        it prefills the request itself (no prefill worker) when fewer than `local_below` of the
+        prompt's tokens are uncached there ("local_cached"), or when the best prefill worker's
+        pending work plus the prompt exceeds twice the decode worker's own (local prefill stalls
+        its decoding, hence the factor; "local_prefill_busy")."""
         with self._lock:
             candidates = self._candidates_locked((DECODE, COLOCATED), avoid)
             # a decode worker that no prefill worker has acknowledged yet (it just turned healthy, and
@@ -299,20 +333,26 @@ class WorkerPool:
                 if not roomy and any(c.healthy for c in candidates):
                     raise Busy("every healthy decode worker is at capacity")
                 candidates = roomy or candidates
-            decode = decode_policy.pick(candidates, prefix_key)
+            decode = decode_policy.pick(candidates, prefix_key, hint)
             if decode is None:
                 raise self._missing_locked((DECODE, COLOCATED), "decode")
-            prefill_address = ""
-            if decode.role == DECODE:
-                paired = self._registered_with_locked(decode.address, prefills)
-                prefill = prefill_policy.pick(paired, prefix_key)
-                if prefill is None:
-                    if not prefills or paired:
-                        raise self._missing_locked((PREFILL,), "prefill")
-                    raise NoHealthyWorker(f"no prefill worker has registered decode worker {decode.address} as a "
-                                          f"KV target yet", "prefill", len(prefills))
-                prefill_address = prefill.address
-            return self._lease_locked(decode.address, prefill_address, prompt_tokens)
+            if decode.role != DECODE:
+                return self._lease_locked(decode.address, "", prompt_tokens, "colocated")
+            if hint is not None and local_below > 0 and hint.uncached(decode.address) < local_below:
+                return self._lease_locked(decode.address, "", prompt_tokens, "local_cached")
+            paired = self._registered_with_locked(decode.address, prefills)
+            prefill = prefill_policy.pick(paired, prefix_key, hint)
+            if prefill is None:
+                if not prefills or paired:
+                    raise self._missing_locked((PREFILL,), "prefill")
+                raise NoHealthyWorker(f"no prefill worker has registered decode worker {decode.address} as a "
+                                      f"KV target yet", "prefill", len(prefills))
+            if hint is not None and local_below > 0:
+                remote = prefill.queued_prompt_tokens + prefill.in_flight_prompt_tokens + hint.uncached(prefill.address)
+                local = decode.in_flight_prompt_tokens + hint.uncached(decode.address)
+                if remote > 2 * local:
+                    return self._lease_locked(decode.address, "", prompt_tokens, "local_prefill_busy")
+            return self._lease_locked(decode.address, prefill.address, prompt_tokens, "disaggregated")
 
     def _registered_with_locked(self, decode_address: str, candidates: list[Candidate]) -> list[Candidate]:
         """The prefill candidates that acknowledged this decode worker's kv_address as a KV target."""
@@ -366,7 +406,7 @@ class WorkerPool:
         with self._lock:
             if address not in self._workers:
                 raise ValueError(f"decode worker {address} is no longer in the pool")
-            return self._lease_locked(address, "", 0)
+            return self._lease_locked(address, "", 0, "migration")
 
     def lease_pinned(self, address: str, prompt_tokens: int) -> Lease | None:
         """A lease on decode (or colocated) worker `address` with no prefill worker (it prefills the
@@ -377,7 +417,7 @@ class WorkerPool:
             if (state is None or state.endpoint.role == PREFILL or not state.healthy or state.held
                     or not self._has_room_locked(address)):
                 return None
-            return self._lease_locked(address, "", prompt_tokens)
+            return self._lease_locked(address, "", prompt_tokens, "pinned")
 
     def draining(self) -> frozenset[str]:
         """Decode and colocated workers whose last poll said they are draining."""
@@ -398,14 +438,14 @@ class WorkerPool:
         waiting = sum(not s.held and not _draining(s) for s in self._workers.values() if s.endpoint.role in roles)
         return NoHealthyWorker(f"no healthy {stage} worker (configured: {', '.join(configured)})", stage, waiting)
 
-    def _lease_locked(self, decode_address: str, prefill_address: str, prompt_tokens: int) -> Lease:
+    def _lease_locked(self, decode_address: str, prefill_address: str, prompt_tokens: int, route: str = "") -> Lease:
         decode = self._workers[decode_address]
         decode.in_flight += 1
         target = self._workers[prefill_address] if prefill_address else decode
         if prefill_address:
             target.in_flight += 1
         target.in_flight_prompt_tokens += prompt_tokens
-        return Lease(decode_address, prefill_address, prompt_tokens, self)
+        return Lease(decode_address, prefill_address, prompt_tokens, self, route=route)
 
     def _end_prefill(self, lease: Lease) -> None:
         with self._lock:

@@ -124,6 +124,10 @@ CASES: dict[str, tuple[Any, dict[str, Any], Callable[[DeploymentConfig, Received
     "router.max_attempts": (5, {}, _all(("router",), "max_attempts", 5)),
     "router.http_port": (8123, {}, _all(("router",), "http_port", 8123)),
     "router.decode_mux": (True, {}, _all(("router",), "decode_mux", True)),
+    "router.kv_aware_request_tokens": (64.0, {}, _all(("router",), "kv_aware_request_tokens", 64.0)),
+    "router.kv_aware_kv_tokens": (32.0, {}, _all(("router",), "kv_aware_kv_tokens", 32.0)),
+    "router.conditional_disagg_tokens": (200, {}, _all(("router",), "conditional_disagg_tokens", 200)),
+    "router.slo_ttft_s": (2.5, {}, _all(("router",), "slo_ttft", 2.5)),
     "prefill.count": (2, {}, lambda c, got: sum(k == "prefill" for k, _ in got) == 2
                       and len(router_of(got).prefill) == 2),
     "decode.count": (3, {}, lambda c, got: sum(k == "decode" for k, _ in got) == 3

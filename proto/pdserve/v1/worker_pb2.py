@@ -26,51 +26,61 @@ from pdserve.v1 import common_pb2 as pdserve_dot_v1_dot_common__pb2
 from pdserve.v1 import router_pb2 as pdserve_dot_v1_dot_router__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17pdserve/v1/worker.proto\x12\npdserve.v1\x1a\x17pdserve/v1/common.proto\x1a\x17pdserve/v1/router.proto\"O\n\x0eSetRoleRequest\x12$\n\x04role\x18\x01 \x01(\x0e\x32\x16.pdserve.v1.WorkerRole\x12\x17\n\x0f\x64rain_timeout_s\x18\x02 \x01(\x01\"K\n\nMuxRequest\x12#\n\x04open\x18\x01 \x01(\x0b\x32\x13.pdserve.v1.MuxOpenH\x00\x12\x10\n\x06\x63\x61ncel\x18\x02 \x01(\tH\x00\x42\x06\n\x04kind\"H\n\x07MuxOpen\x12*\n\x07request\x18\x01 \x01(\x0b\x32\x19.pdserve.v1.DecodeRequest\x12\x11\n\ttimeout_s\x18\x02 \x01(\x01\"1\n\x0bMuxResponse\x12\"\n\x05items\x18\x01 \x03(\x0b\x32\x13.pdserve.v1.MuxItem\"\x8a\x01\n\x07MuxItem\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12.\n\x08response\x18\x02 \x01(\x0b\x32\x1c.pdserve.v1.GenerateResponse\x12\x0b\n\x03\x65nd\x18\x03 \x01(\x08\x12\x0c\n\x04\x63ode\x18\x04 \x01(\x05\x12\x0f\n\x07\x64\x65tails\x18\x05 \x01(\t\x12\x0f\n\x07\x66\x61ilure\x18\x06 \x01(\t\"\xdb\x02\n\rDecodeRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x10\n\x06prompt\x18\x02 \x01(\tH\x00\x12,\n\x08messages\x18\x03 \x01(\x0b\x32\x18.pdserve.v1.ChatMessagesH\x00\x12)\n\ttoken_ids\x18\x04 \x01(\x0b\x32\x14.pdserve.v1.TokenIdsH\x00\x12*\n\x06params\x18\x05 \x01(\x0b\x32\x1a.pdserve.v1.SamplingParams\x12\x17\n\x0fprefill_address\x18\x06 \x01(\t\x12\x19\n\x11resume_output_ids\x18\x07 \x03(\x05\x12\x19\n\x11\x63lient_request_id\x18\x08 \x01(\t\x12\r\n\x05trace\x18\t \x01(\x08\x12\x1c\n\x14migrate_from_address\x18\n \x01(\t\x12\x1a\n\x12migrate_request_id\x18\x0b \x01(\tB\x07\n\x05input\"$\n\x0eSuspendRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"G\n\x0fSuspendResponse\x12\x19\n\x11num_output_tokens\x18\x01 \x01(\x05\x12\x19\n\x11num_cached_tokens\x18\x02 \x01(\x05\"\xb8\x01\n\x11MigrateOutRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x19\n\x11target_request_id\x18\x02 \x01(\t\x12\x19\n\x11kv_target_address\x18\x03 \x01(\t\x12\x12\n\nkv_backend\x18\x04 \x01(\t\x12\x12\n\nnum_tokens\x18\x05 \x01(\x05\x12\x17\n\x0fkv_block_offset\x18\x06 \x01(\x05\x12\x18\n\x10target_worker_id\x18\x07 \x01(\t\"T\n\x12MigrateOutResponse\x12\x10\n\x08kv_bytes\x18\x01 \x01(\x03\x12\x15\n\rkv_transfer_s\x18\x02 \x01(\x01\x12\x15\n\rlast_token_id\x18\x03 \x01(\x05\"\r\n\x0bInfoRequest\"\"\n\x0c\x41\x62ortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"\x1e\n\rAbortResponse\x12\r\n\x05\x66ound\x18\x01 \x01(\x08\"\x1c\n\tKvTargets\x12\x0f\n\x07targets\x18\x01 \x03(\t\"#\n\x0cKvTargetsAck\x12\x13\n\x0bnum_targets\x18\x01 \x01(\x05\"\x86\x02\n\x0ePrefillRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\x05\x12*\n\x06params\x18\x03 \x01(\x0b\x32\x1a.pdserve.v1.SamplingParams\x12\x19\n\x11kv_target_address\x18\x04 \x01(\t\x12\x12\n\nkv_backend\x18\x05 \x01(\t\x12\x18\n\x10\x64\x65\x63ode_worker_id\x18\x06 \x01(\t\x12\x14\n\x0coutput_index\x18\x07 \x01(\x05\x12\x17\n\x0fkv_block_offset\x18\x08 \x01(\x05\x12\r\n\x05trace\x18\t \x01(\x08\x12\x13\n\x0bkv_checksum\x18\n \x01(\t\"\xb3\x01\n\x0fPrefillResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x16\n\x0e\x66irst_token_id\x18\x02 \x01(\x05\x12$\n\x07timings\x18\x03 \x01(\x0b\x32\x13.pdserve.v1.Timings\x12\x10\n\x08kv_bytes\x18\x04 \x01(\x03\x12%\n\x05trace\x18\x05 \x03(\x0b\x32\x16.pdserve.v1.TraceEvent\x12\x15\n\rcached_tokens\x18\x06 \x01(\x05\x32\xe5\x03\n\x0c\x44\x65\x63odeWorker\x12\x45\n\x08Generate\x12\x19.pdserve.v1.DecodeRequest\x1a\x1c.pdserve.v1.GenerateResponse0\x01\x12\x42\n\x0bGenerateMux\x12\x16.pdserve.v1.MuxRequest\x1a\x17.pdserve.v1.MuxResponse(\x01\x30\x01\x12:\n\x07GetInfo\x12\x17.pdserve.v1.InfoRequest\x1a\x16.pdserve.v1.WorkerInfo\x12<\n\x05\x41\x62ort\x12\x18.pdserve.v1.AbortRequest\x1a\x19.pdserve.v1.AbortResponse\x12\x42\n\x07Suspend\x12\x1a.pdserve.v1.SuspendRequest\x1a\x1b.pdserve.v1.SuspendResponse\x12K\n\nMigrateOut\x12\x1d.pdserve.v1.MigrateOutRequest\x1a\x1e.pdserve.v1.MigrateOutResponse\x12?\n\x0cSetKvTargets\x12\x15.pdserve.v1.KvTargets\x1a\x18.pdserve.v1.KvTargetsAck2\xd0\x01\n\rPrefillWorker\x12\x42\n\x07Prefill\x12\x1a.pdserve.v1.PrefillRequest\x1a\x1b.pdserve.v1.PrefillResponse\x12:\n\x07GetInfo\x12\x17.pdserve.v1.InfoRequest\x1a\x16.pdserve.v1.WorkerInfo\x12?\n\x0cSetKvTargets\x12\x15.pdserve.v1.KvTargets\x1a\x18.pdserve.v1.KvTargetsAck2L\n\x0bRoleControl\x12=\n\x07SetRole\x12\x1a.pdserve.v1.SetRoleRequest\x1a\x16.pdserve.v1.WorkerInfob\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17pdserve/v1/worker.proto\x12\npdserve.v1\x1a\x17pdserve/v1/common.proto\x1a\x17pdserve/v1/router.proto\"3\n\x0fKvEventsRequest\x12\r\n\x05\x65poch\x18\x01 \x01(\x04\x12\x11\n\tafter_seq\x18\x02 \x01(\x04\"\x85\x01\n\x0cKvEventBatch\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\r\n\x05\x65poch\x18\x02 \x01(\x04\x12\x11\n\tfirst_seq\x18\x03 \x01(\x04\x12\x10\n\x08last_seq\x18\x04 \x01(\x04\x12\x10\n\x08snapshot\x18\x05 \x01(\x08\x12\x0c\n\x04keys\x18\x06 \x03(\x06\x12\x0e\n\x06stored\x18\x07 \x03(\x08\"\x1f\n\x0fKvLookupRequest\x12\x0c\n\x04keys\x18\x01 \x03(\x06\"8\n\x10KvLookupResponse\x12\x15\n\rcached_blocks\x18\x01 \x01(\r\x12\r\n\x05\x65poch\x18\x02 \x01(\x04\"O\n\x0eSetRoleRequest\x12$\n\x04role\x18\x01 \x01(\x0e\x32\x16.pdserve.v1.WorkerRole\x12\x17\n\x0f\x64rain_timeout_s\x18\x02 \x01(\x01\"K\n\nMuxRequest\x12#\n\x04open\x18\x01 \x01(\x0b\x32\x13.pdserve.v1.MuxOpenH\x00\x12\x10\n\x06\x63\x61ncel\x18\x02 \x01(\tH\x00\x42\x06\n\x04kind\"H\n\x07MuxOpen\x12*\n\x07request\x18\x01 \x01(\x0b\x32\x19.pdserve.v1.DecodeRequest\x12\x11\n\ttimeout_s\x18\x02 \x01(\x01\"1\n\x0bMuxResponse\x12\"\n\x05items\x18\x01 \x03(\x0b\x32\x13.pdserve.v1.MuxItem\"\x8a\x01\n\x07MuxItem\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12.\n\x08response\x18\x02 \x01(\x0b\x32\x1c.pdserve.v1.GenerateResponse\x12\x0b\n\x03\x65nd\x18\x03 \x01(\x08\x12\x0c\n\x04\x63ode\x18\x04 \x01(\x05\x12\x0f\n\x07\x64\x65tails\x18\x05 \x01(\t\x12\x0f\n\x07\x66\x61ilure\x18\x06 \x01(\t\"\xdb\x02\n\rDecodeRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x10\n\x06prompt\x18\x02 \x01(\tH\x00\x12,\n\x08messages\x18\x03 \x01(\x0b\x32\x18.pdserve.v1.ChatMessagesH\x00\x12)\n\ttoken_ids\x18\x04 \x01(\x0b\x32\x14.pdserve.v1.TokenIdsH\x00\x12*\n\x06params\x18\x05 \x01(\x0b\x32\x1a.pdserve.v1.SamplingParams\x12\x17\n\x0fprefill_address\x18\x06 \x01(\t\x12\x19\n\x11resume_output_ids\x18\x07 \x03(\x05\x12\x19\n\x11\x63lient_request_id\x18\x08 \x01(\t\x12\r\n\x05trace\x18\t \x01(\x08\x12\x1c\n\x14migrate_from_address\x18\n \x01(\t\x12\x1a\n\x12migrate_request_id\x18\x0b \x01(\tB\x07\n\x05input\"$\n\x0eSuspendRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"G\n\x0fSuspendResponse\x12\x19\n\x11num_output_tokens\x18\x01 \x01(\x05\x12\x19\n\x11num_cached_tokens\x18\x02 \x01(\x05\"\xb8\x01\n\x11MigrateOutRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x19\n\x11target_request_id\x18\x02 \x01(\t\x12\x19\n\x11kv_target_address\x18\x03 \x01(\t\x12\x12\n\nkv_backend\x18\x04 \x01(\t\x12\x12\n\nnum_tokens\x18\x05 \x01(\x05\x12\x17\n\x0fkv_block_offset\x18\x06 \x01(\x05\x12\x18\n\x10target_worker_id\x18\x07 \x01(\t\"T\n\x12MigrateOutResponse\x12\x10\n\x08kv_bytes\x18\x01 \x01(\x03\x12\x15\n\rkv_transfer_s\x18\x02 \x01(\x01\x12\x15\n\rlast_token_id\x18\x03 \x01(\x05\"\r\n\x0bInfoRequest\"\"\n\x0c\x41\x62ortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"\x1e\n\rAbortResponse\x12\r\n\x05\x66ound\x18\x01 \x01(\x08\"\x1c\n\tKvTargets\x12\x0f\n\x07targets\x18\x01 \x03(\t\"#\n\x0cKvTargetsAck\x12\x13\n\x0bnum_targets\x18\x01 \x01(\x05\"\x86\x02\n\x0ePrefillRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\x05\x12*\n\x06params\x18\x03 \x01(\x0b\x32\x1a.pdserve.v1.SamplingParams\x12\x19\n\x11kv_target_address\x18\x04 \x01(\t\x12\x12\n\nkv_backend\x18\x05 \x01(\t\x12\x18\n\x10\x64\x65\x63ode_worker_id\x18\x06 \x01(\t\x12\x14\n\x0coutput_index\x18\x07 \x01(\x05\x12\x17\n\x0fkv_block_offset\x18\x08 \x01(\x05\x12\r\n\x05trace\x18\t \x01(\x08\x12\x13\n\x0bkv_checksum\x18\n \x01(\t\"\xb3\x01\n\x0fPrefillResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x16\n\x0e\x66irst_token_id\x18\x02 \x01(\x05\x12$\n\x07timings\x18\x03 \x01(\x0b\x32\x13.pdserve.v1.Timings\x12\x10\n\x08kv_bytes\x18\x04 \x01(\x03\x12%\n\x05trace\x18\x05 \x03(\x0b\x32\x16.pdserve.v1.TraceEvent\x12\x15\n\rcached_tokens\x18\x06 \x01(\x05\x32\xe5\x03\n\x0c\x44\x65\x63odeWorker\x12\x45\n\x08Generate\x12\x19.pdserve.v1.DecodeRequest\x1a\x1c.pdserve.v1.GenerateResponse0\x01\x12\x42\n\x0bGenerateMux\x12\x16.pdserve.v1.MuxRequest\x1a\x17.pdserve.v1.MuxResponse(\x01\x30\x01\x12:\n\x07GetInfo\x12\x17.pdserve.v1.InfoRequest\x1a\x16.pdserve.v1.WorkerInfo\x12<\n\x05\x41\x62ort\x12\x18.pdserve.v1.AbortRequest\x1a\x19.pdserve.v1.AbortResponse\x12\x42\n\x07Suspend\x12\x1a.pdserve.v1.SuspendRequest\x1a\x1b.pdserve.v1.SuspendResponse\x12K\n\nMigrateOut\x12\x1d.pdserve.v1.MigrateOutRequest\x1a\x1e.pdserve.v1.MigrateOutResponse\x12?\n\x0cSetKvTargets\x12\x15.pdserve.v1.KvTargets\x1a\x18.pdserve.v1.KvTargetsAck2\xd0\x01\n\rPrefillWorker\x12\x42\n\x07Prefill\x12\x1a.pdserve.v1.PrefillRequest\x1a\x1b.pdserve.v1.PrefillResponse\x12:\n\x07GetInfo\x12\x17.pdserve.v1.InfoRequest\x1a\x16.pdserve.v1.WorkerInfo\x12?\n\x0cSetKvTargets\x12\x15.pdserve.v1.KvTargets\x1a\x18.pdserve.v1.KvTargetsAck2L\n\x0bRoleControl\x12=\n\x07SetRole\x12\x1a.pdserve.v1.SetRoleRequest\x1a\x16.pdserve.v1.WorkerInfo2\x95\x01\n\x08KvEvents\x12\x44\n\tSubscribe\x12\x1b.pdserve.v1.KvEventsRequest\x1a\x18.pdserve.v1.KvEventBatch0\x01\x12\x43\n\x06Lookup\x12\x1b.pdserve.v1.KvLookupRequest\x1a\x1c.pdserve.v1.KvLookupResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'pdserve.v1.worker_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_SETROLEREQUEST']._serialized_start=89
-  _globals['_SETROLEREQUEST']._serialized_end=168
-  _globals['_MUXREQUEST']._serialized_start=170
-  _globals['_MUXREQUEST']._serialized_end=245
-  _globals['_MUXOPEN']._serialized_start=247
-  _globals['_MUXOPEN']._serialized_end=319
-  _globals['_MUXRESPONSE']._serialized_start=321
-  _globals['_MUXRESPONSE']._serialized_end=370
-  _globals['_MUXITEM']._serialized_start=373
-  _globals['_MUXITEM']._serialized_end=511
-  _globals['_DECODEREQUEST']._serialized_start=514
-  _globals['_DECODEREQUEST']._serialized_end=861
-  _globals['_SUSPENDREQUEST']._serialized_start=863
-  _globals['_SUSPENDREQUEST']._serialized_end=899
-  _globals['_SUSPENDRESPONSE']._serialized_start=901
-  _globals['_SUSPENDRESPONSE']._serialized_end=972
-  _globals['_MIGRATEOUTREQUEST']._serialized_start=975
-  _globals['_MIGRATEOUTREQUEST']._serialized_end=1159
-  _globals['_MIGRATEOUTRESPONSE']._serialized_start=1161
-  _globals['_MIGRATEOUTRESPONSE']._serialized_end=1245
-  _globals['_INFOREQUEST']._serialized_start=1247
-  _globals['_INFOREQUEST']._serialized_end=1260
-  _globals['_ABORTREQUEST']._serialized_start=1262
-  _globals['_ABORTREQUEST']._serialized_end=1296
-  _globals['_ABORTRESPONSE']._serialized_start=1298
-  _globals['_ABORTRESPONSE']._serialized_end=1328
-  _globals['_KVTARGETS']._serialized_start=1330
-  _globals['_KVTARGETS']._serialized_end=1358
-  _globals['_KVTARGETSACK']._serialized_start=1360
-  _globals['_KVTARGETSACK']._serialized_end=1395
-  _globals['_PREFILLREQUEST']._serialized_start=1398
-  _globals['_PREFILLREQUEST']._serialized_end=1660
-  _globals['_PREFILLRESPONSE']._serialized_start=1663
-  _globals['_PREFILLRESPONSE']._serialized_end=1842
-  _globals['_DECODEWORKER']._serialized_start=1845
-  _globals['_DECODEWORKER']._serialized_end=2330
-  _globals['_PREFILLWORKER']._serialized_start=2333
-  _globals['_PREFILLWORKER']._serialized_end=2541
-  _globals['_ROLECONTROL']._serialized_start=2543
-  _globals['_ROLECONTROL']._serialized_end=2619
+  _globals['_KVEVENTSREQUEST']._serialized_start=89
+  _globals['_KVEVENTSREQUEST']._serialized_end=140
+  _globals['_KVEVENTBATCH']._serialized_start=143
+  _globals['_KVEVENTBATCH']._serialized_end=276
+  _globals['_KVLOOKUPREQUEST']._serialized_start=278
+  _globals['_KVLOOKUPREQUEST']._serialized_end=309
+  _globals['_KVLOOKUPRESPONSE']._serialized_start=311
+  _globals['_KVLOOKUPRESPONSE']._serialized_end=367
+  _globals['_SETROLEREQUEST']._serialized_start=369
+  _globals['_SETROLEREQUEST']._serialized_end=448
+  _globals['_MUXREQUEST']._serialized_start=450
+  _globals['_MUXREQUEST']._serialized_end=525
+  _globals['_MUXOPEN']._serialized_start=527
+  _globals['_MUXOPEN']._serialized_end=599
+  _globals['_MUXRESPONSE']._serialized_start=601
+  _globals['_MUXRESPONSE']._serialized_end=650
+  _globals['_MUXITEM']._serialized_start=653
+  _globals['_MUXITEM']._serialized_end=791
+  _globals['_DECODEREQUEST']._serialized_start=794
+  _globals['_DECODEREQUEST']._serialized_end=1141
+  _globals['_SUSPENDREQUEST']._serialized_start=1143
+  _globals['_SUSPENDREQUEST']._serialized_end=1179
+  _globals['_SUSPENDRESPONSE']._serialized_start=1181
+  _globals['_SUSPENDRESPONSE']._serialized_end=1252
+  _globals['_MIGRATEOUTREQUEST']._serialized_start=1255
+  _globals['_MIGRATEOUTREQUEST']._serialized_end=1439
+  _globals['_MIGRATEOUTRESPONSE']._serialized_start=1441
+  _globals['_MIGRATEOUTRESPONSE']._serialized_end=1525
+  _globals['_INFOREQUEST']._serialized_start=1527
+  _globals['_INFOREQUEST']._serialized_end=1540
+  _globals['_ABORTREQUEST']._serialized_start=1542
+  _globals['_ABORTREQUEST']._serialized_end=1576
+  _globals['_ABORTRESPONSE']._serialized_start=1578
+  _globals['_ABORTRESPONSE']._serialized_end=1608
+  _globals['_KVTARGETS']._serialized_start=1610
+  _globals['_KVTARGETS']._serialized_end=1638
+  _globals['_KVTARGETSACK']._serialized_start=1640
+  _globals['_KVTARGETSACK']._serialized_end=1675
+  _globals['_PREFILLREQUEST']._serialized_start=1678
+  _globals['_PREFILLREQUEST']._serialized_end=1940
+  _globals['_PREFILLRESPONSE']._serialized_start=1943
+  _globals['_PREFILLRESPONSE']._serialized_end=2122
+  _globals['_DECODEWORKER']._serialized_start=2125
+  _globals['_DECODEWORKER']._serialized_end=2610
+  _globals['_PREFILLWORKER']._serialized_start=2613
+  _globals['_PREFILLWORKER']._serialized_end=2821
+  _globals['_ROLECONTROL']._serialized_start=2823
+  _globals['_ROLECONTROL']._serialized_end=2899
+  _globals['_KVEVENTS']._serialized_start=2902
+  _globals['_KVEVENTS']._serialized_end=3051
 # @@protoc_insertion_point(module_scope)

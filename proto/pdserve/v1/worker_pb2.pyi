@@ -8,6 +8,46 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
 
+class KvEventsRequest(_message.Message):
+    __slots__ = ("epoch", "after_seq")
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    AFTER_SEQ_FIELD_NUMBER: _ClassVar[int]
+    epoch: int
+    after_seq: int
+    def __init__(self, epoch: _Optional[int] = ..., after_seq: _Optional[int] = ...) -> None: ...
+
+class KvEventBatch(_message.Message):
+    __slots__ = ("worker_id", "epoch", "first_seq", "last_seq", "snapshot", "keys", "stored")
+    WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    FIRST_SEQ_FIELD_NUMBER: _ClassVar[int]
+    LAST_SEQ_FIELD_NUMBER: _ClassVar[int]
+    SNAPSHOT_FIELD_NUMBER: _ClassVar[int]
+    KEYS_FIELD_NUMBER: _ClassVar[int]
+    STORED_FIELD_NUMBER: _ClassVar[int]
+    worker_id: str
+    epoch: int
+    first_seq: int
+    last_seq: int
+    snapshot: bool
+    keys: _containers.RepeatedScalarFieldContainer[int]
+    stored: _containers.RepeatedScalarFieldContainer[bool]
+    def __init__(self, worker_id: _Optional[str] = ..., epoch: _Optional[int] = ..., first_seq: _Optional[int] = ..., last_seq: _Optional[int] = ..., snapshot: _Optional[bool] = ..., keys: _Optional[_Iterable[int]] = ..., stored: _Optional[_Iterable[bool]] = ...) -> None: ...
+
+class KvLookupRequest(_message.Message):
+    __slots__ = ("keys",)
+    KEYS_FIELD_NUMBER: _ClassVar[int]
+    keys: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, keys: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class KvLookupResponse(_message.Message):
+    __slots__ = ("cached_blocks", "epoch")
+    CACHED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    cached_blocks: int
+    epoch: int
+    def __init__(self, cached_blocks: _Optional[int] = ..., epoch: _Optional[int] = ...) -> None: ...
+
 class SetRoleRequest(_message.Message):
     __slots__ = ("role", "drain_timeout_s")
     ROLE_FIELD_NUMBER: _ClassVar[int]

@@ -633,3 +633,134 @@ class RoleControl:
             timeout,
             metadata,
             _registered_method=True)
+
+
+class KvEventsStub:
+    """Service of every worker (prefill, decode, colocated, elastic), on the internal plane: its prefix
+    cache's changes, for the router's KV index (KV-aware routing). Keys are the first 8 bytes of the
+    blocks' chained sha256 prefix hashes (pdserve.prefix_hashing): no token id and no text leaves.
+    """
+
+    def __init__(self, channel):
+        """Constructor.
+
+        Args:
+            channel: A grpc.Channel.
+        """
+        self.Subscribe = channel.unary_stream(
+                '/pdserve.v1.KvEvents/Subscribe',
+                request_serializer=pdserve_dot_v1_dot_worker__pb2.KvEventsRequest.SerializeToString,
+                response_deserializer=pdserve_dot_v1_dot_worker__pb2.KvEventBatch.FromString,
+                _registered_method=True)
+        self.Lookup = channel.unary_unary(
+                '/pdserve.v1.KvEvents/Lookup',
+                request_serializer=pdserve_dot_v1_dot_worker__pb2.KvLookupRequest.SerializeToString,
+                response_deserializer=pdserve_dot_v1_dot_worker__pb2.KvLookupResponse.FromString,
+                _registered_method=True)
+
+
+class KvEventsServicer:
+    """Service of every worker (prefill, decode, colocated, elastic), on the internal plane: its prefix
+    cache's changes, for the router's KV index (KV-aware routing). Keys are the first 8 bytes of the
+    blocks' chained sha256 prefix hashes (pdserve.prefix_hashing): no token id and no text leaves.
+    """
+
+    def Subscribe(self, request, context):
+        """The events after `after_seq` of the log named `epoch`, as batches while the call lasts. The
+        first batch is a snapshot (every key cached now) when the subscriber starts fresh (after_seq
+        0), names another epoch (the worker restarted or changed role), or fell behind the events the
+        worker keeps; every later batch continues at last_seq + 1. A gap in the numbers means events
+        were lost: subscribe again from 0.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Lookup(self, request, context):
+        """How many of `keys`, from the first, are cached now: the exact prefix overlap (the router's
+        `kv_oracle` policy asks every worker for each request; a measurement baseline, not a default).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+
+def add_KvEventsServicer_to_server(servicer, server):
+    rpc_method_handlers = {
+            'Subscribe': grpc.unary_stream_rpc_method_handler(
+                    servicer.Subscribe,
+                    request_deserializer=pdserve_dot_v1_dot_worker__pb2.KvEventsRequest.FromString,
+                    response_serializer=pdserve_dot_v1_dot_worker__pb2.KvEventBatch.SerializeToString,
+            ),
+            'Lookup': grpc.unary_unary_rpc_method_handler(
+                    servicer.Lookup,
+                    request_deserializer=pdserve_dot_v1_dot_worker__pb2.KvLookupRequest.FromString,
+                    response_serializer=pdserve_dot_v1_dot_worker__pb2.KvLookupResponse.SerializeToString,
+            ),
+    }
+    generic_handler = grpc.method_handlers_generic_handler(
+            'pdserve.v1.KvEvents', rpc_method_handlers)
+    server.add_generic_rpc_handlers((generic_handler,))
+    server.add_registered_method_handlers('pdserve.v1.KvEvents', rpc_method_handlers)
+
+
+ # This class is part of an EXPERIMENTAL API.
+class KvEvents:
+    """Service of every worker (prefill, decode, colocated, elastic), on the internal plane: its prefix
+    cache's changes, for the router's KV index (KV-aware routing). Keys are the first 8 bytes of the
+    blocks' chained sha256 prefix hashes (pdserve.prefix_hashing): no token id and no text leaves.
+    """
+
+    @staticmethod
+    def Subscribe(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/pdserve.v1.KvEvents/Subscribe',
+            pdserve_dot_v1_dot_worker__pb2.KvEventsRequest.SerializeToString,
+            pdserve_dot_v1_dot_worker__pb2.KvEventBatch.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Lookup(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pdserve.v1.KvEvents/Lookup',
+            pdserve_dot_v1_dot_worker__pb2.KvLookupRequest.SerializeToString,
+            pdserve_dot_v1_dot_worker__pb2.KvLookupResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
