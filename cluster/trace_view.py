@@ -56,6 +56,12 @@ def describe(event: common_pb2.TraceEvent) -> tuple[str, str]:
         e = event.hold
         return "detok hold", (f"token {e.token_id}: {len(e.held)} bytes {piece(e.held)} over {e.held_tokens} "
                               f"token(s) wait for the rest of a character")
+    if kind == "route":
+        e = event.route
+        where = f"decode {e.decode_worker}" + (f", prefill {e.prefill_worker}" if e.prefill_worker else "")
+        cached = (f"; {e.prompt_tokens} prompt tokens, cached {e.decode_cached_tokens} on decode, "
+                  f"{e.prefill_cached_tokens} on prefill" if e.prompt_tokens else "")
+        return "route", f"{e.decision}: {where}{cached}"
     return "unknown", str(event)
 
 

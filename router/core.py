@@ -189,6 +189,7 @@ class RouterCore:
                 log.warning("KV-aware policy without a tokenizer (--tokenizer): only token-id prompts get "
                             "cache hints; the others are routed by load")
             self.kv_index = KvIndex()
+            self.metrics.prom.kv_index_entries.set_function(lambda: len(self.kv_index))
             if not self._kv_oracle:
                 pool.attach_kv_feed(KvEventFeed(self.kv_index))
         self.admission: AdmissionQueue[Lease] = AdmissionQueue(config.max_queued_requests, self._release)
@@ -468,6 +469,7 @@ class RouterCore:
                 lease = await self._acquire(state, retry=failures > 0)
             admitted_at = time.monotonic()
             result = _Attempt()
+            routed = False  # the attempt's route event went out (traced requests)
             state.lease = lease
             call: grpc.aio.UnaryStreamCall | MuxCall | None = None
             try:
@@ -487,6 +489,9 @@ class RouterCore:
                         if self._on_marker(state, lease, response.migration, result):
                             break
                         continue
+                    if state.request.trace and not routed:
+                        routed = True
+                        _prepend_route(response, state, lease, self._hint(state) if self._kv_aware else None)
                     finished = _stamp(response, state, lease)
                     if state.on_placed is not None and (response.token_ids or finished):
                         state.on_placed(lease.decode_address)
@@ -755,6 +760,21 @@ class RouterCore:
 def _status_of(outcome: str) -> str:
     """A finish reason (the stream ended normally) is status OK; a status code name is itself."""
     return outcome if outcome in grpc.StatusCode.__members__ else "OK"
+
+
+def _prepend_route(response: router_pb2.GenerateResponse, state: _Request, lease: Lease,
+                   hint: RouteHint | None) -> None:
+    """Put the router's route event first in a traced request's first response of an attempt."""
+    route = common_pb2.TraceRoute(decision=lease.route, decode_worker=lease.decode_address,
+                                  prefill_worker=lease.prefill_address)
+    if hint is not None:
+        route.prompt_tokens = hint.prompt_tokens
+        route.decode_cached_tokens = hint.prompt_tokens - hint.uncached(lease.decode_address)
+        if lease.prefill_address:
+            route.prefill_cached_tokens = hint.prompt_tokens - hint.uncached(lease.prefill_address)
+    events = [common_pb2.TraceEvent(route=route), *response.trace]
+    del response.trace[:]
+    response.trace.extend(events)
 
 
 def _stamp(response: router_pb2.GenerateResponse, state: _Request, lease: Lease) -> bool:

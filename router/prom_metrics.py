@@ -64,5 +64,7 @@ class RouterPrometheus:
         self.route_shipped_tokens = Counter("pdserve_route_shipped_tokens", "Of those, tokens the chosen decode "
                                             "worker lacked and a prefill worker sent it (disaggregated requests)",
                                             registry=r)
+        self.kv_index_entries = Gauge("pdserve_kv_index_entries", "(block, worker) entries in the router's KV index "
+                                      "(KV-aware policies)", registry=r)
         self.slo_shed = Counter("pdserve_slo_shed", "Requests refused because their predicted TTFT exceeded "
                                 "their SLO", registry=r)

@@ -193,20 +193,38 @@ class Timings(_message.Message):
     def __init__(self, queue_s: _Optional[float] = ..., prefill_s: _Optional[float] = ..., kv_transfer_s: _Optional[float] = ..., ttft_s: _Optional[float] = ..., decode_s: _Optional[float] = ..., e2e_s: _Optional[float] = ..., tokenize_s: _Optional[float] = ..., detokenize_s: _Optional[float] = ...) -> None: ...
 
 class TraceEvent(_message.Message):
-    __slots__ = ("worker_id", "tokenize", "prefill", "kv_transfer", "decode", "hold")
+    __slots__ = ("worker_id", "tokenize", "prefill", "kv_transfer", "decode", "hold", "route")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     TOKENIZE_FIELD_NUMBER: _ClassVar[int]
     PREFILL_FIELD_NUMBER: _ClassVar[int]
     KV_TRANSFER_FIELD_NUMBER: _ClassVar[int]
     DECODE_FIELD_NUMBER: _ClassVar[int]
     HOLD_FIELD_NUMBER: _ClassVar[int]
+    ROUTE_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     tokenize: TraceTokenize
     prefill: TracePrefillPass
     kv_transfer: TraceKvTransfer
     decode: TraceDecodeStep
     hold: TraceDetokenizeHold
-    def __init__(self, worker_id: _Optional[str] = ..., tokenize: _Optional[_Union[TraceTokenize, _Mapping]] = ..., prefill: _Optional[_Union[TracePrefillPass, _Mapping]] = ..., kv_transfer: _Optional[_Union[TraceKvTransfer, _Mapping]] = ..., decode: _Optional[_Union[TraceDecodeStep, _Mapping]] = ..., hold: _Optional[_Union[TraceDetokenizeHold, _Mapping]] = ...) -> None: ...
+    route: TraceRoute
+    def __init__(self, worker_id: _Optional[str] = ..., tokenize: _Optional[_Union[TraceTokenize, _Mapping]] = ..., prefill: _Optional[_Union[TracePrefillPass, _Mapping]] = ..., kv_transfer: _Optional[_Union[TraceKvTransfer, _Mapping]] = ..., decode: _Optional[_Union[TraceDecodeStep, _Mapping]] = ..., hold: _Optional[_Union[TraceDetokenizeHold, _Mapping]] = ..., route: _Optional[_Union[TraceRoute, _Mapping]] = ...) -> None: ...
+
+class TraceRoute(_message.Message):
+    __slots__ = ("decision", "decode_worker", "prefill_worker", "prompt_tokens", "decode_cached_tokens", "prefill_cached_tokens")
+    DECISION_FIELD_NUMBER: _ClassVar[int]
+    DECODE_WORKER_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_WORKER_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    DECODE_CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    decision: str
+    decode_worker: str
+    prefill_worker: str
+    prompt_tokens: int
+    decode_cached_tokens: int
+    prefill_cached_tokens: int
+    def __init__(self, decision: _Optional[str] = ..., decode_worker: _Optional[str] = ..., prefill_worker: _Optional[str] = ..., prompt_tokens: _Optional[int] = ..., decode_cached_tokens: _Optional[int] = ..., prefill_cached_tokens: _Optional[int] = ...) -> None: ...
 
 class TraceTokenize(_message.Message):
     __slots__ = ("token_ids", "pieces", "time_s")
