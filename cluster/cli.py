@@ -417,6 +417,7 @@ def _cmd_status(args: argparse.Namespace) -> int:
             "in_flight_requests": status.in_flight_requests,
             "total_requests": status.total_requests,
             "queued_requests": status.queued_requests,
+            "slo_shed_requests": status.slo_shed_requests,
             "max_queued_requests": status.max_queued_requests,
             "mean_queue_time_s": _mean_queue_time(status),
         }
@@ -425,7 +426,7 @@ def _cmd_status(args: argparse.Namespace) -> int:
     print(format_table(STATUS_COLUMNS, [_status_cells(r) for r in rows]))
     print(f"in flight: {status.in_flight_requests}  total requests: {status.total_requests}  "
           f"queued: {status.queued_requests}/{status.max_queued_requests}  "
-          f"mean queue time: {_mean_queue_time(status):.3f} s")
+          f"mean queue time: {_mean_queue_time(status):.3f} s  shed (SLO): {status.slo_shed_requests}")
     for warning in warnings:
         print(f"warning: {warning}", file=sys.stderr)
     return 0

@@ -65,6 +65,8 @@ from pdserve.router.policies import (
     make_policy,
     prefix_key,
 )
+from pdserve.router.slo import SloMiss, TtftModel
+from pdserve.router.slo import check as check_slo
 from pdserve.router.validation import InvalidRequest, validate_generate_request
 from pdserve.router.worker_pool import ROLE_PB, Lease, NoHealthyWorker, SwitchRefused, WorkerPool
 from pdserve.telemetry.grpc_logging import log_finish, log_start, safe_id
@@ -162,6 +164,8 @@ class _Request:
     kv_keys: list[int] = field(default_factory=list)  # the prompt's block keys (KV-aware routing)
     prompt_tokens: int = 0  # exact, when the router tokenized it (KV-aware routing); else 0
     oracle: dict[str, int] | None = None  # kv_oracle: blocks cached per worker, asked at routing time
+    slo_work: int = 0  # SLO admission: prefill work ahead of it at dispatch (tokens), until its first token
+    dispatched_at: float = 0.0
     on_placed: Callable[[str], None] | None = None  # told the decode worker that produced the first token
 
     def remaining_s(self) -> float:
@@ -197,6 +201,8 @@ class RouterCore:
         self._stubs: dict[str, tuple[grpc.aio.Channel, worker_pb2_grpc.DecodeWorkerStub]] = {}
         self._muxes: dict[str, DecodeMux] = {}  # --decode-mux: one GenerateMux call per decode worker
         self._metadata = internal_metadata()
+        self.ttft_model = TtftModel()  # SLO admission (router/slo.py)
+        self.slo_shed = 0
         self._live: dict[int, _Request] = {}  # requests in flight, by id() (their internal id changes)
         self._tasks: set[asyncio.Task] = set()  # drain migrations under way
 
@@ -305,6 +311,7 @@ class RouterCore:
             workers=self.pool.snapshot(), in_flight_requests=self.metrics.in_flight,
             total_requests=self.metrics.total_requests, queued_requests=len(self.admission),
             max_queued_requests=self.admission.max_queued, dequeued_requests=self.admission.admitted,
+            slo_shed_requests=self.slo_shed,
             queue_time_s_sum=self.admission.queue_time_s_sum, recent=recent,
         )
 
@@ -492,6 +499,8 @@ class RouterCore:
                     if state.request.trace and not routed:
                         routed = True
                         _prepend_route(response, state, lease, self._hint(state) if self._kv_aware else None)
+                    if state.dispatched_at and (response.token_ids or response.text):
+                        self._first_token(state)
                     finished = _stamp(response, state, lease)
                     if state.on_placed is not None and (response.token_ids or finished):
                         state.on_placed(lease.decode_address)
@@ -577,12 +586,18 @@ class RouterCore:
                     await asyncio.sleep(pause)
                 # room now: no queueing, and no wait_for task (the common case under capacity)
                 lease = self.admission.try_now(lambda: self._assign(state)) if state.remaining_s() > 0 else None
+                if lease is None and not retry:
+                    self._shed_before_queueing(state)
                 if lease is None:
                     lease = await asyncio.wait_for(
                         self.admission.acquire(lambda: self._assign(state), state.request.priority, retry,
                                                state.remaining_s()),
                         timeout=state.remaining_s())
             except QueueFull as exc:
+                raise RouterError(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc), exc.retry_after_s) from None
+            except SloMiss as exc:
+                self.slo_shed += 1
+                self.metrics.prom.slo_shed.inc()
                 raise RouterError(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc), exc.retry_after_s) from None
             except (asyncio.TimeoutError, TimeoutError):
                 self._end_worker_wait(waited_since, "gave_up")
@@ -635,6 +650,16 @@ class RouterCore:
                                  frozenset(state.avoid), prefix_key(state.request), require_room=True, hint=hint,
                                  local_below=self._config.conditional_disagg_tokens if hint is not None else 0)
         self._dispatched += 1
+        if not state.delivered:  # SLO admission: the work ahead of its first token, and the check
+            state.slo_work = self.pool.pending_prompt_tokens(lease.prefill_address or lease.decode_address)
+            state.dispatched_at = time.monotonic()
+            slo_s = self._slo_s(state)
+            if slo_s and self.ttft_model.ready:
+                try:
+                    check_slo(state.clock.elapsed_s() + self.ttft_model.predict(state.slo_work), slo_s)
+                except SloMiss:
+                    self._release(lease)
+                    raise
         self.metrics.prom.route_decisions.labels(lease.route).inc()
         if hint is not None:
             self.metrics.prom.route_cached_tokens.inc(hint.prompt_tokens - hint.uncached(
@@ -643,6 +668,28 @@ class RouterCore:
             if lease.prefill_address:  # what the decode worker lacks crosses the network
                 self.metrics.prom.route_shipped_tokens.inc(hint.uncached(lease.decode_address))
         return lease
+
+    # ----- SLO admission (router/slo.py) -----------------------------------------------------------
+    def _slo_s(self, state: _Request) -> float:
+        """The request's TTFT objective in seconds (0: none, or best effort: never refused)."""
+        if state.request.best_effort:
+            return 0.0
+        return state.request.slo_ttft_ms / 1000 if state.request.slo_ttft_ms else self._config.slo_ttft_s
+
+    def _shed_before_queueing(self, state: _Request) -> None:
+        """A request that would queue: refuse it now (SloMiss) when the queue's predicted wait plus
+        its own prefill already exceed its SLO, so that its answer comes at once."""
+        slo_s = self._slo_s(state)
+        if slo_s and self.ttft_model.ready:
+            prompt = state.prompt_tokens or estimate_prompt_tokens(state.request)
+            check_slo(state.clock.elapsed_s() + self.admission.predicted_wait_s() + self.ttft_model.predict(prompt),
+                      slo_s)
+
+    def _first_token(self, state: _Request) -> None:
+        """The request's first token arrived: teach the TTFT model what its work took."""
+        if state.dispatched_at:
+            self.ttft_model.observe(time.monotonic() - state.dispatched_at, state.slo_work)
+            state.dispatched_at = 0.0
 
     # ----- KV-aware routing ----------------------------------------------------------------------
     async def _kv_keys(self, state: _Request) -> None:

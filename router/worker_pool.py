@@ -499,6 +499,16 @@ class WorkerPool:
             if state is not None:
                 state.held = False
 
+    def pending_prompt_tokens(self, address: str) -> int:
+        """Prompt tokens waiting for a first token at `address`: its last reported queue plus what the
+        router sent it since (0 for an unknown address)."""
+        with self._lock:
+            state = self._workers.get(address)
+            if state is None:
+                return 0
+            queued = state.info.queued_prompt_tokens if state.info is not None else 0
+            return queued + state.in_flight_prompt_tokens
+
     def in_flight_of(self, address: str) -> int:
         """Requests the router has at `address` (0 for an unknown address)."""
         with self._lock:

@@ -236,3 +236,39 @@ def test_a_request_fault_on_one_worker_is_retried_on_another(fake_server, start_
     results = [_consume(stub) for _ in range(2)]  # round robin: each starts on `bad`, then moves on
     assert all("".join(r.text for r in res) == "Hello world" for res in results)
     assert len(bad.requests) == 2 and len(good.requests) == 2  # `bad` was not suspected: it kept its turn
+
+
+def test_slo_admission_refuses_at_once_what_would_miss_its_ttft(fake_server, start_router) -> None:  # noqa: ANN001
+    """The router learns the prefill rate from first tokens; once a prefill worker reports a backlog
+    that the rate says takes longer than the SLO, a new request is refused with a retry-after hint
+    before any worker sees it, a best-effort one is still served, and the refusal is counted."""
+    from waiting import eventually
+
+    prefill, decode = FakePrefill(), FakeDecode()
+    _server, stub = start_router(RouterConfig(prefill=(fake_server(prefill),), decode=(fake_server(decode),),
+                                              poll_interval_s=0.05, slo_ttft_s=2.0))
+    for i in range(6):  # teach the TTFT model (no backlog: every TTFT is well within the SLO)
+        responses = list(stub.Generate(router_pb2.GenerateRequest(prompt=f"warm {i}"), timeout=10))
+        assert responses[-1].finish_reason == common_pb2.FINISH_REASON_STOP
+    prefill.info.queued_prompt_tokens = 10**9  # a huge backlog: no rate learned here fits it in 2 s
+
+    def sees_backlog() -> bool:
+        status = stub.GetStatus(router_pb2.StatusRequest(), timeout=5)
+        return any(w.queued_prompt_tokens == 10**9 for w in status.workers)
+    eventually(sees_backlog, 10)
+    seen = len(decode.requests)
+    with pytest.raises(grpc.RpcError) as refused:
+        list(stub.Generate(router_pb2.GenerateRequest(prompt="on time or not at all"), timeout=10))
+    assert refused.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert "exceeds the SLO" in refused.value.details()
+    assert int(dict(refused.value.trailing_metadata())["retry-after"]) >= 1
+    assert len(decode.requests) == seen  # refused before any worker did anything for it
+    served = list(stub.Generate(router_pb2.GenerateRequest(prompt="whenever", best_effort=True), timeout=10))
+    assert served[-1].finish_reason == common_pb2.FINISH_REASON_STOP
+    tight = router_pb2.GenerateRequest(prompt="per-request SLO", slo_ttft_ms=1)
+    prefill.info.queued_prompt_tokens = 0
+    eventually(lambda: not sees_backlog(), 10)
+    with pytest.raises(grpc.RpcError) as per_request:  # even without a backlog, 1 ms is below any prediction
+        list(stub.Generate(tight, timeout=10))
+    assert per_request.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert stub.GetStatus(router_pb2.StatusRequest(), timeout=5).slo_shed_requests == 2

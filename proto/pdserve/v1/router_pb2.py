@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from pdserve.v1 import common_pb2 as pdserve_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17pdserve/v1/router.proto\x12\npdserve.v1\x1a\x17pdserve/v1/common.proto\"e\n\x11SwitchRoleRequest\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12$\n\x04role\x18\x02 \x01(\x0e\x32\x16.pdserve.v1.WorkerRole\x12\x17\n\x0f\x64rain_timeout_s\x18\x03 \x01(\x01\"\x8e\x01\n\x12SwitchRoleResponse\x12&\n\x06worker\x18\x01 \x01(\x0b\x32\x16.pdserve.v1.WorkerInfo\x12-\n\rprevious_role\x18\x02 \x01(\x0e\x32\x16.pdserve.v1.WorkerRole\x12\x0f\n\x07\x64rain_s\x18\x03 \x01(\x01\x12\x10\n\x08switch_s\x18\x04 \x01(\x01\"\xe6\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x10\n\x06prompt\x18\x02 \x01(\tH\x00\x12,\n\x08messages\x18\x03 \x01(\x0b\x32\x18.pdserve.v1.ChatMessagesH\x00\x12)\n\ttoken_ids\x18\x04 \x01(\x0b\x32\x14.pdserve.v1.TokenIdsH\x00\x12*\n\x06params\x18\x05 \x01(\x0b\x32\x1a.pdserve.v1.SamplingParams\x12\x10\n\x08priority\x18\x06 \x01(\x05\x12\r\n\x05trace\x18\x07 \x01(\x08\x42\x07\n\x05input\"\x94\x03\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x11\n\ttoken_ids\x18\x03 \x03(\x05\x12/\n\rfinish_reason\x18\x04 \x01(\x0e\x32\x18.pdserve.v1.FinishReason\x12 \n\x05usage\x18\x05 \x01(\x0b\x32\x11.pdserve.v1.Usage\x12$\n\x07timings\x18\x06 \x01(\x0b\x32\x13.pdserve.v1.Timings\x12\r\n\x05\x65rror\x18\x07 \x01(\t\x12%\n\x05trace\x18\x08 \x03(\x0b\x32\x16.pdserve.v1.TraceEvent\x12*\n\x08logprobs\x18\t \x03(\x0b\x32\x18.pdserve.v1.TokenLogprob\x12\x31\n\x0fprompt_logprobs\x18\n \x03(\x0b\x32\x18.pdserve.v1.TokenLogprob\x12.\n\tmigration\x18\x0b \x01(\x0b\x32\x1b.pdserve.v1.MigrationMarker\x12\r\n\x05index\x18\x0c \x01(\x05\"r\n\x0fMigrationMarker\x12\x11\n\tsuspended\x18\x01 \x01(\x08\x12\x0f\n\x07resumed\x18\x02 \x01(\x08\x12\x12\n\nnum_tokens\x18\x03 \x01(\x05\x12\x10\n\x08kv_bytes\x18\x04 \x01(\x03\x12\x15\n\rkv_transfer_s\x18\x05 \x01(\x01\":\n\x0eMigrateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x14\n\x0cto_worker_id\x18\x02 \x01(\t\"\x88\x01\n\x0fMigrateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x14\n\x0c\x66rom_address\x18\x02 \x01(\t\x12\x12\n\nto_address\x18\x03 \x01(\t\x12\x12\n\nnum_tokens\x18\x04 \x01(\x05\x12\x10\n\x08kv_bytes\x18\x05 \x01(\x03\x12\x11\n\tmigrate_s\x18\x06 \x01(\x01\"(\n\rStatusRequest\x12\x17\n\x0frecent_window_s\x18\x01 \x01(\x01\"\x94\x01\n\x0f\x46inishedRequest\x12\x16\n\x0e\x66inished_ago_s\x18\x01 \x01(\x01\x12\x0e\n\x06ttft_s\x18\x02 \x01(\x01\x12\x0e\n\x06tpot_s\x18\x03 \x01(\x01\x12\x0f\n\x07queue_s\x18\x04 \x01(\x01\x12\x15\n\rprompt_tokens\x18\x05 \x01(\x05\x12\x15\n\routput_tokens\x18\x06 \x01(\x05\x12\n\n\x02ok\x18\x07 \x01(\x08\"\x85\x02\n\x0eStatusResponse\x12\'\n\x07workers\x18\x01 \x03(\x0b\x32\x16.pdserve.v1.WorkerInfo\x12\x1a\n\x12in_flight_requests\x18\x02 \x01(\x05\x12\x16\n\x0etotal_requests\x18\x03 \x01(\x03\x12\x17\n\x0fqueued_requests\x18\x04 \x01(\x05\x12\x1b\n\x13max_queued_requests\x18\x05 \x01(\x05\x12\x19\n\x11\x64\x65queued_requests\x18\x06 \x01(\x03\x12\x18\n\x10queue_time_s_sum\x18\x07 \x01(\x01\x12+\n\x06recent\x18\x08 \x03(\x0b\x32\x1b.pdserve.v1.FinishedRequest2\xa6\x02\n\x06Router\x12G\n\x08Generate\x12\x1b.pdserve.v1.GenerateRequest\x1a\x1c.pdserve.v1.GenerateResponse0\x01\x12\x42\n\tGetStatus\x12\x19.pdserve.v1.StatusRequest\x1a\x1a.pdserve.v1.StatusResponse\x12\x42\n\x07Migrate\x12\x1a.pdserve.v1.MigrateRequest\x1a\x1b.pdserve.v1.MigrateResponse\x12K\n\nSwitchRole\x12\x1d.pdserve.v1.SwitchRoleRequest\x1a\x1e.pdserve.v1.SwitchRoleResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17pdserve/v1/router.proto\x12\npdserve.v1\x1a\x17pdserve/v1/common.proto\"e\n\x11SwitchRoleRequest\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12$\n\x04role\x18\x02 \x01(\x0e\x32\x16.pdserve.v1.WorkerRole\x12\x17\n\x0f\x64rain_timeout_s\x18\x03 \x01(\x01\"\x8e\x01\n\x12SwitchRoleResponse\x12&\n\x06worker\x18\x01 \x01(\x0b\x32\x16.pdserve.v1.WorkerInfo\x12-\n\rprevious_role\x18\x02 \x01(\x0e\x32\x16.pdserve.v1.WorkerRole\x12\x0f\n\x07\x64rain_s\x18\x03 \x01(\x01\x12\x10\n\x08switch_s\x18\x04 \x01(\x01\"\x90\x02\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x10\n\x06prompt\x18\x02 \x01(\tH\x00\x12,\n\x08messages\x18\x03 \x01(\x0b\x32\x18.pdserve.v1.ChatMessagesH\x00\x12)\n\ttoken_ids\x18\x04 \x01(\x0b\x32\x14.pdserve.v1.TokenIdsH\x00\x12*\n\x06params\x18\x05 \x01(\x0b\x32\x1a.pdserve.v1.SamplingParams\x12\x10\n\x08priority\x18\x06 \x01(\x05\x12\r\n\x05trace\x18\x07 \x01(\x08\x12\x13\n\x0bslo_ttft_ms\x18\x08 \x01(\r\x12\x13\n\x0b\x62\x65st_effort\x18\t \x01(\x08\x42\x07\n\x05input\"\x94\x03\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x11\n\ttoken_ids\x18\x03 \x03(\x05\x12/\n\rfinish_reason\x18\x04 \x01(\x0e\x32\x18.pdserve.v1.FinishReason\x12 \n\x05usage\x18\x05 \x01(\x0b\x32\x11.pdserve.v1.Usage\x12$\n\x07timings\x18\x06 \x01(\x0b\x32\x13.pdserve.v1.Timings\x12\r\n\x05\x65rror\x18\x07 \x01(\t\x12%\n\x05trace\x18\x08 \x03(\x0b\x32\x16.pdserve.v1.TraceEvent\x12*\n\x08logprobs\x18\t \x03(\x0b\x32\x18.pdserve.v1.TokenLogprob\x12\x31\n\x0fprompt_logprobs\x18\n \x03(\x0b\x32\x18.pdserve.v1.TokenLogprob\x12.\n\tmigration\x18\x0b \x01(\x0b\x32\x1b.pdserve.v1.MigrationMarker\x12\r\n\x05index\x18\x0c \x01(\x05\"r\n\x0fMigrationMarker\x12\x11\n\tsuspended\x18\x01 \x01(\x08\x12\x0f\n\x07resumed\x18\x02 \x01(\x08\x12\x12\n\nnum_tokens\x18\x03 \x01(\x05\x12\x10\n\x08kv_bytes\x18\x04 \x01(\x03\x12\x15\n\rkv_transfer_s\x18\x05 \x01(\x01\":\n\x0eMigrateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x14\n\x0cto_worker_id\x18\x02 \x01(\t\"\x88\x01\n\x0fMigrateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x14\n\x0c\x66rom_address\x18\x02 \x01(\t\x12\x12\n\nto_address\x18\x03 \x01(\t\x12\x12\n\nnum_tokens\x18\x04 \x01(\x05\x12\x10\n\x08kv_bytes\x18\x05 \x01(\x03\x12\x11\n\tmigrate_s\x18\x06 \x01(\x01\"(\n\rStatusRequest\x12\x17\n\x0frecent_window_s\x18\x01 \x01(\x01\"\x94\x01\n\x0f\x46inishedRequest\x12\x16\n\x0e\x66inished_ago_s\x18\x01 \x01(\x01\x12\x0e\n\x06ttft_s\x18\x02 \x01(\x01\x12\x0e\n\x06tpot_s\x18\x03 \x01(\x01\x12\x0f\n\x07queue_s\x18\x04 \x01(\x01\x12\x15\n\rprompt_tokens\x18\x05 \x01(\x05\x12\x15\n\routput_tokens\x18\x06 \x01(\x05\x12\n\n\x02ok\x18\x07 \x01(\x08\"\xa0\x02\n\x0eStatusResponse\x12\'\n\x07workers\x18\x01 \x03(\x0b\x32\x16.pdserve.v1.WorkerInfo\x12\x1a\n\x12in_flight_requests\x18\x02 \x01(\x05\x12\x16\n\x0etotal_requests\x18\x03 \x01(\x03\x12\x17\n\x0fqueued_requests\x18\x04 \x01(\x05\x12\x1b\n\x13max_queued_requests\x18\x05 \x01(\x05\x12\x19\n\x11\x64\x65queued_requests\x18\x06 \x01(\x03\x12\x18\n\x10queue_time_s_sum\x18\x07 \x01(\x01\x12+\n\x06recent\x18\x08 \x03(\x0b\x32\x1b.pdserve.v1.FinishedRequest\x12\x19\n\x11slo_shed_requests\x18\t \x01(\x03\x32\xa6\x02\n\x06Router\x12G\n\x08Generate\x12\x1b.pdserve.v1.GenerateRequest\x1a\x1c.pdserve.v1.GenerateResponse0\x01\x12\x42\n\tGetStatus\x12\x19.pdserve.v1.StatusRequest\x1a\x1a.pdserve.v1.StatusResponse\x12\x42\n\x07Migrate\x12\x1a.pdserve.v1.MigrateRequest\x1a\x1b.pdserve.v1.MigrateResponse\x12K\n\nSwitchRole\x12\x1d.pdserve.v1.SwitchRoleRequest\x1a\x1e.pdserve.v1.SwitchRoleResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -37,21 +37,21 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_SWITCHROLERESPONSE']._serialized_start=168
   _globals['_SWITCHROLERESPONSE']._serialized_end=310
   _globals['_GENERATEREQUEST']._serialized_start=313
-  _globals['_GENERATEREQUEST']._serialized_end=543
-  _globals['_GENERATERESPONSE']._serialized_start=546
-  _globals['_GENERATERESPONSE']._serialized_end=950
-  _globals['_MIGRATIONMARKER']._serialized_start=952
-  _globals['_MIGRATIONMARKER']._serialized_end=1066
-  _globals['_MIGRATEREQUEST']._serialized_start=1068
-  _globals['_MIGRATEREQUEST']._serialized_end=1126
-  _globals['_MIGRATERESPONSE']._serialized_start=1129
-  _globals['_MIGRATERESPONSE']._serialized_end=1265
-  _globals['_STATUSREQUEST']._serialized_start=1267
-  _globals['_STATUSREQUEST']._serialized_end=1307
-  _globals['_FINISHEDREQUEST']._serialized_start=1310
-  _globals['_FINISHEDREQUEST']._serialized_end=1458
-  _globals['_STATUSRESPONSE']._serialized_start=1461
-  _globals['_STATUSRESPONSE']._serialized_end=1722
-  _globals['_ROUTER']._serialized_start=1725
-  _globals['_ROUTER']._serialized_end=2019
+  _globals['_GENERATEREQUEST']._serialized_end=585
+  _globals['_GENERATERESPONSE']._serialized_start=588
+  _globals['_GENERATERESPONSE']._serialized_end=992
+  _globals['_MIGRATIONMARKER']._serialized_start=994
+  _globals['_MIGRATIONMARKER']._serialized_end=1108
+  _globals['_MIGRATEREQUEST']._serialized_start=1110
+  _globals['_MIGRATEREQUEST']._serialized_end=1168
+  _globals['_MIGRATERESPONSE']._serialized_start=1171
+  _globals['_MIGRATERESPONSE']._serialized_end=1307
+  _globals['_STATUSREQUEST']._serialized_start=1309
+  _globals['_STATUSREQUEST']._serialized_end=1349
+  _globals['_FINISHEDREQUEST']._serialized_start=1352
+  _globals['_FINISHEDREQUEST']._serialized_end=1500
+  _globals['_STATUSRESPONSE']._serialized_start=1503
+  _globals['_STATUSRESPONSE']._serialized_end=1791
+  _globals['_ROUTER']._serialized_start=1794
+  _globals['_ROUTER']._serialized_end=2088
 # @@protoc_insertion_point(module_scope)

@@ -30,7 +30,7 @@ class SwitchRoleResponse(_message.Message):
     def __init__(self, worker: _Optional[_Union[_common_pb2.WorkerInfo, _Mapping]] = ..., previous_role: _Optional[_Union[_common_pb2.WorkerRole, str]] = ..., drain_s: _Optional[float] = ..., switch_s: _Optional[float] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("request_id", "prompt", "messages", "token_ids", "params", "priority", "trace")
+    __slots__ = ("request_id", "prompt", "messages", "token_ids", "params", "priority", "trace", "slo_ttft_ms", "best_effort")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_FIELD_NUMBER: _ClassVar[int]
     MESSAGES_FIELD_NUMBER: _ClassVar[int]
@@ -38,6 +38,8 @@ class GenerateRequest(_message.Message):
     PARAMS_FIELD_NUMBER: _ClassVar[int]
     PRIORITY_FIELD_NUMBER: _ClassVar[int]
     TRACE_FIELD_NUMBER: _ClassVar[int]
+    SLO_TTFT_MS_FIELD_NUMBER: _ClassVar[int]
+    BEST_EFFORT_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt: str
     messages: _common_pb2.ChatMessages
@@ -45,7 +47,9 @@ class GenerateRequest(_message.Message):
     params: _common_pb2.SamplingParams
     priority: int
     trace: bool
-    def __init__(self, request_id: _Optional[str] = ..., prompt: _Optional[str] = ..., messages: _Optional[_Union[_common_pb2.ChatMessages, _Mapping]] = ..., token_ids: _Optional[_Union[_common_pb2.TokenIds, _Mapping]] = ..., params: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., priority: _Optional[int] = ..., trace: _Optional[bool] = ...) -> None: ...
+    slo_ttft_ms: int
+    best_effort: bool
+    def __init__(self, request_id: _Optional[str] = ..., prompt: _Optional[str] = ..., messages: _Optional[_Union[_common_pb2.ChatMessages, _Mapping]] = ..., token_ids: _Optional[_Union[_common_pb2.TokenIds, _Mapping]] = ..., params: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., priority: _Optional[int] = ..., trace: _Optional[bool] = ..., slo_ttft_ms: _Optional[int] = ..., best_effort: _Optional[bool] = ...) -> None: ...
 
 class GenerateResponse(_message.Message):
     __slots__ = ("request_id", "text", "token_ids", "finish_reason", "usage", "timings", "error", "trace", "logprobs", "prompt_logprobs", "migration", "index")
@@ -138,7 +142,7 @@ class FinishedRequest(_message.Message):
     def __init__(self, finished_ago_s: _Optional[float] = ..., ttft_s: _Optional[float] = ..., tpot_s: _Optional[float] = ..., queue_s: _Optional[float] = ..., prompt_tokens: _Optional[int] = ..., output_tokens: _Optional[int] = ..., ok: _Optional[bool] = ...) -> None: ...
 
 class StatusResponse(_message.Message):
-    __slots__ = ("workers", "in_flight_requests", "total_requests", "queued_requests", "max_queued_requests", "dequeued_requests", "queue_time_s_sum", "recent")
+    __slots__ = ("workers", "in_flight_requests", "total_requests", "queued_requests", "max_queued_requests", "dequeued_requests", "queue_time_s_sum", "recent", "slo_shed_requests")
     WORKERS_FIELD_NUMBER: _ClassVar[int]
     IN_FLIGHT_REQUESTS_FIELD_NUMBER: _ClassVar[int]
     TOTAL_REQUESTS_FIELD_NUMBER: _ClassVar[int]
@@ -147,6 +151,7 @@ class StatusResponse(_message.Message):
     DEQUEUED_REQUESTS_FIELD_NUMBER: _ClassVar[int]
     QUEUE_TIME_S_SUM_FIELD_NUMBER: _ClassVar[int]
     RECENT_FIELD_NUMBER: _ClassVar[int]
+    SLO_SHED_REQUESTS_FIELD_NUMBER: _ClassVar[int]
     workers: _containers.RepeatedCompositeFieldContainer[_common_pb2.WorkerInfo]
     in_flight_requests: int
     total_requests: int
@@ -155,4 +160,5 @@ class StatusResponse(_message.Message):
     dequeued_requests: int
     queue_time_s_sum: float
     recent: _containers.RepeatedCompositeFieldContainer[FinishedRequest]
-    def __init__(self, workers: _Optional[_Iterable[_Union[_common_pb2.WorkerInfo, _Mapping]]] = ..., in_flight_requests: _Optional[int] = ..., total_requests: _Optional[int] = ..., queued_requests: _Optional[int] = ..., max_queued_requests: _Optional[int] = ..., dequeued_requests: _Optional[int] = ..., queue_time_s_sum: _Optional[float] = ..., recent: _Optional[_Iterable[_Union[FinishedRequest, _Mapping]]] = ...) -> None: ...
+    slo_shed_requests: int
+    def __init__(self, workers: _Optional[_Iterable[_Union[_common_pb2.WorkerInfo, _Mapping]]] = ..., in_flight_requests: _Optional[int] = ..., total_requests: _Optional[int] = ..., queued_requests: _Optional[int] = ..., max_queued_requests: _Optional[int] = ..., dequeued_requests: _Optional[int] = ..., queue_time_s_sum: _Optional[float] = ..., recent: _Optional[_Iterable[_Union[FinishedRequest, _Mapping]]] = ..., slo_shed_requests: _Optional[int] = ...) -> None: ...

@@ -1,0 +1,63 @@
+"""SLO admission: predict a request's time to first token from the work ahead of it, and refuse at
+once the requests that would miss their TTFT objective instead of serving them late.
+
+The model: TTFT after dispatch = seconds per token of prefill work x (prompt tokens pending on the
+worker that prefills it, this prompt's included), learned online from every request's first token
+(an exponential moving average of observed TTFT / work; work counted as at least `MIN_WORK_TOKENS`
+so that tiny prompts' fixed costs do not inflate the rate). A request waiting in the admission
+queue adds the queue's predicted wait. Until `MIN_SAMPLES` first tokens were observed nothing is
+refused: the router does not guess before it has measured.
+
+Invariants:
+- A refusal happens before any worker does work for the request (at admission), answers
+  RESOURCE_EXHAUSTED with a retry-after hint (the predicted excess, at least 1 s), and is counted.
+- A best-effort request is never refused by the SLO; it is admitted and served as capacity allows.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+#: First tokens observed before the model predicts (and so before anything is refused).
+MIN_SAMPLES = 5
+#: Weight of the newest observation in the moving average.
+ALPHA = 0.1
+#: Work below this many tokens counts as this many (fixed per-request costs).
+MIN_WORK_TOKENS = 64
+
+
+class SloMiss(RuntimeError):
+    """A request whose predicted TTFT exceeds its objective; `retry_after_s` is the client's hint."""
+
+    def __init__(self, message: str, retry_after_s: float) -> None:
+        super().__init__(message)
+        self.retry_after_s = retry_after_s
+
+
+@dataclass
+class TtftModel:
+    """Seconds per token of prefill work, learned from first tokens (see the module doc)."""
+
+    seconds_per_token: float = 0.0
+    samples: int = 0
+
+    @property
+    def ready(self) -> bool:
+        return self.samples >= MIN_SAMPLES
+
+    def observe(self, ttft_s: float, work_tokens: int) -> None:
+        rate = ttft_s / max(MIN_WORK_TOKENS, work_tokens)
+        self.seconds_per_token = rate if self.samples == 0 else self.seconds_per_token + ALPHA * (
+            rate - self.seconds_per_token)
+        self.samples += 1
+
+    def predict(self, work_tokens: int) -> float:
+        return self.seconds_per_token * max(MIN_WORK_TOKENS, work_tokens)
+
+
+def check(predicted_s: float, slo_s: float) -> None:
+    """Raise SloMiss when `predicted_s` exceeds `slo_s` (> 0)."""
+    if predicted_s > slo_s:
+        raise SloMiss(f"predicted TTFT {predicted_s:.2f}s exceeds the SLO {slo_s:.2f}s; retry later or send it "
+                      f"best_effort", float(max(1, math.ceil(predicted_s - slo_s))))
