@@ -68,7 +68,8 @@ def main() -> None:
     print(f"CPU: {cpu()}")
     print(f"prompt: {tokens} tokens, {len(prompt_keys)} blocks of {args.block_size}; index: {len(index):,} entries "
           f"over {args.workers} workers")
-    print(f"router CPU per request (median of {args.repeat}): tokenize + hash {statistics.median(tokenize) * 1e3:.3f} ms, "
+    print(f"router CPU per request (median of {args.repeat}): "
+          f"tokenize + hash {statistics.median(tokenize) * 1e3:.3f} ms, "
           f"index lookup {statistics.median(lookup) * 1e3:.3f} ms, total {statistics.median(total) * 1e3:.3f} ms "
           f"(p90 {sorted(total)[int(0.9 * len(total))] * 1e3:.3f} ms)")
 
