@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from pdserve.devices import DEVICE_HELP, DTYPE_HELP, DTYPE_NAMES, check_device_name
+from pdserve.limits import GRPC_CALLS_PER_PEER, GRPC_CALLS_TOTAL
 from pdserve.transport import is_loopback
 
 MODES = ("local", "ray")
@@ -114,6 +115,11 @@ class RouterSection:
                                          flag="--conditional-disagg-tokens", min=0)
     slo_ttft_s: float = opt(0.0, "refuse (RESOURCE_EXHAUSTED / HTTP 429 with Retry-After) a request whose predicted "
                             "TTFT exceeds this many seconds, unless best_effort (0: off)", flag="--slo-ttft", min=0)
+    grpc_calls_per_peer: int = opt(GRPC_CALLS_PER_PEER, "open gRPC calls one client host may hold on the "
+                                   "public port; one more is refused (RESOURCE_EXHAUSTED)",
+                                   flag="--grpc-calls-per-peer", min=1)
+    grpc_calls_total: int = opt(GRPC_CALLS_TOTAL, "open gRPC calls of all clients together on the public port; "
+                                "one more is refused (RESOURCE_EXHAUSTED)", flag="--grpc-calls-total", min=1)
 
 
 @dataclass(frozen=True)
@@ -230,6 +236,16 @@ class SecuritySection:
     internal_token_file: str | None = opt(None, "internal token of router -> worker and KV calls (first line of "
                                           "FILE; default: PDSERVE_INTERNAL_TOKEN[_FILE], else one generated per "
                                           "launch)", flag="--internal-token-file")
+    internal_grpc_calls_per_peer: int = opt(GRPC_CALLS_PER_PEER, "open gRPC calls one peer host (the router, a "
+                                            "worker) may hold on each worker's internal port; one more is refused "
+                                            "(RESOURCE_EXHAUSTED)", flag="--internal-grpc-calls-per-peer", min=1)
+    internal_grpc_calls_total: int = opt(GRPC_CALLS_TOTAL, "open gRPC calls of all peers together on each "
+                                         "worker's internal port", flag="--internal-grpc-calls-total", min=1)
+    auth_tokens_file: str | None = opt(None, "several public API tokens, one 'TENANT TOKEN' pair per line: each "
+                                       "tenant's requests get their own prefix-cache namespace (no shared blocks, "
+                                       "no cached_tokens across tenants); instead of auth_token_file",
+                                       flag="--auth-tokens-file", modes=("local",),
+                                       why="the Ray launcher hands its router one token (security.auth_token_file)")
 
 
 @dataclass(frozen=True)
@@ -668,6 +684,8 @@ def worker_document(config: DeploymentConfig, role: str, worker_id: str, host: s
         "prefix_caching": pool.prefix_caching, "request_timeout_s": pool.request_timeout_s,
         "kv_timeout_s": pool.kv_timeout_s, "drain_timeout_s": pool.drain_timeout_s,
         "internal_token_file": _local_only(config, config.security.internal_token_file),
+        "grpc_calls_per_peer": config.security.internal_grpc_calls_per_peer,
+        "grpc_calls_total": config.security.internal_grpc_calls_total,
         "log_level": obs.log_level, "log_format": obs.log_format, "metrics_port": metrics_port,
         "engine": model.engine, "profile": _abspath(model.profile), "speedup": model.speedup,
     }
@@ -704,11 +722,13 @@ def router_document(config: DeploymentConfig, workers: dict[str, list[str]], met
         # KV-aware policies hash prompts with the served model's tokenizer
         "tokenizer": (config.model.path or "default")
         if {router.prefill_policy, router.decode_policy} & {"kv_aware", "kv_oracle"} else "",
+        "grpc_calls_per_peer": router.grpc_calls_per_peer, "grpc_calls_total": router.grpc_calls_total,
         # only Ray restarts a dead worker (actor max_restarts); local workers that die stay dead
         "worker_restart_wait": config.ray.restart_wait_s if config.mode == "ray" and config.ray.max_restarts else 0.0,
         "http_port": router.http_port, "model_name": config.model.served_name,
         "metrics_port": metrics_port, "metrics_host": obs.metrics_host,
         "auth_token_file": _local_only(config, sec.auth_token_file),
+        "auth_tokens_file": _local_only(config, sec.auth_tokens_file),
         "tls_cert": _abspath(sec.tls_cert), "tls_key": _abspath(sec.tls_key),
         "internal_token_file": _local_only(config, sec.internal_token_file),
         "log_level": obs.log_level, "log_format": obs.log_format,

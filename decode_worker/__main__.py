@@ -21,6 +21,7 @@ from pdserve.engine.worker_runtime import (
     add_worker_args,
     apply_internal_credentials,
     bind,
+    call_limits,
     load_worker_model,
     make_server,
     run_worker_process,
@@ -104,7 +105,8 @@ def start_worker(args: argparse.Namespace) -> StartedWorker:
     endpoint = start_metrics_endpoint(metrics.registry, args.metrics_port)
     kv_receiver = KvTransferServicer()
     drain = Drain()
-    server = make_server(control_threads=32, options=receive_options(frame_receive_bytes()), name=args.worker_id)
+    server = make_server(control_threads=32, options=receive_options(frame_receive_bytes()), name=args.worker_id,
+                         limits=call_limits(args))
     address = bind(server, args.host, args.port)
     servicer = DecodeServicer(worker, kv_receiver, args.worker_id, address, args.colocated,
                               args.local_prefill_threshold, args.request_timeout_s, args.kv_timeout_s, drain,

@@ -149,8 +149,11 @@ def prompt_ids_from_pb(loaded: LoadedModel, request: worker_pb2.DecodeRequest) -
     if kind == "messages":
         return encode_chat(loaded.tokenizer, *chat_from_pb(request.messages))
     if kind == "token_ids":
-        if not request.token_ids.ids:
+        count = len(request.token_ids.ids)
+        if not count:
             raise ValueError("token_ids: must not be empty")
+        if count >= loaded.max_model_len:  # the engine's own refusal, before a million ids become a list
+            raise ValueError(f"prompt has {count} tokens; the model's context is {loaded.max_model_len}")
         return list(request.token_ids.ids)
     raise ValueError("input: one of prompt, messages or token_ids is required")
 

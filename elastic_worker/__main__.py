@@ -33,6 +33,7 @@ from pdserve.engine.worker_runtime import (
     StartedWorker,
     apply_internal_credentials,
     bind,
+    call_limits,
     load_worker_model,
     make_server,
     run_worker_process,
@@ -108,7 +109,7 @@ def start_worker(role: str, prefill_args: argparse.Namespace, decode_args: argpa
     kv_receiver = KvTransferServicer()
     drain = Drain()
     server = make_server(control_threads=32, options=receive_options(decode_main.frame_receive_bytes()),
-                         name=args.worker_id)
+                         name=args.worker_id, limits=call_limits(args))
     address = bind(server, args.host, args.port)
     settings = ElasticSettings(args.worker_id, address, prefill_args, decode_args, prefill_config, decode_config,
                                chunk_tokens)

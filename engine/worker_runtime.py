@@ -33,7 +33,8 @@ from pdserve.engine.kv_events import KvEventLog
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.engine.stop_checker import FINISH_ABORT, FINISH_ERROR, FINISH_LENGTH, FINISH_STOP, FINISH_STOP_STRING
 from pdserve.engine.trace import DecodeStepEvent, DetokenizeHoldEvent, PrefillPassEvent, TraceEvent, token_bytes
-from pdserve.serving import AioServer, RequestParseInterceptor, ready_line
+from pdserve.limits import GRPC_CALLS_PER_PEER, GRPC_CALLS_TOTAL
+from pdserve.serving import AioServer, CallLimits, PeerCallLimiter, RequestParseInterceptor, ready_line
 from pdserve.telemetry.grpc_logging import RequestLoggingInterceptor
 from pdserve.telemetry.logs import LOG_FORMATS, configure_logging
 from pdserve.telemetry.memory import bound_heap
@@ -198,6 +199,11 @@ def add_worker_args(ap: argparse.ArgumentParser, worker_id: str, kv_cache_mb: in
     ap.add_argument("--internal-token-file", default=None, metavar="FILE",
                     help="require (and send) this internal token (first line of FILE) on every internal call; "
                          "or set PDSERVE_INTERNAL_TOKEN. Needed to bind beyond loopback without internal mTLS")
+    ap.add_argument("--grpc-calls-per-peer", type=int, default=GRPC_CALLS_PER_PEER, metavar="N",
+                    help="open gRPC calls one peer host may hold on this worker; one more is refused with "
+                         f"RESOURCE_EXHAUSTED (default {GRPC_CALLS_PER_PEER})")
+    ap.add_argument("--grpc-calls-total", type=int, default=GRPC_CALLS_TOTAL, metavar="N",
+                    help=f"open gRPC calls of all peers together on this worker (default {GRPC_CALLS_TOTAL})")
 
 
 def add_observability_args(ap: argparse.ArgumentParser) -> None:
@@ -218,12 +224,21 @@ def configure_process(num_threads: int | None, log_level: str = "INFO", log_form
 
 
 def make_server(control_threads: int, options: list[tuple[str, int]] | None = None,
-                name: str = "worker") -> AioServer:
+                name: str = "worker", limits: CallLimits | None = None) -> AioServer:
     """An event-loop gRPC server (streams are coroutines; `control_threads` serve GetInfo, Abort,
     PushKv and health) whose calls carrying a request_id are logged at start and finish. With an
-    internal token configured, calls without it are refused first (UNAUTHENTICATED)."""
-    interceptors = [*server_interceptors(), RequestParseInterceptor(), RequestLoggingInterceptor()]
-    return AioServer(name, options=options or [], interceptors=interceptors, control_threads=control_threads)
+    internal token configured, calls without it are refused first (UNAUTHENTICATED); then calls over
+    `limits` (default `CallLimits()`) are refused with RESOURCE_EXHAUSTED."""
+    limits = limits or CallLimits()
+    interceptors = [*server_interceptors(), PeerCallLimiter(limits, "--grpc-calls-per-peer, --grpc-calls-total"),
+                    RequestParseInterceptor(), RequestLoggingInterceptor()]
+    return AioServer(name, options=[*(options or []), *limits.options()], interceptors=interceptors,
+                     control_threads=control_threads)
+
+
+def call_limits(args: argparse.Namespace) -> CallLimits:
+    """The worker's `CallLimits` from --grpc-calls-per-peer and --grpc-calls-total."""
+    return CallLimits(per_peer=args.grpc_calls_per_peer, total=args.grpc_calls_total)
 
 
 def apply_internal_credentials(args: argparse.Namespace) -> None:

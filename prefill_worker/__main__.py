@@ -16,6 +16,7 @@ from pdserve.engine.worker_runtime import (
     add_worker_args,
     apply_internal_credentials,
     bind,
+    call_limits,
     load_worker_model,
     make_server,
     run_worker_process,
@@ -84,7 +85,8 @@ def start_worker(args: argparse.Namespace) -> StartedWorker:
                            shared_kv_cache=args.shared_kv_cache)
     endpoint = start_metrics_endpoint(metrics.registry, args.metrics_port)
     drain = Drain()
-    server = make_server(control_threads=32, options=receive_options(), name=args.worker_id)
+    server = make_server(control_threads=32, options=receive_options(), name=args.worker_id,
+                         limits=call_limits(args))
     address = bind(server, args.host, args.port)
     servicer = PrefillServicer(worker, args.worker_id, address, args.request_timeout_s, drain)
     worker_pb2_grpc.add_PrefillWorkerServicer_to_server(servicer, server)

@@ -17,8 +17,9 @@ import sys
 import threading
 from typing import Any
 
+from pdserve.limits import GRPC_CALLS_PER_PEER, GRPC_CALLS_TOTAL
 from pdserve.process_config import add_config_arg, parse_with_document
-from pdserve.router.auth import load_token
+from pdserve.router.auth import load_tenant_tokens, load_token
 from pdserve.router.config import RouterConfig
 from pdserve.router.policies import POLICY_NAMES
 from pdserve.router.server import RouterServer, serve
@@ -94,6 +95,14 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--auth-token-file", default=None, metavar="FILE",
                         help="require 'authorization: Bearer <token>' on the public API (token: first line of "
                              "FILE; or set PDSERVE_AUTH_TOKEN)")
+    parser.add_argument("--auth-tokens-file", default=None, metavar="FILE",
+                        help="several public API tokens, one 'TENANT TOKEN' pair per line: each tenant's requests "
+                             "get their own prefix-cache namespace (instead of --auth-token-file)")
+    parser.add_argument("--grpc-calls-per-peer", type=int, default=GRPC_CALLS_PER_PEER, metavar="N",
+                        help="open gRPC calls one client host may hold; one more is refused with "
+                             f"RESOURCE_EXHAUSTED (default {GRPC_CALLS_PER_PEER})")
+    parser.add_argument("--grpc-calls-total", type=int, default=GRPC_CALLS_TOTAL, metavar="N",
+                        help=f"open gRPC calls of all clients together (default {GRPC_CALLS_TOTAL})")
     parser.add_argument("--tls-cert", default=None, metavar="PEM", help="serve the public gRPC port over TLS")
     parser.add_argument("--tls-key", default=None, metavar="PEM", help="private key of --tls-cert")
     parser.add_argument("--internal-token-file", default=None, metavar="FILE",
@@ -132,12 +141,15 @@ def config_from_args(args: argparse.Namespace, auth_token: str | None = None) ->
         conditional_disagg_tokens=args.conditional_disagg_tokens,
         slo_ttft_s=args.slo_ttft,
         auth_token=auth_token or load_token(args.auth_token_file, os.environ.get("PDSERVE_AUTH_TOKEN")),
+        auth_tokens=tuple(load_tenant_tokens(args.auth_tokens_file).items()) if args.auth_tokens_file else (),
         tls_cert_file=args.tls_cert,
         tls_key_file=args.tls_key,
         http_port=args.http_port,
         metrics_port=args.metrics_port,
         metrics_host=args.metrics_host,
         model_name=args.model_name,
+        grpc_calls_per_peer=args.grpc_calls_per_peer,
+        grpc_calls_total=args.grpc_calls_total,
     )
 
 

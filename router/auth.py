@@ -4,12 +4,18 @@ With a token configured, every call to a `pdserve.v1.Router` method must carry t
 `authorization: Bearer <token>` (HTTP: the `Authorization` header); anything else is refused with
 UNAUTHENTICATED (HTTP 401) before any routing code runs. Health checks and reflection stay open
 (load balancers and grpcurl need them). Tokens are compared in constant time.
+
+Several tokens, each naming a tenant (`load_tenant_tokens`, ``--auth-tokens-file``), put every
+request in its tenant's prefix-cache namespace: `RouterCore.generate` folds the tenant into the
+request's `cache_salt` (`tenant_salt`), so tenants never share K/V blocks nor see each other's
+`cached_tokens`. One token (``--auth-token-file``) names no tenant: its clients share one namespace.
 """
 
 from __future__ import annotations
 
 import hmac
-from collections.abc import Awaitable, Callable
+import re
+from collections.abc import Awaitable, Callable, Mapping
 from typing import Any
 
 import grpc
@@ -29,33 +35,52 @@ async def _deny_stream(request_iterator: Any, context: grpc.aio.ServicerContext)
     yield  # pragma: no cover - makes this an async generator, as streaming handlers are
 
 
+#: A tenant's name: the tenant part of its requests' cache salt, so it never holds "/".
+TENANT_NAME = re.compile(r"[A-Za-z0-9._-]{1,64}")
+
+
 class BearerToken:
-    """One configured token and the constant-time check of a presented header value."""
+    """The configured tokens (each with its tenant, or None for the single-token form) and the
+    constant-time check of a presented header value."""
 
-    def __init__(self, token: str) -> None:
-        if not token:
+    def __init__(self, tokens: str | Mapping[str, str | None]) -> None:
+        tokens = {tokens: None} if isinstance(tokens, str) else dict(tokens)
+        if not tokens or not all(tokens):
             raise ValueError("auth token must not be empty")
-        self._expected = token.encode()
+        self._expected = [(token.encode(), tenant) for token, tenant in tokens.items()]
 
-    def accepts(self, header_value: str | bytes | None) -> bool:
-        """`Bearer <token>`; the scheme is case-insensitive (RFC 7235), the token compared in constant time."""
+    def tenant_of(self, header_value: str | bytes | None) -> str | None:
+        """The tenant of `Bearer <token>` ("" for a token naming none); None when it is refused. The
+        scheme is case-insensitive (RFC 7235); every token is compared, in constant time."""
         if header_value is None:
-            return False
+            return None
         given = header_value if isinstance(header_value, bytes) else header_value.encode("utf-8", "surrogateescape")
         scheme, _, credentials = given.partition(b" ")
         if scheme.lower() != b"bearer":
-            return False
-        return hmac.compare_digest(credentials.strip(b" "), self._expected)
+            return None
+        credentials = credentials.strip(b" ")
+        found: str | None = None
+        for expected, tenant in self._expected:
+            if hmac.compare_digest(credentials, expected):
+                found = tenant or ""
+        return found
 
-    def authorized(self, metadata: tuple[tuple[str, str | bytes], ...] | None) -> bool:
+    def accepts(self, header_value: str | bytes | None) -> bool:
+        return self.tenant_of(header_value) is not None
+
+    def tenant_in(self, metadata: tuple[tuple[str, str | bytes], ...] | None) -> str | None:
+        """`tenant_of` the call's `authorization` metadata (None: refused)."""
         for key, value in metadata or ():
             if key == "authorization":
-                return self.accepts(value)
-        return False
+                return self.tenant_of(value)
+        return None
+
+    def authorized(self, metadata: tuple[tuple[str, str | bytes], ...] | None) -> bool:
+        return self.tenant_in(metadata) is not None
 
 
 class BearerTokenInterceptor(grpc.aio.ServerInterceptor):
-    def __init__(self, token: str) -> None:
+    def __init__(self, token: str | Mapping[str, str | None]) -> None:
         self.token = BearerToken(token)
 
     def authorized(self, metadata: tuple[tuple[str, str | bytes], ...] | None) -> bool:
@@ -82,3 +107,34 @@ def load_token(path: str | None, env_value: str | None) -> str | None:
             raise ValueError(f"auth token file {path} is empty")
         return token
     return env_value or None
+
+
+def load_tenant_tokens(path: str) -> dict[str, str]:
+    """The tokens of a tokens file, each with its tenant: one ``TENANT TOKEN`` pair per line (blank
+    lines and lines starting with ``#`` are skipped). ValueError naming the line for a bad tenant
+    name (letters, digits, ``._-``, at most 64), a missing token, or a tenant or token given twice."""
+    tokens: dict[str, str] = {}
+    with open(path, encoding="utf-8") as f:
+        for number, line in enumerate(f, 1):
+            line = line.strip()
+            if not line or line.startswith("#"):
+                continue
+            tenant, _, token = line.partition(" ")
+            token = token.strip()
+            where = f"{path}:{number}"
+            if not TENANT_NAME.fullmatch(tenant):
+                raise ValueError(f"{where}: tenant names are 1-64 letters, digits, '.', '_' or '-'")
+            if not token or " " in token:
+                raise ValueError(f"{where}: expected 'TENANT TOKEN'")
+            if token in tokens or tenant in tokens.values():
+                raise ValueError(f"{where}: tenant or token given twice")
+            tokens[token] = tenant
+    if not tokens:
+        raise ValueError(f"auth tokens file {path} names no token")
+    return tokens
+
+
+def tenant_salt(tenant: str, cache_salt: str) -> str:
+    """The cache salt of a tenant's request: the tenant, then the request's own salt. Tenant names
+    hold no "/", so two tenants' salts never coincide, whatever salts their requests carry."""
+    return f"{tenant}/{cache_salt}"

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from pdserve.limits import RECEIVE_LIMIT_BYTES
+from pdserve.limits import GRPC_CALLS_PER_PEER, GRPC_CALLS_TOTAL, RECEIVE_LIMIT_BYTES
 from pdserve.router.policies import COLOCATED, DECODE, POLICY_NAMES, PREFILL
 from pdserve.router.worker_pool import WorkerEndpoint
 from pdserve.transport import is_loopback
@@ -34,6 +34,9 @@ class RouterConfig:
     max_queued_requests: int = 4096  # requests waiting for a decode slot; one more is refused (429)
     max_attempts: int = 3  # a request is tried on at most this many (decode, prefill) pairs
     auth_token: str | None = None  # when set, Router calls need "authorization: Bearer <token>"
+    # several tokens, as (token, tenant) pairs (--auth-tokens-file): each tenant's requests get their own
+    # prefix-cache namespace (the tenant is folded into their cache_salt); not combined with auth_token
+    auth_tokens: tuple[tuple[str, str], ...] = ()
     tls_cert_file: str | None = None  # PEM certificate chain: serve the public port over TLS
     tls_key_file: str | None = None
     http_port: int | None = None  # OpenAI-compatible HTTP API on host:http_port (0 picks a port; None: off)
@@ -55,6 +58,9 @@ class RouterConfig:
     # SLO admission: refuse (RESOURCE_EXHAUSTED, Retry-After) a request whose predicted TTFT exceeds
     # this (seconds; 0: off); GenerateRequest.best_effort requests are admitted anyway
     slo_ttft_s: float = 0.0
+    # open gRPC calls on the public port: per client host, and of all clients (one more: RESOURCE_EXHAUSTED)
+    grpc_calls_per_peer: int = GRPC_CALLS_PER_PEER
+    grpc_calls_total: int = GRPC_CALLS_TOTAL
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
@@ -77,6 +83,10 @@ class RouterConfig:
             raise ValueError("tls_cert_file and tls_key_file go together")
         if self.auth_token is not None and not self.auth_token:
             raise ValueError("auth_token must not be empty")
+        if self.auth_token and self.auth_tokens:
+            raise ValueError("auth_token and auth_tokens exclude each other: give each client a tenant token")
+        if any(not token or not tenant for token, tenant in self.auth_tokens):
+            raise ValueError("auth_tokens: every token and tenant must be non-empty")
         if not is_loopback(self.metrics_host) and not self.auth_token:
             raise ValueError(f"refusing to serve /metrics on {self.metrics_host}, beyond loopback, without an "
                              "auth token (--auth-token-file or PDSERVE_AUTH_TOKEN)")
@@ -86,12 +96,22 @@ class RouterConfig:
             raise ValueError(f"max_attempts must be >= 1, got {self.max_attempts}")
         if self.max_queued_requests < 1:
             raise ValueError(f"max_queued_requests must be >= 1, got {self.max_queued_requests}")
+        for name in ("grpc_calls_per_peer", "grpc_calls_total"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.max_concurrent_streams < 1:
             raise ValueError(f"max_concurrent_streams must be >= 1, got {self.max_concurrent_streams}")
         for name in ("kv_request_tokens", "kv_kv_tokens", "conditional_disagg_tokens", "slo_ttft_s"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
         self.endpoints()  # validates addresses and uniqueness
+
+    @property
+    def api_tokens(self) -> dict[str, str | None] | None:
+        """The public API's tokens with their tenants (None for the single token); None when open."""
+        if self.auth_tokens:
+            return dict(self.auth_tokens)
+        return {self.auth_token: None} if self.auth_token else None
 
     def endpoints(self) -> list[WorkerEndpoint]:
         """Every configured worker, prefill first, then decode, then colocated."""

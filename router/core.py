@@ -52,6 +52,7 @@ import grpc
 from pdserve import failures
 from pdserve.failures import RequestFault, WorkerUnavailable
 from pdserve.router.admission import AdmissionQueue, Busy, QueueFull
+from pdserve.router.auth import tenant_salt
 from pdserve.router.config import MAX_RECEIVE_MESSAGE_BYTES, RouterConfig
 from pdserve.router.kv_index import KvEventFeed, KvIndex, PromptKeys
 from pdserve.router.metrics import RequestClock, RouterMetrics
@@ -207,13 +208,17 @@ class RouterCore:
         self._tasks: set[asyncio.Task] = set()  # drain migrations under way
 
     # ----- public --------------------------------------------------------------------------------
-    async def generate(self, request: router_pb2.GenerateRequest,
-                       timeout_s: float | None = None) -> AsyncIterator[router_pb2.GenerateResponse]:
-        """Serve one request; yields its responses. Raises RouterError when it fails."""
+    async def generate(self, request: router_pb2.GenerateRequest, timeout_s: float | None = None,
+                       tenant: str | None = None) -> AsyncIterator[router_pb2.GenerateResponse]:
+        """Serve one request; yields its responses. Raises RouterError when it fails. A `tenant` (the
+        caller's token's) is folded into the request's cache salt after validation, so its prefix
+        cache is shared only within that tenant."""
         try:
             validate_generate_request(request)
         except InvalidRequest as exc:
             raise RouterError(grpc.StatusCode.INVALID_ARGUMENT, str(exc)) from None
+        if tenant:
+            request.params.cache_salt = tenant_salt(tenant, request.params.cache_salt)
         if request.params.n > 1:
             async for response in self._choices(request, timeout_s):
                 yield response

@@ -39,7 +39,7 @@ import resource
 import ssl
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from typing import Any
 
 from aiohttp import web
@@ -70,6 +70,7 @@ from pdserve.v1 import common_pb2, router_pb2
 log = logging.getLogger(__name__)
 
 MAX_BODY_BYTES = RECEIVE_LIMIT_BYTES  # twice the request-size limit: larger prompts get 400 naming it
+TENANT_KEY = "pdserve.tenant"  # request key of the caller's tenant ("" for a token naming none)
 KEEPALIVE_S = 5.0  # uvicorn's timeout_keep_alive (vLLM's default too); aiohttp's own is 3,630 s
 BODY_TIMEOUT_S = 30.0  # the whole body, once the headers are in
 INLINE_PARSE_BYTES = 64 * 1024  # larger bodies are parsed in a thread, off the event loop
@@ -185,8 +186,9 @@ class OpenAIHttpServer:
     """Serves the OpenAI API on ``host:port`` from a `RouterCore`; start and stop on the core's loop."""
 
     def __init__(self, core: RouterCore, model_name: str, host: str = "127.0.0.1", port: int = 0,
-                 auth_token: str | None = None, timeout_s: float = 600.0, tls_cert_file: str | None = None,
-                 tls_key_file: str | None = None, max_connections: int | None = None) -> None:
+                 auth_token: str | Mapping[str, str | None] | None = None, timeout_s: float = 600.0,
+                 tls_cert_file: str | None = None, tls_key_file: str | None = None,
+                 max_connections: int | None = None) -> None:
         self._core = core
         self.model_name = model_name
         self.host = host
@@ -237,7 +239,9 @@ class OpenAIHttpServer:
     async def _auth(self, request: web.Request, handler: Handler) -> web.StreamResponse:
         if self._token is None or not request.path.startswith("/v1/"):
             return await handler(request)
-        if self._token.accepts(request.headers.get("Authorization")):
+        tenant = self._token.tenant_of(request.headers.get("Authorization"))
+        if tenant is not None:
+            request[TENANT_KEY] = tenant
             return await handler(request)
         return _error_response(OpenAIError(401, "missing or wrong bearer token (header 'Authorization')"))
 
@@ -275,7 +279,7 @@ class OpenAIHttpServer:
                 parsed = await _parse_elsewhere(kind, raw, self.model_name, request_id)
         except OpenAIError as exc:
             return _error_response(exc, request_id)
-        responses = self._core.generate(parsed.grpc_request, self.timeout_s)
+        responses = self._core.generate(parsed.grpc_request, self.timeout_s, request.get(TENANT_KEY) or None)
         try:
             if parsed.stream:
                 return await self._stream(request, parsed, responses)

@@ -12,18 +12,19 @@ Invariants:
 from __future__ import annotations
 
 import logging
+from collections.abc import Mapping
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from pdserve.router.auth import BearerTokenInterceptor
+from pdserve.router.auth import BearerToken, BearerTokenInterceptor
 from pdserve.router.config import MAX_RECEIVE_MESSAGE_BYTES, RouterConfig
 from pdserve.router.core import RouterCore, RouterError
 from pdserve.router.metrics import RouterMetrics
 from pdserve.router.policies import COLOCATED, DECODE, PREFILL
 from pdserve.router.worker_pool import WorkerPool
-from pdserve.serving import AioServer, RequestParseInterceptor
+from pdserve.serving import AioServer, CallLimits, PeerCallLimiter, RequestParseInterceptor
 from pdserve.v1 import common_pb2, router_pb2, router_pb2_grpc
 
 log = logging.getLogger(__name__)
@@ -37,8 +38,9 @@ ROUTER_SERVICE = router_pb2.DESCRIPTOR.services_by_name["Router"].full_name
 class RouterServicer(router_pb2_grpc.RouterServicer):
     """Thin servicer: protobuf in, RouterCore, protobuf out."""
 
-    def __init__(self, core: RouterCore) -> None:
+    def __init__(self, core: RouterCore, tokens: BearerToken | None = None) -> None:
         self._core = core
+        self._tokens = tokens  # to find the caller's tenant (the interceptor already refused strangers)
 
     async def Generate(  # noqa: N802
         self, request: router_pb2.GenerateRequest, context: grpc.aio.ServicerContext
@@ -46,8 +48,9 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
         # grpc.aio's writer API (a coroutine calling context.write) rather than an async generator:
         # one generator layer less per relayed token
         write = context.write
+        tenant = self._tokens.tenant_in(context.invocation_metadata()) if self._tokens else None
         try:
-            async for response in self._core.generate(request, context.time_remaining()):
+            async for response in self._core.generate(request, context.time_remaining(), tenant or None):
                 await write(response)
         except RouterError as exc:
             if exc.retry_after_s is not None:
@@ -98,7 +101,8 @@ class RouterServer:
         self._http = None  # router.http_api.OpenAIHttpServer once started
         self.http_port: int | None = None
 
-    def start_http(self, port: int, model_name: str, auth_token: str | None, timeout_s: float,
+    def start_http(self, port: int, model_name: str, auth_token: str | Mapping[str, str | None] | None,
+                   timeout_s: float,
                    tls_cert_file: str | None = None, tls_key_file: str | None = None) -> int:
         """Serve the OpenAI-compatible HTTP API on this router's loop; return the bound port."""
         from pdserve.router.http_api import OpenAIHttpServer  # aiohttp only when asked
@@ -128,8 +132,10 @@ def serve(config: RouterConfig) -> tuple[RouterServer, int]:
     when config.http_port is set); return it and its gRPC port."""
     pool = WorkerPool(config.endpoints(), config.poll_interval_s, config.info_timeout_s)
     pool.start()
-    server = AioServer("router", options=[("grpc.max_receive_message_length", MAX_RECEIVE_MESSAGE_BYTES)],
-                       interceptors=_interceptors(config))
+    limits = CallLimits(per_peer=config.grpc_calls_per_peer, total=config.grpc_calls_total)
+    server = AioServer("router", options=[("grpc.max_receive_message_length", MAX_RECEIVE_MESSAGE_BYTES),
+                                          *limits.options()],
+                       interceptors=_interceptors(config, limits))
 
     async def make_core() -> RouterCore:
         return RouterCore(config, pool, RouterMetrics())
@@ -138,7 +144,8 @@ def serve(config: RouterConfig) -> tuple[RouterServer, int]:
     health_servicer = health.HealthServicer()
 
     def add(s: grpc.aio.Server) -> None:
-        router_pb2_grpc.add_RouterServicer_to_server(RouterServicer(core), s)
+        tokens = config.api_tokens
+        router_pb2_grpc.add_RouterServicer_to_server(RouterServicer(core, BearerToken(tokens) if tokens else None), s)
         health_pb2_grpc.add_HealthServicer_to_server(health_servicer, s)
         reflection.enable_server_reflection((ROUTER_SERVICE, health.SERVICE_NAME, reflection.SERVICE_NAME), s)
 
@@ -156,7 +163,7 @@ def serve(config: RouterConfig) -> tuple[RouterServer, int]:
     router = RouterServer(server, core, health_servicer, config.host, port)
     if config.http_port is not None:
         try:
-            router.http_port = router.start_http(config.http_port, config.model_name, config.auth_token,
+            router.http_port = router.start_http(config.http_port, config.model_name, config.api_tokens,
                                                  config.max_stream_timeout_s, config.tls_cert_file,
                                                  config.tls_key_file)
         except OSError:
@@ -165,11 +172,14 @@ def serve(config: RouterConfig) -> tuple[RouterServer, int]:
     return router, port
 
 
-def _interceptors(config: RouterConfig) -> list[grpc.aio.ServerInterceptor]:
-    # no RequestLoggingInterceptor: RouterCore logs each request's start and finish, for gRPC and HTTP
-    interceptors: list[grpc.aio.ServerInterceptor] = [RequestParseInterceptor()]
-    if config.auth_token:
-        interceptors.insert(0, BearerTokenInterceptor(config.auth_token))
+def _interceptors(config: RouterConfig, limits: CallLimits) -> list[grpc.aio.ServerInterceptor]:
+    # no RequestLoggingInterceptor: RouterCore logs each request's start and finish, for gRPC and HTTP.
+    # Order: the token check, then the call limits (an unauthenticated call is never counted), then parsing
+    interceptors: list[grpc.aio.ServerInterceptor] = [
+        PeerCallLimiter(limits, "router.grpc_calls_per_peer, router.grpc_calls_total"), RequestParseInterceptor()]
+    tokens = config.api_tokens
+    if tokens:
+        interceptors.insert(0, BearerTokenInterceptor(tokens))
     return interceptors
 
 

@@ -26,6 +26,14 @@ MAX_BAD_WORDS = 64
 MAX_BAD_WORD_CHARS = 256
 #: Most choices of one request (SamplingParams.n; OpenAI's bound).
 MAX_N = 128
+#: Concurrent gRPC calls one peer host may hold open on one server (router or worker), and all peers
+#: together; a call beyond either is refused with RESOURCE_EXHAUSTED (`pdserve.serving.PeerCallLimiter`).
+#: Above the 1,000 streams one client opens in the tests and the router's 256 requests at workers.
+GRPC_CALLS_PER_PEER = 2048
+GRPC_CALLS_TOTAL = 8192
+#: HTTP/2 SETTINGS_MAX_CONCURRENT_STREAMS of every server (`grpc.max_concurrent_streams`): streams one
+#: connection may open at once; a client over it waits for a slot (HTTP/2), it is not refused.
+GRPC_STREAMS_PER_CONNECTION = 2048
 
 
 def receive_options(at_least: int = 0) -> list[tuple[str, int]]:

@@ -13,7 +13,12 @@ Invariants:
 - Engine threads hand results to the loop with `LoopThread.call` (`call_soon_threadsafe`); nothing
   polls a queue.
 
-Hand-written (not generated); imports only grpc and the standard library (and uvloop when installed).
+- Every server bounds its open calls (`CallLimits`): per connection by HTTP/2's
+  ``max_concurrent_streams``, per peer host and in total by `PeerCallLimiter`, which refuses a call
+  over either with RESOURCE_EXHAUSTED before it reads the call's message.
+
+Hand-written (not generated); imports only grpc, `pdserve.limits` and the standard library (and
+uvloop when installed).
 """
 
 from __future__ import annotations
@@ -25,9 +30,12 @@ import os
 import threading
 from collections.abc import Awaitable, Callable, Sequence
 from concurrent import futures
+from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import grpc
+
+from pdserve.limits import GRPC_CALLS_PER_PEER, GRPC_CALLS_TOTAL, GRPC_STREAMS_PER_CONNECTION
 
 T = TypeVar("T")
 
@@ -205,3 +213,145 @@ async def _parse(parse: Callable[[bytes], Any], raw: bytes, context: grpc.aio.Se
         return parse(raw)
     except Exception as exc:  # noqa: BLE001 - protobuf's DecodeError and friends
         await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"request does not parse: {exc}")
+
+
+@dataclass(frozen=True)
+class CallLimits:
+    """How many calls a gRPC server keeps open: per peer host, in total, and streams per connection."""
+
+    per_peer: int = GRPC_CALLS_PER_PEER
+    total: int = GRPC_CALLS_TOTAL
+    streams_per_connection: int = GRPC_STREAMS_PER_CONNECTION
+
+    def __post_init__(self) -> None:
+        for name in ("per_peer", "total", "streams_per_connection"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+
+    def options(self) -> list[tuple[str, int]]:
+        """The server options of these limits (HTTP/2 streams per connection)."""
+        return [("grpc.max_concurrent_streams", self.streams_per_connection)]
+
+
+#: Calls the limiter never counts: health checks, so that a peer at its cap (the router at a worker)
+#: still learns whether the server is alive.
+UNLIMITED_PREFIXES = ("/grpc.health.v1.Health/",)
+
+
+def peer_host(peer: str) -> str:
+    """The host part of `context.peer()`: ``ipv4:10.0.0.1:5000`` -> ``ipv4:10.0.0.1``; ``unix:...`` -> ``unix``."""
+    if peer.startswith(("ipv4:", "ipv6:")):
+        return peer.rsplit(":", 1)[0]
+    return peer.split(":", 1)[0]
+
+
+class PeerCallLimiter(grpc.aio.ServerInterceptor):
+    """Refuses a call with RESOURCE_EXHAUSTED when its peer host already holds `limits.per_peer` open
+    calls, or the server `limits.total`. The count is taken when the handler starts, before it reads
+    the request (put this interceptor before `RequestParseInterceptor`, after any token check), and
+    given back when the handler returns, fails or is cancelled. Handlers that run on the control
+    thread pool are counted the same way."""
+
+    def __init__(self, limits: CallLimits, setting: str = "") -> None:
+        self.limits = limits
+        self._setting = f" ({setting})" if setting else ""
+        self._lock = threading.Lock()
+        self._by_host: dict[str, int] = {}
+        self._total = 0
+
+    def open_calls(self, host: str | None = None) -> int:
+        """Calls open now, from `host` (a `peer_host`) or from every peer."""
+        with self._lock:
+            return self._total if host is None else self._by_host.get(host, 0)
+
+    def _enter(self, peer: str) -> tuple[str, str | None]:
+        """(host, None) when the call may run (and is counted), else (host, why it is refused)."""
+        host = peer_host(peer)
+        with self._lock:
+            held = self._by_host.get(host, 0)
+            if held >= self.limits.per_peer:
+                return host, (f"too many concurrent calls from {host}: at most {self.limits.per_peer} per peer"
+                              f"{self._setting}; retry when some have finished")
+            if self._total >= self.limits.total:
+                return host, (f"the server holds its limit of {self.limits.total} concurrent calls"
+                              f"{self._setting}; retry later")
+            self._by_host[host] = held + 1
+            self._total += 1
+        return host, None
+
+    def _leave(self, host: str) -> None:
+        with self._lock:
+            self._total -= 1
+            left = self._by_host[host] - 1
+            if left:
+                self._by_host[host] = left
+            else:
+                del self._by_host[host]
+
+    async def intercept_service(
+        self, continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler | None]],
+        handler_call_details: grpc.HandlerCallDetails,
+    ) -> grpc.RpcMethodHandler | None:
+        handler = await continuation(handler_call_details)
+        if handler is None or handler_call_details.method.startswith(UNLIMITED_PREFIXES):
+            return handler
+        kind, make = _HANDLER_KINDS[(handler.request_streaming, handler.response_streaming)]
+        behavior = getattr(handler, kind)
+        return make(self._wrap(behavior, handler.response_streaming), handler.request_deserializer,
+                    handler.response_serializer)
+
+    def _wrap(self, behavior: Callable[..., Any], response_streaming: bool) -> Callable[..., Any]:
+        if inspect.isasyncgenfunction(behavior):
+            async def stream(request: Any, context: grpc.aio.ServicerContext) -> None:  # noqa: ANN401
+                host = await self._admit(context)
+                try:
+                    write = context.write
+                    async for response in behavior(request, context):
+                        await write(response)
+                finally:
+                    self._leave(host)
+            return stream
+        if inspect.iscoroutinefunction(behavior):
+            async def call(request: Any, context: grpc.aio.ServicerContext) -> Any:  # noqa: ANN401
+                host = await self._admit(context)
+                try:
+                    return await behavior(request, context)
+                finally:
+                    self._leave(host)
+            return call
+        if response_streaming:  # a plain generator, iterated on the control thread pool
+            def generate(request: Any, context: grpc.ServicerContext) -> Any:  # noqa: ANN401
+                host = self._admit_sync(context)
+                try:
+                    yield from behavior(request, context)
+                finally:
+                    self._leave(host)
+            return generate
+
+        def plain(request: Any, context: grpc.ServicerContext) -> Any:  # noqa: ANN401
+            host = self._admit_sync(context)
+            try:
+                return behavior(request, context)
+            finally:
+                self._leave(host)
+        return plain
+
+    async def _admit(self, context: grpc.aio.ServicerContext) -> str:
+        host, refused = self._enter(context.peer())
+        if refused is not None:
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, refused)
+        return host
+
+    def _admit_sync(self, context: grpc.ServicerContext) -> str:
+        host, refused = self._enter(context.peer())
+        if refused is not None:
+            context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, refused)
+        return host
+
+
+_HANDLER_KINDS: dict[tuple[bool, bool], tuple[str, Callable[..., grpc.RpcMethodHandler]]] = {
+    (False, False): ("unary_unary", grpc.unary_unary_rpc_method_handler),
+    (False, True): ("unary_stream", grpc.unary_stream_rpc_method_handler),
+    (True, False): ("stream_unary", grpc.stream_unary_rpc_method_handler),
+    (True, True): ("stream_stream", grpc.stream_stream_rpc_method_handler),
+}

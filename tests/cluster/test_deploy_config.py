@@ -128,6 +128,8 @@ CASES: dict[str, tuple[Any, dict[str, Any], Callable[[DeploymentConfig, Received
     "router.kv_aware_kv_tokens": (32.0, {}, _all(("router",), "kv_aware_kv_tokens", 32.0)),
     "router.conditional_disagg_tokens": (200, {}, _all(("router",), "conditional_disagg_tokens", 200)),
     "router.slo_ttft_s": (2.5, {}, _all(("router",), "slo_ttft", 2.5)),
+    "router.grpc_calls_per_peer": (33, {}, _all(("router",), "grpc_calls_per_peer", 33)),
+    "router.grpc_calls_total": (44, {}, _all(("router",), "grpc_calls_total", 44)),
     "prefill.count": (2, {}, lambda c, got: sum(k == "prefill" for k, _ in got) == 2
                       and len(router_of(got).prefill) == 2),
     "decode.count": (3, {}, lambda c, got: sum(k == "decode" for k, _ in got) == 3
@@ -164,6 +166,10 @@ CASES: dict[str, tuple[Any, dict[str, Any], Callable[[DeploymentConfig, Received
     "security.internal_token_file": ("TOKEN", {}, lambda c, got: all(
         (Path(ns.internal_token_file).name == "token.txt") if c.mode == "local" else ns.internal_token_file is None
         for _k, ns in got)),
+    "security.auth_tokens_file": ("TOKENS", {}, lambda c, got: Path(router_of(got).auth_tokens_file).name
+                                  == "tokens.txt"),
+    "security.internal_grpc_calls_per_peer": (55, {}, _all(WORKERS, "grpc_calls_per_peer", 55)),
+    "security.internal_grpc_calls_total": (66, {}, _all(WORKERS, "grpc_calls_total", 66)),
     "observability.log_level": ("DEBUG", {}, lambda c, got: all(ns.log_level == "DEBUG" for _k, ns in got)),
     "observability.log_format": ("json", {}, lambda c, got: all(ns.log_format == "json" for _k, ns in got)),
     "observability.log_dir": ("LOGDIR", {}, lambda c, _got: c.observability.log_dir is not None),
@@ -215,10 +221,12 @@ def router_of(got: Received) -> argparse.Namespace:
 
 def _files(tmp_path: Path) -> dict[str, str]:
     (tmp_path / "token.txt").write_text("secret\n")
+    (tmp_path / "tokens.txt").write_text("alice secret-a\nbob secret-b\n")
     (tmp_path / "profile.json").write_text("{}")
     (tmp_path / "c.pem").write_text("")
     (tmp_path / "k.pem").write_text("")
-    return {"TOKEN": str(tmp_path / "token.txt"), "PROFILE": str(tmp_path / "profile.json"),
+    return {"TOKEN": str(tmp_path / "token.txt"), "TOKENS": str(tmp_path / "tokens.txt"),
+            "PROFILE": str(tmp_path / "profile.json"),
             "CERT": str(tmp_path / "c.pem"), "KEY": str(tmp_path / "k.pem"), "LOGDIR": str(tmp_path / "logs")}
 
 
