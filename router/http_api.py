@@ -70,7 +70,8 @@ from pdserve.v1 import common_pb2, router_pb2
 log = logging.getLogger(__name__)
 
 MAX_BODY_BYTES = RECEIVE_LIMIT_BYTES  # twice the request-size limit: larger prompts get 400 naming it
-TENANT_KEY = "pdserve.tenant"  # request key of the caller's tenant ("" for a token naming none)
+# the caller's tenant ("" for a token naming none); a typed key where aiohttp has them (3.12+)
+TENANT_KEY: Any = web.RequestKey("pdserve.tenant", str) if hasattr(web, "RequestKey") else "pdserve.tenant"
 KEEPALIVE_S = 5.0  # uvicorn's timeout_keep_alive (vLLM's default too); aiohttp's own is 3,630 s
 BODY_TIMEOUT_S = 30.0  # the whole body, once the headers are in
 INLINE_PARSE_BYTES = 64 * 1024  # larger bodies are parsed in a thread, off the event loop

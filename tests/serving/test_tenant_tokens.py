@@ -62,6 +62,7 @@ def test_tenants_share_the_prefix_cache_only_among_themselves(start_colocated, s
     with pytest.raises(urllib.error.HTTPError) as err:
         _cached_http(port, "token-of-mallory")
     assert err.value.code == 401
+    err.value.close()
     with pytest.raises(grpc.RpcError) as rpc_err:
         _cached_grpc(server.address, "token-of-mallory")
     assert rpc_err.value.code() == grpc.StatusCode.UNAUTHENTICATED
