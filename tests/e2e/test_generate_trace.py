@@ -91,10 +91,15 @@ def test_cli_trace_one_prefill_pass_then_one_decode_step_per_token(
     lines = capsys.readouterr().out.splitlines()
     stages = [_stage(line) for line in lines[:-1]]
     assert lines[-1].startswith("text: ")
-    tokenized = re.search(r" (\d+) tokens: ", lines[0])
-    assert stages[0] == "tokenize" and tokenized is not None
+    assert stages[0] == "route"  # the router's placement comes first
+    if cluster.config.prefill:
+        assert re.search(r"disaggregated: decode 127\.0\.0\.1:\d+, prefill 127\.0\.0\.1:\d+$", lines[0]), lines[0]
+    else:
+        assert re.search(r"colocated: decode 127\.0\.0\.1:\d+$", lines[0]), lines[0]
+    tokenized = re.search(r" (\d+) tokens: ", lines[1])
+    assert stages[1] == "tokenize" and tokenized is not None
     num_prompt = int(tokenized.group(1))
-    assert "<e6 b5> <8e>" in lines[0]  # 济 is split over two byte-level tokens
+    assert "<e6 b5> <8e>" in lines[1]  # 济 is split over two byte-level tokens
     prefills = [line for line, stage in zip(lines[:-1], stages, strict=True) if stage == "prefill"]
     assert len(prefills) == 1
     assert f"pass over {num_prompt} prompt tokens, KV 0 -> {num_prompt}, first token" in prefills[0]
@@ -109,15 +114,17 @@ def test_cli_trace_one_prefill_pass_then_one_decode_step_per_token(
     else:
         assert handoffs == [] and "colocated-0" in prefills[0]
     assert stages[-1] == "finish" and f"{MAX_TOKENS} generated tokens" in lines[-2]
-    assert set(stages) <= {"tokenize", "prefill", "kv hand-off", "decode", "detok hold", "finish"}
+    assert set(stages) <= {"route", "tokenize", "prefill", "kv hand-off", "decode", "detok hold", "finish"}
 
 
 def test_cli_json_trace_lists_the_events(cluster: LocalCluster, capsys: pytest.CaptureFixture[str]) -> None:
     argv = ["generate", "--url", cluster.router_address, "--json", "--trace", "--max-tokens", "3", "--ignore-eos"]
     assert main([*argv, PROMPT]) == 0
     doc = json.loads(capsys.readouterr().out)
-    kinds = [next(k for k in ("tokenize", "prefill", "kv_transfer", "decode", "hold") if k in e) for e in doc["trace"]]
-    assert kinds[:2] == ["tokenize", "prefill"] and kinds.count("decode") == 2
+    kinds = [next(k for k in ("route", "tokenize", "prefill", "kv_transfer", "decode", "hold") if k in e)
+             for e in doc["trace"]]
+    assert kinds[:3] == ["route", "tokenize", "prefill"] and kinds.count("decode") == 2
+    assert doc["trace"][0]["route"]["decision"] == ("disaggregated" if cluster.config.prefill else "colocated")
     assert len(doc["token_ids"]) == 3 and doc["timings"]["tokenize_s"] > 0
 
 

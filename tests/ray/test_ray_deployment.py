@@ -104,7 +104,8 @@ def test_trace_through_ray_actors(default_model, ray_cluster: RayCluster) -> Non
     responses = list(stub.Generate(request, timeout=120))
     events = [e for r in responses for e in r.trace]
     kinds = [e.WhichOneof("event") for e in events]
-    assert kinds[0] == "tokenize" and list(events[0].tokenize.token_ids) == prompt_ids
+    assert kinds[:2] == ["route", "tokenize"] and list(events[1].tokenize.token_ids) == prompt_ids
+    assert events[0].route.decision == "disaggregated" and events[0].route.prefill_worker
     (prefill,) = [e for e in events if e.HasField("prefill")]
     assert prefill.worker_id.startswith("prefill") and prefill.prefill.samples
     assert (prefill.prefill.num_tokens, prefill.prefill.kv_len_before, prefill.prefill.kv_len_after) == \
