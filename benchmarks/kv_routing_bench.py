@@ -207,8 +207,8 @@ def run_policy(policy: str, topology: str, work: Workload, args: argparse.Namesp
     # engine; the sim engine models transfers without bytes, so there the router's count of what the
     # chosen decode worker lacked (KV-aware policies only) stands in
     received = sum(w.kv_bytes_received for w in status.workers)
-    shipped = sum(shipped_metric.values()) if (shipped_metric := metrics["shipped"]) else None
-    crossed = received / kv_bytes_per_token if received else shipped
+    shipped = sum(metrics["shipped"].values()) if name in ("kv_aware", "kv_oracle") else None
+    crossed = shipped if profile else received / kv_bytes_per_token
     summary["network_tokens"] = crossed
     summary["network_share"] = crossed / summary["prompt_tokens"] if crossed is not None and summary["prompt_tokens"] \
         else None
