@@ -62,8 +62,7 @@ except ImportError as exc:
 
 from pdserve.cluster.deploy_config import DeploymentConfig, _abspath, flat_sections, router_document, worker_document
 from pdserve.cluster.ray_actors import RouterActor, WorkerActor
-from pdserve.router.auth import load_token
-from pdserve.transport import launcher_token, router_token_digest
+from pdserve.transport import launcher_token, load_token, router_token_digest
 
 log = logging.getLogger(__name__)
 

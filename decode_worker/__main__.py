@@ -11,6 +11,7 @@ from typing import Any
 from pdserve.decode_worker.servicer import DecodeServicer
 from pdserve.decode_worker.worker import DecodeWorker
 from pdserve.engine.config import EngineConfig
+from pdserve.engine.fault_injection import InjectedFaults
 from pdserve.engine.metrics import WorkerMetrics
 from pdserve.engine.sim_runner import add_engine_args
 from pdserve.engine.worker_runtime import (
@@ -71,11 +72,6 @@ def build_parser() -> argparse.ArgumentParser:
                     help="shm backend: prefill workers send a checksum of the blocks (xxh3 when no algorithm is "
                          "named), checked here over the copied bytes; the gRPC stream always checksums every "
                          "frame (see docs/security.md for the cost)")
-    ap.add_argument("--inject-loop-death-after-steps", type=int, default=None, metavar="N",
-                    help="testing only: the engine loop thread dies after N decode steps (liveness tests)")
-    ap.add_argument("--inject-step-delay-ms", type=float, default=0.0, metavar="MS",
-                    help="testing only: sleep this long before each engine step (slows a tiny model's streams "
-                         "so tests can act mid-stream, e.g. migrate)")
     add_observability_args(ap)
     add_engine_args(ap)
     add_config_arg(ap)
@@ -99,9 +95,10 @@ def start_worker(args: argparse.Namespace) -> StartedWorker:
                           prefill_chunk_tokens=args.prefill_chunk_tokens or None)
     config, loaded = load_worker_model(args, config)
     metrics = WorkerMetrics()
+    injected = InjectedFaults.from_env()  # tests only (engine/fault_injection.py)
     worker = DecodeWorker(loaded, config, admission_timeout_s=args.admission_timeout_s, metrics=metrics,
-                          die_after_steps=args.inject_loop_death_after_steps,
-                          step_delay_s=args.inject_step_delay_ms / 1000)
+                          die_after_steps=injected.loop_death_after_steps,
+                          step_delay_s=injected.step_delay_ms / 1000)
     endpoint = start_metrics_endpoint(metrics.registry, args.metrics_port)
     kv_receiver = KvTransferServicer()
     drain = Drain()

@@ -151,11 +151,11 @@ def prompt_ids_from_pb(loaded: LoadedModel, request: worker_pb2.DecodeRequest) -
     if kind == "token_ids":
         count = len(request.token_ids.ids)
         if not count:
-            raise ValueError("token_ids: must not be empty")
+            raise RequestInvalid("token_ids: must not be empty")
         if count >= loaded.max_model_len:  # the engine's own refusal, before a million ids become a list
-            raise ValueError(f"prompt has {count} tokens; the model's context is {loaded.max_model_len}")
+            raise RequestInvalid(f"prompt has {count} tokens; the model's context is {loaded.max_model_len}")
         return list(request.token_ids.ids)
-    raise ValueError("input: one of prompt, messages or token_ids is required")
+    raise RequestInvalid("input: one of prompt, messages or token_ids is required")
 
 
 class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
@@ -205,11 +205,13 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
             params = sampling_params_from_pb(request.params)
             resume_ids = list(request.resume_output_ids)
             if len(resume_ids) >= params.max_tokens:
-                raise ValueError("resume_output_ids: as many tokens as max_tokens; nothing left to do")
+                raise RequestInvalid("resume_output_ids: as many tokens as max_tokens; nothing left to do")
             if params.structured is not None:  # a bad schema is the request's 400, before any work
                 await asyncio.to_thread(structured.check, self.worker.loaded, *params.structured)
-        except ValueError as exc:
-            await failures.abort(context, RequestInvalid(str(exc)))
+        except RequestInvalid as exc:
+            await failures.abort(context, exc)
+        except Exception as exc:  # noqa: BLE001 - not the request's fault: our bug, said as such
+            await self._internal(context, request_id, "reading the request", exc)
         self.worker.metrics.tokenize_time.observe(tokenize_s)
         timings = common_pb2.Timings(tokenize_s=tokenize_s)
         trace: list[common_pb2.TraceEvent] | None = None  # events not sent yet (traced requests only)
@@ -321,11 +323,25 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
             await failures.abort(context, Overloaded(str(exc)))
         except WorkerDead as exc:
             await failures.abort(context, WorkerUnavailable(f"decode worker {self.worker_id}: {exc}", DECODE))
-        except ValueError as exc:
-            await failures.abort(context, RequestInvalid(str(exc)))
+        except RequestInvalid as exc:
+            await failures.abort(context, exc)
         except asyncio.TimeoutError:
             future.cancel()
             await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, "request deadline passed while waiting")
+        except KvTransferError:
+            raise  # the K/V hand-off's failure: _remote_prefill reports it as the prefill side's
+        except Exception as exc:  # noqa: BLE001 - not the request's fault: our bug, said as such
+            await self._internal(context, "", "the engine loop", exc)
+
+    async def _internal(self, context: grpc.aio.ServicerContext, request_id: str, what: str,
+                        exc: BaseException) -> None:
+        """End the call INTERNAL for an exception that is not a typed failure: a bug here, logged with
+        its traceback. Typed RequestFault (side DECODE): the router retries the request once
+        elsewhere without suspecting this worker, and gives it up if it fails the same way again."""
+        log.error("request_id=%s: %s failed: %s: %s", request_id or "-", what, type(exc).__name__, exc,
+                  exc_info=exc)
+        await failures.abort(context, RequestFault(
+            f"decode worker {self.worker_id}: internal error in {what}: {type(exc).__name__}: {exc}", DECODE))
 
     async def _remote_prefill(self, request_id: str, prefill_address: str, prompt_ids: list[int],
                               resume_ids: list[int], params: SamplingParams, deadline: float,
@@ -575,14 +591,22 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
         num_tokens = seq.num_tokens - 1
         try:
             if backend not in ("grpc", "ray"):
-                raise ValueError(f"kv_backend: migration ships over grpc or ray, not {backend!r}")
+                raise RequestInvalid(f"kv_backend: migration ships over grpc or ray, not {backend!r}")
             if request.num_tokens != num_tokens:
-                raise ValueError(f"num_tokens: this worker holds {num_tokens} tokens of K/V, not {request.num_tokens}")
-            spec = KvSpec.for_cache(request.target_request_id, self.worker.loaded.fingerprint,
-                                    self.worker.engine.kv_cache.shape, num_tokens, request.kv_block_offset)
+                raise RequestInvalid(f"num_tokens: this worker holds {num_tokens} tokens of K/V, "
+                                     f"not {request.num_tokens}")
+            try:  # what it refuses here is the request's: the target's id and block offset
+                spec = KvSpec.for_cache(request.target_request_id, self.worker.loaded.fingerprint,
+                                        self.worker.engine.kv_cache.shape, num_tokens, request.kv_block_offset)
+            except ValueError as exc:
+                raise RequestInvalid(str(exc)) from exc
             sender = get_backend(backend).sender_factory(request.kv_target_address)
-        except ValueError as exc:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        except RequestInvalid as exc:
+            await failures.abort(context, exc)
+        except Exception as exc:  # noqa: BLE001 - not the request's fault: our bug, said as such
+            log.error("request_id=%s: MigrateOut to %s failed: %s", request.request_id, request.kv_target_address,
+                      exc, exc_info=exc)
+            await context.abort(grpc.StatusCode.INTERNAL, f"migrating KV to {request.kv_target_address}: {exc}")
         blocks = seq.block_table[spec.block_offset : blocks_for_tokens(num_tokens, self.worker.engine.pool.block_size)]
         started = time.perf_counter()
         try:  # the blocks are held (suspended): no step writes them while they are read here

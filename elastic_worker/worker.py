@@ -30,6 +30,7 @@ from typing import Any
 from pdserve.decode_worker.servicer import DecodeServicer
 from pdserve.decode_worker.worker import DecodeWorker
 from pdserve.engine.config import EngineConfig
+from pdserve.engine.fault_injection import InjectedFaults
 from pdserve.engine.kv_cache import KVCache
 from pdserve.engine.metrics import WorkerMetrics
 from pdserve.engine.model_loader import LoadedModel
@@ -179,7 +180,8 @@ class ElasticWorker:
 
     def _build_prefill(self, drain: RoleDrain) -> RoleCore:
         s, args = self.settings, self.settings.prefill_args
-        faults = FaultInjector(args.inject_kv_fault, args.inject_kv_fault_count)
+        injected = InjectedFaults.from_env()  # tests only (engine/fault_injection.py)
+        faults = FaultInjector(injected.kv_fault, injected.kv_fault_count)
         worker = PrefillWorker(self.loaded, s.prefill_config, transfer_timeout_s=args.kv_timeout_s,
                                metrics=self.metrics, faults=faults, prefill_chunk_tokens=s.prefill_chunk_tokens,
                                prefix_caching=args.prefix_caching, kv_streaming=args.kv_streaming,

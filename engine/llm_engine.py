@@ -43,6 +43,7 @@ from pdserve.engine.sim_profile import prefill_terms, split_pass
 from pdserve.engine.stop_checker import FINISH_ABORT, FINISH_ERROR, FINISH_LENGTH, FINISH_STOP
 from pdserve.engine.structured import Constraint
 from pdserve.engine.trace import DecodeStepEvent, PrefillPassEvent, TraceEvent
+from pdserve.failures import RequestInvalid
 
 log = logging.getLogger(__name__)
 
@@ -127,22 +128,22 @@ class LLMEngine:
 
     # ----- admission -------------------------------------------------------------------------
     def check_request(self, prompt_ids: list[int], resume_ids: list[int] | None = None) -> None:
-        """ValueError naming what is wrong with a request; reads only immutable state, so any
+        """RequestInvalid naming what is wrong with a request; reads only immutable state, so any
         thread may call it."""
         resume_ids = resume_ids or []
         num_tokens = len(prompt_ids) + len(resume_ids)
         if not prompt_ids:
-            raise ValueError("prompt must have at least one token")
+            raise RequestInvalid("prompt must have at least one token")
         if num_tokens >= self.max_model_len:
-            raise ValueError(f"prompt has {num_tokens} tokens; the model's context is {self.max_model_len}")
+            raise RequestInvalid(f"prompt has {num_tokens} tokens; the model's context is {self.max_model_len}")
         vocab = self.loaded.config.vocab_size
         if any(not 0 <= t < vocab for t in prompt_ids + resume_ids):
-            raise ValueError(f"token ids must be in [0, {vocab})")
+            raise RequestInvalid(f"token ids must be in [0, {vocab})")
 
     def check_fits_pool(self, num_tokens: int) -> None:
-        """ValueError if `num_tokens` tokens can never be prefilled here, even with the pool to themselves."""
+        """RequestInvalid if `num_tokens` tokens can never be prefilled here, even with the pool to themselves."""
         if blocks_for_tokens(num_tokens, self.pool.block_size) > self.pool.num_blocks:
-            raise ValueError(f"prompt of {num_tokens} tokens does not fit this worker's KV pool "
+            raise RequestInvalid(f"prompt of {num_tokens} tokens does not fit this worker's KV pool "
                              f"({self.pool.num_blocks} blocks of {self.pool.block_size} tokens)")
 
     def new_sequence(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
@@ -151,14 +152,14 @@ class LLMEngine:
         `trace`: collect its step trace (engine.trace)."""
         resume_ids = resume_ids or []
         if request_id in self.sequences:
-            raise ValueError(f"request id {request_id!r} is already in this engine")
+            raise RequestInvalid(f"request id {request_id!r} is already in this engine")
         self.check_request(prompt_ids, resume_ids)
         vocab = self.loaded.config.vocab_size
         for name, ids in (("logit_bias", [t for t, _ in params.logit_bias]),
                           ("allowed_token_ids", list(params.allowed_token_ids))):
             outside = [t for t in ids if t >= vocab]
             if outside:
-                raise ValueError(f"{name}: token id {outside[0]} is outside the vocabulary [0, {vocab})")
+                raise RequestInvalid(f"{name}: token id {outside[0]} is outside the vocabulary [0, {vocab})")
         if params.bad_words and not params.bad_words_ids:
             params = dataclasses.replace(params, bad_words_ids=bad_words_ids(self.loaded.tokenizer, params.bad_words))
         seq = Sequence.create(request_id, prompt_ids, params, self.loaded.tokenizer, self.loaded.eos_token_ids,

@@ -1,9 +1,10 @@
-"""Per-request sampling and stopping parameters (validated: a bad value names its field)."""
+"""Per-request sampling and stopping parameters (validated: a bad value is a RequestInvalid naming its field)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from pdserve.failures import RequestInvalid
 from pdserve.limits import (
     MAX_ALLOWED_TOKEN_IDS,
     MAX_BAD_WORD_CHARS,
@@ -61,19 +62,19 @@ class SamplingParams:
 
     def __post_init__(self) -> None:
         if not 1 <= self.max_tokens <= 1_000_000:
-            raise ValueError(f"max_tokens must be in [1, 1000000], got {self.max_tokens}")
+            raise RequestInvalid(f"max_tokens must be in [1, 1000000], got {self.max_tokens}")
         if not 0.0 <= self.temperature <= 100.0:
-            raise ValueError(f"temperature must be in [0, 100], got {self.temperature}")
+            raise RequestInvalid(f"temperature must be in [0, 100], got {self.temperature}")
         if not 0.0 < self.top_p <= 1.0:
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+            raise RequestInvalid(f"top_p must be in (0, 1], got {self.top_p}")
         if self.top_k < 0:
-            raise ValueError(f"top_k must be >= 0 (0 disables it), got {self.top_k}")
+            raise RequestInvalid(f"top_k must be >= 0 (0 disables it), got {self.top_k}")
         if self.seed is not None and not 0 <= self.seed < 2**63:
-            raise ValueError(f"seed must be in [0, 2**63), got {self.seed}")
+            raise RequestInvalid(f"seed must be in [0, 2**63), got {self.seed}")
         for name in ("logprobs", "prompt_logprobs"):
             value = getattr(self, name)
             if value is not None and not 0 <= value <= MAX_LOGPROBS:
-                raise ValueError(f"{name} must be in [0, {MAX_LOGPROBS}], got {value}")
+                raise RequestInvalid(f"{name} must be in [0, {MAX_LOGPROBS}], got {value}")
         self._check_stops()
         self._check_penalties()
 
@@ -81,22 +82,22 @@ class SamplingParams:
         for name in ("presence_penalty", "frequency_penalty"):
             value = getattr(self, name)
             if not -2.0 <= value <= 2.0:
-                raise ValueError(f"{name} must be in [-2, 2], got {value}")
+                raise RequestInvalid(f"{name} must be in [-2, 2], got {value}")
         if not 0.0 < self.repetition_penalty <= 2.0:
-            raise ValueError(f"repetition_penalty must be in (0, 2], got {self.repetition_penalty}")
+            raise RequestInvalid(f"repetition_penalty must be in (0, 2], got {self.repetition_penalty}")
         if not 0.0 <= self.min_p <= 1.0:
-            raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
+            raise RequestInvalid(f"min_p must be in [0, 1], got {self.min_p}")
         if not 0 <= self.min_tokens <= self.max_tokens:
-            raise ValueError(f"min_tokens must be in [0, max_tokens={self.max_tokens}], got {self.min_tokens}")
+            raise RequestInvalid(f"min_tokens must be in [0, max_tokens={self.max_tokens}], got {self.min_tokens}")
         if len(self.logit_bias) > MAX_LOGIT_BIAS_ENTRIES:
-            raise ValueError(f"logit_bias: at most {MAX_LOGIT_BIAS_ENTRIES} entries, got {len(self.logit_bias)}")
+            raise RequestInvalid(f"logit_bias: at most {MAX_LOGIT_BIAS_ENTRIES} entries, got {len(self.logit_bias)}")
         for token, bias in self.logit_bias:
             if token < 0 or not -MAX_LOGIT_BIAS <= bias <= MAX_LOGIT_BIAS:
-                raise ValueError(f"logit_bias[{token}]: token ids >= 0 and biases in [-100, 100], got {bias}")
+                raise RequestInvalid(f"logit_bias[{token}]: token ids >= 0 and biases in [-100, 100], got {bias}")
         if len(self.allowed_token_ids) > MAX_ALLOWED_TOKEN_IDS or any(t < 0 for t in self.allowed_token_ids):
-            raise ValueError(f"allowed_token_ids: at most {MAX_ALLOWED_TOKEN_IDS} ids, each >= 0")
+            raise RequestInvalid(f"allowed_token_ids: at most {MAX_ALLOWED_TOKEN_IDS} ids, each >= 0")
         if len(self.bad_words) > MAX_BAD_WORDS or any(not 1 <= len(w) <= MAX_BAD_WORD_CHARS for w in self.bad_words):
-            raise ValueError(f"bad_words: at most {MAX_BAD_WORDS} words of 1..{MAX_BAD_WORD_CHARS} characters")
+            raise RequestInvalid(f"bad_words: at most {MAX_BAD_WORDS} words of 1..{MAX_BAD_WORD_CHARS} characters")
 
     @property
     def penalized(self) -> bool:
@@ -106,12 +107,12 @@ class SamplingParams:
 
     def _check_stops(self) -> None:
         if len(self.stop) > MAX_STOP_STRINGS:
-            raise ValueError(f"stop: at most {MAX_STOP_STRINGS} strings, got {len(self.stop)}")
+            raise RequestInvalid(f"stop: at most {MAX_STOP_STRINGS} strings, got {len(self.stop)}")
         for s in self.stop:
             if not s or len(s) > MAX_STOP_STRING_CHARS:
-                raise ValueError(f"stop: each string needs 1..{MAX_STOP_STRING_CHARS} chars, got {len(s)}")
+                raise RequestInvalid(f"stop: each string needs 1..{MAX_STOP_STRING_CHARS} chars, got {len(s)}")
         if any(t < 0 for t in self.stop_token_ids):
-            raise ValueError("stop_token_ids: token ids must be >= 0")
+            raise RequestInvalid("stop_token_ids: token ids must be >= 0")
 
     @property
     def greedy(self) -> bool:

@@ -19,6 +19,7 @@ from pdserve.engine.sampler import TokenLogprob
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.engine.stop_checker import StopChecker
 from pdserve.engine.trace import DetokenizeHoldEvent, TraceEvent
+from pdserve.failures import RequestInvalid
 
 
 class SequenceStatus(enum.Enum):
@@ -157,7 +158,7 @@ class Sequence:
             self.output_ids.append(token_id)
             self.stopper.on_token(token_id, len(self.output_ids), self.detokenizer.add(token_id))
         if self.is_finished:
-            raise ValueError("resume_output_ids: the request had already finished")
+            raise RequestInvalid("resume_output_ids: the request had already finished")
 
     def finish(self, reason: str) -> str:
         """End the sequence from outside (abort, context limit); return any held-back text."""

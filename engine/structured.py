@@ -24,12 +24,14 @@ from typing import Any
 
 import torch
 
+from pdserve.failures import RequestInvalid
+
 KINDS = ("json_schema", "json_object", "regex", "choice", "grammar")
 MAX_SPEC_CHARS = 64 * 1024
 _COMPACT = {"whitespace_flexible": False}  # llguidance's JSON option: no free whitespace
 
 
-class StructuredOutputError(ValueError):
+class StructuredOutputError(RequestInvalid):
     """A constraint that cannot be compiled (bad schema, regex or grammar); the message names it."""
 
 

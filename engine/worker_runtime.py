@@ -33,6 +33,7 @@ from pdserve.engine.kv_events import KvEventLog
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.engine.stop_checker import FINISH_ABORT, FINISH_ERROR, FINISH_LENGTH, FINISH_STOP, FINISH_STOP_STRING
 from pdserve.engine.trace import DecodeStepEvent, DetokenizeHoldEvent, PrefillPassEvent, TraceEvent, token_bytes
+from pdserve.failures import RequestInvalid
 from pdserve.limits import GRPC_CALLS_PER_PEER, GRPC_CALLS_TOTAL
 from pdserve.serving import AioServer, CallLimits, PeerCallLimiter, RequestParseInterceptor, ready_line
 from pdserve.telemetry.grpc_logging import RequestLoggingInterceptor
@@ -69,9 +70,9 @@ def finish_reason_to_pb(reason: str | None) -> int:
 
 
 def sampling_params_from_pb(pb: common_pb2.SamplingParams) -> SamplingParams:
-    """Protobuf -> validated SamplingParams (ValueError names the bad field)."""
+    """Protobuf -> validated SamplingParams (RequestInvalid names the bad field)."""
     if pb.n > 1:
-        raise ValueError(f"n: a worker generates one choice; n={pb.n} is served by the router, which runs "
+        raise RequestInvalid(f"n: a worker generates one choice; n={pb.n} is served by the router, which runs "
                          "each choice as a request of its own")
     return SamplingParams(
         max_tokens=pb.max_tokens if pb.HasField("max_tokens") else 16,

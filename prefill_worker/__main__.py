@@ -6,6 +6,7 @@ import argparse
 from typing import Any
 
 from pdserve.engine.config import EngineConfig
+from pdserve.engine.fault_injection import InjectedFaults
 from pdserve.engine.metrics import WorkerMetrics
 from pdserve.engine.sim_runner import add_engine_args
 from pdserve.engine.worker_runtime import (
@@ -24,7 +25,7 @@ from pdserve.engine.worker_runtime import (
 )
 from pdserve.kv_transfer.modelled import install_modelled_links
 from pdserve.limits import receive_options
-from pdserve.prefill_worker.faults import FAULT_MODES, FaultInjector
+from pdserve.prefill_worker.faults import FaultInjector
 from pdserve.prefill_worker.servicer import PrefillServicer
 from pdserve.prefill_worker.worker import PrefillWorker
 from pdserve.process_config import add_config_arg, parse_with_document
@@ -55,9 +56,6 @@ def build_parser() -> argparse.ArgumentParser:
                          "straight out of it (shm backend; default on, falls back when /dev/shm is too small)")
     ap.add_argument("--request-timeout-s", type=float, default=300.0)
     ap.add_argument("--kv-timeout-s", type=float, default=60.0, help="deadline of one KV transfer")
-    ap.add_argument("--inject-kv-fault", choices=FAULT_MODES, default=None,
-                    help="testing only: corrupt or stall the KV stream of the next transfers")
-    ap.add_argument("--inject-kv-fault-count", type=int, default=1)
     add_observability_args(ap)
     add_engine_args(ap)
     add_config_arg(ap)
@@ -78,7 +76,8 @@ def start_worker(args: argparse.Namespace) -> StartedWorker:
         chunk_tokens = loaded.model.profile.engine.prefill_chunk_tokens
         install_modelled_links(loaded.model.profile, args.speedup)
     metrics = WorkerMetrics()
-    faults = FaultInjector(args.inject_kv_fault, args.inject_kv_fault_count)
+    injected = InjectedFaults.from_env()  # tests only (engine/fault_injection.py)
+    faults = FaultInjector(injected.kv_fault, injected.kv_fault_count)
     worker = PrefillWorker(loaded, config, transfer_timeout_s=args.kv_timeout_s, metrics=metrics, faults=faults,
                            prefill_chunk_tokens=chunk_tokens,
                            prefix_caching=args.prefix_caching, kv_streaming=args.kv_streaming,

@@ -2,7 +2,7 @@
 
 `corrupt` flips one byte of a frame after its checksum was computed (what a bad link would do);
 `stall` sends the first frame and then nothing until the receiver gives up. Off unless the worker
-is started with `--inject-kv-fault`.
+is started with `PDSERVE_INJECT_KV_FAULT` set (engine/fault_injection.py).
 """
 
 from __future__ import annotations
@@ -11,9 +11,9 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 
+from pdserve.engine.fault_injection import KV_FAULT_MODES as FAULT_MODES
 from pdserve.v1.kv_pb2 import KvFrame
 
-FAULT_MODES = ("corrupt", "stall")
 FrameFilter = Callable[[Iterator[KvFrame]], Iterator[KvFrame]]
 
 
@@ -34,7 +34,7 @@ class FaultInjector:
 
     def __init__(self, mode: str | None, count: int) -> None:
         if mode is not None and mode not in FAULT_MODES:
-            raise ValueError(f"inject-kv-fault must be one of {FAULT_MODES}, got {mode!r}")
+            raise ValueError(f"KV fault must be one of {FAULT_MODES}, got {mode!r}")
         self._filter: FrameFilter | None = {"corrupt": corrupt, "stall": stall}.get(mode or "")
         self._left = count if mode else 0
         self._lock = threading.Lock()

@@ -18,6 +18,7 @@ import grpc
 
 from pdserve.engine.kv_cache import segment_prefix
 from pdserve.engine.worker_runtime import Drain, node_identity, sampling_params_from_pb, trace_events_to_pb
+from pdserve.failures import RequestInvalid
 from pdserve.kv_transfer import KvTransferError
 from pdserve.kv_transfer.shm_backend import CHECKSUM_ALGORITHMS
 from pdserve.prefill_worker.worker import PrefillJob, PrefillWorker
@@ -71,9 +72,9 @@ class PrefillServicer(worker_pb2_grpc.PrefillWorkerServicer):
                 kv_block_offset=request.kv_block_offset, trace=request.trace, kv_checksum=request.kv_checksum,
             )
             if not job.request_id or not job.prompt_ids or not job.kv_target:
-                raise ValueError("request_id, prompt_token_ids and kv_target_address are required")
+                raise RequestInvalid("request_id, prompt_token_ids and kv_target_address are required")
             if job.kv_checksum and job.kv_checksum not in CHECKSUM_ALGORITHMS:
-                raise ValueError(f"kv_checksum: {job.kv_checksum!r} is not one of {', '.join(CHECKSUM_ALGORITHMS)}")
+                raise RequestInvalid(f"kv_checksum: {job.kv_checksum!r} is not one of {', '.join(CHECKSUM_ALGORITHMS)}")
             if job.kv_target not in self._kv_targets:
                 raise PermissionError(f"kv_target_address {job.kv_target!r} is not a decode worker registered "
                                       f"with prefill worker {self.worker_id}")
@@ -82,8 +83,12 @@ class PrefillServicer(worker_pb2_grpc.PrefillWorkerServicer):
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))
         except PermissionError as exc:
             await context.abort(grpc.StatusCode.PERMISSION_DENIED, str(exc))
-        except ValueError as exc:
+        except RequestInvalid as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        except Exception as exc:  # noqa: BLE001 - not the request's fault: our bug, said as such
+            log.error("request_id=%s: reading the request failed: %s", request.request_id, exc, exc_info=exc)
+            await context.abort(grpc.StatusCode.INTERNAL,
+                                f"prefill failed: internal error: {type(exc).__name__}: {exc}")
         remaining = context.time_remaining()
         timeout = min(self.request_timeout_s, remaining) if remaining is not None else self.request_timeout_s
         try:  # a cancelled call cancels the wrapped future, which drops the job if still queued
@@ -93,11 +98,12 @@ class PrefillServicer(worker_pb2_grpc.PrefillWorkerServicer):
             await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, f"prefill did not finish in {timeout:.1f}s")
         except KvTransferError as exc:
             await context.abort(grpc.StatusCode.UNAVAILABLE, f"KV transfer failed: {exc}")
-        except ValueError as exc:  # the engine refused the request itself
+        except RequestInvalid as exc:  # the engine refused the request itself
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         except asyncio.CancelledError:
             raise
         except Exception as exc:  # noqa: BLE001 - report, keep serving
+            log.error("request_id=%s: prefill failed: %s", job.request_id, exc, exc_info=exc)
             await context.abort(grpc.StatusCode.INTERNAL, f"prefill failed: {exc}")
         return worker_pb2.PrefillResponse(
             request_id=job.request_id, first_token_id=result.first_token_id, kv_bytes=result.kv_bytes,

@@ -38,6 +38,7 @@ from pdserve.engine.model_runner import LayerCallback
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.engine.sequence import Sequence, SequenceStatus
 from pdserve.engine.trace import TraceEvent
+from pdserve.failures import RequestInvalid
 from pdserve.kv_transfer import KvSpec, get_backend
 from pdserve.kv_transfer.base import KvSender, check_request_id
 from pdserve.prefill_worker.faults import FaultInjector
@@ -149,16 +150,19 @@ class PrefillWorker(KvConnector):
         return job.future
 
     def _check(self, job: PrefillJob) -> None:
-        """Refuse (ValueError) what would only fail after the prefill: an id no KV transfer can carry,
+        """Refuse (RequestInvalid) what would only fail after the prefill: an id no KV transfer can carry,
         an unknown backend, token ids outside the vocabulary, a prompt the pool cannot hold, a block
         offset outside the prompt."""
-        check_request_id(job.request_id)
-        get_backend(job.kv_backend)
+        try:  # kv_transfer's own checks, of fields the request chose
+            check_request_id(job.request_id)
+            get_backend(job.kv_backend)
+        except ValueError as exc:
+            raise RequestInvalid(str(exc)) from exc
         self.engine.check_request(job.prompt_ids)
         self.engine.check_fits_pool(len(job.prompt_ids))
         num_blocks = blocks_for_tokens(len(job.prompt_ids), self.pool.block_size)
         if not 0 <= job.kv_block_offset < num_blocks:
-            raise ValueError(f"kv_block_offset: must be in [0, {num_blocks}) for a prompt of "
+            raise RequestInvalid(f"kv_block_offset: must be in [0, {num_blocks}) for a prompt of "
                              f"{len(job.prompt_ids)} tokens, got {job.kv_block_offset}")
 
     def loop_alive(self) -> bool:

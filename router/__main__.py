@@ -19,7 +19,7 @@ from typing import Any
 
 from pdserve.limits import GRPC_CALLS_PER_PEER, GRPC_CALLS_TOTAL
 from pdserve.process_config import add_config_arg, parse_with_document
-from pdserve.router.auth import load_tenant_tokens, load_token
+from pdserve.router.auth import load_tenant_tokens
 from pdserve.router.config import RouterConfig
 from pdserve.router.policies import POLICY_NAMES
 from pdserve.router.server import RouterServer, serve
@@ -27,7 +27,7 @@ from pdserve.serving import ready_line
 from pdserve.telemetry.logs import LOG_FORMATS, configure_logging
 from pdserve.telemetry.memory import bound_heap
 from pdserve.telemetry.prometheus import start_metrics_endpoint
-from pdserve.transport import is_loopback, use_internal_token_file
+from pdserve.transport import is_loopback, load_token, use_internal_token_file
 
 STOP_GRACE_S = 5.0
 

@@ -98,17 +98,6 @@ class BearerTokenInterceptor(grpc.aio.ServerInterceptor):
         return refusal(handler, _deny, _deny_stream)
 
 
-def load_token(path: str | None, env_value: str | None) -> str | None:
-    """The token from a file (first line, stripped) or the environment; None when neither is set."""
-    if path:
-        with open(path, encoding="utf-8") as f:
-            token = f.readline().strip()
-        if not token:
-            raise ValueError(f"auth token file {path} is empty")
-        return token
-    return env_value or None
-
-
 def load_tenant_tokens(path: str) -> dict[str, str]:
     """The tokens of a tokens file, each with its tenant: one ``TENANT TOKEN`` pair per line (blank
     lines and lines starting with ``#`` are skipped). ValueError naming the line for a bad tenant

@@ -51,7 +51,15 @@ class Failure(Exception):
         return ((FAILURE_KEY, self.label),)
 
 
-class RequestInvalid(Failure):
+class RequestInvalid(Failure, ValueError):
+    """The request is wrong. Raised by whatever validates client input (the engine, the tokenizer
+    helpers, the servicers); the servicers map this, and only this, to INVALID_ARGUMENT: any other
+    exception there is our bug, answered INTERNAL and logged with its traceback.
+
+    Also a ValueError, deliberately: it is one (a bad value from the caller), so library callers and
+    unit tests that catch ValueError around `SamplingParams(...)` or `engine.add_request` keep
+    working. The servicers no longer treat a bare ValueError as a client error."""
+
     code = grpc.StatusCode.INVALID_ARGUMENT
     kind = "request-invalid"
 

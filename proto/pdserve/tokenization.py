@@ -15,6 +15,8 @@ import re
 from collections.abc import Sequence
 from typing import Any
 
+from pdserve.failures import RequestInvalid
+
 CHAT_ROLES = frozenset({"system", "user", "assistant", "tool"})
 MAX_MESSAGES = 256
 
@@ -24,7 +26,7 @@ def encode_text(tokenizer: Any, text: str) -> list[int]:
     raw model input: special-token text in it (``<|im_start|>``, ``<|endoftext|>``) becomes those
     tokens, so a client can write a chat by hand, as with vLLM (chat messages differ: `encode_chat`)."""
     if not text.strip():
-        raise ValueError("prompt: must not be empty or whitespace")
+        raise RequestInvalid("prompt: must not be empty or whitespace")
     return list(tokenizer(text).input_ids)
 
 
@@ -40,14 +42,14 @@ def encode_chat(tokenizer: Any, messages: Sequence[tuple[str, str] | Message],
         messages = _hermes_messages(messages, tools)
         tools = None
     if not messages:
-        raise ValueError("messages: at least one message is required")
+        raise RequestInvalid("messages: at least one message is required")
     if len(messages) > MAX_MESSAGES:
-        raise ValueError(f"messages: at most {MAX_MESSAGES} messages, got {len(messages)}")
+        raise RequestInvalid(f"messages: at most {MAX_MESSAGES} messages, got {len(messages)}")
     for message in messages:
         if message["role"] not in CHAT_ROLES:
-            raise ValueError(f"messages: unknown role {message['role']!r}; known roles: {sorted(CHAT_ROLES)}")
+            raise RequestInvalid(f"messages: unknown role {message['role']!r}; known roles: {sorted(CHAT_ROLES)}")
     if getattr(tokenizer, "chat_template", None) is None:
-        raise ValueError("messages: this model's tokenizer has no chat template; send a prompt instead")
+        raise RequestInvalid("messages: this model's tokenizer has no chat template; send a prompt instead")
     specials = special_token_strings(tokenizer)
     extra = {"tools": tools} if tools else {}
     if not any(s in m["content"] for m in messages for s in specials):
@@ -127,7 +129,7 @@ def _hermes_messages(messages: list[Message], tools: list[dict[str, Any]]) -> li
 
 
 def chat_from_pb(chat: Any) -> tuple[list[Message], list[dict[str, Any]] | None]:  # noqa: ANN401
-    """(messages, tools) of a ChatMessages message; ValueError names a field that is not valid JSON."""
+    """(messages, tools) of a ChatMessages message; RequestInvalid names a field that is not valid JSON."""
     messages: list[Message] = []
     for i, m in enumerate(chat.messages):
         message: Message = {"role": m.role, "content": m.content}
@@ -136,7 +138,7 @@ def chat_from_pb(chat: Any) -> tuple[list[Message], list[dict[str, Any]] | None]
             for call in calls:
                 function = call.get("function") if isinstance(call, dict) else None
                 if not isinstance(function, dict) or not isinstance(function.get("name"), str):
-                    raise ValueError(f"messages[{i}].tool_calls_json: each call needs function.name")
+                    raise RequestInvalid(f"messages[{i}].tool_calls_json: each call needs function.name")
                 arguments = function.get("arguments")
                 if isinstance(arguments, str):  # OpenAI sends JSON text; templates expect the object
                     try:
@@ -153,7 +155,7 @@ def chat_from_pb(chat: Any) -> tuple[list[Message], list[dict[str, Any]] | None]
     for tool in tools or ():
         function = tool.get("function") if isinstance(tool, dict) else None
         if not isinstance(function, dict) or not isinstance(function.get("name"), str):
-            raise ValueError("messages.tools_json: each tool needs function.name")
+            raise RequestInvalid("messages.tools_json: each tool needs function.name")
     return messages, tools
 
 
@@ -161,9 +163,9 @@ def _json_list(text: str, name: str) -> list[Any]:
     try:
         value = json.loads(text)
     except json.JSONDecodeError as exc:
-        raise ValueError(f"{name}: not valid JSON: {exc}") from None
+        raise RequestInvalid(f"{name}: not valid JSON: {exc}") from None
     if not isinstance(value, list):
-        raise ValueError(f"{name}: must be a JSON list")
+        raise RequestInvalid(f"{name}: must be a JSON list")
     return value
 
 

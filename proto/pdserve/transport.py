@@ -139,6 +139,18 @@ def _read_token_file(path: str) -> str:
     return token
 
 
+def load_token(path: str | None, env_value: str | None) -> str | None:
+    """The API token (router --auth-token-file, the Ray launcher) from a file (first line,
+    stripped) or the environment; None when neither is set."""
+    if path:
+        with open(path, encoding="utf-8") as f:
+            token = f.readline().strip()
+        if not token:
+            raise ValueError(f"auth token file {path} is empty")
+        return token
+    return env_value or None
+
+
 def use_internal_token_file(path: str | None) -> None:
     """``--internal-token-file``: make this process (server and clients) use the token in ``path``."""
     if path:

@@ -10,6 +10,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 import pytest
+from injection import injected
 
 from pdserve.cluster.local import LocalCluster, LocalClusterConfig
 from pdserve.engine.config import EngineConfig
@@ -91,9 +92,8 @@ def test_broken_kv_transfer_is_prefilled_again(fault: str, default_model) -> Non
     prompts = mixed_prompts(4, seed=8)
     expected = _expected(default_model, prompts, 8)
     config = LocalClusterConfig(prefill=1, decode=1, threads_per_worker=1,
-                                prefill_args=("--inject-kv-fault", fault, "--inject-kv-fault-count", "2"),
                                 decode_args=("--kv-timeout-s", "4", "--kv-backend", "grpc"))
-    with LocalCluster(config) as cluster:
+    with injected(kv_fault=fault, kv_fault_count=2), LocalCluster(config) as cluster:
         results = _run_all(cluster.router_address, prompts, 8)
         assert [r.token_ids for r in results] == expected
         wait_idle(_live(cluster))

@@ -5,7 +5,7 @@ worker hands its requests over, and `pdserve migrate` drives it from the command
 migration, failover and draining tests run with both router -> decode transports (a Generate call
 per request, and --decode-mux's GenerateMux stream).
 
-Decode workers sleep before each step (--inject-step-delay-ms) so that a tiny model's stream is
+Decode workers sleep before each step (PDSERVE_INJECT_STEP_DELAY_MS) so that a tiny model's stream is
 still running when the test acts on it."""
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ from pathlib import Path
 
 import grpc
 import pytest
+from injection import injected
 
 from pdserve.cluster.local import LocalCluster, LocalClusterConfig
 from pdserve.engine.config import EngineConfig
@@ -59,9 +60,10 @@ TRANSPORTS = pytest.mark.parametrize("router_args", [(), ("--decode-mux",)], ids
 
 
 def _cluster(model_dir: Path, delay_ms: int = 60, **extra: object) -> LocalCluster:
-    return LocalCluster(LocalClusterConfig(
-        model=str(model_dir), prefill=1, decode=2, threads_per_worker=1,
-        decode_args=("--inject-step-delay-ms", str(delay_ms), "--kv-timeout-s", "20"), **extra))  # type: ignore[arg-type]
+    with injected(step_delay_ms=delay_ms):  # the workers read it at start (LocalCluster starts them)
+        return LocalCluster(LocalClusterConfig(
+            model=str(model_dir), prefill=1, decode=2, threads_per_worker=1,
+            decode_args=("--kv-timeout-s", "20"), **extra))  # type: ignore[arg-type]
 
 
 @pytest.fixture(scope="module")

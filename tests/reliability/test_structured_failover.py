@@ -15,6 +15,7 @@ import time
 import grpc
 import jsonschema
 import pytest
+from injection import injected
 
 from pdserve.cluster.local import LocalCluster, LocalClusterConfig
 from pdserve.v1 import common_pb2, router_pb2, router_pb2_grpc
@@ -40,9 +41,8 @@ def _request(i: int) -> router_pb2.GenerateRequest:
 
 
 def test_json_schema_outputs_hold_through_migration_and_failover(default_model_dir) -> None:  # noqa: ANN001
-    config = LocalClusterConfig(prefill=1, decode=2, threads_per_worker=1,
-                                decode_args=("--inject-step-delay-ms", "40", "--kv-timeout-s", "30"))
-    with LocalCluster(config) as cluster:
+    config = LocalClusterConfig(prefill=1, decode=2, threads_per_worker=1, decode_args=("--kv-timeout-s", "30"))
+    with injected(step_delay_ms=40), LocalCluster(config) as cluster:
         stub = router_pb2_grpc.RouterStub(grpc.insecure_channel(cluster.router_address))
         texts: dict[int, str] = {}
         tokens: dict[int, int] = {}  # tokens seen so far per request

@@ -11,6 +11,7 @@ from pathlib import Path
 import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+from injection import injected
 
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.llm_engine import LLMEngine
@@ -130,7 +131,8 @@ def _control_calls(router_channel: grpc.Channel, worker_channel: grpc.Channel) -
 
 def test_a_dead_engine_loop_turns_unhealthy_and_its_requests_fail_over(
         tiny_llama_dir, start_colocated, start_router) -> None:  # noqa: ANN001
-    dying = start_colocated("--inject-loop-death-after-steps", "6")
+    with injected(loop_death_after_steps=6):
+        dying = start_colocated()
     healthy = start_colocated()
     server, stub = start_router(RouterConfig(colocated=(dying.address, healthy.address), poll_interval_s=0.1))
     with ThreadPoolExecutor(len(PROMPTS)) as pool:
