@@ -29,8 +29,21 @@ def _penalties(i: int, penalized: bool) -> dict[str, float]:
     return PENALTIES if penalized and i % 2 == 0 else {}
 
 
+_EXPECTED: dict[tuple[object, ...], list[list[int]]] = {}
+
+
 def _expected(default_model, prompts: list[str], max_tokens: int,  # noqa: ANN001
               penalized: bool = False) -> list[list[int]]:
+    """The engine's outputs in this process; computed once per module for the same arguments (both
+    router transports of the decode-kill test compare with the same run)."""
+    key = (tuple(prompts), max_tokens, penalized)
+    if key not in _EXPECTED:
+        _EXPECTED[key] = _compute_expected(default_model, prompts, max_tokens, penalized)
+    return [list(tokens) for tokens in _EXPECTED[key]]
+
+
+def _compute_expected(default_model, prompts: list[str], max_tokens: int,  # noqa: ANN001
+                      penalized: bool) -> list[list[int]]:
     engine = LLMEngine(default_model, EngineConfig(num_blocks=1024))
     ids = [encode_text(default_model.tokenizer, p) for p in prompts]
     out = engine.generate(ids, [SamplingParams(max_tokens=max_tokens, ignore_eos=True, **_penalties(i, penalized))

@@ -16,7 +16,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -45,7 +45,19 @@ SEEDED = dict(temperature=0.9, top_p=0.95, seed=1234)
 PENALIZED = dict(SEEDED, repetition_penalty=1.2, presence_penalty=0.3, frequency_penalty=0.2, min_p=0.05)
 
 
+_EXPECTED: dict[tuple[object, ...], list[int]] = {}
+
+
 def _expected(model_dir: Path, max_tokens: int, **params: object) -> list[int]:
+    """The engine's output for PROMPT in this process; computed once per module for the same arguments
+    (seven cases compare with the same greedy run)."""
+    key = (str(model_dir), max_tokens, tuple(sorted(params.items())))
+    if key not in _EXPECTED:
+        _EXPECTED[key] = _compute_expected(model_dir, max_tokens, **params)
+    return list(_EXPECTED[key])
+
+
+def _compute_expected(model_dir: Path, max_tokens: int, **params: object) -> list[int]:
     loaded = load_model(model_dir)
     engine = LLMEngine(loaded, EngineConfig(num_blocks=256))
     ids = encode_text(loaded.tokenizer, PROMPT)
@@ -66,22 +78,37 @@ def _cluster(model_dir: Path, delay_ms: int = 60, **extra: object) -> LocalClust
             decode_args=("--kv-timeout-s", "20"), **extra))  # type: ignore[arg-type]
 
 
+class SharedClusters:
+    """One started cluster per router transport, started on first use. `get` lends it to a test that
+    kills no worker (each such test ends with every worker idle and reads worker counters as
+    differences, so none depends on what ran before it); `take` hands it over for good to a test that
+    kills a worker in it (the next `get` or `take` of that transport starts a new one)."""
+
+    def __init__(self, model_dir: Path) -> None:
+        self._model_dir = model_dir
+        self._started: dict[tuple[str, ...], LocalCluster] = {}
+
+    def get(self, router_args: tuple[str, ...]) -> LocalCluster:
+        if router_args not in self._started:
+            self._started[router_args] = _cluster(self._model_dir, router_args=router_args)
+        return self._started[router_args]
+
+    def take(self, router_args: tuple[str, ...]) -> LocalCluster:
+        return self._started.pop(router_args, None) or _cluster(self._model_dir, router_args=router_args)
+
+    def stop(self) -> None:
+        for cluster in self._started.values():
+            cluster.stop()
+
+
 @pytest.fixture(scope="module")
-def shared_cluster(tiny_llama_dir: Path) -> Iterator[Callable[[tuple[str, ...]], LocalCluster]]:
-    """The clusters of the tests that kill no worker, one per router transport, started on first use
-    and shared by those tests: each ends with every worker idle, and reads worker counters as
-    differences, so none depends on what ran before it. (The tests that kill or drain a worker start
-    their own.)"""
-    started: dict[tuple[str, ...], LocalCluster] = {}
-
-    def get(router_args: tuple[str, ...]) -> LocalCluster:
-        if router_args not in started:
-            started[router_args] = _cluster(tiny_llama_dir, router_args=router_args)
-        return started[router_args]
-
-    yield get
-    for cluster in started.values():
-        cluster.stop()
+def shared_cluster(tiny_llama_dir: Path) -> Iterator[SharedClusters]:
+    """The clusters (`_cluster`'s defaults, one per router transport) of this module's tests: lent to
+    the tests that kill no worker, then taken by the target-killed tests, which kill one. (The draining
+    tests, with a longer step delay, start their own.)"""
+    clusters = SharedClusters(tiny_llama_dir)
+    yield clusters
+    clusters.stop()
 
 
 def assert_muxed(cluster: LocalCluster, router_args: tuple[str, ...]) -> None:
@@ -167,9 +194,9 @@ def _live(cluster: LocalCluster, dead: frozenset[int] = frozenset()) -> list[tup
 @pytest.mark.parametrize(("params", "router_args"), [({}, ()), (PENALIZED, ()), ({}, ("--decode-mux",))],
                          ids=["greedy", "seeded-penalized", "greedy-mux"])
 def test_migration_mid_stream_gives_identical_tokens_and_target_computes_no_prompt(
-        tiny_llama_dir: Path, shared_cluster, params: dict, router_args: tuple[str, ...]) -> None:  # noqa: ANN001
+        tiny_llama_dir: Path, shared_cluster: SharedClusters, params: dict, router_args: tuple[str, ...]) -> None:
     expected = _expected(tiny_llama_dir, MAX_TOKENS, **params)
-    cluster = shared_cluster(router_args)
+    cluster = shared_cluster.get(router_args)
     request_id = f"move-me-{len(params)}-{len(router_args)}"  # one per case: the cluster is shared
     undisturbed = generate(cluster.router_address, PROMPT, MAX_TOKENS, ignore_eos=True, **params)
     assert undisturbed.token_ids == expected
@@ -193,9 +220,9 @@ def test_migration_mid_stream_gives_identical_tokens_and_target_computes_no_prom
     assert_muxed(cluster, router_args)
 
 
-def test_migrate_cli_and_errors(tiny_llama_dir: Path, shared_cluster) -> None:  # noqa: ANN001
+def test_migrate_cli_and_errors(tiny_llama_dir: Path, shared_cluster: SharedClusters) -> None:
     expected = _expected(tiny_llama_dir, MAX_TOKENS)
-    cluster = shared_cluster(())
+    cluster = shared_cluster.get(())
     with pytest.raises(grpc.RpcError) as err:
         _migrate(cluster.router_address, "nobody")
     assert err.value.code() == grpc.StatusCode.NOT_FOUND
@@ -224,12 +251,14 @@ def test_migrate_cli_and_errors(tiny_llama_dir: Path, shared_cluster) -> None:  
 
 
 @TRANSPORTS
-def test_target_killed_mid_migration_falls_back_to_failover(tiny_llama_dir: Path, router_args: tuple[str, ...]) -> None:
+def test_target_killed_mid_migration_falls_back_to_failover(tiny_llama_dir: Path, shared_cluster: SharedClusters,
+                                                            router_args: tuple[str, ...]) -> None:
     expected = _expected(tiny_llama_dir, MAX_TOKENS)
-    with _cluster(tiny_llama_dir, router_args=router_args) as cluster:
+    with shared_cluster.take(router_args) as cluster:  # idle, possibly after other tests: counters as differences
         stream = Stream(cluster.router_address, "doomed-target", MAX_TOKENS)
         stream.wait_tokens(8)
         source, target = _source_and_target(cluster)
+        migrated_out = worker_info(source.address, "decode").requests_migrated_out
         os.kill(target.pid, signal.SIGSTOP)  # still looks healthy to the router for a moment
         try:
             with ThreadPoolExecutor(1) as bg:
@@ -243,7 +272,7 @@ def test_target_killed_mid_migration_falls_back_to_failover(tiny_llama_dir: Path
         assert err.value.code() == grpc.StatusCode.ABORTED and "failover" in err.value.details()
         stream.result()
         assert stream.token_ids == expected  # re-prefilled on the healthy worker, identical tokens
-        assert worker_info(source.address, "decode").requests_migrated_out == 0
+        assert worker_info(source.address, "decode").requests_migrated_out == migrated_out
         wait_idle(_live(cluster, frozenset({target.pid})))  # the suspended blocks were freed
         assert_muxed(cluster, router_args)
 
