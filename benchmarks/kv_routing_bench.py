@@ -61,6 +61,8 @@ class Turn:
     error: str = ""
     done_at: float = 0.0
     shed_wall_s: float | None = None  # refused by SLO admission: how long the refusal took (wall clock)
+    route: str = ""  # --trace-routes: the router's decision
+    shipped_tokens: int | None = None  # --trace-routes: prompt tokens whose K/V went to the decode worker
 
 
 @dataclass
@@ -96,7 +98,8 @@ def make_workload(args: argparse.Namespace) -> Workload:
     return Workload(systems, users, starts, thinks, args.output_len)
 
 
-async def run_workload(address: str, work: Workload, speedup: float, timeout_s: float) -> list[Turn]:
+async def run_workload(address: str, work: Workload, speedup: float, timeout_s: float,
+                       trace_routes: bool = False) -> list[Turn]:
     turns: list[Turn] = []
     t0 = time.perf_counter()
 
@@ -108,7 +111,7 @@ async def run_workload(address: str, work: Workload, speedup: float, timeout_s: 
             turn = Turn(c, k, prompt_tokens=len(history))
             turns.append(turn)
             request = router_pb2.GenerateRequest(
-                token_ids=common_pb2.TokenIds(ids=history), request_id=f"c{c}-t{k}",
+                token_ids=common_pb2.TokenIds(ids=history), request_id=f"c{c}-t{k}", trace=trace_routes,
                 params=common_pb2.SamplingParams(max_tokens=work.output_len, ignore_eos=True, temperature=0.0))
             start = last = time.perf_counter()
             output: list[int] = []
@@ -121,6 +124,13 @@ async def run_workload(address: str, work: Workload, speedup: float, timeout_s: 
                     output += response.token_ids
                     if response.finish_reason:
                         turn.cached_tokens = response.usage.cached_tokens
+                    for event in response.trace:
+                        if event.HasField("route"):
+                            route = event.route
+                            turn.route = route.decision
+                            # what the decode worker lacked crossed the network, unless it prefilled here
+                            turn.shipped_tokens = (route.prompt_tokens - route.decode_cached_tokens
+                                                   if route.prefill_worker else 0)
                 if len(output) > 1 and turn.ttft is not None:
                     turn.tpot = ((last - start) * speedup - turn.ttft) / (len(output) - 1)
             except grpc.aio.AioRpcError as exc:
@@ -155,9 +165,14 @@ def _metric(address: str, name: str) -> dict[str, float]:
     return out
 
 
+def follow_ups(turns: list[Turn]) -> list[Turn]:
+    return [t for t in turns if t.turn > 0]
+
+
 def summarize(turns: list[Turn], slo_ttft: float, slo_tpot: float) -> dict[str, Any]:
     ok = [t for t in turns if not t.error and t.ttft is not None]
     shed = [t.shed_wall_s for t in turns if t.shed_wall_s is not None]
+    traced = [t for t in follow_ups(ok) if t.shipped_tokens is not None]
     follow = [t for t in ok if t.turn > 0]
     duration = max((t.done_at for t in ok), default=0.0)
     good = [t for t in ok if t.ttft <= slo_ttft and (t.tpot is None or t.tpot <= slo_tpot)]
@@ -174,6 +189,8 @@ def summarize(turns: list[Turn], slo_ttft: float, slo_tpot: float) -> dict[str, 
         "shed_answer_ms_p50": _pct(shed, 0.5) * 1e3 if shed else None,
         "shed_answer_ms_max": max(shed) * 1e3 if shed else None,
         "duration_s": duration, "prompt_tokens": sum(t.prompt_tokens for t in ok),
+        "follow_up_network_share": (sum(t.shipped_tokens or 0 for t in traced)
+                                    / max(1, sum(t.prompt_tokens for t in traced)) if traced else None),
     }
 
 
@@ -194,7 +211,7 @@ def run_policy(policy: str, topology: str, work: Workload, args: argparse.Namesp
     with LocalCluster(config) as cluster:
         started = time.perf_counter()
         turns = asyncio.run(run_workload(cluster.router_address, work, args.speedup if profile else 1.0,
-                                         args.timeout_s))
+                                         args.timeout_s, args.trace_routes))
         wall = time.perf_counter() - started
         router = cluster.metrics_addresses["router"]
         routes = {k.split('"')[1]: v for k, v in _metric(router, "pdserve_route_decisions_total").items() if '"' in k}
@@ -258,6 +275,9 @@ def main() -> int:
     ap.add_argument("--slo-tpot", type=float, default=0.05, help="TPOT SLO for goodput (s, profile time)")
     ap.add_argument("--timeout-s", type=float, default=600.0)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--trace-routes", action="store_true",
+                    help="trace every request to read the router's decision and the tokens it shipped per turn "
+                         "(adds the trace's cost to every request)")
     ap.add_argument("--json", default=None, help="write every result here")
     args = ap.parse_args()
     profile, bytes_per_token = None, 0.0
@@ -287,7 +307,8 @@ def main() -> int:
                       f"{result['follow_up_hit_rate']:.3f})  TTFT p50/p90 {result['ttft_p50'] * 1e3:.1f}/"
                       f"{result['ttft_p90'] * 1e3:.1f} ms  TPOT p50/p90 {result['tpot_p50'] * 1e3:.1f}/"
                       f"{result['tpot_p90'] * 1e3:.1f} ms  goodput {result['goodput_rps']:.2f} req/s  "
-                      f"net share {_fmt(result['network_share'])}  "
+                      f"net share {_fmt(result['network_share'])} (follow-ups "
+                      f"{_fmt(result['follow_up_network_share'])})  "
                       f"errors {result['errors']} (shed {result['shed']}, admitted attainment "
                       f"{result['admitted_slo_attainment']:.3f}, shed answer p50/max "
                       f"{_fmt(result['shed_answer_ms_p50'])}/{_fmt(result['shed_answer_ms_max'])} ms)  "

@@ -166,6 +166,7 @@ class _Request:
     prompt_tokens: int = 0  # exact, when the router tokenized it (KV-aware routing); else 0
     oracle: dict[str, int] | None = None  # kv_oracle: blocks cached per worker, asked at routing time
     slo_work: int = 0  # SLO admission: prefill work ahead of it at dispatch (tokens), until its first token
+    slo_worker: str = ""  # the worker that prefills it
     dispatched_at: float = 0.0
     on_placed: Callable[[str], None] | None = None  # told the decode worker that produced the first token
 
@@ -656,12 +657,14 @@ class RouterCore:
                                  local_below=self._config.conditional_disagg_tokens if hint is not None else 0)
         self._dispatched += 1
         if not state.delivered:  # SLO admission: the work ahead of its first token, and the check
-            state.slo_work = self.pool.pending_prompt_tokens(lease.prefill_address or lease.decode_address)
+            state.slo_worker = lease.prefill_address or lease.decode_address
+            state.slo_work = self.pool.pending_prompt_tokens(state.slo_worker)
             state.dispatched_at = time.monotonic()
             slo_s = self._slo_s(state)
             if slo_s and self.ttft_model.ready:
                 try:
-                    check_slo(state.clock.elapsed_s() + self.ttft_model.predict(state.slo_work), slo_s)
+                    check_slo(state.clock.elapsed_s() + self.ttft_model.predict(
+                        state.slo_work, lease.prefill_address or lease.decode_address), slo_s)
                 except SloMiss:
                     self._release(lease)
                     raise
@@ -693,7 +696,7 @@ class RouterCore:
     def _first_token(self, state: _Request) -> None:
         """The request's first token arrived: teach the TTFT model what its work took."""
         if state.dispatched_at:
-            self.ttft_model.observe(time.monotonic() - state.dispatched_at, state.slo_work)
+            self.ttft_model.observe(time.monotonic() - state.dispatched_at, state.slo_work, state.slo_worker)
             state.dispatched_at = 0.0
 
     # ----- KV-aware routing ----------------------------------------------------------------------

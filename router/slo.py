@@ -1,12 +1,16 @@
 """SLO admission: predict a request's time to first token from the work ahead of it, and refuse at
 once the requests that would miss their TTFT objective instead of serving them late.
 
-The model: TTFT after dispatch = seconds per token of prefill work x (prompt tokens pending on the
-worker that prefills it, this prompt's included), learned online from every request's first token
-(an exponential moving average of observed TTFT / work; work counted as at least `MIN_WORK_TOKENS`
-so that tiny prompts' fixed costs do not inflate the rate). A request waiting in the admission
-queue adds the queue's predicted wait. Until `MIN_SAMPLES` first tokens were observed nothing is
-refused: the router does not guess before it has measured.
+The model: TTFT after dispatch is the larger of
+- seconds per token of prefill work x (prompt tokens pending on the worker that prefills it, this
+  prompt's included), the rate learned online from every request's first token (an exponential
+  moving average of observed TTFT / work; work counted as at least `MIN_WORK_TOKENS` so that tiny
+  prompts' fixed costs do not inflate the rate), and
+- the recent TTFT on that same worker (a moving average of its last first tokens, forgotten after
+  `RECENT_S` without one): under load, what the last requests there waited is what the next one
+  waits, whatever the token count says (a decode worker prefilling locally between decode steps).
+A request waiting in the admission queue adds the queue's predicted wait. Until `MIN_SAMPLES`
+first tokens were observed nothing is refused: the router does not guess before it has measured.
 
 Invariants:
 - A refusal happens before any worker does work for the request (at admission), answers
@@ -17,7 +21,8 @@ Invariants:
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+import time
+from dataclasses import dataclass, field
 
 #: First tokens observed before the model predicts (and so before anything is refused).
 MIN_SAMPLES = 5
@@ -25,6 +30,11 @@ MIN_SAMPLES = 5
 ALPHA = 0.1
 #: Work below this many tokens counts as this many (fixed per-request costs).
 MIN_WORK_TOKENS = 64
+#: A worker's recent TTFT counts this long after its last first token (a worker nobody is sent to,
+#: because it was predicted late, is not predicted late forever).
+RECENT_S = 1.0
+#: Weight of the newest first token in a worker's recent TTFT.
+RECENT_ALPHA = 0.3
 
 
 class SloMiss(RuntimeError):
@@ -41,19 +51,29 @@ class TtftModel:
 
     seconds_per_token: float = 0.0
     samples: int = 0
+    recent: dict[str, tuple[float, float]] = field(default_factory=dict)  # worker -> (TTFT average, when)
 
     @property
     def ready(self) -> bool:
         return self.samples >= MIN_SAMPLES
 
-    def observe(self, ttft_s: float, work_tokens: int) -> None:
+    def observe(self, ttft_s: float, work_tokens: int, worker: str = "", now: float | None = None) -> None:
         rate = ttft_s / max(MIN_WORK_TOKENS, work_tokens)
         self.seconds_per_token = rate if self.samples == 0 else self.seconds_per_token + ALPHA * (
             rate - self.seconds_per_token)
         self.samples += 1
+        if worker:
+            now = time.monotonic() if now is None else now
+            average, when = self.recent.get(worker, (ttft_s, now))
+            if now - when > RECENT_S:
+                average = ttft_s
+            self.recent[worker] = (average + RECENT_ALPHA * (ttft_s - average), now)
 
-    def predict(self, work_tokens: int) -> float:
-        return self.seconds_per_token * max(MIN_WORK_TOKENS, work_tokens)
+    def predict(self, work_tokens: int, worker: str = "", now: float | None = None) -> float:
+        by_work = self.seconds_per_token * max(MIN_WORK_TOKENS, work_tokens)
+        average, when = self.recent.get(worker, (0.0, 0.0))
+        now = time.monotonic() if now is None else now
+        return max(by_work, average) if now - when <= RECENT_S else by_work
 
 
 def check(predicted_s: float, slo_s: float) -> None:

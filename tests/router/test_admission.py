@@ -272,3 +272,17 @@ def test_slo_admission_refuses_at_once_what_would_miss_its_ttft(fake_server, sta
         list(stub.Generate(tight, timeout=10))
     assert per_request.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
     assert stub.GetStatus(router_pb2.StatusRequest(), timeout=5).slo_shed_requests == 2
+
+
+def test_ttft_model_uses_a_workers_recent_ttft_and_forgets_it() -> None:
+    from pdserve.router.slo import MIN_SAMPLES, RECENT_S, TtftModel
+
+    model = TtftModel()
+    for _ in range(MIN_SAMPLES):
+        model.observe(0.01, 1000, "w1", now=0.0)  # 10 us per token, learned on w1
+    assert model.ready and abs(model.predict(1000, "w2", now=0.0) - 0.01) < 1e-9
+    for _ in range(20):  # w2's last first tokens took 2 s: a long backlog there (the rate stays 10 us)
+        model.observe(2.0, 200_000, "w2", now=1.0)
+    assert model.predict(100, "w2", now=1.5) > 1.5  # recent TTFT there, not 100 tokens' worth (1 ms)
+    assert model.predict(100, "w2", now=1.0 + RECENT_S + 0.1) < 1.0  # forgotten without news
+    assert model.predict(100, "w1", now=1.5) < 1.0  # the other worker is not affected
