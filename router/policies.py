@@ -222,7 +222,8 @@ def make_policy(name: str, stage: str, request_tokens: float = DEFAULT_REQUEST_T
 
 
 def estimate_prompt_tokens(request: router_pb2.GenerateRequest) -> int:
-    """Rough prompt length in tokens (the router never tokenizes): ids exactly, text as chars / 4."""
+    """Rough prompt length in tokens (without a KV-aware policy the router does not tokenize): ids
+    exactly, text as chars / 4."""
     kind = request.WhichOneof("input")
     if kind == "token_ids":
         return len(request.token_ids.ids)
