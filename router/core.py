@@ -690,8 +690,9 @@ class RouterCore:
         slo_s = self._slo_s(state)
         if slo_s and self.ttft_model.ready:
             prompt = state.prompt_tokens or estimate_prompt_tokens(state.request)
-            check_slo(state.clock.elapsed_s() + self.admission.predicted_wait_s() + self.ttft_model.predict(prompt),
-                      slo_s)
+            after_queue = max(self.ttft_model.predict(prompt),
+                              self.ttft_model.best_recent(self.pool.prefilling_workers()))
+            check_slo(state.clock.elapsed_s() + self.admission.predicted_wait_s() + after_queue, slo_s)
 
     def _first_token(self, state: _Request) -> None:
         """The request's first token arrived: teach the TTFT model what its work took."""

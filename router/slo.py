@@ -69,6 +69,13 @@ class TtftModel:
                 average = ttft_s
             self.recent[worker] = (average + RECENT_ALPHA * (ttft_s - average), now)
 
+    def best_recent(self, workers: int, now: float | None = None) -> float:
+        """The lowest recent TTFT over `workers` workers (0 unless every one has a recent one): a
+        request that must queue will wait at least that long after it leaves the queue."""
+        now = time.monotonic() if now is None else now
+        fresh = [average for average, when in self.recent.values() if now - when <= RECENT_S]
+        return min(fresh) if workers and len(fresh) >= workers else 0.0
+
     def predict(self, work_tokens: int, worker: str = "", now: float | None = None) -> float:
         by_work = self.seconds_per_token * max(MIN_WORK_TOKENS, work_tokens)
         average, when = self.recent.get(worker, (0.0, 0.0))

@@ -499,6 +499,12 @@ class WorkerPool:
             if state is not None:
                 state.held = False
 
+    def prefilling_workers(self) -> int:
+        """Healthy workers that may prefill a request: every healthy worker (a decode worker prefills
+        what it is sent without a prefill worker)."""
+        with self._lock:
+            return sum(s.healthy for s in self._workers.values())
+
     def pending_prompt_tokens(self, address: str) -> int:
         """Prompt tokens waiting for a first token at `address`: its last reported queue plus what the
         router sent it since (0 for an unknown address)."""

@@ -286,3 +286,14 @@ def test_ttft_model_uses_a_workers_recent_ttft_and_forgets_it() -> None:
     assert model.predict(100, "w2", now=1.5) > 1.5  # recent TTFT there, not 100 tokens' worth (1 ms)
     assert model.predict(100, "w2", now=1.0 + RECENT_S + 0.1) < 1.0  # forgotten without news
     assert model.predict(100, "w1", now=1.5) < 1.0  # the other worker is not affected
+
+
+def test_ttft_model_best_recent_needs_every_worker() -> None:
+    from pdserve.router.slo import TtftModel
+
+    model = TtftModel()
+    model.observe(0.5, 100, "w1", now=0.0)
+    assert model.best_recent(2, now=0.1) == 0.0  # w2 has none: a queued request may go there
+    model.observe(0.3, 100, "w2", now=0.0)
+    assert abs(model.best_recent(2, now=0.1) - 0.3) < 1e-9
+    assert model.best_recent(2, now=5.0) == 0.0  # stale
