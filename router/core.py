@@ -190,7 +190,10 @@ class RouterCore:
         self.kv_index: KvIndex | None = None
         self._prompt_keys: PromptKeys | None = None
         if self._kv_aware:
-            self._prompt_keys = PromptKeys.load(config.tokenizer) if config.tokenizer else None
+            try:
+                self._prompt_keys = PromptKeys.load(config.tokenizer) if config.tokenizer else None
+            except (OSError, ValueError) as exc:  # e.g. a Ray router on a node without the model folder
+                log.warning("KV-aware policy: cannot load the tokenizer %r (%s)", config.tokenizer, exc)
             if self._prompt_keys is None:
                 log.warning("KV-aware policy without a tokenizer (--tokenizer): only token-id prompts get "
                             "cache hints; the others are routed by load")

@@ -171,3 +171,17 @@ def test_kv_aware_weighs_load_against_what_each_worker_caches() -> None:
     p2 = _candidate("p2", PREFILL, queued_prompt_tokens=100)
     assert prefill.pick([p1, p2], hint=RouteHint(1000, {"p1": 1000})).address == "p1"  # 500 + 0 < 100 + 1000
     assert prefill.pick([p1, p2], hint=RouteHint(1000)).address == "p2"  # no cache anywhere: load alone
+
+
+def test_a_router_whose_tokenizer_cannot_load_still_serves(fake_server, start_router, tmp_path) -> None:  # noqa: ANN001
+    """A KV-aware router that cannot read its tokenizer (a Ray router on a node without the model
+    folder) warns and routes by load; token-id prompts still get hints."""
+    from router_fakes import FakeDecode, FakePrefill
+
+    from pdserve.router.config import RouterConfig
+
+    config = RouterConfig(prefill=(fake_server(FakePrefill()),), decode=(fake_server(FakeDecode()),),
+                          prefill_policy="kv_aware", decode_policy="kv_aware", tokenizer=str(tmp_path / "no-model"))
+    _server, stub = start_router(config)
+    responses = list(stub.Generate(router_pb2.GenerateRequest(prompt="hello"), timeout=10))
+    assert responses[-1].finish_reason == common_pb2.FINISH_REASON_STOP
