@@ -175,7 +175,7 @@ def test_kv_aware_weighs_load_against_what_each_worker_caches() -> None:
 
 def test_a_router_whose_tokenizer_cannot_load_still_serves(fake_server, start_router, tmp_path) -> None:  # noqa: ANN001
     """A KV-aware router that cannot read its tokenizer (a Ray router on a node without the model
-    folder) warns and routes by load; token-id prompts still get hints."""
+    folder) warns, starts and serves, routing by load."""
     from router_fakes import FakeDecode, FakePrefill
 
     from pdserve.router.config import RouterConfig
