@@ -48,6 +48,7 @@ def exported() -> dict[str, set[str]]:
     router.role_switches.labels("decode", "prefill").inc()
     router.worker_waits.labels("decode").inc()
     router.worker_wait_time.labels("served").observe(1.0)
+    router.route_decisions.labels("disaggregated").inc()
     names = _exported(router.registry)
     for name, labels in [*_exported(worker.registry).items(), *_exported(autoscaler.registry).items()]:
         names.setdefault(name, set()).update(labels)

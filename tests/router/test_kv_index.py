@@ -104,7 +104,7 @@ def test_the_feed_follows_a_worker_through_events_an_epoch_change_and_its_remova
     holder[0].stored(hashes[0])
     index = KvIndex()
     feed = KvEventFeed(index)
-    feed.watch(address, grpc.insecure_channel(address))
+    feed.watch(address, transport.open_channel(address))  # as the router's pool: the internal token when set
     try:
         eventually(lambda: index.keys_of(address) == {event_key(hashes[0])}, 10)  # the first snapshot
         holder[0].stored(hashes[1])
