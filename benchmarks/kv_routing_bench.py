@@ -28,7 +28,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import platform
 import random
 import sys
 import tempfile
@@ -39,6 +38,7 @@ from pathlib import Path
 from typing import Any
 
 import grpc
+from kv_router_cost import cpu  # the same folder: the CPU model and its vector flags
 
 from pdserve.cluster.engine_flags import sim_worker_args
 from pdserve.cluster.local import LocalCluster, LocalClusterConfig
@@ -234,20 +234,6 @@ def run_policy(policy: str, topology: str, work: Workload, args: argparse.Namesp
 
 def _fmt(value: float | None) -> str:
     return "n/a" if value is None else f"{value:.3f}"
-
-
-def cpu() -> str:
-    model, flags = platform.processor(), set()
-    try:
-        for line in open("/proc/cpuinfo", encoding="utf-8"):
-            if line.startswith("model name") and not model:
-                model = line.split(":", 1)[1].strip()
-            if line.startswith("flags"):
-                flags = set(line.split(":", 1)[1].split())
-                break
-    except OSError:
-        pass
-    return f"{model} (flags: {' '.join(f for f in ('avx2', 'avx512f', 'avx512_bf16', 'amx_bf16') if f in flags)})"
 
 
 def main() -> int:

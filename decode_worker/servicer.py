@@ -56,7 +56,7 @@ from pdserve.kv_transfer import KvSpec, KvTransferError, KvTransferServicer, get
 from pdserve.kv_transfer.shm_backend import SEGMENT_PREFIX as SHM_PREFIX
 from pdserve.kv_transfer.shm_backend import InPlaceKv
 from pdserve.telemetry.memory import trim as trim_heap
-from pdserve.tokenization import chat_from_pb, encode_chat, encode_text
+from pdserve.tokenization import chat_from_pb, encode_chat, encode_text, input_chars
 from pdserve.transport import is_router_call, open_aio_channel
 from pdserve.v1 import common_pb2, router_pb2, worker_pb2, worker_pb2_grpc
 
@@ -123,15 +123,6 @@ def _sink_to(loop: asyncio.AbstractEventLoop, items: asyncio.Queue) -> Callable[
 INLINE_TOKENIZE_CHARS = 16 * 1024
 
 
-def _input_chars(request: worker_pb2.DecodeRequest) -> int:
-    kind = request.WhichOneof("input")
-    if kind == "prompt":
-        return len(request.prompt)
-    if kind == "messages":
-        chat = request.messages
-        return len(chat.tools_json) + sum(len(m.content) + len(m.role) + len(m.tool_calls_json) for m in chat.messages)
-    return 0
-
 
 def _tokenize_large(loaded: LoadedModel, request: worker_pb2.DecodeRequest) -> list[int]:
     """`prompt_ids_from_pb` of a large input, then the freed heap back to the OS: tokenizing 1M
@@ -197,7 +188,7 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
         request_id = request.request_id or uuid.uuid4().hex
         try:
             tokenize_start = time.perf_counter()
-            if _input_chars(request) <= INLINE_TOKENIZE_CHARS:
+            if input_chars(request) <= INLINE_TOKENIZE_CHARS:
                 prompt_ids = prompt_ids_from_pb(self.worker.loaded, request)
             else:  # a large prompt or chat: off the event loop that relays every other stream
                 prompt_ids = await asyncio.to_thread(_tokenize_large, self.worker.loaded, request)

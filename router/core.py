@@ -71,6 +71,7 @@ from pdserve.router.slo import check as check_slo
 from pdserve.router.validation import InvalidRequest, validate_generate_request
 from pdserve.router.worker_pool import ROLE_PB, Lease, NoHealthyWorker, SwitchRefused, WorkerPool
 from pdserve.telemetry.grpc_logging import log_finish, log_start, safe_id
+from pdserve.tokenization import input_chars
 from pdserve.transport import internal_metadata, open_aio_channel
 from pdserve.v1 import common_pb2, router_pb2, worker_pb2, worker_pb2_grpc
 
@@ -711,7 +712,7 @@ class RouterCore:
         if self._prompt_keys is None and state.request.WhichOneof("input") != "token_ids":
             return
         keys_of = (self._prompt_keys or PromptKeys(None)).keys
-        if _input_chars(state.request) <= INLINE_HASH_CHARS:
+        if input_chars(state.request) <= INLINE_HASH_CHARS:
             state.kv_keys, state.prompt_tokens = keys_of(state.request, block_size)
         else:
             state.kv_keys, state.prompt_tokens = await asyncio.to_thread(keys_of, state.request, block_size)
@@ -860,15 +861,6 @@ def _stamp(response: router_pb2.GenerateResponse, state: _Request, lease: Lease)
 #: (well under a millisecond); larger ones in a thread.
 INLINE_HASH_CHARS = 16 * 1024
 
-
-def _input_chars(request: router_pb2.GenerateRequest) -> int:
-    kind = request.WhichOneof("input")
-    if kind == "prompt":
-        return len(request.prompt)
-    if kind == "messages":
-        chat = request.messages
-        return len(chat.tools_json) + sum(len(m.content) + len(m.tool_calls_json) for m in chat.messages)
-    return 0
 
 
 def _decode_request(state: _Request, lease: Lease) -> worker_pb2.DecodeRequest:

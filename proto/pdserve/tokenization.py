@@ -192,3 +192,15 @@ def special_token_strings(tokenizer: Any) -> tuple[str, ...]:  # noqa: ANN401
         except AttributeError:  # a tokenizer that refuses attributes: compute each time
             pass
     return tuple(cached)
+
+
+def input_chars(request: Any) -> int:  # noqa: ANN401 - a GenerateRequest or DecodeRequest
+    """Characters a request's prompt or chat holds (0 for token ids): what decides whether it is
+    tokenized on an event loop or in a thread (router and decode worker alike)."""
+    kind = request.WhichOneof("input")
+    if kind == "prompt":
+        return len(request.prompt)
+    if kind == "messages":
+        chat = request.messages
+        return len(chat.tools_json) + sum(len(m.content) + len(m.role) + len(m.tool_calls_json) for m in chat.messages)
+    return 0
