@@ -34,7 +34,7 @@ from pathlib import Path
 import grpc
 
 REPO = Path(__file__).resolve().parents[1]
-sys.path[:0] = [str(REPO), str(REPO / "proto")]
+sys.path[:0] = [str(REPO)]
 
 from pdserve.capacity.arrivals import arrival_times  # noqa: E402
 from pdserve.capacity.bench import BenchConfig, PlannedRequest, run_planned_async  # noqa: E402

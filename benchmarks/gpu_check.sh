@@ -10,7 +10,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 PYTHON="${PYTHON:-$( [[ -x .venv/bin/python ]] && echo .venv/bin/python || echo python3 )}"
 site="$("$PYTHON" benchmarks/device_deps.py --wheels .whl --target /tmp/pdserve-site)"
-export PYTHONPATH="$site:$PWD:$PWD/proto${PYTHONPATH:+:$PYTHONPATH}"
+export PYTHONPATH="$site:$PWD${PYTHONPATH:+:$PYTHONPATH}"
 if [[ " $* " != *" --device cpu "* ]]; then
     nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader || true
 fi

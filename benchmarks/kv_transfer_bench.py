@@ -27,9 +27,9 @@ import uuid
 import torch
 
 from pdserve.engine.kv_cache import segment_prefix
-from pdserve.engine.worker_runtime import make_server
 from pdserve.kv_transfer import KvSpec, KvTransferServicer, get_backend, grpc_message_options
 from pdserve.kv_transfer.base import dtype_name
+from pdserve.worker.runtime import make_server
 
 SMOLLM2 = dict(layers=30, kv_heads=3, head_dim=64, block_size=16)
 

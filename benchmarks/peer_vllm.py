@@ -158,7 +158,7 @@ def pdserve_server(kind: str, dtype: str, args: argparse.Namespace, log_dir: Pat
         if args.pd_threads:  # else pdserve's default (each phase splits the CPUs among its own workers)
             argv += ["--prefill-threads", str(args.pd_threads), "--decode-threads", str(args.pd_threads)]
     env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), str(ROOT / "proto"), env.get("PYTHONPATH", "")])
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
     return Server(kind, argv, port, env, log_dir / f"{kind}-{dtype}.log")
 
 

@@ -198,10 +198,10 @@ def free_port(host: str = WORKER_HOST) -> int:
 
 
 def child_env(internal_token_file: str | None = None) -> dict[str, str]:
-    """Environment of the children: ours, with this checkout (and its stubs) first on PYTHONPATH, and
+    """Environment of the children: ours, with this checkout first on PYTHONPATH, and
     the internal token (the configured file, else the environment's, else this launcher's generated one)."""
-    # a source checkout: its folders and stubs first (an installed package needs nothing on the path)
-    paths = [str(_REPO), str(_REPO / "proto")] if (_REPO / "proto" / "pdserve").is_dir() else []
+    # a source checkout first (pdserve/__init__.py maps its folders; an installed package needs nothing)
+    paths = [str(_REPO)] if (_REPO / "pdserve" / "__init__.py").is_file() else []
     if os.environ.get("PYTHONPATH"):
         paths.append(os.environ["PYTHONPATH"])
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(paths), "PYTHONUNBUFFERED": "1"}

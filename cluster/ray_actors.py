@@ -54,7 +54,7 @@ class WorkerActor:
                  extra_argv: tuple[str, ...] = (), router_digest: str = "") -> None:
         import ray
 
-        from pdserve.engine.worker_runtime import NODE_HOST_ENV, NODE_ID_ENV, configure_process
+        from pdserve.worker.runtime import NODE_HOST_ENV, NODE_ID_ENV, configure_process
 
         _use_internal_token(internal_token)
         if router_digest:  # only the deployment's router may set this worker's KV targets

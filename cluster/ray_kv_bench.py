@@ -85,8 +85,8 @@ class _GrpcReceiver:
     """A gRPC KvTransfer server (the "grpc" backend's receiving end) inside an actor."""
 
     def __init__(self) -> None:
-        from pdserve.engine.worker_runtime import make_server
         from pdserve.kv_transfer import KvTransferServicer, grpc_message_options
+        from pdserve.worker.runtime import make_server
 
         self.receiver = KvTransferServicer()
         self.server = make_server(8, grpc_message_options())

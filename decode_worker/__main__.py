@@ -14,7 +14,13 @@ from pdserve.engine.config import EngineConfig
 from pdserve.engine.fault_injection import InjectedFaults
 from pdserve.engine.metrics import WorkerMetrics
 from pdserve.engine.sim_runner import add_engine_args
-from pdserve.engine.worker_runtime import (
+from pdserve.kv_transfer import KvTransferServicer, grpc_message_options
+from pdserve.limits import receive_options
+from pdserve.process_config import add_config_arg, parse_with_document
+from pdserve.telemetry.prometheus import start_metrics_endpoint
+from pdserve.transport import check_bind_allowed
+from pdserve.v1 import worker_pb2_grpc
+from pdserve.worker.runtime import (
     Drain,
     KvEventsServicer,
     StartedWorker,
@@ -28,12 +34,6 @@ from pdserve.engine.worker_runtime import (
     run_worker_process,
     start_serving,
 )
-from pdserve.kv_transfer import KvTransferServicer, grpc_message_options
-from pdserve.limits import receive_options
-from pdserve.process_config import add_config_arg, parse_with_document
-from pdserve.telemetry.prometheus import start_metrics_endpoint
-from pdserve.transport import check_bind_allowed
-from pdserve.v1 import worker_pb2_grpc
 
 
 def parse_args(argv: list[str] | None = None, document: dict[str, Any] | None = None) -> argparse.Namespace:

@@ -35,14 +35,6 @@ from pdserve.engine.model_loader import LoadedModel
 from pdserve.engine.sampler import TokenLogprob
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.engine.trace import token_bytes
-from pdserve.engine.worker_runtime import (
-    Drain,
-    finish_reason_to_pb,
-    node_identity,
-    sampling_params_from_pb,
-    sampling_params_to_pb,
-    trace_events_to_pb,
-)
 from pdserve.failures import (
     DECODE,
     MIGRATION_SOURCE,
@@ -59,6 +51,14 @@ from pdserve.telemetry.memory import trim as trim_heap
 from pdserve.tokenization import chat_from_pb, encode_chat, encode_text, input_chars
 from pdserve.transport import is_router_call, open_aio_channel
 from pdserve.v1 import common_pb2, router_pb2, worker_pb2, worker_pb2_grpc
+from pdserve.worker.runtime import (
+    Drain,
+    finish_reason_to_pb,
+    node_identity,
+    sampling_params_from_pb,
+    sampling_params_to_pb,
+    trace_events_to_pb,
+)
 
 log = logging.getLogger(__name__)
 

@@ -27,7 +27,15 @@ from pdserve.elastic_worker.worker import ROLES, ElasticSettings, ElasticWorker,
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.llm_engine import build_cache
 from pdserve.engine.metrics import WorkerMetrics
-from pdserve.engine.worker_runtime import (
+from pdserve.kv_transfer import KvTransferServicer
+from pdserve.kv_transfer.modelled import install_modelled_links
+from pdserve.limits import receive_options
+from pdserve.prefill_worker import __main__ as prefill_main
+from pdserve.process_config import namespace_from_document
+from pdserve.telemetry.prometheus import start_metrics_endpoint
+from pdserve.transport import check_bind_allowed
+from pdserve.v1 import worker_pb2_grpc
+from pdserve.worker.runtime import (
     Drain,
     KvEventsServicer,
     StartedWorker,
@@ -39,14 +47,6 @@ from pdserve.engine.worker_runtime import (
     run_worker_process,
     start_serving,
 )
-from pdserve.kv_transfer import KvTransferServicer
-from pdserve.kv_transfer.modelled import install_modelled_links
-from pdserve.limits import receive_options
-from pdserve.prefill_worker import __main__ as prefill_main
-from pdserve.process_config import namespace_from_document
-from pdserve.telemetry.prometheus import start_metrics_endpoint
-from pdserve.transport import check_bind_allowed
-from pdserve.v1 import worker_pb2_grpc
 
 
 def parse_args(argv: list[str] | None = None, document: dict[str, Any] | None = None,

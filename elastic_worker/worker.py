@@ -34,11 +34,11 @@ from pdserve.engine.fault_injection import InjectedFaults
 from pdserve.engine.kv_cache import KVCache
 from pdserve.engine.metrics import WorkerMetrics
 from pdserve.engine.model_loader import LoadedModel
-from pdserve.engine.worker_runtime import Drain
 from pdserve.kv_transfer import KvTransferServicer
 from pdserve.prefill_worker.faults import FaultInjector
 from pdserve.prefill_worker.servicer import PrefillServicer
 from pdserve.prefill_worker.worker import PrefillWorker
+from pdserve.worker.runtime import Drain
 
 log = logging.getLogger(__name__)
 

@@ -9,7 +9,16 @@ from pdserve.engine.config import EngineConfig
 from pdserve.engine.fault_injection import InjectedFaults
 from pdserve.engine.metrics import WorkerMetrics
 from pdserve.engine.sim_runner import add_engine_args
-from pdserve.engine.worker_runtime import (
+from pdserve.kv_transfer.modelled import install_modelled_links
+from pdserve.limits import receive_options
+from pdserve.prefill_worker.faults import FaultInjector
+from pdserve.prefill_worker.servicer import PrefillServicer
+from pdserve.prefill_worker.worker import PrefillWorker
+from pdserve.process_config import add_config_arg, parse_with_document
+from pdserve.telemetry.prometheus import start_metrics_endpoint
+from pdserve.transport import check_bind_allowed
+from pdserve.v1 import worker_pb2_grpc
+from pdserve.worker.runtime import (
     Drain,
     KvEventsServicer,
     StartedWorker,
@@ -23,15 +32,6 @@ from pdserve.engine.worker_runtime import (
     run_worker_process,
     start_serving,
 )
-from pdserve.kv_transfer.modelled import install_modelled_links
-from pdserve.limits import receive_options
-from pdserve.prefill_worker.faults import FaultInjector
-from pdserve.prefill_worker.servicer import PrefillServicer
-from pdserve.prefill_worker.worker import PrefillWorker
-from pdserve.process_config import add_config_arg, parse_with_document
-from pdserve.telemetry.prometheus import start_metrics_endpoint
-from pdserve.transport import check_bind_allowed
-from pdserve.v1 import worker_pb2_grpc
 
 
 def parse_args(argv: list[str] | None = None, document: dict[str, Any] | None = None) -> argparse.Namespace:

@@ -17,13 +17,13 @@ import os
 import grpc
 
 from pdserve.engine.kv_cache import segment_prefix
-from pdserve.engine.worker_runtime import Drain, node_identity, sampling_params_from_pb, trace_events_to_pb
 from pdserve.failures import RequestInvalid
 from pdserve.kv_transfer import KvTransferError
 from pdserve.kv_transfer.shm_backend import CHECKSUM_ALGORITHMS
 from pdserve.prefill_worker.worker import PrefillJob, PrefillWorker
 from pdserve.transport import is_router_call
 from pdserve.v1 import common_pb2, worker_pb2, worker_pb2_grpc
+from pdserve.worker.runtime import Drain, node_identity, sampling_params_from_pb, trace_events_to_pb
 
 log = logging.getLogger(__name__)
 

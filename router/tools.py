@@ -3,7 +3,7 @@ model's output turned into `tool_calls` (pure functions and a small stream parse
 
 How each `tool_choice` is served:
 - ``none``: the tools are left out of the prompt; the answer is text.
-- ``auto`` (the default with tools): the tools go into the prompt (proto/pdserve/tokenization.py renders
+- ``auto`` (the default with tools): the tools go into the prompt (pdserve/tokenization.py renders
   them with the chat template, or in the Hermes format when the template ignores tools); the output
   is free, and each ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>`` in it becomes a tool
   call (the Hermes format: Qwen2.5, Qwen3, Hermes, and any model prompted with it). Text outside

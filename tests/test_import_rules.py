@@ -9,7 +9,9 @@ is still an arrow), relative ones resolved. The rules:
 3. Only ``cluster/`` and the Ray KV backend import ``ray``.
 4. The router imports neither torch nor the engine (it stays torch-free; also checked by importing
    it in a fresh interpreter), and the engine imports none of the packages that use it.
-5. Modules under ``proto/pdserve/`` import nothing first-party outside ``proto/pdserve/``.
+5. The root package's shared runtime modules (``pdserve/*.py``) import no subpackage but the wire
+   contract ``pdserve.v1``.
+6. Nothing under ``proto/`` (the generated stubs) imports a module outside ``proto/``.
 
 Exceptions are listed in ALLOWED with the reason; an exception no longer needed fails the test, so
 the list only shrinks.
@@ -102,8 +104,11 @@ def _broken(importer: str, path: Path, module: str) -> list[str]:
             _under(module, f"pdserve.{user}") for user in ("prefill_worker", "decode_worker", "elastic_worker",
                                                            "router", "cluster")):
         rules.append("engine-below-workers")
-    if path.is_relative_to(REPO / "proto" / "pdserve") and any(_under(module, sub) for sub in SUBPACKAGES):
-        rules.append("proto-self-contained")
+    if (path.is_relative_to(REPO / "pdserve") and module.startswith("pdserve.")
+            and any(_under(module, sub) for sub in SUBPACKAGES if sub != "pdserve.v1")):
+        rules.append("shared-below-subpackages")
+    if path.is_relative_to(REPO / "proto") and (top == "pdserve" and not _under(module, "pdserve.v1")):
+        rules.append("proto-imports-only-proto")
     return rules
 
 
@@ -132,7 +137,8 @@ def test_the_scan_sees_the_packages() -> None:
 
 def test_broken_rules_are_detected() -> None:
     """The checks themselves, on imports that would break each rule."""
-    proto = REPO / "proto" / "pdserve" / "x.py"
+    shared = REPO / "pdserve" / "x.py"
+    stub = REPO / "proto" / "pdserve" / "v1" / "x_pb2.py"
     other = REPO / "engine" / "x.py"
     assert _broken("pdserve.prefill_worker.servicer", other, "pdserve.decode_worker.worker") == ["workers-apart"]
     assert _broken("pdserve.decode_worker.x", other, "pdserve.prefill_worker") == ["workers-apart"]
@@ -142,8 +148,11 @@ def test_broken_rules_are_detected() -> None:
     assert _broken("pdserve.router.core", other, "torch") == ["router-torch-free"]
     assert _broken("pdserve.router.core", other, "pdserve.engine.sampling_params") == ["router-torch-free"]
     assert _broken("pdserve.engine.x", other, "pdserve.decode_worker") == ["engine-below-workers"]
-    assert _broken("pdserve.transport", proto, "pdserve.telemetry.logs") == ["proto-self-contained"]
-    assert _broken("pdserve.transport", proto, "pdserve.limits") == []
+    assert _broken("pdserve.transport", shared, "pdserve.telemetry.logs") == ["shared-below-subpackages"]
+    assert _broken("pdserve.transport", shared, "pdserve.limits") == []
+    assert _broken("pdserve.transport", shared, "pdserve.v1.worker_pb2") == []
+    assert _broken("pdserve.v1.x_pb2", stub, "pdserve.v1.common_pb2") == []
+    assert _broken("pdserve.v1.x_pb2", stub, "pdserve.transport") == ["proto-imports-only-proto"]
 
 
 def test_import_rules_hold() -> None:
@@ -160,5 +169,5 @@ def test_importing_the_router_loads_neither_torch_nor_the_engine() -> None:
             "bad = [m for m in ('torch', 'transformers', 'ray', 'pdserve.engine') if m in sys.modules]\n"
             "assert not bad, bad\n")
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(
-        [str(REPO), str(REPO / "proto"), *filter(None, [os.environ.get("PYTHONPATH")])])}
+        [str(REPO), *filter(None, [os.environ.get("PYTHONPATH")])])}
     subprocess.run([sys.executable, "-c", code], check=True, cwd=REPO, env=env, timeout=120)

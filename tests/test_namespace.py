@@ -17,10 +17,9 @@ except ImportError:  # Python 3.10
     import tomli as tomllib  # type: ignore[no-redef]
 
 REPO = Path(__file__).resolve().parents[1]
-FIRST_PARTY = {
-    'capacity', 'cluster', 'decode_worker', 'elastic_worker', 'engine', 'kv_transfer',
-    'prefill_worker', 'router', 'telemetry',
-}
+#: The subpackage folders, read from the one list of them (pyproject.toml's package-dir).
+PACKAGE_DIR: dict[str, str] = tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["setuptools"]["package-dir"]
+FIRST_PARTY = {folder for name, folder in PACKAGE_DIR.items() if name.count(".") == 1 and name == f"pdserve.{folder}"}
 SKIP = {".git", ".venv", "venv", "build", "dist", "__pycache__", ".mypy_cache", ".ruff_cache", ".pytest_cache",
          ".hypothesis"}
 FP = "|".join(sorted(FIRST_PARTY))
@@ -78,7 +77,7 @@ def test_source_checkout_resolves_the_namespace() -> None:
             "assert Path(pdserve.engine.__file__).parent == Path(sys.argv[1]) / 'engine', pdserve.engine.__file__\n"
             "bare = sorted(m for m in sys.modules if m.split('.')[0] in sys.argv[2].split(','))\n"
             "assert not bare, bare\n")
-    env = {**os.environ, "PYTHONPATH": str(REPO / "proto")}  # the repository root is not on the path
+    env = {**os.environ, "PYTHONPATH": str(REPO)}  # only the repository root: pdserve/__init__.py maps the rest
     result = subprocess.run([sys.executable, "-c", code, str(REPO), ",".join(FIRST_PARTY)], capture_output=True,
                             text=True, env=env, cwd="/", timeout=120)
     assert result.returncode == 0, result.stderr[-3000:]
@@ -86,7 +85,11 @@ def test_source_checkout_resolves_the_namespace() -> None:
 
 def test_pyproject_maps_every_folder() -> None:
     setuptools = tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["setuptools"]
-    assert setuptools["package-dir"] == {"pdserve": "proto/pdserve", **{f"pdserve.{n}": n for n in FIRST_PARTY}}
+    top_level = {p.parent.name for p in REPO.glob("*/__init__.py")}
+    assert top_level == FIRST_PARTY | {"pdserve"}, "a top-level package folder is not in package-dir"
+    assert len(FIRST_PARTY) >= 9, FIRST_PARTY
+    assert setuptools["package-dir"] == {"pdserve": "pdserve", "pdserve.v1": "proto/pdserve/v1",
+                                         **{f"pdserve.{n}": n for n in FIRST_PARTY}}
     packages = set(setuptools["packages"])
     assert {"pdserve", "pdserve.v1", *(f"pdserve.{n}" for n in FIRST_PARTY)} <= packages
     assert all(p == "pdserve" or p.startswith("pdserve.") for p in packages)

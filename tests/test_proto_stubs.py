@@ -40,8 +40,21 @@ def test_committed_stubs_are_fresh(tmp_path: Path) -> None:
 def test_proto_is_not_a_package() -> None:
     """`proto` belongs to proto-plus; our stubs are imported as `pdserve.v1`."""
     assert not (REPO / "proto" / "__init__.py").exists()
-    assert (REPO / "proto" / "pdserve" / "__init__.py").exists()
+    assert not (REPO / "proto" / "pdserve" / "__init__.py").exists()  # the namespace root is pdserve/
     assert (STUB_DIR / "__init__.py").exists()
+
+
+def test_proto_holds_only_the_contract() -> None:
+    """proto/ has the .proto files, the generated stubs and their generator: no hand-written runtime
+    module (shared runtime code lives in the root package, pdserve/)."""
+    allowed = {"generate.sh", "pdserve/v1/__init__.py"}
+    found = sorted(str(p.relative_to(REPO / "proto")) for p in (REPO / "proto").rglob("*")
+                   if p.is_file() and "__pycache__" not in p.parts)
+    extra = [name for name in found if name not in allowed
+             and not name.endswith((".proto", *GENERATED_SUFFIXES))]
+    assert not extra, f"hand-written files in proto/: {extra}"
+    init = (STUB_DIR / "__init__.py").read_text(encoding="utf-8")
+    assert "import" not in init, "pdserve.v1's __init__ stays a package marker"
 
 
 def test_stubs_import() -> None:

@@ -15,7 +15,7 @@ from pdserve.engine.model_loader import load_model
 from pdserve.engine.model_runner import ModelRunner, StepInput
 from pdserve.engine.sampler import sample
 from pdserve.engine.sampling_params import SamplingParams
-from pdserve.engine.worker_runtime import add_worker_args
+from pdserve.worker.runtime import add_worker_args
 
 
 def test_auto_resolves_to_fp32_on_cpu_and_bf16_on_cuda() -> None:

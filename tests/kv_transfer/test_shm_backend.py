@@ -8,11 +8,11 @@ import pytest
 import torch
 
 from pdserve.engine.kv_cache import segment_prefix
-from pdserve.engine.worker_runtime import make_server
 from pdserve.kv_transfer import KvSpec, KvTransferError, KvTransferServicer, get_backend, grpc_message_options
 from pdserve.kv_transfer.shm_backend import SEGMENT_PREFIX, ShmKvSender, header_for
 from pdserve.v1 import kv_pb2_grpc
 from pdserve.v1.kv_pb2 import KvFrame
+from pdserve.worker.runtime import make_server
 
 OURS = segment_prefix()  # the segments these tests ship from are this process's
 

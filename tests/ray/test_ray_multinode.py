@@ -111,7 +111,7 @@ def _status(address: str) -> list[dict[str, object]]:
 
 
 def _env() -> dict[str, str]:
-    path = [str(ROOT), str(ROOT / "proto"), os.environ.get("PYTHONPATH", "")]
+    path = [str(ROOT), os.environ.get("PYTHONPATH", "")]
     return {**os.environ, "PYTHONPATH": os.pathsep.join(path)}
 
 

@@ -97,7 +97,7 @@ def workload(tiny_llama_dir: Path) -> tuple[list[str], list[list[int]]]:
 
 
 def _env() -> dict[str, str]:
-    path = [str(ROOT), str(ROOT / "proto"), os.environ.get("PYTHONPATH", "")]
+    path = [str(ROOT), os.environ.get("PYTHONPATH", "")]
     return {**os.environ, "PYTHONPATH": os.pathsep.join(path)}
 
 

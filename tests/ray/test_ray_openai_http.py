@@ -23,7 +23,7 @@ REPO = Path(__file__).resolve().parents[2]
 
 
 def test_serve_ray_http_port_serves_the_openai_api(tmp_path: Path) -> None:
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), str(REPO / "proto"),
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO),
                                                         os.environ.get("PYTHONPATH", "")])}
     env.pop("PDSERVE_AUTH_TOKEN", None)
     argv = [sys.executable, "-m", "pdserve.cluster.cli", "serve", "--ray", "--port", "0", "--http-port", "0",

@@ -22,7 +22,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.skipif(not Path("/proc/self/status")
 
 def test_every_row_of_the_table_against_an_honest_client(tiny_llama_dir: Path, tmp_path: Path) -> None:
     out = tmp_path / "isolation.json"
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), str(ROOT / "proto"),
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT),
                                                          os.environ.get("PYTHONPATH", "")])}
     done = subprocess.run([sys.executable, "benchmarks/isolation_attacks.py", "--model", str(tiny_llama_dir),
                            "--long-words", "200", "--baseline-s", "2", "--out", str(out)],

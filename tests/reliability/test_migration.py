@@ -239,7 +239,7 @@ def test_migrate_cli_and_errors(tiny_llama_dir: Path, shared_cluster: SharedClus
         _migrate(cluster.router_address, "cli-move", to=cluster.workers[0].address
                  if cluster.workers[0].role == "prefill" else "prefill-0")
     assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), str(REPO / "proto")])}
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO)])}
     out = subprocess.run([sys.executable, "-m", "pdserve.cluster.cli", "migrate", "--url", cluster.router_address,
                           "cli-move"], capture_output=True, text=True, timeout=120, env=env, cwd=REPO)
     assert out.returncode == 0, out.stderr

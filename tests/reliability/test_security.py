@@ -242,8 +242,8 @@ def test_internal_token_is_required_and_sent(monkeypatch: pytest.MonkeyPatch) ->
     """A real internal server (the workers' make_server) with a token refuses calls without it and
     takes those from `open_channel`, which sends it; health stays open."""
     from pdserve import transport
-    from pdserve.engine.worker_runtime import add_health, bind, make_server
     from pdserve.v1 import common_pb2, worker_pb2, worker_pb2_grpc
+    from pdserve.worker.runtime import add_health, bind, make_server
 
     monkeypatch.setenv(transport.ENV_TOKEN, "internal-secret")
 

@@ -11,10 +11,10 @@ from waiting import eventually
 from pdserve import transport
 from pdserve.engine.block_pool import BlockPool, block_hashes
 from pdserve.engine.kv_events import KvEventLog, event_key
-from pdserve.engine.worker_runtime import KvEventsServicer, bind, make_server
 from pdserve.router.kv_index import KvEventFeed, KvIndex, PromptKeys, _Subscription, key_of
 from pdserve.router.policies import DECODE, PREFILL, Candidate, KvAware, RouteHint, make_policy
 from pdserve.v1 import common_pb2, router_pb2, worker_pb2, worker_pb2_grpc
+from pdserve.worker.runtime import KvEventsServicer, bind, make_server
 
 BS = 4
 

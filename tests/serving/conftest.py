@@ -13,10 +13,10 @@ from pathlib import Path
 import grpc
 import pytest
 
-from pdserve.engine.worker_runtime import StartedWorker
 from pdserve.router.config import RouterConfig
 from pdserve.router.server import RouterServer, serve
 from pdserve.v1 import router_pb2_grpc
+from pdserve.worker.runtime import StartedWorker
 
 
 @pytest.fixture

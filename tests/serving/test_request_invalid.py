@@ -14,11 +14,11 @@ import pytest
 
 from pdserve import failures
 from pdserve.engine.sampling_params import SamplingParams
-from pdserve.engine.worker_runtime import sampling_params_from_pb
 from pdserve.failures import RequestInvalid
 from pdserve.tokenization import chat_from_pb, encode_text
 from pdserve.transport import open_channel
 from pdserve.v1 import common_pb2, worker_pb2, worker_pb2_grpc
+from pdserve.worker.runtime import sampling_params_from_pb
 
 
 def test_request_invalid_is_a_failure_and_a_value_error() -> None:
