@@ -5,12 +5,16 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
+import grpc
 import pytest
 import torch
 
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.llm_engine import LLMEngine
 from pdserve.engine.model_loader import LoadedModel, load_model
+from pdserve.router.config import RouterConfig
+from pdserve.router.server import RouterServer, serve
+from pdserve.v1 import router_pb2_grpc
 
 TINY = dict(
     hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
@@ -116,3 +120,20 @@ def make_engine() -> Iterator[EngineFactory]:
     for engine in engines:
         assert not engine.has_work and not engine.sequences, "engine still holds requests"
         engine.pool.assert_all_free()
+
+
+@pytest.fixture
+def start_router() -> Iterator[Callable[[RouterConfig], tuple[RouterServer, router_pb2_grpc.RouterStub]]]:
+    """Start a real router (serve()) from a RouterConfig (port 0); returns (server, stub)."""
+    started: list[tuple[RouterServer, grpc.Channel]] = []
+
+    def start(config: RouterConfig) -> tuple[RouterServer, router_pb2_grpc.RouterStub]:
+        server, port = serve(config)
+        channel = grpc.insecure_channel(f"127.0.0.1:{port}")
+        started.append((server, channel))
+        return server, router_pb2_grpc.RouterStub(channel)
+
+    yield start
+    for server, channel in started:
+        channel.close()
+        server.stop(grace=None)

@@ -3,12 +3,16 @@
 from __future__ import annotations
 
 import contextlib
+import os
 import random
+import subprocess
+import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, TypeVar
 
 import grpc
@@ -17,6 +21,7 @@ from pdserve.transport import open_channel
 from pdserve.v1 import common_pb2, router_pb2, router_pb2_grpc, worker_pb2, worker_pb2_grpc
 
 T = TypeVar("T")
+REPO = Path(__file__).resolve().parents[1]
 
 WORDS = ("river mill evening children market flour dawn sea poem capital France story old light "
          "winter city mountain lake").split()
@@ -191,3 +196,49 @@ def init_local_ray(num_cpus: int, attempts: int = 2) -> None:
     import ray
 
     start_ray(lambda: ray.init(num_cpus=num_cpus, include_dashboard=False, log_to_driver=False), attempts)
+
+
+@contextlib.contextmanager
+def multinode_ray(head_args: dict[str, Any], nodes: list[dict[str, Any]], namespace: str) -> Iterator[Any]:
+    """A `ray.cluster_utils.Cluster` of a head and `nodes` on this machine (through `start_ray`),
+    with this process connected to it in `namespace`; shut down on leaving."""
+    import ray
+    from ray.cluster_utils import Cluster
+
+    def build() -> Cluster:
+        c = Cluster(initialize_head=True, head_node_args={**head_args, "include_dashboard": False})
+        try:
+            for args in nodes:
+                c.add_node(**args)
+            c.wait_for_nodes()
+        except BaseException:
+            c.shutdown()
+            raise
+        return c
+
+    c = start_ray(build)
+    try:
+        ray.init(address=c.address, namespace=namespace, log_to_driver=False)
+        yield c
+    finally:
+        ray.shutdown()
+        c.shutdown()
+
+
+def checkout_env() -> dict[str, str]:
+    """This environment with the checkout first on PYTHONPATH (for CLI subprocesses)."""
+    return {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
+
+
+def run_cli(*args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
+    """`python -m pdserve.cluster.cli ARGS` from the checkout, its output captured."""
+    return subprocess.run([sys.executable, "-m", "pdserve.cluster.cli", *args], capture_output=True, text=True,
+                          timeout=timeout, env=checkout_env(), cwd=REPO)
+
+
+def router_status(address: str) -> list[dict[str, object]]:
+    """`pdserve status`'s rows for the router at `address`."""
+    from pdserve.cluster.client import PdserveClient, status_rows
+
+    with PdserveClient(address, 10.0) as client:
+        return status_rows(client.status())

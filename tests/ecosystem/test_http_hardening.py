@@ -34,15 +34,6 @@ COMPLETION = {"model": MODEL, "prompt": "hi", "max_tokens": 3}
 CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3}
 
 
-@pytest.fixture(scope="module")
-def router() -> Iterator[RouterServer]:
-    server, _port = serve(RouterConfig(http_port=0, model_name=MODEL, info_timeout_s=0.5))
-    try:
-        yield server
-    finally:
-        server.stop(None)
-
-
 @pytest.fixture
 def start_router() -> Iterator[Callable[..., RouterServer]]:
     started: list[RouterServer] = []

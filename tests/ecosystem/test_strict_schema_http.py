@@ -6,23 +6,12 @@ from __future__ import annotations
 import json
 import urllib.error
 import urllib.request
-from collections.abc import Iterator
 
 import pytest
 
-from pdserve.router.config import RouterConfig
-from pdserve.router.server import RouterServer, serve
+from pdserve.router.server import RouterServer
 
 MODEL = "m"
-
-
-@pytest.fixture(scope="module")
-def router() -> Iterator[RouterServer]:
-    server, _port = serve(RouterConfig(http_port=0, model_name=MODEL, info_timeout_s=0.5))
-    try:
-        yield server
-    finally:
-        server.stop(None)
 
 
 def post(router: RouterServer, path: str, body: dict[str, object]) -> tuple[int, dict[str, object]]:

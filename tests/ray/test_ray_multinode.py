@@ -37,7 +37,6 @@ import psutil  # noqa: E402  (a Ray dependency)
 from ray.cluster_utils import Cluster  # noqa: E402
 from ray.util.placement_group import placement_group_table  # noqa: E402
 
-from pdserve.cluster.client import PdserveClient, status_rows  # noqa: E402
 from pdserve.cluster.ray_cluster import NAMESPACE, ROUTER_NAME, RayCluster, RayClusterConfig  # noqa: E402
 from pdserve.engine.config import EngineConfig  # noqa: E402
 from pdserve.engine.llm_engine import LLMEngine  # noqa: E402
@@ -45,11 +44,20 @@ from pdserve.engine.model_loader import load_model  # noqa: E402
 from pdserve.engine.sampling_params import SamplingParams  # noqa: E402
 from pdserve.tokenization import encode_text  # noqa: E402
 
-from e2e_helpers import generate, mixed_prompts, start_ray, wait_idle, worker_info  # noqa: E402
+from e2e_helpers import (  # noqa: E402
+    checkout_env,
+    generate,
+    mixed_prompts,
+    multinode_ray,
+    router_status,
+    run_cli,
+    wait_idle,
+    worker_info,
+)
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
 
-ROOT = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[2]
 STORE = 80 * 2**20  # object store bytes per node (Ray's minimum is about 75 MiB)
 
 
@@ -63,25 +71,9 @@ def _node_args(cpus: int, name: str, decode_slot: bool = True) -> dict[str, Any]
 def cluster() -> Iterator[Cluster]:
     """Head (2 CPUs) + node-a (1 CPU, 1 decode_slot) + node-b (same): room for exactly a router and three
     workers, decode workers only on node-a and node-b."""
-    def build() -> Cluster:
-        c = Cluster(initialize_head=True,
-                    head_node_args={**_node_args(2, "node_head", decode_slot=False), "include_dashboard": False})
-        try:
-            c.add_node(**_node_args(1, "node_a"))
-            c.add_node(**_node_args(1, "node_b"))
-            c.wait_for_nodes()
-        except BaseException:
-            c.shutdown()
-            raise
-        return c
-
-    c = start_ray(build)
-    try:
-        ray.init(address=c.address, namespace=NAMESPACE, log_to_driver=False)
+    with multinode_ray(_node_args(2, "node_head", decode_slot=False),
+                       [_node_args(1, "node_a"), _node_args(1, "node_b")], NAMESPACE) as c:
         yield c
-    finally:
-        ray.shutdown()
-        c.shutdown()
 
 
 @pytest.fixture(scope="module")
@@ -105,42 +97,27 @@ def _alive_nodes() -> dict[str, dict[str, Any]]:
     return {n["NodeID"]: n for n in ray.nodes() if n["Alive"]}
 
 
-def _status(address: str) -> list[dict[str, object]]:
-    with PdserveClient(address, 10.0) as client:
-        return status_rows(client.status())
-
-
-def _env() -> dict[str, str]:
-    path = [str(ROOT), os.environ.get("PYTHONPATH", "")]
-    return {**os.environ, "PYTHONPATH": os.pathsep.join(path)}
-
-
-def _cli(*args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "pdserve.cluster.cli", *args], capture_output=True, text=True,
-                          timeout=timeout, env=_env(), cwd=ROOT)
-
-
 def test_serve_with_unreachable_address_fails_fast() -> None:
     start = time.monotonic()
-    out = _cli("serve", "--ray", "--address", "127.0.0.1:1", "--port", "0", timeout=60)
+    out = run_cli("serve", "--ray", "--address", "127.0.0.1:1", "--port", "0", timeout=60)
     assert out.returncode == 1, out
     assert "error: ConnectionError: no Ray cluster at 127.0.0.1:1" in out.stderr, out.stderr[-2000:]
     assert time.monotonic() - start < 45  # ray.init alone would retry for minutes
-    bad = _cli("status", "--address", "127.0.0.1:1", timeout=60)
+    bad = run_cli("status", "--address", "127.0.0.1:1", timeout=60)
     assert bad.returncode == 1 and "no Ray cluster at 127.0.0.1:1" in bad.stderr
 
 
 def test_cli_joins_cluster_strict_spread_grpc_kv_across_nodes(cluster: Cluster, engine_model,  # noqa: ANN001
                                                               tiny_llama_dir: Path) -> None:
     nodes_before = set(_alive_nodes())
-    env = _env()
+    env = checkout_env()
     serve = subprocess.Popen(
         [sys.executable, "-m", "pdserve.cluster.cli", "serve", "--ray", "--address", cluster.address, "--port", "0",
          "--model", str(tiny_llama_dir), "--prefill", "1", "--decode", "1", "--placement", "strict_spread",
          "--router-resource", "node_head",
          "--worker-host", "node", "--kv-backend", "grpc", "--threads-per-worker", "1", "--kv-cache-mb", "32",
          "--startup-timeout", "240"],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=ROOT, start_new_session=True)
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=REPO, start_new_session=True)
     try:
         router = ""
         deadline = time.monotonic() + 300
@@ -154,7 +131,7 @@ def test_cli_joins_cluster_strict_spread_grpc_kv_across_nodes(cluster: Cluster, 
         assert not {"gcs_server", "raylet"} & children, children
         assert set(_alive_nodes()) == nodes_before
 
-        status = _cli("status", "--address", cluster.address, "--json")
+        status = run_cli("status", "--address", cluster.address, "--json")
         assert status.returncode == 0, status.stderr[-2000:]
         doc = json.loads(status.stdout)
         assert doc["router_address"] == router
@@ -169,7 +146,7 @@ def test_cli_joins_cluster_strict_spread_grpc_kv_across_nodes(cluster: Cluster, 
         prompts = mixed_prompts(6, seed=41)
         max_tokens = [4 + i for i in range(len(prompts))]
         assert _run_all(router, prompts, max_tokens) == _expected(engine_model, prompts, max_tokens)
-        again = json.loads(_cli("status", "--address", cluster.address, "--json").stdout)
+        again = json.loads(run_cli("status", "--address", cluster.address, "--json").stdout)
         after = {w["role"]: w for w in again["workers"]}
         assert after["decode"]["healthy"] and after["prefill"]["node_id"] != after["decode"]["node_id"]
     finally:
@@ -210,7 +187,7 @@ def test_spread_ray_kv_exact_across_nodes(cluster: Cluster, deployment: RayClust
     infos = _infos(deployment)
     assert len({i["node_id"] for i in infos.values()}) == 3  # 3 workers on 3 nodes
     assert infos["prefill-0"]["node_id"] == cluster.head_node.node_id  # decode workers need a decode_slot
-    rows = {r["worker_id"]: r for r in _status(deployment.router_address)}
+    rows = {r["worker_id"]: r for r in router_status(deployment.router_address)}
     assert {name: rows[name]["node_id"] for name in infos} == {name: i["node_id"] for name, i in infos.items()}
     prompts = mixed_prompts(8, seed=43)
     max_tokens = [3 + i for i in range(len(prompts))]
@@ -243,13 +220,13 @@ def test_node_loss_during_three_streams_then_pool_refills(cluster: Cluster, depl
     lost = _node(cluster, victim["node_id"])
     resource = next(r for r in ("node_a", "node_b") if _alive_nodes()[victim["node_id"]]["Resources"].get(r))
 
-    survivor = next(r for r in _status(address) if r["role"] == "decode" and r["worker_id"] != victim["name"])
+    survivor = next(r for r in router_status(address) if r["role"] == "decode" and r["worker_id"] != victim["name"])
     finished_before = worker_info(survivor["address"], "decode").requests_finished
     with ThreadPoolExecutor(3) as pool:
         streams = [pool.submit(generate, address, p, m, ignore_eos=True)
                    for p, m in zip(prompts, max_tokens, strict=True)]
         deadline = time.monotonic() + 60
-        while not any(r["worker_id"] == victim["name"] and r["running"] for r in _status(address)):
+        while not any(r["worker_id"] == victim["name"] and r["running"] for r in router_status(address)):
             assert time.monotonic() < deadline and not any(s.done() for s in streams), "victim never took a stream"
             time.sleep(0.02)
         cluster.remove_node(lost)  # its raylet, object store and the worker processes on it
@@ -257,13 +234,13 @@ def test_node_loss_during_three_streams_then_pool_refills(cluster: Cluster, depl
     # all three finished on the surviving decode worker: the victim's were resumed there, not completed by it
     assert worker_info(survivor["address"], "decode").requests_finished - finished_before == 3
     assert not psutil.pid_exists(victim["pid"]) or psutil.Process(victim["pid"]).status() == psutil.STATUS_ZOMBIE
-    healthy = [r for r in _status(address) if r["healthy"]]
+    healthy = [r for r in router_status(address) if r["healthy"]]
     assert sorted(r["role"] for r in healthy) == ["decode", "prefill"]  # survivors only: no room elsewhere
 
     cluster.add_node(**_node_args(1, resource))  # the node comes back: the bundle, then the actor, return
     deadline = time.monotonic() + 180
     while True:
-        rows = _status(address)
+        rows = router_status(address)
         if sum(r["healthy"] for r in rows) == 3 and len(rows) == 3:
             break
         assert time.monotonic() < deadline, rows
@@ -287,7 +264,7 @@ def test_router_actor_restart_relearns_workers(deployment: RayCluster, engine_mo
     known = {w["address"]: w["role"] for w in deployment.workers()}
     deadline = time.monotonic() + 30
     while True:
-        rows = _status(address)
+        rows = router_status(address)
         if rows and all(r["healthy"] for r in rows):
             break
         assert time.monotonic() < deadline, rows
@@ -296,7 +273,7 @@ def test_router_actor_restart_relearns_workers(deployment: RayCluster, engine_mo
     prompts = mixed_prompts(4, seed=53)
     max_tokens = [6] * 4
     assert _run_all(address, prompts, max_tokens) == _expected(engine_model, prompts, max_tokens)
-    status = _cli("status", "--address", deployment.config.address, "--json")  # discoverable from any driver
+    status = run_cli("status", "--address", deployment.config.address, "--json")  # discoverable from any driver
     assert status.returncode == 0 and json.loads(status.stdout)["router_address"] == address, status.stderr[-2000:]
     wait_idle(_roles(deployment))
 

@@ -37,39 +37,30 @@ ray = pytest.importorskip("ray")
 
 from ray.cluster_utils import Cluster  # noqa: E402
 
-from pdserve.cluster.client import PdserveClient, status_rows  # noqa: E402
+from pdserve.cluster.client import PdserveClient  # noqa: E402
 from pdserve.cluster.ray_cluster import NAMESPACE, ROUTER_NAME  # noqa: E402
 
-from e2e_helpers import generate, mixed_prompts, start_ray  # noqa: E402
+from e2e_helpers import (  # noqa: E402
+    checkout_env,
+    generate,
+    mixed_prompts,
+    multinode_ray,
+    router_status,
+    run_cli,
+)
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
 
-ROOT = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[2]
 STORE = 80 * 2**20  # object store bytes per node (Ray's minimum is about 75 MiB)
 MAX_TOKENS = 240
 
 
 @pytest.fixture(scope="module")
 def cluster() -> Iterator[Cluster]:
-    def build() -> Cluster:
-        c = Cluster(initialize_head=True, head_node_args={"num_cpus": 0, "object_store_memory": STORE,
-                                                          "include_dashboard": False})
-        try:
-            for _ in range(3):
-                c.add_node(num_cpus=2, object_store_memory=STORE)
-            c.wait_for_nodes()
-        except BaseException:
-            c.shutdown()
-            raise
-        return c
-
-    c = start_ray(build)
-    try:
-        ray.init(address=c.address, namespace=NAMESPACE, log_to_driver=False)
+    with multinode_ray({"num_cpus": 0, "object_store_memory": STORE},
+                       [{"num_cpus": 2, "object_store_memory": STORE}] * 3, NAMESPACE) as c:
         yield c
-    finally:
-        ray.shutdown()
-        c.shutdown()
 
 
 @pytest.fixture(scope="module")
@@ -96,16 +87,6 @@ def workload(tiny_llama_dir: Path) -> tuple[list[str], list[list[int]]]:
     return prompts, expected
 
 
-def _env() -> dict[str, str]:
-    path = [str(ROOT), os.environ.get("PYTHONPATH", "")]
-    return {**os.environ, "PYTHONPATH": os.pathsep.join(path)}
-
-
-def _cli(*args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "pdserve.cluster.cli", *args], capture_output=True, text=True,
-                          timeout=timeout, env=_env(), cwd=ROOT)
-
-
 class Serve:
     """`pdserve serve --ray` as a subprocess; `router` and `placement` from what it prints."""
 
@@ -114,7 +95,8 @@ class Serve:
             [sys.executable, "-m", "pdserve.cluster.cli", "serve", "--ray", "--address", cluster.address,
              "--port", "0", "--model", str(model), "--prefill", "1", "--decode", "2", "--kv-cache-mb", "32",
              "--threads-per-worker", "1", *flags],
-            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=_env(), cwd=ROOT, start_new_session=True)
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=checkout_env(), cwd=REPO,
+            start_new_session=True)
         self.router = self.placement = ""
         deadline = time.monotonic() + 300
         while not (self.router and self.placement):
@@ -155,11 +137,6 @@ def serve(cluster: Cluster, tiny_llama_dir: Path) -> Iterator[Any]:
     cluster.wait_for_nodes()
 
 
-def _status(address: str) -> list[dict[str, object]]:
-    with PdserveClient(address, 10.0) as client:
-        return status_rows(client.status())
-
-
 def _router_node() -> str:
     return str(ray.get(ray.get_actor(ROUTER_NAME, namespace=NAMESPACE).info.remote(), timeout=30)["node_id"])
 
@@ -175,7 +152,8 @@ def _lose_node_during_streams(cluster: Cluster, router: str, node_id: str, promp
     with ThreadPoolExecutor(3) as pool:
         streams = [pool.submit(generate, router, p, MAX_TOKENS, 300, ignore_eos=True) for p in prompts]
         deadline = time.monotonic() + 120
-        while not any(r["node_id"] == node_id and r["role"] == "decode" and r["running"] for r in _status(router)):
+        while not any(r["node_id"] == node_id and r["role"] == "decode" and r["running"]
+                      for r in router_status(router)):
             assert time.monotonic() < deadline and not any(s.done() for s in streams), "no stream reached the node"
             time.sleep(0.02)
         cluster.remove_node(_node(cluster, node_id))
@@ -189,7 +167,7 @@ def _lose_node_during_streams(cluster: Cluster, router: str, node_id: str, promp
 def _wait_pool_back(router: str, since: float, label: str) -> None:
     deadline = time.monotonic() + 180
     while True:
-        rows = _status(router)
+        rows = router_status(router)
         decode = [r for r in rows if r["role"] == "decode"]
         if len(decode) == 2 and all(r["healthy"] for r in rows) and len(rows) == 3:
             break
@@ -202,16 +180,16 @@ def test_default_flags_spread_pools_and_survive_a_decode_node_loss(cluster: Clus
     prompts, expected = workload
     deployment = serve()  # no --placement
     assert deployment.placement.startswith("spread (auto:"), deployment.placement
-    rows = _status(deployment.router)
+    rows = router_status(deployment.router)
     decode_nodes = [str(r["node_id"]) for r in rows if r["role"] == "decode"]
     assert len(set(decode_nodes)) == 2, rows  # each pool over different nodes
-    doc = json.loads(_cli("status", "--address", cluster.address, "--json").stdout)
+    doc = json.loads(run_cli("status", "--address", cluster.address, "--json").stdout)
     assert doc["warnings"] == []
     router_node = _router_node()
     victim = next(n for n in decode_nodes if n != router_node)
     removed = _lose_node_during_streams(cluster, deployment.router, victim, prompts, expected)
     _wait_pool_back(deployment.router, removed, "spread")
-    assert victim not in {str(r["node_id"]) for r in _status(deployment.router)}
+    assert victim not in {str(r["node_id"]) for r in router_status(deployment.router)}
     with PdserveClient(deployment.router, 10.0) as client:  # every stream finished normally
         assert client.status().total_requests == 3
 
@@ -220,17 +198,17 @@ def test_pack_waits_for_the_restarted_decode_workers(cluster: Cluster, serve, wo
     prompts, expected = workload
     deployment = serve("--placement", "pack")
     assert deployment.placement == "pack"
-    rows = _status(deployment.router)
+    rows = router_status(deployment.router)
     decode_nodes = {str(r["node_id"]) for r in rows if r["role"] == "decode"}
     assert len(decode_nodes) == 1, rows  # PACK: both decode workers on one node
     (victim,) = decode_nodes
     assert victim != _router_node(), "PACK put the router with both decode workers: the test needs them apart"
-    status = _cli("status", "--address", cluster.address)
+    status = run_cli("status", "--address", cluster.address)
     assert status.returncode == 0 and "warning: all 2 decode workers run on node" in status.stderr, status.stderr
     removed = _lose_node_during_streams(cluster, deployment.router, victim, prompts, expected)
     _wait_pool_back(deployment.router, removed, "pack")
-    assert victim not in {str(r["node_id"]) for r in _status(deployment.router)}
-    metrics = _cli("status", "--address", cluster.address, "--json")
+    assert victim not in {str(r["node_id"]) for r in router_status(deployment.router)}
+    metrics = run_cli("status", "--address", cluster.address, "--json")
     assert metrics.returncode == 0
     router = ray.get_actor(ROUTER_NAME, namespace=NAMESPACE)
     waits = ray.get(router.__ray_call__.remote(

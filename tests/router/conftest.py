@@ -9,9 +9,7 @@ import grpc
 import pytest
 from router_fakes import FakePrefill
 
-from pdserve.router.config import RouterConfig
-from pdserve.router.server import RouterServer, serve
-from pdserve.v1 import router_pb2_grpc, worker_pb2_grpc
+from pdserve.v1 import worker_pb2_grpc
 
 
 def _start(add: Callable[[grpc.Server], None]) -> tuple[grpc.Server, str]:
@@ -38,20 +36,3 @@ def fake_server() -> Iterator[Callable[[object], str]]:
     yield start
     for server in servers:
         server.stop(None)
-
-
-@pytest.fixture
-def start_router() -> Iterator[Callable[[RouterConfig], tuple[RouterServer, router_pb2_grpc.RouterStub]]]:
-    """Start a real router (serve()) from a RouterConfig (port 0); returns (server, stub)."""
-    started: list[tuple[RouterServer, grpc.Channel]] = []
-
-    def start(config: RouterConfig) -> tuple[RouterServer, router_pb2_grpc.RouterStub]:
-        server, port = serve(config)
-        channel = grpc.insecure_channel(f"127.0.0.1:{port}")
-        started.append((server, channel))
-        return server, router_pb2_grpc.RouterStub(channel)
-
-    yield start
-    for server, channel in started:
-        channel.close()
-        server.stop(grace=None)

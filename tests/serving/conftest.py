@@ -10,12 +10,8 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
-import grpc
 import pytest
 
-from pdserve.router.config import RouterConfig
-from pdserve.router.server import RouterServer, serve
-from pdserve.v1 import router_pb2_grpc
 from pdserve.worker.runtime import StartedWorker
 
 
@@ -36,19 +32,3 @@ def start_colocated(tiny_llama_dir: Path) -> Iterator[Callable[..., StartedWorke
     yield start
     for worker in started:
         worker.stop()
-
-
-@pytest.fixture
-def start_router() -> Iterator[Callable[[RouterConfig], tuple[RouterServer, router_pb2_grpc.RouterStub]]]:
-    started: list[tuple[RouterServer, grpc.Channel]] = []
-
-    def start(config: RouterConfig) -> tuple[RouterServer, router_pb2_grpc.RouterStub]:
-        server, port = serve(config)
-        channel = grpc.insecure_channel(f"127.0.0.1:{port}")
-        started.append((server, channel))
-        return server, router_pb2_grpc.RouterStub(channel)
-
-    yield start
-    for server, channel in started:
-        channel.close()
-        server.stop(grace=None)
