@@ -7,7 +7,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-ENGINES = ("model", "sim")
+from pdserve.constants import ENGINES
 
 
 def add_engine_flags(parser: argparse.ArgumentParser) -> None:

@@ -50,6 +50,7 @@ from pathlib import Path
 from types import TracebackType
 from typing import Any, TypeVar
 
+from pdserve.constants import RAY_NAMESPACE
 from pdserve.extras import missing_extra
 
 try:
@@ -66,7 +67,7 @@ from pdserve.transport import launcher_token, load_token, router_token_digest
 
 log = logging.getLogger(__name__)
 
-NAMESPACE = "pdserve"  # kv_transfer.ray_backend.NAMESPACE (not imported: it pulls torch)
+NAMESPACE = RAY_NAMESPACE
 CONTROLLER_NAME = "pdserve-controller"
 ROUTER_NAME = "pdserve-router"
 KV_BACKENDS = ("grpc", "ray")

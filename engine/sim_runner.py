@@ -31,13 +31,13 @@ from typing import Any
 
 import torch
 
+from pdserve.constants import ENGINES
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.kv_cache import KVCache, KVCacheShape
 from pdserve.engine.model_loader import LoadedModel
 from pdserve.engine.model_runner import StepInput
 from pdserve.engine.sim_profile import Profile, load_profile, split_pass
 
-ENGINES = ("model", "sim")
 PLACEHOLDER_DTYPE = torch.float16
 MAX_PSEUDO_TOKENS = 512
 _MIX = 1_000_003

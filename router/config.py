@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from pdserve.constants import REQUEST_TIMEOUT_S
 from pdserve.limits import GRPC_CALLS_PER_PEER, GRPC_CALLS_TOTAL, RECEIVE_LIMIT_BYTES
 from pdserve.router.policies import COLOCATED, DECODE, POLICY_NAMES, PREFILL
 from pdserve.router.worker_pool import WorkerEndpoint
@@ -27,7 +28,7 @@ class RouterConfig:
     colocated: tuple[str, ...] = ()
     prefill_policy: str = "round_robin"
     decode_policy: str = "round_robin"
-    max_stream_timeout_s: float = 600.0
+    max_stream_timeout_s: float = REQUEST_TIMEOUT_S
     info_timeout_s: float = 2.0
     poll_interval_s: float = 0.5
     max_concurrent_streams: int = 256  # requests at workers at once; more wait in the admission queue

@@ -31,14 +31,13 @@ from abc import ABC, abstractmethod
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
+from pdserve.constants import KV_POLICIES, POLICY_NAMES
 from pdserve.v1 import router_pb2
 
 PREFILL = "prefill"
 DECODE = "decode"
 COLOCATED = "colocated"
 ROLES = (PREFILL, DECODE, COLOCATED)
-POLICY_NAMES = ("round_robin", "least_loaded", "prefix_affinity", "kv_aware", "kv_oracle")
-KV_POLICIES = ("kv_aware", "kv_oracle")
 #: kv_aware's decode weights (tokens of prompt work one running request / a full KV pool is worth):
 #: defaults chosen on the multi-turn sim benchmark (docs/performance.md, KV-aware routing).
 DEFAULT_REQUEST_TOKENS = 128.0
