@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from pdserve.constants import MODES
+from pdserve.constants import LOOPBACK, MODES
 from pdserve.settings import (
     ColocatedPool,
     DecodePool,
@@ -46,7 +46,7 @@ from pdserve.settings import (
 )
 from pdserve.transport import is_loopback
 
-WORKER_HOST = "127.0.0.1"  # local workers always bind loopback
+WORKER_HOST = LOOPBACK  # local workers always bind loopback
 
 
 class ConfigError(ValueError):

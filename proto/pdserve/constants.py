@@ -14,6 +14,8 @@ Hand-written (not generated); imports nothing.
 
 from __future__ import annotations
 
+#: The interface every internal service (workers, the router's /metrics) binds unless told otherwise.
+LOOPBACK = "127.0.0.1"
 #: Deployment modes of `pdserve serve`: processes on this machine, or Ray actors.
 MODES = ("local", "ray")
 #: Worker selection policies of the router (`router.policies`).

@@ -28,6 +28,7 @@ from pdserve.constants import (
     KV_STREAMING,
     LOG_FORMATS,
     LOG_LEVELS,
+    LOOPBACK,
     MODES,
     PLACEMENTS,
     POLICY_NAMES,
@@ -73,11 +74,15 @@ class ModelSection:
         return Path(self.path).name if self.path else MODEL_NAME
 
 
+#: The `model` settings that choose and tune the engine (`--engine`, `--profile`, `--speedup`).
+ENGINE_SETTINGS = ("engine", "profile", "speedup")
+
+
 @dataclass(frozen=True)
 class RouterSection:
     """The router: public address, worker selection, limits, the OpenAI HTTP API."""
 
-    host: str = opt("127.0.0.1", "router interface (workers use loopback unless ray.worker_host says otherwise)",
+    host: str = opt(LOOPBACK, "router interface (workers use loopback unless ray.worker_host says otherwise)",
                     flag="--host")
     port: int = opt(50051, "router gRPC port (0 picks a free one)", flag="--port", min=0, max=65535)
     prefill_policy: str = opt("round_robin", "how the router picks a prefill worker", flag="--prefill-policy",
@@ -195,7 +200,7 @@ class RaySection:
                          "loss leaves every pool a worker), pack (all on as few nodes as possible), strict_spread "
                          "(every worker and the router on its own node), auto (spread on a cluster of several "
                          "nodes, else pack)", flag="--placement", choices=PLACEMENTS, modes=_RAY_ONLY, why=_RAY_WHY)
-    worker_host: str = opt("127.0.0.1", "interface of the workers' gRPC servers; 'node' = the node's IP (needed "
+    worker_host: str = opt(LOOPBACK, "interface of the workers' gRPC servers; 'node' = the node's IP (needed "
                            "across nodes)", flag="--worker-host", modes=_RAY_ONLY, why=_RAY_WHY)
     gpus_per_worker: float | None = opt(None, "GPUs per worker actor (default: 1 CPU)", flag="--gpus-per-worker",
                                         gt=0, modes=_RAY_ONLY, why=_RAY_WHY)
@@ -251,7 +256,7 @@ class ObservabilitySection:
                               modes=("local",), why="Ray keeps actor logs in its session folder")
     metrics: bool = opt(False, "Prometheus /metrics on every process (free ports)", flag="--metrics",
                         modes=("local",), why="the Ray deployment serves no Prometheus /metrics yet (use Ray's own)")
-    metrics_host: str = opt("127.0.0.1", "interface of the router's /metrics; beyond loopback needs an auth token",
+    metrics_host: str = opt(LOOPBACK, "interface of the router's /metrics; beyond loopback needs an auth token",
                             flag="--metrics-host", modes=("local",), why="the Ray deployment serves no /metrics")
 
 

@@ -22,7 +22,7 @@ from pdserve.v1 import router_pb2_grpc
 @pytest.fixture
 def start_colocated(tiny_llama_dir: Path) -> Iterator[Callable[..., StartedWorker]]:
     """Start a colocated decode worker on the tiny Llama model with extra flags; stopped afterwards."""
-    from pdserve.decode_worker.__main__ import parse_args, start_worker
+    from pdserve.decode_worker.process import parse_args, start_worker
 
     started: list[StartedWorker] = []
 
