@@ -40,24 +40,24 @@ ROUTER_SETTINGS = ((ObservabilitySection, ("metrics_host", "log_level", "log_for
 
 def build_parser() -> argparse.ArgumentParser:
     """The router's flags: its worker addresses and what only a launcher knows (the tokenizer folder,
-    the served model's name, restart waits, the metrics port) by hand; every deployment setting
-    generated from its section, with that section's default."""
+    the served model's name, restart waits, the metrics port) by hand, defaulting to RouterConfig's;
+    every deployment setting generated from its section, with that section's default."""
     parser = argparse.ArgumentParser(prog="python -m pdserve.router", description="pdserve router (gRPC).")
     parser.add_argument("--prefill", action="append", default=[], metavar="ADDR", help="prefill worker")
     parser.add_argument("--decode", action="append", default=[], metavar="ADDR", help="decode worker")
     parser.add_argument("--colocated", action="append", default=[], metavar="ADDR", help="colocated worker")
     add_section_flags(parser, RouterSection, [f.name for f in dataclasses.fields(RouterSection)])
-    parser.add_argument("--worker-restart-wait", type=float, default=0.0, metavar="S",
+    parser.add_argument("--worker-restart-wait", type=float, default=RouterConfig.worker_restart_wait_s, metavar="S",
                         help="when no worker of a stage is healthy but some are still registered (their launcher "
                              "restarts them), requests wait up to S seconds for one instead of failing (default 0: "
                              "fail at once; `pdserve serve --ray` sets it from ray.restart_wait_s)")
-    parser.add_argument("--tokenizer", default="", metavar="DIR",
+    parser.add_argument("--tokenizer", default=RouterConfig.tokenizer, metavar="DIR",
                         help="model folder whose tokenizer the router hashes prompts with, for the kv_aware and "
                              "kv_oracle policies (the launcher passes the served model's)")
-    parser.add_argument("--model-name", default="default",
+    parser.add_argument("--model-name", default=RouterConfig.model_name,
                         help="model id the HTTP API serves (default 'default'; the launcher passes the served "
                              "model's name)")
-    parser.add_argument("--metrics-port", type=int, default=0, metavar="PORT",
+    parser.add_argument("--metrics-port", type=int, default=RouterConfig.metrics_port, metavar="PORT",
                         help="serve Prometheus /metrics on this port (default 0: off)")
     for section, names in ROUTER_SETTINGS:
         add_section_flags(parser, section, names)

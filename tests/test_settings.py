@@ -18,7 +18,7 @@ from typing import Any
 
 import pytest
 
-from pdserve.cluster.deploy_config import SECTIONS, DeploymentConfig, router_document, worker_document
+from pdserve.cluster.deploy_config import SECTIONS, DeploymentConfig, _leaves, router_document, worker_document
 from pdserve.decode_worker.process import build_parser as decode_parser
 from pdserve.engine.worker_runtime import WORKER_FLAGS
 from pdserve.prefill_worker.process import build_parser as prefill_parser
@@ -155,3 +155,28 @@ def test_no_parser_writes_a_default_a_section_owns(module: str) -> None:
     copies = [f"{module}:{line} {flag}" for flag, line in literal_defaults((REPO / module).read_text(encoding="utf-8"))
               if flag in owned]
     assert not copies, f"defaults written again beside their setting (use add_section_flags): {copies}"
+
+
+#: Settings where the flat library configs (tests, benchmarks) make a choice of their own, and why.
+LIBRARY_CHOICES = {
+    "local": {"router.port": "0: a free port, so tests run side by side",
+              "model.device": "cpu: tests and benchmarks run on the CPU",
+              "startup_timeout_s": "180 s: a test fails sooner"},
+    "ray": {"model.device": "cpu: Ray picks a GPU only when gpus_per_worker asks",
+            "kv.backend": "grpc: the Ray tests' default transport",
+            "prefill.drain_timeout_s": "60 s: actors restart slower than processes",
+            "decode.drain_timeout_s": "60 s: actors restart slower than processes",
+            "model.name": "'default': the Ray tests' model id"},
+}
+
+
+@pytest.mark.parametrize("mode", sorted(LIBRARY_CHOICES))
+def test_the_flat_library_configs_default_to_the_settings(mode: str) -> None:
+    if mode == "local":
+        from pdserve.cluster.local import LocalClusterConfig as Flat
+    else:
+        from pdserve.cluster.ray_cluster import RayClusterConfig as Flat
+    flat = dict(_leaves(Flat().deployment()))
+    spec = dict(_leaves(DeploymentConfig(mode=mode)))
+    differing = {key: (flat[key], spec[key]) for key in spec if flat[key] != spec[key]}
+    assert set(differing) == set(LIBRARY_CHOICES[mode]), differing
