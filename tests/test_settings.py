@@ -68,7 +68,7 @@ def owned_flags(process: str) -> dict[str, tuple[type, str]]:
     owned: dict[str, tuple[type, str]] = {}
     for section in sections:
         for f in dataclasses.fields(section):
-            flag = process_flag(section, f.name, flags if section in (SecuritySection, DecodePool) else None)
+            flag = process_flag(section, f.name, flags)
             if (process, flag) in NOT_THE_SETTING:
                 continue
             assert flag not in owned, f"{process}: {flag} is both {owned[flag]} and {section.__name__}.{f.name}"

@@ -2,7 +2,8 @@
 `RouterSection`, the pools, ...), each field carrying its default, help, flag, bounds or choices and
 the modes that honour it (`opt`), and `add_section_flags`, which turns fields into argparse flags.
 
-Every setting has its default here and nowhere else: `pdserve serve` (`cluster.deploy_config`,
+Every section setting has its default here and nowhere else (the two top-level settings, `mode`
+and `startup_timeout_s`, are `DeploymentConfig`'s): `pdserve serve` (`cluster.deploy_config`,
 which composes the sections into `DeploymentConfig`) and each process's own command line (the
 router, prefill, decode, colocated and elastic workers) generate their flags from these fields, so a
 process started by hand gets the same defaults as one a launcher configured.
