@@ -30,6 +30,7 @@ from pdserve.capacity.arrivals import arrival_times
 from pdserve.capacity.metrics import LATENCY_METRICS, RequestRecord, summarize
 from pdserve.capacity.workload import LengthDist, corpus_token_ids, cut_prompts
 from pdserve.cluster.client import build_request, sampling_params
+from pdserve.constants import REQUEST_TIMEOUT_S
 from pdserve.extras import require
 from pdserve.v1 import common_pb2, router_pb2_grpc
 
@@ -52,7 +53,7 @@ class BenchConfig:
     ignore_eos: bool = False
     slos: dict[str, float] = field(default_factory=dict)
     model: str | None = None
-    timeout_s: float = 600.0
+    timeout_s: float = REQUEST_TIMEOUT_S
     speedup: float = 1.0  # the sim cluster's --speedup: rates and times are scaled to profile time
     engine: str = "model"  # recorded with the results: which engine served them
     profile: str | None = None  # recorded: the sim engine's profile file

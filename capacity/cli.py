@@ -20,6 +20,7 @@ from pdserve.capacity.metrics import parse_slo
 from pdserve.capacity.workload import length_dist
 from pdserve.cluster.engine_flags import add_engine_flags, engine_worker_args
 from pdserve.cluster.tables import format_table
+from pdserve.constants import REQUEST_TIMEOUT_S
 from pdserve.extras import require
 
 T = TypeVar("T")
@@ -45,7 +46,7 @@ def _add_load(p: argparse.ArgumentParser) -> None:
     p.add_argument("--warmup", type=int, default=0, help="requests sent first and not recorded")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--ignore-eos", action="store_true", help="always generate exactly the output length")
-    p.add_argument("--timeout", type=float, default=600.0, metavar="S", help="per-request deadline")
+    p.add_argument("--timeout", type=float, default=REQUEST_TIMEOUT_S, metavar="S", help="per-request deadline")
 
 
 def add_bench(commands: argparse._SubParsersAction) -> None:

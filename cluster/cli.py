@@ -50,6 +50,7 @@ from pdserve.cluster.local import ClusterStartError, LocalCluster
 from pdserve.cluster.migrate_cli import add_migrate
 from pdserve.cluster.tables import format_table
 from pdserve.cluster.trace_view import trace_lines
+from pdserve.constants import REQUEST_TIMEOUT_S
 from pdserve.extras import MissingExtra, require
 from pdserve.transport import is_loopback
 from pdserve.v1 import common_pb2, router_pb2
@@ -104,7 +105,7 @@ def _add_generate(commands: argparse._SubParsersAction) -> None:
     gen.add_argument("--request-id", default="", metavar="ID",
                      help="the request's id (printable ASCII): router and workers log it, the response echoes it "
                           "(\"request_id\" in --json); default: one the router makes")
-    gen.add_argument("--timeout", type=float, default=600.0, metavar="S", help="deadline in seconds")
+    gen.add_argument("--timeout", type=float, default=REQUEST_TIMEOUT_S, metavar="S", help="deadline in seconds")
     gen.set_defaults(func=_cmd_generate)
 
 

@@ -12,10 +12,11 @@ from types import TracebackType
 
 import grpc
 
+from pdserve.constants import REQUEST_TIMEOUT_S
 from pdserve.v1 import common_pb2, router_pb2, router_pb2_grpc
 
 DEFAULT_ADDRESS = "127.0.0.1:50051"
-DEFAULT_TIMEOUT_S = 600.0
+DEFAULT_TIMEOUT_S = REQUEST_TIMEOUT_S
 FINISH_REASONS = {
     common_pb2.FINISH_REASON_UNSPECIFIED: "",
     common_pb2.FINISH_REASON_STOP: "stop",

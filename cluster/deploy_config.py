@@ -4,8 +4,9 @@ every process.
 - Sections (frozen dataclasses): ``model``, ``router``, the pools ``prefill``, ``decode`` and
   ``colocated``, ``kv`` (KV transfer), ``ray``, ``security``, ``observability``, ``elastic`` (role
   switches and the SLO autoscaler; local and Ray), plus ``mode`` ("local" or "ray") and
-  ``startup_timeout_s``. Each field carries its help text, its flag, its bounds or choices and the
-  modes that honour it (`opt`); `--help`, validation and `--print-config` all read them.
+  ``startup_timeout_s``; the sections live in `pdserve.settings`. Each field carries its help text,
+  its flag, its bounds or choices and the modes that honour it (`opt`); `--help`, validation,
+  `--print-config` and every process's own flags (`settings.add_section_flags`) all read them.
 - Sources: a YAML or TOML file (`load_file`), then `pdserve serve` flags on top (`add_flags`,
   `overrides_from_args`); `from_dict` rejects an unknown key or a bad value naming the dotted key
   (``decode.max_num_seqs``), and a setting the chosen mode cannot honour (`DeploymentConfig.check`).
@@ -22,269 +23,34 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from pdserve.devices import DEVICE_HELP, DTYPE_HELP, DTYPE_NAMES, check_device_name
-from pdserve.limits import GRPC_CALLS_PER_PEER, GRPC_CALLS_TOTAL
+from pdserve.constants import LOOPBACK, MODES
+from pdserve.settings import (
+    ColocatedPool,
+    DecodePool,
+    ElasticSection,
+    KvTransferSection,
+    ModelSection,
+    ObservabilitySection,
+    PoolSection,
+    PrefillPool,
+    RaySection,
+    RouterSection,
+    SecuritySection,
+    field_type,
+    flag_kwargs,
+    opt,
+)
 from pdserve.transport import is_loopback
 
-MODES = ("local", "ray")
-POLICIES = ("round_robin", "least_loaded", "prefix_affinity", "kv_aware", "kv_oracle")  # router.policies.POLICY_NAMES
-LOG_FORMATS = ("text", "json")  # telemetry.logs.LOG_FORMATS
-ENGINES = ("model", "sim")
-KV_BACKENDS = ("auto", "grpc", "shm", "ray")
-KV_STREAMING = ("request", "layer")
-KV_CHECKSUMS = ("", "xxh3", "crc32")
-PLACEMENTS = ("auto", "pack", "spread", "strict_spread")
-DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"  # engine.model_fetch.MODEL_NAME (not imported: it pulls numpy)
-WORKER_HOST = "127.0.0.1"  # local workers always bind loopback
+WORKER_HOST = LOOPBACK  # local workers always bind loopback
 
 
 class ConfigError(ValueError):
     """A bad configuration; the message starts with the dotted key."""
-
-
-def opt(default: Any, help: str, *, flag: str | None = None, choices: tuple[Any, ...] | None = None,  # noqa: A002, ANN401
-        min: float | None = None, gt: float | None = None, max: float | None = None,  # noqa: A002
-        modes: tuple[str, ...] = MODES, why: str = "") -> Any:  # noqa: ANN401
-    """A config field with its documentation: `flag` (default: derived from section and name), bounds,
-    choices, and the `modes` that honour it (`why`: the reason the others cannot)."""
-    meta = {"help": help, "flag": flag, "choices": choices, "min": min, "gt": gt, "max": max, "modes": modes,
-            "why": why}
-    return field(default=default, metadata=meta)
-
-
-# ----- sections ------------------------------------------------------------------------------
-
-@dataclass(frozen=True)
-class ModelSection:
-    """What every worker runs."""
-
-    path: str | None = opt(None, "local Hugging Face folder (default: the default model)", flag="--model")
-    name: str | None = opt(None, "model id of the HTTP API (default: the model folder's name)", flag="--model-name")
-    device: str = opt("auto", "every worker's device: " + DEVICE_HELP, flag="--device")
-    dtype: str = opt("auto", "every worker's dtype: " + DTYPE_HELP, flag="--dtype", choices=DTYPE_NAMES)
-    block_size: int = opt(16, "tokens per KV block (the same on every worker)", flag="--block-size", min=1)
-    engine: str = opt("model", "model: run the model; sim: workers wait a latency profile's pass times (no weights)",
-                      flag="--engine", choices=ENGINES)
-    profile: str | None = opt(None, "latency profile (JSON) of the sim engine", flag="--profile")
-    speedup: float = opt(1.0, "sim engine: modelled durations are divided by this", flag="--speedup", gt=0)
-
-    @property
-    def served_name(self) -> str:
-        """The model id of the HTTP API: as configured, else the model folder's name."""
-        if self.name:
-            return self.name
-        return Path(self.path).name if self.path else DEFAULT_MODEL_NAME
-
-
-@dataclass(frozen=True)
-class RouterSection:
-    """The router: public address, worker selection, limits, the OpenAI HTTP API."""
-
-    host: str = opt("127.0.0.1", "router interface (workers use loopback unless ray.worker_host says otherwise)",
-                    flag="--host")
-    port: int = opt(50051, "router gRPC port (0 picks a free one)", flag="--port", min=0, max=65535)
-    prefill_policy: str = opt("round_robin", "how the router picks a prefill worker", flag="--prefill-policy",
-                              choices=POLICIES)
-    decode_policy: str = opt("round_robin", "how the router picks a decode worker", flag="--decode-policy",
-                             choices=POLICIES)
-    max_queued_requests: int = opt(4096, "requests waiting for a decode slot; one more is refused "
-                                   "(RESOURCE_EXHAUSTED / HTTP 429 with Retry-After)", flag="--max-queued-requests",
-                                   min=1)
-    max_concurrent_streams: int = opt(256, "requests at workers at once; more wait in the admission queue",
-                                      flag="--max-concurrent-streams", min=1)
-    max_stream_timeout_s: float = opt(600.0, "deadline cap of one request's stream (s)", flag="--max-stream-timeout",
-                                      gt=0)
-    max_attempts: int = opt(3, "a request is tried on at most this many (decode, prefill) pairs when workers fail",
-                            flag="--max-attempts", min=1)
-    http_port: int | None = opt(None, "also serve the OpenAI-compatible HTTP API on this port (0 picks one; "
-                                "default off)", flag="--http-port", min=0, max=65535)
-    decode_mux: bool = opt(False, "one GenerateMux stream per decode worker carries every request's tokens, a "
-                           "decode step's in one message (default: a Generate call per request)",
-                           flag="--decode-mux")
-    kv_aware_request_tokens: float = opt(128.0, "kv_aware policy: prompt tokens of work one running request on a "
-                                         "decode worker counts as", flag="--kv-aware-request-tokens", min=0)
-    kv_aware_kv_tokens: float = opt(512.0, "kv_aware policy: prompt tokens of work a full KV pool on a decode worker "
-                                    "counts as", flag="--kv-aware-kv-tokens", min=0)
-    conditional_disagg_tokens: int = opt(0, "with a KV-aware policy: requests with fewer prompt tokens uncached on "
-                                         "their decode worker are prefilled there (0: always disaggregate)",
-                                         flag="--conditional-disagg-tokens", min=0)
-    slo_ttft_s: float = opt(0.0, "refuse (RESOURCE_EXHAUSTED / HTTP 429 with Retry-After) a request whose predicted "
-                            "TTFT exceeds this many seconds, unless best_effort (0: off)", flag="--slo-ttft", min=0)
-    grpc_calls_per_peer: int = opt(GRPC_CALLS_PER_PEER, "open gRPC calls one client host may hold on the "
-                                   "public port; one more is refused (RESOURCE_EXHAUSTED)",
-                                   flag="--grpc-calls-per-peer", min=1)
-    grpc_calls_total: int = opt(GRPC_CALLS_TOTAL, "open gRPC calls of all clients together on the public port; "
-                                "one more is refused (RESOURCE_EXHAUSTED)", flag="--grpc-calls-total", min=1)
-
-
-@dataclass(frozen=True)
-class PoolSection:
-    """Settings every worker pool has."""
-
-    count: int | None = opt(None, "workers in this pool", min=0)
-    threads: int | None = opt(None, "torch threads per worker (default: the CPUs split among the workers of "
-                              "its phase locally, Ray's choice with --ray)", min=1)
-    kv_cache_mb: int = opt(512, "KV cache memory per worker (MB)", min=1)
-    max_batched_tokens: int = opt(4096, "token budget of one forward pass", min=1)
-    prefix_caching: bool = opt(True, "reuse the K/V of prompt prefixes this worker holds")
-    request_timeout_s: float = opt(600.0, "deadline of one request at a worker (s)", gt=0)
-    kv_timeout_s: float = opt(120.0, "deadline of one KV transfer or remote prefill (s)", gt=0)
-    drain_timeout_s: float = opt(30.0, "on stop or scale-down, finish requests in flight for at most this long (s)",
-                                 gt=0)
-
-
-@dataclass(frozen=True)
-class PrefillPool(PoolSection):
-    """The prefill pool."""
-
-    count: int | None = opt(None, "prefill workers (default 1, or 0 with colocated workers)", flag="--prefill", min=0)
-    kv_cache_mb: int = opt(256, "KV cache memory per worker (MB)", min=1)
-    chunk_tokens: int = opt(512, "at most this many tokens of one prompt per pass, so long prompts do not block "
-                            "short ones (0: whole prompts)", flag="--prefill-chunk-tokens", min=0)
-    request_timeout_s: float = opt(300.0, "deadline of one request at a worker (s)", gt=0)
-    kv_timeout_s: float = opt(60.0, "deadline of one KV transfer (s)", gt=0)
-
-
-@dataclass(frozen=True)
-class ColocatedPool(PoolSection):
-    """Colocated workers: prefill and decode in one process (the classic server)."""
-
-    count: int | None = opt(0, "colocated workers (prefill + decode in one)", flag="--colocated", min=0,
-                            modes=("local",),
-                     why="the Ray deployment has prefill and decode pools only")
-    max_num_seqs: int = opt(64, "most sequences in one decode batch", min=1)
-    chunk_tokens: int = opt(512, "prompts this worker prefills itself (colocated, logprob requests, short ones) go "
-                            "at most this many tokens per pass, so they stall running streams by one chunk at "
-                            "most (0: whole prompts)", min=0)
-    admission_timeout_s: float = opt(30.0, "how long a request may wait for a decode slot at the worker (s)", gt=0)
-
-
-@dataclass(frozen=True)
-class DecodePool(ColocatedPool):
-    """The decode pool."""
-
-    count: int | None = opt(None, "decode workers (default 1, or 0 with colocated workers)", flag="--decode", min=0)
-    local_prefill_threshold: int = opt(0, "decode workers prefill prompts shorter than this many tokens "
-                                       "themselves (0: off)", flag="--local-prefill-threshold", min=0)
-
-
-@dataclass(frozen=True)
-class KvTransferSection:
-    """How KV moves from prefill to decode workers."""
-
-    backend: str = opt("auto", "grpc (streamed to the decode worker's port), shm (same-host shared memory; local "
-                       "only), ray (the object store; --ray only), auto (shm for a same-host prefill worker, else "
-                       "grpc; grpc with --ray)", flag="--kv-backend", choices=KV_BACKENDS)
-    streaming: str = opt("request", "layer: ship each layer's K/V while the prefill pass still runs",
-                         flag="--kv-streaming", choices=KV_STREAMING)
-    checksum: str = opt("", "shm backend: checksum the copied blocks (xxh3 or crc32; '' off); the gRPC stream "
-                        "always checksums", flag="--kv-checksum", choices=KV_CHECKSUMS,
-                        modes=("local",), why="it checks the shm backend, which is local only")
-    shared_cache: bool = opt(True, "prefill workers keep their KV cache in shared memory (the shm backend's source)",
-                             flag="--shared-kv-cache")
-
-
-_RAY_ONLY = ("ray",)
-_RAY_WHY = "Ray placement applies to `serve --ray` only"
-
-
-@dataclass(frozen=True)
-class RaySection:
-    """Ray placement and restarts (`pdserve serve --ray`)."""
-
-    address: str | None = opt(None, "Ray cluster to join (e.g. auto); default: start a local Ray instance",
-                              flag="--address", modes=_RAY_ONLY, why=_RAY_WHY)
-    placement: str = opt("auto", "where the actors go: spread (each pool's workers over different nodes, so a node "
-                         "loss leaves every pool a worker), pack (all on as few nodes as possible), strict_spread "
-                         "(every worker and the router on its own node), auto (spread on a cluster of several "
-                         "nodes, else pack)", flag="--placement", choices=PLACEMENTS, modes=_RAY_ONLY, why=_RAY_WHY)
-    worker_host: str = opt("127.0.0.1", "interface of the workers' gRPC servers; 'node' = the node's IP (needed "
-                           "across nodes)", flag="--worker-host", modes=_RAY_ONLY, why=_RAY_WHY)
-    gpus_per_worker: float | None = opt(None, "GPUs per worker actor (default: 1 CPU)", flag="--gpus-per-worker",
-                                        gt=0, modes=_RAY_ONLY, why=_RAY_WHY)
-    prefill_resource: str | None = opt(None, "custom Ray resource each prefill worker needs (e.g. prefill_gpu)",
-                                       flag="--prefill-resource", modes=_RAY_ONLY, why=_RAY_WHY)
-    decode_resource: str | None = opt(None, "custom Ray resource each decode worker needs (e.g. decode_gpu)",
-                                      flag="--decode-resource", modes=_RAY_ONLY, why=_RAY_WHY)
-    router_resource: str | None = opt(None, "custom Ray resource the router actor needs, e.g. one only the head "
-                                      "node has", flag="--router-resource", modes=_RAY_ONLY, why=_RAY_WHY)
-    max_restarts: int = opt(3, "restarts of a worker actor that died", flag="--max-restarts", min=0,
-                            modes=_RAY_ONLY, why=_RAY_WHY)
-    restart_wait_s: float = opt(60.0, "when no worker of a pool is healthy but one is restarting, requests (new and "
-                                "in flight) wait this long for it, within their deadline, instead of failing (0: "
-                                "fail at once)", flag="--restart-wait", min=0, modes=_RAY_ONLY, why=_RAY_WHY)
-    router_max_restarts: int = opt(3, "restarts of the router actor (it re-reads its workers)",
-                                   flag="--router-max-restarts", min=0, modes=_RAY_ONLY, why=_RAY_WHY)
-    poll_interval_s: float = opt(1.0, "how often the controller checks worker addresses and roles (s)",
-                                 flag="--ray-poll-interval", gt=0, modes=_RAY_ONLY, why=_RAY_WHY)
-
-
-@dataclass(frozen=True)
-class SecuritySection:
-    """Credentials of the public API and of the internal plane (docs/security.md)."""
-
-    auth_token_file: str | None = opt(None, "require 'authorization: Bearer <token>' on gRPC and /v1/* HTTP "
-                                      "(token: first line of FILE; or set PDSERVE_AUTH_TOKEN)",
-                                      flag="--auth-token-file")
-    tls_cert: str | None = opt(None, "serve the router's gRPC and HTTP API over TLS (PEM)", flag="--tls-cert")
-    tls_key: str | None = opt(None, "private key of tls_cert (PEM)", flag="--tls-key")
-    internal_token_file: str | None = opt(None, "internal token of router -> worker and KV calls (first line of "
-                                          "FILE; default: PDSERVE_INTERNAL_TOKEN[_FILE], else one generated per "
-                                          "launch)", flag="--internal-token-file")
-    internal_grpc_calls_per_peer: int = opt(GRPC_CALLS_PER_PEER, "open gRPC calls one peer host (the router, a "
-                                            "worker) may hold on each worker's internal port; one more is refused "
-                                            "(RESOURCE_EXHAUSTED)", flag="--internal-grpc-calls-per-peer", min=1)
-    internal_grpc_calls_total: int = opt(GRPC_CALLS_TOTAL, "open gRPC calls of all peers together on each "
-                                         "worker's internal port", flag="--internal-grpc-calls-total", min=1)
-    auth_tokens_file: str | None = opt(None, "several public API tokens, one 'TENANT TOKEN' pair per line: each "
-                                       "tenant's requests get their own prefix-cache namespace (no shared blocks, "
-                                       "no cached_tokens across tenants); instead of auth_token_file",
-                                       flag="--auth-tokens-file", modes=("local",),
-                                       why="the Ray launcher hands its router one token (security.auth_token_file)")
-
-
-@dataclass(frozen=True)
-class ObservabilitySection:
-    """Logs and metrics of every process."""
-
-    log_level: str = opt("INFO", "log level of every process", flag="--log-level",
-                         choices=("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"))
-    log_format: str = opt("text", "log lines of every process", flag="--log-format", choices=LOG_FORMATS)
-    log_dir: str | None = opt(None, "per-process logs (default: a new temp dir)", flag="--log-dir",
-                              modes=("local",), why="Ray keeps actor logs in its session folder")
-    metrics: bool = opt(False, "Prometheus /metrics on every process (free ports)", flag="--metrics",
-                        modes=("local",), why="the Ray deployment serves no Prometheus /metrics yet (use Ray's own)")
-    metrics_host: str = opt("127.0.0.1", "interface of the router's /metrics; beyond loopback needs an auth token",
-                            flag="--metrics-host", modes=("local",), why="the Ray deployment serves no /metrics")
-
-
-@dataclass(frozen=True)
-class ElasticSection:
-    """Elastic roles and the SLO autoscaler: workers that switch between prefill and
-    decode at runtime (`pdserve role`), and a loop that switches them to keep the SLOs (on Ray it
-    also adds and removes workers within min_workers..max_workers)."""
-
-    enabled: bool = opt(False, "workers can switch between prefill and decode at runtime (`pdserve role`; "
-                        "`python -m pdserve.elastic_worker`, or elastic worker actors with --ray)", flag="--elastic")
-    autoscale: bool = opt(False, "switch worker roles to keep elastic.slo, and with --ray add or remove workers "
-                          "within min/max_workers (implies elastic.enabled)", flag="--autoscale")
-    slo: str = opt("", "SLOs the autoscaler keeps, e.g. ttft_ms=500,tpot_ms=50 (needs elastic.autoscale)",
-                   flag="--slo")
-    min_workers: int = opt(2, "the autoscaler's lower bound of the worker count (--ray: it never removes below it)",
-                           flag="--min-workers", min=2)
-    max_workers: int = opt(8, "the autoscaler's upper bound of the worker count (--ray: it never adds above it)",
-                           flag="--max-workers", min=2)
-    interval_s: float = opt(1.0, "the autoscaler's control loop period (s)", flag="--autoscale-interval", gt=0)
-
-    @property
-    def switchable(self) -> bool:
-        """Workers run as `python -m pdserve.elastic_worker` (elastic roles, or the autoscaler that needs them)."""
-        return self.enabled or self.autoscale
 
 
 SECTIONS: dict[str, type] = {
@@ -487,10 +253,6 @@ def _merge(doc: dict[str, Any], overrides: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def _type_hints(cls: type) -> dict[str, Any]:
-    return typing.get_type_hints(cls)
-
-
 def _leaves(config: DeploymentConfig) -> list[tuple[str, Any]]:
     """("section.name", value) of every setting, top-level fields as ("mode", value)."""
     out: list[tuple[str, Any]] = []
@@ -514,22 +276,14 @@ def _field_of(dotted: str) -> dataclasses.Field[Any]:
     return {f.name: f for f in dataclasses.fields(cls)}[name]
 
 
-def _type_of(dotted: str) -> Any:  # noqa: ANN401
-    section, _, name = dotted.rpartition(".")
-    return _type_hints(SECTIONS[section] if section else DeploymentConfig)[name]
-
-
 def _default_of(f: dataclasses.Field[Any]) -> Any:  # noqa: ANN401
     return f.default
 
 
 def _base_type(dotted: str) -> tuple[type, bool]:
     """(int|float|str|bool, optional) of a setting."""
-    hint = _type_of(dotted)
-    args = typing.get_args(hint)
-    optional = type(None) in args
-    base = next((a for a in args if a is not type(None)), hint) if args else hint
-    return base, optional
+    section, _, name = dotted.rpartition(".")
+    return field_type(SECTIONS[section] if section else DeploymentConfig, name)
 
 
 def _check_field(dotted: str, f: dataclasses.Field[Any], value: Any) -> None:  # noqa: ANN401
@@ -553,9 +307,9 @@ def _check_field(dotted: str, f: dataclasses.Field[Any], value: Any) -> None:  #
         raise ConfigError(f"{dotted}: must be <= {meta['max']}, got {value!r}")
     if meta["gt"] is not None and not value > meta["gt"]:
         raise ConfigError(f"{dotted}: must be > {meta['gt']}, got {value!r}")
-    if dotted == "model.device":
+    if meta["check"] is not None:
         try:
-            check_device_name(value)
+            meta["check"](value)
         except ValueError as exc:
             raise ConfigError(f"{dotted}: {exc}") from None
 
@@ -625,23 +379,14 @@ def add_flags(parser: argparse.ArgumentParser) -> None:
 
 
 def _add_flag(group: argparse._ArgumentGroup, dotted: str) -> None:
+    """The `pdserve serve` flag of a setting: its default is "not given" (SUPPRESS), the real one is
+    shown in the help; a setting that only some modes honour says so."""
+    section, _, name = dotted.rpartition(".")
     f = _field_of(dotted)
-    base, _ = _base_type(dotted)
-    default = _default_of(f)
-    text = f.metadata["help"] + ("" if default is None or base is bool else f" (default {default})")
+    kwargs = flag_kwargs(SECTIONS[section] if section else DeploymentConfig, name, default=argparse.SUPPRESS)
     if f.metadata["modes"] != MODES:
-        text += f" [{'/'.join(f.metadata['modes'])} only]"
-    kwargs: dict[str, Any] = {"dest": dotted, "default": argparse.SUPPRESS, "help": text}
-    if base is bool:
-        kwargs["action"] = argparse.BooleanOptionalAction
-    else:
-        kwargs["type"] = base
-        if f.metadata["choices"] is not None:
-            kwargs["choices"] = f.metadata["choices"]
-        name = dotted.rpartition(".")[2]
-        kwargs["metavar"] = (None if f.metadata["choices"] else "N" if base is int else
-                             "S" if name.endswith("_s") else "X" if base is float else name.upper())
-    group.add_argument(flag_of(dotted), **kwargs)
+        kwargs["help"] += f" [{'/'.join(f.metadata['modes'])} only]"
+    group.add_argument(flag_of(dotted), dest=dotted, **kwargs)
 
 
 def overrides_from_args(args: argparse.Namespace, mode: str = "local") -> dict[str, Any]:

@@ -1,5 +1,5 @@
 """`pdserve role`, and the autoscaler options behind the ``elastic`` section of `pdserve serve`
-(cluster.deploy_config.ElasticSection: --elastic, --autoscale, --slo, --min-workers, --max-workers,
+(pdserve.settings.ElasticSection: --elastic, --autoscale, --slo, --min-workers, --max-workers,
 --autoscale-interval; `DeploymentConfig.autoscale_options` builds `AutoscaleOptions`).
 
     pdserve role [--url ROUTER] WORKER_ID {prefill,decode,colocated}

@@ -7,17 +7,16 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-ENGINES = ("model", "sim")
+from pdserve.settings import ENGINE_SETTINGS, ModelSection, add_section_flags
 
 
 def add_engine_flags(parser: argparse.ArgumentParser) -> None:
-    group = parser.add_argument_group("simulated engine (docs/capacity.md)")
-    group.add_argument("--engine", choices=ENGINES, default="model",
-                       help="model: run the model; sim: workers wait a latency profile's pass times (no weights)")
-    group.add_argument("--profile", default=None, metavar="FILE", help="latency profile (JSON) of the sim engine")
-    group.add_argument("--speedup", type=float, default=1.0,
-                       help="sim engine: modelled durations are divided by K; bench/sweep rates and times are "
-                            "scaled so results read in profile time (default 1)")
+    """--engine, --profile, --speedup, as every worker takes them (`model` section's settings); bench
+    and sweep also scale their rates and times by --speedup, so results read in profile time."""
+    group = parser.add_argument_group("simulated engine (docs/capacity.md)",
+                                      "bench and sweep divide their rates and times by --speedup too, so "
+                                      "results read in profile time")
+    add_section_flags(group, ModelSection, ENGINE_SETTINGS)
 
 
 def sim_worker_args(profile: str | None, speedup: float = 1.0) -> tuple[str, ...]:

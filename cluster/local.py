@@ -41,6 +41,15 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from pdserve.cluster.deploy_config import WORKER_HOST, DeploymentConfig, flat_sections, router_document, worker_document
 from pdserve.cluster.processes import ManagedProcess, ProcessStartError, stop_all
 from pdserve.process_config import write_document
+from pdserve.settings import (
+    ColocatedPool,
+    DecodePool,
+    ElasticSection,
+    ModelSection,
+    ObservabilitySection,
+    RouterSection,
+    SecuritySection,
+)
 from pdserve.transport import (
     ENV_ROUTER_DIGEST,
     ENV_ROUTER_TOKEN,
@@ -75,39 +84,45 @@ class WorkerProcess(NamedTuple):
 @dataclass(frozen=True)
 class LocalClusterConfig:
     """The flat, library form of a local deployment (tests, benchmarks); `deployment()` is the
-    DeploymentConfig it stands for, which validates it. `prefill_args`, `decode_args` (decode and
-    colocated) and `router_args` are extra command-line flags per process kind (experiments, fault
-    injection in tests); they override the process's config document."""
+    DeploymentConfig it stands for, which validates it. A field defaults to its setting's default
+    (`pdserve.settings`) but for the library's own choices: port 0, device cpu, a shorter start-up.
+    `prefill_args`, `decode_args` (decode and colocated) and `router_args` are extra command-line
+    flags per process kind (experiments, fault injection in tests); they override the process's
+    config document."""
 
-    model: str | None = None
+    model: str | None = ModelSection.path
     prefill: int = 1
     decode: int = 1
-    colocated: int = 0
-    host: str = "127.0.0.1"
+    colocated: int = ColocatedPool.count  # type: ignore[assignment]
+    host: str = RouterSection.host
     port: int = 0
     threads_per_worker: int | None = None
     device: str = "cpu"  # every worker's --device and --dtype (pdserve.devices names; "auto" allowed)
-    dtype: str = "auto"
-    prefill_policy: str = "round_robin"
-    decode_policy: str = "round_robin"
+    dtype: str = ModelSection.dtype
+    prefill_policy: str = RouterSection.prefill_policy
+    decode_policy: str = RouterSection.decode_policy
     kv_cache_mb: int | None = None
-    local_prefill_threshold: int = 0  # decode workers prefill prompts shorter than this themselves
-    max_queued_requests: int = 4096  # router's admission queue bound (router --max-queued-requests)
+    # decode workers prefill prompts shorter than this themselves
+    local_prefill_threshold: int = DecodePool.local_prefill_threshold
+    max_queued_requests: int = RouterSection.max_queued_requests  # router's admission queue bound
     prefill_args: tuple[str, ...] = ()
     decode_args: tuple[str, ...] = ()
     router_args: tuple[str, ...] = ()
     startup_timeout_s: float = 180.0
-    log_dir: str | None = None
-    http_port: int | None = None  # router's OpenAI-compatible HTTP API (0 picks a port; None: off)
-    metrics: bool = False  # Prometheus /metrics on a free loopback port per process
-    log_format: str = "text"  # "text" or "json" log lines, every process
-    log_level: str = "INFO"
-    model_name: str | None = None  # model id of the HTTP API (default: the model folder's name)
-    auth_token_file: str | None = None  # public API needs "Bearer <first line>" (or PDSERVE_AUTH_TOKEN)
-    tls_cert_file: str | None = None  # public gRPC and HTTP API over TLS (with tls_key_file)
-    tls_key_file: str | None = None
-    metrics_host: str = "127.0.0.1"  # router's /metrics interface; beyond loopback only with a token
-    elastic: bool = False  # elastic.enabled: workers can switch roles at runtime (`elastic_worker`; `pdserve role`)
+    log_dir: str | None = ObservabilitySection.log_dir
+    http_port: int | None = RouterSection.http_port  # router's OpenAI-compatible HTTP API (0 picks a port; None: off)
+    metrics: bool = ObservabilitySection.metrics  # Prometheus /metrics on a free loopback port per process
+    log_format: str = ObservabilitySection.log_format  # "text" or "json" log lines, every process
+    log_level: str = ObservabilitySection.log_level
+    model_name: str | None = ModelSection.name  # model id of the HTTP API (default: the model folder's name)
+    # public API needs "Bearer <first line>" (or PDSERVE_AUTH_TOKEN)
+    auth_token_file: str | None = SecuritySection.auth_token_file
+    tls_cert_file: str | None = SecuritySection.tls_cert  # public gRPC and HTTP API over TLS (with tls_key_file)
+    tls_key_file: str | None = SecuritySection.tls_key
+    # router's /metrics interface; beyond loopback only with a token
+    metrics_host: str = ObservabilitySection.metrics_host
+    # elastic.enabled: workers can switch roles at runtime (`elastic_worker`; `pdserve role`)
+    elastic: bool = ElasticSection.enabled
 
     def __post_init__(self) -> None:
         self.deployment()  # ConfigError (a ValueError) naming the setting

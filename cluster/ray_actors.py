@@ -1,7 +1,8 @@
 """The pdserve processes as Ray actors: a worker actor (prefill or decode) and the router actor.
 
 A worker actor's ``__init__`` builds exactly what ``python -m pdserve.prefill_worker`` / ``python -m
-decode_worker`` build (their ``start_worker``), from the same config document
+pdserve.decode_worker`` build, by calling the same library entry points (``pdserve.prefill_worker.process``,
+``pdserve.decode_worker.process``: ``parse_args`` and ``start_worker``), from the same config document
 (`cluster.deploy_config.worker_document`, validated by the worker's own parser), so both
 deployment modes share one code path: the worker serves gRPC on its own port, and the router
 talks to it as it talks to a local process. The actor adds what a launcher needs: ``address()``,
@@ -10,7 +11,7 @@ object store (``receive_kv`` for a whole request, ``receive_kv_part`` for layer-
 backend's receiving end).
 
 An elastic worker actor (``serve --ray --elastic`` / ``--autoscale``: its document is
-{"prefill": ..., "decode": ...}, `is_elastic_document`) runs ``python -m pdserve.elastic_worker``'s
+{"prefill": ..., "decode": ...}, `is_elastic_document`) runs ``pdserve.elastic_worker.process``'s
 ``start_worker`` instead: one loaded model and KV pool, every role's services on one port, and
 RoleControl.SetRole (the router's SwitchRole, `pdserve role`) changes its role in place. ``role``
 and ``state()`` then report the current role (the controller's watcher reads it).
@@ -25,17 +26,31 @@ never loads torch.
 
 from __future__ import annotations
 
-import importlib
 import os
+from types import ModuleType
 from typing import Any
 
-WORKER_MODULES = {"prefill": "pdserve.prefill_worker.__main__", "decode": "pdserve.decode_worker.__main__"}
-ELASTIC_KINDS = frozenset(WORKER_MODULES)
+WORKER_ROLES = ("prefill", "decode")
+ELASTIC_KINDS = frozenset(WORKER_ROLES)
 
 
 def is_elastic_document(document: dict[str, Any]) -> bool:
     """An elastic worker's document: {"prefill": <prefill document>, "decode": <decode document>}."""
     return set(document) == ELASTIC_KINDS and all(isinstance(v, dict) for v in document.values())
+
+
+def worker_process(role: str) -> ModuleType:
+    """The library module of a worker role's process (its ``parse_args`` and ``start_worker``),
+    imported here, inside the actor: it pulls torch."""
+    if role == "prefill":
+        from pdserve.prefill_worker import process as prefill_process
+
+        return prefill_process
+    if role == "decode":
+        from pdserve.decode_worker import process as decode_process
+
+        return decode_process
+    raise ValueError(f"role must be one of {', '.join(WORKER_ROLES)}, got {role!r}")
 
 
 def _use_internal_token(token: str | None) -> None:
@@ -61,20 +76,20 @@ class WorkerActor:
             from pdserve.transport import ENV_ROUTER_DIGEST
 
             os.environ[ENV_ROUTER_DIGEST] = router_digest
-        if role not in WORKER_MODULES:
-            raise ValueError(f"role must be one of {sorted(WORKER_MODULES)}, got {role!r}")
+        if role not in WORKER_ROLES:
+            raise ValueError(f"role must be one of {', '.join(WORKER_ROLES)}, got {role!r}")
         os.environ[NODE_ID_ENV] = ray.get_runtime_context().get_node_id()  # reported in WorkerInfo.node_id
         os.environ[NODE_HOST_ENV] = ray.util.get_node_ip_address()
         self._elastic: Any = None  # the ElasticWorker of an elastic actor
         if is_elastic_document(document):
-            from pdserve.elastic_worker import __main__ as elastic_main
+            from pdserve.elastic_worker import process as elastic_main
 
             _, prefill_args, args = elastic_main.parse_args(["--role", role, *extra_argv], document=document)
             configure_process(args.threads, args.log_level, args.log_format, args.worker_id)
             self.started = elastic_main.start_worker(role, prefill_args, args)
             self._elastic = self.started.extras["worker"]
         else:
-            module = importlib.import_module(WORKER_MODULES[role])
+            module = worker_process(role)
             args = module.parse_args(list(extra_argv), document=document)
             configure_process(args.threads, args.log_level, args.log_format, args.worker_id)
             self.started = module.start_worker(args)
@@ -147,7 +162,7 @@ class RouterActor:
             from pdserve.transport import ENV_ROUTER_TOKEN
 
             os.environ[ENV_ROUTER_TOKEN] = router_token
-        from pdserve.router.__main__ import config_from_args, parse_args
+        from pdserve.router.process import config_from_args, parse_args
         from pdserve.router.server import serve
         from pdserve.telemetry.logs import configure_logging
 

@@ -50,6 +50,7 @@ from pathlib import Path
 from types import TracebackType
 from typing import Any, TypeVar
 
+from pdserve.constants import RAY_NAMESPACE
 from pdserve.extras import missing_extra
 
 try:
@@ -62,11 +63,12 @@ except ImportError as exc:
 
 from pdserve.cluster.deploy_config import DeploymentConfig, _abspath, flat_sections, router_document, worker_document
 from pdserve.cluster.ray_actors import RouterActor, WorkerActor
+from pdserve.settings import ModelSection, ObservabilitySection, RaySection, RouterSection, SecuritySection
 from pdserve.transport import launcher_token, load_token, router_token_digest
 
 log = logging.getLogger(__name__)
 
-NAMESPACE = "pdserve"  # kv_transfer.ray_backend.NAMESPACE (not imported: it pulls torch)
+NAMESPACE = RAY_NAMESPACE
 CONTROLLER_NAME = "pdserve-controller"
 ROUTER_NAME = "pdserve-router"
 KV_BACKENDS = ("grpc", "ray")
@@ -77,43 +79,52 @@ ROLES = ("prefill", "decode")
 @dataclass(frozen=True)
 class RayClusterConfig:
     """The flat, library form of a Ray deployment (tests, benchmarks); `deployment()` is the
-    DeploymentConfig (mode ray) it stands for, which validates it. `prefill_args` / `decode_args` are
+    DeploymentConfig (mode ray) it stands for, which validates it. A field defaults to its setting's
+    default (`pdserve.settings`) but for the library's own choices: grpc KV, device cpu, a 60 s drain,
+    model name "default". `prefill_args` / `decode_args` are
     extra worker flags (experiments); they override the worker's config document."""
 
     prefill: int = 1
     decode: int = 1
-    model: str | None = None
-    address: str | None = None  # Ray cluster to join; None starts a local instance (unless one is running)
-    host: str = "127.0.0.1"  # router's public interface
-    port: int = 50051  # router's public port (0 picks one)
-    worker_host: str = "127.0.0.1"  # interface of workers' gRPC servers; "node" = the node's IP
+    model: str | None = ModelSection.path
+    # Ray cluster to join; None starts a local instance (unless one is running)
+    address: str | None = RaySection.address
+    host: str = RouterSection.host  # router's public interface
+    port: int = RouterSection.port  # router's public port (0 picks one)
+    worker_host: str = RaySection.worker_host  # interface of workers' gRPC servers; "node" = the node's IP
     kv_backend: str = "grpc"
-    gpus_per_worker: float | None = None  # else each worker declares num_cpus=1
-    prefill_resource: str | None = None  # custom resource (1 unit) each prefill worker needs, e.g. prefill_gpu
-    decode_resource: str | None = None
-    router_resource: str | None = None  # custom resource (1 unit) the router needs: pins it to e.g. the head node
-    placement: str = "auto"  # auto: spread on a cluster of several nodes, else pack
-    restart_wait_s: float = 60.0  # requests wait this long for a restarting worker when none of its pool is healthy
+    gpus_per_worker: float | None = RaySection.gpus_per_worker  # else each worker declares num_cpus=1
+    # custom resource (1 unit) each prefill worker needs, e.g. prefill_gpu
+    prefill_resource: str | None = RaySection.prefill_resource
+    decode_resource: str | None = RaySection.decode_resource
+    # custom resource (1 unit) the router needs: pins it to e.g. the head node
+    router_resource: str | None = RaySection.router_resource
+    placement: str = RaySection.placement  # auto: spread on a cluster of several nodes, else pack
+    # requests wait this long for a restarting worker when none of its pool is healthy
+    restart_wait_s: float = RaySection.restart_wait_s
     threads_per_worker: int | None = None
     kv_cache_mb: int | None = None
     device: str = "cpu"  # every worker's device and dtype (the CLI passes "auto"); Ray picks which GPU
-    dtype: str = "auto"
-    prefill_policy: str = "round_robin"
-    decode_policy: str = "round_robin"
+    dtype: str = ModelSection.dtype
+    prefill_policy: str = RouterSection.prefill_policy
+    decode_policy: str = RouterSection.decode_policy
     prefill_args: tuple[str, ...] = ()
     decode_args: tuple[str, ...] = ()
-    max_restarts: int = 3
-    router_max_restarts: int = 3  # the router actor's restarts; it re-reads its workers from the controller
-    max_queued_requests: int = 4096  # router's admission queue bound
-    poll_interval_s: float = 1.0
+    max_restarts: int = RaySection.max_restarts
+    # the router actor's restarts; it re-reads its workers from the controller
+    router_max_restarts: int = RaySection.router_max_restarts
+    max_queued_requests: int = RouterSection.max_queued_requests  # router's admission queue bound
+    poll_interval_s: float = RaySection.poll_interval_s
     drain_timeout_s: float = 60.0
-    startup_timeout_s: float = 300.0
-    log_level: str = "INFO"
-    http_port: int | None = None  # router's OpenAI-compatible HTTP API (0 picks a port; None: off)
+    startup_timeout_s: float = DeploymentConfig.startup_timeout_s
+    log_level: str = ObservabilitySection.log_level
+    http_port: int | None = RouterSection.http_port  # router's OpenAI-compatible HTTP API (0 picks a port; None: off)
     model_name: str = "default"  # model id of the HTTP API
-    auth_token_file: str | None = None  # public API needs "Bearer <first line>" (read on the driver)
-    tls_cert_file: str | None = None  # public gRPC and HTTP over TLS (paths read on the router's node)
-    tls_key_file: str | None = None
+    # public API needs "Bearer <first line>" (read on the driver)
+    auth_token_file: str | None = SecuritySection.auth_token_file
+    # public gRPC and HTTP over TLS (paths read on the router's node)
+    tls_cert_file: str | None = SecuritySection.tls_cert
+    tls_key_file: str | None = SecuritySection.tls_key
     internal_token: str | None = field(default=None, repr=False)  # else the configured or a generated one
 
     def __post_init__(self) -> None:

@@ -36,8 +36,8 @@ from pdserve.engine.kv_cache import KVCache, KVCacheShape
 from pdserve.engine.model_loader import LoadedModel
 from pdserve.engine.model_runner import StepInput
 from pdserve.engine.sim_profile import Profile, load_profile, split_pass
+from pdserve.settings import ENGINE_SETTINGS, ModelSection, add_section_flags
 
-ENGINES = ("model", "sim")
 PLACEHOLDER_DTYPE = torch.float16
 MAX_PSEUDO_TOKENS = 512
 _MIX = 1_000_003
@@ -161,12 +161,7 @@ class SimRunner:
 # ----- worker wiring: the flags both worker roles take, and the load step ------------------------
 def add_engine_args(ap: argparse.ArgumentParser) -> None:
     """--engine, --profile, --speedup (the sim engine's flags, one group on every worker role)."""
-    group = ap.add_argument_group("simulated engine (docs/capacity.md)")
-    group.add_argument("--engine", choices=ENGINES, default="model",
-                       help="model: run the model; sim: wait the profile's predicted pass times (no weights)")
-    group.add_argument("--profile", default=None, metavar="FILE", help="latency profile of the sim engine (JSON)")
-    group.add_argument("--speedup", type=float, default=1.0,
-                       help="sim engine: every modelled duration is divided by this (default 1)")
+    add_section_flags(ap.add_argument_group("simulated engine (docs/capacity.md)"), ModelSection, ENGINE_SETTINGS)
 
 
 def load_sim_worker(args: argparse.Namespace, config: EngineConfig) -> tuple[EngineConfig, LoadedModel]:

@@ -25,9 +25,10 @@ from typing import Any
 import torch
 
 from pdserve.failures import RequestInvalid
+from pdserve.limits import MAX_STRUCTURED_CHARS
 
 KINDS = ("json_schema", "json_object", "regex", "choice", "grammar")
-MAX_SPEC_CHARS = 64 * 1024
+MAX_SPEC_CHARS = MAX_STRUCTURED_CHARS
 _COMPACT = {"whitespace_flexible": False}  # llguidance's JSON option: no free whitespace
 
 

@@ -48,6 +48,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from pdserve.constants import RAY_NAMESPACE
 from pdserve.extras import missing_extra
 
 try:
@@ -70,7 +71,7 @@ from pdserve.v1.kv_pb2 import KvAck
 
 BACKEND_NAME = "ray"
 TARGET_PREFIX = "ray:"
-NAMESPACE = "pdserve"
+NAMESPACE = RAY_NAMESPACE
 HEADER_FIELDS = ("request_id", "model_fingerprint", "dtype", "shape", "block_size", "num_tokens",
                  "block_offset", "first_token_id", "total_bytes")
 PART_FIELDS = ("layer_start", "layer_end", "part_bytes")

@@ -24,6 +24,9 @@ MAX_LOGIT_BIAS = 100.0
 MAX_ALLOWED_TOKEN_IDS = 4096
 MAX_BAD_WORDS = 64
 MAX_BAD_WORD_CHARS = 256
+#: Longest structured-output spec (grammar, regex, JSON schema, choice list as JSON) of one request, in
+#: characters: the router refuses a longer one, the engine checks again before compiling it.
+MAX_STRUCTURED_CHARS = 64 * 1024
 #: Most choices of one request (SamplingParams.n; OpenAI's bound).
 MAX_N = 128
 #: Concurrent gRPC calls one peer host may hold open on one server (router or worker), and all peers

@@ -4,9 +4,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from pdserve.limits import GRPC_CALLS_PER_PEER, GRPC_CALLS_TOTAL, RECEIVE_LIMIT_BYTES
+from pdserve.limits import RECEIVE_LIMIT_BYTES
 from pdserve.router.policies import COLOCATED, DECODE, POLICY_NAMES, PREFILL
 from pdserve.router.worker_pool import WorkerEndpoint
+from pdserve.settings import ObservabilitySection, RouterSection
 from pdserve.transport import is_loopback
 
 MAX_RECEIVE_MESSAGE_BYTES = RECEIVE_LIMIT_BYTES  # requests above pdserve.limits.MAX_REQUEST_BYTES get 400
@@ -14,36 +15,40 @@ MAX_RECEIVE_MESSAGE_BYTES = RECEIVE_LIMIT_BYTES  # requests above pdserve.limits
 
 @dataclass(frozen=True)
 class RouterConfig:
-    """Addresses of the workers, selection policies, deadlines and server sizing.
+    """Addresses of the workers, selection policies, deadlines and server sizing. The settings a
+    deployment configures default to their `pdserve.settings` field; `port` is 0 (a free one), the
+    library's choice for tests and embedding.
 
     Decode workers need at least one prefill worker; colocated workers prefill themselves. A router
     with no workers at all is allowed (it validates requests and answers UNAVAILABLE).
     """
 
-    host: str = "127.0.0.1"
+    host: str = RouterSection.host
     port: int = 0
     prefill: tuple[str, ...] = ()
     decode: tuple[str, ...] = ()
     colocated: tuple[str, ...] = ()
-    prefill_policy: str = "round_robin"
-    decode_policy: str = "round_robin"
-    max_stream_timeout_s: float = 600.0
+    prefill_policy: str = RouterSection.prefill_policy
+    decode_policy: str = RouterSection.decode_policy
+    max_stream_timeout_s: float = RouterSection.max_stream_timeout_s
     info_timeout_s: float = 2.0
     poll_interval_s: float = 0.5
-    max_concurrent_streams: int = 256  # requests at workers at once; more wait in the admission queue
-    max_queued_requests: int = 4096  # requests waiting for a decode slot; one more is refused (429)
-    max_attempts: int = 3  # a request is tried on at most this many (decode, prefill) pairs
+    # requests at workers at once (more wait in the admission queue); waiting for a decode slot (one more is
+    # refused: 429); (decode, prefill) pairs a request is tried on
+    max_concurrent_streams: int = RouterSection.max_concurrent_streams
+    max_queued_requests: int = RouterSection.max_queued_requests
+    max_attempts: int = RouterSection.max_attempts
     auth_token: str | None = None  # when set, Router calls need "authorization: Bearer <token>"
     # several tokens, as (token, tenant) pairs (--auth-tokens-file): each tenant's requests get their own
     # prefix-cache namespace (the tenant is folded into their cache_salt); not combined with auth_token
     auth_tokens: tuple[tuple[str, str], ...] = ()
     tls_cert_file: str | None = None  # PEM certificate chain: serve the public port over TLS
     tls_key_file: str | None = None
-    http_port: int | None = None  # OpenAI-compatible HTTP API on host:http_port (0 picks a port; None: off)
+    http_port: int | None = RouterSection.http_port  # OpenAI HTTP API on host:http_port (0 picks one; None: off)
     metrics_port: int = 0  # Prometheus /metrics on metrics_host:metrics_port (0: off)
-    metrics_host: str = "127.0.0.1"  # beyond loopback only with auth_token (then scrapes need it too)
+    metrics_host: str = ObservabilitySection.metrics_host  # beyond loopback only with auth_token (scrapes need it)
     model_name: str = "default"  # the model id the HTTP API serves
-    decode_mux: bool = False  # one DecodeWorker.GenerateMux call per decode worker instead of a call per request
+    decode_mux: bool = RouterSection.decode_mux  # one GenerateMux call per decode worker, not a call per request
     # when no worker of a stage is healthy but some are still registered (their launcher restarts them:
     # Ray actors with max_restarts), requests wait this long for one to serve again instead of failing
     # (0: fail at once, as for workers nobody restarts)
@@ -52,15 +57,15 @@ class RouterConfig:
     # prompts with; kv_aware's decode weights; conditional disaggregation's threshold (a request with
     # fewer uncached tokens on its decode worker is prefilled there; 0: always disaggregate)
     tokenizer: str = ""
-    kv_request_tokens: float = 128.0
-    kv_kv_tokens: float = 512.0
-    conditional_disagg_tokens: int = 0
+    kv_request_tokens: float = RouterSection.kv_aware_request_tokens
+    kv_kv_tokens: float = RouterSection.kv_aware_kv_tokens
+    conditional_disagg_tokens: int = RouterSection.conditional_disagg_tokens
     # SLO admission: refuse (RESOURCE_EXHAUSTED, Retry-After) a request whose predicted TTFT exceeds
     # this (seconds; 0: off); GenerateRequest.best_effort requests are admitted anyway
-    slo_ttft_s: float = 0.0
+    slo_ttft_s: float = RouterSection.slo_ttft_s
     # open gRPC calls on the public port: per client host, and of all clients (one more: RESOURCE_EXHAUSTED)
-    grpc_calls_per_peer: int = GRPC_CALLS_PER_PEER
-    grpc_calls_total: int = GRPC_CALLS_TOTAL
+    grpc_calls_per_peer: int = RouterSection.grpc_calls_per_peer
+    grpc_calls_total: int = RouterSection.grpc_calls_total
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:

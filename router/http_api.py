@@ -44,6 +44,7 @@ from typing import Any
 
 from aiohttp import web
 
+from pdserve.constants import REQUEST_TIMEOUT_S
 from pdserve.limits import RECEIVE_LIMIT_BYTES
 from pdserve.router import tools
 from pdserve.router.auth import BearerToken
@@ -187,7 +188,7 @@ class OpenAIHttpServer:
     """Serves the OpenAI API on ``host:port`` from a `RouterCore`; start and stop on the core's loop."""
 
     def __init__(self, core: RouterCore, model_name: str, host: str = "127.0.0.1", port: int = 0,
-                 auth_token: str | Mapping[str, str | None] | None = None, timeout_s: float = 600.0,
+                 auth_token: str | Mapping[str, str | None] | None = None, timeout_s: float = REQUEST_TIMEOUT_S,
                  tls_cert_file: str | None = None, tls_key_file: str | None = None,
                  max_connections: int | None = None) -> None:
         self._core = core

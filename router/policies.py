@@ -31,18 +31,18 @@ from abc import ABC, abstractmethod
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
+from pdserve.constants import KV_POLICIES, POLICY_NAMES
+from pdserve.settings import RouterSection
 from pdserve.v1 import router_pb2
 
 PREFILL = "prefill"
 DECODE = "decode"
 COLOCATED = "colocated"
 ROLES = (PREFILL, DECODE, COLOCATED)
-POLICY_NAMES = ("round_robin", "least_loaded", "prefix_affinity", "kv_aware", "kv_oracle")
-KV_POLICIES = ("kv_aware", "kv_oracle")
 #: kv_aware's decode weights (tokens of prompt work one running request / a full KV pool is worth):
-#: defaults chosen on the multi-turn sim benchmark (docs/performance.md, KV-aware routing).
-DEFAULT_REQUEST_TOKENS = 128.0
-DEFAULT_KV_TOKENS = 512.0
+#: the router section's defaults, chosen on the multi-turn sim benchmark (docs/performance.md).
+DEFAULT_REQUEST_TOKENS = RouterSection.kv_aware_request_tokens
+DEFAULT_KV_TOKENS = RouterSection.kv_aware_kv_tokens
 PREFIX_KEY_CHARS = 256  # how much of a prompt decides its prefill worker under prefix_affinity
 CHARS_PER_TOKEN_ESTIMATE = 4
 MESSAGE_OVERHEAD_TOKENS = 8

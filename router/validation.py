@@ -19,6 +19,7 @@ from pdserve.limits import (
     MAX_LOGIT_BIAS_ENTRIES,
     MAX_N,
     MAX_REQUEST_BYTES,
+    MAX_STRUCTURED_CHARS,
 )
 from pdserve.v1 import common_pb2, router_pb2
 
@@ -122,7 +123,6 @@ def _check_non_negative(field: str, values: Sequence[int]) -> None:
     raise InvalidRequest(f"{field}[{i}]", f"must be >= 0, got {value}")
 
 
-MAX_STRUCTURED_CHARS = 64 * 1024  # engine.structured.MAX_SPEC_CHARS (not imported: it is the engine's)
 MAX_CHOICES = 256
 
 

@@ -13,7 +13,8 @@ import os
 import sys
 from datetime import datetime, timezone
 
-LOG_FORMATS = ("text", "json")
+from pdserve.constants import LOG_FORMATS
+
 _STANDARD_ATTRS = frozenset(vars(logging.makeLogRecord({}))) | {"message", "asctime", "taskName"}
 
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import atexit
+import dataclasses
 import json
 import logging
 import os
@@ -29,16 +30,16 @@ import grpc
 import torch
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-from pdserve.devices import DEVICE_HELP, DTYPE_HELP, DTYPE_NAMES, check_device_name
+from pdserve.constants import LOOPBACK
 from pdserve.engine.kv_events import KvEventLog
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.engine.stop_checker import FINISH_ABORT, FINISH_ERROR, FINISH_LENGTH, FINISH_STOP, FINISH_STOP_STRING
 from pdserve.engine.trace import DecodeStepEvent, DetokenizeHoldEvent, PrefillPassEvent, TraceEvent, token_bytes
 from pdserve.failures import RequestInvalid
-from pdserve.limits import GRPC_CALLS_PER_PEER, GRPC_CALLS_TOTAL
 from pdserve.serving import AioServer, CallLimits, PeerCallLimiter, RequestParseInterceptor, ready_line
+from pdserve.settings import ModelSection, ObservabilitySection, PoolSection, SecuritySection, add_section_flags
 from pdserve.telemetry.grpc_logging import RequestLoggingInterceptor
-from pdserve.telemetry.logs import LOG_FORMATS, configure_logging
+from pdserve.telemetry.logs import configure_logging
 from pdserve.telemetry.memory import bound_heap
 from pdserve.transport import add_port, server_interceptors, use_internal_token_file
 from pdserve.v1 import common_pb2, worker_pb2, worker_pb2_grpc
@@ -185,33 +186,29 @@ def trace_events_to_pb(events: tuple[TraceEvent, ...], worker_id: str, tokenizer
     return [trace_event_to_pb(event, worker_id, tokenizer) for event in events]
 
 
-def add_worker_args(ap: argparse.ArgumentParser, worker_id: str, kv_cache_mb: int) -> None:
-    """Flags every worker role takes: model, address, identity, threads, KV memory, shutdown."""
-    ap.add_argument("--model", default=None, help="local Hugging Face folder (default: the default model)")
-    ap.add_argument("--host", default="127.0.0.1", help="bind address (loopback unless told otherwise)")
+#: The settings of a worker's own pool that both roles take (every PoolSection field but the pool size).
+POOL_SETTINGS = tuple(f.name for f in dataclasses.fields(PoolSection) if f.name != "count")
+#: Settings a worker's command line spells otherwise than `pdserve serve` (security.internal_grpc_calls_*
+#: are the limits of the worker's own, internal, port).
+WORKER_FLAGS = {"internal_grpc_calls_per_peer": "--grpc-calls-per-peer",
+                "internal_grpc_calls_total": "--grpc-calls-total"}
+
+
+def add_worker_args(ap: argparse.ArgumentParser, worker_id: str, pool: type[PoolSection]) -> None:
+    """Flags every worker role takes: address and identity (the launcher's), then the model, the
+    settings of its `pool` (PrefillPool or DecodePool: their defaults differ) and the internal
+    plane's credentials and call limits, generated from the deployment's setting sections."""
+    ap.add_argument("--host", default=LOOPBACK, help="bind address (loopback unless told otherwise)")
     ap.add_argument("--port", type=int, default=0, help="0 picks a free port")
     ap.add_argument("--worker-id", default=worker_id)
-    ap.add_argument("--threads", type=int, default=None, help="torch threads for this process")
-    ap.add_argument("--kv-cache-mb", type=int, default=kv_cache_mb, help="KV cache memory of this worker")
-    ap.add_argument("--block-size", type=int, default=16, help="tokens per KV block (same on every worker)")
-    ap.add_argument("--device", default="auto", type=check_device_name, help=DEVICE_HELP)
-    ap.add_argument("--dtype", default="auto", choices=DTYPE_NAMES, help=DTYPE_HELP)
-    ap.add_argument("--drain-timeout-s", type=float, default=30.0,
-                    help="on SIGTERM, stop taking requests and finish those in flight for at most this long")
-    ap.add_argument("--internal-token-file", default=None, metavar="FILE",
-                    help="require (and send) this internal token (first line of FILE) on every internal call; "
-                         "or set PDSERVE_INTERNAL_TOKEN. Needed to bind beyond loopback without internal mTLS")
-    ap.add_argument("--grpc-calls-per-peer", type=int, default=GRPC_CALLS_PER_PEER, metavar="N",
-                    help="open gRPC calls one peer host may hold on this worker; one more is refused with "
-                         f"RESOURCE_EXHAUSTED (default {GRPC_CALLS_PER_PEER})")
-    ap.add_argument("--grpc-calls-total", type=int, default=GRPC_CALLS_TOTAL, metavar="N",
-                    help=f"open gRPC calls of all peers together on this worker (default {GRPC_CALLS_TOTAL})")
+    add_section_flags(ap, ModelSection, ("path", "block_size", "device", "dtype"))
+    add_section_flags(ap, pool, POOL_SETTINGS)
+    add_section_flags(ap, SecuritySection, ("internal_token_file", *WORKER_FLAGS), flags=WORKER_FLAGS)
 
 
 def add_observability_args(ap: argparse.ArgumentParser) -> None:
     """--log-level, --log-format and --metrics-port, the same on both worker roles."""
-    ap.add_argument("--log-level", default="INFO")
-    ap.add_argument("--log-format", choices=LOG_FORMATS, default="text", help="text lines or JSON lines")
+    add_section_flags(ap, ObservabilitySection, ("log_level", "log_format"))
     ap.add_argument("--metrics-port", type=int, default=0,
                     help="serve Prometheus /metrics on this loopback port (0: off)")
 

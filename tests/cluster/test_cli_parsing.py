@@ -132,7 +132,7 @@ def test_elastic_flags_are_the_elastic_section() -> None:
 def test_elastic_worker_takes_both_documents_or_flags(tmp_path) -> None:  # noqa: ANN001
     import json
 
-    from pdserve.elastic_worker.__main__ import parse_args as elastic_args
+    from pdserve.elastic_worker.process import parse_args as elastic_args
 
     config = LocalClusterConfig(model="/m", threads_per_worker=2, elastic=True, local_prefill_threshold=5).deployment()
     document = local_worker_document(config, "decode", "decode-0")
@@ -194,8 +194,8 @@ def test_threads_default_splits_cpus() -> None:
 
 
 def test_worker_documents_parse_in_the_worker() -> None:
-    from pdserve.decode_worker.__main__ import parse_args as decode_args
-    from pdserve.prefill_worker.__main__ import parse_args as prefill_args
+    from pdserve.decode_worker.process import parse_args as decode_args
+    from pdserve.prefill_worker.process import parse_args as prefill_args
 
     config = LocalClusterConfig(model="/m", threads_per_worker=2, kv_cache_mb=64, colocated=1).deployment()
     assert config.worker_names() == [("prefill", "prefill-0"), ("decode", "decode-0"), ("colocated", "colocated-0")]
@@ -212,7 +212,7 @@ def test_worker_documents_parse_in_the_worker() -> None:
 
 
 def test_router_document() -> None:
-    from pdserve.router.__main__ import config_from_args, parse_args
+    from pdserve.router.process import config_from_args, parse_args
 
     workers = [
         WorkerProcess("prefill", "prefill-0", "127.0.0.1:1", 1),

@@ -30,11 +30,11 @@ from pdserve.cluster.local import (
     local_worker_document,
     worker_threads,
 )
-from pdserve.decode_worker.__main__ import parse_args as decode_parse
-from pdserve.elastic_worker.__main__ import parse_args as elastic_parse
-from pdserve.prefill_worker.__main__ import parse_args as prefill_parse
-from pdserve.router.__main__ import config_from_args
-from pdserve.router.__main__ import parse_args as router_parse
+from pdserve.decode_worker.process import parse_args as decode_parse
+from pdserve.elastic_worker.process import parse_args as elastic_parse
+from pdserve.prefill_worker.process import parse_args as prefill_parse
+from pdserve.router.process import config_from_args
+from pdserve.router.process import parse_args as router_parse
 
 REPO = Path(__file__).resolve().parents[2]
 EXAMPLES = sorted((REPO / "examples").glob("*.yaml"))

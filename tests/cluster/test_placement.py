@@ -8,8 +8,8 @@ import pytest
 
 from pdserve.cluster.client import placement_warnings
 from pdserve.cluster.deploy_config import DeploymentConfig, router_document
-from pdserve.router.__main__ import config_from_args
-from pdserve.router.__main__ import parse_args as router_parse
+from pdserve.router.process import config_from_args
+from pdserve.router.process import parse_args as router_parse
 
 
 def _row(role: str, worker_id: str, node: str) -> dict[str, object]:

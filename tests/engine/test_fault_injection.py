@@ -22,8 +22,8 @@ def test_a_malformed_variable_is_refused(env: dict[str, str]) -> None:
 
 
 def test_no_worker_parser_has_an_inject_flag() -> None:
-    from pdserve.decode_worker.__main__ import build_parser as decode_parser
-    from pdserve.prefill_worker.__main__ import build_parser as prefill_parser
+    from pdserve.decode_worker.process import build_parser as decode_parser
+    from pdserve.prefill_worker.process import build_parser as prefill_parser
 
     for parser in (prefill_parser(), decode_parser()):
         flags = [flag for action in parser._actions for flag in action.option_strings]

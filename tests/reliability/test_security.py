@@ -92,9 +92,9 @@ def test_token_without_tls() -> None:
 def test_internal_services_bind_to_loopback_by_default() -> None:
     import argparse
 
-    from pdserve.decode_worker.__main__ import parse_args as decode_args
-    from pdserve.prefill_worker.__main__ import parse_args as prefill_args
-    from pdserve.router.__main__ import build_parser
+    from pdserve.decode_worker.process import parse_args as decode_args
+    from pdserve.prefill_worker.process import parse_args as prefill_args
+    from pdserve.router.process import build_parser
 
     assert decode_args([]).host == prefill_args([]).host == "127.0.0.1"
     router_args = build_parser().parse_args([])

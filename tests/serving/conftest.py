@@ -18,7 +18,7 @@ from pdserve.worker.runtime import StartedWorker
 @pytest.fixture
 def start_colocated(tiny_llama_dir: Path) -> Iterator[Callable[..., StartedWorker]]:
     """Start a colocated decode worker on the tiny Llama model with extra flags; stopped afterwards."""
-    from pdserve.decode_worker.__main__ import parse_args, start_worker
+    from pdserve.decode_worker.process import parse_args, start_worker
 
     started: list[StartedWorker] = []
 

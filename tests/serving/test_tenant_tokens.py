@@ -13,9 +13,9 @@ from pathlib import Path
 import grpc
 import pytest
 
-from pdserve.router.__main__ import config_from_args, parse_args
 from pdserve.router.auth import load_tenant_tokens
 from pdserve.router.config import RouterConfig
+from pdserve.router.process import config_from_args, parse_args
 from pdserve.transport import open_channel
 from pdserve.v1 import common_pb2, router_pb2, router_pb2_grpc
 

@@ -1,0 +1,165 @@
+"""The router process (``python -m pdserve.router``, and the Ray router actor): its flags and start-up.
+
+Protocol shared with the worker processes: once serving, print exactly one line to stdout,
+``PDSERVE_READY {"address": "HOST:PORT", "worker_id": "router", "pid": N}`` (plus ``http_address`` and
+``metrics_address`` when those are on), and flush; logs go to stderr (``--log-format text|json``).
+SIGTERM / SIGINT stop the server gracefully (open streams get 5 s) and exit 0.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import gc
+import logging
+import os
+import signal
+import sys
+import threading
+from typing import Any
+
+from pdserve.process_config import add_config_arg, parse_with_document
+from pdserve.router.auth import load_tenant_tokens
+from pdserve.router.config import RouterConfig
+from pdserve.router.server import RouterServer, serve
+from pdserve.serving import ready_line
+from pdserve.settings import ObservabilitySection, RouterSection, SecuritySection, add_section_flags
+from pdserve.telemetry.logs import configure_logging
+from pdserve.telemetry.memory import bound_heap
+from pdserve.telemetry.prometheus import start_metrics_endpoint
+from pdserve.transport import is_loopback, load_token, use_internal_token_file
+
+STOP_GRACE_S = 5.0
+
+
+#: The router's settings of the deployment's other sections (its own are every RouterSection field).
+ROUTER_SETTINGS = ((ObservabilitySection, ("metrics_host", "log_level", "log_format")),
+                   (SecuritySection, ("auth_token_file", "auth_tokens_file", "tls_cert", "tls_key",
+                                      "internal_token_file")))
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The router's flags: its worker addresses and what only a launcher knows (the tokenizer folder,
+    the served model's name, restart waits, the metrics port) by hand, defaulting to RouterConfig's;
+    every deployment setting generated from its section, with that section's default."""
+    parser = argparse.ArgumentParser(prog="python -m pdserve.router", description="pdserve router (gRPC).")
+    parser.add_argument("--prefill", action="append", default=[], metavar="ADDR", help="prefill worker")
+    parser.add_argument("--decode", action="append", default=[], metavar="ADDR", help="decode worker")
+    parser.add_argument("--colocated", action="append", default=[], metavar="ADDR", help="colocated worker")
+    add_section_flags(parser, RouterSection, [f.name for f in dataclasses.fields(RouterSection)])
+    parser.add_argument("--worker-restart-wait", type=float, default=RouterConfig.worker_restart_wait_s, metavar="S",
+                        help="when no worker of a stage is healthy but some are still registered (their launcher "
+                             "restarts them), requests wait up to S seconds for one instead of failing (default 0: "
+                             "fail at once; `pdserve serve --ray` sets it from ray.restart_wait_s)")
+    parser.add_argument("--tokenizer", default=RouterConfig.tokenizer, metavar="DIR",
+                        help="model folder whose tokenizer the router hashes prompts with, for the kv_aware and "
+                             "kv_oracle policies (the launcher passes the served model's)")
+    parser.add_argument("--model-name", default=RouterConfig.model_name,
+                        help="model id the HTTP API serves (default 'default'; the launcher passes the served "
+                             "model's name)")
+    parser.add_argument("--metrics-port", type=int, default=RouterConfig.metrics_port, metavar="PORT",
+                        help="serve Prometheus /metrics on this port (default 0: off)")
+    for section, names in ROUTER_SETTINGS:
+        add_section_flags(parser, section, names)
+    add_config_arg(parser)
+    return parser
+
+
+def parse_args(argv: list[str] | None = None, document: dict[str, Any] | None = None) -> argparse.Namespace:
+    """The router's options: defaults < `document` (or the JSON file of --config) < flags."""
+    return parse_with_document(build_parser(), argv, document)
+
+
+def config_from_args(args: argparse.Namespace, auth_token: str | None = None) -> RouterConfig:
+    """RouterConfig of parsed options; `auth_token` (the Ray launcher's, read on its driver) wins over
+    --auth-token-file and PDSERVE_AUTH_TOKEN."""
+    return RouterConfig(
+        host=args.host,
+        port=args.port,
+        prefill=tuple(args.prefill),
+        decode=tuple(args.decode),
+        colocated=tuple(args.colocated),
+        prefill_policy=args.prefill_policy,
+        decode_policy=args.decode_policy,
+        max_stream_timeout_s=args.max_stream_timeout,
+        max_concurrent_streams=args.max_concurrent_streams,
+        max_queued_requests=args.max_queued_requests,
+        max_attempts=args.max_attempts,
+        decode_mux=args.decode_mux,
+        worker_restart_wait_s=args.worker_restart_wait,
+        tokenizer=args.tokenizer,
+        kv_request_tokens=args.kv_aware_request_tokens,
+        kv_kv_tokens=args.kv_aware_kv_tokens,
+        conditional_disagg_tokens=args.conditional_disagg_tokens,
+        slo_ttft_s=args.slo_ttft,
+        auth_token=auth_token or load_token(args.auth_token_file, os.environ.get("PDSERVE_AUTH_TOKEN")),
+        auth_tokens=tuple(load_tenant_tokens(args.auth_tokens_file).items()) if args.auth_tokens_file else (),
+        tls_cert_file=args.tls_cert,
+        tls_key_file=args.tls_key,
+        http_port=args.http_port,
+        metrics_port=args.metrics_port,
+        metrics_host=args.metrics_host,
+        model_name=args.model_name,
+        grpc_calls_per_peer=args.grpc_calls_per_peer,
+        grpc_calls_total=args.grpc_calls_total,
+    )
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    configure_logging("router", args.log_level, args.log_format)
+    bound_heap()
+    try:
+        use_internal_token_file(args.internal_token_file)
+        config = config_from_args(args)
+    except (OSError, ValueError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    stop = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda _signum, _frame: stop.set())
+    server, _port = serve(config)
+    extras = start_extras(config, server)
+    # start-up objects (modules, grpc, aiohttp, protobuf descriptors) go to the permanent generation:
+    # the collections that the per-token garbage of the relay triggers no longer scan them
+    gc.freeze()
+    print(ready_line(server.address, "router", **extras.addresses), flush=True)
+    stop.wait()
+    logging.getLogger(__name__).info("stopping (grace %.0f s)", STOP_GRACE_S)
+    extras.stop()
+    server.stop(STOP_GRACE_S)
+    return 0
+
+
+class Extras:
+    """The optional front ends of a router process: the OpenAI HTTP API and the /metrics endpoint."""
+
+    def __init__(self) -> None:
+        self.addresses: dict[str, str] = {}
+        self._stops: list[Any] = []
+
+    def on_stop(self, stop: Any) -> None:
+        self._stops.append(stop)
+
+    def stop(self) -> None:
+        for stop in self._stops:
+            stop()
+
+
+def start_extras(config: RouterConfig, server: RouterServer) -> Extras:
+    """Start the /metrics endpoint when config asks for it; name the HTTP API the server started."""
+    extras = Extras()
+    tls = (config.tls_cert_file, config.tls_key_file) if config.tls_cert_file and config.tls_key_file else None
+    guarded = not is_loopback(config.metrics_host)  # beyond loopback: bearer token (config checked it is set)
+    endpoint = start_metrics_endpoint(server.metrics.prom.registry, config.metrics_port, config.metrics_host,
+                                      config.auth_token if guarded else None, tls if guarded else None)
+    if endpoint is not None:
+        extras.addresses["metrics_address"] = f"{endpoint.host}:{endpoint.port}"
+        extras.on_stop(endpoint.stop)
+    if server.http_port is not None:
+        extras.addresses["http_address"] = f"{config.host}:{server.http_port}"
+    return extras
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
