@@ -15,6 +15,7 @@ from pdserve.engine.model_loader import load_model
 from pdserve.engine.model_runner import ModelRunner, StepInput
 from pdserve.engine.sampler import sample
 from pdserve.engine.sampling_params import SamplingParams
+from pdserve.settings import DecodePool
 from pdserve.worker.runtime import add_worker_args
 
 
@@ -49,7 +50,7 @@ def test_engine_config_holds_the_resolved_pair() -> None:
 
 def test_worker_flags_default_to_auto_and_reject_bad_names() -> None:
     ap = argparse.ArgumentParser()
-    add_worker_args(ap, "w", 64)
+    add_worker_args(ap, "w", DecodePool)
     args = ap.parse_args([])
     assert (args.device, args.dtype) == ("auto", "auto")
     args = ap.parse_args(["--device", "cuda:1", "--dtype", "bfloat16"])
