@@ -29,6 +29,7 @@ from pdserve.engine.worker_runtime import (
     start_serving,
 )
 from pdserve.kv_transfer import KvTransferServicer, grpc_message_options
+from pdserve.kv_transfer.routing import BACKEND_CHOICES
 from pdserve.limits import receive_options
 from pdserve.process_config import add_config_arg, parse_with_document
 from pdserve.telemetry.prometheus import start_metrics_endpoint
@@ -58,7 +59,7 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--admission-timeout-s", type=float, default=30.0)
     ap.add_argument("--kv-timeout-s", type=float, default=120.0,
                     help="how long a remote prefill (queue, compute, KV transfer) may take before it is retried")
-    ap.add_argument("--kv-backend", default="auto", choices=("auto", "grpc", "shm", "ray"),
+    ap.add_argument("--kv-backend", default="auto", choices=BACKEND_CHOICES,
                     help="how prefill workers ship KV here: grpc (streamed to this worker's port), shm (same-host "
                          "shared memory), ray (object store), or auto: shm when the prefill worker is on this host, "
                          "else grpc (default)")

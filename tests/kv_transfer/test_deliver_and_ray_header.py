@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from pdserve.kv_transfer import get_backend
-from pdserve.kv_transfer.base import KvSpec, KvTransferError
+from pdserve.kv_transfer.base import ExpectOptions, KvSpec, KvTransferError
 from pdserve.kv_transfer.grpc_backend import KvTransferServicer
 
 
@@ -25,7 +25,7 @@ def intake():  # noqa: ANN201
 def test_deliver_completes_the_pending_intake(intake: KvTransferServicer) -> None:
     spec = _spec()
     kv = torch.randn(spec.shape).to(torch.bfloat16)
-    pending = intake.expect(spec, deadline_s=5)
+    pending = intake.expect(spec, ExpectOptions(5))
     intake.deliver(spec, lambda: kv, first_token_id=7)
     got, first = pending.wait(1)
     assert torch.equal(got, kv) and first == 7 and intake.num_pending() == 0
@@ -35,7 +35,7 @@ def test_deliver_refuses_unknown_and_twice(intake: KvTransferServicer) -> None:
     spec = _spec()
     with pytest.raises(KvTransferError, match="no pending"):
         intake.deliver(spec, torch.zeros(spec.shape, dtype=torch.bfloat16), 1)
-    intake.expect(spec, deadline_s=5)
+    intake.expect(spec, ExpectOptions(5))
     intake.deliver(spec, torch.zeros(spec.shape, dtype=torch.bfloat16), 1)
     with pytest.raises(KvTransferError, match="no pending"):
         intake.deliver(spec, torch.zeros(spec.shape, dtype=torch.bfloat16), 1)
@@ -44,8 +44,8 @@ def test_deliver_refuses_unknown_and_twice(intake: KvTransferServicer) -> None:
 @pytest.mark.parametrize("change", ["model_fingerprint", "dtype", "num_tokens", "tensor_shape", "tensor_dtype"])
 def test_deliver_mismatch_fails_that_intake_without_fetching(intake: KvTransferServicer, change: str) -> None:
     spec = _spec()
-    pending = intake.expect(spec, deadline_s=5)
-    other = intake.expect(_spec("r2"), deadline_s=5)
+    pending = intake.expect(spec, ExpectOptions(5))
+    other = intake.expect(_spec("r2"), ExpectOptions(5))
     header = {
         "model_fingerprint": KvSpec("r1", "model-xyz", "bfloat16", spec.shape, 16, 40),
         "dtype": KvSpec("r1", "model-abc", "float16", spec.shape, 16, 40),
@@ -64,7 +64,7 @@ def test_deliver_mismatch_fails_that_intake_without_fetching(intake: KvTransferS
 
 def test_deliver_fetch_failure_fails_the_intake(intake: KvTransferServicer) -> None:
     spec = _spec()
-    pending = intake.expect(spec, deadline_s=5)
+    pending = intake.expect(spec, ExpectOptions(5))
 
     def lost() -> torch.Tensor:
         raise KvTransferError("KV object lost (OwnerDiedError): owner died")
