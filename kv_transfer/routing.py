@@ -78,7 +78,7 @@ def choose_route(configured: str, own_address: str, peer: PeerFacts, checksum: s
     """The route of one prefill hand-off. KvTransferError when `shm` is forced and the peer's segments
     cannot be bound (under `auto` that falls back to gRPC)."""
     if not wants_shm(configured, peer.address, own_address):
-        return KvRoute(configured)
+        return KvRoute("grpc" if configured == "auto" else configured)
     if is_segment_prefix(peer.segment_prefix):
         return KvRoute("shm", peer.segment_prefix, checksum)
     if configured == "auto":

@@ -111,3 +111,28 @@ def test_ray_receiver_refuses_bad_input_without_ray(intake: KvTransferServicer) 
     assert not receiver.receive({"request_id": "x"}, [])["ok"]
     ack = receiver.receive(header_for(_spec(), 1), [b"not a ref"])
     assert not ack["ok"] and "ObjectRef" in ack["error"]
+
+
+def test_what_a_receiver_cannot_honour_it_refuses(intake: KvTransferServicer) -> None:
+    """ExpectOptions is the same for every receiver: Ray delivers whole tensors (no segment, no
+    checksum), so it refuses an intake that asks for either instead of never completing it; a
+    delivered tensor cannot satisfy an intake that requires a checksum."""
+    from pdserve.kv_transfer.ray_backend import RayKvReceiver
+
+    receiver = RayKvReceiver(intake)
+    for options in (ExpectOptions(5, shm_segment_prefix="pdserve-kv-1-ab-"), ExpectOptions(5, require_checksum="xxh3")):
+        with pytest.raises(ValueError, match="ray backend cannot honour"):
+            receiver.expect(_spec(), options)
+    assert intake.num_pending() == 0
+    spec = _spec()
+    pending = intake.expect(spec, ExpectOptions(5, require_checksum="crc32"))
+    with pytest.raises(KvTransferError, match="no checksum"):
+        intake.deliver(spec, torch.zeros(spec.shape, dtype=torch.bfloat16), 1)
+    assert pending.done() and "no checksum" in pending.error()
+
+
+@pytest.mark.parametrize("options", [dict(deadline_s=0), dict(deadline_s=-1),
+                                     dict(deadline_s=5, require_checksum="md5")])
+def test_expect_options_are_checked(options: dict) -> None:
+    with pytest.raises(ValueError):
+        ExpectOptions(**options)
