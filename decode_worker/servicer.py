@@ -46,6 +46,7 @@ STATUSES = {DeadlinePassed: grpc.StatusCode.DEADLINE_EXCEEDED, NotFound: grpc.St
             NotPermitted: grpc.StatusCode.PERMISSION_DENIED, WrongState: grpc.StatusCode.FAILED_PRECONDITION}
 OUTCOMES = (Failure, *STATUSES)
 
+
 async def _abort(context: grpc.aio.ServicerContext, exc: Exception) -> NoReturn:
     """End the call with the status of a typed outcome."""
     if isinstance(exc, Failure):
