@@ -27,7 +27,7 @@ import uuid
 import torch
 
 from pdserve.engine.kv_cache import segment_prefix
-from pdserve.kv_transfer import KvSpec, KvTransferServicer, get_backend, grpc_message_options
+from pdserve.kv_transfer import ExpectOptions, KvSpec, KvTransferServicer, get_backend, grpc_message_options
 from pdserve.kv_transfer.base import dtype_name
 from pdserve.worker.runtime import make_server
 
@@ -59,7 +59,7 @@ def grpc_seconds(backend: str, receiver: KvTransferServicer, address: str, token
     times = []
     for i in range(repeats + 1):
         spec, kv = kv_for(tokens)
-        pending = receiver.expect(spec, deadline_s=60, shm_segment_prefix=segment_prefix())  # ours: same process
+        pending = receiver.expect(spec, ExpectOptions(60, shm_segment_prefix=segment_prefix()))  # ours: same process
         start = time.perf_counter()
         sender.send(spec, kv, 0, timeout_s=60)
         got, _ = pending.wait(timeout=60)
@@ -92,8 +92,8 @@ def shm_in_place_seconds(receiver: KvTransferServicer, address: str, tokens: int
             spec = KvSpec(request_id=uuid.uuid4().hex, model_fingerprint="bench", dtype="float32",
                           shape=(g["layers"], 2, n, g["block_size"], g["kv_heads"], g["head_dim"]),
                           block_size=g["block_size"], num_tokens=tokens)
-            pending = receiver.expect(spec, deadline_s=60, in_place=True, shm_segment_prefix=segment_prefix(),
-                                      require_checksum=checksum)
+            pending = receiver.expect(spec, ExpectOptions(60, in_place=True, shm_segment_prefix=segment_prefix(),
+                                                                require_checksum=checksum))
             consumer = threading.Thread(target=lambda p=pending: p.wait(60)[0](dest.kv, dst_ids))
             consumer.start()
             start = time.perf_counter()

@@ -87,7 +87,7 @@ def _profile_transfer(loaded: Any, repeats: int) -> list[dict[str, float]]:
     import torch
 
     from pdserve.kv_transfer import KvSpec
-    from pdserve.kv_transfer.base import dtype_name
+    from pdserve.kv_transfer.base import ExpectOptions, dtype_name
     from pdserve.kv_transfer.grpc_backend import GrpcKvSender, KvTransferServicer, grpc_message_options
 
     shape = loaded.kv_shape(BLOCK_SIZE)
@@ -108,7 +108,7 @@ def _profile_transfer(loaded: Any, repeats: int) -> list[dict[str, float]]:
             def once(kv: torch.Tensor = kv, dims: tuple[int, ...] = dims, tokens: int = tokens) -> None:
                 spec = KvSpec(f"profile-{next(counter)}", loaded.fingerprint, dtype_name(shape.dtype), dims,
                               BLOCK_SIZE, tokens)
-                pending = receiver.expect(spec, 60.0)
+                pending = receiver.expect(spec, ExpectOptions(60.0))
                 sender.send(spec, kv, 1, 60.0)
                 pending.wait(60.0)
 

@@ -16,7 +16,7 @@ from typing import Any
 import torch
 
 from pdserve.extras import missing_extra
-from pdserve.kv_transfer.base import KvSpec
+from pdserve.kv_transfer.base import ExpectOptions, KvSpec
 
 try:
     import ray
@@ -39,7 +39,7 @@ class _BenchReceiver:
         from pdserve.kv_transfer.ray_backend import spec_from_header
 
         spec, _ = spec_from_header(header)
-        pending = self.receiver.expect(spec, deadline_s=60)
+        pending = self.receiver.expect(spec, ExpectOptions(60))
         ack = self.receiver.receive(header, refs)
         if ack["ok"]:
             kv, _ = pending.wait(60)
@@ -100,7 +100,7 @@ class _GrpcReceiver:
         return self.address
 
     def expect(self, spec: KvSpec) -> None:
-        self.pending[spec.request_id] = self.receiver.expect(spec, deadline_s=60)
+        self.pending[spec.request_id] = self.receiver.expect(spec, ExpectOptions(60))
 
     def wait(self, request_id: str) -> float:
         kv, _ = self.pending.pop(request_id).wait(60)

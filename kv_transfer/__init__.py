@@ -8,6 +8,7 @@ Needs ``proto/`` on ``sys.path`` for the generated ``pdserve.v1`` stubs.
 """
 
 from pdserve.kv_transfer.base import (
+    ExpectOptions,
     KvBackend,
     KvReceiver,
     KvSender,
@@ -28,15 +29,10 @@ def _ray_sender(target_address: str) -> KvSender:
     return get_sender(target_address)
 
 
-def _ray_receiver(*args: object, **kwargs: object) -> KvReceiver:
-    from pdserve.kv_transfer.ray_backend import RayKvReceiver
-
-    return RayKvReceiver(*args, **kwargs)  # type: ignore[arg-type]
-
-
-register_backend("ray", _ray_sender, _ray_receiver)
+register_backend("ray", _ray_sender)
 
 __all__ = [
+    "ExpectOptions",
     "FrameAssembler",
     "GrpcKvSender",
     "ShmKvSender",

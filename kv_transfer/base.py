@@ -7,7 +7,7 @@ head_dim]`` to the decode worker (receiver), which writes it into its own blocks
 Invariants (every backend must keep them):
 
 - The RECEIVER reserves the KV blocks for a request *before* any byte can arrive:
-  ``expect(spec, deadline_s)`` registers a pending intake. Bytes for a request that is not
+  ``expect(spec, ExpectOptions(deadline_s, ...))`` registers a pending intake. Bytes for a request that is not
   pending are refused. The intake completes exactly once: with the assembled tensor and the
   first token id, or with a :class:`KvTransferError` (invalid frame, broken stream, deadline
   passed, cancelled). On failure the *owner* (decode worker) frees the reserved blocks.
@@ -25,7 +25,7 @@ import math
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Generic, Protocol, TypeVar
+from typing import TYPE_CHECKING, Generic, Protocol, TypeVar
 
 import torch
 
@@ -232,15 +232,49 @@ class KvSender(abc.ABC):
         """Release connections; the sender must not be used afterwards."""
 
 
+#: Checksums a receiver may require of shared-memory K/V; xxh3 (64 bit) is several times faster than crc32.
+CHECKSUM_ALGORITHMS = ("xxh3", "crc32")
+
+
+@dataclass(frozen=True)
+class ExpectOptions:
+    """How one intake may be completed: the one argument of :meth:`KvReceiver.expect`, the same for
+    every receiver. A receiver that cannot honour an option refuses the intake (ValueError naming the
+    option) rather than ignoring it.
+
+    - ``deadline_s``: the intake fails this many seconds after it is registered.
+    - ``in_place``: the consumer can copy shared-memory K/V straight into its cache: an "shm"
+      transfer then completes the intake with a ``kv_transfer.shm_backend.InPlaceKv`` (a callable
+      ``(cache tensor, block ids)``, or ``release()`` it) instead of a tensor.
+    - ``shm_segment_prefix``: the "shm" backend may deliver this intake only from segments whose names
+      start with it (those of the prefill worker called for the request); empty refuses every
+      shared-memory frame.
+    - ``require_checksum``: the bytes must come with a checksum of this algorithm ("xxh3" or "crc32"),
+      checked over the copied bytes ("": none asked). Framed gRPC streams always carry one per frame.
+    """
+
+    deadline_s: float
+    in_place: bool = False
+    shm_segment_prefix: str = ""
+    require_checksum: str = ""
+
+    def __post_init__(self) -> None:
+        if not self.deadline_s > 0:
+            raise ValueError(f"deadline_s must be > 0, got {self.deadline_s}")
+        if self.require_checksum not in CHECKSUM_ALGORITHMS + ("",):
+            raise ValueError(f"require_checksum: {self.require_checksum!r} is not one of "
+                             f"{', '.join(CHECKSUM_ALGORITHMS)}")
+
+
 class KvReceiver(abc.ABC):
     """Decode side. Thread-safe."""
 
     @abc.abstractmethod
-    def expect(self, spec: KvSpec, deadline_s: float) -> PendingKv:
-        """Register a pending intake for ``spec.request_id``, failing it ``deadline_s`` from now.
+    def expect(self, spec: KvSpec, options: ExpectOptions) -> PendingKv:
+        """Register a pending intake for ``spec.request_id``, failing it ``options.deadline_s`` from now.
 
-        Call only after the blocks are reserved. ValueError if the id is already pending or
-        the payload is larger than the receiver accepts.
+        Call only after the blocks are reserved. ValueError if the id is already pending, the
+        payload is larger than the receiver accepts, or an option cannot be honoured here.
         """
 
     def close(self) -> None:  # noqa: B027 - optional hook, no-op by default
@@ -276,27 +310,24 @@ class SenderCache(Generic[SenderT]):
 
 @dataclass(frozen=True)
 class KvBackend:
-    """A named transport: ``sender_factory(target_address)`` and ``receiver_factory(**kw)``."""
+    """A named transport, as the sending side sees it: ``sender_factory(target_address)``. Every
+    backend delivers into the decode worker's one intake registry (``KvTransferServicer``); which
+    backend a transfer takes is chosen by ``kv_transfer.routing``."""
 
     name: str
     sender_factory: Callable[[str], KvSender]
-    receiver_factory: Callable[..., KvReceiver]
 
 
 _BACKENDS: dict[str, KvBackend] = {}
 _BACKENDS_LOCK = threading.Lock()
 
 
-def register_backend(
-    name: str,
-    sender_factory: Callable[[str], KvSender],
-    receiver_factory: Callable[..., Any],
-) -> None:
+def register_backend(name: str, sender_factory: Callable[[str], KvSender]) -> None:
     """Register a backend under ``name``; re-registering a name replaces it."""
     if not name:
         raise ValueError("backend name must be non-empty")
     with _BACKENDS_LOCK:
-        _BACKENDS[name] = KvBackend(name, sender_factory, receiver_factory)
+        _BACKENDS[name] = KvBackend(name, sender_factory)
 
 
 def get_backend(name: str) -> KvBackend:

@@ -32,6 +32,7 @@ import grpc
 import torch
 
 from pdserve.kv_transfer.base import (
+    ExpectOptions,
     KvReceiver,
     KvSender,
     KvSpec,
@@ -130,18 +131,16 @@ def close_senders() -> None:
 class GrpcPendingKv(PendingKv):
     """One registered intake: a future completed once by the stream handler, reaper or cancel."""
 
-    def __init__(self, spec: KvSpec, deadline_s: float, on_finish: Callable[[GrpcPendingKv], None]) -> None:
+    def __init__(self, spec: KvSpec, options: ExpectOptions, on_finish: Callable[[GrpcPendingKv], None]) -> None:
         self.spec = spec
-        self.deadline_s = deadline_s
-        self.deadline_at = time.monotonic() + deadline_s
+        self.options = options  # how it may be completed (KvReceiver.expect)
+        self.deadline_s = options.deadline_s
+        self.deadline_at = time.monotonic() + options.deadline_s
         self._future: concurrent.futures.Future[tuple[torch.Tensor, int]] = concurrent.futures.Future()
         self._lock = threading.Lock()
         self._on_finish = on_finish
         self._claimed = False
         self._context: grpc.ServicerContext | None = None
-        self.in_place = False  # see KvTransferServicer.expect
-        self.shm_segment_prefix = ""  # ditto
-        self.require_checksum = ""  # ditto
 
     @property
     def request_id(self) -> str:
@@ -220,24 +219,12 @@ class KvTransferServicer(kv_pb2_grpc.KvTransferServicer, KvReceiver):
         """Register this servicer on ``server`` (built with ``grpc_message_options``)."""
         kv_pb2_grpc.add_KvTransferServicer_to_server(self, server)
 
-    def expect(self, spec: KvSpec, deadline_s: float, in_place: bool = False, shm_segment_prefix: str = "",
-               require_checksum: str = "") -> GrpcPendingKv:
-        """Register an intake for ``spec.request_id`` failing ``deadline_s`` seconds from now.
-
-        ``shm_segment_prefix``: the "shm" backend may deliver this intake only from segments whose
-        names start with it (the segment prefix of the prefill worker called for the request); empty
-        refuses every shared-memory frame. ``require_checksum``: a shared-memory frame must carry a
-        checksum of the blocks with this algorithm ("xxh3" or "crc32"), checked over the copied bytes.
-        ``in_place``: the consumer can copy shared-memory K/V straight into its cache: an "shm"
-        transfer then completes the intake with a ``kv_transfer.shm_backend.InPlaceKv`` (a callable
-        ``(cache tensor, block ids)``, or ``release()`` it) instead of a tensor."""
-        if deadline_s <= 0:
-            raise ValueError(f"deadline_s must be > 0, got {deadline_s}")
+    def expect(self, spec: KvSpec, options: ExpectOptions) -> GrpcPendingKv:
+        """Register an intake for ``spec.request_id`` (every option of ExpectOptions is honoured: the
+        gRPC stream, the "shm" control frame and `deliver` all complete intakes registered here)."""
         if spec.nbytes > self.max_total_bytes:
             raise ValueError(f"KV payload of {spec.nbytes} bytes exceeds limit {self.max_total_bytes}")
-        pending = GrpcPendingKv(spec, deadline_s, self._forget)
-        pending.in_place = in_place
-        pending.shm_segment_prefix, pending.require_checksum = shm_segment_prefix, require_checksum
+        pending = GrpcPendingKv(spec, options, self._forget)
         with self._cond:
             if self._closed:
                 raise KvTransferError("KV receiver is closed")
@@ -279,6 +266,9 @@ class KvTransferServicer(kv_pb2_grpc.KvTransferServicer, KvReceiver):
         try:
             if spec != pending.spec:
                 raise KvTransferError(f"KV header {spec} does not match the expected {pending.spec}")
+            if pending.options.require_checksum:
+                raise KvTransferError(f"a delivered tensor carries no checksum; the intake requires "
+                                      f"{pending.options.require_checksum}")
             tensor = kv() if callable(kv) else kv
             if tuple(tensor.shape) != pending.spec.shape or tensor.dtype != pending.spec.torch_dtype:
                 raise KvTransferError(f"KV tensor {tuple(tensor.shape)} {tensor.dtype} does not match the "
@@ -323,10 +313,11 @@ class KvTransferServicer(kv_pb2_grpc.KvTransferServicer, KvReceiver):
         )
 
         header = frame.header
-        error = check_header(header, pending.spec, pending.shm_segment_prefix, pending.require_checksum)
+        options = pending.options
+        error = check_header(header, pending.spec, options.shm_segment_prefix, options.require_checksum)
         if not error:
             try:
-                if pending.in_place:  # the consumer copies into its cache; ack once it did
+                if options.in_place:  # the consumer copies into its cache; ack once it did
                     source, ids = source_blocks(header, pending.spec)
                     kv = InPlaceKv(source, ids, pending.spec.nbytes, expected_checksum(header))
                     if pending.succeed(kv, frame.header.first_token_id):  # type: ignore[arg-type]
@@ -393,4 +384,4 @@ class KvTransferServicer(kv_pb2_grpc.KvTransferServicer, KvReceiver):
                 p.fail(f"deadline: KV for {p.request_id!r} not received within {p.deadline_s}s")
 
 
-register_backend(BACKEND_NAME, get_sender, KvTransferServicer)
+register_backend(BACKEND_NAME, get_sender)

@@ -73,4 +73,4 @@ def install_modelled_links(profile: Profile, speedup: float,
             return ModelledLinkSender(inner_factory(target),
                                       lambda spec: profile.transfer_s(link, shipped_tokens(spec)) / speedup)
 
-        register_backend(name, factory, backend.receiver_factory)
+        register_backend(name, factory)

@@ -58,6 +58,7 @@ except ImportError as exc:
     raise missing_extra("ray", "The ray KV backend (--kv-backend ray)") from exc
 
 from pdserve.kv_transfer.base import (
+    ExpectOptions,
     KvReceiver,
     KvSender,
     KvSpec,
@@ -305,8 +306,12 @@ class RayKvReceiver(KvReceiver):
         # pending intake: its completion runs our done callback (which takes this lock) under its own lock.
         self._lock = threading.Lock()
 
-    def expect(self, spec: KvSpec, deadline_s: float):  # noqa: ANN201 - the intake's PendingKv
-        return self.intake.expect(spec, deadline_s)
+    def expect(self, spec: KvSpec, options: ExpectOptions):  # noqa: ANN201 - the intake's PendingKv
+        """Register on the shared intake; Ray delivers whole tensors (no shared-memory segment, no
+        checksum), so an intake that asks for either is refused here rather than never completed."""
+        if options.shm_segment_prefix or options.require_checksum:
+            raise ValueError("the ray backend cannot honour shm_segment_prefix or require_checksum")
+        return self.intake.expect(spec, options)
 
     def close(self) -> None:
         self.intake.close()  # fails every pending intake, which drops every assembly
@@ -501,4 +506,4 @@ def _ack(ok: bool, error: str, bytes_received: int = 0) -> dict[str, Any]:
     return {"ok": ok, "error": error, "bytes_received": bytes_received}
 
 
-register_backend(BACKEND_NAME, get_sender, RayKvReceiver)
+register_backend(BACKEND_NAME, get_sender)

@@ -18,7 +18,7 @@ next worker that creates a cache on this host (`engine.kv_cache.remove_stale_seg
 Only for workers on one host. Which segments a receiver opens: every segment of a process is named
 `pdserve-kv-<pid>-<64 random bits>-...` (`engine.kv_cache.segment_prefix`), a prefill worker reports
 that prefix in GetInfo, and the decode worker registers each intake with the prefix of the prefill
-worker it called for that request (`KvTransferServicer.expect(shm_segment_prefix=...)`). A control
+worker it called for that request (`ExpectOptions.shm_segment_prefix`). A control
 frame naming any other segment (another worker's cache, a foreign segment) is refused before the
 segment is opened, and so is any shm frame for an intake registered without a prefix. Sizes must
 hold the expected K/V. Bytes in local memory cross no link, so by default no checksum is computed;
@@ -43,7 +43,15 @@ import torch
 
 from pdserve.engine.kv_cache import SHM_PREFIX, KVCache, segment_prefix
 from pdserve.engine.kv_cache import untrack_segment as _untrack
-from pdserve.kv_transfer.base import KvSender, KvSpec, KvTransferError, SenderCache, dtype_name, register_backend
+from pdserve.kv_transfer.base import (
+    CHECKSUM_ALGORITHMS,
+    KvSender,
+    KvSpec,
+    KvTransferError,
+    SenderCache,
+    dtype_name,
+    register_backend,
+)
 from pdserve.transport import open_channel
 from pdserve.v1 import kv_pb2_grpc
 from pdserve.v1.kv_pb2 import KvAck, KvFrame, KvHeader
@@ -103,10 +111,6 @@ class SegmentPool:
 
 
 _POOL = SegmentPool()
-
-
-#: --kv-checksum algorithms; xxh3 (64 bit) is several times faster than zlib's crc32.
-CHECKSUM_ALGORITHMS = ("xxh3", "crc32")
 
 
 class _Crc32:
@@ -384,4 +388,4 @@ class InPlaceKv:
 
 _SENDERS: SenderCache[ShmKvSender] = SenderCache(ShmKvSender)  # one control channel per decode worker
 
-register_backend(BACKEND_NAME, _SENDERS.get, lambda *args: None)
+register_backend(BACKEND_NAME, _SENDERS.get)

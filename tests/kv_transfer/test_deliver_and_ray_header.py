@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from pdserve.kv_transfer import get_backend
-from pdserve.kv_transfer.base import KvSpec, KvTransferError
+from pdserve.kv_transfer.base import ExpectOptions, KvSpec, KvTransferError
 from pdserve.kv_transfer.grpc_backend import KvTransferServicer
 
 
@@ -25,7 +25,7 @@ def intake():  # noqa: ANN201
 def test_deliver_completes_the_pending_intake(intake: KvTransferServicer) -> None:
     spec = _spec()
     kv = torch.randn(spec.shape).to(torch.bfloat16)
-    pending = intake.expect(spec, deadline_s=5)
+    pending = intake.expect(spec, ExpectOptions(5))
     intake.deliver(spec, lambda: kv, first_token_id=7)
     got, first = pending.wait(1)
     assert torch.equal(got, kv) and first == 7 and intake.num_pending() == 0
@@ -35,7 +35,7 @@ def test_deliver_refuses_unknown_and_twice(intake: KvTransferServicer) -> None:
     spec = _spec()
     with pytest.raises(KvTransferError, match="no pending"):
         intake.deliver(spec, torch.zeros(spec.shape, dtype=torch.bfloat16), 1)
-    intake.expect(spec, deadline_s=5)
+    intake.expect(spec, ExpectOptions(5))
     intake.deliver(spec, torch.zeros(spec.shape, dtype=torch.bfloat16), 1)
     with pytest.raises(KvTransferError, match="no pending"):
         intake.deliver(spec, torch.zeros(spec.shape, dtype=torch.bfloat16), 1)
@@ -44,8 +44,8 @@ def test_deliver_refuses_unknown_and_twice(intake: KvTransferServicer) -> None:
 @pytest.mark.parametrize("change", ["model_fingerprint", "dtype", "num_tokens", "tensor_shape", "tensor_dtype"])
 def test_deliver_mismatch_fails_that_intake_without_fetching(intake: KvTransferServicer, change: str) -> None:
     spec = _spec()
-    pending = intake.expect(spec, deadline_s=5)
-    other = intake.expect(_spec("r2"), deadline_s=5)
+    pending = intake.expect(spec, ExpectOptions(5))
+    other = intake.expect(_spec("r2"), ExpectOptions(5))
     header = {
         "model_fingerprint": KvSpec("r1", "model-xyz", "bfloat16", spec.shape, 16, 40),
         "dtype": KvSpec("r1", "model-abc", "float16", spec.shape, 16, 40),
@@ -64,7 +64,7 @@ def test_deliver_mismatch_fails_that_intake_without_fetching(intake: KvTransferS
 
 def test_deliver_fetch_failure_fails_the_intake(intake: KvTransferServicer) -> None:
     spec = _spec()
-    pending = intake.expect(spec, deadline_s=5)
+    pending = intake.expect(spec, ExpectOptions(5))
 
     def lost() -> torch.Tensor:
         raise KvTransferError("KV object lost (OwnerDiedError): owner died")
@@ -111,3 +111,28 @@ def test_ray_receiver_refuses_bad_input_without_ray(intake: KvTransferServicer) 
     assert not receiver.receive({"request_id": "x"}, [])["ok"]
     ack = receiver.receive(header_for(_spec(), 1), [b"not a ref"])
     assert not ack["ok"] and "ObjectRef" in ack["error"]
+
+
+def test_what_a_receiver_cannot_honour_it_refuses(intake: KvTransferServicer) -> None:
+    """ExpectOptions is the same for every receiver: Ray delivers whole tensors (no segment, no
+    checksum), so it refuses an intake that asks for either instead of never completing it; a
+    delivered tensor cannot satisfy an intake that requires a checksum."""
+    from pdserve.kv_transfer.ray_backend import RayKvReceiver
+
+    receiver = RayKvReceiver(intake)
+    for options in (ExpectOptions(5, shm_segment_prefix="pdserve-kv-1-ab-"), ExpectOptions(5, require_checksum="xxh3")):
+        with pytest.raises(ValueError, match="ray backend cannot honour"):
+            receiver.expect(_spec(), options)
+    assert intake.num_pending() == 0
+    spec = _spec()
+    pending = intake.expect(spec, ExpectOptions(5, require_checksum="crc32"))
+    with pytest.raises(KvTransferError, match="no checksum"):
+        intake.deliver(spec, torch.zeros(spec.shape, dtype=torch.bfloat16), 1)
+    assert pending.done() and "no checksum" in pending.error()
+
+
+@pytest.mark.parametrize("options", [dict(deadline_s=0), dict(deadline_s=-1),
+                                     dict(deadline_s=5, require_checksum="md5")])
+def test_expect_options_are_checked(options: dict) -> None:
+    with pytest.raises(ValueError):
+        ExpectOptions(**options)

@@ -8,7 +8,14 @@ import pytest
 import torch
 
 from pdserve.engine.kv_cache import segment_prefix
-from pdserve.kv_transfer import KvSpec, KvTransferError, KvTransferServicer, get_backend, grpc_message_options
+from pdserve.kv_transfer import (
+    ExpectOptions,
+    KvSpec,
+    KvTransferError,
+    KvTransferServicer,
+    get_backend,
+    grpc_message_options,
+)
 from pdserve.kv_transfer.shm_backend import SEGMENT_PREFIX, ShmKvSender, header_for
 from pdserve.v1 import kv_pb2_grpc
 from pdserve.v1.kv_pb2 import KvFrame
@@ -45,7 +52,7 @@ def test_roundtrip_is_bit_exact_and_segments_are_unlinked_at_exit(receiver, dtyp
     servicer, address = receiver
     before = _segments()
     spec, kv = _spec(f"r-{dtype}", dtype)
-    pending = servicer.expect(spec, deadline_s=10, shm_segment_prefix=OURS)
+    pending = servicer.expect(spec, ExpectOptions(10, shm_segment_prefix=OURS))
     get_backend("shm").sender_factory(address).send(spec, kv, 11, timeout_s=10)
     got, first = pending.wait(5)
     assert torch.equal(got.view(torch.uint8), kv.view(torch.uint8)) and first == 11
@@ -59,9 +66,9 @@ def test_mismatched_header_fails_only_that_intake(receiver) -> None:  # noqa: AN
     servicer, address = receiver
     spec, kv = _spec("bad")
     good_spec, good_kv = _spec("good")
-    pending = servicer.expect(KvSpec(**{**spec.__dict__, "model_fingerprint": "other"}), deadline_s=10,
-                              shm_segment_prefix=OURS)
-    good = servicer.expect(good_spec, deadline_s=10, shm_segment_prefix=OURS)
+    pending = servicer.expect(KvSpec(**{**spec.__dict__, "model_fingerprint": "other"}), ExpectOptions(10,
+                              shm_segment_prefix=OURS))
+    good = servicer.expect(good_spec, ExpectOptions(10, shm_segment_prefix=OURS))
     with pytest.raises(KvTransferError, match="model_fingerprint"):
         ShmKvSender(address).send(spec, kv, 1, timeout_s=10)
     with pytest.raises(KvTransferError):
@@ -73,7 +80,7 @@ def test_mismatched_header_fails_only_that_intake(receiver) -> None:  # noqa: AN
 def test_foreign_segment_names_are_refused(receiver) -> None:  # noqa: ANN001
     servicer, address = receiver
     spec, _ = _spec("evil")
-    pending = servicer.expect(spec, deadline_s=10, shm_segment_prefix=OURS)
+    pending = servicer.expect(spec, ExpectOptions(10, shm_segment_prefix=OURS))
     frame = KvFrame(header=header_for(spec, 1, "some-other-segment"))
     ack = kv_pb2_grpc.KvTransferStub(__import__("grpc").insecure_channel(address)).PushKv(iter([frame]), timeout=5)
     assert not ack.ok and "shm_name" in ack.error
@@ -103,7 +110,7 @@ def test_shared_cache_blocks_are_copied_once_straight_into_the_consumer_blocks(r
     assert source.shm_name is not None and source.shm_name in _segments()
     src_ids = [7, 8, 2, 3, 4, 10]  # runs and gaps
     spec = _blocks_spec("in-place", len(src_ids))
-    pending = servicer.expect(spec, deadline_s=10, in_place=True, shm_segment_prefix=OURS)
+    pending = servicer.expect(spec, ExpectOptions(10, in_place=True, shm_segment_prefix=OURS))
     acks: list = []
     sender = threading.Thread(target=lambda: acks.append(
         ShmKvSender(address).send_blocks(spec, source, src_ids, 9, timeout_s=10)))
@@ -128,7 +135,7 @@ def test_a_released_in_place_intake_fails_the_sender_and_cannot_copy_late(receiv
     servicer, address = receiver
     source = _cache()
     spec = _blocks_spec("released", 2)
-    pending = servicer.expect(spec, deadline_s=10, in_place=True, shm_segment_prefix=OURS)
+    pending = servicer.expect(spec, ExpectOptions(10, in_place=True, shm_segment_prefix=OURS))
     errors: list[Exception] = []
 
     def send() -> None:
@@ -152,7 +159,7 @@ def test_a_cache_in_private_memory_goes_through_a_staging_segment(receiver) -> N
     source = _cache(shared=False)
     assert source.shm_name is None
     spec = _blocks_spec("staged", 3)
-    pending = servicer.expect(spec, deadline_s=10, shm_segment_prefix=OURS)  # not in place: a tensor
+    pending = servicer.expect(spec, ExpectOptions(10, shm_segment_prefix=OURS))  # not in place: a tensor
     ShmKvSender(address).send_blocks(spec, source, [5, 1, 9], 4, timeout_s=10)
     got, first = pending.wait(5)
     assert first == 4 and torch.equal(got, source.kv[:, :, [5, 1, 9]])
@@ -168,7 +175,7 @@ def test_block_ids_outside_the_segment_are_refused(receiver, field: str, header_
     servicer, address = receiver
     source = _cache()
     spec = _blocks_spec(f"evil-{field}-{len(header_change)}", 2)
-    pending = servicer.expect(spec, deadline_s=10, in_place=True, shm_segment_prefix=OURS)
+    pending = servicer.expect(spec, ExpectOptions(10, in_place=True, shm_segment_prefix=OURS))
     header = header_for(spec, 1, source.shm_name, [0, 1], source.num_blocks)
     for key, value in header_change.items():
         header.ClearField(key)
@@ -242,7 +249,7 @@ def test_another_workers_segment_is_refused_before_it_is_opened(receiver, in_pla
     victim = _cache()  # stands for another worker's cache: a real segment with the right geometry
     spec = _blocks_spec(f"forged-{in_place}", 2)
     called = f"{SEGMENT_PREFIX}{os.getpid()}-{'0' * 16}-"  # the prefill worker the decode worker called
-    pending = servicer.expect(spec, deadline_s=10, in_place=in_place, shm_segment_prefix=called)
+    pending = servicer.expect(spec, ExpectOptions(10, in_place=in_place, shm_segment_prefix=called))
     ack = _push(address, header_for(spec, 1, victim.shm_name, [0, 1], victim.num_blocks))
     assert not ack.ok and "does not belong to the prefill worker called" in ack.error
     with pytest.raises(KvTransferError, match="does not belong"):
@@ -256,7 +263,7 @@ def test_an_intake_bound_to_no_prefill_worker_takes_no_shared_memory_kv(receiver
     servicer, address = receiver
     source = _cache()
     spec = _blocks_spec("unbound", 2)
-    pending = servicer.expect(spec, deadline_s=10, in_place=True)
+    pending = servicer.expect(spec, ExpectOptions(10, in_place=True))
     ack = _push(address, header_for(spec, 1, source.shm_name, [0, 1], source.num_blocks))
     assert not ack.ok and "accepts no shared-memory KV" in ack.error
     with pytest.raises(KvTransferError):
@@ -268,7 +275,8 @@ def _send_in_place(servicer, address: str, spec: KvSpec, header) -> tuple[object
     import threading
 
     algorithm = header.shm_checksum_algorithm or "xxh3"
-    pending = servicer.expect(spec, deadline_s=10, in_place=True, shm_segment_prefix=OURS, require_checksum=algorithm)
+    options = ExpectOptions(10, in_place=True, shm_segment_prefix=OURS, require_checksum=algorithm)
+    pending = servicer.expect(spec, options)
     acks: list = []
     thread = threading.Thread(target=lambda: acks.append(_push(address, header)))
     thread.start()
@@ -318,7 +326,7 @@ def test_a_frame_without_the_required_checksum_is_refused(receiver) -> None:  # 
     servicer, address = receiver
     source = _cache()
     spec = _blocks_spec("crc-missing", 2)
-    pending = servicer.expect(spec, deadline_s=10, in_place=True, shm_segment_prefix=OURS, require_checksum="xxh3")
+    pending = servicer.expect(spec, ExpectOptions(10, in_place=True, shm_segment_prefix=OURS, require_checksum="xxh3"))
     ack = _push(address, header_for(spec, 1, source.shm_name, [0, 1], source.num_blocks))
     assert not ack.ok and "shm_checksum: missing" in ack.error
     with pytest.raises(KvTransferError):
@@ -329,7 +337,7 @@ def test_the_sender_adds_a_checksum_when_asked_and_a_staged_copy_is_checked(rece
     servicer, address = receiver
     source = _cache(shared=False)  # through a staging segment: read_segment checks the crc
     spec = _blocks_spec("crc-staged", 3)
-    pending = servicer.expect(spec, deadline_s=10, shm_segment_prefix=OURS, require_checksum="crc32")
+    pending = servicer.expect(spec, ExpectOptions(10, shm_segment_prefix=OURS, require_checksum="crc32"))
     ShmKvSender(address).send_blocks(spec, source, [5, 1, 9], 4, timeout_s=10, checksum="crc32")
     got, _ = pending.wait(5)
     assert torch.equal(got, source.kv[:, :, [5, 1, 9]])

@@ -18,6 +18,7 @@ from pdserve.engine.llm_engine import LLMEngine
 from pdserve.engine.model_loader import LoadedModel
 from pdserve.engine.model_runner import StepInput
 from pdserve.engine.sampling_params import SamplingParams
+from pdserve.kv_transfer.base import ExpectOptions
 from pdserve.kv_transfer.grpc_backend import KvTransferServicer, grpc_message_options
 from pdserve.prefill_worker.worker import PrefillJob, PrefillWorker
 
@@ -86,7 +87,7 @@ def _reference(loaded: LoadedModel, prompt: list[int]) -> tuple[torch.Tensor, in
 def _submit(worker: PrefillWorker, receiver: KvTransferServicer, address: str, request_id: str,
             prompt: list[int]):  # noqa: ANN202
     job = PrefillJob(request_id=request_id, prompt_ids=prompt, params=GREEDY, kv_target=address, kv_backend="grpc")
-    pending = receiver.expect(worker.spec_for(job), deadline_s=30)
+    pending = receiver.expect(worker.spec_for(job), ExpectOptions(30))
     return worker.submit(job), pending
 
 

@@ -21,7 +21,7 @@ from pdserve.cluster.ray_cluster import RayCluster, RayClusterConfig  # noqa: E4
 from pdserve.engine.config import EngineConfig  # noqa: E402
 from pdserve.engine.llm_engine import LLMEngine  # noqa: E402
 from pdserve.engine.sampling_params import SamplingParams  # noqa: E402
-from pdserve.kv_transfer.base import KvSpec  # noqa: E402
+from pdserve.kv_transfer.base import ExpectOptions, KvSpec  # noqa: E402
 from pdserve.tokenization import encode_text  # noqa: E402
 from pdserve.v1 import common_pb2, router_pb2, router_pb2_grpc  # noqa: E402
 
@@ -203,7 +203,7 @@ def test_object_lost_fails_the_intake() -> None:
     try:
         owner = Owner.remote()
         refs = ray.get(owner.put.remote(torch.zeros(spec.shape)))
-        pending = intake.expect(spec, deadline_s=30)
+        pending = intake.expect(spec, ExpectOptions(30))
         ray.kill(owner, no_restart=True)
         time.sleep(1.0)
         ack = RayKvReceiver(intake, get_timeout_s=10).receive(header_for(spec, 1), refs)

@@ -22,7 +22,7 @@ from pdserve.cluster.ray_cluster import RayCluster, RayClusterConfig  # noqa: E4
 from pdserve.engine.config import EngineConfig  # noqa: E402
 from pdserve.engine.llm_engine import LLMEngine  # noqa: E402
 from pdserve.engine.sampling_params import SamplingParams  # noqa: E402
-from pdserve.kv_transfer.base import KvSpec, KvTransferError  # noqa: E402
+from pdserve.kv_transfer.base import ExpectOptions, KvSpec, KvTransferError  # noqa: E402
 from pdserve.kv_transfer.ray_backend import (  # noqa: E402
     MIN_PART_BYTES,
     NAMESPACE,
@@ -65,7 +65,7 @@ def host() -> Iterator[Any]:
             self.pending: dict[str, Any] = {}
 
         def expect(self, spec: KvSpec, deadline_s: float = 30.0) -> None:
-            self.pending[spec.request_id] = self.receiver.expect(spec, deadline_s)
+            self.pending[spec.request_id] = self.receiver.expect(spec, ExpectOptions(deadline_s))
 
         def receive_kv_part(self, header: dict, part: dict, refs: list) -> dict:
             return self.receiver.receive_part(header, part, refs)

@@ -18,7 +18,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from pdserve.engine.sampling_params import SamplingParams
-from pdserve.kv_transfer import KvSpec, KvTransferError
+from pdserve.kv_transfer import ExpectOptions, KvSpec, KvTransferError
 from pdserve.kv_transfer.framing import encode_frames
 from pdserve.kv_transfer.shm_backend import blocks_checksum, header_for
 from pdserve.transport import open_channel
@@ -234,9 +234,9 @@ def test_fuzzed_kv_pushes_never_crash_nor_leak(servers: dict[str, object]) -> No
         try:
             spec = worker.expected_spec(request_id, num_tokens, seq.num_reused_blocks)
             shm = kind.startswith("shm")
-            pending = receiver.expect(spec, deadline_s=5, in_place=in_place and shm,
-                                      shm_segment_prefix=prefill_prefix if shm else "",
-                                      require_checksum="xxh3" if kind == "shm+xxh3" else "")
+            pending = receiver.expect(spec, ExpectOptions(5, in_place=in_place and shm,
+                                                          shm_segment_prefix=prefill_prefix if shm else "",
+                                                          require_checksum="xxh3" if kind == "shm+xxh3" else ""))
             frames = _apply(_valid_frames(kind, spec, servers), changes, names)
             call = stub.PushKv.future(iter(frames), timeout=15)
             try:

@@ -26,7 +26,7 @@ from pdserve.v1 import common_pb2, router_pb2, worker_pb2, worker_pb2_grpc
 
 REQUEST = router_pb2.GenerateRequest(prompt="Hello", params=common_pb2.SamplingParams(max_tokens=3))
 
-#: Each failure, and the words a real worker ends the call with (decode_worker/servicer.py).
+#: Each failure, and the words a real worker ends the call with (decode_worker/kv_intake.py, outcomes.py).
 CANONICAL = {
     "unavailable-decode": (failures.WorkerUnavailable("", failures.DECODE),
                            "decode worker d0: engine loop died"),

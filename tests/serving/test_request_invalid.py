@@ -73,15 +73,15 @@ def test_bad_requests_are_invalid_argument_and_a_bug_is_internal(start_colocated
         assert error.code() == grpc.StatusCode.INVALID_ARGUMENT, (request, error.details())
         assert _label(error) == failures.Received(RequestInvalid.kind, "")
 
-    import pdserve.decode_worker.servicer as servicer
+    import pdserve.decode_worker.codec as codec
     from pdserve.engine.llm_engine import LLMEngine
 
     def buggy(*_args: object, **_kwargs: object) -> None:
         raise ValueError("an index our own code got wrong")
 
     good = worker_pb2.DecodeRequest(prompt="hi", params=common_pb2.SamplingParams(max_tokens=2))
-    caplog.set_level(logging.ERROR, logger="pdserve.decode_worker.servicer")
-    for target, name in ((servicer, "sampling_params_from_pb"), (LLMEngine, "new_sequence")):
+    caplog.set_level(logging.ERROR, logger="pdserve.decode_worker.outcomes")
+    for target, name in ((codec, "sampling_params_from_pb"), (LLMEngine, "new_sequence")):
         caplog.clear()
         with monkeypatch.context() as patch:
             patch.setattr(target, name, buggy)
