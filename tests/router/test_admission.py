@@ -288,15 +288,18 @@ def test_ttft_model_uses_a_workers_recent_ttft_and_forgets_it() -> None:
     assert model.predict(100, "w1", now=1.5) < 1.0  # the other worker is not affected
 
 
-def test_ttft_model_best_recent_needs_every_worker() -> None:
-    from pdserve.router.slo import TtftModel
+def test_ttft_model_best_is_the_best_worker_for_the_prompt_now() -> None:
+    from pdserve.router.slo import MIN_SAMPLES, RECENT_S, TtftModel
 
     model = TtftModel()
-    model.observe(0.5, 100, "w1", now=0.0)
-    assert model.best_recent(2, now=0.1) == 0.0  # w2 has none: a queued request may go there
-    model.observe(0.3, 100, "w2", now=0.0)
-    assert abs(model.best_recent(2, now=0.1) - 0.3) < 1e-9
-    assert model.best_recent(2, now=5.0) == 0.0  # stale
+    for _ in range(MIN_SAMPLES):
+        model.observe(0.001, 1000, "", now=0.0)  # 1 us per token of prefill work
+    assert model.best({}, 500) == 0.0  # nobody to predict for
+    # w1 is idle but its last first tokens took 0.5 s; w2 has 100,000 tokens queued (0.1 s)
+    model.observe(0.5, 500_000, "w1", now=0.0)  # the same rate, behind a long backlog then
+    backlogs = {"w1": 0, "w2": 100_000}
+    assert abs(model.best(backlogs, 1000, now=0.1) - 0.101) < 1e-9  # w2: its backlog plus this prompt
+    assert abs(model.best(backlogs, 1000, now=RECENT_S + 0.1) - 0.001) < 1e-9  # w1's slow past forgotten
 
 
 def test_http_requests_carry_their_own_slo_and_priority_class(fake_server, start_router) -> None:  # noqa: ANN001
