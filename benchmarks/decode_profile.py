@@ -126,7 +126,8 @@ def compare(args: argparse.Namespace) -> None:
                 out = subprocess.run(command, env=env, check=True, capture_output=True, text=True).stdout
                 runs[side].append(json.loads(out.strip().splitlines()[-1]))
                 print(side, runs[side][-1], flush=True)
-    print(f"\n{args.rounds} rounds, baseline {args.baseline} vs working tree (best / median over rounds):")
+    print(f"\n{args.rounds} rounds, baseline {args.baseline} vs {args.current or 'the working tree'} "
+          "(best / median over rounds):")
     for key in runs["current"][0]:
         pick = min if key.startswith("step_ms") else max  # best: the fastest step, the highest rate
         best = {side: pick(r[key] for r in rs) for side, rs in runs.items()}

@@ -17,10 +17,17 @@ with fewer, larger operations:
   overrides the choice (the exactness tests run both kernels). The choice is remembered per
   machine (see LinearFactory); `PDSERVE_LINEAR=retime` times again, e.g. after timing on a busy
   machine.
+- **Weights column-major.** Every weight this module multiplies by is stored as its transpose
+  ([K, N] contiguous) and seen as an [N, K] view: MKL's one-row GEMV, all of a batch-1 decode
+  step's weight reads, runs 1.6-1.7x faster from that layout on the AVX2 EPYC.
+- **Few ops per layer.** A norm is one `F.rms_norm`, RoPE of q and k together is a roll and three
+  elementwise ops over tables built once per pass (`Rope`), the residual adds ride in the o and
+  down GEMMs (`addmm`), and SiLU's product is taken in place.
 - **The attention** is `engine.attention.paged_attention`, which the transformers path uses too.
 
-Exactness: the norms are the model's own modules, RoPE is transformers' `apply_rotary_pos_emb` over
-the model's own rotary tables, and the MLP is `act(gate) * up`, so greedy fp32 output stays
+Exactness: the norms are `F.rms_norm` with the model's own weight and epsilon (bit for bit the
+modules' fp32 arithmetic), `Rope` computes transformers' `apply_rotary_pos_emb` bit for bit over the
+model's own rotary tables, and the MLP is `act(gate) * up`, so greedy fp32 output stays
 token-identical to Hugging Face; tests/engine/test_fast_forward.py holds it to that per family.
 
 Anything outside the shapes this module knows (another activation, a norm with a bias, sliding

@@ -126,6 +126,22 @@ def test_rope_is_transformers_rope_bit_for_bit() -> None:
         assert torch.equal(got[:, :4], want_q) and torch.equal(got[:, 4:], want_k)
 
 
+@pytest.mark.parametrize("family", FAMILIES)
+def test_rms_norm_is_the_modules_arithmetic_bit_for_bit(family: str) -> None:
+    import importlib
+
+    from pdserve.engine.fast_forward import _rms_norm
+
+    module = importlib.import_module(f"transformers.models.{family}.modeling_{family}")
+    norm = getattr(module, f"{family.capitalize()}RMSNorm")(576, eps=1e-6)
+    torch.manual_seed(0)
+    with torch.no_grad():
+        norm.weight.copy_(torch.randn(576))  # not all ones: the weight must be applied
+        for rows in (1, 9):
+            x = torch.randn(rows, 576) * 3
+            assert torch.equal(_rms_norm(norm, x), norm(x))
+
+
 @pytest.mark.parametrize("mode", ["plain", "packed"])
 def test_linear_adds_the_residual(mode: str) -> None:
     factory = LinearFactory(torch.float32, torch.device("cpu"), mode=mode)
