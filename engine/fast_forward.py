@@ -19,7 +19,7 @@ with fewer, larger operations:
   machine.
 - **Weights column-major.** Every weight this module multiplies by is stored as its transpose
   ([K, N] contiguous) and seen as an [N, K] view: MKL's one-row GEMV, all of a batch-1 decode
-  step's weight reads, runs 1.6-1.7x faster from that layout on the AVX2 EPYC.
+  step's weight reads, runs 1.4-1.7x faster from that layout on the AVX2 EPYC.
 - **Few ops per layer.** A norm is one `F.rms_norm`, RoPE of q and k together is a roll and three
   elementwise ops over tables built once per pass (`Rope`), the residual adds ride in the o and
   down GEMMs (`addmm`), and SiLU's product is taken in place.
@@ -226,9 +226,10 @@ class LinearFactory:
 def _column_major(weight: torch.Tensor) -> torch.Tensor:
     """The same [N, K] weight stored as its transpose ([K, N] contiguous, strides (1, N)).
 
-    At one row (a batch-1 decode step) MKL's GEMV reads this layout 1.6-1.7x faster than the
-    row-major one on the AVX2 EPYC of docs/performance.md, and as fast from 32 rows on; the packed
-    oneDNN kernel, reordered from it, is unaffected. `F.linear` takes the strided view as it is."""
+    At one row (a batch-1 decode step) MKL's GEMV reads this layout 1.4-1.7x faster than the
+    row-major one on the AVX2 EPYC of docs/performance.md; at 32-256 rows the two are within noise
+    of each other and the packed oneDNN kernel (reordered from either) is faster than both where
+    the load-time timing picks it. `F.linear` takes the strided view as it is."""
     return weight.t().contiguous().t()
 
 
