@@ -295,8 +295,9 @@ def test_n_choices_prefill_the_prompt_once(cluster: LocalCluster, client: openai
     wait_idle(cluster)
     before = _infos(cluster)
     messages = [{"role": "user", "content": f"Tell me a short story about a fox. {uuid.uuid4().hex}"}]
+    # ignore_eos: a sampled EOS would end a choice early (the prompt is new each run)
     answer = client.chat.completions.create(model=model, messages=messages, n=4, max_tokens=12, temperature=1.0,
-                                            seed=11)  # type: ignore[arg-type]
+                                            seed=11, extra_body={"ignore_eos": True})  # type: ignore[arg-type]
     after = _infos(cluster)
     assert sorted(c.index for c in answer.choices) == [0, 1, 2, 3]
     prompt_tokens = answer.usage.prompt_tokens
@@ -311,7 +312,7 @@ def test_n_choices_prefill_the_prompt_once(cluster: LocalCluster, client: openai
     texts = [c.message.content for c in sorted(answer.choices, key=lambda c: c.index)]
     assert len(set(texts)) > 1  # seeds seed + i: different draws
     again = client.chat.completions.create(model=model, messages=messages, n=4, max_tokens=12, temperature=1.0,
-                                           seed=11)  # type: ignore[arg-type]
+                                           seed=11, extra_body={"ignore_eos": True})  # type: ignore[arg-type]
     assert [c.message.content for c in sorted(again.choices, key=lambda c: c.index)] == texts
     # streamed: every chunk names its choice, each choice finishes once, usage counts all of them
     chunks = list(client.chat.completions.create(model=model, messages=messages, n=3, max_tokens=6, stream=True,
