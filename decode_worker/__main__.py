@@ -60,8 +60,9 @@ def build_parser() -> argparse.ArgumentParser:
                     help="how long a remote prefill (queue, compute, KV transfer) may take before it is retried")
     ap.add_argument("--kv-backend", default="auto", choices=("auto", "grpc", "shm", "ray"),
                     help="how prefill workers ship KV here: grpc (streamed to this worker's port), shm (same-host "
-                         "shared memory), ray (object store), or auto: shm when the prefill worker is on this host, "
-                         "else grpc (default)")
+                         "shared memory), ray (object store), or auto: when the prefill worker is on this host, "
+                         "cuda_ipc (device to device) if both KV caches are on CUDA, else shm (logged); grpc "
+                         "across hosts (default)")
     ap.add_argument("--prefix-caching", action=argparse.BooleanOptionalAction, default=True,
                     help="keep the K/V blocks of received prompts; a later prompt with the same prefix has only "
                          "the blocks this worker lacks shipped (default on)")

@@ -53,6 +53,7 @@ from pdserve.failures import (
     WorkerUnavailable,
 )
 from pdserve.kv_transfer import KvSpec, KvTransferError, KvTransferServicer, get_backend
+from pdserve.kv_transfer.cuda_ipc_backend import IN_PLACE_BACKENDS, choose_backend, forget_pool
 from pdserve.kv_transfer.shm_backend import SEGMENT_PREFIX as SHM_PREFIX
 from pdserve.kv_transfer.shm_backend import InPlaceKv
 from pdserve.telemetry.memory import trim as trim_heap
@@ -348,7 +349,7 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
         seq = await self._wait(self.worker.reserve(request_id, prompt_ids, params, resume_ids, trace is not None),
                                deadline, context)
         tokens = prompt_ids + resume_ids
-        in_place = backend == "shm"  # blocks are copied from the prefill worker's shared memory into ours
+        in_place = backend in IN_PLACE_BACKENDS  # blocks are copied from the prefill worker's memory into ours
         kv_deadline = min(deadline, time.perf_counter() + self.kv_timeout_s)
         spec = self.worker.expected_spec(request_id, len(tokens), seq.num_reused_blocks)
         pending = self.kv_receiver.expect(spec, deadline_s=max(0.1, kv_deadline - time.perf_counter()),
@@ -405,7 +406,9 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
     async def _prefill_failed(self, exc: Exception, call: grpc.aio.UnaryUnaryCall, pending: Any,
                               prefill_address: str, context: grpc.aio.ServicerContext, call_ended: bool) -> None:
         """Pass the request's own faults on; report everything else as the prefill side's failure."""
-        self._segment_prefixes.pop(prefill_address, None)  # it may have restarted: ask it again next time
+        prefix = self._segment_prefixes.pop(prefill_address, None)  # it may have restarted: ask it again next time
+        if prefix:
+            forget_pool(prefix)  # and unmap its device KV pool (cuda_ipc), if we mapped one
         if isinstance(exc, grpc.aio.AioRpcError):
             status: tuple[grpc.StatusCode, str] | None = (exc.code(), exc.details() or exc.code().name)
         else:
@@ -422,12 +425,12 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
 
     async def _backend_and_segments(self, prefill_address: str, deadline: float,
                                     context: grpc.aio.ServicerContext) -> tuple[str, str]:
-        """The backend for one transfer and, for "shm", the segment prefix of that prefill worker
-        (asked once with GetInfo, then remembered until a prefill there fails): only its segments
-        are accepted for this request. Under `auto`, a prefill worker that reports no prefix (or
-        cannot be asked) ships over gRPC; under `shm` that is the prefill side's failure."""
+        """The backend for one transfer and, for "shm" and "cuda_ipc", the segment prefix of that prefill
+        worker (asked once with GetInfo, then remembered until a prefill there fails): only its segments
+        and its device pool are accepted for this request. Under `auto`, a prefill worker that reports no
+        prefix (or cannot be asked) ships over gRPC; under `shm` that is the prefill side's failure."""
         backend = self._backend_for(prefill_address)
-        if backend != "shm":
+        if backend not in IN_PLACE_BACKENDS:
             return backend, ""
         prefix = self._segment_prefixes.get(prefill_address)
         why = ""
@@ -450,13 +453,12 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
         raise AssertionError("unreachable")  # context.abort raises
 
     def _backend_for(self, prefill_address: str) -> str:
-        """The KV backend for one transfer: `auto` means shared memory when the prefill worker runs on
-        this host (loopback or the same host name as ours), the gRPC stream otherwise."""
-        if self.kv_backend != "auto":
-            return self.kv_backend
+        """The KV backend for one transfer: `auto` means CUDA IPC (our cache on CUDA) or shared memory
+        when the prefill worker runs on this host (loopback or the same host name as ours), the gRPC
+        stream otherwise (`kv_transfer.cuda_ipc_backend.choose_backend`)."""
         prefill_host = prefill_address.rsplit(":", 1)[0]
         same_host = prefill_host in LOCAL_HOSTS or prefill_host == self.address.rsplit(":", 1)[0]
-        return "shm" if same_host else "grpc"
+        return choose_backend(self.kv_backend, same_host, self.worker.engine.kv_cache.device)
 
     def _prefill_stub(self, address: str) -> worker_pb2_grpc.PrefillWorkerStub:
         stub = self._prefill_stubs.get(address)
