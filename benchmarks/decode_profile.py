@@ -8,16 +8,27 @@ ratio against a same-run measured memory read bandwidth (a large tensor sum).
 With --forwards fast hf, each batch size runs with both forwards (engine/model_runner.py) in the
 same process, one after another, and the fast/hf step-time ratio is printed.
 
+With --baseline REV, the engine of git revision REV (exported to a temporary folder) and the
+working tree's engine take turns, one fresh process each per round (--rounds), so both see the
+same load on a shared machine; each process measures its own read bandwidth, and the best and
+median over the rounds are printed per side.
+
   python benchmarks/decode_profile.py --batch 1 16 64
   python benchmarks/decode_profile.py --batch 1 32 --forwards fast hf
+  python benchmarks/decode_profile.py --batch 1 32 --baseline HEAD~3 --rounds 5
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import statistics
+import subprocess
+import sys
+import tempfile
 import time
+from pathlib import Path
 
 import torch
 from torch.profiler import ProfilerActivity, profile
@@ -64,39 +75,85 @@ def main() -> None:
     ap.add_argument("--batch", type=int, nargs="+", default=[1, 16, 64])
     ap.add_argument("--context", type=int, default=64)
     ap.add_argument("--steps", type=int, default=10)
-    ap.add_argument("--top", type=int, default=8)
+    ap.add_argument("--top", type=int, default=8, help="profiler rows per batch (0: no profile)")
     ap.add_argument("--forwards", nargs="+", default=[None], choices=("fast", "hf"),
                     help="run each batch with these forwards (default: the engine's own choice)")
+    ap.add_argument("--baseline", metavar="REV", help="compare against the engine of this git revision")
+    ap.add_argument("--current", metavar="REV", help="with --baseline: this revision, not the working tree")
+    ap.add_argument("--rounds", type=int, default=3, help="with --baseline: processes per side")
+    ap.add_argument("--json", action="store_true", help="end with one JSON line of the figures")
     args = ap.parse_args()
+    if args.baseline:
+        compare(args)
+        return
     loaded = load_model(resolve_model(None))
     weight_bytes = sum(p.numel() * p.element_size() for p in loaded.model.parameters())
+    figures: dict[str, float] = {}
     with torch.inference_mode():
         with profile(activities=[ProfilerActivity.CPU]):  # the profiler's own first-use set-up
             torch.ones(8).sum()
         for batch in args.batch:
             medians = {}
             for forward in args.forwards:
-                medians[forward] = profile_batch(loaded, batch, forward, weight_bytes, args)
+                medians[forward] = profile_batch(loaded, batch, forward, weight_bytes, args, figures)
             if len(medians) == 2:
                 print(f"batch {batch}: fast/hf step time {medians['fast'] / medians['hf']:.2f} "
                       f"(fast is {medians['hf'] / medians['fast']:.2f}x the tokens/s)")
+    if args.json:
+        print(json.dumps(figures))
+
+
+def _export(root: Path, revision: str, folder: Path) -> Path:
+    """The tree of `revision` written out to `folder` (a fresh folder)."""
+    folder.mkdir(parents=True)
+    archive = subprocess.run(["git", "-C", str(root), "archive", revision], check=True, capture_output=True).stdout
+    subprocess.run(["tar", "-x", "-C", str(folder)], input=archive, check=True)
+    return folder
+
+
+def compare(args: argparse.Namespace) -> None:
+    """Baseline and working tree in alternating fresh processes; best and median per figure."""
+    root = Path(__file__).resolve().parent.parent
+    runs: dict[str, list[dict[str, float]]] = {"baseline": [], "current": []}
+    with tempfile.TemporaryDirectory(prefix="decode-profile-") as tmp:
+        trees = {"baseline": _export(root, args.baseline, Path(tmp) / "baseline"),
+                 "current": _export(root, args.current, Path(tmp) / "current") if args.current else root}
+        for _ in range(args.rounds):
+            for side, tree in trees.items():
+                command = [sys.executable, __file__, "--json", "--top", "0", "--context", str(args.context),
+                           "--steps", str(args.steps), "--batch", *map(str, args.batch)]
+                env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tree), str(tree / "proto")])}
+                out = subprocess.run(command, env=env, check=True, capture_output=True, text=True).stdout
+                runs[side].append(json.loads(out.strip().splitlines()[-1]))
+                print(side, runs[side][-1], flush=True)
+    print(f"\n{args.rounds} rounds, baseline {args.baseline} vs {args.current or 'the working tree'} "
+          "(best / median over rounds):")
+    for key in runs["current"][0]:
+        pick = min if key.startswith("step_ms") else max  # best: the fastest step, the highest rate
+        best = {side: pick(r[key] for r in rs) for side, rs in runs.items()}
+        median = {side: statistics.median(r[key] for r in rs) for side, rs in runs.items()}
+        print(f"  {key}: baseline {best['baseline']:.3f} / {median['baseline']:.3f}, "
+              f"current {best['current']:.3f} / {median['current']:.3f}")
 
 
 def profile_batch(loaded, batch: int, forward: str | None, weight_bytes: int,  # noqa: ANN001
-                  args: argparse.Namespace) -> float:
-    """Median decode step of `batch` sequences with `forward`, and its profile; returns the median."""
+                  args: argparse.Namespace, figures: dict[str, float]) -> float:
+    """Median decode step of `batch` sequences with `forward`, and its profile; returns the median
+    and adds it (and at batch 1 the floor ratio) to `figures`."""
     if forward is not None:
         os.environ["PDSERVE_FORWARD"] = forward
     engine = running_engine(loaded, batch, args.context)
     step_time(engine, 2)
     median = step_time(engine, args.steps)
-    with profile(activities=[ProfilerActivity.CPU]):
-        engine.step()  # warm the profiled path too
-    with profile(activities=[ProfilerActivity.CPU]) as prof:
-        engine.step()
     print(f"\nbatch {batch}, forward {engine.runner.forward_name}: {median * 1e3:.1f} ms per decode step, "
           f"{batch / median:.0f} tokens/s")
-    print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=args.top))
+    figures[f"step_ms_batch{batch}"] = median * 1e3
+    if args.top > 0:
+        with profile(activities=[ProfilerActivity.CPU]):
+            engine.step()  # warm the profiled path too
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            engine.step()
+        print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=args.top))
     if batch == 1:
         shape = engine.kv_cache.shape
         kv_bytes = 2 * shape.num_layers * (args.context + 12) * shape.num_kv_heads * shape.head_dim * 4
@@ -105,6 +162,7 @@ def profile_batch(loaded, batch: int, forward: str | None, weight_bytes: int,  #
         print(f"batch 1: reads {(weight_bytes + kv_bytes) / 2**20:.0f} MiB per step -> "
               f"{moved / 1e9:.2f} GB/s; measured read bandwidth {bandwidth / 1e9:.2f} GB/s; "
               f"ratio {moved / bandwidth:.2f}")
+        figures["read_bandwidth_gbs"], figures["ratio_batch1"] = bandwidth / 1e9, moved / bandwidth
     for rid in list(engine.sequences):
         engine.abort(rid)
     engine.pool.assert_all_free()

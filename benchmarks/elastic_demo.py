@@ -39,8 +39,9 @@ sys.path[:0] = [str(REPO)]
 from pdserve.capacity.arrivals import arrival_times  # noqa: E402
 from pdserve.capacity.bench import BenchConfig, PlannedRequest, run_planned_async  # noqa: E402
 from pdserve.capacity.metrics import RequestRecord, meets_all  # noqa: E402
+from pdserve.capacity.splits import PlannerSplits  # noqa: E402
 from pdserve.capacity.workload import LengthDist  # noqa: E402
-from pdserve.cluster.autoscaler import Autoscaler, AutoscalerConfig, AutoscalerLoop, Mix, PlannerSplits  # noqa: E402
+from pdserve.cluster.autoscaler import Autoscaler, AutoscalerConfig, AutoscalerLoop, Mix  # noqa: E402
 from pdserve.cluster.client import PdserveClient, status_rows  # noqa: E402
 from pdserve.cluster.engine_flags import sim_worker_args  # noqa: E402
 from pdserve.cluster.local import LocalCluster, LocalClusterConfig  # noqa: E402

@@ -4,7 +4,8 @@ A 1P1D `LocalCluster` (auth token, a known internal token, the OpenAI HTTP API) 
 client: one streamed greedy request after another over gRPC, its inter-token gaps recorded. Its gaps
 alone give the baseline; then each row's attack runs while the honest client keeps streaming. Per row:
 what the attacker got (status codes), the honest client's errors (must be none: no 503), its largest
-gap against the baseline median gap (goal: at most 2x, or one prefill chunk), and the router's and
+gap against the baseline median gap (goal: at most 2x, or one prefill chunk: a one-chunk prompt that
+the decode worker prefills, timed before the rows and again after a row that misses), and the router's and
 workers' memory before and after (goal: back within 50 MB).
 
   python benchmarks/isolation_attacks.py                       # the default model
@@ -17,6 +18,7 @@ model and asserts the outcomes that are not timings (no honest error, the attack
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import socket
 import statistics
@@ -61,6 +63,10 @@ class Honest:
 
     router: str
     max_tokens: int = 48
+    # each token waits for a pass, and a pass beside a long prompt carries a chunk: on a loaded machine
+    # (a 512-token chunk took 24 s at one thread) 48 tokens can outlast a 120 s deadline without any
+    # gap over the goal, and gaps are what is measured
+    deadline_s: float = 900.0
     gaps: list[float] = field(default_factory=list)
     errors: list[str] = field(default_factory=list)
     _stop: threading.Event = field(default_factory=threading.Event)
@@ -76,7 +82,7 @@ class Honest:
         while not self._stop.is_set():
             last = None
             try:
-                for response in stub.Generate(request, metadata=metadata, timeout=120):
+                for response in stub.Generate(request, metadata=metadata, timeout=self.deadline_s):
                     if response.token_ids:
                         now = time.perf_counter()
                         if last is not None:
@@ -96,12 +102,13 @@ class Honest:
             self._thread.join(180)
 
 
-def _http(cluster: LocalCluster, path: str, body: bytes, headers: dict[str, str] | None = None) -> int:
+def _http(cluster: LocalCluster, path: str, body: bytes, headers: dict[str, str] | None = None,
+          timeout: float = 120) -> int:
     request = urllib.request.Request(f"http://{cluster.http_address}{path}", data=body, method="POST",
                                      headers={"Content-Type": "application/json",
                                               "Authorization": f"Bearer {AUTH}", **(headers or {})})
     try:
-        with urllib.request.urlopen(request, timeout=120) as answer:
+        with urllib.request.urlopen(request, timeout=timeout) as answer:
             answer.read()
             return int(answer.status)
     except urllib.error.HTTPError as error:
@@ -109,8 +116,8 @@ def _http(cluster: LocalCluster, path: str, body: bytes, headers: dict[str, str]
         return int(error.code)
 
 
-def _post(cluster: LocalCluster, path: str, doc: object) -> int:
-    return _http(cluster, path, json.dumps(doc).encode())
+def _post(cluster: LocalCluster, path: str, doc: object, timeout: float = 120) -> int:
+    return _http(cluster, path, json.dumps(doc).encode(), timeout=timeout)
 
 
 def _grpc(cluster: LocalCluster, request: router_pb2.GenerateRequest, token: str | None = AUTH) -> str:
@@ -180,9 +187,10 @@ LONG_WORDS = 800  # row 5's prompt: about 2,500 tokens of the default model (--l
 
 def row5_logprob_prefill(cluster: LocalCluster, scale: int) -> list[object]:
     prompt = " ".join(f"token{i}" for i in range(LONG_WORDS * scale))
-    return [_post(cluster, "/v1/completions", {"model": "m", "prompt": prompt, "max_tokens": 2, "logprobs": 0}),
+    return [_post(cluster, "/v1/completions", {"model": "m", "prompt": prompt, "max_tokens": 2, "logprobs": 0},
+                  timeout=900),
             _post(cluster, "/v1/completions", {"model": "m", "prompt": prompt, "max_tokens": 1, "echo": True,
-                                               "logprobs": 5})]
+                                               "logprobs": 5}, timeout=900)]
 
 
 def row6_huge_bodies(cluster: LocalCluster, scale: int) -> list[object]:
@@ -243,15 +251,18 @@ ROWS: dict[int, tuple[str, Callable[[LocalCluster, int], list[object]], Callable
 
 
 CHUNK_TOKENS = 512  # the workers' default prefill chunk (prefill.chunk_tokens, decode.chunk_tokens)
+_FRESH = itertools.count()
 
 
-def one_chunk_s(cluster: LocalCluster) -> float:
-    """Time to first token of a prompt of one chunk, alone (median of 3): the issue's other stall bound."""
+def one_chunk_s(cluster: LocalCluster, attempts: int = 4) -> float:
+    """Time to first token of a one-chunk prompt that the decode worker prefills itself (it asks
+    for logprobs, as row 5 does), median of the attempts after the first: one plain chunk's pass on
+    the process that serves the honest stream, the issue's other stall bound."""
     ids = [100 + (7 * i) % 5000 for i in range(CHUNK_TOKENS)]
     times = []
-    for attempt in range(4):
-        request = router_pb2.GenerateRequest(token_ids=common_pb2.TokenIds(ids=[ids[0] + attempt, *ids[1:]]),
-                                             params=_params(max_tokens=1))
+    for _ in range(attempts):
+        request = router_pb2.GenerateRequest(token_ids=common_pb2.TokenIds(ids=[ids[0] + next(_FRESH), *ids[1:]]),
+                                             params=_params(max_tokens=1, logprobs=0))  # no prefix-cache hit
         start = time.perf_counter()
         _grpc(cluster, request)
         times.append(time.perf_counter() - start)
@@ -298,12 +309,17 @@ def main(argv: list[str] | None = None) -> int:
             growth = {n: memory_after[n] - memory_before[n] for n in pids}
             grown = max(growth.values())
             worst = max(gaps) if gaps else float("nan")
+            chunk_now = chunk_s
+            if worst > max(GAP_GOAL * baseline, chunk_s):  # the machine may have slowed: measure again
+                chunk_now = max(chunk_s, one_chunk_s(cluster, attempts=3))
+                print(f"one prefill chunk measured again after row {number}: {chunk_now * 1e3:.1f} ms", flush=True)
             row = {"row": number, "attack": what, "attacker": [str(o) for o in outcome][:8],
                    "attacker_as_expected": expected(outcome), "honest_errors": errors[:3],
                    "honest_max_gap_ms": round(worst * 1e3, 1), "max_gap_over_baseline": round(worst / baseline, 2),
                    "memory_grown_mb": round(grown, 1), "memory_grown_by": max(growth, key=growth.get),
                    "threads": {name: threads(pid) for name, pid in pids.items()},
-                   "stall_goal_ms": round(max(GAP_GOAL * baseline, chunk_s) * 1e3, 1),
+                   "stall_goal_ms": round(max(GAP_GOAL * baseline, chunk_now) * 1e3, 1),
+                   "chunk_ms": round(chunk_now * 1e3, 1), "honest_gaps": len(gaps),
                    "seconds": round(seconds, 1)}
             results.append(row)
             print(json.dumps(row), flush=True)

@@ -21,6 +21,10 @@ time. `--engine model` runs the real model (default: the default model).
 
     python benchmarks/kv_routing_bench.py --topology 2p6d 4p4d --json out.json
     python benchmarks/kv_routing_bench.py --engine model --topology 1p1d x2 --conversations 12
+
+A sweep of kv_aware's weights and threshold: `--sweep` runs kv_aware once per point (the defaults,
+then each of --sweep-threshold, --sweep-request-tokens and --sweep-kv-tokens varied alone), after
+the --policies, on the same workload.
 """
 
 from __future__ import annotations
@@ -194,13 +198,36 @@ def summarize(turns: list[Turn], slo_ttft: float, slo_tpot: float) -> dict[str, 
     }
 
 
+@dataclass(frozen=True)
+class Point:
+    """kv_aware's settings for one run (--sweep)."""
+
+    threshold: int
+    request_tokens: float
+    kv_tokens: float
+
+
+def sweep_points(args: argparse.Namespace) -> list[Point]:
+    """The defaults, then one setting varied at a time."""
+    base = Point(args.threshold, args.request_tokens, args.kv_tokens)
+    points = [base]
+    points += [Point(t, base.request_tokens, base.kv_tokens) for t in args.sweep_threshold]
+    points += [Point(base.threshold, r, base.kv_tokens) for r in args.sweep_request_tokens]
+    points += [Point(base.threshold, base.request_tokens, k) for k in args.sweep_kv_tokens]
+    return points
+
+
 def run_policy(policy: str, topology: str, work: Workload, args: argparse.Namespace, profile: str | None,
-               kv_bytes_per_token: float) -> dict[str, Any]:
+               kv_bytes_per_token: float, point: Point | None = None) -> dict[str, Any]:
     prefill, decode, colocated = TOPOLOGIES[topology]
     name = "kv_aware" if policy in ("kv_aware_always", "kv_aware_slo") else policy
+    point = point or Point(args.threshold, args.request_tokens, args.kv_tokens)
     router_args: tuple[str, ...] = ()
+    if name in ("kv_aware", "kv_oracle"):
+        router_args = ("--kv-aware-request-tokens", repr(point.request_tokens),
+                       "--kv-aware-kv-tokens", repr(point.kv_tokens))
     if policy in ("kv_aware", "kv_oracle", "kv_aware_slo"):
-        router_args = ("--conditional-disagg-tokens", str(args.threshold))
+        router_args += ("--conditional-disagg-tokens", str(point.threshold))
     if policy == "kv_aware_slo":  # the router's clock is the wall clock: the SLO in wall seconds
         router_args += ("--slo-ttft", repr(args.slo_ttft / (args.speedup if profile else 1.0)))
     engine = sim_worker_args(profile, args.speedup) if profile else ()
@@ -219,7 +246,8 @@ def run_policy(policy: str, topology: str, work: Workload, args: argparse.Namesp
         stub = router_pb2_grpc.RouterStub(grpc.insecure_channel(cluster.router_address))
         status = stub.GetStatus(router_pb2.StatusRequest(), timeout=10)
     summary = summarize(turns, args.slo_ttft, args.slo_tpot)
-    summary.update(policy=policy, topology=topology, wall_s=wall, routes=routes)
+    summary.update(policy=policy, topology=topology, wall_s=wall, routes=routes, threshold=point.threshold,
+                   request_tokens=point.request_tokens, kv_tokens=point.kv_tokens)
     # prompt tokens whose K/V crossed to a decode worker: measured (its KV bytes received) with the model
     # engine; the sim engine models transfers without bytes, so there the router's count of what the
     # chosen decode worker lacked (KV-aware policies only) stands in
@@ -257,6 +285,12 @@ def main() -> int:
     ap.add_argument("--rate", type=float, default=8.0, help="conversations started per second (profile time)")
     ap.add_argument("--think-s", type=float, default=1.0, help="mean think time between turns (profile time)")
     ap.add_argument("--threshold", type=int, default=256, help="--conditional-disagg-tokens of kv_aware")
+    ap.add_argument("--request-tokens", type=float, default=128.0, help="--kv-aware-request-tokens")
+    ap.add_argument("--kv-tokens", type=float, default=512.0, help="--kv-aware-kv-tokens")
+    ap.add_argument("--sweep", action="store_true", help="also run kv_aware at each sweep point")
+    ap.add_argument("--sweep-threshold", type=int, nargs="*", default=[0, 128, 512, 1024])
+    ap.add_argument("--sweep-request-tokens", type=float, nargs="*", default=[32.0, 512.0])
+    ap.add_argument("--sweep-kv-tokens", type=float, nargs="*", default=[128.0, 2048.0])
     ap.add_argument("--slo-ttft", type=float, default=0.2, help="TTFT SLO for goodput (s, profile time)")
     ap.add_argument("--slo-tpot", type=float, default=0.05, help="TPOT SLO for goodput (s, profile time)")
     ap.add_argument("--timeout-s", type=float, default=600.0)
@@ -286,10 +320,14 @@ def main() -> int:
               f"{args.systems} system prompts of {args.system_tokens} tokens", flush=True)
         results = []
         for topology in args.topology:
-            for policy in args.policies:
-                result = run_policy(policy, topology, work, args, profile, bytes_per_token)
+            runs = [(policy, None) for policy in args.policies]
+            runs += [("kv_aware", point) for point in sweep_points(args)] if args.sweep else []
+            for policy, point in runs:
+                result = run_policy(policy, topology, work, args, profile, bytes_per_token, point)
                 results.append(result)
-                print(f"{topology:>5} {policy:<16} hit {result['hit_rate']:.3f} (follow-ups "
+                label = policy if point is None else (f"kv_aware t={point.threshold} r={point.request_tokens:g} "
+                                                      f"k={point.kv_tokens:g}")
+                print(f"{topology:>5} {label:<16} hit {result['hit_rate']:.3f} (follow-ups "
                       f"{result['follow_up_hit_rate']:.3f})  TTFT p50/p90 {result['ttft_p50'] * 1e3:.1f}/"
                       f"{result['ttft_p90'] * 1e3:.1f} ms  TPOT p50/p90 {result['tpot_p50'] * 1e3:.1f}/"
                       f"{result['tpot_p90'] * 1e3:.1f} ms  goodput {result['goodput_rps']:.2f} req/s  "

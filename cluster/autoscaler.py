@@ -321,47 +321,11 @@ def _fmt_mix(mix: Mix) -> str:
     return f"{mix.rate:.2f} req/s, {mix.prompt_tokens:.0f} prompt / {mix.output_tokens:.0f} output tokens"
 
 
-# ----- the planner as a split chooser -------------------------------------------------------------
-class PlannerSplits:
-    """For a mix and n workers, the goodput `capacity.planner.max_rate` predicts for every split pPqD
-    with p + q = n; cached per bucketed mix (prompt and output lengths to 25%)."""
-
-    def __init__(self, profile_path: str, ttft_s: float | None, tpot_s: float | None, target: float = 0.9,
-                 speedup: float = 1.0, num_requests: int = 120) -> None:
-        from pdserve.capacity.planner import Slos, timing_for
-        from pdserve.engine.sim_profile import load_profile
-
-        self._timing = timing_for(load_profile(profile_path))
-        slos = {k: v for k, v in (("ttft", ttft_s), ("tpot", tpot_s)) if v is not None}
-        # the profile is in profile time; a sim cluster with --speedup K runs K times faster
-        self._slos = Slos({k: v * speedup for k, v in slos.items()}, target=target)
-        self._speedup = speedup
-        self._num_requests = num_requests
-        self._cache: dict[tuple[int, int, int], dict[int, float]] = {}
-
-    def __call__(self, mix: Mix, n: int) -> dict[int, float]:
-        key = (_bucket(mix.prompt_tokens), _bucket(mix.output_tokens), n)
-        if key not in self._cache:
-            self._cache[key] = self._rates(key[0], key[1], n)
-        return self._cache[key]
-
-    def _rates(self, prompt: int, output: int, n: int) -> dict[int, float]:
-        from pdserve.capacity.planner import Workload, max_rate
-        from pdserve.capacity.simulator import Deployment
-        from pdserve.capacity.workload import LengthDist
-
-        workload = Workload(LengthDist(values=(prompt,), weights=(1.0,)), LengthDist(values=(output,), weights=(1.0,)))
-        started = time.monotonic()
-        rates = {p: max_rate(self._timing, Deployment(p, n - p), workload, self._slos, self._num_requests, seed=0,
-                             rounds=4) * self._speedup for p in range(1, n)}
-        log.info("planner: %d prompt / %d output tokens on %d workers: %s (%.1fs)", prompt, output, n,
-                 ", ".join(f"{p}P{n - p}D {r:.2f}/s" for p, r in rates.items()), time.monotonic() - started)
-        return rates
-
-
-def _bucket(tokens: float) -> int:
-    """Round to a power of 1.25 (so nearby mixes share one planner run)."""
-    return max(1, round(1.25 ** round(math.log(max(tokens, 1.0), 1.25))))
+# ----- the planner, handed in -------------------------------------------------------------------
+#: Builds the SplitPlanner for the loop's config (its SLOs). `capacity.splits` makes one from a latency
+#: profile; the autoscaler never imports capacity: the CLI hands it this (a factory, so that a Ray
+#: controller builds the planner on its own node).
+PlannerFactory = Callable[[AutoscalerConfig], SplitPlanner]
 
 
 # ----- metrics ------------------------------------------------------------------------------------
@@ -500,11 +464,12 @@ def autoscaler_config(options: Any, can_resize: bool = False, speedup: float = 1
 
 
 def start_local_autoscaler(router_address: str, options: Any, token: str | None = None,
-                           speedup: float = 1.0, tls_ca_file: str | None = None) -> AutoscalerLoop:
-    """Start the loop for a local deployment (role switches only); the planner when a profile is known."""
+                           speedup: float = 1.0, tls_ca_file: str | None = None,
+                           make_planner: PlannerFactory | None = None) -> AutoscalerLoop:
+    """Start the loop for a local deployment (role switches only), with the planner `make_planner`
+    builds (the CLI passes one when a profile is known)."""
     config = autoscaler_config(options, speedup=speedup)
-    planner = PlannerSplits(options.profile, config.ttft_s, config.tpot_s, config.target, speedup) \
-        if options.profile else None
+    planner = make_planner(config) if make_planner else None
     core = Autoscaler(config, planner)
     log.info("autoscaler: keeping %s, %s", options.slo, "planner on " + options.profile if planner else "no planner")
     return AutoscalerLoop(router_address, core, options.interval_s, token, tls_ca_file=tls_ca_file).start()

@@ -151,7 +151,7 @@ def _cmd_serve_ray(config: DeploymentConfig) -> int:
 
     signal.signal(signal.SIGTERM, _interrupt)
     try:
-        cluster = RayCluster(config)
+        cluster = RayCluster(config, _planner_factory(config))
     except KeyboardInterrupt:
         return 0
     except Exception as exc:  # noqa: BLE001 - Ray raises many kinds; report and fail
@@ -251,7 +251,8 @@ def _start_autoscaler(cluster: LocalCluster, config: DeploymentConfig, options: 
     logger.propagate = False
     token = _token_of_file(config.security.auth_token_file)
     loop = start_local_autoscaler(cluster.router_address, options, token, speedup=config.model.speedup,
-                                  tls_ca_file=config.security.tls_cert or None)  # over TLS: trust our own cert
+                                  tls_ca_file=config.security.tls_cert or None,  # over TLS: trust our own cert
+                                  make_planner=_planner_factory(config))
     if not obs.metrics:
         return [loop]
     guarded = not is_loopback(obs.metrics_host)  # beyond loopback: bearer token (config checked it is set)
@@ -260,6 +261,15 @@ def _start_autoscaler(cluster: LocalCluster, config: DeploymentConfig, options: 
                                tls if guarded else None)
     print(f"metrics autoscaler: {endpoint.url}", flush=True)
     return [loop, endpoint]
+
+
+def _planner_factory(config: DeploymentConfig) -> Any:  # noqa: ANN401 - a PlannerFactory or None
+    """The autoscaler's planner, from the profile of `elastic.autoscale` (None without one or without
+    the autoscaler). The CLI is where cluster and capacity meet: the autoscaler never imports capacity."""
+    from pdserve.capacity.splits import planner_factory
+
+    options = config.autoscale_options()
+    return planner_factory(options.profile, config.model.speedup) if options is not None else None
 
 
 def _serve_until_interrupt(cluster: Any, announce: Callable[[], None],  # noqa: ANN401 - either launcher

@@ -254,7 +254,10 @@ class Controller:
     """Owns the deployment (wrapped as the named detached actor ``pdserve-controller``)."""
 
     def __init__(self, config: DeploymentConfig, internal_token: str | None = None, auth_token: str | None = None,
-                 extra_args: dict[str, tuple[str, ...]] | None = None) -> None:
+                 extra_args: dict[str, tuple[str, ...]] | None = None,
+                 make_planner: Callable[..., Any] | None = None) -> None:
+        """`make_planner`: the autoscaler's planner factory (`cluster.autoscaler.PlannerFactory`), handed
+        in by the CLI when `elastic.autoscale` has a profile."""
         logging.basicConfig(level=config.observability.log_level,
                             format="%(asctime)s controller %(levelname)s %(message)s")
         self.config = config
@@ -309,8 +312,8 @@ class Controller:
             from pdserve.cluster.ray_elastic import RayAutoscaler
 
             self._autoscaler = RayAutoscaler(self, self.router_address_value, options, auth_token,
-                                             speedup=config.model.speedup,
-                                             tls_ca_file=config.security.tls_cert or None)
+                                             tls_ca_file=config.security.tls_cert or None,
+                                             make_planner=make_planner)
 
     # ----- placement -------------------------------------------------------------------------
     def _reserve(self, bundles: list[dict[str, float]], strategy: str, name: str = "",
@@ -723,7 +726,9 @@ def get_controller(address: str | None = "auto") -> Any:  # noqa: ANN401 - ray A
 class RayCluster:
     """Driver-side handle: starts the deployment on construction; ``stop()`` tears it down (idempotent)."""
 
-    def __init__(self, config: DeploymentConfig | RayClusterConfig) -> None:
+    def __init__(self, config: DeploymentConfig | RayClusterConfig,
+                 make_planner: Callable[..., Any] | None = None) -> None:
+        """`make_planner`: the autoscaler's planner factory, run in the controller (see Controller)."""
         self.config = config
         if isinstance(config, RayClusterConfig):
             deployment, extra, internal = config.deployment(), config.extra_args(), config.internal_token
@@ -750,7 +755,7 @@ class RayCluster:
             self._controller = _RemoteController.options(
                 name=CONTROLLER_NAME, namespace=NAMESPACE, lifetime="detached", num_cpus=0, max_concurrency=16,
                 scheduling_strategy=NodeAffinitySchedulingStrategy(controller_node_id(), soft=False),
-            ).remote(deployment, internal, auth, extra)
+            ).remote(deployment, internal, auth, extra, make_planner)
             self.router_address: str = ray.get(self._controller.router_address.remote(),
                                                timeout=deployment.startup_timeout_s + 60)
             self.http_address: str = ray.get(self._controller.router_http_address.remote(), timeout=60)

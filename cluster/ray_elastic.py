@@ -34,7 +34,7 @@ from pdserve.cluster.autoscaler import (
     AutoscalerLoop,
     Decision,
     Observation,
-    PlannerSplits,
+    PlannerFactory,
     autoscaler_config,
 )
 
@@ -111,11 +111,12 @@ class RayAutoscaler:
     """The autoscaler loop of a Ray deployment, run inside the controller actor."""
 
     def __init__(self, workers: WorkerSet, router_address: str, options: Any,  # noqa: ANN401 - AutoscaleOptions
-                 token: str | None = None, speedup: float = 1.0, tls_ca_file: str | None = None) -> None:
-        """`tls_ca_file`: the router's TLS certificate, read on this (the head) node, as trust root."""
+                 token: str | None = None, tls_ca_file: str | None = None,
+                 make_planner: PlannerFactory | None = None) -> None:
+        """`tls_ca_file`: the router's TLS certificate, read on this (the head) node, as trust root.
+        `make_planner`: what builds the planner (the CLI's, from the profile; None: pressure only)."""
         config = autoscaler_config(options, can_resize=True)
-        planner = PlannerSplits(options.profile, config.ttft_s, config.tpot_s, config.target, speedup) \
-            if options.profile else None
+        planner = make_planner(config) if make_planner else None
         self.core = Autoscaler(config, planner)
         self.actuator = RayActuator(workers, options.min_workers, options.max_workers)
         self.interval_s = options.interval_s

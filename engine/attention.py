@@ -47,13 +47,23 @@ class AttentionBatch:
         return self.num_decode == len(self.query_lens)
 
     @functools.cached_property
-    def decode_padding(self) -> torch.Tensor:
-        """[Bd, 1, 1, S] True where a key position lies past its decoding sequence's context (built
-        once per pass, read by every layer)."""
+    def decode_padding(self) -> torch.Tensor | None:
+        """[Bd, 1, 1, S] True where a key position lies past its decoding sequence's context, or None
+        when every decoding sequence has the same context (batch 1 always): nothing to mask. Built
+        once per pass, read by every layer."""
         context = self.context_lens[: self.num_decode]
+        if min(context) == max(context):
+            return None
         device = self.block_tables.device
         lengths = torch.tensor(context, dtype=torch.long, device=device)
         return (torch.arange(max(context), device=device).unsqueeze(0) >= lengths.unsqueeze(1))[:, None, None, :]
+
+    @functools.cached_property
+    def decode_kv_ids(self) -> torch.Tensor:
+        """[2 * Bd * max_blocks] rows of a layer's K/V, viewed as [2 * num_blocks, block_size, H, D],
+        that hold the decoding sequences' blocks: their keys', then their values' (once per pass)."""
+        ids = self.block_tables[: self.num_decode].flatten()
+        return torch.cat([ids, ids + self.kv_cache.num_blocks])
 
 
 class _PassState(threading.local):
@@ -89,6 +99,19 @@ def _paged_context(kv_cache: KVCache, layer: int, block_tables: torch.Tensor, le
     return k.transpose(1, 2), v.transpose(1, 2)
 
 
+def _decode_context(batch: AttentionBatch, layer: int, length: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Keys and values of the decoding sequences, contiguous: ([Bd*Hkv, S, D], [Bd*Hkv, S, D]).
+
+    One `index_select` of whole blocks for keys and values together (on CPU about 4x faster than an
+    advanced-indexing gather), then one copy into the [B, H, S, D] layout the batched matmuls read."""
+    cache = batch.kv_cache
+    nd, heads, dim = batch.num_decode, cache.shape.num_kv_heads, cache.shape.head_dim
+    rows = cache.kv[layer].view(2 * cache.num_blocks, cache.shape.block_size, heads, dim)
+    kv = rows.index_select(0, batch.decode_kv_ids).view(2, nd, -1, heads, dim)[:, :, :length]
+    kv = kv.transpose(2, 3).contiguous()  # [2, Bd, Hkv, S, D]
+    return kv[0].view(nd * heads, length, dim), kv[1].view(nd * heads, length, dim)
+
+
 def _decode_attention(batch: AttentionBatch, layer: int, query: torch.Tensor, scaling: float) -> torch.Tensor:
     """The decoding sequences: query [Bd, Hq, D] -> output [Bd, Hq, D].
 
@@ -99,13 +122,14 @@ def _decode_attention(batch: AttentionBatch, layer: int, query: torch.Tensor, sc
     plus the matmul, and SDPA's flash kernel, tiled for many query rows, slower still."""
     nd = batch.num_decode
     max_len = max(batch.context_lens[:nd])
-    k, v = _paged_context(batch.kv_cache, layer, batch.block_tables[:nd], max_len)  # [B, Hkv, S, D] views
-    heads_kv, dim = k.shape[1], query.shape[-1]
-    k = k.to(query.dtype).contiguous().view(nd * heads_kv, max_len, dim)
-    v = v.to(query.dtype).contiguous().view(nd * heads_kv, max_len, dim)
+    k, v = _decode_context(batch, layer, max_len)  # [B*Hkv, S, D] each, the cache's dtype
+    if k.dtype != query.dtype:
+        k, v = k.to(query.dtype), v.to(query.dtype)
+    heads_kv, dim = batch.kv_cache.shape.num_kv_heads, query.shape[-1]
     q = query.reshape(nd * heads_kv, -1, dim)  # [B*Hkv, G, D]: query head h reads kv head h // G
     scores = torch.bmm(q, k.transpose(1, 2)).float().mul_(scaling)  # [B*Hkv, G, S]
-    scores = scores.view(nd, heads_kv, -1, max_len).masked_fill_(batch.decode_padding, float("-inf"))
+    if batch.decode_padding is not None:
+        scores = scores.view(nd, heads_kv, -1, max_len).masked_fill_(batch.decode_padding, float("-inf"))
     probs = torch.softmax(scores, dim=-1).to(query.dtype).view(nd * heads_kv, -1, max_len)
     return torch.bmm(probs, v).view(nd, -1, dim)
 
@@ -142,8 +166,8 @@ def paged_attention(batch: AttentionBatch, layer: int, query: torch.Tensor, key:
     its own cached context. query [T, Hq, D], key/value [T, Hkv, D] -> output [T, Hq * D]
     (decoding sequences first, as the batch is packed)."""
     k_slots, v_slots = batch.kv_cache.layer_slots(layer)
-    k_slots[batch.slot_mapping] = key.to(k_slots.dtype)  # [T, Hkv, D]
-    v_slots[batch.slot_mapping] = value.to(v_slots.dtype)
+    k_slots.index_copy_(0, batch.slot_mapping, key.to(k_slots.dtype))  # [T, Hkv, D]
+    v_slots.index_copy_(0, batch.slot_mapping, value.to(v_slots.dtype))
     nd = batch.num_decode
     if batch.is_decode:
         out = _decode_attention(batch, layer, query.contiguous(), scale)

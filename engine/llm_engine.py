@@ -27,6 +27,7 @@ import torch
 
 from pdserve.engine import structured
 from pdserve.engine.block_pool import BlockPool, block_hashes, blocks_for_tokens
+from pdserve.engine.chunk_cost import attention_crossover
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.kv_cache import KVCache
 from pdserve.engine.kv_connector import KvConnector
@@ -120,7 +121,8 @@ class LLMEngine:
         self.pool = BlockPool(self.kv_cache.num_blocks, config.block_size)
         self.kv_events = self.pool.events = KvEventLog()  # the prefix cache's changes, for the router
         self.runner = build_runner(loaded, self.kv_cache)
-        self.scheduler = Scheduler(config, self.pool, keeps_decoding=connector is None)
+        self.scheduler = Scheduler(config, self.pool, keeps_decoding=connector is None,
+                                   attention_crossover=attention_crossover(loaded))
         self.max_model_len = min(config.max_model_len or loaded.max_model_len, loaded.max_model_len)
         self.sequences: dict[str, Sequence] = {}  # every sequence not finished, handed-off ones included
         self.last_pass: ScheduledPass | None = None  # what the latest step planned (for metrics)

@@ -140,9 +140,9 @@ class ModelRunner:
         fast = self.fast
         assert fast is not None
         hidden = torch.nn.functional.embedding(input_ids, fast.embed)  # [T, E]
-        cos, sin = fast.rotary_tables(positions, hidden.dtype)
+        rope = fast.rope(positions, hidden.dtype)
         for index in range(len(fast.layers)):
-            hidden = fast.layer(index, hidden, batch, cos, sin)
+            hidden = fast.layer(index, hidden, batch, rope)
             if on_layer_done is not None:
                 on_layer_done(index)
         return hidden

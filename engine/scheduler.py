@@ -8,7 +8,10 @@ A pass (`schedule`) is planned in two phases:
 2. Prefill: the rest of the token budget (`max_num_batched_tokens`) goes to prompts, first come
    first served: sequences already prefilling continue, then waiting ones are admitted. Each gets
    at most `prefill_chunk_tokens` tokens per pass (chunked prefill: a long prompt cannot hold short
-   ones back). Admission allocates blocks for every token the sequence must prefill, taking the
+   ones back). While streams decode in the pass, its prompt chunks together cost at most one
+   plain chunk (`engine.chunk_cost`: a chunk deep in a long prompt attends to more context, so it
+   gets fewer tokens), so a running stream stalls one chunk's time at most, whatever the prompts
+   beside it. Admission allocates blocks for every token the sequence must prefill, taking the
    blocks of its longest cached prefix from the pool (prefix caching); the blocks it computes are
    registered for later prompts as soon as they are full.
 
@@ -22,11 +25,13 @@ Invariant: blocks are taken only by `grow` and `_admit` and given back only by `
 
 from __future__ import annotations
 
+import math
 import time
 from collections import deque
 from dataclasses import dataclass
 
 from pdserve.engine.block_pool import BlockPool, block_hashes, blocks_for_tokens
+from pdserve.engine.chunk_cost import chunk_cost, largest_chunk
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.sequence import Sequence, SequenceStatus
 
@@ -76,10 +81,14 @@ class ScheduledPass:
 
 
 class Scheduler:
-    def __init__(self, config: EngineConfig, pool: BlockPool, keeps_decoding: bool = True) -> None:
+    def __init__(self, config: EngineConfig, pool: BlockPool, keeps_decoding: bool = True,
+                 attention_crossover: float = math.inf) -> None:
+        """`attention_crossover`: the model's K of `engine.chunk_cost` (infinite: a chunk's cost
+        does not grow with its context)."""
         self.config = config
         self.pool = pool
         self.keeps_decoding = keeps_decoding
+        self.attention_crossover = attention_crossover
         self.waiting: deque[Sequence] = deque()  # no blocks yet (or preempted), FIFO
         self.prefilling: list[Sequence] = []  # admitted, K/V of their prefix partly computed, FIFO
         self.running: list[Sequence] = []  # decoding, oldest first
@@ -119,7 +128,8 @@ class Scheduler:
         decode = self.schedule_decode()
         items = [PassItem(seq, [seq.output_ids[-1]], is_prefill=False) for seq in decode]
         budget = self.config.max_num_batched_tokens - len(decode)
-        for seq, num_new in self.schedule_prefill(budget):
+        allowance = self.stream_allowance if decode else math.inf
+        for seq, num_new in self.schedule_prefill(budget, allowance):
             start = seq.num_cached
             items.append(PassItem(seq, seq.prefill_ids[start : start + num_new], is_prefill=True))
         return ScheduledPass(items)
@@ -155,28 +165,43 @@ class Scheduler:
             return self.running.pop()
         return None
 
-    def schedule_prefill(self, budget: int) -> list[tuple[Sequence, int]]:
-        """(sequence, new tokens) pairs within `budget` tokens: prefilling sequences continue FIFO,
-        then waiting ones are admitted FIFO while slots and blocks allow."""
+    @property
+    def stream_allowance(self) -> float:
+        """What the prompt chunks of a pass that carries decoding streams may cost together: one
+        plain chunk, on no context (`engine.chunk_cost` units)."""
+        chunk = self.config.prefill_chunk_tokens or self.config.max_num_batched_tokens
+        return chunk_cost(chunk, 0, self.attention_crossover)
+
+    def schedule_prefill(self, budget: int, allowance: float = math.inf) -> list[tuple[Sequence, int]]:
+        """(sequence, new tokens) pairs within `budget` tokens and `allowance` cost: prefilling
+        sequences continue FIFO, then waiting ones are admitted FIFO while slots and blocks allow.
+        The first chunk gets at least one token, so a prompt always progresses."""
         chunks: list[tuple[Sequence, int]] = []
         for seq in self.prefilling:
-            num_new = self._chunk_size(seq, budget)
+            num_new = self._chunk_size(seq, budget, allowance, first=not chunks)
             if num_new == 0:
                 break
             chunks.append((seq, num_new))
             budget -= num_new
-        while budget > 0 and self.waiting and self._has_slot() and self._admit(self.waiting[0]):
+            allowance -= chunk_cost(num_new, seq.num_cached, self.attention_crossover)
+        while budget > 0 and allowance >= 1 and self.waiting and self._has_slot() and self._admit(self.waiting[0]):
             seq = self.waiting.popleft()
             self.prefilling.append(seq)
-            num_new = self._chunk_size(seq, budget)
+            num_new = self._chunk_size(seq, budget, allowance, first=not chunks)
+            if num_new == 0:  # admitted (its prefix cache hits held), it starts next pass
+                break
             chunks.append((seq, num_new))
             budget -= num_new
+            allowance -= chunk_cost(num_new, seq.num_cached, self.attention_crossover)
         return chunks
 
-    def _chunk_size(self, seq: Sequence, budget: int) -> int:
+    def _chunk_size(self, seq: Sequence, budget: int, allowance: float = math.inf, first: bool = False) -> int:
         chunk = self.config.prefill_chunk_tokens or self.config.max_num_batched_tokens
         if seq.wants_prompt_logprobs():  # every position's log_softmax over the vocabulary: smaller chunks
             chunk = min(chunk, PROMPT_LOGPROB_CHUNK_TOKENS)
+        if allowance != math.inf:
+            fits = largest_chunk(seq.num_cached, allowance, self.attention_crossover)
+            chunk = min(chunk, max(fits, 1) if first else fits)
         return max(0, min(len(seq.prefill_ids) - seq.num_cached, chunk, budget))
 
     def _has_slot(self) -> bool:

@@ -7,8 +7,9 @@ blocks 0..i (sha256: a collision cannot be built, unlike Python's 64-bit `hash()
 
 from __future__ import annotations
 
+import array
 import hashlib
-import struct
+import sys
 from collections.abc import Sequence
 
 #: The chain's start value: a version tag, so a change of the scheme never matches old keys.
@@ -23,8 +24,12 @@ def block_hashes(token_ids: Sequence[int], block_size: int, salt: str = "") -> l
     if salt:
         previous = hashlib.sha256(_HASH_SEED + b"cache_salt" + salt.encode("utf-8")).digest()
     size = block_size.to_bytes(8, "little")
-    for start in range(0, len(token_ids) - block_size + 1, block_size):
-        block = struct.pack(f"<{block_size}q", *token_ids[start : start + block_size])
-        previous = hashlib.sha256(previous + size + block).digest()
+    full = len(token_ids) // block_size * block_size
+    packed = array.array("q", token_ids[:full])  # one conversion, not one per block (router: per request)
+    if sys.byteorder != "little":
+        packed.byteswap()
+    data, step = packed.tobytes(), 8 * block_size
+    for start in range(0, len(data), step):
+        previous = hashlib.sha256(previous + size + data[start : start + step]).digest()
         hashes.append(previous)
     return hashes

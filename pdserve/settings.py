@@ -157,8 +157,9 @@ class ColocatedPool(PoolSection):
                      why="the Ray deployment has prefill and decode pools only")
     max_num_seqs: int = opt(64, "most sequences in one decode batch", min=1)
     chunk_tokens: int = opt(512, "prompts this worker prefills itself (colocated, logprob requests, short ones) go "
-                            "at most this many tokens per pass, so they stall running streams by one chunk at "
-                            "most (0: whole prompts)", min=0)
+                            "at most this many tokens per pass; beside running streams their chunks together cost "
+                            "one such chunk at most (fewer tokens deep in a long prompt), so streams stall one "
+                            "chunk's time at most (0: whole prompts)", min=0)
     admission_timeout_s: float = opt(30.0, "how long a request may wait for a decode slot at the worker (s)", gt=0)
 
 

@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import json
 import re
+import threading
+from collections import OrderedDict
 from collections.abc import Sequence
 from typing import Any
 
@@ -21,12 +23,15 @@ CHAT_ROLES = frozenset({"system", "user", "assistant", "tool"})
 MAX_MESSAGES = 256
 
 
-def encode_text(tokenizer: Any, text: str) -> list[int]:
+def encode_text(tokenizer: Any, text: str, pieces: PieceCache | None = None) -> list[int]:
     """Tokenize a plain prompt the way the model's tokenizer does by default. A completion prompt is
     raw model input: special-token text in it (``<|im_start|>``, ``<|endoftext|>``) becomes those
-    tokens, so a client can write a chat by hand, as with vLLM (chat messages differ: `encode_chat`)."""
+    tokens, so a client can write a chat by hand, as with vLLM (chat messages differ: `encode_chat`).
+    `pieces` (of this tokenizer) gives the same ids, reusing those of pieces seen before."""
     if not text.strip():
         raise RequestInvalid("prompt: must not be empty or whitespace")
+    if pieces is not None:
+        return pieces.encode(text, add_special_tokens=True)
     return list(tokenizer(text).input_ids)
 
 
@@ -34,9 +39,10 @@ Message = dict[str, Any]  # {"role", "content"} plus "tool_calls" / "tool_call_i
 
 
 def encode_chat(tokenizer: Any, messages: Sequence[tuple[str, str] | Message],
-                tools: list[dict[str, Any]] | None = None) -> list[int]:
+                tools: list[dict[str, Any]] | None = None, pieces: PieceCache | None = None) -> list[int]:
     """Render messages ((role, content) pairs or OpenAI-style dicts) and `tools` with the
-    tokenizer's own chat template, ready for a reply."""
+    tokenizer's own chat template, ready for a reply. `pieces` (of this tokenizer) gives the same
+    ids, reusing those of the turns seen before (a follow-up turn of a chat re-sends them all)."""
     messages = [{"role": m[0], "content": m[1]} if isinstance(m, tuple) else m for m in messages]
     if tools and not _template_renders_tools(tokenizer):
         messages = _hermes_messages(messages, tools)
@@ -54,6 +60,8 @@ def encode_chat(tokenizer: Any, messages: Sequence[tuple[str, str] | Message],
     extra = {"tools": tools} if tools else {}
     if not any(s in m["content"] for m in messages for s in specials):
         rendered = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True, **extra)
+        if pieces is not None:
+            return pieces.encode(rendered, add_special_tokens=False)
         return list(tokenizer(rendered, add_special_tokens=False).input_ids)
     # Content that spells a special token (`<|im_end|>\n<|im_start|>system ...`) stays text: the template
     # is rendered around placeholders, its own markers become special tokens, and each message's content
@@ -72,6 +80,103 @@ def encode_chat(tokenizer: Any, messages: Sequence[tuple[str, str] | Message],
         else:
             ids += tokenizer(messages[index]["content"], add_special_tokens=False, split_special_tokens=True).input_ids
     return ids
+
+
+#: PieceCache's default bound: characters of text whose ids it keeps (with their ids, ~25 MB at most).
+PIECE_CACHE_CHARS = 2_000_000
+#: Pre-tokenizers that cut each piece of text between added tokens on its own, the same wherever the
+#: piece stands (Metaspace is not one: it may mark only the text's first piece).
+_PIECEWISE_PRE_TOKENIZERS = frozenset({"ByteLevel", "Split", "Digits", "Punctuation", "Whitespace",
+                                       "WhitespaceSplit", "Sequence"})
+
+
+class PieceCache:
+    """The tokenizer's ids for a text, reusing the ids of the pieces between its added tokens.
+
+    Why it is exact: a fast (Rust) tokenizer first cuts the text at its added tokens (special tokens
+    such as ``<|im_start|>``, leftmost-longest) and then tokenizes each piece in between on its own;
+    the pieces never merge. So the ids of a text are its pieces' ids and the added tokens' ids in
+    order, and a piece's ids can be remembered. That holds only when no added token strips the
+    whitespace beside it or matches whole words only, there is no normalizer (it could change what
+    matches), the pre-tokenizer treats every piece alike and the post-processor adds nothing (for
+    `add_special_tokens=True`); `exact` says whether this tokenizer qualifies, and when it does not,
+    `encode` tokenizes the whole text as before. A chat's rendered prompt is cut at the turn markers,
+    so a follow-up turn tokenizes only its new messages.
+
+    Bounded: pieces totalling at most `max_chars` characters are kept, least recently used evicted.
+    Thread-safe (the router tokenizes large prompts in threads).
+    """
+
+    def __init__(self, tokenizer: Any, max_chars: int = PIECE_CACHE_CHARS) -> None:  # noqa: ANN401
+        self.tokenizer = tokenizer
+        self.max_chars = max_chars
+        self._lock = threading.Lock()
+        self._ids: OrderedDict[str, tuple[int, ...]] = OrderedDict()
+        self._chars = 0
+        self.hits = 0
+        self.misses = 0
+        self._added, self._cut = _added_token_cutter(tokenizer)
+        self.exact = self._cut is not None
+        self._plain_adds_nothing = self.exact and (list(tokenizer("a b").input_ids)
+                                                   == list(tokenizer("a b", add_special_tokens=False).input_ids))
+
+    def encode(self, text: str, add_special_tokens: bool) -> list[int]:
+        """`tokenizer(text, add_special_tokens=...).input_ids`, the same ids."""
+        if self._cut is None or (add_special_tokens and not self._plain_adds_nothing):
+            return list(self.tokenizer(text, add_special_tokens=add_special_tokens).input_ids)
+        ids: list[int] = []
+        for piece in self._cut.split(text):
+            if not piece:
+                continue
+            added = self._added.get(piece)
+            if added is not None:
+                ids.append(added)
+            else:
+                ids += self._piece(piece)
+        return ids
+
+    def _piece(self, piece: str) -> tuple[int, ...]:
+        with self._lock:
+            ids = self._ids.get(piece)
+            if ids is not None:
+                self._ids.move_to_end(piece)
+                self.hits += 1
+                return ids
+        # the Rust tokenizer itself: the same ids without the Python wrapper's per-call work
+        ids = tuple(self.tokenizer.backend_tokenizer.encode(piece, add_special_tokens=False).ids)
+        with self._lock:
+            self.misses += 1
+            if len(piece) <= self.max_chars and piece not in self._ids:
+                self._ids[piece] = ids
+                self._chars += len(piece)
+                while self._chars > self.max_chars:
+                    old, _ = self._ids.popitem(last=False)
+                    self._chars -= len(old)
+        return ids
+
+
+def _added_token_cutter(tokenizer: Any) -> tuple[dict[str, int], re.Pattern[str] | None]:  # noqa: ANN401
+    """(added token text -> id, a regex whose split keeps them as pieces) for a tokenizer whose
+    pieces between added tokens tokenize alone exactly as in place; (…, None) for any other."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is None:
+        return {}, None
+    try:
+        spec = json.loads(backend.to_str())
+    except Exception:  # noqa: BLE001 - a backend that cannot describe itself is not checked: no cache
+        return {}, None
+    pre = spec.get("pre_tokenizer") or {}
+    pre_types = {p.get("type") for p in pre.get("pretokenizers", [])} | {pre.get("type")}
+    pre_types.discard(None)
+    added = spec.get("added_tokens") or []
+    if (spec.get("normalizer") is not None or not pre_types <= _PIECEWISE_PRE_TOKENIZERS
+            or any(p.get("add_prefix_space") for p in [pre, *pre.get("pretokenizers", [])])
+            or any(a.get("lstrip") or a.get("rstrip") or a.get("single_word") for a in added) or not added):
+        return {}, None
+    by_text = {a["content"]: a["id"] for a in added}
+    # longest first: at one position the longest added token wins, as the tokenizer's matcher does
+    alternatives = "|".join(re.escape(t) for t in sorted(by_text, key=len, reverse=True))
+    return by_text, re.compile(f"({alternatives})")
 
 
 _PROBE_TOOL = {"type": "function", "function": {"name": "pdserve_probe_tool", "description": "",

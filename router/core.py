@@ -690,12 +690,12 @@ class RouterCore:
 
     def _shed_before_queueing(self, state: _Request) -> None:
         """A request that would queue: refuse it now (SloMiss) when the queue's predicted wait plus
-        its own prefill already exceed its SLO, so that its answer comes at once."""
+        the best TTFT any worker is predicted to give it (its backlog, this prompt and its recent
+        TTFTs) already exceed its SLO, so that its answer comes at once."""
         slo_s = self._slo_s(state)
         if slo_s and self.ttft_model.ready:
             prompt = state.prompt_tokens or estimate_prompt_tokens(state.request)
-            after_queue = max(self.ttft_model.predict(prompt),
-                              self.ttft_model.best_recent(self.pool.prefilling_workers()))
+            after_queue = self.ttft_model.best(self.pool.prefill_backlogs(), prompt)
             check_slo(state.clock.elapsed_s() + self.admission.predicted_wait_s() + after_queue, slo_s)
 
     def _first_token(self, state: _Request) -> None:

@@ -20,6 +20,8 @@ Invariants:
   and counted (`dropped`): a miss costs a recompute.
 - The router tokenizes a prompt once per request, off the event loop for large ones; a request it
   cannot tokenize (a bad chat) gets no keys and is routed by load alone (the worker answers its 400).
+  The ids of the pieces between special tokens (a chat's turns) are remembered (`PieceCache`, exact,
+  bounded at 2M characters), so a follow-up turn costs the tokenizing of its new turns only.
 """
 
 from __future__ import annotations
@@ -34,7 +36,7 @@ import grpc
 
 from pdserve.model_cache import default_model_dir
 from pdserve.prefix_hashing import block_hashes
-from pdserve.tokenization import chat_from_pb, encode_chat, encode_text
+from pdserve.tokenization import PieceCache, chat_from_pb, encode_chat, encode_text
 from pdserve.v1 import router_pb2, worker_pb2, worker_pb2_grpc
 
 log = logging.getLogger(__name__)
@@ -60,6 +62,8 @@ class PromptKeys:
 
     def __init__(self, tokenizer: Any) -> None:  # noqa: ANN401 - a transformers tokenizer
         self.tokenizer = tokenizer
+        # a follow-up turn re-sends the whole chat: only its new turns are tokenized (same ids)
+        self.pieces = PieceCache(tokenizer) if tokenizer is not None else None
 
     @classmethod
     def load(cls, path: str) -> PromptKeys:
@@ -77,10 +81,10 @@ class PromptKeys:
                 return list(request.token_ids.ids)
             if kind == "prompt":
                 if len(request.prompt) <= MAX_HASHED_CHARS:
-                    return encode_text(self.tokenizer, request.prompt)
-                return encode_text(self.tokenizer, request.prompt[:MAX_HASHED_CHARS])[:-CUT_MARGIN_TOKENS]
+                    return encode_text(self.tokenizer, request.prompt, self.pieces)
+                return encode_text(self.tokenizer, request.prompt[:MAX_HASHED_CHARS], self.pieces)[:-CUT_MARGIN_TOKENS]
             if kind == "messages":
-                return encode_chat(self.tokenizer, *chat_from_pb(request.messages))
+                return encode_chat(self.tokenizer, *chat_from_pb(request.messages), pieces=self.pieces)
         except Exception as exc:  # noqa: BLE001 - any failure only means "no hint"; the worker answers it
             log.debug("no KV keys for a request: %s", exc)
         return []

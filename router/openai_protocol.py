@@ -9,7 +9,8 @@ and ``/v1/chat/completions`` (text messages), with ``max_tokens`` / ``max_comple
 ``presence_penalty``, ``frequency_penalty``, ``logit_bias``, and the vLLM-style extras ``top_k``,
 ``ignore_eos``, ``stop_token_ids``, ``repetition_penalty``, ``min_p``, ``min_tokens``,
 ``allowed_token_ids``, ``bad_words``, ``skip_special_tokens``, ``spaces_between_special_tokens``,
-``include_stop_str_in_output`` and ``cache_salt``; structured outputs: ``response_format``
+``include_stop_str_in_output`` and ``cache_salt``; pdserve's scheduling fields ``priority``,
+``slo_ttft_ms`` and ``best_effort`` (the gRPC request's fields of those names); structured outputs: ``response_format``
 (``json_object``, ``json_schema``), vLLM's ``structured_outputs`` (``json``, ``regex``, ``choice``,
 ``grammar``) and ``guided_json|regex|choice|grammar``; tools on chat completions: ``tools``,
 ``tool_choice`` (``none``, ``auto``, ``required``, a named function), ``parallel_tool_calls``, and
@@ -34,6 +35,7 @@ import grpc
 
 from pdserve.limits import MAX_LOGIT_BIAS, MAX_LOGIT_BIAS_ENTRIES, MAX_N
 from pdserve.router.tools import ToolError, ToolMode, parse_tools
+from pdserve.router.validation import MAX_PRIORITY
 from pdserve.v1 import common_pb2, router_pb2
 
 COMPLETION = "text_completion"
@@ -62,13 +64,14 @@ _KNOWN = frozenset({"prompt", "messages", "max_tokens", "max_completion_tokens",
                     "logit_bias", "allowed_token_ids", "bad_words", "skip_special_tokens", "cache_salt",
                     "response_format", "structured_outputs", "guided_json", "guided_regex", "guided_choice",
                     "guided_grammar", "n", "tools", "tool_choice", "parallel_tool_calls", "include_stop_str_in_output",
-                    "spaces_between_special_tokens"}) \
+                    "spaces_between_special_tokens", "priority", "slo_ttft_ms", "best_effort"}) \
     | _IGNORED | frozenset(_UNSUPPORTED_OFF_VALUES)
 _STREAM_OPTIONS = frozenset({"include_usage"})
 MAX_INT32 = 2**31 - 1
 MAX_USER_CHARS = 256
 MAX_METADATA_KEYS, MAX_METADATA_KEY_CHARS, MAX_METADATA_VALUE_CHARS = 16, 64, 512  # as OpenAI's API
 MAX_LOGPROBS = 20
+MAX_SLO_TTFT_MS = 3_600_000  # an hour: beyond it an objective means nothing
 
 
 class OpenAIError(Exception):
@@ -134,6 +137,7 @@ def parse_request(kind: str, body: object, model_name: str, request_id: str) -> 
     _check_model(body.get("model"), model_name)
     _check_supported(body)
     request = router_pb2.GenerateRequest(request_id=request_id, params=_sampling_params(body))
+    _scheduling(body, request)
     tools = None
     if kind == CHAT:
         request.messages.CopyFrom(_messages(body.get("messages")))
@@ -157,6 +161,19 @@ def parse_request(kind: str, body: object, model_name: str, request_id: str) -> 
         raise OpenAIError(400, "stream_options is only allowed with stream=true", param="stream_options")
     logprobs, echo, drop_output = _logprob_options(kind, body, request.params, stream)
     return ParsedRequest(kind, request, stream, include_usage, logprobs, echo, drop_output, tools)
+
+
+def _scheduling(body: dict[str, Any], request: router_pb2.GenerateRequest) -> None:
+    """pdserve's scheduling fields, as on gRPC: ``priority`` (admission order), ``slo_ttft_ms`` (this
+    request's TTFT objective; 0 or absent: the deployment's) and ``best_effort`` (never refused by
+    SLO admission)."""
+    priority = _integer(body, "priority", -MAX_PRIORITY, MAX_PRIORITY)
+    if priority is not None:
+        request.priority = priority
+    slo = _integer(body, "slo_ttft_ms", 0, MAX_SLO_TTFT_MS)
+    if slo is not None:
+        request.slo_ttft_ms = slo
+    request.best_effort = _optional_bool(body, "best_effort")
 
 
 def _logprob_options(kind: str, body: dict[str, Any], params: common_pb2.SamplingParams,

@@ -9,7 +9,9 @@ The model: TTFT after dispatch is the larger of
 - the recent TTFT on that same worker (a moving average of its last first tokens, forgotten after
   `RECENT_S` without one): under load, what the last requests there waited is what the next one
   waits, whatever the token count says (a decode worker prefilling locally between decode steps).
-A request waiting in the admission queue adds the queue's predicted wait. Until `MIN_SAMPLES`
+A request that would wait in the admission queue is checked before it queues: the queue's predicted
+wait plus the best prediction over every worker that could take it (its backlog and recent TTFT),
+so that a refusal is answered at once rather than after the wait. Until `MIN_SAMPLES`
 first tokens were observed nothing is refused: the router does not guess before it has measured.
 
 Invariants:
@@ -22,6 +24,7 @@ from __future__ import annotations
 
 import math
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 #: First tokens observed before the model predicts (and so before anything is refused).
@@ -69,12 +72,12 @@ class TtftModel:
                 average = ttft_s
             self.recent[worker] = (average + RECENT_ALPHA * (ttft_s - average), now)
 
-    def best_recent(self, workers: int, now: float | None = None) -> float:
-        """The lowest recent TTFT over `workers` workers (0 unless every one has a recent one): a
-        request that must queue will wait at least that long after it leaves the queue."""
-        now = time.monotonic() if now is None else now
-        fresh = [average for average, when in self.recent.values() if now - when <= RECENT_S]
-        return min(fresh) if workers and len(fresh) >= workers else 0.0
+    def best(self, backlogs: Mapping[str, int], prompt_tokens: int, now: float | None = None) -> float:
+        """The lowest predicted TTFT of a `prompt_tokens` prompt over the workers that may prefill it
+        (`backlogs`: each one's pending prompt tokens; 0 when there is none): a request that must
+        queue waits at least that long after it leaves the queue."""
+        return min((self.predict(backlog + prompt_tokens, worker, now) for worker, backlog in backlogs.items()),
+                   default=0.0)
 
     def predict(self, work_tokens: int, worker: str = "", now: float | None = None) -> float:
         by_work = self.seconds_per_token * max(MIN_WORK_TOKENS, work_tokens)

@@ -499,11 +499,12 @@ class WorkerPool:
             if state is not None:
                 state.held = False
 
-    def prefilling_workers(self) -> int:
-        """Healthy workers that may prefill a request: every healthy worker (a decode worker prefills
-        what it is sent without a prefill worker)."""
+    def prefill_backlogs(self) -> dict[str, int]:
+        """Each healthy worker that may prefill a request (every healthy worker: a decode worker
+        prefills what it is sent without a prefill worker) -> its `pending_prompt_tokens`."""
         with self._lock:
-            return sum(s.healthy for s in self._workers.values())
+            return {address: (s.info.queued_prompt_tokens if s.info is not None else 0) + s.in_flight_prompt_tokens
+                    for address, s in self._workers.items() if s.healthy}
 
     def pending_prompt_tokens(self, address: str) -> int:
         """Prompt tokens waiting for a first token at `address`: its last reported queue plus what the

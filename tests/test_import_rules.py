@@ -12,6 +12,8 @@ is still an arrow), relative ones resolved. The rules:
 5. The root package's shared runtime modules (``pdserve/*.py``) import no subpackage but the wire
    contract ``pdserve.v1``.
 6. Nothing under ``proto/`` (the generated stubs) imports a module outside ``proto/``.
+7. ``capacity`` sits above ``cluster`` (it starts clusters): ``cluster`` never imports ``capacity``,
+   but for the CLI, where the two meet (the autoscaler gets its planner handed in).
 
 Exceptions are listed in ALLOWED with the reason; an exception no longer needed fails the test, so
 the list only shrinks.
@@ -40,6 +42,9 @@ ALLOWED: dict[tuple[str, str, str], str] = {
     ("router-imported", "pdserve.cluster.ray_actors", "pdserve.router"):
         "RouterActor is the router process under Ray: a launcher has to start the router it launches "
         "(the local launcher runs `python -m pdserve.router` instead, without importing it)",
+    ("capacity-above-cluster", "pdserve.cluster.cli", "pdserve.capacity"):
+        "the `pdserve` CLI is the composition root: it registers the capacity subcommands (bench, sweep, "
+        "plan) and hands the autoscaler its planner (capacity.splits). Nothing else in cluster imports capacity",
     ("router-torch-free", "pdserve.router.kv_index", "transformers"):
         "opt-in only: with --tokenizer (KV-aware routing) the router loads the model's tokenizer through "
         "transformers, which imports torch into that router process. A router without --tokenizer never "
@@ -104,6 +109,8 @@ def _broken(importer: str, path: Path, module: str) -> list[str]:
             _under(module, f"pdserve.{user}") for user in ("prefill_worker", "decode_worker", "elastic_worker",
                                                            "router", "cluster")):
         rules.append("engine-below-workers")
+    if _under(importer, "pdserve.cluster") and _under(module, "pdserve.capacity"):
+        rules.append("capacity-above-cluster")
     if (path.is_relative_to(REPO / "pdserve") and module.startswith("pdserve.")
             and any(_under(module, sub) for sub in SUBPACKAGES if sub != "pdserve.v1")):
         rules.append("shared-below-subpackages")
@@ -148,6 +155,8 @@ def test_broken_rules_are_detected() -> None:
     assert _broken("pdserve.router.core", other, "torch") == ["router-torch-free"]
     assert _broken("pdserve.router.core", other, "pdserve.engine.sampling_params") == ["router-torch-free"]
     assert _broken("pdserve.engine.x", other, "pdserve.decode_worker") == ["engine-below-workers"]
+    assert _broken("pdserve.cluster.autoscaler", other, "pdserve.capacity.planner") == ["capacity-above-cluster"]
+    assert _broken("pdserve.capacity.splits", other, "pdserve.cluster.autoscaler") == []
     assert _broken("pdserve.transport", shared, "pdserve.telemetry.logs") == ["shared-below-subpackages"]
     assert _broken("pdserve.transport", shared, "pdserve.limits") == []
     assert _broken("pdserve.transport", shared, "pdserve.v1.worker_pb2") == []

@@ -127,3 +127,27 @@ def test_block_hashes_are_chained_sha256_over_the_whole_prefix() -> None:
     assert a[1] != b[1]  # block 2 is equal, but its prefix is not
     assert block_hashes([1, 2, 3, 4], 2) == a  # deterministic (no per-process salt: prefill and decode agree)
     assert block_hashes([1, 2, 3, 4], 4)[0] not in a  # the block size is part of the key
+
+
+@pytest.mark.parametrize("salt", ["", "tenant-7"])
+def test_block_hashes_follow_their_documented_format(salt: str) -> None:
+    """Hash i = sha256(hash i-1 || block_size as 8 bytes || the block's ids as little-endian int64),
+    from a versioned seed (salted: a seed of its own); only full blocks. Workers and the router must
+    agree on these bytes, so they are pinned here against a direct reading of the format."""
+    import hashlib
+    import random
+    import struct
+
+    from pdserve.engine.block_pool import block_hashes
+
+    rng = random.Random(3)
+    ids = [rng.randrange(0, 2**40) for _ in range(75)]
+    previous = hashlib.sha256(b"pdserve.block_hash.v1").digest()
+    if salt:
+        previous = hashlib.sha256(previous + b"cache_salt" + salt.encode()).digest()
+    expected = []
+    for start in range(0, 64, 16):  # 4 full blocks of 16; the last 11 ids make no block
+        block = struct.pack("<16q", *ids[start:start + 16])
+        previous = hashlib.sha256(previous + struct.pack("<q", 16) + block).digest()
+        expected.append(previous)
+    assert block_hashes(ids, 16, salt) == expected

@@ -9,7 +9,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from pdserve.engine.fast_forward import FastForward, Linear, LinearFactory, fast_forward_for
+from pdserve.engine.fast_forward import FastForward, Linear, LinearFactory, Rope, fast_forward_for
 from pdserve.engine.kv_cache import KVCache
 from pdserve.engine.model_loader import LoadedModel, load_model
 from pdserve.engine.model_runner import ModelRunner, StepInput
@@ -101,6 +101,58 @@ def test_fused_weights_are_shared_with_the_transformers_modules(tiny_llama: Load
     nq = attn.q_proj.weight.shape[0]
     assert attn.k_proj.weight.data_ptr() == qkv[nq:].data_ptr()
     assert torch.equal(torch.cat([attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight]), qkv)
+
+
+def test_weights_are_stored_column_major_in_one_copy(tiny_llama: LoadedModel) -> None:
+    fast = fast_forward_for(tiny_llama.model)
+    assert fast is not None
+    layer, mlp = fast.layers[0], tiny_llama.model.model.layers[0].mlp
+    for linear in (layer.qkv, layer.o, layer.gate_up, layer.down, fast.lm_head):
+        n = linear.weight.shape[0]
+        assert linear.weight.stride() == (1, n)  # [N, K] viewed over [K, N] contiguous memory
+    assert mlp.down_proj.weight.data_ptr() == layer.down.weight.data_ptr()  # re-pointed, not copied
+    assert tiny_llama.model.lm_head.weight.data_ptr() == fast.lm_head.weight.data_ptr()
+
+
+def test_rope_is_transformers_rope_bit_for_bit() -> None:
+    from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+
+    torch.manual_seed(0)
+    for tokens in (1, 9):
+        cos, sin = torch.randn(tokens, 16), torch.randn(tokens, 16)
+        q, k = torch.randn(tokens, 4, 16), torch.randn(tokens, 2, 16)
+        want_q, want_k = apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=1)
+        got = Rope(cos, sin)(torch.cat([q, k], dim=1)[:, :6])  # a view, as the layer passes it
+        assert torch.equal(got[:, :4], want_q) and torch.equal(got[:, 4:], want_k)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_rms_norm_is_the_modules_arithmetic_bit_for_bit(family: str) -> None:
+    import importlib
+
+    from pdserve.engine.fast_forward import _rms_norm
+
+    module = importlib.import_module(f"transformers.models.{family}.modeling_{family}")
+    norm = getattr(module, f"{family.capitalize()}RMSNorm")(576, eps=1e-6)
+    torch.manual_seed(0)
+    with torch.no_grad():
+        norm.weight.copy_(torch.randn(576))  # not all ones: the weight must be applied
+        for rows in (1, 9):
+            x = torch.randn(rows, 576) * 3
+            assert torch.equal(_rms_norm(norm, x), norm(x))
+
+
+@pytest.mark.parametrize("mode", ["plain", "packed"])
+def test_linear_adds_the_residual(mode: str) -> None:
+    factory = LinearFactory(torch.float32, torch.device("cpu"), mode=mode)
+    torch.manual_seed(0)
+    weight = torch.randn(48, 32)
+    for bias in (None, torch.randn(48)):
+        linear = factory(weight.t().contiguous().t(), bias)
+        for rows in (1, 5):
+            x, residual = torch.randn(rows, 32), torch.randn(rows, 48)
+            want = torch.nn.functional.linear(x, weight, bias) + residual
+            torch.testing.assert_close(linear(x, residual=residual), want, atol=1e-5, rtol=1e-5)
 
 
 def test_a_model_outside_the_fast_path_runs_on_transformers_modules(tiny_llama_dir: Path) -> None:

@@ -39,7 +39,9 @@ def test_chunks_of_a_long_prompt_share_passes_with_decoding_sequences(tiny_llama
         engine.step()
         if engine.last_pass is not None:
             shapes.append((engine.last_pass.num_decode, engine.last_pass.num_prefill_tokens))
-    assert shapes[:5] == [(1, 16), (1, 16), (1, 16), (1, 16), (1, 6)]  # 70 tokens in chunks of 16
+    prefills = [(decode, new) for decode, new in shapes if new]
+    assert prefills[0] == (1, 16) and all(decode == 1 and new <= 16 for decode, new in prefills)
+    assert sum(new for _, new in prefills) == 70  # chunks of at most 16, fewer deeper in (test_chunk_cost.py)
 
 
 @pytest.mark.slow

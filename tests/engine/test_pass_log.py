@@ -3,6 +3,8 @@ the simulated engine counts it, and a reader that refuses what is not a pass log
 
 from __future__ import annotations
 
+import math
+
 import pytest
 
 from pdserve.engine.pass_log import COLUMNS, ENV_VAR, PassLog, read_pass_logs
@@ -22,6 +24,7 @@ def test_no_log_unless_the_variable_names_a_folder(monkeypatch, tiny_llama, make
 def test_every_pass_is_logged_with_its_shape(monkeypatch, tmp_path, tiny_llama, make_engine) -> None:  # noqa: ANN001
     monkeypatch.setenv(ENV_VAR, str(tmp_path / "log"))
     engine = make_engine(tiny_llama, prefill_chunk_tokens=16)
+    engine.scheduler.attention_crossover = math.inf  # plain 16-token chunks beside the stream (test_chunk_cost.py)
     engine.add_request("short", [5, 6, 7], PARAMS)
     engine.step()  # prompt of 3 tokens alone
     engine.add_request("long", list(range(100, 140)), PARAMS)  # 40 tokens: chunks of 16, 16, 8

@@ -2,7 +2,9 @@
 an honest client streaming meanwhile: per row, the attacker gets what it should (clear 4xx, or a normal
 answer where the input is legitimate), the honest client gets no error (no 503), and no process keeps
 more than 50 MB after the attack. The honest client's stalls are timings: the benchmark reports them
-against its goal (2x the baseline gap, or one prefill chunk) and they are not asserted here."""
+against its goal (2x the baseline gap, or one prefill chunk) and they are not asserted here (row 5 on
+the default model: docs/security.md has its runs; on this shared machine its worst gap against the
+chunk moved from 0.58x to 1.65x between runs)."""
 
 from __future__ import annotations
 
@@ -20,15 +22,19 @@ pytestmark = [pytest.mark.slow, pytest.mark.skipif(not Path("/proc/self/status")
                                                    reason="memory is read from /proc")]
 
 
-def test_every_row_of_the_table_against_an_honest_client(tiny_llama_dir: Path, tmp_path: Path) -> None:
-    out = tmp_path / "isolation.json"
+def _attacks(model: Path, out: Path, *args: str, timeout: float = 600) -> dict[int, dict]:
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT),
                                                          os.environ.get("PYTHONPATH", "")])}
-    done = subprocess.run([sys.executable, "benchmarks/isolation_attacks.py", "--model", str(tiny_llama_dir),
-                           "--long-words", "200", "--baseline-s", "2", "--out", str(out)],
-                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    done = subprocess.run([sys.executable, "benchmarks/isolation_attacks.py", "--model", str(model),
+                           "--out", str(out), *args], cwd=ROOT, env=env, capture_output=True, text=True,
+                          timeout=timeout)
     assert out.exists(), done.stdout[-3000:] + done.stderr[-3000:]
-    rows = {r["row"]: r for r in json.loads(out.read_text())["rows"]}
+    print(done.stdout[-3000:])
+    return {r["row"]: r for r in json.loads(out.read_text())["rows"]}
+
+
+def test_every_row_of_the_table_against_an_honest_client(tiny_llama_dir: Path, tmp_path: Path) -> None:
+    rows = _attacks(tiny_llama_dir, tmp_path / "isolation.json", "--long-words", "200", "--baseline-s", "2")
     assert sorted(rows) == [1, 2, 3, 4, 5, 6, 7, 9, 10]
     for number, row in rows.items():
         assert row["attacker_as_expected"], (number, row)

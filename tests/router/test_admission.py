@@ -288,12 +288,60 @@ def test_ttft_model_uses_a_workers_recent_ttft_and_forgets_it() -> None:
     assert model.predict(100, "w1", now=1.5) < 1.0  # the other worker is not affected
 
 
-def test_ttft_model_best_recent_needs_every_worker() -> None:
-    from pdserve.router.slo import TtftModel
+def test_ttft_model_best_is_the_best_worker_for_the_prompt_now() -> None:
+    from pdserve.router.slo import MIN_SAMPLES, RECENT_S, TtftModel
 
     model = TtftModel()
-    model.observe(0.5, 100, "w1", now=0.0)
-    assert model.best_recent(2, now=0.1) == 0.0  # w2 has none: a queued request may go there
-    model.observe(0.3, 100, "w2", now=0.0)
-    assert abs(model.best_recent(2, now=0.1) - 0.3) < 1e-9
-    assert model.best_recent(2, now=5.0) == 0.0  # stale
+    for _ in range(MIN_SAMPLES):
+        model.observe(0.001, 1000, "", now=0.0)  # 1 us per token of prefill work
+    assert model.best({}, 500) == 0.0  # nobody to predict for
+    # w1 is idle but its last first tokens took 0.5 s; w2 has 100,000 tokens queued (0.1 s)
+    model.observe(0.5, 500_000, "w1", now=0.0)  # the same rate, behind a long backlog then
+    backlogs = {"w1": 0, "w2": 100_000}
+    assert abs(model.best(backlogs, 1000, now=0.1) - 0.101) < 1e-9  # w2: its backlog plus this prompt
+    assert abs(model.best(backlogs, 1000, now=RECENT_S + 0.1) - 0.001) < 1e-9  # w1's slow past forgotten
+
+
+def test_http_requests_carry_their_own_slo_and_priority_class(fake_server, start_router) -> None:  # noqa: ANN001
+    """On HTTP, `slo_ttft_ms` sets a request's own TTFT objective (a 1 ms one is refused at once with
+    429 and Retry-After), `best_effort` exempts it, and bad values are 400s naming the field."""
+    import json
+    import urllib.error
+    import urllib.request
+
+    decode = FakeDecode()
+    server, stub = start_router(RouterConfig(prefill=(fake_server(FakePrefill()),), decode=(fake_server(decode),),
+                                             http_port=0, model_name="m"))
+
+    def post(extra: dict[str, object]) -> tuple[int, dict[str, str], dict[str, object]]:
+        body = json.dumps({"model": "m", "prompt": "hi", "max_tokens": 2, **extra}).encode()
+        request = urllib.request.Request(f"http://127.0.0.1:{server.http_port}/v1/completions", data=body,
+                                         headers={"Content-Type": "application/json"}, method="POST")
+        try:
+            with urllib.request.urlopen(request, timeout=10) as answer:
+                return answer.status, dict(answer.headers), json.loads(answer.read())
+        except urllib.error.HTTPError as error:
+            return error.code, dict(error.headers), json.loads(error.read())
+
+    for i in range(6):  # teach the TTFT model; no deployment SLO, so nothing is refused meanwhile
+        list(stub.Generate(router_pb2.GenerateRequest(prompt=f"warm {i}"), timeout=10))
+    assert post({})[0] == 200
+    seen = len(decode.requests)
+    status, headers, body = post({"slo_ttft_ms": 1})  # below any prediction
+    assert status == 429 and int(headers["Retry-After"]) >= 1, body
+    assert "exceeds the SLO" in body["error"]["message"]
+    assert len(decode.requests) == seen  # refused before any worker saw it
+    status, _, body = post({"slo_ttft_ms": 1, "best_effort": True, "priority": 5})
+    assert status == 200 and body["choices"][0]["text"], body
+    assert decode.requests[-1].prompt == "hi"
+    assert post({"slo_ttft_ms": 60_000})[0] == 200  # a loose objective is met
+    assert stub.GetStatus(router_pb2.StatusRequest(), timeout=5).slo_shed_requests == 1
+    for field, value in (("slo_ttft_ms", -1), ("slo_ttft_ms", "fast"), ("slo_ttft_ms", 1.5),
+                         ("slo_ttft_ms", 10**12), ("best_effort", "yes"), ("priority", 101), ("priority", True)):
+        status, _, body = post({field: value})
+        assert status == 400 and body["error"]["param"] == field, (field, value, body)
+    from pdserve.router.openai_protocol import CHAT, parse_request
+
+    parsed = parse_request(CHAT, {"model": "m", "messages": [{"role": "user", "content": "hi"}], "priority": -3,
+                                  "slo_ttft_ms": 250, "best_effort": True}, "m", "r1").grpc_request
+    assert (parsed.priority, parsed.slo_ttft_ms, parsed.best_effort) == (-3, 250, True)
