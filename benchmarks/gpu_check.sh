@@ -3,15 +3,9 @@
 #   bash benchmarks/gpu_check.sh [--device cpu] [--out DIR] [gpu_check.py options]
 # On a bare accelerator machine (its own Python and torch, no network): carry `.whl` and `.device`
 # (made here by `bash benchmarks/device_prepare.sh`); what is missing or too old there is installed
-# from the carried wheels into /tmp/pdserve-site, first on PYTHONPATH. Nothing is downloaded: the
-# models are built there with random weights from real configs. Results: a table, and gpu-check.json
-# under --out (default $OUT when set). `--device cpu` is the dry run the test suite runs.
+# from the carried wheels into /tmp/pdserve-site, first on PYTHONPATH (benchmarks/device_env.sh). Nothing
+# is downloaded: the models are built there with random weights from real configs. Results: a table,
+# and gpu-check.json under --out (default $OUT when set). `--device cpu` is the dry run the test suite runs.
 set -euo pipefail
-cd "$(dirname "$0")/.."
-PYTHON="${PYTHON:-$( [[ -x .venv/bin/python ]] && echo .venv/bin/python || echo python3 )}"
-site="$("$PYTHON" benchmarks/device_deps.py --wheels .whl --target /tmp/pdserve-site)"
-export PYTHONPATH="$site:$PWD${PYTHONPATH:+:$PYTHONPATH}"
-if [[ " $* " != *" --device cpu "* ]]; then
-    nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader || true
-fi
+source "$(dirname "$0")/device_env.sh" "$@"
 exec timeout 900 "$PYTHON" benchmarks/gpu_check.py "$@"

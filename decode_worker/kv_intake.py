@@ -5,9 +5,10 @@ finished prefill's blocks. This side asks for them and takes them in, for one re
 
     route -> reserve -> expect -> ask the peer -> (K/V arrive) -> commit
 
-1. route: `kv_transfer.routing.choose_route` picks the backend from `--kv-backend` and facts about
-   the prefill worker (same host? its shared-memory segment prefix, asked once and remembered until
-   a prefill there fails);
+1. route: `kv_transfer.routing.choose_route` picks the backend from `--kv-backend`, this worker's
+   cache device (CUDA: same-host K/V go device to device, "cuda_ipc") and facts about the prefill
+   worker (same host? its shared-memory segment prefix, asked once and remembered until a prefill
+   there fails, when its mapped device pool is dropped too);
 2. reserve: the engine holds blocks for prompt + resumed tokens (a cached prefix is not shipped);
 3. expect: the receiver registers the intake with one `ExpectOptions` before any byte can arrive;
 4. ask: `PrefillPeers.prefill` (the network: gRPC in the worker, an in-process fake in tests);
@@ -42,6 +43,7 @@ from pdserve.failures import (
     WorkerUnavailable,
 )
 from pdserve.kv_transfer import KvReceiver, KvTransferError, PendingKv
+from pdserve.kv_transfer.cuda_ipc_backend import forget_pool
 from pdserve.kv_transfer.routing import KvRoute, PeerFacts, choose_route, migration_route, wants_shm
 from pdserve.kv_transfer.shm_backend import InPlaceKv
 from pdserve.v1 import router_pb2, worker_pb2
@@ -200,14 +202,15 @@ class KvIntake:
         return PrefillOutcome(response, route.backend)
 
     async def route(self, prefill_address: str, deadline: float) -> KvRoute:
-        """The route of one hand-off from `prefill_address`; WorkerUnavailable(PREFILL) when `shm` is
-        forced and its segments cannot be bound."""
+        """The route of one hand-off from `prefill_address` into our cache; WorkerUnavailable(PREFILL)
+        when `shm` is forced and its segments cannot be bound."""
         settings = self.settings
         peer = PeerFacts(prefill_address)
         if wants_shm(settings.kv_backend, prefill_address, settings.address):
             peer = self._peers.get(prefill_address) or await self._ask_segments(prefill_address, deadline)
         try:
-            return choose_route(settings.kv_backend, settings.address, peer, settings.kv_checksum)
+            return choose_route(settings.kv_backend, settings.address, peer, settings.kv_checksum,
+                                self.worker.engine.kv_cache.device)
         except KvTransferError as exc:
             raise WorkerUnavailable(f"prefill failed on {prefill_address}: {exc}", PREFILL) from exc
 
@@ -251,7 +254,9 @@ class KvIntake:
     def _prefill_failure(self, exc: Exception, call: asyncio.Task, pending: PendingKv, prefill_address: str,
                          call_ended: bool) -> Failure:
         """Pass the request's own faults on; report everything else as the prefill side's failure."""
-        self._peers.pop(prefill_address, None)  # it may have restarted: ask it again next time
+        peer = self._peers.pop(prefill_address, None)  # it may have restarted: ask it again next time
+        if peer is not None and peer.segment_prefix:
+            forget_pool(peer.segment_prefix)  # and unmap its device KV pool (cuda_ipc), if we mapped one
         status = exc if isinstance(exc, PeerCallFailed) else _call_error(call)
         if status is not None and status.kind in (RequestInvalid, Overloaded):
             return status.kind(f"prefill worker {prefill_address}: {status.details}")

@@ -3,7 +3,8 @@
 ``base`` defines the backend-neutral contract (:class:`KvSpec`, :class:`KvSender`,
 :class:`KvReceiver`, :class:`PendingKv`, the backend registry), ``framing`` the validated
 wire framing, ``grpc_backend`` the "grpc" backend (registered on import of this package),
-``ray_backend`` the "ray" backend (registered here too, but imported, with ``ray``, only on first use).
+``shm_backend`` and ``cuda_ipc_backend`` the same-host "shm" and "cuda_ipc" backends (registered
+here too), ``ray_backend`` the "ray" backend (registered here too, but imported, with ``ray``, only on first use).
 Needs ``proto/`` on ``sys.path`` for the generated ``pdserve.v1`` stubs.
 """
 
@@ -18,6 +19,7 @@ from pdserve.kv_transfer.base import (
     get_backend,
     register_backend,
 )
+from pdserve.kv_transfer.cuda_ipc_backend import CudaIpcKvSender  # registers "cuda_ipc"
 from pdserve.kv_transfer.framing import FrameAssembler, KvFrameError, encode_frames
 from pdserve.kv_transfer.grpc_backend import GrpcKvSender, KvTransferServicer, grpc_message_options
 from pdserve.kv_transfer.shm_backend import ShmKvSender  # registers the "shm" backend
@@ -32,6 +34,7 @@ def _ray_sender(target_address: str) -> KvSender:
 register_backend("ray", _ray_sender)
 
 __all__ = [
+    "CudaIpcKvSender",
     "ExpectOptions",
     "FrameAssembler",
     "GrpcKvSender",

@@ -243,12 +243,13 @@ class ExpectOptions:
     option) rather than ignoring it.
 
     - ``deadline_s``: the intake fails this many seconds after it is registered.
-    - ``in_place``: the consumer can copy shared-memory K/V straight into its cache: an "shm"
-      transfer then completes the intake with a ``kv_transfer.shm_backend.InPlaceKv`` (a callable
-      ``(cache tensor, block ids)``, or ``release()`` it) instead of a tensor.
-    - ``shm_segment_prefix``: the "shm" backend may deliver this intake only from segments whose names
-      start with it (those of the prefill worker called for the request); empty refuses every
-      shared-memory frame.
+    - ``in_place``: the consumer can copy the sender's K/V straight into its cache: an "shm" or
+      "cuda_ipc" transfer then completes the intake with a ``kv_transfer.shm_backend.InPlaceKv`` (a
+      callable ``(cache tensor, block ids)``, or ``release()`` it) instead of a tensor.
+    - ``shm_segment_prefix``: the identity of the prefill worker called for the request: the "shm"
+      backend may deliver this intake only from segments whose names start with it, and "cuda_ipc"
+      only from the device pool mapped for it (`cuda_ipc_backend.mapped_pool`); empty refuses every
+      shared-memory and device frame.
     - ``require_checksum``: the bytes must come with a checksum of this algorithm ("xxh3" or "crc32"),
       checked over the copied bytes ("": none asked). Framed gRPC streams always carry one per frame.
     """

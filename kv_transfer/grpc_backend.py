@@ -177,6 +177,11 @@ class GrpcPendingKv(PendingKv):
             self._claimed, self._context = True, context
             return True
 
+    def unclaim(self) -> None:
+        """Let another stream deliver this intake (its sender takes another path for the same K/V)."""
+        with self._lock:
+            self._claimed, self._context = False, None
+
     def succeed(self, kv: torch.Tensor, first_token_id: int) -> bool:
         """Complete with the assembled tensor; False if it had already failed."""
         with self._lock:
@@ -298,27 +303,33 @@ class KvTransferServicer(kv_pb2_grpc.KvTransferServicer, KvReceiver):
             return KvAck(
                 request_id=request_id, ok=False, error=f"request_id {request_id!r} is already being received"
             )
-        if first.header.shm_name:  # same-host shared-memory backend: one control frame
-            return self._receive_shm(pending, first, context)
+        if first.header.shm_name or first.header.cuda_ipc_descriptor:  # same host: one control frame
+            return self._receive_control(pending, first, context)
         return self._receive(pending, itertools.chain([first], frames))
 
-    def _receive_shm(self, pending: GrpcPendingKv, frame: KvFrame, context: grpc.ServicerContext) -> KvAck:
-        from pdserve.kv_transfer.shm_backend import (
-            ACK_MARGIN_S,
-            InPlaceKv,
-            check_header,
-            expected_checksum,
-            read_segment,
-            source_blocks,
-        )
+    def _receive_control(self, pending: GrpcPendingKv, frame: KvFrame, context: grpc.ServicerContext) -> KvAck:
+        """A control frame naming the sender's memory: a shared-memory segment ("shm") or a device
+        pool's CUDA IPC handle ("cuda_ipc"); the blocks are copied from there, never sent."""
+        from pdserve.kv_transfer import cuda_ipc_backend, shm_backend
+        from pdserve.kv_transfer.cuda_ipc import IpcUnavailable
+        from pdserve.kv_transfer.shm_backend import ACK_MARGIN_S, InPlaceKv, expected_checksum, read_blocks
 
         header = frame.header
         options = pending.options
-        error = check_header(header, pending.spec, options.shm_segment_prefix, options.require_checksum)
+        kind = "cuda_ipc" if header.cuda_ipc_descriptor else "shm"
+        locate = cuda_ipc_backend.locate_blocks if header.cuda_ipc_descriptor else shm_backend.locate_blocks
+        error = ""
+        try:
+            source, ids = locate(header, pending.spec, options.shm_segment_prefix, options.require_checksum)
+        except IpcUnavailable as err:  # this process cannot map that device: the sender takes the host path
+            pending.unclaim()
+            return KvAck(request_id=pending.request_id, ok=False,
+                         error=f"{cuda_ipc_backend.HOST_PATH_PLEASE}: {err}")
+        except ValueError as err:
+            error = str(err)
         if not error:
             try:
                 if options.in_place:  # the consumer copies into its cache; ack once it did
-                    source, ids = source_blocks(header, pending.spec)
                     kv = InPlaceKv(source, ids, pending.spec.nbytes, expected_checksum(header))
                     if pending.succeed(kv, frame.header.first_token_id):  # type: ignore[arg-type]
                         remaining = context.time_remaining()
@@ -328,12 +339,13 @@ class KvTransferServicer(kv_pb2_grpc.KvTransferServicer, KvReceiver):
                                          bytes_received=pending.spec.nbytes)
                         return KvAck(request_id=pending.request_id, ok=False, error=kv.error or
                                      "the decode worker did not take the KV (request ended or timed out)")
-                elif pending.succeed(read_segment(frame.header, pending.spec), frame.header.first_token_id):
+                elif pending.succeed(read_blocks(source, ids, pending.spec, expected_checksum(header)),
+                                     frame.header.first_token_id):
                     return KvAck(request_id=pending.request_id, ok=True, bytes_received=pending.spec.nbytes)
                 error = pending.error() or "KV intake already finished"
             except (OSError, ValueError) as err:
-                error = f"shm segment {frame.header.shm_name!r}: {err}"
-        pending.fail(f"invalid shm KV for {pending.request_id!r}: {error}", cancel_stream=False)
+                error = f"shm segment {frame.header.shm_name!r}: {err}" if kind == "shm" else str(err)
+        pending.fail(f"invalid {kind} KV for {pending.request_id!r}: {error}", cancel_stream=False)
         return KvAck(request_id=pending.request_id, ok=False, error=pending.error() or error)
 
     def _receive(self, pending: GrpcPendingKv, frames: Iterator[KvFrame]) -> KvAck:

@@ -193,7 +193,7 @@ class ShmKvSender(KvSender):
             del view
             ids = list(range(spec.shape[2]))
             crc = (checksum, blocks_checksum(kv.contiguous(), ids, checksum)) if checksum else None
-            return self._push(spec, header_for(spec, first_token_id, segment.name, checksum=crc), timeout_s)
+            return self.push(spec, header_for(spec, first_token_id, segment.name, checksum=crc), timeout_s)
         finally:
             _POOL.release(segment)  # reused only after the receiver acked (or gave up on) this transfer
 
@@ -205,16 +205,18 @@ class ShmKvSender(KvSender):
         if len(block_ids) != spec.shape[2]:
             raise ValueError(f"block_ids: {len(block_ids)} blocks for a spec of {spec.shape[2]}")
         crc = (checksum, blocks_checksum(cache.kv, block_ids, checksum)) if checksum else None
-        return self._push(spec, header_for(spec, first_token_id, cache.shm_name, block_ids, cache.num_blocks, crc),
-                          timeout_s)
+        return self.push(spec, header_for(spec, first_token_id, cache.shm_name, block_ids, cache.num_blocks, crc),
+                         timeout_s)
 
-    def _push(self, spec: KvSpec, header: KvHeader, timeout_s: float) -> KvAck:
+    def push(self, spec: KvSpec, header: KvHeader, timeout_s: float, refuse: bool = True) -> KvAck:
+        """Send one control frame (shm, or cuda_ipc's) and return the ack; a refusal raises
+        KvTransferError unless `refuse` is False (the caller reads `ack.error` itself)."""
         try:
             ack: KvAck = self._stub.PushKv(iter([KvFrame(header=header)]), timeout=timeout_s)
         except grpc.RpcError as err:
             raise KvTransferError(f"shm PushKv {spec.request_id!r} to {self.target_address} failed: "
                                   f"{err.code().name}: {err.details()}") from err
-        if not ack.ok:
+        if refuse and not ack.ok:
             raise KvTransferError(f"shm PushKv {spec.request_id!r} refused: {ack.error}")
         return ack
 
@@ -227,6 +229,13 @@ def check_header(header: KvHeader, spec: KvSpec, segment_prefix: str = "", requi
     must start with `segment_prefix`, that of the prefill worker called for this request (no prefix:
     no shared-memory KV is accepted); `require_checksum`: the frame must carry a `shm_checksum` of
     that algorithm."""
+    return (check_fields(header, spec) or check_segment(header, segment_prefix)
+            or check_blocks(header, require_checksum))
+
+
+def check_fields(header: KvHeader, spec: KvSpec) -> str:
+    """"" when a control frame's K/V fields match the expected intake, else the first mismatch (the
+    dtype before the fingerprint, which covers it, so that the cause is named)."""
     checks = [
         ("request_id", header.request_id, spec.request_id),
         ("dtype", header.dtype, spec.dtype),  # before the fingerprint (which covers it): names the cause
@@ -240,13 +249,23 @@ def check_header(header: KvHeader, spec: KvSpec, segment_prefix: str = "", requi
     for field, got, want in checks:
         if got != want:
             return f"{field}: got {got!r}, expected {want!r}"
+    return ""
+
+
+def check_segment(header: KvHeader, segment_prefix: str) -> str:
+    """"" when the frame names a segment of the prefill worker called for this request."""
     if not header.shm_name.startswith(SEGMENT_PREFIX) or "/" in header.shm_name:
         return f"shm_name: {header.shm_name!r} is not a pdserve KV segment"
     if not segment_prefix:
         return "shm_name: this intake accepts no shared-memory KV (no prefill worker's segments bound to it)"
     if not header.shm_name.startswith(segment_prefix):
         return (f"shm_name: segment {header.shm_name!r} does not belong to the prefill worker called for "
-                f"request {spec.request_id!r} (its segments start with {segment_prefix!r})")
+                f"request {header.request_id!r} (its segments start with {segment_prefix!r})")
+    return ""
+
+
+def check_blocks(header: KvHeader, require_checksum: str) -> str:
+    """"" when the frame's checksum, first token and block ids are well formed."""
     if require_checksum and not header.HasField("shm_checksum"):
         return f"shm_checksum: missing, and this decode worker requires one (--kv-checksum {require_checksum})"
     if header.HasField("shm_checksum") and header.shm_checksum_algorithm not in CHECKSUM_ALGORITHMS:
@@ -294,14 +313,33 @@ def source_blocks(header: KvHeader, spec: KvSpec) -> tuple[torch.Tensor, list[in
     return view, list(header.shm_block_ids)
 
 
+def locate_blocks(header: KvHeader, spec: KvSpec, segment_prefix: str = "", require_checksum: str = "",
+                  ) -> tuple[torch.Tensor, list[int]]:
+    """`check_header`, then `source_blocks`; ValueError naming the problem."""
+    error = check_header(header, spec, segment_prefix, require_checksum)
+    if error:
+        raise ValueError(error)
+    try:
+        return source_blocks(header, spec)
+    except (OSError, ValueError) as err:
+        raise ValueError(f"shm segment {header.shm_name!r}: {err}") from err
+
+
 def read_segment(header: KvHeader, spec: KvSpec) -> torch.Tensor:
     """Copy the request's blocks out of the segment into a new tensor of the spec's shape (ValueError
     if the header carries a checksum that the copied bytes do not match)."""
     view, ids = source_blocks(header, spec)
-    out = torch.empty(spec.shape, dtype=spec.torch_dtype)
-    copy_blocks(out, list(range(len(ids))), view, ids)
-    if header.HasField("shm_checksum"):
-        check_checksum(out, list(range(len(ids))), (header.shm_checksum_algorithm, header.shm_checksum))
+    return read_blocks(view, ids, spec, expected_checksum(header))
+
+
+def read_blocks(source: torch.Tensor, ids: list[int], spec: KvSpec,
+                checksum: tuple[str, int] | None = None) -> torch.Tensor:
+    """Blocks `ids` of a [L, 2, blocks, ...] source as a new tensor of the spec's shape, on the
+    source's device (ValueError if `checksum` does not match the copied bytes)."""
+    out = torch.empty(spec.shape, dtype=spec.torch_dtype, device=source.device)
+    copy_blocks(out, list(range(len(ids))), source, ids)
+    if checksum is not None:
+        check_checksum(out, list(range(len(ids))), checksum)
     return out
 
 
@@ -321,7 +359,8 @@ def check_checksum(kv: torch.Tensor, block_ids: list[int], expected: tuple[str, 
 
 def copy_blocks(dst: torch.Tensor, dst_ids: list[int], src: torch.Tensor, src_ids: list[int]) -> None:
     """dst[:, :, dst_ids] = src[:, :, src_ids] for [L, 2, blocks, ...] tensors, in one pass over the
-    bytes: runs of consecutive ids on both sides are copied as one strided slice."""
+    bytes: runs of consecutive ids on both sides are copied as one strided slice. Returns once the
+    bytes are in place: a device copy is waited for, since the sender frees its blocks on the ack."""
     if len(dst_ids) != len(src_ids):
         raise ValueError(f"{len(src_ids)} source blocks for {len(dst_ids)} destination blocks")
     i = 0
@@ -332,6 +371,9 @@ def copy_blocks(dst: torch.Tensor, dst_ids: list[int], src: torch.Tensor, src_id
             run += 1
         dst[:, :, dst_ids[i] : dst_ids[i] + run].copy_(src[:, :, src_ids[i] : src_ids[i] + run])
         i += run
+    for device in {dst.device, src.device}:
+        if device.type == "cuda":
+            torch.cuda.current_stream(device).synchronize()
 
 
 class InPlaceKv:
@@ -388,4 +430,10 @@ class InPlaceKv:
 
 _SENDERS: SenderCache[ShmKvSender] = SenderCache(ShmKvSender)  # one control channel per decode worker
 
-register_backend(BACKEND_NAME, _SENDERS.get)
+
+def get_sender(target_address: str) -> ShmKvSender:
+    """The process-wide sender (and control channel) for `target_address`."""
+    return _SENDERS.get(target_address)
+
+
+register_backend(BACKEND_NAME, get_sender)

@@ -177,8 +177,9 @@ class KvTransferSection:
     """How KV moves from prefill to decode workers."""
 
     backend: str = opt("auto", "grpc (streamed to the decode worker's port), shm (same-host shared memory; local "
-                       "only), ray (the object store; --ray only), auto (shm for a same-host prefill worker, else "
-                       "grpc; grpc with --ray)", flag="--kv-backend", choices=KV_BACKENDS)
+                       "only), ray (the object store; --ray only), auto (for a same-host prefill worker: cuda_ipc, "
+                       "device to device, when both KV caches are on CUDA, else shm, with a log line; else grpc; "
+                       "grpc with --ray)", flag="--kv-backend", choices=KV_BACKENDS)
     streaming: str = opt("request", "layer: ship each layer's K/V while the prefill pass still runs",
                          flag="--kv-streaming", choices=KV_STREAMING)
     checksum: str = opt("", "shm backend: checksum the copied blocks (xxh3 or crc32; '' off); the gRPC stream "

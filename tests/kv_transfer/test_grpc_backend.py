@@ -252,7 +252,7 @@ def test_registry_and_sender_cache(receiver: tuple[KvTransferServicer, str]) -> 
     backend = get_backend("grpc")
     assert backend.sender_factory(receiver[1]) is get_sender(receiver[1])
     close_senders()
-    with pytest.raises(ValueError, match=r"known backends: \['grpc'"):
+    with pytest.raises(ValueError, match=r"known backends: \['cuda_ipc', 'grpc'"):
         get_backend("rdma")
 
 

@@ -7,7 +7,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class KvHeader(_message.Message):
-    __slots__ = ("request_id", "model_fingerprint", "dtype", "shape", "block_size", "num_tokens", "layer_start", "layer_end", "byte_offset", "byte_length", "frame_index", "total_frames", "checksum", "first_token_id", "last", "shm_name", "block_offset", "shm_block_ids", "shm_num_blocks", "shm_checksum", "shm_checksum_algorithm")
+    __slots__ = ("request_id", "model_fingerprint", "dtype", "shape", "block_size", "num_tokens", "layer_start", "layer_end", "byte_offset", "byte_length", "frame_index", "total_frames", "checksum", "first_token_id", "last", "shm_name", "block_offset", "shm_block_ids", "shm_num_blocks", "shm_checksum", "shm_checksum_algorithm", "cuda_ipc_descriptor")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     MODEL_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
     DTYPE_FIELD_NUMBER: _ClassVar[int]
@@ -29,6 +29,7 @@ class KvHeader(_message.Message):
     SHM_NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     SHM_CHECKSUM_FIELD_NUMBER: _ClassVar[int]
     SHM_CHECKSUM_ALGORITHM_FIELD_NUMBER: _ClassVar[int]
+    CUDA_IPC_DESCRIPTOR_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     model_fingerprint: str
     dtype: str
@@ -50,7 +51,8 @@ class KvHeader(_message.Message):
     shm_num_blocks: int
     shm_checksum: int
     shm_checksum_algorithm: str
-    def __init__(self, request_id: _Optional[str] = ..., model_fingerprint: _Optional[str] = ..., dtype: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., block_size: _Optional[int] = ..., num_tokens: _Optional[int] = ..., layer_start: _Optional[int] = ..., layer_end: _Optional[int] = ..., byte_offset: _Optional[int] = ..., byte_length: _Optional[int] = ..., frame_index: _Optional[int] = ..., total_frames: _Optional[int] = ..., checksum: _Optional[int] = ..., first_token_id: _Optional[int] = ..., last: _Optional[bool] = ..., shm_name: _Optional[str] = ..., block_offset: _Optional[int] = ..., shm_block_ids: _Optional[_Iterable[int]] = ..., shm_num_blocks: _Optional[int] = ..., shm_checksum: _Optional[int] = ..., shm_checksum_algorithm: _Optional[str] = ...) -> None: ...
+    cuda_ipc_descriptor: bytes
+    def __init__(self, request_id: _Optional[str] = ..., model_fingerprint: _Optional[str] = ..., dtype: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., block_size: _Optional[int] = ..., num_tokens: _Optional[int] = ..., layer_start: _Optional[int] = ..., layer_end: _Optional[int] = ..., byte_offset: _Optional[int] = ..., byte_length: _Optional[int] = ..., frame_index: _Optional[int] = ..., total_frames: _Optional[int] = ..., checksum: _Optional[int] = ..., first_token_id: _Optional[int] = ..., last: _Optional[bool] = ..., shm_name: _Optional[str] = ..., block_offset: _Optional[int] = ..., shm_block_ids: _Optional[_Iterable[int]] = ..., shm_num_blocks: _Optional[int] = ..., shm_checksum: _Optional[int] = ..., shm_checksum_algorithm: _Optional[str] = ..., cuda_ipc_descriptor: _Optional[bytes] = ...) -> None: ...
 
 class KvFrame(_message.Message):
     __slots__ = ("header", "data")
