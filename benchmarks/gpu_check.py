@@ -36,6 +36,7 @@ import statistics
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -473,6 +474,26 @@ def step_kv(args: argparse.Namespace) -> list[Row]:
     return rows
 
 
+def run_steps(tag: str, args: argparse.Namespace, rows: list[Row],
+              step_of: Callable[[str], Callable[[argparse.Namespace], list[Row]]]) -> list[Row]:
+    """Run each step named in `args.only` (`step_of(name)`), adding its rows to `rows`; a step that
+    raises adds one failed row instead (one failed step must not hide the others' rows). Prints each
+    step's time, then the table."""
+    started = time.perf_counter()
+    for name in args.only:
+        step_start = time.perf_counter()
+        try:
+            rows += step_of(name)(args)
+        except Exception as err:  # noqa: BLE001 - one failed step must not hide the others' rows
+            rows.append({"step": name, "what": "failed", "value": f"{type(err).__name__}: {err}"[:300], "ok": False})
+        print(f"{tag}: {name} done in {time.perf_counter() - step_start:.1f} s", flush=True)
+        if args.device == "cuda":
+            torch.cuda.empty_cache()
+    print_table(rows)
+    print(f"{tag}: {time.perf_counter() - started:.0f} s in all")
+    return rows
+
+
 def print_table(rows: list[Row]) -> None:
     width = max(len(str(r["what"])) for r in rows)
     print(f"\n{'step':10s} {'what':{width}s} {'value':>14s}  ok")
@@ -536,19 +557,8 @@ def main() -> int:
     args.tok = load_tokenizer(args.tokenizer)
     out_dir = args.out or os.environ.get("OUT")
     print(f"gpu_check: {args.device_name}, torch {torch.__version__}, steps {' '.join(args.only)}", flush=True)
-    rows: list[Row] = []
     started = time.perf_counter()
-    for name in args.only:
-        step_start = time.perf_counter()
-        try:
-            rows += globals()[f"step_{name}"](args)
-        except Exception as err:  # noqa: BLE001 - one failed step must not hide the others' rows
-            rows.append({"step": name, "what": "failed", "value": f"{type(err).__name__}: {err}"[:300], "ok": False})
-        print(f"gpu_check: {name} done in {time.perf_counter() - step_start:.1f} s", flush=True)
-        if args.device == "cuda":
-            torch.cuda.empty_cache()
-    print_table(rows)
-    print(f"gpu_check: {time.perf_counter() - started:.0f} s in all")
+    rows = run_steps("gpu_check", args, [], lambda name: globals()[f"step_{name}"])
     if out_dir:
         Path(out_dir).mkdir(parents=True, exist_ok=True)
         doc = {"device": args.device_name, "torch": torch.__version__, "seconds": time.perf_counter() - started,

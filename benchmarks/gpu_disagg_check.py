@@ -42,7 +42,7 @@ from typing import Any
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from gpu_check import SHAPES, TINY, Row, build, load_tokenizer, print_table, timed  # noqa: E402
+from gpu_check import SHAPES, TINY, Row, build, load_tokenizer, run_steps, timed  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 STEPS = ("kv", "serving", "kill")
@@ -402,19 +402,9 @@ def main() -> int:
     device_name = torch.cuda.get_device_name(0) if args.device == "cuda" else "CPU (dry run)"
     args.tok = load_tokenizer(args.tokenizer)
     print(f"gpu_disagg_check: {device_name}, torch {torch.__version__}, steps {' '.join(args.only)}", flush=True)
-    rows: list[Row] = [{"step": "env", "what": "device", "value": device_name, "ok": True}]
     started = time.perf_counter()
-    for name in args.only:
-        step_start = time.perf_counter()
-        try:
-            rows += globals()[f"step_{name}"](args)
-        except Exception as err:  # noqa: BLE001 - one failed step must not hide the others' rows
-            rows.append({"step": name, "what": "failed", "value": f"{type(err).__name__}: {err}"[:300], "ok": False})
-        print(f"gpu_disagg_check: {name} done in {time.perf_counter() - step_start:.1f} s", flush=True)
-        if args.device == "cuda":
-            torch.cuda.empty_cache()
-    print_table(rows)
-    print(f"gpu_disagg_check: {time.perf_counter() - started:.0f} s in all")
+    rows = run_steps("gpu_disagg_check", args, [{"step": "env", "what": "device", "value": device_name, "ok": True}],
+                     lambda name: globals()[f"step_{name}"])
     out_dir = args.out or os.environ.get("OUT")
     if out_dir:
         Path(out_dir).mkdir(parents=True, exist_ok=True)
