@@ -4,6 +4,8 @@ call becomes `PeerCallFailed`, its status read as the typed failure it stands fo
 
 from __future__ import annotations
 
+from typing import Any
+
 import grpc
 
 from pdserve.decode_worker.kv_intake import PeerCallFailed
@@ -34,25 +36,16 @@ class GrpcPeers:
         self._decode: dict[str, worker_pb2_grpc.DecodeWorkerStub] = {}
 
     async def segment_prefix(self, address: str, timeout_s: float) -> str:
-        try:
-            info = await self._prefill_stub(address).GetInfo(worker_pb2.InfoRequest(), timeout=timeout_s)
-        except grpc.aio.AioRpcError as exc:
-            raise call_failed(exc) from exc
+        info = await _call(self._prefill_stub(address).GetInfo, worker_pb2.InfoRequest(), timeout_s)
         return info.kv_segment_prefix
 
     async def prefill(self, address: str, request: worker_pb2.PrefillRequest,
                       timeout_s: float) -> worker_pb2.PrefillResponse:
-        try:
-            return await self._prefill_stub(address).Prefill(request, timeout=timeout_s)
-        except grpc.aio.AioRpcError as exc:
-            raise call_failed(exc) from exc
+        return await _call(self._prefill_stub(address).Prefill, request, timeout_s)
 
     async def migrate_out(self, address: str, request: worker_pb2.MigrateOutRequest,
                           timeout_s: float) -> worker_pb2.MigrateOutResponse:
-        try:
-            return await self._decode_stub(address).MigrateOut(request, timeout=timeout_s)
-        except grpc.aio.AioRpcError as exc:
-            raise call_failed(exc) from exc
+        return await _call(self._decode_stub(address).MigrateOut, request, timeout_s)
 
     def _prefill_stub(self, address: str) -> worker_pb2_grpc.PrefillWorkerStub:
         if address not in self._prefill:
@@ -63,3 +56,11 @@ class GrpcPeers:
         if address not in self._decode:
             self._decode[address] = worker_pb2_grpc.DecodeWorkerStub(open_aio_channel(address))
         return self._decode[address]
+
+
+async def _call(method: Any, request: Any, timeout_s: float) -> Any:  # noqa: ANN401 - a stub's unary method
+    """One unary call; a failed one raised as the typed `PeerCallFailed` its status stands for."""
+    try:
+        return await method(request, timeout=timeout_s)
+    except grpc.aio.AioRpcError as exc:
+        raise call_failed(exc) from exc

@@ -24,6 +24,7 @@ from unittest.mock import MagicMock
 import grpc
 import pytest
 import torch
+from kv_helpers import served
 
 from pdserve.engine.kv_cache import KVCache, KVCacheShape, segment_prefix
 from pdserve.kv_transfer import (
@@ -33,14 +34,12 @@ from pdserve.kv_transfer import (
     KvTransferServicer,
     cuda_ipc,
     cuda_ipc_backend,
-    grpc_message_options,
 )
 from pdserve.kv_transfer.cuda_ipc_backend import CudaIpcKvSender
 from pdserve.kv_transfer.routing import KvRoute, PeerFacts, choose_route
 from pdserve.kv_transfer.shm_backend import InPlaceKv, header_for
 from pdserve.v1 import kv_pb2_grpc
 from pdserve.v1.kv_pb2 import KvFrame, KvHeader
-from pdserve.worker.runtime import make_server
 
 OURS = segment_prefix()  # the prefill worker identity the intakes are bound to (this process)
 SHAPE = KVCacheShape(num_layers=3, num_kv_heads=2, head_dim=8, block_size=4, dtype=torch.float32)
@@ -63,14 +62,8 @@ class RecordingServicer(KvTransferServicer):
 
 @pytest.fixture
 def receiver():  # noqa: ANN201
-    servicer = RecordingServicer()
-    server = make_server(8, grpc_message_options())
-    servicer.add_to_server(server)
-    address = f"127.0.0.1:{server.add_insecure_port('127.0.0.1:0')}"
-    server.start()
-    yield servicer, address
-    servicer.close()
-    server.stop(0)
+    with served(RecordingServicer()) as serving:
+        yield serving
 
 
 @pytest.fixture(autouse=True)

@@ -6,6 +6,7 @@ import os
 
 import pytest
 import torch
+from kv_helpers import served
 
 from pdserve.engine.kv_cache import segment_prefix
 from pdserve.kv_transfer import (
@@ -14,26 +15,18 @@ from pdserve.kv_transfer import (
     KvTransferError,
     KvTransferServicer,
     get_backend,
-    grpc_message_options,
 )
 from pdserve.kv_transfer.shm_backend import SEGMENT_PREFIX, ShmKvSender, header_for
 from pdserve.v1 import kv_pb2_grpc
 from pdserve.v1.kv_pb2 import KvFrame
-from pdserve.worker.runtime import make_server
 
 OURS = segment_prefix()  # the segments these tests ship from are this process's
 
 
 @pytest.fixture
 def receiver():  # noqa: ANN201
-    servicer = KvTransferServicer()
-    server = make_server(8, grpc_message_options())
-    servicer.add_to_server(server)
-    address = f"127.0.0.1:{server.add_insecure_port('127.0.0.1:0')}"
-    server.start()
-    yield servicer, address
-    servicer.close()
-    server.stop(0)
+    with served(KvTransferServicer()) as serving:
+        yield serving
 
 
 def _spec(request_id: str, dtype: torch.dtype = torch.float32) -> tuple[KvSpec, torch.Tensor]:
