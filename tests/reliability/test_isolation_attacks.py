@@ -1,10 +1,12 @@
 """Issue 29's table as attacks on real processes (benchmarks/isolation_attacks.py on a tiny model), with
 an honest client streaming meanwhile: per row, the attacker gets what it should (clear 4xx, or a normal
 answer where the input is legitimate), the honest client gets no error (no 503), and no process keeps
-more than 50 MB after the attack. The honest client's stalls are timings: the benchmark reports them
-against its goal (2x the baseline gap, or one prefill chunk) and they are not asserted here (row 5 on
-the default model: docs/security.md has its runs; on this shared machine its worst gap against the
-chunk moved from 0.58x to 1.65x between runs)."""
+more than 50 MB after the attack, and no pass that decoded the honest stream carried more prompt work
+than one plain prefill chunk (the stall bound in work units, from the workers' pass logs). The honest
+client's stalls in wall time are timings: the benchmark reports them against its goal (2x the
+baseline gap, or one prefill chunk) and they are not asserted here (row 5 on the default model:
+docs/security.md has its runs; on a shared machine its worst gap against the chunk moved from 0.58x
+to 1.65x between runs)."""
 
 from __future__ import annotations
 
@@ -34,7 +36,9 @@ def _attacks(model: Path, out: Path, *args: str, timeout: float = 600) -> dict[i
 
 
 def test_every_row_of_the_table_against_an_honest_client(tiny_llama_dir: Path, tmp_path: Path) -> None:
-    rows = _attacks(tiny_llama_dir, tmp_path / "isolation.json", "--long-words", "200", "--baseline-s", "2")
+    # row 5's prompt: 270 words, about 970 tokens of the tiny model (context 1,024), so that its second
+    # chunk, on 512 cached tokens, must shrink to fit one plain chunk's work (attention crossover 144)
+    rows = _attacks(tiny_llama_dir, tmp_path / "isolation.json", "--long-words", "270", "--baseline-s", "2")
     assert sorted(rows) == [1, 2, 3, 4, 5, 6, 7, 9, 10]
     for number, row in rows.items():
         assert row["attacker_as_expected"], (number, row)
@@ -42,3 +46,9 @@ def test_every_row_of_the_table_against_an_honest_client(tiny_llama_dir: Path, t
         assert row["memory_grown_mb"] < 50, (number, row)
     assert rows[2]["attacker"][0] == "UNAUTHENTICATED" and rows[7]["attacker"][0] == "PERMISSION_DENIED"
     assert rows[3]["attacker"] == ["closed 50/50"]
+    # row 5's stall bound in work units (engine.chunk_cost): the long logprobs prompt was prefilled in
+    # several passes beside the honest stream, none carrying more prompt work than one plain chunk
+    assert rows[5]["prompt_passes_beside_streams"] >= 2, rows[5]
+    assert 0 < rows[5]["prompt_cost_beside_streams"] <= 1.0 + 1e-6, rows[5]
+    for number, row in rows.items():
+        assert row["prompt_cost_beside_streams"] <= 1.0 + 1e-6, (number, row)
