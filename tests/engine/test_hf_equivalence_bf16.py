@@ -2,7 +2,7 @@
 
 On a CPU the long prompt (549 tokens, 85% of the prompt tokens) is 2 paragraphs instead of 9: 129
 tokens, 9 KV blocks of 16, so it still reads a multi-block paged cache in bf16 beside the short and
-chat prompts, and the test takes about a fifth of the time (bf16 is emulated on AVX2). What it proves
+chat prompts, and the bf16 passes take well under half the time (bf16 is emulated on AVX2). What it proves
 is unchanged: pdserve's packed prefill and batched paged decode in bf16 agree with HF's bf16 forward
 under the rule below, on the same 7 kinds of prompt. On a GPU all 7 prompts run as written.
 
