@@ -1,15 +1,15 @@
-"""Sim-engine clusters through the real serving path: 16 workers serve 500 requests with `bench`,
+"""Sim-engine clusters through the real serving path: 16 workers serve 200 requests with `bench`,
 `status` and the Prometheus metrics behaving as with a model; `--speedup` keeps profile-time results."""
 
 from __future__ import annotations
 
 import json
-import time
 import urllib.request
 from pathlib import Path
 
 import pytest
 from sim_profiles import make_profile
+from waiting import eventually
 
 from pdserve.cluster.cli import main
 from pdserve.cluster.engine_flags import sim_worker_args
@@ -34,8 +34,13 @@ def _counter(metrics_address: str, name: str) -> float:
                or line.startswith(name + "{"))
 
 
+#: Requests through the 16-worker cluster: 3 rounds of the bench's 64 in flight, 25 per decode worker
+#: on average (the point is the 16-worker deployment under concurrent load, not the count; it was 500).
+REQUESTS = 200
+
+
 @pytest.mark.slow
-def test_sixteen_worker_sim_cluster_serves_500_requests(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_sixteen_worker_sim_cluster_serves_200_requests(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     profile = make_profile(prefill=(0.004, 1e-5, 0.0), decode=(0.003, 1e-5, 0.0), transfer_s=0.001,
                            kv_capacity_tokens=16 * 512)
     profile.save(tmp_path / "profile.json")
@@ -44,28 +49,29 @@ def test_sixteen_worker_sim_cluster_serves_500_requests(tmp_path: Path, capsys: 
                                 metrics=True, startup_timeout_s=600.0)
     with LocalCluster(config) as cluster:
         url = cluster.router_address
-        doc = _bench(url, tmp_path / "bench.json", "--num-prompts", "500", "--rate", "inf", "--max-concurrency", "64",
+        doc = _bench(url, tmp_path / "bench.json", "--num-prompts", str(REQUESTS), "--rate", "inf",
+                     "--max-concurrency", "64",
                      "--input-len", "16:64", "--output-len", "8", "--slo", "ttft_ms=60000", "--slo", "tpot_ms=60000",
                      "--engine", "sim", "--profile", str(tmp_path / "profile.json"))
         summary = doc["summary"]
-        assert summary["completed"] == 500 and summary["failed"] == 0
-        assert summary["total_output_tokens"] == 500 * 8 and summary["goodput"] == summary["request_throughput"]
+        assert summary["completed"] == REQUESTS and summary["failed"] == 0
+        assert summary["total_output_tokens"] == REQUESTS * 8 and summary["goodput"] == summary["request_throughput"]
         assert all(r["output_tokens"] == 8 and len(r["itl"]) == 7 for r in doc["records"])
         assert doc["config"]["engine"] == "sim"
-        deadline = time.monotonic() + 60
-        while True:  # finished requests free their blocks; the router's view catches up within its poll
+
+        def idle_status() -> dict | None:  # finished requests free their blocks; the router's view catches up
             status = _status(url, capsys)
-            if all(w["kv_used"] == 0 for w in status["workers"]) or time.monotonic() > deadline:
-                break
-            time.sleep(1)
+            return status if all(w["kv_used"] == 0 for w in status["workers"]) else None
+
+        status = eventually(idle_status, 60.0, 0.25, what="every worker's KV blocks free in `status`")
         workers = status["workers"]
         assert sorted(w["role"] for w in workers) == ["decode"] * 8 + ["prefill"] * 8
         assert all(w["healthy"] and w["kv_used"] == 0 and w["kv_total"] == 512 for w in workers)
-        assert status["total_requests"] >= 500
+        assert status["total_requests"] >= REQUESTS
         decode_metrics = [a for name, a in cluster.metrics_addresses.items() if name.startswith("decode")]
         assert len(decode_metrics) == 8
         tokens = sum(_counter(a, "pdserve_generation_tokens_total") for a in decode_metrics)
-        assert tokens == 500 * 8
+        assert tokens == REQUESTS * 8
 
 
 def _sim_run(tmp_path: Path, profile_path: Path, speedup: float) -> dict:

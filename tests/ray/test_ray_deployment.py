@@ -17,6 +17,8 @@ import torch
 
 ray = pytest.importorskip("ray")
 
+from waiting import eventually  # noqa: E402
+
 from pdserve.cluster.ray_cluster import RayCluster, RayClusterConfig  # noqa: E402
 from pdserve.engine.config import EngineConfig  # noqa: E402
 from pdserve.engine.llm_engine import LLMEngine  # noqa: E402
@@ -188,6 +190,20 @@ def test_scale_up_and_down_during_a_stream_loses_nothing(default_model, ray_clus
     wait_idle(_live(ray_cluster))
 
 
+def _object_lost(ref: ray.ObjectRef) -> bool:
+    """Whether a get of ``ref`` now fails as lost (OwnerDiedError is an ObjectLostError); False while
+    it still reads (the result is dropped at once) or does not answer within half a second."""
+    from ray.exceptions import GetTimeoutError, ObjectLostError
+
+    try:
+        ray.get(ref, timeout=0.5)
+    except ObjectLostError:
+        return True
+    except GetTimeoutError:
+        return False
+    return False
+
+
 def test_object_lost_fails_the_intake() -> None:
     """The prefill side died after ray.put: the receiver's intake fails (no hang, no bad KV)."""
     from pdserve.kv_transfer.grpc_backend import KvTransferServicer
@@ -205,7 +221,10 @@ def test_object_lost_fails_the_intake() -> None:
         refs = ray.get(owner.put.remote(torch.zeros(spec.shape)))
         pending = intake.expect(spec, ExpectOptions(30))
         ray.kill(owner, no_restart=True)
-        time.sleep(1.0)
+        # The actor is known dead before its objects are: the raylet frees an owner's pinned objects
+        # only when its subscription to the owner fails, and until then a same-node get still reads
+        # the copy in the object store. Wait for the state the receiver must handle: a get that fails.
+        eventually(lambda: _object_lost(refs[0]), 30.0, what="Ray to declare the dead owner's object lost")
         ack = RayKvReceiver(intake, get_timeout_s=10).receive(header_for(spec, 1), refs)
         assert not ack["ok"] and "lost" in ack["error"].lower(), ack
         assert pending.done() and pending.error()

@@ -55,18 +55,32 @@ def test_heap_knobs_are_off_by_default() -> None:
 
 
 def test_tracemalloc_reports_growing_call_site() -> None:
+    # The child waits on the tracer's own reports, not fixed sleeps (a loaded machine delays the
+    # reporting thread): it grows only after the baseline, and exits after a report whose snapshot
+    # was taken once all 40 MB were allocated. Which call site that report puts first is checked here, not there.
     result = _run("""
         import logging, time
         from pdserve.telemetry.memory import bound_heap
         logging.basicConfig(level=logging.INFO)
+        reports = []
+        class Seen(logging.Handler):
+            def emit(self, record):
+                reports.append(record.getMessage())
+        logging.getLogger().addHandler(Seen())
+        def wait_reports(count):
+            deadline = time.monotonic() + 60
+            while len(reports) < count:
+                assert time.monotonic() < deadline, f"only {len(reports)} tracemalloc reports"
+                time.sleep(0.02)
         bound_heap()
         hoard = []
         def grow():
             hoard.append(bytearray(4 * 2**20))
-        time.sleep(0.5)
+        wait_reports(1)
+        assert "baseline taken" in reports[0], reports
         for _ in range(10):
             grow()
-        time.sleep(0.8)
+        wait_reports(len(reports) + 2)  # the first may come from a snapshot taken before the last grow()
     """, PDSERVE_TRACEMALLOC="0.3")
     assert result.returncode == 0, result.stderr
     assert "tracemalloc: baseline taken" in result.stderr
