@@ -102,6 +102,7 @@ def config_from_args(args: argparse.Namespace, auth_token: str | None = None) ->
         model_name=args.model_name,
         grpc_calls_per_peer=args.grpc_calls_per_peer,
         grpc_calls_total=args.grpc_calls_total,
+        grpc_connection_idle_s=args.grpc_connection_idle, grpc_connection_age_s=args.grpc_connection_age,
     )
 
 

@@ -130,6 +130,8 @@ CASES: dict[str, tuple[Any, dict[str, Any], Callable[[DeploymentConfig, Received
     "router.slo_ttft_s": (2.5, {}, _all(("router",), "slo_ttft", 2.5)),
     "router.grpc_calls_per_peer": (33, {}, _all(("router",), "grpc_calls_per_peer", 33)),
     "router.grpc_calls_total": (44, {}, _all(("router",), "grpc_calls_total", 44)),
+    "router.grpc_connection_idle_s": (7.5, {}, _all(("router",), "grpc_connection_idle", 7.5)),
+    "router.grpc_connection_age_s": (900.0, {}, _all(("router",), "grpc_connection_age", 900.0)),
     "prefill.count": (2, {}, lambda c, got: sum(k == "prefill" for k, _ in got) == 2
                       and len(router_of(got).prefill) == 2),
     "decode.count": (3, {}, lambda c, got: sum(k == "decode" for k, _ in got) == 3
