@@ -251,8 +251,7 @@ class SecuritySection:
     auth_tokens_file: str | None = opt(None, "several public API tokens, one 'TENANT TOKEN' pair per line: each "
                                        "tenant's requests get their own prefix-cache namespace (no shared blocks, "
                                        "no cached_tokens across tenants); instead of auth_token_file",
-                                       flag="--auth-tokens-file", modes=("local",),
-                                       why="the Ray launcher hands its router one token (security.auth_token_file)")
+                                       flag="--auth-tokens-file")
 
 
 @dataclass(frozen=True)
