@@ -17,9 +17,14 @@ The model follows the workers' code paths pass by pass, with the pass times of a
 * Prefill worker: admits queued prompts FIFO when its pool holds them, then runs passes of at most
   ``prefill_chunk_tokens`` per prompt within ``max_batched_tokens`` (chunked prefill); a finished
   prompt's KV reaches its decode worker ``transfer_s`` later, without blocking the next pass.
-* Colocated worker: the same engine with local prefills: new prompts join the decode pass (mixed
-  batch) within the token budget, batch slots and free blocks (one block of headroom per running
-  sequence), and their first token is emitted at the end of that pass.
+* Colocated worker: the same engine with local prefills: new prompts are admitted FIFO within batch
+  slots and free blocks (one block of headroom per sequence that will decode) and prefilled in
+  chunks that join the decode pass (mixed batch), sized as `engine.scheduler` sizes them
+  (`engine.chunk_cost.next_chunk`): at most ``prefill_chunk_tokens`` each within the token budget,
+  and, while streams decode in the pass, together no costlier than one plain chunk (a chunk deep in
+  a long prompt gets fewer tokens; K is the profile's `profile_crossover`). A prompt's first token
+  is emitted at the end of the pass of its last chunk. Preemption takes prompts still prefilling
+  first (newest first), then the newest running sequence, as the scheduler does.
 * Pass spread: with ``overhead.pass_sigma`` > 0 the pass model's time of each pass is multiplied by
   a random factor of mean 1 (lognormal, from the same seeded generator): a real machine's passes
   spread around the fit (`pdserve plan fit` measures it on a pass log).
@@ -53,6 +58,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from pdserve.capacity.metrics import RequestRecord
+from pdserve.engine.chunk_cost import chunk_cost, next_chunk, profile_crossover, stream_allowance
 from pdserve.engine.sim_profile import Profile
 
 
@@ -145,6 +151,7 @@ class SimRequest:
     blocks: int = 0  # blocks held on the decode / colocated worker
     recompute: bool = False  # preempted: its next pass recomputes prompt + outputs
     prefix_hit: int = 0  # prompt tokens a colocated worker's prefix cache held when its prefill was scheduled
+    computed: int = 0  # tokens of its current prefill (prompt, or prompt + outputs to recompute) computed so far
     block_hashes: Sequence[Hashable] = ()  # chained hashes of the prompt's full blocks (prefix cache)
 
     @property
@@ -235,7 +242,9 @@ class _EngineWorker(_Loop):
         super().__init__(loop, profile, scale, rng)
         self.cache = cache  # colocated workers' prefix cache (a decode worker prefills nothing)
         self.running: list[SimRequest] = []
+        self.prefilling: list[SimRequest] = []  # admitted (blocks held), their prompt chunk by chunk
         self.waiting: deque[SimRequest] = deque()
+        self.crossover = profile_crossover(profile)
         self.parked: list[tuple[SimRequest, Callable[[], None]]] = []
         self.commits = 0  # arrived KV committed since the last pass (their cost joins the next pass)
 
@@ -297,6 +306,9 @@ class _EngineWorker(_Loop):
         while self.running:
             req = self.running.pop(0)
             while not self._grow(req, req.num_tokens):
+                if self.prefilling:  # the scheduler's victims: prompts still prefilling, newest first
+                    self._preempt_prefill(self.prefilling.pop())
+                    continue
                 if self.running:
                     self._preempt(self.running.pop())
                     continue
@@ -316,6 +328,12 @@ class _EngineWorker(_Loop):
         req.recompute = True
         self.waiting.appendleft(req)
 
+    def _preempt_prefill(self, req: SimRequest) -> None:
+        """A prompt preempted before its last chunk starts over when it is admitted again."""
+        self._release(req)
+        req.computed = req.prefix_hit = 0
+        self.waiting.appendleft(req)
+
     def _prefill_tokens(self, req: SimRequest) -> int:
         return req.num_tokens - 1 if req.token_times else req.input_len
 
@@ -327,41 +345,68 @@ class _EngineWorker(_Loop):
         bs = self.limits.block_size
         return self.cache.hits(req.block_hashes[: (req.input_len - 1) // bs]) * bs
 
-    def _schedule_prefill(self, budget: int) -> list[SimRequest]:
-        batch: list[SimRequest] = []
-        while self.waiting and len(self.running) + len(batch) < self.limits.max_num_seqs:
-            req = self.waiting[0]
-            tokens = self._prefill_tokens(req)
-            hit = self._cache_hit(req)
-            if batch and tokens - hit > budget:
+    def _schedule_prefill(self, budget: int, allowance: float) -> list[tuple[SimRequest, int]]:
+        """(request, new tokens) chunks of this pass, as `Scheduler.schedule_prefill` plans them:
+        prompts already prefilling continue FIFO, then waiting ones are admitted FIFO."""
+        chunks: list[tuple[SimRequest, int]] = []
+        for req in self.prefilling:
+            n = self._chunk(req, budget, allowance, first=not chunks)
+            if n == 0:
                 break
-            needed = blocks_for(tokens, self.limits.block_size) + len(self.running) + len(batch)
-            if self.free < needed or not self._grow(req, tokens):
+            chunks.append((req, n))
+            budget -= n
+            allowance -= chunk_cost(n, req.computed, self.crossover)
+        while budget > 0 and allowance >= 1 and self.waiting and self._has_slot() and self._admit(self.waiting[0]):
+            req = self.waiting.popleft()
+            self.prefilling.append(req)
+            n = self._chunk(req, budget, allowance, first=not chunks)
+            if n == 0:
                 break
-            self.waiting.popleft()
-            req.prefix_hit = hit
-            batch.append(req)
-            budget -= tokens - hit
-        return batch
+            chunks.append((req, n))
+            budget -= n
+            allowance -= chunk_cost(n, req.computed, self.crossover)
+        return chunks
+
+    def _chunk(self, req: SimRequest, budget: int, allowance: float, first: bool) -> int:
+        return next_chunk(self._prefill_tokens(req) - req.computed, req.computed, self.limits.prefill_chunk_tokens,
+                          budget, allowance, self.crossover, first)
+
+    def _has_slot(self) -> bool:
+        return len(self.running) + len(self.prefilling) < self.limits.max_num_seqs
+
+    def _admit(self, req: SimRequest) -> bool:
+        """Blocks for the whole prefill (a block of headroom per sequence that will decode); its
+        cached prefix is not computed again."""
+        tokens = self._prefill_tokens(req)
+        needed = blocks_for(tokens, self.limits.block_size) + len(self.running) + len(self.prefilling)
+        if self.free < needed or not self._grow(req, tokens):
+            return False
+        req.prefix_hit = req.computed = self._cache_hit(req)
+        return True
 
     def _start_pass(self) -> None:
         decode = self._schedule_decode()
-        prefill = self._schedule_prefill(self.limits.max_batched_tokens - len(decode))
-        if not decode and not prefill:
+        allowance = stream_allowance(self.limits.prefill_chunk_tokens, self.crossover) if decode else math.inf
+        chunks = self._schedule_prefill(self.limits.max_batched_tokens - len(decode), allowance)
+        if not decode and not chunks:
             return
-        items = [(self._prefill_tokens(r) - r.prefix_hit, r.prefix_hit) for r in prefill]
+        items = [(n, req.computed) for req, n in chunks]
         seconds = self.profile.pass_s(items, len(decode), sum(r.num_tokens for r in decode))
-        num_seqs, self.commits = len(decode) + len(prefill) + self.commits, 0
-        self._run_pass(seconds, num_seqs, lambda: self._end_pass(decode, prefill))
+        num_seqs, self.commits = len(decode) + len(chunks) + self.commits, 0
+        self._run_pass(seconds, num_seqs, lambda: self._end_pass(decode, chunks))
 
-    def _end_pass(self, decode: list[SimRequest], prefill: list[SimRequest]) -> None:
+    def _end_pass(self, decode: list[SimRequest], chunks: list[tuple[SimRequest, int]]) -> None:
         for req in decode:
             self._emit(req)
-        for req in prefill:
+        for req, n in chunks:
+            req.computed += n
             fresh = not req.recompute
-            req.recompute, req.prefix_hit = False, 0
-            if fresh and self.cache is not None:
-                self.cache.add(req.block_hashes[: req.input_len // self.limits.block_size])
+            if fresh and self.cache is not None:  # full blocks are registered as soon as they are computed
+                self.cache.add(req.block_hashes[: min(req.computed, req.input_len) // self.limits.block_size])
+            if req.computed < self._prefill_tokens(req):
+                continue
+            self.prefilling.remove(req)
+            req.recompute, req.prefix_hit, req.computed = False, 0, 0
             if fresh:
                 self._emit(req)
             if not req.done:

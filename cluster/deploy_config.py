@@ -468,6 +468,7 @@ def router_document(config: DeploymentConfig, workers: dict[str, list[str]], met
         "tokenizer": (config.model.path or "default")
         if {router.prefill_policy, router.decode_policy} & {"kv_aware", "kv_oracle"} else "",
         "grpc_calls_per_peer": router.grpc_calls_per_peer, "grpc_calls_total": router.grpc_calls_total,
+        "grpc_connection_idle": router.grpc_connection_idle_s, "grpc_connection_age": router.grpc_connection_age_s,
         # only Ray restarts a dead worker (actor max_restarts); local workers that die stay dead
         "worker_restart_wait": config.ray.restart_wait_s if config.mode == "ray" and config.ray.max_restarts else 0.0,
         "http_port": router.http_port, "model_name": config.model.served_name,

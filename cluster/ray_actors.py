@@ -153,10 +153,11 @@ class WorkerActor:
 class RouterActor:
     """The router (public gRPC API and, with http_port, the OpenAI HTTP API) inside a Ray actor;
     ``document`` is its config document (`cluster.deploy_config.router_document`), ``auth_token`` the
-    public API's bearer token (read by the launcher)."""
+    public API's bearer token, ``auth_tokens`` its tenant tokens (token -> tenant; both read by the launcher)."""
 
     def __init__(self, document: dict[str, Any], internal_token: str | None = None,
-                 auth_token: str | None = None, router_token: str | None = None) -> None:
+                 auth_token: str | None = None, router_token: str | None = None,
+                 auth_tokens: dict[str, str] | None = None) -> None:
         _use_internal_token(internal_token)
         if router_token:  # the credential of the calls only the router makes (SetKvTargets)
             from pdserve.transport import ENV_ROUTER_TOKEN
@@ -168,7 +169,7 @@ class RouterActor:
 
         args = parse_args([], document={**document, **_workers_after_restart()})
         configure_logging("router", args.log_level, args.log_format)
-        self.config = config_from_args(args, auth_token)
+        self.config = config_from_args(args, auth_token, auth_tokens)
         self.server, self.port = serve(self.config)
 
     def address(self) -> str:

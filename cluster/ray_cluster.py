@@ -25,7 +25,9 @@ Layout (namespace :data:`NAMESPACE`):
 - Security: every actor gets the deployment's internal token (the configured
   ``PDSERVE_INTERNAL_TOKEN[_FILE]``, else one the driver generates), so the internal plane needs it on
   every call, loopback or not. The router actor takes the public API's bearer token (read from
-  ``auth_token_file`` on the driver) and certificate files (read on the router's node).
+  ``auth_token_file`` on the driver) or its tenant tokens (``auth_tokens_file``, read on the driver
+  too; they travel as actor arguments, as the token does, and are never logged) and certificate
+  files (read on the router's node).
 
 Configuration: the controller gets the deployment's `cluster.deploy_config.DeploymentConfig` (mode
 ray) and hands each actor its config document (`worker_document`, `router_document`: the same
@@ -64,7 +66,7 @@ except ImportError as exc:
 from pdserve.cluster.deploy_config import DeploymentConfig, _abspath, flat_sections, router_document, worker_document
 from pdserve.cluster.ray_actors import RouterActor, WorkerActor
 from pdserve.settings import ModelSection, ObservabilitySection, RaySection, RouterSection, SecuritySection
-from pdserve.transport import launcher_token, load_token, router_token_digest
+from pdserve.transport import launcher_token, load_tenant_tokens, load_token, router_token_digest
 
 log = logging.getLogger(__name__)
 
@@ -255,15 +257,17 @@ class Controller:
 
     def __init__(self, config: DeploymentConfig, internal_token: str | None = None, auth_token: str | None = None,
                  extra_args: dict[str, tuple[str, ...]] | None = None,
-                 make_planner: Callable[..., Any] | None = None) -> None:
+                 make_planner: Callable[..., Any] | None = None, auth_tokens: dict[str, str] | None = None) -> None:
         """`make_planner`: the autoscaler's planner factory (`cluster.autoscaler.PlannerFactory`), handed
-        in by the CLI when `elastic.autoscale` has a profile."""
+        in by the CLI when `elastic.autoscale` has a profile. `auth_token` / `auth_tokens` (token ->
+        tenant): the public API's token or tenant tokens, read on the driver, handed to the router actor."""
         logging.basicConfig(level=config.observability.log_level,
                             format="%(asctime)s controller %(levelname)s %(message)s")
         self.config = config
         self._internal_token = internal_token
         self._router_token = secrets.token_urlsafe(32)  # the router actor's own credential (SetKvTargets)
         self._auth_token = auth_token
+        self._auth_tokens = auth_tokens
         self._extra = extra_args or {}
         self._workers: list[_Worker] = []
         self._lock = threading.Lock()  # guards _workers
@@ -311,7 +315,9 @@ class Controller:
         if options is not None:  # `serve --ray --autoscale`: the loop runs here (see cluster.ray_elastic)
             from pdserve.cluster.ray_elastic import RayAutoscaler
 
-            self._autoscaler = RayAutoscaler(self, self.router_address_value, options, auth_token,
+            # with tenant tokens the autoscaler's status calls go in the first tenant's name
+            self._autoscaler = RayAutoscaler(self, self.router_address_value, options,
+                                             auth_token or next(iter(auth_tokens or {}), None),
                                              tls_ca_file=config.security.tls_cert or None,
                                              make_planner=make_planner)
 
@@ -366,7 +372,8 @@ class Controller:
         addresses = {role: [w.address for w in workers if w.role == role] for role in ROLES}
         router = _RemoteRouter.options(
             **router_actor_options(self.config), scheduling_strategy=PlacementGroupSchedulingStrategy(self._pg, 0),
-        ).remote(router_document(self.config, addresses), self._internal_token, self._auth_token, self._router_token)
+        ).remote(router_document(self.config, addresses), self._internal_token, self._auth_token, self._router_token,
+                 self._auth_tokens)
         timeout = self.config.startup_timeout_s
         self.router_address_value = ray.get(router.address.remote(), timeout=timeout)
         self.router_http_address_value = ray.get(router.http_address.remote(), timeout=30)
@@ -739,6 +746,8 @@ class RayCluster:
         self.deployment = deployment
         internal = internal or _configured_internal_token(deployment) or launcher_token()
         auth = load_token(_abspath(deployment.security.auth_token_file), os.environ.get("PDSERVE_AUTH_TOKEN"))
+        tenants_file = deployment.security.auth_tokens_file  # read here too: the file need not be on the router's node
+        tenants = load_tenant_tokens(tenants_file) if tenants_file else None
         self._own_ray = False
         self._stopped = False
         address = deployment.ray.address
@@ -755,7 +764,7 @@ class RayCluster:
             self._controller = _RemoteController.options(
                 name=CONTROLLER_NAME, namespace=NAMESPACE, lifetime="detached", num_cpus=0, max_concurrency=16,
                 scheduling_strategy=NodeAffinitySchedulingStrategy(controller_node_id(), soft=False),
-            ).remote(deployment, internal, auth, extra, make_planner)
+            ).remote(deployment, internal, auth, extra, make_planner, tenants)
             self.router_address: str = ray.get(self._controller.router_address.remote(),
                                                timeout=deployment.startup_timeout_s + 60)
             self.http_address: str = ray.get(self._controller.router_http_address.remote(), timeout=60)

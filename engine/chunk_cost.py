@@ -46,14 +46,38 @@ def largest_chunk(cached: int, allowance: float, crossover: float) -> int:
     return n
 
 
+def stream_allowance(chunk_tokens: int, crossover: float) -> float:
+    """What the prompt chunks of a pass that carries decoding streams may cost together: one plain
+    chunk of `chunk_tokens`, on no context."""
+    return chunk_cost(chunk_tokens, 0, crossover)
+
+
+def next_chunk(left: int, cached: int, chunk: int, budget: int, allowance: float, crossover: float,
+               first: bool) -> int:
+    """New tokens of a prompt's next chunk: at most `chunk`, the pass's token `budget` and the `left`
+    tokens; with a finite `allowance` (streams decode in the pass) at most what fits it on `cached`
+    tokens of context, yet one for the pass's `first` chunk, so a prompt always progresses. The
+    scheduler (`engine.scheduler`) and the capacity simulator both size chunks with it."""
+    if allowance != math.inf:
+        fits = largest_chunk(cached, allowance, crossover)
+        chunk = min(chunk, max(fits, 1) if first else fits)
+    return max(0, min(left, chunk, budget))
+
+
+def profile_crossover(profile: Any) -> float:  # noqa: ANN401 - an engine.sim_profile.Profile
+    """K of a latency profile: its prefill cost per token over its cost per unit of attention work
+    (b / c); infinite when attention is free."""
+    cost = profile.prefill
+    return cost.b / cost.c if cost.c > 0 else math.inf
+
+
 def attention_crossover(loaded: Any) -> float:  # noqa: ANN401 - a LoadedModel or a sim one
-    """K for a loaded model: from a sim model's latency profile (its prefill b / c), else from the
+    """K for a loaded model: from a sim model's latency profile (`profile_crossover`), else from the
     transformers config's shapes (dense FLOPs per token over attention FLOPs per context token,
     scaled by `ATTENTION_EFFICIENCY`). Infinite when attention is free (chunks never shrink)."""
     profile = getattr(loaded.model, "profile", None)
     if profile is not None:
-        cost = profile.prefill
-        return cost.b / cost.c if cost.c > 0 else math.inf
+        return profile_crossover(profile)
     c = loaded.config
     hidden, heads, kv_heads = int(c.hidden_size), int(c.num_attention_heads), int(c.num_key_value_heads)
     head_dim = int(getattr(c, "head_dim", None) or hidden // heads)

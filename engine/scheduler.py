@@ -31,7 +31,7 @@ from collections import deque
 from dataclasses import dataclass
 
 from pdserve.engine.block_pool import BlockPool, block_hashes, blocks_for_tokens
-from pdserve.engine.chunk_cost import chunk_cost, largest_chunk
+from pdserve.engine.chunk_cost import chunk_cost, next_chunk, stream_allowance
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.sequence import Sequence, SequenceStatus
 
@@ -170,7 +170,7 @@ class Scheduler:
         """What the prompt chunks of a pass that carries decoding streams may cost together: one
         plain chunk, on no context (`engine.chunk_cost` units)."""
         chunk = self.config.prefill_chunk_tokens or self.config.max_num_batched_tokens
-        return chunk_cost(chunk, 0, self.attention_crossover)
+        return stream_allowance(chunk, self.attention_crossover)
 
     def schedule_prefill(self, budget: int, allowance: float = math.inf) -> list[tuple[Sequence, int]]:
         """(sequence, new tokens) pairs within `budget` tokens and `allowance` cost: prefilling
@@ -199,10 +199,8 @@ class Scheduler:
         chunk = self.config.prefill_chunk_tokens or self.config.max_num_batched_tokens
         if seq.wants_prompt_logprobs():  # every position's log_softmax over the vocabulary: smaller chunks
             chunk = min(chunk, PROMPT_LOGPROB_CHUNK_TOKENS)
-        if allowance != math.inf:
-            fits = largest_chunk(seq.num_cached, allowance, self.attention_crossover)
-            chunk = min(chunk, max(fits, 1) if first else fits)
-        return max(0, min(len(seq.prefill_ids) - seq.num_cached, chunk, budget))
+        return next_chunk(len(seq.prefill_ids) - seq.num_cached, seq.num_cached, chunk, budget, allowance,
+                          self.attention_crossover, first)
 
     def _has_slot(self) -> bool:
         return len(self.running) + len(self.prefilling) < self.config.max_num_seqs

@@ -8,10 +8,12 @@ never refused further on for its size (a `DecodeRequest` or `PrefillRequest` add
 after a failover, the tokens already delivered), and a request up to twice the limit reaches the
 router's own check (with its clear message) instead of gRPC's RESOURCE_EXHAUSTED.
 
-Hand-written (not generated); imports nothing.
+Hand-written (not generated); imports only the standard library.
 """
 
 from __future__ import annotations
+
+import resource
 
 #: Largest serialized GenerateRequest the router accepts (8 MiB).
 MAX_REQUEST_BYTES = 8 * 1024 * 1024
@@ -37,6 +39,33 @@ GRPC_CALLS_TOTAL = 8192
 #: HTTP/2 SETTINGS_MAX_CONCURRENT_STREAMS of every server (`grpc.max_concurrent_streams`): streams one
 #: connection may open at once; a client over it waits for a slot (HTTP/2), it is not refused.
 GRPC_STREAMS_PER_CONNECTION = 2048
+#: A gRPC connection with no open call for this long gets a GOAWAY and is closed
+#: (`grpc.max_connection_idle_ms`); one that has not finished its handshake (TLS, the HTTP/2 preface and
+#: SETTINGS) within the shorter of this and GRPC_HANDSHAKE_S is closed too. So a client that sends
+#: nothing, half a preface, or keeps an unused channel holds no socket for longer (gRPC's own default is
+#: for ever, and 120 s for the handshake). A pdserve channel reconnects on its next call by itself.
+GRPC_CONNECTION_IDLE_S = 60.0
+GRPC_HANDSHAKE_S = 10.0
+#: Server keepalive: ping a connection that has open calls after this many quiet seconds, and drop it
+#: when the ping is not answered within GRPC_KEEPALIVE_TIMEOUT_S (a peer that vanished without closing
+#: its socket no longer holds its calls and their KV blocks until their deadline).
+GRPC_KEEPALIVE_S = 60.0
+GRPC_KEEPALIVE_TIMEOUT_S = 20.0
+#: Ping abuse, as gRPC's server defaults (stated so a change of them cannot go unnoticed): a client's ping
+#: sooner than this after the last data (or any ping while it has no call) is a strike, and the
+#: GRPC_PING_STRIKES + 1st strike closes the connection (GOAWAY "too_many_pings").
+GRPC_MIN_PING_INTERVAL_S = 300.0
+GRPC_PING_STRIKES = 2
+#: Fraction of the process's file-descriptor limit one gRPC server may hold as connections
+#: (`grpc.max_allowed_incoming_connections`: one over it is closed at once). The router's HTTP API takes
+#: half (`router.http_api.default_max_connections`); the rest stays for worker channels and files.
+GRPC_CONNECTIONS_SHARE = 0.25
+
+
+def fd_share(share: float, at_least: int = 64) -> int:
+    """`share` of the soft file-descriptor limit (at least `at_least`; 32,768 when unlimited)."""
+    soft, _hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    return max(at_least, int(soft * share)) if soft != resource.RLIM_INFINITY else 32768
 
 
 def receive_options(at_least: int = 0) -> list[tuple[str, int]]:

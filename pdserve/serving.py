@@ -16,6 +16,9 @@ Invariants:
 - Every server bounds its open calls (`CallLimits`): per connection by HTTP/2's
   ``max_concurrent_streams``, per peer host and in total by `PeerCallLimiter`, which refuses a call
   over either with RESOURCE_EXHAUSTED before it reads the call's message.
+- Every server bounds its connections (`CallLimits.options`): their number, the time one may stay
+  without a call or without finishing its handshake, and (the router's public port) their age, with
+  a grace that outlasts the longest request, so no stream is cut by it.
 
 Hand-written (not generated); imports only grpc, `pdserve.limits` and the standard library (and
 uvloop when installed).
@@ -30,12 +33,24 @@ import os
 import threading
 from collections.abc import Awaitable, Callable, Sequence
 from concurrent import futures
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 import grpc
 
-from pdserve.limits import GRPC_CALLS_PER_PEER, GRPC_CALLS_TOTAL, GRPC_STREAMS_PER_CONNECTION
+from pdserve.limits import (
+    GRPC_CALLS_PER_PEER,
+    GRPC_CALLS_TOTAL,
+    GRPC_CONNECTION_IDLE_S,
+    GRPC_CONNECTIONS_SHARE,
+    GRPC_HANDSHAKE_S,
+    GRPC_KEEPALIVE_S,
+    GRPC_KEEPALIVE_TIMEOUT_S,
+    GRPC_MIN_PING_INTERVAL_S,
+    GRPC_PING_STRIKES,
+    GRPC_STREAMS_PER_CONNECTION,
+    fd_share,
+)
 
 T = TypeVar("T")
 
@@ -215,22 +230,55 @@ async def _parse(parse: Callable[[bytes], Any], raw: bytes, context: grpc.aio.Se
         await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"request does not parse: {exc}")
 
 
+def _ms(seconds: float) -> int:
+    return max(1, round(seconds * 1000))
+
+
 @dataclass(frozen=True)
 class CallLimits:
-    """How many calls a gRPC server keeps open: per peer host, in total, and streams per connection."""
+    """How many calls a gRPC server keeps open (per peer host, in total, streams per connection) and
+    how long and how many connections it keeps (`pdserve.limits` says why each value).
+
+    `connection_age_s` (0: no cap) sends a connection a GOAWAY after that long; its open calls then
+    get `connection_age_grace_s` to finish before it is closed, so the grace must outlast the longest
+    call the server allows (the router: its stream deadline cap). Workers set no age: the router's
+    GenerateMux and KvEvents.Subscribe streams last as long as the deployment."""
 
     per_peer: int = GRPC_CALLS_PER_PEER
     total: int = GRPC_CALLS_TOTAL
     streams_per_connection: int = GRPC_STREAMS_PER_CONNECTION
+    connection_idle_s: float = GRPC_CONNECTION_IDLE_S
+    connection_age_s: float = 0.0
+    connection_age_grace_s: float = 0.0
+    connections: int = field(default_factory=lambda: fd_share(GRPC_CONNECTIONS_SHARE))
 
     def __post_init__(self) -> None:
-        for name in ("per_peer", "total", "streams_per_connection"):
+        for name in ("per_peer", "total", "streams_per_connection", "connections"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if not self.connection_idle_s > 0:
+            raise ValueError(f"connection_idle_s must be > 0, got {self.connection_idle_s}")
+        for name in ("connection_age_s", "connection_age_grace_s"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
 
     def options(self) -> list[tuple[str, int]]:
-        """The server options of these limits (HTTP/2 streams per connection)."""
-        return [("grpc.max_concurrent_streams", self.streams_per_connection)]
+        """The server options of these limits: streams per connection, the connection cap, idle,
+        handshake and age timers, keepalive and ping-abuse enforcement."""
+        options = [
+            ("grpc.max_concurrent_streams", self.streams_per_connection),
+            ("grpc.max_allowed_incoming_connections", self.connections),
+            ("grpc.max_connection_idle_ms", _ms(self.connection_idle_s)),
+            ("grpc.server_handshake_timeout_ms", _ms(min(self.connection_idle_s, GRPC_HANDSHAKE_S))),
+            ("grpc.keepalive_time_ms", _ms(GRPC_KEEPALIVE_S)),
+            ("grpc.keepalive_timeout_ms", _ms(GRPC_KEEPALIVE_TIMEOUT_S)),
+            ("grpc.http2.min_ping_interval_without_data_ms", _ms(GRPC_MIN_PING_INTERVAL_S)),
+            ("grpc.http2.max_ping_strikes", GRPC_PING_STRIKES),
+        ]
+        if self.connection_age_s:
+            options += [("grpc.max_connection_age_ms", _ms(self.connection_age_s)),
+                        ("grpc.max_connection_age_grace_ms", _ms(self.connection_age_grace_s))]
+        return options
 
 
 #: Calls the limiter never counts: health checks, so that a peer at its cap (the router at a worker)

@@ -36,7 +36,7 @@ from pdserve.constants import (
     REQUEST_TIMEOUT_S,
 )
 from pdserve.devices import DEVICE_HELP, DTYPE_HELP, DTYPE_NAMES, check_device_name
-from pdserve.limits import GRPC_CALLS_PER_PEER, GRPC_CALLS_TOTAL
+from pdserve.limits import GRPC_CALLS_PER_PEER, GRPC_CALLS_TOTAL, GRPC_CONNECTION_IDLE_S
 from pdserve.model_cache import MODEL_NAME
 
 
@@ -118,6 +118,13 @@ class RouterSection:
                                    flag="--grpc-calls-per-peer", min=1)
     grpc_calls_total: int = opt(GRPC_CALLS_TOTAL, "open gRPC calls of all clients together on the public port; "
                                 "one more is refused (RESOURCE_EXHAUSTED)", flag="--grpc-calls-total", min=1)
+    grpc_connection_idle_s: float = opt(GRPC_CONNECTION_IDLE_S, "a public gRPC connection without an open call "
+                                        "(or that has not finished its handshake) for this long is closed; "
+                                        "clients reconnect on their next call", flag="--grpc-connection-idle", gt=0)
+    grpc_connection_age_s: float = opt(3600.0, "a public gRPC connection is told to go away (GOAWAY) after this "
+                                       "long; its open calls keep running up to the stream deadline cap "
+                                       "(max_stream_timeout_s), then it is closed (0: no age cap)",
+                                       flag="--grpc-connection-age", min=0)
 
 
 @dataclass(frozen=True)
@@ -244,8 +251,7 @@ class SecuritySection:
     auth_tokens_file: str | None = opt(None, "several public API tokens, one 'TENANT TOKEN' pair per line: each "
                                        "tenant's requests get their own prefix-cache namespace (no shared blocks, "
                                        "no cached_tokens across tenants); instead of auth_token_file",
-                                       flag="--auth-tokens-file", modes=("local",),
-                                       why="the Ray launcher hands its router one token (security.auth_token_file)")
+                                       flag="--auth-tokens-file")
 
 
 @dataclass(frozen=True)

@@ -27,6 +27,7 @@ import hashlib
 import hmac
 import ipaddress
 import os
+import re
 import secrets
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
@@ -149,6 +150,35 @@ def load_token(path: str | None, env_value: str | None) -> str | None:
             raise ValueError(f"auth token file {path} is empty")
         return token
     return env_value or None
+
+
+#: A tenant's name: the tenant part of its requests' cache salt, so it never holds "/".
+TENANT_NAME = re.compile(r"[A-Za-z0-9._-]{1,64}")
+
+
+def load_tenant_tokens(path: str) -> dict[str, str]:
+    """The tokens of a tokens file, each with its tenant: one ``TENANT TOKEN`` pair per line (blank
+    lines and lines starting with ``#`` are skipped). ValueError naming the line for a bad tenant
+    name (letters, digits, ``._-``, at most 64), a missing token, or a tenant or token given twice."""
+    tokens: dict[str, str] = {}
+    with open(path, encoding="utf-8") as f:
+        for number, line in enumerate(f, 1):
+            line = line.strip()
+            if not line or line.startswith("#"):
+                continue
+            tenant, _, token = line.partition(" ")
+            token = token.strip()
+            where = f"{path}:{number}"
+            if not TENANT_NAME.fullmatch(tenant):
+                raise ValueError(f"{where}: tenant names are 1-64 letters, digits, '.', '_' or '-'")
+            if not token or " " in token:
+                raise ValueError(f"{where}: expected 'TENANT TOKEN'")
+            if token in tokens or tenant in tokens.values():
+                raise ValueError(f"{where}: tenant or token given twice")
+            tokens[token] = tenant
+    if not tokens:
+        raise ValueError(f"auth tokens file {path} names no token")
+    return tokens
 
 
 def use_internal_token_file(path: str | None) -> None:

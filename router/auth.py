@@ -5,8 +5,8 @@ With a token configured, every call to a `pdserve.v1.Router` method must carry t
 UNAUTHENTICATED (HTTP 401) before any routing code runs. Health checks and reflection stay open
 (load balancers and grpcurl need them). Tokens are compared in constant time.
 
-Several tokens, each naming a tenant (`load_tenant_tokens`, ``--auth-tokens-file``), put every
-request in its tenant's prefix-cache namespace: `RouterCore.generate` folds the tenant into the
+Several tokens, each naming a tenant (``--auth-tokens-file``, read by `pdserve.transport.load_tenant_tokens`),
+put every request in its tenant's prefix-cache namespace: `RouterCore.generate` folds the tenant into the
 request's `cache_salt` (`tenant_salt`), so tenants never share K/V blocks nor see each other's
 `cached_tokens`. One token (``--auth-token-file``) names no tenant: its clients share one namespace.
 """
@@ -14,7 +14,6 @@ request's `cache_salt` (`tenant_salt`), so tenants never share K/V blocks nor se
 from __future__ import annotations
 
 import hmac
-import re
 from collections.abc import Awaitable, Callable, Mapping
 from typing import Any
 
@@ -33,10 +32,6 @@ async def _deny(request_iterator: Any, context: grpc.aio.ServicerContext) -> Any
 async def _deny_stream(request_iterator: Any, context: grpc.aio.ServicerContext) -> Any:  # noqa: ANN401
     await context.abort(grpc.StatusCode.UNAUTHENTICATED, UNAUTHENTICATED_MESSAGE)
     yield  # pragma: no cover - makes this an async generator, as streaming handlers are
-
-
-#: A tenant's name: the tenant part of its requests' cache salt, so it never holds "/".
-TENANT_NAME = re.compile(r"[A-Za-z0-9._-]{1,64}")
 
 
 class BearerToken:
@@ -96,31 +91,6 @@ class BearerTokenInterceptor(grpc.aio.ServerInterceptor):
         if self.authorized(handler_call_details.invocation_metadata):
             return handler
         return refusal(handler, _deny, _deny_stream)
-
-
-def load_tenant_tokens(path: str) -> dict[str, str]:
-    """The tokens of a tokens file, each with its tenant: one ``TENANT TOKEN`` pair per line (blank
-    lines and lines starting with ``#`` are skipped). ValueError naming the line for a bad tenant
-    name (letters, digits, ``._-``, at most 64), a missing token, or a tenant or token given twice."""
-    tokens: dict[str, str] = {}
-    with open(path, encoding="utf-8") as f:
-        for number, line in enumerate(f, 1):
-            line = line.strip()
-            if not line or line.startswith("#"):
-                continue
-            tenant, _, token = line.partition(" ")
-            token = token.strip()
-            where = f"{path}:{number}"
-            if not TENANT_NAME.fullmatch(tenant):
-                raise ValueError(f"{where}: tenant names are 1-64 letters, digits, '.', '_' or '-'")
-            if not token or " " in token:
-                raise ValueError(f"{where}: expected 'TENANT TOKEN'")
-            if token in tokens or tenant in tokens.values():
-                raise ValueError(f"{where}: tenant or token given twice")
-            tokens[token] = tenant
-    if not tokens:
-        raise ValueError(f"auth tokens file {path} names no token")
-    return tokens
 
 
 def tenant_salt(tenant: str, cache_salt: str) -> str:

@@ -66,6 +66,9 @@ class RouterConfig:
     # open gRPC calls on the public port: per client host, and of all clients (one more: RESOURCE_EXHAUSTED)
     grpc_calls_per_peer: int = RouterSection.grpc_calls_per_peer
     grpc_calls_total: int = RouterSection.grpc_calls_total
+    # public gRPC connections: closed after this long without a call; told to go away after this age (0: never)
+    grpc_connection_idle_s: float = RouterSection.grpc_connection_idle_s
+    grpc_connection_age_s: float = RouterSection.grpc_connection_age_s
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
@@ -104,6 +107,9 @@ class RouterConfig:
         for name in ("grpc_calls_per_peer", "grpc_calls_total"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if not self.grpc_connection_idle_s > 0 or self.grpc_connection_age_s < 0:
+            raise ValueError("grpc_connection_idle_s must be > 0 and grpc_connection_age_s >= 0, got "
+                             f"{self.grpc_connection_idle_s} and {self.grpc_connection_age_s}")
         if self.max_concurrent_streams < 1:
             raise ValueError(f"max_concurrent_streams must be >= 1, got {self.max_concurrent_streams}")
         for name in ("kv_request_tokens", "kv_kv_tokens", "conditional_disagg_tokens", "slo_ttft_s"):

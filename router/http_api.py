@@ -35,7 +35,6 @@ import concurrent.futures
 import json
 import logging
 import multiprocessing
-import resource
 import ssl
 import time
 import uuid
@@ -45,7 +44,7 @@ from typing import Any
 from aiohttp import web
 
 from pdserve.constants import REQUEST_TIMEOUT_S
-from pdserve.limits import RECEIVE_LIMIT_BYTES
+from pdserve.limits import RECEIVE_LIMIT_BYTES, fd_share
 from pdserve.router import tools
 from pdserve.router.auth import BearerToken
 from pdserve.router.core import RouterCore, RouterError
@@ -84,8 +83,7 @@ _REFUSED = (b"HTTP/1.1 503 Service Unavailable\r\nContent-Type: application/json
 
 def default_max_connections() -> int:
     """Half the soft file-descriptor limit (at least 64): the rest stays for gRPC and worker channels."""
-    soft, _hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    return max(64, soft // 2) if soft != resource.RLIM_INFINITY else 32768
+    return fd_share(0.5)
 
 
 class _Refusal(asyncio.Protocol):

@@ -19,7 +19,6 @@ import threading
 from typing import Any
 
 from pdserve.process_config import add_config_arg, parse_with_document
-from pdserve.router.auth import load_tenant_tokens
 from pdserve.router.config import RouterConfig
 from pdserve.router.server import RouterServer, serve
 from pdserve.serving import ready_line
@@ -27,7 +26,7 @@ from pdserve.settings import ObservabilitySection, RouterSection, SecuritySectio
 from pdserve.telemetry.logs import configure_logging
 from pdserve.telemetry.memory import bound_heap
 from pdserve.telemetry.prometheus import start_metrics_endpoint
-from pdserve.transport import is_loopback, load_token, use_internal_token_file
+from pdserve.transport import is_loopback, load_tenant_tokens, load_token, use_internal_token_file
 
 STOP_GRACE_S = 5.0
 
@@ -70,9 +69,10 @@ def parse_args(argv: list[str] | None = None, document: dict[str, Any] | None = 
     return parse_with_document(build_parser(), argv, document)
 
 
-def config_from_args(args: argparse.Namespace, auth_token: str | None = None) -> RouterConfig:
-    """RouterConfig of parsed options; `auth_token` (the Ray launcher's, read on its driver) wins over
-    --auth-token-file and PDSERVE_AUTH_TOKEN."""
+def config_from_args(args: argparse.Namespace, auth_token: str | None = None,
+                     auth_tokens: dict[str, str] | None = None) -> RouterConfig:
+    """RouterConfig of parsed options; `auth_token` and `auth_tokens` (token -> tenant), the Ray
+    launcher's, read on its driver, win over --auth-token-file, PDSERVE_AUTH_TOKEN and --auth-tokens-file."""
     return RouterConfig(
         host=args.host,
         port=args.port,
@@ -93,7 +93,7 @@ def config_from_args(args: argparse.Namespace, auth_token: str | None = None) ->
         conditional_disagg_tokens=args.conditional_disagg_tokens,
         slo_ttft_s=args.slo_ttft,
         auth_token=auth_token or load_token(args.auth_token_file, os.environ.get("PDSERVE_AUTH_TOKEN")),
-        auth_tokens=tuple(load_tenant_tokens(args.auth_tokens_file).items()) if args.auth_tokens_file else (),
+        auth_tokens=tuple((auth_tokens or _tenant_tokens(args.auth_tokens_file)).items()),
         tls_cert_file=args.tls_cert,
         tls_key_file=args.tls_key,
         http_port=args.http_port,
@@ -102,7 +102,12 @@ def config_from_args(args: argparse.Namespace, auth_token: str | None = None) ->
         model_name=args.model_name,
         grpc_calls_per_peer=args.grpc_calls_per_peer,
         grpc_calls_total=args.grpc_calls_total,
+        grpc_connection_idle_s=args.grpc_connection_idle, grpc_connection_age_s=args.grpc_connection_age,
     )
+
+
+def _tenant_tokens(path: str | None) -> dict[str, str]:
+    return load_tenant_tokens(path) if path else {}
 
 
 def main(argv: list[str] | None = None) -> int:

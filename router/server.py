@@ -132,7 +132,7 @@ def serve(config: RouterConfig) -> tuple[RouterServer, int]:
     when config.http_port is set); return it and its gRPC port."""
     pool = WorkerPool(config.endpoints(), config.poll_interval_s, config.info_timeout_s)
     pool.start()
-    limits = CallLimits(per_peer=config.grpc_calls_per_peer, total=config.grpc_calls_total)
+    limits = call_limits(config)
     server = AioServer("router", options=[("grpc.max_receive_message_length", MAX_RECEIVE_MESSAGE_BYTES),
                                           *limits.options()],
                        interceptors=_interceptors(config, limits))
@@ -170,6 +170,20 @@ def serve(config: RouterConfig) -> tuple[RouterServer, int]:
             router.stop(None)
             raise
     return router, port
+
+
+#: Beyond the stream deadline cap, what a call still needs to end once its deadline passed (its
+#: cancellation reaching the workers and the last message); an aged connection gets the cap plus this.
+AGE_GRACE_MARGIN_S = 30.0
+
+
+def call_limits(config: RouterConfig) -> CallLimits:
+    """The public port's call and connection limits. An aged connection's grace outlasts the longest
+    call (the stream deadline cap), so the age cap never cuts a stream."""
+    return CallLimits(per_peer=config.grpc_calls_per_peer, total=config.grpc_calls_total,
+                      connection_idle_s=config.grpc_connection_idle_s,
+                      connection_age_s=config.grpc_connection_age_s,
+                      connection_age_grace_s=config.max_stream_timeout_s + AGE_GRACE_MARGIN_S)
 
 
 def _interceptors(config: RouterConfig, limits: CallLimits) -> list[grpc.aio.ServerInterceptor]:

@@ -1,11 +1,14 @@
 """Test helpers for the security tests: a self-signed certificate (the `cryptography` package when
-installed, else the openssl command line) and a token file."""
+installed, else the openssl command line), a token file, and the tenant-token probes (`cached_http`,
+`cached_grpc`: how many of a secret prompt's tokens a tenant finds cached)."""
 
 from __future__ import annotations
 
 import datetime
 import ipaddress
+import json
 import subprocess
+import urllib.request
 from pathlib import Path
 
 
@@ -60,3 +63,36 @@ def register_kv_targets(prefill_address: str, decode_addresses: list[str]) -> No
     # in the router's name: a launcher in this process holds the router credential its workers check
     worker_pb2_grpc.PrefillWorkerStub(open_channel(prefill_address)).SetKvTargets(
         worker_pb2.KvTargets(targets=targets), timeout=10, metadata=router_metadata() or None)
+
+
+#: Two tenants' tokens (token -> tenant, as pdserve.transport.load_tenant_tokens gives them) and a
+#: prompt of several KV blocks whose prefix a tenant could probe.
+TOKENS = {"token-of-alice": "alice", "token-of-bob": "bob"}
+SECRET = "The PIN of the vault is 4711. " + " ".join(f"w{i}" for i in range(40))  # several blocks
+
+
+def _post(port: int, token: str, body: dict) -> dict:
+    request = urllib.request.Request(f"http://127.0.0.1:{port}/v1/completions",
+                                     data=json.dumps({"model": "default", **body}).encode(),
+                                     headers={"Content-Type": "application/json",
+                                              "Authorization": f"Bearer {token}"})
+    with urllib.request.urlopen(request, timeout=120) as answer:
+        return json.loads(answer.read())
+
+
+def cached_http(port: int, token: str, salt: str | None = None) -> int:
+    """`cached_tokens` of a completion of SECRET on the HTTP API at 127.0.0.1:`port` with `token`."""
+    body = {"prompt": SECRET, "max_tokens": 2, "temperature": 0, **({"cache_salt": salt} if salt else {})}
+    return _post(port, token, body)["usage"]["prompt_tokens_details"]["cached_tokens"]
+
+
+def cached_grpc(address: str, token: str) -> int:
+    """`cached_tokens` of a generation of SECRET on the router's gRPC API with `token`."""
+    from pdserve.transport import open_channel
+    from pdserve.v1 import common_pb2, router_pb2, router_pb2_grpc
+
+    request = router_pb2.GenerateRequest(prompt=SECRET, params=common_pb2.SamplingParams(max_tokens=2))
+    with open_channel(address) as channel:
+        answers = list(router_pb2_grpc.RouterStub(channel).Generate(
+            request, timeout=120, metadata=(("authorization", f"Bearer {token}"),)))
+    return answers[-1].usage.cached_tokens

@@ -130,6 +130,8 @@ CASES: dict[str, tuple[Any, dict[str, Any], Callable[[DeploymentConfig, Received
     "router.slo_ttft_s": (2.5, {}, _all(("router",), "slo_ttft", 2.5)),
     "router.grpc_calls_per_peer": (33, {}, _all(("router",), "grpc_calls_per_peer", 33)),
     "router.grpc_calls_total": (44, {}, _all(("router",), "grpc_calls_total", 44)),
+    "router.grpc_connection_idle_s": (7.5, {}, _all(("router",), "grpc_connection_idle", 7.5)),
+    "router.grpc_connection_age_s": (900.0, {}, _all(("router",), "grpc_connection_age", 900.0)),
     "prefill.count": (2, {}, lambda c, got: sum(k == "prefill" for k, _ in got) == 2
                       and len(router_of(got).prefill) == 2),
     "decode.count": (3, {}, lambda c, got: sum(k == "decode" for k, _ in got) == 3
@@ -166,8 +168,9 @@ CASES: dict[str, tuple[Any, dict[str, Any], Callable[[DeploymentConfig, Received
     "security.internal_token_file": ("TOKEN", {}, lambda c, got: all(
         (Path(ns.internal_token_file).name == "token.txt") if c.mode == "local" else ns.internal_token_file is None
         for _k, ns in got)),
-    "security.auth_tokens_file": ("TOKENS", {}, lambda c, got: Path(router_of(got).auth_tokens_file).name
-                                  == "tokens.txt"),
+    "security.auth_tokens_file": ("TOKENS", {}, lambda c, got: (
+        Path(router_of(got).auth_tokens_file).name == "tokens.txt" if c.mode == "local"
+        else router_of(got).auth_tokens_file is None)),  # Ray: the driver reads it, the actor gets the tokens
     "security.internal_grpc_calls_per_peer": (55, {}, _all(WORKERS, "grpc_calls_per_peer", 55)),
     "security.internal_grpc_calls_total": (66, {}, _all(WORKERS, "grpc_calls_total", 66)),
     "observability.log_level": ("DEBUG", {}, lambda c, got: all(ns.log_level == "DEBUG" for _k, ns in got)),

@@ -8,10 +8,18 @@ import math
 from types import SimpleNamespace
 
 import pytest
+from sim_profiles import make_profile
 
-from pdserve.engine.chunk_cost import ATTENTION_EFFICIENCY, attention_crossover, chunk_cost, largest_chunk
+from pdserve.capacity.simulator import Deployment, Timing, simulate
+from pdserve.engine.chunk_cost import (
+    ATTENTION_EFFICIENCY,
+    attention_crossover,
+    chunk_cost,
+    largest_chunk,
+    profile_crossover,
+)
 from pdserve.engine.sampling_params import SamplingParams
-from pdserve.engine.sim_profile import load_profile
+from pdserve.engine.sim_profile import Profile, load_profile
 
 CHUNK = 32
 PARAMS = SamplingParams(max_tokens=6, ignore_eos=True)
@@ -100,3 +108,36 @@ def test_prompts_beside_a_stream_share_one_allowance(tiny_llama, make_engine) ->
                <= chunk_cost(CHUNK, 0, crossover) for pass_ in shapes)
     assert sum(new for pass_ in shapes for new, _ in pass_) == 4 * 120
     assert max(len(pass_) for pass_ in shapes) >= 2  # a prompt's short last chunk shares its pass
+
+
+def test_the_capacity_simulator_chunks_a_prompt_beside_a_stream_as_the_scheduler_does(
+        tiny_llama, make_engine, monkeypatch: pytest.MonkeyPatch) -> None:  # noqa: ANN001
+    """The same prompt, chunk size and K (the profile's b / c) beside one decoding stream: the capacity
+    simulator's colocated worker plans the very chunks (new, cached) the real scheduler runs."""
+    profile = make_profile(prefill=(0.001, 1e-4, 1e-4 / 120), decode=(0.001, 1e-4, 0.0), prefill_chunk_tokens=CHUNK)
+    crossover = profile_crossover(profile)
+    assert crossover == pytest.approx(120.0)
+    prompt = [100 + i % 200 for i in range(300)]
+
+    engine = make_engine(tiny_llama, prefill_chunk_tokens=CHUNK,
+                         max_num_batched_tokens=profile.engine.max_batched_tokens)
+    engine.scheduler.attention_crossover = crossover
+    _with_a_stream(engine)
+    engine.add_request("long", prompt, PARAMS)
+    real = _run(engine, {})
+
+    passes: list[list[tuple[int, int]]] = []
+    pass_s = Profile.pass_s
+
+    def recorded(self: Profile, items, batch: int, context: int) -> float:  # noqa: ANN001
+        if items:
+            passes.append(list(items))
+        return pass_s(self, items, batch, context)
+
+    monkeypatch.setattr(Profile, "pass_s", recorded)
+    # the stream first (2 prompt tokens, decoding long after), the prompt during the stream's prefill
+    simulate(Deployment(colocated=1), [0.0, 1e-9], [2, len(prompt)], [STREAM.max_tokens, PARAMS.max_tokens],
+             Timing(prefill=profile, decode=profile))
+    assert passes[0] == [(2, 0)]  # the stream's prefill, alone
+    assert passes[1:] == real
+    assert len(real) > len(prompt) // CHUNK + 1  # the chunks did shrink beside the stream

@@ -5,44 +5,16 @@ across tenants, whatever `cache_salt` the requests carry."""
 
 from __future__ import annotations
 
-import json
 import urllib.error
-import urllib.request
 from pathlib import Path
 
 import grpc
 import pytest
+from security_helpers import TOKENS, cached_grpc, cached_http
 
-from pdserve.router.auth import load_tenant_tokens
 from pdserve.router.config import RouterConfig
 from pdserve.router.process import config_from_args, parse_args
-from pdserve.transport import open_channel
-from pdserve.v1 import common_pb2, router_pb2, router_pb2_grpc
-
-TOKENS = {"token-of-alice": "alice", "token-of-bob": "bob"}
-SECRET = "The PIN of the vault is 4711. " + " ".join(f"w{i}" for i in range(40))  # several blocks
-
-
-def _post(port: int, token: str, body: dict) -> dict:
-    request = urllib.request.Request(f"http://127.0.0.1:{port}/v1/completions",
-                                     data=json.dumps({"model": "default", **body}).encode(),
-                                     headers={"Content-Type": "application/json",
-                                              "Authorization": f"Bearer {token}"})
-    with urllib.request.urlopen(request, timeout=120) as answer:
-        return json.loads(answer.read())
-
-
-def _cached_http(port: int, token: str, salt: str | None = None) -> int:
-    body = {"prompt": SECRET, "max_tokens": 2, "temperature": 0, **({"cache_salt": salt} if salt else {})}
-    return _post(port, token, body)["usage"]["prompt_tokens_details"]["cached_tokens"]
-
-
-def _cached_grpc(address: str, token: str) -> int:
-    request = router_pb2.GenerateRequest(prompt=SECRET, params=common_pb2.SamplingParams(max_tokens=2))
-    with open_channel(address) as channel:
-        answers = list(router_pb2_grpc.RouterStub(channel).Generate(
-            request, timeout=120, metadata=(("authorization", f"Bearer {token}"),)))
-    return answers[-1].usage.cached_tokens
+from pdserve.transport import load_tenant_tokens
 
 
 def test_tenants_share_the_prefix_cache_only_among_themselves(start_colocated, start_router) -> None:  # noqa: ANN001
@@ -50,21 +22,21 @@ def test_tenants_share_the_prefix_cache_only_among_themselves(start_colocated, s
     server, _stub = start_router(RouterConfig(colocated=(worker.address,), http_port=0,
                                               auth_tokens=tuple(TOKENS.items())))
     port = server.http_port
-    assert _cached_http(port, "token-of-alice") == 0
-    assert _cached_http(port, "token-of-bob") == 0  # the same prompt, another tenant: nothing shared
-    assert _cached_http(port, "token-of-bob", salt="alice") == 0  # nor by naming the other tenant as a salt
-    assert _cached_http(port, "token-of-alice") > 0  # within the tenant it is a hit
-    assert _cached_grpc(server.address, "token-of-bob") > 0  # gRPC: the tenant's namespace too
+    assert cached_http(port, "token-of-alice") == 0
+    assert cached_http(port, "token-of-bob") == 0  # the same prompt, another tenant: nothing shared
+    assert cached_http(port, "token-of-bob", salt="alice") == 0  # nor by naming the other tenant as a salt
+    assert cached_http(port, "token-of-alice") > 0  # within the tenant it is a hit
+    assert cached_grpc(server.address, "token-of-bob") > 0  # gRPC: the tenant's namespace too
     # a request's own salt splits a tenant further
-    assert _cached_http(port, "token-of-alice", salt="team-1") == 0
-    assert _cached_http(port, "token-of-alice", salt="team-1") > 0
+    assert cached_http(port, "token-of-alice", salt="team-1") == 0
+    assert cached_http(port, "token-of-alice", salt="team-1") > 0
     # a token that is not in the file is refused on both APIs
     with pytest.raises(urllib.error.HTTPError) as err:
-        _cached_http(port, "token-of-mallory")
+        cached_http(port, "token-of-mallory")
     assert err.value.code == 401
     err.value.close()
     with pytest.raises(grpc.RpcError) as rpc_err:
-        _cached_grpc(server.address, "token-of-mallory")
+        cached_grpc(server.address, "token-of-mallory")
     assert rpc_err.value.code() == grpc.StatusCode.UNAUTHENTICATED
 
 
