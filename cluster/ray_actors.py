@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
-from typing import Any
+from typing import Any, TypeAlias
 
 from pdserve.decode_worker import config as decode_config
 from pdserve.decode_worker.config import DecodeWorkerConfig
@@ -42,7 +42,7 @@ from pdserve.prefill_worker.config import PrefillWorkerConfig
 
 WORKER_ROLES = ("prefill", "decode")
 #: What a worker actor starts from (torch-free objects: the launcher builds them).
-WorkerProcessConfig = PrefillWorkerConfig | DecodeWorkerConfig | ElasticWorkerConfig
+WorkerProcessConfig: TypeAlias = "PrefillWorkerConfig | DecodeWorkerConfig | ElasticWorkerConfig"
 ELASTIC_KINDS = frozenset(WORKER_ROLES)
 
 

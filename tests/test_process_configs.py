@@ -50,16 +50,16 @@ def test_every_section_of_a_config_defaults_to_its_settings(role: str) -> None:
 
 def _other_value(section: type, name: str) -> Any:  # noqa: ANN401
     """A value of setting `name` that is not its default (and that its flag accepts)."""
-    f = section_field(section, name)
+    default, choices = section_default(section, name), section_field(section, name).metadata["choices"]
     base, _ = field_type(section, name)
-    if f.metadata["choices"]:
-        return next(c for c in f.metadata["choices"] if c not in (f.default, ""))
+    if choices:
+        return next(c for c in choices if c not in (default, ""))
     if name == "device":
         return "cpu"
     if base is bool:
-        return not f.default
+        return not default
     if base in (int, float):
-        return base((f.default or 0) + 3)
+        return base((default or 0) + 3)
     return f"value-of-{name}"
 
 
