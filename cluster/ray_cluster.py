@@ -30,8 +30,9 @@ Layout (namespace :data:`NAMESPACE`):
   files (read on the router's node).
 
 Configuration: the controller gets the deployment's `cluster.deploy_config.DeploymentConfig` (mode
-ray) and hands each actor its config document (`worker_document`, `router_document`: the same
-functions the local launcher uses), which the actor parses with the process's own parser.
+ray), builds each actor's config document (`worker_document`, `router_document`: the same
+functions the local launcher uses) and parses it with the process's own parser into the typed
+config the actor takes (`ray_actors.worker_config`, `router_process`).
 
 The driver-side :class:`RayCluster` starts a local Ray instance when none is running and no
 address is given (and shuts it down on ``stop()``), creates the controller and waits for the
@@ -64,7 +65,7 @@ except ImportError as exc:
     raise missing_extra("ray", "The Ray deployment (pdserve serve --ray, scale, status --address)") from exc
 
 from pdserve.cluster.deploy_config import DeploymentConfig, _abspath, flat_sections, router_document, worker_document
-from pdserve.cluster.ray_actors import RouterActor, WorkerActor
+from pdserve.cluster.ray_actors import RouterActor, WorkerActor, router_process, worker_config
 from pdserve.settings import ModelSection, ObservabilitySection, RaySection, RouterSection, SecuritySection
 from pdserve.transport import launcher_token, load_tenant_tokens, load_token, router_token_digest
 
@@ -357,9 +358,8 @@ class Controller:
         name = f"{role}-{index}"
         options = worker_actor_options(self.config, role, name)
         options["scheduling_strategy"] = PlacementGroupSchedulingStrategy(self._pg if pg is None else pg, bundle)
-        document = ray_worker_document(self.config, role, name)
-        handle = _RemoteWorker.options(**options).remote(role, document, self._internal_token,
-                                                         self._extra.get(role, ()),
+        config = worker_config(role, ray_worker_document(self.config, role, name), self._extra.get(role, ()))
+        handle = _RemoteWorker.options(**options).remote(config, self._internal_token,
                                                          router_token_digest(self._router_token))
         return _Worker(name, role, handle, pg=pg)
 
@@ -372,8 +372,8 @@ class Controller:
         addresses = {role: [w.address for w in workers if w.role == role] for role in ROLES}
         router = _RemoteRouter.options(
             **router_actor_options(self.config), scheduling_strategy=PlacementGroupSchedulingStrategy(self._pg, 0),
-        ).remote(router_document(self.config, addresses), self._internal_token, self._auth_token, self._router_token,
-                 self._auth_tokens)
+        ).remote(router_process(router_document(self.config, addresses), self._auth_token, self._auth_tokens),
+                 self._internal_token, self._router_token)
         timeout = self.config.startup_timeout_s
         self.router_address_value = ray.get(router.address.remote(), timeout=timeout)
         self.router_http_address_value = ray.get(router.http_address.remote(), timeout=30)

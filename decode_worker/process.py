@@ -1,24 +1,20 @@
 """`python -m pdserve.decode_worker`: one decode (or colocated) worker process; gRPC on loopback by default.
 
 Serves DecodeWorker, KvTransfer (the gRPC KV backend's receiver) and health on one port.
+`start_worker` takes the typed `DecodeWorkerConfig` (`decode_worker.config`, which also holds the
+command line: `parse_args`, then `DecodeWorkerConfig.from_args`).
 """
 
 from __future__ import annotations
 
-import argparse
-from typing import Any
-
-from pdserve.constants import KV_CHECKSUMS
+from pdserve.decode_worker.config import DecodeWorkerConfig, build_parser, parse_args
 from pdserve.decode_worker.servicer import DecodeServicer
 from pdserve.decode_worker.worker import DecodeWorker
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.fault_injection import InjectedFaults
 from pdserve.engine.metrics import WorkerMetrics
-from pdserve.engine.sim_runner import add_engine_args
 from pdserve.kv_transfer import KvTransferServicer, grpc_message_options
 from pdserve.limits import receive_options
-from pdserve.process_config import add_config_arg, parse_with_document
-from pdserve.settings import DecodePool, KvTransferSection, add_section_flags, section_default
 from pdserve.telemetry.prometheus import start_metrics_endpoint
 from pdserve.transport import check_bind_allowed
 from pdserve.v1 import worker_pb2_grpc
@@ -26,8 +22,6 @@ from pdserve.worker.runtime import (
     Drain,
     KvEventsServicer,
     StartedWorker,
-    add_observability_args,
-    add_worker_args,
     apply_internal_credentials,
     bind,
     call_limits,
@@ -37,34 +31,7 @@ from pdserve.worker.runtime import (
     start_serving,
 )
 
-#: The decode (and colocated) pool's own settings, beyond those every worker has.
-DECODE_SETTINGS = ("local_prefill_threshold", "max_num_seqs", "chunk_tokens", "admission_timeout_s")
-
-
-def parse_args(argv: list[str] | None = None, document: dict[str, Any] | None = None) -> argparse.Namespace:
-    """This worker's options: defaults < `document` (or the JSON file of --config) < flags."""
-    return parse_with_document(build_parser(), argv, document)
-
-
-def build_parser() -> argparse.ArgumentParser:
-    """This worker's command-line flags (also read by `elastic_worker`, which takes both roles' flags)."""
-    ap = argparse.ArgumentParser(prog="python -m pdserve.decode_worker", description=__doc__)
-    add_worker_args(ap, worker_id="decode-0", pool=DecodePool)
-    ap.add_argument("--colocated", action="store_true", help="prefill every request here (classic server)")
-    add_section_flags(ap, DecodePool, DECODE_SETTINGS, flags={"chunk_tokens": "--prefill-chunk-tokens"})
-    add_section_flags(ap, KvTransferSection, ("backend",))
-    ap.add_argument("--kv-target", default="",
-                    help="where prefill workers send KV (default: this worker's gRPC address; "
-                         "ray:<actor name> for the ray backend)")
-    ap.add_argument("--kv-checksum", nargs="?", const="xxh3", default=section_default(KvTransferSection, "checksum"),
-                    choices=tuple(name for name in KV_CHECKSUMS if name),
-                    help="shm backend: prefill workers send a checksum of the blocks (xxh3 when no algorithm is "
-                         "named), checked here over the copied bytes; the gRPC stream always checksums every "
-                         "frame (see docs/security.md for the cost)")
-    add_observability_args(ap)
-    add_engine_args(ap)
-    add_config_arg(ap)
-    return ap
+__all__ = ["DecodeWorkerConfig", "build_parser", "frame_receive_bytes", "main", "parse_args", "start_worker"]
 
 
 def frame_receive_bytes() -> int:
@@ -72,44 +39,45 @@ def frame_receive_bytes() -> int:
     return max(size for key, size in grpc_message_options() if key == "grpc.max_receive_message_length")
 
 
-def start_worker(args: argparse.Namespace) -> StartedWorker:
+def start_worker(config: DecodeWorkerConfig) -> StartedWorker:
     """Load the model, build the worker, its KV receiver and gRPC server, start serving on
-    args.host:args.port. Shared by `main` (a process) and the Ray actor (`cluster.ray_actors`).
-    ValueError before loading anything when args.host is beyond loopback without internal credentials."""
-    apply_internal_credentials(args)
-    check_bind_allowed(args.host)
-    config = EngineConfig(model=args.model, dtype=args.dtype, device=args.device, block_size=args.block_size,
-                          kv_cache_memory_mb=args.kv_cache_mb, max_num_seqs=args.max_num_seqs,
-                          max_num_batched_tokens=args.max_batched_tokens, prefix_caching=args.prefix_caching,
-                          prefill_chunk_tokens=args.prefill_chunk_tokens or None)
-    config, loaded = load_worker_model(args, config)
+    config.host:config.port. Shared by `main` (a process) and the Ray actor (`cluster.ray_actors`).
+    ValueError before loading anything when config.host is beyond loopback without internal credentials."""
+    apply_internal_credentials(config)
+    check_bind_allowed(config.host)
+    model, pool = config.model, config.pool
+    engine_config = EngineConfig(model=model.path, dtype=model.dtype, device=model.device,
+                                 block_size=model.block_size, kv_cache_memory_mb=pool.kv_cache_mb,
+                                 max_num_seqs=pool.max_num_seqs, max_num_batched_tokens=pool.max_batched_tokens,
+                                 prefix_caching=pool.prefix_caching, prefill_chunk_tokens=pool.chunk_tokens or None)
+    engine_config, loaded = load_worker_model(model, engine_config)
     metrics = WorkerMetrics()
     injected = InjectedFaults.from_env()  # tests only (engine/fault_injection.py)
-    worker = DecodeWorker(loaded, config, admission_timeout_s=args.admission_timeout_s, metrics=metrics,
+    worker = DecodeWorker(loaded, engine_config, admission_timeout_s=pool.admission_timeout_s, metrics=metrics,
                           die_after_steps=injected.loop_death_after_steps,
                           step_delay_s=injected.step_delay_ms / 1000)
-    endpoint = start_metrics_endpoint(metrics.registry, args.metrics_port)
+    endpoint = start_metrics_endpoint(metrics.registry, config.metrics_port)
     kv_receiver = KvTransferServicer()
     drain = Drain()
-    server = make_server(control_threads=32, options=receive_options(frame_receive_bytes()), name=args.worker_id,
-                         limits=call_limits(args))
-    address = bind(server, args.host, args.port)
-    servicer = DecodeServicer(worker, kv_receiver, args.worker_id, address, args.colocated,
-                              args.local_prefill_threshold, args.request_timeout_s, args.kv_timeout_s, drain,
-                              kv_backend=args.kv_backend, kv_target=args.kv_target or address,
-                              kv_checksum=args.kv_checksum)
+    server = make_server(control_threads=32, options=receive_options(frame_receive_bytes()), name=config.worker_id,
+                         limits=call_limits(config))
+    address = bind(server, config.host, config.port)
+    servicer = DecodeServicer(worker, kv_receiver, config.worker_id, address, config.colocated,
+                              pool.local_prefill_threshold, pool.request_timeout_s, pool.kv_timeout_s, drain,
+                              kv_backend=config.kv.backend, kv_target=config.kv_target or address,
+                              kv_checksum=config.kv.checksum)
     worker_pb2_grpc.add_DecodeWorkerServicer_to_server(servicer, server)
-    worker_pb2_grpc.add_KvEventsServicer_to_server(KvEventsServicer(args.worker_id, lambda: worker.engine.kv_events),
-                                                  server)
+    worker_pb2_grpc.add_KvEventsServicer_to_server(
+        KvEventsServicer(config.worker_id, lambda: worker.engine.kv_events), server)
     kv_receiver.add_to_server(server)
-    return start_serving(server, address, drain, worker.idle, lambda: worker.dead_reason, args.drain_timeout_s,
+    return start_serving(server, address, drain, worker.idle, lambda: worker.dead_reason, pool.drain_timeout_s,
                          stops=(kv_receiver.close, worker.stop), endpoint=endpoint,
                          extras={"servicer": servicer, "kv_receiver": kv_receiver})
 
 
 def main(argv: list[str] | None = None) -> None:
-    args = parse_args(argv)
-    run_worker_process(args, lambda: start_worker(args), role="colocated" if args.colocated else "decode")
+    config = DecodeWorkerConfig.from_args(parse_args(argv))
+    run_worker_process(config, lambda: start_worker(config), role=config.role)
 
 
 if __name__ == "__main__":

@@ -15,7 +15,8 @@ from typing import Any
 import grpc
 
 from pdserve.decode_worker.mux import serve_mux
-from pdserve.elastic_worker.worker import COLOCATED, DECODE, PREFILL, ElasticWorker, SwitchTimeout
+from pdserve.elastic_worker.config import COLOCATED, DECODE, PREFILL
+from pdserve.elastic_worker.worker import ElasticWorker, SwitchTimeout
 from pdserve.v1 import common_pb2, router_pb2, worker_pb2, worker_pb2_grpc
 
 log = logging.getLogger(__name__)

@@ -25,16 +25,18 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, replace
-from typing import Any
 
+from pdserve.decode_worker.config import DecodeWorkerConfig
 from pdserve.decode_worker.servicer import DecodeServicer
 from pdserve.decode_worker.worker import DecodeWorker
+from pdserve.elastic_worker.config import COLOCATED, PREFILL, ROLES
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.fault_injection import InjectedFaults
 from pdserve.engine.kv_cache import KVCache
 from pdserve.engine.metrics import WorkerMetrics
 from pdserve.engine.model_loader import LoadedModel
 from pdserve.kv_transfer import KvTransferServicer
+from pdserve.prefill_worker.config import PrefillWorkerConfig
 from pdserve.prefill_worker.faults import FaultInjector
 from pdserve.prefill_worker.servicer import PrefillServicer
 from pdserve.prefill_worker.worker import PrefillWorker
@@ -42,8 +44,6 @@ from pdserve.worker.runtime import Drain
 
 log = logging.getLogger(__name__)
 
-PREFILL, DECODE, COLOCATED = "prefill", "decode", "colocated"
-ROLES = (PREFILL, DECODE, COLOCATED)
 IDLE_POLL_S = 0.02
 
 
@@ -90,12 +90,12 @@ class RoleCore:
 
 @dataclass(frozen=True)
 class ElasticSettings:
-    """Everything both roles need besides the model: the parsed flags of each role, its engine config."""
+    """Everything both roles need besides the model: each role's config, its engine config."""
 
     worker_id: str
     address: str
-    prefill_args: Any  # argparse.Namespace of prefill_worker's flags
-    decode_args: Any  # argparse.Namespace of decode_worker's flags
+    prefill: PrefillWorkerConfig
+    decode: DecodeWorkerConfig
     prefill_config: EngineConfig
     decode_config: EngineConfig
     prefill_chunk_tokens: int | None
@@ -179,24 +179,25 @@ class ElasticWorker:
         return self._build_decode(role, drain)
 
     def _build_prefill(self, drain: RoleDrain) -> RoleCore:
-        s, args = self.settings, self.settings.prefill_args
+        s, config = self.settings, self.settings.prefill
         injected = InjectedFaults.from_env()  # tests only (engine/fault_injection.py)
         faults = FaultInjector(injected.kv_fault, injected.kv_fault_count)
-        worker = PrefillWorker(self.loaded, s.prefill_config, transfer_timeout_s=args.kv_timeout_s,
+        worker = PrefillWorker(self.loaded, s.prefill_config, transfer_timeout_s=config.pool.kv_timeout_s,
                                metrics=self.metrics, faults=faults, prefill_chunk_tokens=s.prefill_chunk_tokens,
-                               prefix_caching=args.prefix_caching, kv_streaming=args.kv_streaming,
+                               prefix_caching=config.pool.prefix_caching, kv_streaming=config.kv.streaming,
                                kv_cache=self.kv_cache)
-        servicer = PrefillServicer(worker, s.worker_id, s.address, args.request_timeout_s, drain)
+        servicer = PrefillServicer(worker, s.worker_id, s.address, config.pool.request_timeout_s, drain)
         return RoleCore(PREFILL, worker, servicer, drain)
 
     def _build_decode(self, role: str, drain: RoleDrain) -> RoleCore:
-        s, args = self.settings, self.settings.decode_args
-        worker = DecodeWorker(self.loaded, s.decode_config, admission_timeout_s=args.admission_timeout_s,
+        s, config = self.settings, self.settings.decode
+        pool = config.pool
+        worker = DecodeWorker(self.loaded, s.decode_config, admission_timeout_s=pool.admission_timeout_s,
                               metrics=self.metrics, kv_cache=self.kv_cache)
         servicer = DecodeServicer(worker, self.kv_receiver, s.worker_id, s.address, role == COLOCATED,
-                                  args.local_prefill_threshold, args.request_timeout_s, args.kv_timeout_s, drain,
-                                  kv_backend=args.kv_backend, kv_target=args.kv_target or s.address,
-                                  kv_checksum=args.kv_checksum)
+                                  pool.local_prefill_threshold, pool.request_timeout_s, pool.kv_timeout_s, drain,
+                                  kv_backend=config.kv.backend, kv_target=config.kv_target or s.address,
+                                  kv_checksum=config.kv.checksum)
         return RoleCore(role, worker, servicer, drain)
 
 

@@ -21,7 +21,6 @@ measured from the start of `forward`, so the runner's own Python time is inside 
 
 from __future__ import annotations
 
-import argparse
 import hashlib
 import time
 from collections.abc import Callable
@@ -36,7 +35,7 @@ from pdserve.engine.kv_cache import KVCache, KVCacheShape
 from pdserve.engine.model_loader import LoadedModel
 from pdserve.engine.model_runner import StepInput
 from pdserve.engine.sim_profile import Profile, load_profile, split_pass
-from pdserve.settings import ENGINE_SETTINGS, ModelSection, add_section_flags
+from pdserve.settings import ModelSection
 
 PLACEHOLDER_DTYPE = torch.float16
 MAX_PSEUDO_TOKENS = 512
@@ -159,21 +158,16 @@ class SimRunner:
 
 
 # ----- worker wiring: the flags both worker roles take, and the load step ------------------------
-def add_engine_args(ap: argparse.ArgumentParser) -> None:
-    """--engine, --profile, --speedup (the sim engine's flags, one group on every worker role)."""
-    add_section_flags(ap.add_argument_group("simulated engine (docs/capacity.md)"), ModelSection, ENGINE_SETTINGS)
-
-
-def load_sim_worker(args: argparse.Namespace, config: EngineConfig) -> tuple[EngineConfig, LoadedModel]:
+def load_sim_worker(model: ModelSection, config: EngineConfig) -> tuple[EngineConfig, LoadedModel]:
     """For `--engine sim`: the profile's engine limits applied to `config`, and the sim model.
     One torch thread: a sim worker only waits."""
     from pdserve.engine.model_fetch import resolve_model
 
-    if not args.profile:
+    if not model.profile:
         raise ValueError("--engine sim needs --profile FILE")
     torch.set_num_threads(1)
-    profile = load_profile(args.profile)
+    profile = load_profile(model.profile)
     limits = profile.engine
     config = replace(config, block_size=limits.block_size, num_blocks=limits.num_blocks,
                      max_num_seqs=limits.max_num_seqs, max_num_batched_tokens=limits.max_batched_tokens)
-    return config, load_sim_model(resolve_model(args.model), profile, args.speedup)
+    return config, load_sim_model(resolve_model(model.path), profile, model.speedup)

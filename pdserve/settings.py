@@ -8,6 +8,10 @@ which composes the sections into `DeploymentConfig`) and each process's own comm
 router, prefill, decode, colocated and elastic workers) generate their flags from these fields, so a
 process started by hand gets the same defaults as one a launcher configured.
 
+`SectionFlags` ties a process's flags to its typed per-process config: the settings of one section
+that a process takes go on its command line (`add_to`) and come back from the parsed flags as that
+section (`section_of`), so a worker's config object and its flags are generated from one list.
+
 Pure Python (no torch, no numpy); lives beside the other shared modules so the engine's and the
 router's parsers can import it.
 """
@@ -356,3 +360,27 @@ def add_section_flags(parser: argparse.ArgumentParser | argparse._ArgumentGroup,
         if check is not None:
             kwargs["type"] = check
         parser.add_argument(process_flag(section, name, flags), **kwargs)
+
+
+@dataclass(frozen=True)
+class SectionFlags:
+    """The settings `names` of `section` on one process's command line, both ways: `add_to` adds
+    their flags (spelled as in `flags` where the process spells them otherwise), `section_of` reads
+    the parsed flags back as a `section` instance (its other settings keep their defaults: the
+    process does not read them). `by_hand`: names among `names` whose flag the process adds itself
+    (a shape the generator does not make, e.g. an optional value); read back all the same."""
+
+    section: type
+    names: tuple[str, ...]
+    flags: Mapping[str, str] = field(default_factory=dict)
+    by_hand: tuple[str, ...] = ()
+
+    def add_to(self, parser: argparse.ArgumentParser | argparse._ArgumentGroup) -> None:
+        add_section_flags(parser, self.section, [n for n in self.names if n not in self.by_hand], self.flags)
+
+    def dest(self, name: str) -> str:
+        """The parsed flags' attribute of setting `name` (argparse's dest of its flag)."""
+        return process_flag(self.section, name, self.flags).lstrip("-").replace("-", "_")
+
+    def section_of(self, args: argparse.Namespace) -> Any:  # noqa: ANN401 - an instance of self.section
+        return self.section(**{name: getattr(args, self.dest(name)) for name in self.names})

@@ -4,6 +4,10 @@ Protocol shared with the worker processes: once serving, print exactly one line 
 ``PDSERVE_READY {"address": "HOST:PORT", "worker_id": "router", "pid": N}`` (plus ``http_address`` and
 ``metrics_address`` when those are on), and flush; logs go to stderr (``--log-format text|json``).
 SIGTERM / SIGINT stop the server gracefully (open streams get 5 s) and exit 0.
+
+Start-up has the workers' shape: `parse_args` reads the flags (over a process document), then
+`RouterProcess.from_args` turns them into the typed, frozen config (`RouterConfig` plus the process's
+logs and internal credential) that `main` and the Ray router actor start from.
 """
 
 from __future__ import annotations
@@ -16,6 +20,7 @@ import os
 import signal
 import sys
 import threading
+from dataclasses import dataclass, field
 from typing import Any
 
 from pdserve.process_config import add_config_arg, parse_with_document
@@ -110,16 +115,36 @@ def _tenant_tokens(path: str | None) -> dict[str, str]:
     return load_tenant_tokens(path) if path else {}
 
 
+@dataclass(frozen=True)
+class RouterProcess:
+    """The typed config of a router process: the router's own (`RouterConfig`), the process's logs
+    (`observability.log_level`, `log_format`) and its internal token file (None: the environment's)."""
+
+    router: RouterConfig
+    observability: ObservabilitySection = field(default_factory=ObservabilitySection)
+    internal_token_file: str | None = None
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace, auth_token: str | None = None,
+                  auth_tokens: dict[str, str] | None = None) -> RouterProcess:
+        """The config of parsed options (`parse_args`); reads the token files they name (OSError,
+        ValueError); `auth_token` and `auth_tokens` as in `config_from_args`."""
+        return cls(config_from_args(args, auth_token, auth_tokens),
+                   ObservabilitySection(log_level=args.log_level, log_format=args.log_format),
+                   args.internal_token_file)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    configure_logging("router", args.log_level, args.log_format)
-    bound_heap()
     try:
-        use_internal_token_file(args.internal_token_file)
-        config = config_from_args(args)
+        process = RouterProcess.from_args(args)
+        use_internal_token_file(process.internal_token_file)
     except (OSError, ValueError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
+    configure_logging("router", process.observability.log_level, process.observability.log_format)
+    bound_heap()
+    config = process.router
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda _signum, _frame: stop.set())

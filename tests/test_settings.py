@@ -35,7 +35,7 @@ from pdserve.settings import (
     process_flag,
     section_default,
 )
-from pdserve.worker.runtime import WORKER_FLAGS
+from pdserve.worker.config import WORKER_FLAGS
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -54,9 +54,9 @@ NOT_THE_SETTING = {
 }
 #: Parser modules and the processes whose parsers they build.
 PARSER_MODULES = {
-    "router/process.py": ("router",), "worker/runtime.py": ("prefill", "decode"),
-    "engine/sim_runner.py": ("prefill", "decode"), "prefill_worker/process.py": ("prefill",),
-    "decode_worker/process.py": ("decode",), "elastic_worker/process.py": ("prefill", "decode"),
+    "router/process.py": ("router",), "worker/config.py": ("prefill", "decode"),
+    "prefill_worker/config.py": ("prefill",), "decode_worker/config.py": ("decode",),
+    "elastic_worker/config.py": ("prefill", "decode"),
 }
 #: Keys of a launcher's document that only a launcher knows (so a hand-started process differs).
 LAUNCHER_ONLY = {"router": {"model_name"}, "prefill": set(), "decode": set(), "colocated": {"worker_id", "colocated"}}

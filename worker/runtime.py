@@ -11,10 +11,8 @@ the router stops routing to it and fails its requests over (`LivenessWatch`).
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import atexit
-import dataclasses
 import json
 import logging
 import os
@@ -30,19 +28,19 @@ import grpc
 import torch
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-from pdserve.constants import LOOPBACK
 from pdserve.engine.kv_events import KvEventLog
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.engine.stop_checker import FINISH_ABORT, FINISH_ERROR, FINISH_LENGTH, FINISH_STOP, FINISH_STOP_STRING
 from pdserve.engine.trace import DecodeStepEvent, DetokenizeHoldEvent, PrefillPassEvent, TraceEvent, token_bytes
 from pdserve.failures import RequestInvalid
 from pdserve.serving import AioServer, CallLimits, PeerCallLimiter, RequestParseInterceptor, ready_line
-from pdserve.settings import ModelSection, ObservabilitySection, PoolSection, SecuritySection, add_section_flags
+from pdserve.settings import ModelSection
 from pdserve.telemetry.grpc_logging import RequestLoggingInterceptor
 from pdserve.telemetry.logs import configure_logging
 from pdserve.telemetry.memory import bound_heap
 from pdserve.transport import add_port, server_interceptors, use_internal_token_file
 from pdserve.v1 import common_pb2, worker_pb2, worker_pb2_grpc
+from pdserve.worker.config import WorkerConfig
 
 log = logging.getLogger(__name__)
 
@@ -186,33 +184,6 @@ def trace_events_to_pb(events: tuple[TraceEvent, ...], worker_id: str, tokenizer
     return [trace_event_to_pb(event, worker_id, tokenizer) for event in events]
 
 
-#: The settings of a worker's own pool that both roles take (every PoolSection field but the pool size).
-POOL_SETTINGS = tuple(f.name for f in dataclasses.fields(PoolSection) if f.name != "count")
-#: Settings a worker's command line spells otherwise than `pdserve serve` (security.internal_grpc_calls_*
-#: are the limits of the worker's own, internal, port).
-WORKER_FLAGS = {"internal_grpc_calls_per_peer": "--grpc-calls-per-peer",
-                "internal_grpc_calls_total": "--grpc-calls-total"}
-
-
-def add_worker_args(ap: argparse.ArgumentParser, worker_id: str, pool: type[PoolSection]) -> None:
-    """Flags every worker role takes: address and identity (the launcher's), then the model, the
-    settings of its `pool` (PrefillPool or DecodePool: their defaults differ) and the internal
-    plane's credentials and call limits, generated from the deployment's setting sections."""
-    ap.add_argument("--host", default=LOOPBACK, help="bind address (loopback unless told otherwise)")
-    ap.add_argument("--port", type=int, default=0, help="0 picks a free port")
-    ap.add_argument("--worker-id", default=worker_id)
-    add_section_flags(ap, ModelSection, ("path", "block_size", "device", "dtype"))
-    add_section_flags(ap, pool, POOL_SETTINGS)
-    add_section_flags(ap, SecuritySection, ("internal_token_file", *WORKER_FLAGS), flags=WORKER_FLAGS)
-
-
-def add_observability_args(ap: argparse.ArgumentParser) -> None:
-    """--log-level, --log-format and --metrics-port, the same on both worker roles."""
-    add_section_flags(ap, ObservabilitySection, ("log_level", "log_format"))
-    ap.add_argument("--metrics-port", type=int, default=0,
-                    help="serve Prometheus /metrics on this loopback port (0: off)")
-
-
 def configure_process(num_threads: int | None, log_level: str = "INFO", log_format: str = "text",
                       process_name: str = "worker") -> None:
     """Set up this worker's logging and give it its own thread budget so pools on one host do not fight."""
@@ -235,14 +206,15 @@ def make_server(control_threads: int, options: list[tuple[str, int]] | None = No
                      control_threads=control_threads)
 
 
-def call_limits(args: argparse.Namespace) -> CallLimits:
-    """The worker's `CallLimits` from --grpc-calls-per-peer and --grpc-calls-total."""
-    return CallLimits(per_peer=args.grpc_calls_per_peer, total=args.grpc_calls_total)
+def call_limits(config: WorkerConfig) -> CallLimits:
+    """The worker's `CallLimits` of its internal port (--grpc-calls-per-peer, --grpc-calls-total)."""
+    security = config.security
+    return CallLimits(per_peer=security.internal_grpc_calls_per_peer, total=security.internal_grpc_calls_total)
 
 
-def apply_internal_credentials(args: argparse.Namespace) -> None:
+def apply_internal_credentials(config: WorkerConfig) -> None:
     """Make ``--internal-token-file`` this process's internal token (servers and channels alike)."""
-    use_internal_token_file(getattr(args, "internal_token_file", None))
+    use_internal_token_file(config.security.internal_token_file)
 
 
 def add_health(server: AioServer) -> health.HealthServicer:
@@ -357,30 +329,31 @@ class StartedWorker:
             self.close()
 
 
-def check_credentials_or_exit(args: argparse.Namespace) -> None:
+def check_credentials_or_exit(config: WorkerConfig) -> None:
     """A worker's first check, before it loads a model: apply its internal credentials and refuse a
     bind beyond loopback without them, exiting with status 2 and the reason on stderr."""
     from pdserve.transport import check_bind_allowed
 
     try:
-        apply_internal_credentials(args)
-        check_bind_allowed(args.host)
+        apply_internal_credentials(config)
+        check_bind_allowed(config.host)
     except (OSError, ValueError) as exc:
         print(f"error: {exc}", file=sys.stderr, flush=True)
         raise SystemExit(2) from None
 
 
-def load_worker_model(args: argparse.Namespace, config: Any) -> tuple[Any, Any]:  # noqa: ANN401
-    """(config, loaded model) for a worker's flags: the simulated engine's stand-in (`--engine sim`,
-    whose profile may change the config's limits) or the real model, resolved and loaded."""
-    if args.engine == "sim":
+def load_worker_model(model: ModelSection, config: Any) -> tuple[Any, Any]:  # noqa: ANN401
+    """(engine config, loaded model) for a worker's `model` settings: the simulated engine's stand-in
+    (`--engine sim`, whose profile may change the engine config's limits) or the real model,
+    resolved and loaded."""
+    if model.engine == "sim":
         from pdserve.engine.sim_runner import load_sim_worker
 
-        return load_sim_worker(args, config)
+        return load_sim_worker(model, config)
     from pdserve.engine.model_fetch import resolve_model
     from pdserve.engine.model_loader import load_model
 
-    return config, load_model(resolve_model(args.model), config.torch_dtype, config.device)
+    return config, load_model(resolve_model(model.path), config.torch_dtype, config.device)
 
 
 def start_serving(server: AioServer, address: str, drain: Drain, is_idle: Callable[[], bool],
@@ -407,15 +380,22 @@ def start_serving(server: AioServer, address: str, drain: Drain, is_idle: Callab
                          {**(extras or {}), "metrics_address": metrics_address})
 
 
-def run_worker_process(args: argparse.Namespace, start: Callable[[], StartedWorker], **ready: object) -> None:
+def configure_worker(config: WorkerConfig) -> None:
+    """`configure_process` with a worker's config (its thread budget, logs and name)."""
+    configure_process(config.pool.threads, config.observability.log_level, config.observability.log_format,
+                      config.worker_id)
+
+
+def run_worker_process(config: WorkerConfig, start: Callable[[], StartedWorker], **ready: object) -> None:
     """A worker process's `main` after parsing: configure, check credentials, start, print the READY
     line (with `ready`'s fields), serve until SIGTERM/SIGINT (draining), then close."""
-    configure_process(args.threads, args.log_level, args.log_format, args.worker_id)
-    check_credentials_or_exit(args)
+    configure_worker(config)
+    check_credentials_or_exit(config)
     started = start()
-    announce_ready(started.address, args.worker_id, **ready, metrics_address=started.extras["metrics_address"])
+    announce_ready(started.address, config.worker_id, **ready, metrics_address=started.extras["metrics_address"])
     try:
-        serve_until_signal(started.server, started.health, started.drain, started.is_idle, args.drain_timeout_s)
+        serve_until_signal(started.server, started.health, started.drain, started.is_idle,
+                           config.pool.drain_timeout_s)
     finally:
         started.close()
     exit_now()

@@ -8,6 +8,7 @@ import argparse
 import pytest
 import torch
 
+from pdserve.decode_worker.config import DecodeWorkerConfig
 from pdserve.devices import check_device_name, worker_flags
 from pdserve.engine.config import EngineConfig, resolve_device, resolve_dtype
 from pdserve.engine.kv_cache import KVCache, host_empty, to_host
@@ -15,8 +16,6 @@ from pdserve.engine.model_loader import load_model
 from pdserve.engine.model_runner import ModelRunner, StepInput
 from pdserve.engine.sampler import sample
 from pdserve.engine.sampling_params import SamplingParams
-from pdserve.settings import DecodePool
-from pdserve.worker.runtime import add_worker_args
 
 
 def test_auto_resolves_to_fp32_on_cpu_and_bf16_on_cuda() -> None:
@@ -50,7 +49,7 @@ def test_engine_config_holds_the_resolved_pair() -> None:
 
 def test_worker_flags_default_to_auto_and_reject_bad_names() -> None:
     ap = argparse.ArgumentParser()
-    add_worker_args(ap, "w", DecodePool)
+    DecodeWorkerConfig.add_flags(ap)
     args = ap.parse_args([])
     assert (args.device, args.dtype) == ("auto", "auto")
     args = ap.parse_args(["--device", "cuda:1", "--dtype", "bfloat16"])

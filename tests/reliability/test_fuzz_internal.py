@@ -35,14 +35,18 @@ EXPECTED_CODES = {grpc.StatusCode.OK, grpc.StatusCode.INVALID_ARGUMENT, grpc.Sta
 
 @pytest.fixture(scope="module")
 def servers(tiny_llama_dir: Path) -> Iterator[dict[str, object]]:
+    from pdserve.decode_worker.process import DecodeWorkerConfig
     from pdserve.decode_worker.process import parse_args as decode_args
     from pdserve.decode_worker.process import start_worker as start_decode
+    from pdserve.prefill_worker.process import PrefillWorkerConfig
     from pdserve.prefill_worker.process import parse_args as prefill_args
     from pdserve.prefill_worker.process import start_worker as start_prefill
 
     common = ["--model", str(tiny_llama_dir), "--kv-cache-mb", "2", "--threads", "1", "--drain-timeout-s", "1"]
-    prefill = start_prefill(prefill_args(common + ["--kv-timeout-s", "5", "--request-timeout-s", "10"]))
-    decode = start_decode(decode_args(common + ["--kv-timeout-s", "5", "--kv-backend", "shm"]))
+    prefill = start_prefill(PrefillWorkerConfig.from_args(
+        prefill_args(common + ["--kv-timeout-s", "5", "--request-timeout-s", "10"])))
+    decode = start_decode(DecodeWorkerConfig.from_args(
+        decode_args(common + ["--kv-timeout-s", "5", "--kv-backend", "shm"])))
     try:
         yield {"prefill": prefill, "decode": decode}
     finally:

@@ -18,14 +18,14 @@ from pdserve.worker.runtime import StartedWorker
 @pytest.fixture
 def start_colocated(tiny_llama_dir: Path) -> Iterator[Callable[..., StartedWorker]]:
     """Start a colocated decode worker on the tiny Llama model with extra flags; stopped afterwards."""
-    from pdserve.decode_worker.process import parse_args, start_worker
+    from pdserve.decode_worker.process import DecodeWorkerConfig, parse_args, start_worker
 
     started: list[StartedWorker] = []
 
     def start(*flags: str) -> StartedWorker:
         args = parse_args(["--model", str(tiny_llama_dir), "--colocated", "--kv-cache-mb", "16",
                            "--drain-timeout-s", "1", *flags])
-        worker = start_worker(args)
+        worker = start_worker(DecodeWorkerConfig.from_args(args))
         started.append(worker)
         return worker
 
