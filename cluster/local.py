@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import atexit
 import os
-import socket
 import sys
 import tempfile
 import time
@@ -40,6 +39,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from pdserve.cluster.deploy_config import WORKER_HOST, DeploymentConfig, flat_sections, router_document, worker_document
 from pdserve.cluster.processes import ManagedProcess, ProcessStartError, stop_all
+from pdserve.constants import METRICS_ANY_PORT
 from pdserve.process_config import write_document
 from pdserve.settings import (
     ColocatedPool,
@@ -202,14 +202,9 @@ def local_router_document(config: DeploymentConfig, workers: list[WorkerProcess]
 
 
 def _metrics_port(config: DeploymentConfig) -> int:
-    return free_port() if config.observability.metrics else 0
-
-
-def free_port(host: str = WORKER_HOST) -> int:
-    """A port that was free a moment ago on ``host``."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind((host, 0))
-        return int(sock.getsockname()[1])
+    """Each process binds a free port itself and announces it (a port picked here could be taken by
+    another process before the worker, busy loading its model, binds it)."""
+    return METRICS_ANY_PORT if config.observability.metrics else 0
 
 
 def child_env(internal_token_file: str | None = None) -> dict[str, str]:

@@ -41,3 +41,8 @@ RAY_NAMESPACE = "pdserve"
 #: Default deadline of one request end to end (s): the client's, the router's stream cap, the HTTP
 #: API's, and a decode worker's per-request deadline.
 REQUEST_TIMEOUT_S = 600.0
+
+#: A metrics port meaning "any free port": the process binds port 0 and announces the port it got in
+#: its ready line (the local launcher asks for this, so that no other process can take a port picked
+#: for a worker while that worker loads its model).
+METRICS_ANY_PORT = -1

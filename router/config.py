@@ -45,7 +45,7 @@ class RouterConfig:
     tls_cert_file: str | None = None  # PEM certificate chain: serve the public port over TLS
     tls_key_file: str | None = None
     http_port: int | None = RouterSection.http_port  # OpenAI HTTP API on host:http_port (0 picks one; None: off)
-    metrics_port: int = 0  # Prometheus /metrics on metrics_host:metrics_port (0: off)
+    metrics_port: int = 0  # Prometheus /metrics on metrics_host:metrics_port (0: off; -1: any free port)
     metrics_host: str = ObservabilitySection.metrics_host  # beyond loopback only with auth_token (scrapes need it)
     model_name: str = "default"  # the model id the HTTP API serves
     decode_mux: bool = RouterSection.decode_mux  # one GenerateMux call per decode worker, not a call per request
@@ -83,8 +83,9 @@ class RouterConfig:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
         for name in ("http_port", "metrics_port"):
             value = getattr(self, name)
-            if value is not None and not 0 <= value <= 65535:
-                raise ValueError(f"{name} must be in [0, 65535], got {value}")
+            lowest = -1 if name == "metrics_port" else 0  # -1: any free port (constants.METRICS_ANY_PORT)
+            if value is not None and not lowest <= value <= 65535:
+                raise ValueError(f"{name} must be in [{lowest}, 65535], got {value}")
         if not self.model_name:
             raise ValueError("model_name must not be empty")
         if (self.tls_cert_file is None) != (self.tls_key_file is None):

@@ -62,7 +62,8 @@ def build_parser() -> argparse.ArgumentParser:
                         help="model id the HTTP API serves (default 'default'; the launcher passes the served "
                              "model's name)")
     parser.add_argument("--metrics-port", type=int, default=RouterConfig.metrics_port, metavar="PORT",
-                        help="serve Prometheus /metrics on this port (default 0: off)")
+                        help="serve Prometheus /metrics on this port (default 0: off; -1: any free port, "
+                             "announced in the ready line)")
     for section, names in ROUTER_SETTINGS:
         add_section_flags(parser, section, names)
     add_config_arg(parser)

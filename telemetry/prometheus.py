@@ -17,6 +17,8 @@ from wsgiref.simple_server import WSGIServer, make_server
 from prometheus_client import CollectorRegistry, make_wsgi_app, start_http_server
 from prometheus_client.exposition import ThreadingWSGIServer, _SilentHandler
 
+from pdserve.constants import METRICS_ANY_PORT
+
 # Latency buckets in seconds, from sub-millisecond steps to multi-minute generations.
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0,
                    120.0, 300.0)
@@ -78,9 +80,10 @@ class MetricsEndpoint:
 def start_metrics_endpoint(registry: CollectorRegistry, port: int | None, host: str = "127.0.0.1",
                            auth_token: str | None = None,
                            tls: tuple[str, str] | None = None) -> MetricsEndpoint | None:
-    """Serve ``registry`` on ``host:port``; None (nothing started) when ``port`` is 0 or None. With
+    """Serve ``registry`` on ``host:port`` (`METRICS_ANY_PORT`: a free port of the system's choosing, read back
+    from ``.port``); None (nothing started) when ``port`` is 0 or None. With
     ``auth_token`` every scrape needs ``Authorization: Bearer <token>`` (and ``tls``, a (cert, key)
     pair, serves HTTPS)."""
     if not port:
         return None
-    return MetricsEndpoint(registry, port, host, auth_token, tls)
+    return MetricsEndpoint(registry, 0 if port == METRICS_ANY_PORT else port, host, auth_token, tls)

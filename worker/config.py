@@ -55,7 +55,8 @@ class WorkerConfig:
     host: str = opt(LOOPBACK, "bind address (loopback unless told otherwise)")
     port: int = opt(0, "0 picks a free port", min=0, max=65535)
     worker_id: str = opt("worker-0", WORKER_ID_HELP)
-    metrics_port: int = opt(0, "serve Prometheus /metrics on this loopback port (0: off)", min=0, max=65535)
+    metrics_port: int = opt(0, "serve Prometheus /metrics on this loopback port (0: off; -1: any free port, "
+                               "announced in the ready line)", min=-1, max=65535)
     model: ModelSection = field(default_factory=ModelSection)
     pool: PoolSection = field(default_factory=PoolSection)
     security: SecuritySection = field(default_factory=SecuritySection)

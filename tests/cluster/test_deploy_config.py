@@ -30,6 +30,7 @@ from pdserve.cluster.local import (
     local_worker_document,
     worker_threads,
 )
+from pdserve.constants import METRICS_ANY_PORT
 from pdserve.decode_worker.process import parse_args as decode_parse
 from pdserve.elastic_worker.process import parse_args as elastic_parse
 from pdserve.prefill_worker.process import parse_args as prefill_parse
@@ -176,7 +177,8 @@ CASES: dict[str, tuple[Any, dict[str, Any], Callable[[DeploymentConfig, Received
     "observability.log_level": ("DEBUG", {}, lambda c, got: all(ns.log_level == "DEBUG" for _k, ns in got)),
     "observability.log_format": ("json", {}, lambda c, got: all(ns.log_format == "json" for _k, ns in got)),
     "observability.log_dir": ("LOGDIR", {}, lambda c, _got: c.observability.log_dir is not None),
-    "observability.metrics": (True, {}, lambda c, got: all(ns.metrics_port > 0 for _k, ns in got)),
+    # each process binds a free port itself and announces it (none picked by the launcher beforehand)
+    "observability.metrics": (True, {}, lambda c, got: all(ns.metrics_port == METRICS_ANY_PORT for _k, ns in got)),
     "observability.metrics_host": ("0.0.0.0", {"security.auth_token_file": "TOKEN"},
                                    _all(("router",), "metrics_host", "0.0.0.0")),
 }
