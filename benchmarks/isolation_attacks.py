@@ -34,7 +34,8 @@ from typing import Any
 
 import grpc
 
-from pdserve.cluster.local import LocalCluster, LocalClusterConfig
+from pdserve.cluster.launch import local_deployment
+from pdserve.cluster.local import LocalCluster
 from pdserve.v1 import common_pb2, router_pb2, router_pb2_grpc, worker_pb2, worker_pb2_grpc
 
 AUTH = "isolation-public-token"
@@ -283,8 +284,8 @@ def main(argv: list[str] | None = None) -> int:
 
     os.environ["PDSERVE_INTERNAL_TOKEN"] = INTERNAL  # the attacker of row 7 holds it
     os.environ["PDSERVE_AUTH_TOKEN"] = AUTH
-    config = LocalClusterConfig(model=args.model, prefill=1, decode=1, http_port=0, model_name="m",
-                                threads_per_worker=1, kv_cache_mb=256)
+    config = local_deployment(model=args.model, prefill=1, decode=1, http_port=0, model_name="m",
+                              threads_per_worker=1, kv_cache_mb=256)
     results: list[dict[str, Any]] = []
     with LocalCluster(config) as cluster:
         pids = {"router": cluster._processes[-1].pid, **{w[1]: w[3] for w in cluster.workers}}
