@@ -83,17 +83,18 @@ def served_burst(http_address: str, model: str, num_prompts: int, max_tokens: in
 
 
 def run_served(args: argparse.Namespace) -> float:
-    from pdserve.cluster.local import LocalCluster, LocalClusterConfig
+    from pdserve.cluster.launch import LaunchOptions, local_deployment
+    from pdserve.cluster.local import LocalCluster
 
     clusters = {}
     try:
         for dtype in DTYPES:
-            config = LocalClusterConfig(prefill=0, decode=0, colocated=1, threads_per_worker=args.threads,
-                                        device="cpu", dtype=dtype, http_port=0, kv_cache_mb=args.kv_cache_mb,
-                                        model=args.model,
-                                        decode_args=("--max-num-seqs", str(args.num_prompts)))
-            clusters[dtype] = LocalCluster(config).__enter__()
-        name = clusters["float32"].config.served_model_name
+            config = local_deployment(prefill=0, decode=0, colocated=1, threads_per_worker=args.threads,
+                                      device="cpu", dtype=dtype, http_port=0, kv_cache_mb=args.kv_cache_mb,
+                                      model=args.model)
+            options = LaunchOptions(decode_args=("--max-num-seqs", str(args.num_prompts)))
+            clusters[dtype] = LocalCluster(config, options).__enter__()
+        name = clusters["float32"].config.model.served_name
         for dtype in DTYPES:  # warm-up: first passes allocate and load lazily
             served_burst(clusters[dtype].http_address, name, 2, 4)
         results = interleaved(args.repeats, lambda d: served_burst(clusters[d].http_address, name,

@@ -44,7 +44,8 @@ from pdserve.capacity.workload import LengthDist  # noqa: E402
 from pdserve.cluster.autoscaler import Autoscaler, AutoscalerConfig, AutoscalerLoop, Mix  # noqa: E402
 from pdserve.cluster.client import PdserveClient, status_rows  # noqa: E402
 from pdserve.cluster.engine_flags import sim_worker_args  # noqa: E402
-from pdserve.cluster.local import LocalCluster, LocalClusterConfig  # noqa: E402
+from pdserve.cluster.launch import LaunchOptions, local_deployment  # noqa: E402
+from pdserve.cluster.local import LocalCluster  # noqa: E402
 
 # profile time
 PHASES = ({"name": "A: long prompts, short outputs", "prompt": 2048, "output": 8, "rate": 40.0},
@@ -99,12 +100,11 @@ def run_config(name: str, prefill: int, decode: int, autoscale: bool, trace: lis
                phases: list[int], profile: Path, speedup: float, planner: PlannerSplits | None,
                log_dir: Path) -> dict:
     engine = sim_worker_args(str(profile), speedup)
-    config = LocalClusterConfig(prefill=prefill, decode=decode, elastic=True, threads_per_worker=1,
-                                prefill_args=engine, decode_args=engine, log_dir=str(log_dir / name),
-                                log_level="WARNING")
+    config = local_deployment(prefill=prefill, decode=decode, elastic=True, threads_per_worker=1,
+                              log_dir=str(log_dir / name), log_level="WARNING")
     print(f"== {name}", flush=True)
     n = prefill + decode
-    with LocalCluster(config) as cluster:
+    with LocalCluster(config, LaunchOptions(prefill_args=engine, decode_args=engine)) as cluster:
         url = cluster.router_address
         loop = None
         if autoscale:

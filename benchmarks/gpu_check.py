@@ -386,7 +386,8 @@ def burst(address: str, num_prompts: int, prompt_len: int, max_tokens: int) -> d
 
 
 def step_serving(args: argparse.Namespace) -> list[Row]:
-    from pdserve.cluster.local import LocalCluster, LocalClusterConfig
+    from pdserve.cluster.launch import LaunchOptions, local_deployment
+    from pdserve.cluster.local import LocalCluster
     from pdserve.transport import open_channel
     from pdserve.v1 import worker_pb2, worker_pb2_grpc
 
@@ -394,15 +395,15 @@ def step_serving(args: argparse.Namespace) -> list[Row]:
     on_gpu = args.device == "cuda"
     first, second = ("cuda:0", "cuda:1" if torch.cuda.device_count() >= 2 else "cuda:0") if on_gpu else ("cpu", "cpu")
     topologies = {
-        "1p1d": LocalClusterConfig(prefill=1, decode=1, model=model, device=args.device, dtype=args.dtype,
-                                   prefill_args=("--device", first), decode_args=("--device", second)),
-        "colocated": LocalClusterConfig(prefill=0, decode=0, colocated=1, model=model, device=args.device,
-                                        dtype=args.dtype),
+        "1p1d": (local_deployment(prefill=1, decode=1, model=model, device=args.device, dtype=args.dtype),
+                 LaunchOptions(prefill_args=("--device", first), decode_args=("--device", second))),
+        "colocated": (local_deployment(prefill=0, decode=0, colocated=1, model=model, device=args.device,
+                                       dtype=args.dtype), LaunchOptions()),
     }
     rows: list[Row] = []
     figures = {}
-    for name, config in topologies.items():
-        with LocalCluster(config) as cluster:
+    for name, (config, options) in topologies.items():
+        with LocalCluster(config, options) as cluster:
             figures[name] = burst(cluster.router_address, args.num_prompts, args.prompt_len, args.max_tokens)
             if name == "1p1d":
                 decode = next(w for w in cluster.workers if w[0] == "decode")

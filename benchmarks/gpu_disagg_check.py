@@ -252,12 +252,13 @@ def figures(run: dict[str, Any], args: argparse.Namespace) -> dict[str, float]:
 
 
 def step_serving(args: argparse.Namespace) -> list[Row]:
-    from pdserve.cluster.local import LocalCluster, LocalClusterConfig
+    from pdserve.cluster.launch import local_deployment
+    from pdserve.cluster.local import LocalCluster
 
     model = save_model(args)
     common = {"model": model, "device": args.device, "dtype": args.dtype, "kv_cache_mb": args.kv_cache_mb}
-    topologies = {"1p1d": LocalClusterConfig(prefill=1, decode=1, **common),
-                  "colocated": LocalClusterConfig(prefill=0, decode=0, colocated=1, **common)}
+    topologies = {"1p1d": local_deployment(prefill=1, decode=1, **common),
+                  "colocated": local_deployment(prefill=0, decode=0, colocated=1, **common)}
     out: dict[str, dict[str, dict[str, float]]] = {}
     rows: list[Row] = []
     for name, config in topologies.items():
@@ -312,13 +313,14 @@ def busy_prefill_worker(stubs: dict[int, Any], deadline: float) -> int | None:  
 
 def step_kill(args: argparse.Namespace) -> list[Row]:
     from pdserve.cluster.client import PdserveClient
-    from pdserve.cluster.local import LocalCluster, LocalClusterConfig
+    from pdserve.cluster.launch import local_deployment
+    from pdserve.cluster.local import LocalCluster
     from pdserve.transport import open_channel
     from pdserve.v1 import worker_pb2, worker_pb2_grpc
 
     model = save_model(args)
-    config = LocalClusterConfig(prefill=2, decode=1, model=model, device=args.device, dtype=args.dtype,
-                                kv_cache_mb=args.kv_cache_mb)
+    config = local_deployment(prefill=2, decode=1, model=model, device=args.device, dtype=args.dtype,
+                              kv_cache_mb=args.kv_cache_mb)
     prompt = prompts(1, args.kill_len, 3)[0]
     with LocalCluster(config) as cluster, PdserveClient(cluster.router_address, timeout_s=300) as client:
         reference = run_request(client, prompt, args.short_tokens)

@@ -42,7 +42,8 @@ from typing import Any
 
 import grpc
 
-from pdserve.cluster.local import LocalCluster, LocalClusterConfig
+from pdserve.cluster.launch import local_deployment
+from pdserve.cluster.local import LocalCluster
 from pdserve.engine.chunk_cost import attention_crossover, chunk_cost
 from pdserve.engine.pass_log import ENV_VAR as PASS_LOG_ENV
 from pdserve.engine.pass_log import read_pass_logs
@@ -321,8 +322,8 @@ def main(argv: list[str] | None = None) -> int:
     pass_logs = Path(tempfile.mkdtemp(prefix="isolation-passes-"))
     os.environ[PASS_LOG_ENV] = str(pass_logs)  # the workers inherit it
     crossover = crossover_of(args.model)
-    config = LocalClusterConfig(model=args.model, prefill=1, decode=1, http_port=0, model_name="m",
-                                threads_per_worker=1, kv_cache_mb=256)
+    config = local_deployment(model=args.model, prefill=1, decode=1, http_port=0, model_name="m",
+                              threads_per_worker=1, kv_cache_mb=256)
     results: list[dict[str, Any]] = []
     with LocalCluster(config) as cluster:
         pids = {"router": cluster._processes[-1].pid, **{w[1]: w[3] for w in cluster.workers}}

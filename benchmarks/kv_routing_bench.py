@@ -45,7 +45,8 @@ import grpc
 from kv_router_cost import cpu  # the same folder: the CPU model and its vector flags
 
 from pdserve.cluster.engine_flags import sim_worker_args
-from pdserve.cluster.local import LocalCluster, LocalClusterConfig
+from pdserve.cluster.launch import LaunchOptions, local_deployment
+from pdserve.cluster.local import LocalCluster
 from pdserve.v1 import common_pb2, router_pb2, router_pb2_grpc
 
 POLICIES = ("round_robin", "prefix_affinity", "kv_aware", "kv_aware_always", "kv_oracle", "kv_aware_slo")
@@ -231,11 +232,11 @@ def run_policy(policy: str, topology: str, work: Workload, args: argparse.Namesp
     if policy == "kv_aware_slo":  # the router's clock is the wall clock: the SLO in wall seconds
         router_args += ("--slo-ttft", repr(args.slo_ttft / (args.speedup if profile else 1.0)))
     engine = sim_worker_args(profile, args.speedup) if profile else ()
-    config = LocalClusterConfig(model=args.model, prefill=prefill, decode=decode, colocated=colocated,
-                                threads_per_worker=1, prefill_policy=name, decode_policy=name, metrics=True,
-                                prefill_args=engine, decode_args=engine, router_args=router_args,
-                                startup_timeout_s=900.0)
-    with LocalCluster(config) as cluster:
+    config = local_deployment(model=args.model, prefill=prefill, decode=decode, colocated=colocated,
+                              threads_per_worker=1, prefill_policy=name, decode_policy=name, metrics=True,
+                              startup_timeout_s=900.0)
+    options = LaunchOptions(prefill_args=engine, decode_args=engine, router_args=router_args)
+    with LocalCluster(config, options) as cluster:
         started = time.perf_counter()
         turns = asyncio.run(run_workload(cluster.router_address, work, args.speedup if profile else 1.0,
                                          args.timeout_s, args.trace_routes))

@@ -168,10 +168,11 @@ def checksum_cost(tokens_list: list[int], repeats: int) -> None:
 
 def ttft_share(tokens_list: list[int], repeats: int) -> None:
     from pdserve.cluster.client import PdserveClient, build_request
-    from pdserve.cluster.local import LocalCluster, LocalClusterConfig
+    from pdserve.cluster.launch import local_deployment
+    from pdserve.cluster.local import LocalCluster
     from pdserve.v1 import common_pb2
 
-    with LocalCluster(LocalClusterConfig(model=None, prefill=1, decode=1, colocated=0)) as cluster:
+    with LocalCluster(local_deployment(model=None, prefill=1, decode=1, colocated=0)) as cluster:
         client = PdserveClient(cluster.router_address)
         print(f"{'tokens':>7} {'ttft ms':>9} {'prefill ms':>11} {'kv ms':>7} {'kv share':>9}")
         for tokens in tokens_list:

@@ -32,7 +32,8 @@ import threading
 
 import grpc
 
-from pdserve.cluster.local import LocalCluster, LocalClusterConfig
+from pdserve.cluster.launch import LaunchOptions, local_deployment
+from pdserve.cluster.local import LocalCluster
 from pdserve.engine.model_fetch import resolve_model
 from pdserve.engine.model_loader import load_model
 from pdserve.v1 import common_pb2, router_pb2, router_pb2_grpc
@@ -91,9 +92,9 @@ def main() -> None:
     vocab = load_model(model).config.vocab_size
     rng = random.Random(0)
     rows = []
-    config = LocalClusterConfig(model=model, prefill=1, decode=2, threads_per_worker=args.threads,
-                                decode_args=("--kv-backend", "grpc"), prefill_args=("--no-prefix-caching",))
-    with LocalCluster(config) as cluster:
+    config = local_deployment(model=model, prefill=1, decode=2, threads_per_worker=args.threads)
+    options = LaunchOptions(decode_args=("--kv-backend", "grpc"), prefill_args=("--no-prefix-caching",))
+    with LocalCluster(config, options) as cluster:
         stub = router_pb2_grpc.RouterStub(grpc.insecure_channel(cluster.router_address))
         _recompute_once(stub, _random_ids(rng, 64, vocab))  # warm-up
         for context in args.contexts:

@@ -25,7 +25,8 @@ import aiohttp
 
 from pdserve.capacity.bench import BenchConfig, run_bench
 from pdserve.capacity.workload import LengthDist
-from pdserve.cluster.local import LocalCluster, LocalClusterConfig
+from pdserve.cluster.launch import local_deployment
+from pdserve.cluster.local import LocalCluster
 from pdserve.transport import open_channel
 from pdserve.v1 import common_pb2, worker_pb2, worker_pb2_grpc
 
@@ -98,7 +99,7 @@ def main() -> None:
     ap.add_argument("--http-concurrency", type=int, default=300)
     ap.add_argument("--threads-per-worker", type=int, default=1)
     args = ap.parse_args()
-    config = LocalClusterConfig(prefill=1, decode=1, threads_per_worker=args.threads_per_worker, http_port=0)
+    config = local_deployment(prefill=1, decode=1, threads_per_worker=args.threads_per_worker, http_port=0)
     with LocalCluster(config) as cluster:
         workers = [(w.role, w.address) for w in cluster.workers]
         report_rss(cluster, "start")

@@ -24,7 +24,8 @@ from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 
-from pdserve.cluster.local import LocalCluster, LocalClusterConfig
+from pdserve.cluster.launch import local_deployment
+from pdserve.cluster.local import LocalCluster
 from pdserve.transport import open_channel
 from pdserve.v1 import common_pb2, router_pb2, router_pb2_grpc, worker_pb2, worker_pb2_grpc
 
@@ -87,7 +88,7 @@ def main() -> None:
     ap.add_argument("--decode", type=int, default=2)
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args()
-    config = LocalClusterConfig(prefill=args.prefill, decode=args.decode, threads_per_worker=1)
+    config = local_deployment(prefill=args.prefill, decode=args.decode, threads_per_worker=1)
     with LocalCluster(config) as cluster:
         stub = router_pb2_grpc.RouterStub(grpc.insecure_channel(cluster.router_address))
         rng = random.Random(args.seed)

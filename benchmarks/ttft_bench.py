@@ -16,7 +16,8 @@ import random
 import statistics
 
 from pdserve.cluster.client import PdserveClient, build_request
-from pdserve.cluster.local import LocalCluster, LocalClusterConfig
+from pdserve.cluster.launch import LaunchOptions, local_deployment
+from pdserve.cluster.local import LocalCluster
 from pdserve.v1 import common_pb2
 
 
@@ -39,13 +40,14 @@ def disagg(lengths: list[int], repeats: int, threads: int, kv_backend: str, kv_s
     prompts = {n: [random_ids(n, rng) for _ in range(repeats + 1)] for n in lengths}
     results: dict[str, dict[int, float]] = {}
     configs = {
-        "colocated": LocalClusterConfig(prefill=0, decode=0, colocated=1, threads_per_worker=threads),
-        "1p1d": LocalClusterConfig(prefill=1, decode=1, threads_per_worker=threads,
-                                   prefill_args=("--no-prefix-caching", "--kv-streaming", kv_streaming),
-                                   decode_args=("--kv-backend", kv_backend)),
+        "colocated": (local_deployment(prefill=0, decode=0, colocated=1, threads_per_worker=threads),
+                      LaunchOptions()),
+        "1p1d": (local_deployment(prefill=1, decode=1, threads_per_worker=threads),
+                 LaunchOptions(prefill_args=("--no-prefix-caching", "--kv-streaming", kv_streaming),
+                               decode_args=("--kv-backend", kv_backend))),
     }
-    for name, config in configs.items():
-        with LocalCluster(config) as cluster, PdserveClient(cluster.router_address) as client:
+    for name, (config, options) in configs.items():
+        with LocalCluster(config, options) as cluster, PdserveClient(cluster.router_address) as client:
             results[name] = {n: median_ttft(client, prompts[n]) for n in lengths}
     print(f"{'tokens':>7} {'colocated ms':>13} {'1p1d ms':>9} {'1p1d/colocated':>15}")
     for n in lengths:
@@ -58,7 +60,7 @@ def prefix(length: int, repeats: int, threads: int) -> None:
     shared = random_ids(int(length * 0.9), rng)
     cached = [shared + random_ids(length - len(shared), rng) for _ in range(repeats + 1)]
     fresh = [random_ids(length, rng) for _ in range(repeats + 1)]
-    config = LocalClusterConfig(prefill=1, decode=1, threads_per_worker=threads)
+    config = local_deployment(prefill=1, decode=1, threads_per_worker=threads)
     with LocalCluster(config) as cluster, PdserveClient(cluster.router_address) as client:
         hit = median_ttft(client, cached)  # the warm-up request fills the cache with the shared prefix
         miss = median_ttft(client, fresh)

@@ -129,18 +129,19 @@ def run_sweep(
 ) -> dict[str, Any]:
     """Run every configuration (or `configs`) at every rate; write and return the results document.
     `worker_args` go to every worker (the sim engine's flags: then one thread per worker)."""
-    from pdserve.cluster.local import LocalCluster, LocalClusterConfig
+    from pdserve.cluster.launch import LaunchOptions, local_deployment
+    from pdserve.cluster.local import LocalCluster
 
     corpus_ids = load_corpus_ids(model)
     threads = 1 if bench.engine == "sim" else threads_per_worker(budget)
     points: list[dict[str, Any]] = []
     for config in configs or sweep_configs(budget):
-        cluster_config = LocalClusterConfig(model=model, prefill=config.prefill, decode=config.decode,
-                                            colocated=config.colocated, threads_per_worker=threads,
-                                            prefill_args=worker_args, decode_args=worker_args,
-                                            startup_timeout_s=600.0)
+        cluster_config = local_deployment(model=model, prefill=config.prefill, decode=config.decode,
+                                          colocated=config.colocated, threads_per_worker=threads,
+                                          startup_timeout_s=600.0)
+        options = LaunchOptions(prefill_args=worker_args, decode_args=worker_args)
         log(f"sweep: starting {config.name} ({threads} thread(s) per worker)")
-        with LocalCluster(cluster_config) as cluster:
+        with LocalCluster(cluster_config, options) as cluster:
             for i, rate in enumerate(rates):
                 run = dataclasses.replace(bench, url=cluster.router_address, rate=rate, model=model)
                 result = run_bench(run, corpus_ids, progress=True)

@@ -222,25 +222,6 @@ def _check_keys(name: str, cls: type, value: Any) -> None:  # noqa: ANN401
                               f"{', '.join(sorted(known))})")
 
 
-def flat_sections(flat: Any, mode: str, **pool: Any) -> dict[str, Any]:  # noqa: ANN401
-    """The nested settings of a flat launcher config (`LocalClusterConfig`, `RayClusterConfig`): the
-    fields both have; `pool`: more settings of every pool. Each adds its own fields on top."""
-    common = {"threads": flat.threads_per_worker, **pool}
-    if flat.kv_cache_mb is not None:
-        common["kv_cache_mb"] = flat.kv_cache_mb
-    return {
-        "mode": mode, "startup_timeout_s": flat.startup_timeout_s,
-        "model": {"path": flat.model, "name": flat.model_name, "device": flat.device, "dtype": flat.dtype},
-        "router": {"host": flat.host, "port": flat.port, "prefill_policy": flat.prefill_policy,
-                   "decode_policy": flat.decode_policy, "max_queued_requests": flat.max_queued_requests,
-                   "http_port": flat.http_port},
-        "prefill": {"count": flat.prefill, **common}, "decode": {"count": flat.decode, **common},
-        "security": {"auth_token_file": flat.auth_token_file, "tls_cert": flat.tls_cert_file,
-                     "tls_key": flat.tls_key_file},
-        "observability": {"log_level": flat.log_level},
-    }
-
-
 def _merge(doc: dict[str, Any], overrides: dict[str, Any]) -> dict[str, Any]:
     out = {k: (dict(v) if isinstance(v, dict) else v) for k, v in (doc or {}).items()}
     for dotted, value in overrides.items():
@@ -394,12 +375,18 @@ def overrides_from_args(args: argparse.Namespace, mode: str = "local") -> dict[s
     (Ray: prefill and decode)."""
     top = {f.name for f in dataclasses.fields(DeploymentConfig) if f.name not in SECTIONS}
     given = {k: v for k, v in vars(args).items() if (k in top or "." in k) and v is not None or k.startswith("*.")}
+    return every_pool(given, mode)
+
+
+def every_pool(overrides: dict[str, Any], mode: str) -> dict[str, Any]:
+    """`overrides` with each "*.name" key set on every pool `mode` has (Ray: prefill and decode, as
+    it has no colocated pool); a per-pool key ("decode.threads") wins over its "*." key."""
     pools = POOLS if mode == "local" else ("prefill", "decode")
     out: dict[str, Any] = {}
-    for key, value in given.items():
+    for key, value in overrides.items():
         if key.startswith("*."):
             out.update({f"{pool}.{key[2:]}": value for pool in pools})
-    out.update({k: v for k, v in given.items() if not k.startswith("*.")})
+    out.update({k: v for k, v in overrides.items() if not k.startswith("*.")})
     return out
 
 

@@ -4,12 +4,14 @@ Start-up order: every worker at once (model loading runs in parallel), wait for 
 the router with the worker addresses, wait for its READY line, then a gRPC health check of every process.
 Workers bind to 127.0.0.1; the router binds to ``router.host``.
 
-Configuration: a `cluster.deploy_config.DeploymentConfig` (or the flat `LocalClusterConfig`, which
-stands for one). Each process gets its settings as one JSON document, ``<log_dir>/<name>.config.json``
-(`python -m pdserve.router|pdserve.prefill_worker|pdserve.decode_worker --config FILE`), made by the same
-`deploy_config.worker_document` / `router_document` the Ray launcher uses, and validated by the
-process on arrival. With elastic roles (``elastic`` section) every worker is `python -m pdserve.elastic_worker
---role ROLE --config FILE`, its document holding both roles' worker documents.
+Configuration: a `cluster.deploy_config.DeploymentConfig` (tests and benchmarks build one with
+`cluster.launch.local_deployment`), plus `cluster.launch.LaunchOptions`, extra flags per process kind
+that no deployment file can set. Each process gets its settings as one JSON document,
+``<log_dir>/<name>.config.json`` (`python -m pdserve.router|pdserve.prefill_worker|pdserve.decode_worker
+--config FILE`), made by the same `deploy_config.worker_document` / `router_document` the Ray launcher
+uses, and validated by the process on arrival. With elastic roles (``elastic`` section) every worker is
+`python -m pdserve.elastic_worker --role ROLE --config FILE`, its document holding both roles' worker
+documents.
 
 Security: the router takes the public API's bearer token and certificate (``auth_token_file``,
 ``tls_cert_file``/``tls_key_file``; `python -m pdserve.router` flags of the same names). The internal plane
@@ -29,7 +31,6 @@ import os
 import sys
 import tempfile
 import time
-from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
 from typing import Any, NamedTuple
@@ -37,19 +38,11 @@ from typing import Any, NamedTuple
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from pdserve.cluster.deploy_config import WORKER_HOST, DeploymentConfig, flat_sections, router_document, worker_document
+from pdserve.cluster.deploy_config import WORKER_HOST, DeploymentConfig, router_document, worker_document
+from pdserve.cluster.launch import LaunchOptions
 from pdserve.cluster.processes import ManagedProcess, ProcessStartError, stop_all
 from pdserve.constants import METRICS_ANY_PORT
 from pdserve.process_config import write_document
-from pdserve.settings import (
-    ColocatedPool,
-    DecodePool,
-    ElasticSection,
-    ModelSection,
-    ObservabilitySection,
-    RouterSection,
-    SecuritySection,
-)
 from pdserve.transport import (
     ENV_ROUTER_DIGEST,
     ENV_ROUTER_TOKEN,
@@ -79,87 +72,6 @@ class WorkerProcess(NamedTuple):
     worker_id: str
     address: str
     pid: int
-
-
-@dataclass(frozen=True)
-class LocalClusterConfig:
-    """The flat, library form of a local deployment (tests, benchmarks); `deployment()` is the
-    DeploymentConfig it stands for, which validates it. A field defaults to its setting's default
-    (`pdserve.settings`) but for the library's own choices: port 0, device cpu, a shorter start-up.
-    `prefill_args`, `decode_args` (decode and colocated) and `router_args` are extra command-line
-    flags per process kind (experiments, fault injection in tests); they override the process's
-    config document."""
-
-    model: str | None = ModelSection.path
-    prefill: int = 1
-    decode: int = 1
-    colocated: int = ColocatedPool.count  # type: ignore[assignment]
-    host: str = RouterSection.host
-    port: int = 0
-    threads_per_worker: int | None = None
-    device: str = "cpu"  # every worker's --device and --dtype (pdserve.devices names; "auto" allowed)
-    dtype: str = ModelSection.dtype
-    prefill_policy: str = RouterSection.prefill_policy
-    decode_policy: str = RouterSection.decode_policy
-    kv_cache_mb: int | None = None
-    # decode workers prefill prompts shorter than this themselves
-    local_prefill_threshold: int = DecodePool.local_prefill_threshold
-    max_queued_requests: int = RouterSection.max_queued_requests  # router's admission queue bound
-    prefill_args: tuple[str, ...] = ()
-    decode_args: tuple[str, ...] = ()
-    router_args: tuple[str, ...] = ()
-    startup_timeout_s: float = 180.0
-    log_dir: str | None = ObservabilitySection.log_dir
-    http_port: int | None = RouterSection.http_port  # router's OpenAI-compatible HTTP API (0 picks a port; None: off)
-    metrics: bool = ObservabilitySection.metrics  # Prometheus /metrics on a free loopback port per process
-    log_format: str = ObservabilitySection.log_format  # "text" or "json" log lines, every process
-    log_level: str = ObservabilitySection.log_level
-    model_name: str | None = ModelSection.name  # model id of the HTTP API (default: the model folder's name)
-    # public API needs "Bearer <first line>" (or PDSERVE_AUTH_TOKEN)
-    auth_token_file: str | None = SecuritySection.auth_token_file
-    tls_cert_file: str | None = SecuritySection.tls_cert  # public gRPC and HTTP API over TLS (with tls_key_file)
-    tls_key_file: str | None = SecuritySection.tls_key
-    # router's /metrics interface; beyond loopback only with a token
-    metrics_host: str = ObservabilitySection.metrics_host
-    # elastic.enabled: workers can switch roles at runtime (`elastic_worker`; `pdserve role`)
-    elastic: bool = ElasticSection.enabled
-
-    def __post_init__(self) -> None:
-        self.deployment()  # ConfigError (a ValueError) naming the setting
-
-    def deployment(self) -> DeploymentConfig:
-        """The DeploymentConfig (mode local) of these settings."""
-        doc = flat_sections(self, "local")
-        doc["decode"]["local_prefill_threshold"] = self.local_prefill_threshold
-        colocated = {k: v for k, v in doc["prefill"].items() if k in ("threads", "kv_cache_mb")}
-        doc["colocated"] = {**colocated, "count": self.colocated}
-        doc["observability"].update(log_dir=self.log_dir, metrics=self.metrics, log_format=self.log_format,
-                                    metrics_host=self.metrics_host)
-        doc["elastic"] = {"enabled": self.elastic}
-        return DeploymentConfig.from_dict(doc)
-
-    def extra_args(self) -> dict[str, tuple[str, ...]]:
-        """Extra flags per process kind: prefill, decode, colocated, router."""
-        return {"prefill": self.prefill_args, "decode": self.decode_args, "colocated": self.decode_args,
-                "router": self.router_args}
-
-    @property
-    def served_model_name(self) -> str:
-        """The model id of the HTTP API: as configured, else the model folder's name."""
-        return self.deployment().model.served_name
-
-    @property
-    def num_workers(self) -> int:
-        return self.prefill + self.decode + self.colocated
-
-    @property
-    def threads(self) -> int:
-        """Torch threads per worker: as configured, else the CPUs split evenly (at least 1)."""
-        return self.threads_per_worker or max(1, _cpu_count() // self.num_workers)
-
-    def worker_names(self) -> list[tuple[str, str]]:
-        """(role, worker_id) of every worker, e.g. ("prefill", "prefill-0")."""
-        return self.deployment().worker_names()
 
 
 def _cpu_count() -> int:
@@ -245,15 +157,11 @@ def wait_serving(address: str, timeout_s: float, internal: bool = True) -> None:
 class LocalCluster:
     """Router + workers as subprocesses; starts on construction, use as a context manager or call stop()."""
 
-    def __init__(self, config: DeploymentConfig | LocalClusterConfig) -> None:
-        self.config = config
-        if isinstance(config, LocalClusterConfig):
-            self.deployment, self._extra = config.deployment(), config.extra_args()
-        else:
-            self.deployment, self._extra = config, {}
-        if self.deployment.mode != "local":
-            raise ValueError(f"LocalCluster runs mode local, got a config of mode {self.deployment.mode!r}")
-        log_dir = self.deployment.observability.log_dir
+    def __init__(self, config: DeploymentConfig, options: LaunchOptions | None = None) -> None:
+        if config.mode != "local":
+            raise ValueError(f"LocalCluster runs mode local, got a config of mode {config.mode!r}")
+        self.config, self.options = config, options or LaunchOptions()
+        log_dir = self.config.observability.log_dir
         self.log_dir = Path(log_dir) if log_dir else Path(tempfile.mkdtemp(prefix="pdserve-logs-"))
         self.log_dir.mkdir(parents=True, exist_ok=True)
         print(f"pdserve: process logs in {self.log_dir}", file=sys.stderr, flush=True)
@@ -294,12 +202,12 @@ class LocalCluster:
         """Start `python -m <module of kind> --config <name>.config.json` (plus the kind's extra flags);
         a worker with elastic roles: `python -m pdserve.elastic_worker --role <kind> --config ...`."""
         path = write_document(self.log_dir / f"{name}.config.json", document)
-        if kind != "router" and self.deployment.elastic.switchable:
+        if kind != "router" and self.config.elastic.switchable:
             module = ["pdserve.elastic_worker", "--role", kind]
         else:
             module = [PROCESS_MODULES[kind]]
-        argv = [sys.executable, "-m", *module, "--config", str(path), *self._extra.get(kind, ())]
-        env = child_env(self.deployment.security.internal_token_file)
+        argv = [sys.executable, "-m", *module, "--config", str(path), *self.options.args_for(kind)]
+        env = child_env(self.config.security.internal_token_file)
         # the router holds its credential; workers only its digest, to check SetKvTargets callers
         env.pop(ENV_ROUTER_TOKEN, None)
         if kind == "router":
@@ -311,7 +219,7 @@ class LocalCluster:
         return process
 
     def _start(self) -> None:
-        config = self.deployment
+        config = self.config
         deadline = time.monotonic() + config.startup_timeout_s
         names = config.worker_names()
         launched = [self._launch(wid, role, local_worker_document(config, role, wid)) for role, wid in names]

@@ -48,7 +48,7 @@ import secrets
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
 from typing import Any, TypeVar
@@ -64,9 +64,9 @@ try:
 except ImportError as exc:
     raise missing_extra("ray", "The Ray deployment (pdserve serve --ray, scale, status --address)") from exc
 
-from pdserve.cluster.deploy_config import DeploymentConfig, _abspath, flat_sections, router_document, worker_document
+from pdserve.cluster.deploy_config import DeploymentConfig, _abspath, router_document, worker_document
+from pdserve.cluster.launch import LaunchOptions
 from pdserve.cluster.ray_actors import RouterActor, WorkerActor, router_process, worker_config
-from pdserve.settings import ModelSection, ObservabilitySection, RaySection, RouterSection, SecuritySection
 from pdserve.transport import launcher_token, load_tenant_tokens, load_token, router_token_digest
 
 log = logging.getLogger(__name__)
@@ -74,90 +74,8 @@ log = logging.getLogger(__name__)
 NAMESPACE = RAY_NAMESPACE
 CONTROLLER_NAME = "pdserve-controller"
 ROUTER_NAME = "pdserve-router"
-KV_BACKENDS = ("grpc", "ray")
 PLACEMENTS = {"pack": "PACK", "spread": "SPREAD", "strict_spread": "STRICT_SPREAD"}  # + "auto" (resolve_placement)
 ROLES = ("prefill", "decode")
-
-
-@dataclass(frozen=True)
-class RayClusterConfig:
-    """The flat, library form of a Ray deployment (tests, benchmarks); `deployment()` is the
-    DeploymentConfig (mode ray) it stands for, which validates it. A field defaults to its setting's
-    default (`pdserve.settings`) but for the library's own choices: grpc KV, device cpu, a 60 s drain,
-    model name "default". `prefill_args` / `decode_args` are
-    extra worker flags (experiments); they override the worker's config document."""
-
-    prefill: int = 1
-    decode: int = 1
-    model: str | None = ModelSection.path
-    # Ray cluster to join; None starts a local instance (unless one is running)
-    address: str | None = RaySection.address
-    host: str = RouterSection.host  # router's public interface
-    port: int = RouterSection.port  # router's public port (0 picks one)
-    worker_host: str = RaySection.worker_host  # interface of workers' gRPC servers; "node" = the node's IP
-    kv_backend: str = "grpc"
-    gpus_per_worker: float | None = RaySection.gpus_per_worker  # else each worker declares num_cpus=1
-    # custom resource (1 unit) each prefill worker needs, e.g. prefill_gpu
-    prefill_resource: str | None = RaySection.prefill_resource
-    decode_resource: str | None = RaySection.decode_resource
-    # custom resource (1 unit) the router needs: pins it to e.g. the head node
-    router_resource: str | None = RaySection.router_resource
-    placement: str = RaySection.placement  # auto: spread on a cluster of several nodes, else pack
-    # requests wait this long for a restarting worker when none of its pool is healthy
-    restart_wait_s: float = RaySection.restart_wait_s
-    threads_per_worker: int | None = None
-    kv_cache_mb: int | None = None
-    device: str = "cpu"  # every worker's device and dtype (the CLI passes "auto"); Ray picks which GPU
-    dtype: str = ModelSection.dtype
-    prefill_policy: str = RouterSection.prefill_policy
-    decode_policy: str = RouterSection.decode_policy
-    prefill_args: tuple[str, ...] = ()
-    decode_args: tuple[str, ...] = ()
-    max_restarts: int = RaySection.max_restarts
-    # the router actor's restarts; it re-reads its workers from the controller
-    router_max_restarts: int = RaySection.router_max_restarts
-    max_queued_requests: int = RouterSection.max_queued_requests  # router's admission queue bound
-    poll_interval_s: float = RaySection.poll_interval_s
-    drain_timeout_s: float = 60.0
-    startup_timeout_s: float = DeploymentConfig.startup_timeout_s
-    log_level: str = ObservabilitySection.log_level
-    http_port: int | None = RouterSection.http_port  # router's OpenAI-compatible HTTP API (0 picks a port; None: off)
-    model_name: str = "default"  # model id of the HTTP API
-    # public API needs "Bearer <first line>" (read on the driver)
-    auth_token_file: str | None = SecuritySection.auth_token_file
-    # public gRPC and HTTP over TLS (paths read on the router's node)
-    tls_cert_file: str | None = SecuritySection.tls_cert
-    tls_key_file: str | None = SecuritySection.tls_key
-    internal_token: str | None = field(default=None, repr=False)  # else the configured or a generated one
-
-    def __post_init__(self) -> None:
-        if self.kv_backend not in KV_BACKENDS:
-            raise ValueError(f"kv_backend must be one of {', '.join(KV_BACKENDS)}, got {self.kv_backend!r}")
-        self.deployment()  # ConfigError (a ValueError) naming the setting
-
-    def deployment(self) -> DeploymentConfig:
-        """The DeploymentConfig (mode ray) of these settings."""
-        doc = flat_sections(self, "ray", drain_timeout_s=self.drain_timeout_s)
-        doc["kv"] = {"backend": self.kv_backend}
-        doc["ray"] = {"address": self.address, "placement": self.placement, "worker_host": self.worker_host,
-                      "gpus_per_worker": self.gpus_per_worker, "prefill_resource": self.prefill_resource,
-                      "decode_resource": self.decode_resource, "router_resource": self.router_resource,
-                      "max_restarts": self.max_restarts, "router_max_restarts": self.router_max_restarts,
-                      "poll_interval_s": self.poll_interval_s, "restart_wait_s": self.restart_wait_s}
-        return DeploymentConfig.from_dict(doc)
-
-    def extra_args(self) -> dict[str, tuple[str, ...]]:
-        return {"prefill": self.prefill_args, "decode": self.decode_args}
-
-    @property
-    def local_num_cpus(self) -> int:
-        return local_num_cpus(self.deployment())
-
-    def resources(self, role: str) -> dict[str, float]:
-        return worker_resources(self.deployment(), role)
-
-    def router_resources(self) -> dict[str, float]:
-        return router_resources(self.deployment())
 
 
 def local_num_cpus(config: DeploymentConfig) -> int:
@@ -257,8 +175,8 @@ class Controller:
     """Owns the deployment (wrapped as the named detached actor ``pdserve-controller``)."""
 
     def __init__(self, config: DeploymentConfig, internal_token: str | None = None, auth_token: str | None = None,
-                 extra_args: dict[str, tuple[str, ...]] | None = None,
-                 make_planner: Callable[..., Any] | None = None, auth_tokens: dict[str, str] | None = None) -> None:
+                 options: LaunchOptions | None = None, make_planner: Callable[..., Any] | None = None,
+                 auth_tokens: dict[str, str] | None = None) -> None:
         """`make_planner`: the autoscaler's planner factory (`cluster.autoscaler.PlannerFactory`), handed
         in by the CLI when `elastic.autoscale` has a profile. `auth_token` / `auth_tokens` (token ->
         tenant): the public API's token or tenant tokens, read on the driver, handed to the router actor."""
@@ -269,7 +187,7 @@ class Controller:
         self._router_token = secrets.token_urlsafe(32)  # the router actor's own credential (SetKvTargets)
         self._auth_token = auth_token
         self._auth_tokens = auth_tokens
-        self._extra = extra_args or {}
+        self._options = options or LaunchOptions()
         self._workers: list[_Worker] = []
         self._lock = threading.Lock()  # guards _workers
         self._scale_lock = threading.Lock()  # one scale() at a time
@@ -358,7 +276,7 @@ class Controller:
         name = f"{role}-{index}"
         options = worker_actor_options(self.config, role, name)
         options["scheduling_strategy"] = PlacementGroupSchedulingStrategy(self._pg if pg is None else pg, bundle)
-        config = worker_config(role, ray_worker_document(self.config, role, name), self._extra.get(role, ()))
+        config = worker_config(role, ray_worker_document(self.config, role, name), self._options.args_for(role))
         handle = _RemoteWorker.options(**options).remote(config, self._internal_token,
                                                          router_token_digest(self._router_token))
         return _Worker(name, role, handle, pg=pg)
@@ -733,28 +651,27 @@ def get_controller(address: str | None = "auto") -> Any:  # noqa: ANN401 - ray A
 class RayCluster:
     """Driver-side handle: starts the deployment on construction; ``stop()`` tears it down (idempotent)."""
 
-    def __init__(self, config: DeploymentConfig | RayClusterConfig,
-                 make_planner: Callable[..., Any] | None = None) -> None:
-        """`make_planner`: the autoscaler's planner factory, run in the controller (see Controller)."""
+    def __init__(self, config: DeploymentConfig, make_planner: Callable[..., Any] | None = None,
+                 options: LaunchOptions | None = None) -> None:
+        """`make_planner`: the autoscaler's planner factory, run in the controller (see Controller);
+        `options`: extra worker flags (the router actor takes none)."""
+        if config.mode != "ray":
+            raise ValueError(f"RayCluster runs mode ray, got a config of mode {config.mode!r}")
+        options = options or LaunchOptions()
+        if options.router_args:
+            raise ValueError("LaunchOptions.router_args: the Ray router actor takes no extra flags")
         self.config = config
-        if isinstance(config, RayClusterConfig):
-            deployment, extra, internal = config.deployment(), config.extra_args(), config.internal_token
-        else:
-            deployment, extra, internal = config, {}, None
-        if deployment.mode != "ray":
-            raise ValueError(f"RayCluster runs mode ray, got a config of mode {deployment.mode!r}")
-        self.deployment = deployment
-        internal = internal or _configured_internal_token(deployment) or launcher_token()
-        auth = load_token(_abspath(deployment.security.auth_token_file), os.environ.get("PDSERVE_AUTH_TOKEN"))
-        tenants_file = deployment.security.auth_tokens_file  # read here too: the file need not be on the router's node
+        internal = _configured_internal_token(config) or launcher_token()
+        auth = load_token(_abspath(config.security.auth_token_file), os.environ.get("PDSERVE_AUTH_TOKEN"))
+        tenants_file = config.security.auth_tokens_file  # read here too: the file need not be on the router's node
         tenants = load_tenant_tokens(tenants_file) if tenants_file else None
         self._own_ray = False
         self._stopped = False
-        address = deployment.ray.address
+        address = config.ray.address
         if not ray.is_initialized():
             check_reachable(address)  # with an address, never start a local instance instead
             if address is None:  # a local instance of our own: its start-up may time out on a busy machine
-                num_cpus = local_num_cpus(deployment)
+                num_cpus = local_num_cpus(config)
                 start_with_retry(lambda: ray.init(namespace=NAMESPACE, include_dashboard=False, num_cpus=num_cpus))
             else:
                 ray.init(address=address, namespace=NAMESPACE, include_dashboard=False)
@@ -764,9 +681,9 @@ class RayCluster:
             self._controller = _RemoteController.options(
                 name=CONTROLLER_NAME, namespace=NAMESPACE, lifetime="detached", num_cpus=0, max_concurrency=16,
                 scheduling_strategy=NodeAffinitySchedulingStrategy(controller_node_id(), soft=False),
-            ).remote(deployment, internal, auth, extra, make_planner, tenants)
+            ).remote(config, internal, auth, options, make_planner, tenants)
             self.router_address: str = ray.get(self._controller.router_address.remote(),
-                                               timeout=deployment.startup_timeout_s + 60)
+                                               timeout=config.startup_timeout_s + 60)
             self.http_address: str = ray.get(self._controller.router_http_address.remote(), timeout=60)
             self.placement: str = ray.get(self._controller.placement_name.remote(), timeout=60)
         except BaseException:
@@ -790,12 +707,12 @@ class RayCluster:
 
     def scale(self, prefill: int, decode: int) -> dict[str, list[str]]:
         """Resize the pools (blocks until added workers serve and removed ones are drained and gone)."""
-        timeout = self.deployment.startup_timeout_s + drain_timeout_s(self.deployment) + 60
+        timeout = self.config.startup_timeout_s + drain_timeout_s(self.config) + 60
         return dict(ray.get(self._controller.scale.remote(prefill, decode), timeout=timeout))
 
     def resize(self, kind: str, role: str, worker_id: str = "") -> str:
         """One autoscaler resize through the controller's Ray actuator (`Controller.resize`)."""
-        timeout = self.deployment.startup_timeout_s + drain_timeout_s(self.deployment) + 60
+        timeout = self.config.startup_timeout_s + drain_timeout_s(self.config) + 60
         return str(ray.get(self._controller.resize.remote(kind, role, worker_id), timeout=timeout))
 
     def autoscaler_status(self) -> dict[str, Any] | None:

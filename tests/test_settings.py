@@ -157,7 +157,8 @@ def test_no_parser_writes_a_default_a_section_owns(module: str) -> None:
     assert not copies, f"defaults written again beside their setting (use add_section_flags): {copies}"
 
 
-#: Settings where the flat library configs (tests, benchmarks) make a choice of their own, and why.
+#: Settings where the library launches (`cluster.launch`: tests, benchmarks) make a choice of their
+#: own, and why.
 LIBRARY_CHOICES = {
     "local": {"router.port": "0: a free port, so tests run side by side",
               "model.device": "cpu: tests and benchmarks run on the CPU",
@@ -171,12 +172,22 @@ LIBRARY_CHOICES = {
 
 
 @pytest.mark.parametrize("mode", sorted(LIBRARY_CHOICES))
-def test_the_flat_library_configs_default_to_the_settings(mode: str) -> None:
-    if mode == "local":
-        from pdserve.cluster.local import LocalClusterConfig as Flat
-    else:
-        from pdserve.cluster.ray_cluster import RayClusterConfig as Flat
-    flat = dict(_leaves(Flat().deployment()))
+def test_the_library_deployments_default_to_the_settings(mode: str) -> None:
+    from pdserve.cluster.launch import local_deployment, ray_deployment
+
+    library = dict(_leaves((local_deployment if mode == "local" else ray_deployment)()))
     spec = dict(_leaves(DeploymentConfig(mode=mode)))
-    differing = {key: (flat[key], spec[key]) for key in spec if flat[key] != spec[key]}
+    differing = {key: (library[key], spec[key]) for key in spec if library[key] != spec[key]}
     assert set(differing) == set(LIBRARY_CHOICES[mode]), differing
+
+
+def test_every_short_name_names_a_setting() -> None:
+    """Each short name of `cluster.launch.SETTINGS` names a setting (a mistyped target fails here, not
+    only in the test that happens to pass that name)."""
+    from pdserve.cluster.launch import SETTINGS
+
+    known = set(dict(_leaves(DeploymentConfig())))
+    for name, dotted in SETTINGS.items():
+        targets = [f"{pool}.{dotted[2:]}" for pool in ("prefill", "decode", "colocated")] if dotted[:2] == "*." \
+            else [dotted]
+        assert set(targets) <= known, (name, targets)

@@ -8,12 +8,13 @@ from pathlib import Path
 import pytest
 
 from pdserve.cluster.cli import main
-from pdserve.cluster.local import LocalCluster, LocalClusterConfig
+from pdserve.cluster.launch import local_deployment
+from pdserve.cluster.local import LocalCluster
 
 
 @pytest.mark.slow
 def test_real_bench_writes_every_record(default_model_dir: Path, tmp_path: Path) -> None:
-    config = LocalClusterConfig(model=None, prefill=1, decode=1, threads_per_worker=1)
+    config = local_deployment(model=None, prefill=1, decode=1, threads_per_worker=1)
     out = tmp_path / "result.json"
     with LocalCluster(config) as cluster:
         code = main([

@@ -13,7 +13,8 @@ from waiting import eventually
 
 from pdserve.cluster.cli import main
 from pdserve.cluster.engine_flags import sim_worker_args
-from pdserve.cluster.local import LocalCluster, LocalClusterConfig
+from pdserve.cluster.launch import LaunchOptions, local_deployment
+from pdserve.cluster.local import LocalCluster
 
 
 def _bench(url: str, out: Path, *extra: str) -> dict:
@@ -45,9 +46,8 @@ def test_sixteen_worker_sim_cluster_serves_200_requests(tmp_path: Path, capsys: 
                            kv_capacity_tokens=16 * 512)
     profile.save(tmp_path / "profile.json")
     engine = sim_worker_args(str(tmp_path / "profile.json"))
-    config = LocalClusterConfig(prefill=8, decode=8, threads_per_worker=1, prefill_args=engine, decode_args=engine,
-                                metrics=True, startup_timeout_s=600.0)
-    with LocalCluster(config) as cluster:
+    config = local_deployment(prefill=8, decode=8, threads_per_worker=1, metrics=True, startup_timeout_s=600.0)
+    with LocalCluster(config, LaunchOptions(prefill_args=engine, decode_args=engine)) as cluster:
         url = cluster.router_address
         doc = _bench(url, tmp_path / "bench.json", "--num-prompts", str(REQUESTS), "--rate", "inf",
                      "--max-concurrency", "64",
@@ -76,9 +76,8 @@ def test_sixteen_worker_sim_cluster_serves_200_requests(tmp_path: Path, capsys: 
 
 def _sim_run(tmp_path: Path, profile_path: Path, speedup: float) -> dict:
     engine = sim_worker_args(str(profile_path), speedup)
-    config = LocalClusterConfig(prefill=1, decode=1, threads_per_worker=1, prefill_args=engine, decode_args=engine,
-                                startup_timeout_s=600.0)
-    with LocalCluster(config) as cluster:
+    config = local_deployment(prefill=1, decode=1, threads_per_worker=1, startup_timeout_s=600.0)
+    with LocalCluster(config, LaunchOptions(prefill_args=engine, decode_args=engine)) as cluster:
         return _bench(cluster.router_address, tmp_path / f"speedup-{speedup}.json", "--num-prompts", "12",
                       "--rate", "2", "--input-len", "100", "--output-len", "6", "--speedup", str(speedup),
                       "--engine", "sim", "--profile", str(profile_path))

@@ -1,4 +1,4 @@
-"""`pdserve` argument parsing, LocalClusterConfig validation, worker/router config documents, client helpers."""
+"""`pdserve` argument parsing, `local_deployment` validation, worker/router config documents, client helpers."""
 
 from __future__ import annotations
 
@@ -6,7 +6,9 @@ import pytest
 
 from pdserve.cluster.cli import build_parser, deployment_config, format_table
 from pdserve.cluster.client import build_request, collect, sampling_params
-from pdserve.cluster.local import LocalClusterConfig, WorkerProcess, local_router_document, local_worker_document
+from pdserve.cluster.deploy_config import ConfigError
+from pdserve.cluster.launch import LaunchOptions, local_deployment, ray_deployment
+from pdserve.cluster.local import WorkerProcess, local_router_document, local_worker_document, worker_threads
 from pdserve.v1 import common_pb2, router_pb2
 
 
@@ -125,8 +127,8 @@ def test_elastic_flags_are_the_elastic_section() -> None:
     assert (options.slo, options.min_workers, options.max_workers, options.interval_s) == (
         {"ttft_ms": 500.0, "tpot_ms": 50.0}, 2, 4, 0.5)
     assert deployment_config(_parse("serve", "--elastic")).autoscale_options() is None
-    assert LocalClusterConfig(elastic=True).deployment().elastic.enabled
-    assert not LocalClusterConfig().deployment().elastic.switchable
+    assert local_deployment(elastic=True).elastic.enabled
+    assert not local_deployment().elastic.switchable
 
 
 def test_elastic_worker_takes_both_documents_or_flags(tmp_path) -> None:  # noqa: ANN001
@@ -134,7 +136,7 @@ def test_elastic_worker_takes_both_documents_or_flags(tmp_path) -> None:  # noqa
 
     from pdserve.elastic_worker.process import parse_args as elastic_args
 
-    config = LocalClusterConfig(model="/m", threads_per_worker=2, elastic=True, local_prefill_threshold=5).deployment()
+    config = local_deployment(model="/m", threads_per_worker=2, elastic=True, local_prefill_threshold=5)
     document = local_worker_document(config, "decode", "decode-0")
     assert set(document) == {"prefill", "decode"}
     path = tmp_path / "decode-0.config.json"
@@ -176,28 +178,60 @@ def test_model_fetch_is_kept() -> None:
         ({"kv_cache_mb": 0}, "prefill.kv_cache_mb"),
         ({"startup_timeout_s": 0}, "startup_timeout_s"),
         ({"max_queued_requests": 0}, "router.max_queued_requests"),
+        ({"decode_args": ("--x",)}, "decode_args: unknown setting name"),  # flags go in LaunchOptions
+        ({"address": "auto"}, "ray.address .* not supported without --ray"),
+        ({"kv_backend": "ray"}, "kv.backend: ray"),
     ],
 )
-def test_local_cluster_config_validation(fields: dict, message: str) -> None:
-    with pytest.raises(ValueError, match=message):
-        LocalClusterConfig(**fields)
+def test_local_deployment_validation(fields: dict, message: str) -> None:
+    with pytest.raises(ConfigError, match=message):
+        local_deployment(**fields)
+
+
+@pytest.mark.parametrize(
+    ("fields", "message"),
+    [
+        ({"kv_backend": "shm"}, "kv.backend: shm is not supported with --ray"),
+        ({"colocated": 1}, "colocated.count .* not supported with --ray"),
+        ({"drain_timeout_s": -1.0}, "prefill.drain_timeout_s: must be > 0"),
+        ({"placement": "nowhere"}, "ray.placement: must be one of"),
+    ],
+)
+def test_ray_deployment_validation(fields: dict, message: str) -> None:
+    with pytest.raises(ConfigError, match=message):
+        ray_deployment(**fields)
+
+
+def test_short_names_set_every_pool_of_the_mode() -> None:
+    local = local_deployment(threads_per_worker=2, kv_cache_mb=64, colocated=1)
+    assert [(p.threads, p.kv_cache_mb) for p in (local.prefill, local.decode, local.colocated)] == [(2, 64)] * 3
+    assert local_deployment(kv_cache_mb=None).prefill.kv_cache_mb == local_deployment().prefill.kv_cache_mb
+    ray = ray_deployment(threads_per_worker=2, drain_timeout_s=20.0)
+    assert (ray.prefill.threads, ray.decode.threads, ray.colocated.threads) == (2, 2, None)
+    assert (ray.prefill.drain_timeout_s, ray.decode.drain_timeout_s, ray.mode) == (20.0, 20.0, "ray")
+
+
+def test_launch_options_give_decode_flags_to_colocated_workers() -> None:
+    options = LaunchOptions(prefill_args=("--a",), decode_args=("--b",), router_args=("--c",))
+    assert [options.args_for(kind) for kind in ("prefill", "decode", "colocated", "router")] == [
+        ("--a",), ("--b",), ("--b",), ("--c",)]
 
 
 def test_valid_topologies() -> None:
-    assert LocalClusterConfig(prefill=0, decode=0, colocated=1).num_workers == 1
-    assert LocalClusterConfig(prefill=2, decode=2).num_workers == 4
+    assert local_deployment(prefill=0, decode=0, colocated=1).num_workers == 1
+    assert local_deployment(prefill=2, decode=2).num_workers == 4
 
 
 def test_threads_default_splits_cpus() -> None:
-    assert LocalClusterConfig(threads_per_worker=3).threads == 3
-    assert LocalClusterConfig(prefill=50, decode=50).threads >= 1
+    assert worker_threads(local_deployment(threads_per_worker=3), "decode") == 3
+    assert worker_threads(local_deployment(prefill=50, decode=50), "decode") >= 1
 
 
 def test_worker_documents_parse_in_the_worker() -> None:
     from pdserve.decode_worker.process import parse_args as decode_args
     from pdserve.prefill_worker.process import parse_args as prefill_args
 
-    config = LocalClusterConfig(model="/m", threads_per_worker=2, kv_cache_mb=64, colocated=1).deployment()
+    config = local_deployment(model="/m", threads_per_worker=2, kv_cache_mb=64, colocated=1)
     assert config.worker_names() == [("prefill", "prefill-0"), ("decode", "decode-0"), ("colocated", "colocated-0")]
     colocated = decode_args([], document=local_worker_document(config, "colocated", "colocated-0"))
     assert (colocated.colocated, colocated.model, colocated.threads, colocated.kv_cache_mb) == (True, "/m", 2, 64)
@@ -218,8 +252,8 @@ def test_router_document() -> None:
         WorkerProcess("prefill", "prefill-0", "127.0.0.1:1", 1),
         WorkerProcess("decode", "decode-0", "127.0.0.1:2", 2),
     ]
-    document = local_router_document(LocalClusterConfig(port=0, decode_policy="least_loaded",
-                                                        max_queued_requests=7).deployment(), workers)
+    document = local_router_document(local_deployment(port=0, decode_policy="least_loaded", max_queued_requests=7),
+                                     workers)
     router = config_from_args(parse_args([], document=document))
     assert (router.port, router.prefill, router.decode) == (0, ("127.0.0.1:1",), ("127.0.0.1:2",))
     assert (router.prefill_policy, router.decode_policy, router.max_queued_requests) == (

@@ -10,7 +10,8 @@ from collections.abc import Iterator
 import grpc
 import pytest
 
-from pdserve.cluster.local import LocalCluster, LocalClusterConfig
+from pdserve.cluster.launch import local_deployment
+from pdserve.cluster.local import LocalCluster
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.tokenization import encode_text
 from pdserve.v1 import common_pb2, router_pb2, router_pb2_grpc
@@ -21,8 +22,8 @@ NUM_REQUESTS = 32
 
 
 def _start(prefill: int, decode: int, colocated: int = 0) -> LocalCluster:
-    return LocalCluster(LocalClusterConfig(model=None, prefill=prefill, decode=decode, colocated=colocated,
-                                           threads_per_worker=1))
+    return LocalCluster(local_deployment(model=None, prefill=prefill, decode=decode, colocated=colocated,
+                                         threads_per_worker=1))
 
 
 def _roles(cluster: LocalCluster) -> list[tuple[str, str]]:

@@ -11,7 +11,8 @@ import grpc
 import pytest
 import torch
 
-from pdserve.cluster.local import LocalCluster, LocalClusterConfig
+from pdserve.cluster.launch import LaunchOptions, local_deployment
+from pdserve.cluster.local import LocalCluster
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.llm_engine import LLMEngine
 from pdserve.engine.model_loader import load_model
@@ -25,9 +26,9 @@ MAX_TOKENS = 6
 
 
 def _cluster(model: Path, dtype: str, prefill_args: tuple[str, ...] = ()) -> LocalCluster:
-    return LocalCluster(LocalClusterConfig(model=str(model), prefill=1, decode=1, threads_per_worker=1,
-                                           device="cpu", dtype=dtype, prefill_args=prefill_args,
-                                           decode_args=("--kv-backend", "grpc")))
+    return LocalCluster(local_deployment(model=str(model), prefill=1, decode=1, threads_per_worker=1,
+                                         device="cpu", dtype=dtype),
+                        LaunchOptions(prefill_args=prefill_args, decode_args=("--kv-backend", "grpc")))
 
 
 @pytest.mark.slow

@@ -13,7 +13,8 @@ import grpc
 import pytest
 
 from pdserve.cluster.cli import main
-from pdserve.cluster.local import LocalCluster, LocalClusterConfig
+from pdserve.cluster.launch import local_deployment
+from pdserve.cluster.local import LocalCluster
 from pdserve.v1 import common_pb2, router_pb2, router_pb2_grpc
 
 PROMPT = "济南的冬"
@@ -23,8 +24,8 @@ MAX_TOKENS = 6
 @pytest.fixture(scope="module", params=["1p1d", "colocated"])
 def cluster(request: pytest.FixtureRequest, tiny_llama_dir: Path) -> Iterator[LocalCluster]:
     topology = {"1p1d": dict(prefill=1, decode=1), "colocated": dict(prefill=0, decode=0, colocated=1)}
-    config = LocalClusterConfig(model=str(tiny_llama_dir), threads_per_worker=1, metrics=True,
-                                **topology[request.param])  # type: ignore[arg-type]
+    config = local_deployment(model=str(tiny_llama_dir), threads_per_worker=1, metrics=True,
+                              **topology[request.param])  # type: ignore[arg-type]
     with LocalCluster(config) as started:
         yield started
 
@@ -43,7 +44,7 @@ def test_stage_timings_present_and_within_e2e(cluster: LocalCluster) -> None:
     assert t.tokenize_s + t.detokenize_s <= t.e2e_s
     assert t.ttft_s <= t.e2e_s
     assert t.prefill_s > 0  # measured by the prefill worker, or by the colocated one
-    if cluster.config.prefill:
+    if cluster.config.size("prefill"):
         assert t.kv_transfer_s > 0
     else:
         assert t.kv_transfer_s == 0
@@ -68,12 +69,12 @@ def test_prometheus_has_tokenize_and_detokenize_histograms(cluster: LocalCluster
 def test_cli_request_id_reaches_router_and_workers(cluster: LocalCluster, capsys: pytest.CaptureFixture[str]) -> None:
     """`pdserve generate --request-id`: the response echoes it (--json), and the traced request's events
     come from the workers that served that id; a bad id is refused by the router's validation."""
-    request_id = f"cli-{cluster.config.prefill}p-req/7"
+    request_id = f"cli-{cluster.config.size('prefill')}p-req/7"
     argv = ["generate", "--url", cluster.router_address, "--json", "--trace", "--max-tokens", "2", "--ignore-eos"]
     assert main([*argv, "--request-id", request_id, PROMPT]) == 0
     doc = json.loads(capsys.readouterr().out)
     assert doc["request_id"] == request_id and len(doc["token_ids"]) == 2 and doc["trace"]
-    worker = "decode-0" if cluster.config.decode else "colocated-0"
+    worker = "decode-0" if cluster.config.size("decode") else "colocated-0"
     for name, logged in (("router", f"Generate start request_id={request_id} internal_id="),
                          (worker, f"client_request_id={request_id}")):  # the worker keys on the internal id
         assert logged in (cluster.log_dir / f"{name}.log").read_text(), name
@@ -92,7 +93,7 @@ def test_cli_trace_one_prefill_pass_then_one_decode_step_per_token(
     stages = [_stage(line) for line in lines[:-1]]
     assert lines[-1].startswith("text: ")
     assert stages[0] == "route"  # the router's placement comes first
-    if cluster.config.prefill:
+    if cluster.config.size("prefill"):
         assert re.search(r"disaggregated: decode 127\.0\.0\.1:\d+, prefill 127\.0\.0\.1:\d+$", lines[0]), lines[0]
     else:
         assert re.search(r"colocated: decode 127\.0\.0\.1:\d+$", lines[0]), lines[0]
@@ -107,7 +108,7 @@ def test_cli_trace_one_prefill_pass_then_one_decode_step_per_token(
     assert [int(re.search(r", KV (\d+),", d).group(1)) for d in decodes] == \
         list(range(num_prompt + 1, num_prompt + MAX_TOKENS))  # one step per further token
     handoffs = [line for line, stage in zip(lines[:-1], stages, strict=True) if stage == "kv hand-off"]
-    if cluster.config.prefill:
+    if cluster.config.size("prefill"):
         assert "prefill-0" in prefills[0] and all("decode-0" in d for d in decodes)
         assert len(handoffs) == 1 and re.search(r"(shm|grpc), [\d,]+ bytes", handoffs[0])
         assert stages.index("prefill") < stages.index("kv hand-off") < stages.index("decode")
@@ -124,7 +125,7 @@ def test_cli_json_trace_lists_the_events(cluster: LocalCluster, capsys: pytest.C
     kinds = [next(k for k in ("route", "tokenize", "prefill", "kv_transfer", "decode", "hold") if k in e)
              for e in doc["trace"]]
     assert kinds[:3] == ["route", "tokenize", "prefill"] and kinds.count("decode") == 2
-    assert doc["trace"][0]["route"]["decision"] == ("disaggregated" if cluster.config.prefill else "colocated")
+    assert doc["trace"][0]["route"]["decision"] == ("disaggregated" if cluster.config.size("prefill") else "colocated")
     assert len(doc["token_ids"]) == 3 and doc["timings"]["tokenize_s"] > 0
 
 

@@ -10,7 +10,8 @@ import grpc
 import pytest
 import torch
 
-from pdserve.cluster.local import LocalCluster, LocalClusterConfig
+from pdserve.cluster.launch import local_deployment
+from pdserve.cluster.local import LocalCluster
 from pdserve.kv_transfer import KvSpec
 from pdserve.kv_transfer.base import dtype_name
 from pdserve.kv_transfer.framing import encode_frames
@@ -53,8 +54,8 @@ class RoguePrefill(worker_pb2_grpc.PrefillWorkerServicer):
 
 @pytest.fixture(scope="module")
 def cluster() -> Iterator[LocalCluster]:
-    with LocalCluster(LocalClusterConfig(model=None, prefill=1, decode=1, colocated=0,
-                                         threads_per_worker=1)) as c:
+    with LocalCluster(local_deployment(model=None, prefill=1, decode=1, colocated=0,
+                                       threads_per_worker=1)) as c:
         yield c
 
 

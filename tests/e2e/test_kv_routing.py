@@ -13,7 +13,8 @@ import grpc
 import pytest
 from waiting import eventually
 
-from pdserve.cluster.local import LocalCluster, LocalClusterConfig
+from pdserve.cluster.launch import LaunchOptions, local_deployment
+from pdserve.cluster.local import LocalCluster
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.tokenization import encode_text
 from pdserve.v1 import common_pb2, router_pb2, router_pb2_grpc
@@ -30,10 +31,10 @@ FRESH = ("A recipe for bread: flour, water, salt and yeast, mixed and left to ri
 
 @pytest.fixture(scope="module")
 def cluster() -> Iterator[LocalCluster]:
-    config = LocalClusterConfig(model=None, prefill=1, decode=2, threads_per_worker=1, metrics=True,
-                                prefill_policy="kv_aware", decode_policy="kv_aware",
-                                router_args=("--conditional-disagg-tokens", str(THRESHOLD)))
-    with LocalCluster(config) as started:
+    config = local_deployment(model=None, prefill=1, decode=2, threads_per_worker=1, metrics=True,
+                              prefill_policy="kv_aware", decode_policy="kv_aware")
+    options = LaunchOptions(router_args=("--conditional-disagg-tokens", str(THRESHOLD)))
+    with LocalCluster(config, options) as started:
         yield started
 
 

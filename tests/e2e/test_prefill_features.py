@@ -8,7 +8,8 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 from waiting import eventually
 
-from pdserve.cluster.local import LocalCluster, LocalClusterConfig
+from pdserve.cluster.launch import LaunchOptions, local_deployment
+from pdserve.cluster.local import LocalCluster
 from pdserve.engine.block_pool import blocks_for_tokens
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.llm_engine import LLMEngine
@@ -29,9 +30,8 @@ def _expected(default_model, prompts: list[str], max_tokens: int) -> list[list[i
 def test_chunked_prefill_and_prefix_hits_give_the_same_tokens(default_model) -> None:  # noqa: ANN001
     prompts = [SHARED + q for q in ("What is a river?", "Name a sea.", "What is flour?", "Who was the miller?")]
     expected = _expected(default_model, prompts, 6)
-    config = LocalClusterConfig(prefill=1, decode=1, threads_per_worker=1,
-                                prefill_args=("--prefill-chunk-tokens", "48"))
-    with LocalCluster(config) as cluster:
+    config = local_deployment(prefill=1, decode=1, threads_per_worker=1)
+    with LocalCluster(config, LaunchOptions(prefill_args=("--prefill-chunk-tokens", "48"))) as cluster:
         roles = [(w.role, w.address) for w in cluster.workers]
         prefill = dict(roles)["prefill"]
         first = generate(cluster.router_address, prompts[0], 6, ignore_eos=True)
@@ -45,9 +45,9 @@ def test_chunked_prefill_and_prefix_hits_give_the_same_tokens(default_model) -> 
 
 
 def test_short_prompt_is_not_stuck_behind_a_long_one() -> None:
-    config = LocalClusterConfig(prefill=1, decode=1, threads_per_worker=1,
-                                prefill_args=("--prefill-chunk-tokens", "64", "--no-prefix-caching"))
-    with LocalCluster(config) as cluster:
+    config = local_deployment(prefill=1, decode=1, threads_per_worker=1)
+    options = LaunchOptions(prefill_args=("--prefill-chunk-tokens", "64", "--no-prefix-caching"))
+    with LocalCluster(config, options) as cluster:
         finished: list[str] = []
         lock = threading.Lock()
 
@@ -71,8 +71,8 @@ def test_short_prompt_is_not_stuck_behind_a_long_one() -> None:
 def test_eviction_under_pressure_leaks_nothing(default_model) -> None:  # noqa: ANN001
     prompts = [f"Story number {i}: " + "the mill and the river and the sea " * 20 for i in range(12)]
     expected = _expected(default_model, prompts, 3)
-    config = LocalClusterConfig(prefill=1, decode=1, threads_per_worker=1, prefill_args=("--kv-cache-mb", "8"))
-    with LocalCluster(config) as cluster:
+    config = local_deployment(prefill=1, decode=1, threads_per_worker=1)
+    with LocalCluster(config, LaunchOptions(prefill_args=("--kv-cache-mb", "8"))) as cluster:
         roles = [(w.role, w.address) for w in cluster.workers]
         with ThreadPoolExecutor(4) as pool:
             results = list(pool.map(lambda p: generate(cluster.router_address, p, 3, ignore_eos=True), prompts))
@@ -85,10 +85,10 @@ def test_eviction_under_pressure_leaks_nothing(default_model) -> None:  # noqa: 
 def test_layer_wise_streaming_gives_the_same_tokens(default_model) -> None:  # noqa: ANN001
     prompts = [SHARED + "Tell me about the sea.", "Hello", "The capital of France is " * 30]
     expected = _expected(default_model, prompts, 6)
-    config = LocalClusterConfig(prefill=1, decode=1, threads_per_worker=1,
-                                prefill_args=("--kv-streaming", "layer", "--prefill-chunk-tokens", "64"),
-                                decode_args=("--kv-backend", "grpc"))
-    with LocalCluster(config) as cluster:
+    config = local_deployment(prefill=1, decode=1, threads_per_worker=1)
+    options = LaunchOptions(prefill_args=("--kv-streaming", "layer", "--prefill-chunk-tokens", "64"),
+                            decode_args=("--kv-backend", "grpc"))
+    with LocalCluster(config, options) as cluster:
         with ThreadPoolExecutor(3) as pool:
             results = list(pool.map(lambda p: generate(cluster.router_address, p, 6, ignore_eos=True), prompts))
         assert [r.token_ids for r in results] == expected
@@ -112,9 +112,9 @@ def test_decode_worker_receives_only_the_blocks_it_lacks(default_model, backend:
     ids = [encode_text(default_model.tokenizer, p) for p in prompts]
     expected = _expected(default_model, prompts, 6)
     block_bytes = default_model.kv_shape(16).bytes_per_block
-    config = LocalClusterConfig(prefill=1, decode=1, threads_per_worker=1,
-                                prefill_args=("--kv-streaming", streaming), decode_args=("--kv-backend", backend))
-    with LocalCluster(config) as cluster:
+    config = local_deployment(prefill=1, decode=1, threads_per_worker=1)
+    options = LaunchOptions(prefill_args=("--kv-streaming", streaming), decode_args=("--kv-backend", backend))
+    with LocalCluster(config, options) as cluster:
         roles = [(w.role, w.address) for w in cluster.workers]
         decode = dict(roles)["decode"]
         received = []

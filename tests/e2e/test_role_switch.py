@@ -14,7 +14,8 @@ import pytest
 from pdserve.cluster.cli import main as pdserve_main
 from pdserve.cluster.client import PdserveClient, status_rows
 from pdserve.cluster.elastic_cli import switch_role
-from pdserve.cluster.local import LocalCluster, LocalClusterConfig
+from pdserve.cluster.launch import LaunchOptions, local_deployment
+from pdserve.cluster.local import LocalCluster
 from pdserve.transport import open_channel
 from pdserve.v1 import common_pb2, router_pb2, worker_pb2, worker_pb2_grpc
 
@@ -34,9 +35,9 @@ def workload(tiny_llama_dir: Path) -> tuple[list[str], list[int], list[list[int]
 def cluster(tiny_llama_dir: Path):  # noqa: ANN201
     # the router talks to the elastic workers over GenerateMux (--decode-mux), so the elastic decode
     # face's mux is what these switches run under (the Generate path: the Ray and autoscale tests)
-    config = LocalClusterConfig(model=str(tiny_llama_dir), prefill=2, decode=2, threads_per_worker=1, elastic=True,
-                                decode_args=("--max-num-seqs", "16"), router_args=("--decode-mux",))
-    with LocalCluster(config) as running:
+    config = local_deployment(model=str(tiny_llama_dir), prefill=2, decode=2, threads_per_worker=1, elastic=True)
+    options = LaunchOptions(decode_args=("--max-num-seqs", "16"), router_args=("--decode-mux",))
+    with LocalCluster(config, options) as running:
         yield running
 
 

@@ -8,7 +8,8 @@ import subprocess
 import sys
 import time
 
-from pdserve.cluster.local import LocalCluster, LocalClusterConfig
+from pdserve.cluster.launch import local_deployment
+from pdserve.cluster.local import LocalCluster
 
 from e2e_helpers import generate, wait_idle, worker_info
 
@@ -52,7 +53,7 @@ def test_serve_prints_address_serves_and_stops_on_sigterm_without_orphans() -> N
 
 
 def test_short_prompts_prefilled_on_the_decode_worker() -> None:
-    config = LocalClusterConfig(prefill=1, decode=1, threads_per_worker=1, local_prefill_threshold=32)
+    config = local_deployment(prefill=1, decode=1, threads_per_worker=1, local_prefill_threshold=32)
     with LocalCluster(config) as cluster:
         roles = [(w.role, w.address) for w in cluster.workers]
         address = dict(roles)

@@ -14,7 +14,8 @@ from pathlib import Path
 import grpc
 import pytest
 
-from pdserve.cluster.local import LocalCluster, LocalClusterConfig
+from pdserve.cluster.launch import local_deployment
+from pdserve.cluster.local import LocalCluster
 from pdserve.transport import open_channel
 from pdserve.v1 import common_pb2, router_pb2, router_pb2_grpc, worker_pb2, worker_pb2_grpc
 
@@ -27,8 +28,8 @@ MESSAGES = [{"role": "user", "content": "Name three colours."}]
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory: pytest.TempPathFactory, default_model_dir: Path) -> Iterator[LocalCluster]:
-    config = LocalClusterConfig(prefill=1, decode=1, threads_per_worker=1, http_port=0, metrics=True,
-                                log_format="json", log_dir=str(tmp_path_factory.mktemp("logs")))
+    config = local_deployment(prefill=1, decode=1, threads_per_worker=1, http_port=0, metrics=True,
+                              log_format="json", log_dir=str(tmp_path_factory.mktemp("logs")))
     with LocalCluster(config) as running:
         yield running
 

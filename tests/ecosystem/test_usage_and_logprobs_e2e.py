@@ -14,7 +14,8 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from pdserve.cluster.local import LocalCluster, LocalClusterConfig
+from pdserve.cluster.launch import LaunchOptions, local_deployment
+from pdserve.cluster.local import LocalCluster
 from pdserve.v1 import common_pb2, router_pb2, router_pb2_grpc
 
 BLOCK_SIZE = 16  # the workers' default --block-size
@@ -26,11 +27,12 @@ pytestmark = pytest.mark.slow
 @pytest.fixture(scope="module", params=["1p1d", "1p1d-decode-cache-only", "colocated"])
 def cluster(request: pytest.FixtureRequest, tiny_llama_dir: Path) -> Iterator[LocalCluster]:
     topology = {"1p1d": dict(prefill=1, decode=1), "colocated": dict(prefill=0, decode=0, colocated=1),
-                # only the decode worker's reused blocks count: the prefill worker recomputes everything
-                "1p1d-decode-cache-only": dict(prefill=1, decode=1, prefill_args=("--no-prefix-caching",))}
-    config = LocalClusterConfig(model=str(tiny_llama_dir), threads_per_worker=1, http_port=0,
-                                model_name="tiny", **topology[request.param])  # type: ignore[arg-type]
-    with LocalCluster(config) as started:
+                "1p1d-decode-cache-only": dict(prefill=1, decode=1)}
+    # only the decode worker's reused blocks count: the prefill worker recomputes everything
+    options = LaunchOptions(prefill_args=("--no-prefix-caching",) if request.param.endswith("cache-only") else ())
+    config = local_deployment(model=str(tiny_llama_dir), threads_per_worker=1, http_port=0,
+                              model_name="tiny", **topology[request.param])
+    with LocalCluster(config, options) as started:
         yield started
 
 
@@ -53,7 +55,7 @@ def grpc_usage(cluster: LocalCluster, prompt: str) -> common_pb2.Usage:
 
 
 def test_repeated_prompt_reports_cached_tokens(cluster: LocalCluster) -> None:
-    prompt = f"[{cluster.config.prefill}] " + " ".join(f"word{i}" for i in range(40))  # > 3 blocks of tokens
+    prompt = f"[{cluster.config.size('prefill')}] " + " ".join(f"word{i}" for i in range(40))  # > 3 blocks of tokens
     first = http_completion(cluster, prompt)
     assert first["prompt_tokens"] > 3 * BLOCK_SIZE
     assert first["prompt_tokens_details"] == {"cached_tokens": 0}
@@ -72,7 +74,7 @@ def test_repeated_prompt_reports_cached_tokens(cluster: LocalCluster) -> None:
 def test_cache_salt_keeps_tenants_apart(cluster: LocalCluster) -> None:
     """Issue 29 row 8: a tenant cannot learn another's prompt from cached_tokens. Blocks are shared only
     within one cache_salt, through both phases (prefill and decode workers hash with the salt)."""
-    secret = f"[{cluster.config.prefill}] The PIN of the vault is 4711. " + " ".join(f"w{i}" for i in range(40))
+    secret = f"[{cluster.config.size('prefill')}] The PIN of the vault is 4711. " + " ".join(f"w{i}" for i in range(40))
 
     def cached(salt: str | None) -> int:
         body = {"prompt": secret, "max_tokens": 2, "temperature": 0, **({"cache_salt": salt} if salt else {})}

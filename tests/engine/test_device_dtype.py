@@ -64,7 +64,8 @@ def test_worker_flags_default_to_auto_and_reject_bad_names() -> None:
 
 def test_serve_passes_device_and_dtype_to_every_worker() -> None:
     from pdserve.cluster.cli import build_parser, deployment_config
-    from pdserve.cluster.local import LocalClusterConfig, local_worker_document
+    from pdserve.cluster.launch import local_deployment
+    from pdserve.cluster.local import local_worker_document
 
     args = build_parser().parse_args(["serve", "--prefill", "1", "--decode", "1", "--dtype", "bfloat16"])
     config = deployment_config(args)
@@ -73,7 +74,7 @@ def test_serve_passes_device_and_dtype_to_every_worker() -> None:
         document = local_worker_document(config, role, worker_id)
         assert (document["device"], document["dtype"]) == ("auto", "bfloat16")
     with pytest.raises(ValueError, match="device"):
-        LocalClusterConfig(device="gpu0")
+        local_deployment(device="gpu0")
 
 
 def test_ray_workers_get_the_same_flags() -> None:

@@ -19,7 +19,9 @@ ray = pytest.importorskip("ray")
 
 from waiting import eventually  # noqa: E402
 
-from pdserve.cluster.ray_cluster import RayCluster, RayClusterConfig  # noqa: E402
+from pdserve.cluster.deploy_config import DeploymentConfig  # noqa: E402
+from pdserve.cluster.launch import ray_deployment  # noqa: E402
+from pdserve.cluster.ray_cluster import RayCluster  # noqa: E402
 from pdserve.engine.config import EngineConfig  # noqa: E402
 from pdserve.engine.llm_engine import LLMEngine  # noqa: E402
 from pdserve.engine.sampling_params import SamplingParams  # noqa: E402
@@ -57,8 +59,8 @@ def _live(cluster: RayCluster) -> list[tuple[str, str]]:
     return [(w["role"], w["address"]) for w in cluster.workers()]
 
 
-def _config(**overrides: object) -> RayClusterConfig:
-    return RayClusterConfig(**{"port": 0, "threads_per_worker": 1, "drain_timeout_s": 30.0, **overrides})  # type: ignore[arg-type]
+def _config(**overrides: object) -> DeploymentConfig:
+    return ray_deployment(**{"port": 0, "threads_per_worker": 1, "drain_timeout_s": 30.0, **overrides})
 
 
 @pytest.fixture(scope="module")

@@ -18,7 +18,8 @@ ray = pytest.importorskip("ray")
 
 from waiting import eventually  # noqa: E402
 
-from pdserve.cluster.ray_cluster import RayCluster, RayClusterConfig  # noqa: E402
+from pdserve.cluster.launch import LaunchOptions, ray_deployment  # noqa: E402
+from pdserve.cluster.ray_cluster import RayCluster  # noqa: E402
 from pdserve.engine.config import EngineConfig  # noqa: E402
 from pdserve.engine.llm_engine import LLMEngine  # noqa: E402
 from pdserve.engine.sampling_params import SamplingParams  # noqa: E402
@@ -321,9 +322,8 @@ def _expected(default_model, prompts: list[str], max_tokens: int) -> list[list[i
 def test_ray_cluster_layer_streaming_matches_engine(default_model) -> None:  # noqa: ANN001
     prompts = ["Hello", "The capital of France is", "Tell me a story about the river and the old mill. " * 12]
     expected = _expected(default_model, prompts, 5)
-    config = RayClusterConfig(port=0, threads_per_worker=1, drain_timeout_s=30.0, kv_backend="ray",
-                              prefill_args=("--kv-streaming", "layer"))
-    with RayCluster(config) as cluster:
+    config = ray_deployment(port=0, threads_per_worker=1, drain_timeout_s=30.0, kv_backend="ray")
+    with RayCluster(config, options=LaunchOptions(prefill_args=("--kv-streaming", "layer"))) as cluster:
         with ThreadPoolExecutor(len(prompts)) as pool:
             results = list(pool.map(lambda p: generate(cluster.router_address, p, 5, ignore_eos=True), prompts))
         assert [r.token_ids for r in results] == expected

@@ -37,7 +37,8 @@ import psutil  # noqa: E402  (a Ray dependency)
 from ray.cluster_utils import Cluster  # noqa: E402
 from ray.util.placement_group import placement_group_table  # noqa: E402
 
-from pdserve.cluster.ray_cluster import NAMESPACE, ROUTER_NAME, RayCluster, RayClusterConfig  # noqa: E402
+from pdserve.cluster.launch import ray_deployment  # noqa: E402
+from pdserve.cluster.ray_cluster import NAMESPACE, ROUTER_NAME, RayCluster  # noqa: E402
 from pdserve.engine.config import EngineConfig  # noqa: E402
 from pdserve.engine.llm_engine import LLMEngine  # noqa: E402
 from pdserve.engine.model_loader import load_model  # noqa: E402
@@ -167,10 +168,10 @@ def test_cli_joins_cluster_strict_spread_grpc_kv_across_nodes(cluster: Cluster, 
 def deployment(cluster: Cluster, tiny_llama_dir: Path) -> Iterator[RayCluster]:
     """1 prefill + 2 decode, SPREAD over the three nodes (4 bundles, 4 CPUs: the cluster is full; decode
     workers need a decode_slot, so router and prefill share the head), KV through the object store."""
-    config = RayClusterConfig(prefill=1, decode=2, model=str(tiny_llama_dir), address=cluster.address, port=0,
-                              worker_host="node", kv_backend="ray", placement="spread", decode_resource="decode_slot",
-                              router_resource="node_head", threads_per_worker=1,
-                              kv_cache_mb=32, drain_timeout_s=20.0, poll_interval_s=0.5, startup_timeout_s=240.0)
+    config = ray_deployment(prefill=1, decode=2, model=str(tiny_llama_dir), address=cluster.address, port=0,
+                            worker_host="node", kv_backend="ray", placement="spread", decode_resource="decode_slot",
+                            router_resource="node_head", threads_per_worker=1,
+                            kv_cache_mb=32, drain_timeout_s=20.0, poll_interval_s=0.5, startup_timeout_s=240.0)
     with RayCluster(config) as deployment:
         yield deployment
 

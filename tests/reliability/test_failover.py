@@ -12,7 +12,8 @@ import grpc
 import pytest
 from injection import injected
 
-from pdserve.cluster.local import LocalCluster, LocalClusterConfig
+from pdserve.cluster.launch import LaunchOptions, local_deployment
+from pdserve.cluster.local import LocalCluster
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.llm_engine import LLMEngine
 from pdserve.engine.sampling_params import SamplingParams
@@ -68,8 +69,8 @@ def test_decode_worker_killed_mid_stream(default_model, router_args: tuple[str, 
     # all over at once
     prompts = mixed_prompts(20, seed=21)
     expected = _expected(default_model, prompts, 40, penalized=True)
-    with LocalCluster(LocalClusterConfig(prefill=1, decode=2, threads_per_worker=1,
-                                         router_args=router_args)) as cluster:
+    with LocalCluster(local_deployment(prefill=1, decode=2, threads_per_worker=1),
+                      LaunchOptions(router_args=router_args)) as cluster:
         victim = [w for w in cluster.workers if w.role == "decode"][0]
         with ThreadPoolExecutor(1) as bg:
             pending = bg.submit(_run_all, cluster.router_address, prompts, 40, True)
@@ -86,7 +87,7 @@ def test_decode_worker_killed_mid_stream(default_model, router_args: tuple[str, 
 def test_prefill_worker_killed_during_prefill(default_model) -> None:  # noqa: ANN001
     prompts = [p + " and the long story goes on" * 40 for p in mixed_prompts(8, seed=4)]
     expected = _expected(default_model, prompts, 6)
-    with LocalCluster(LocalClusterConfig(prefill=2, decode=1, threads_per_worker=1)) as cluster:
+    with LocalCluster(local_deployment(prefill=2, decode=1, threads_per_worker=1)) as cluster:
         victim = [w for w in cluster.workers if w.role == "prefill"][0]
         with ThreadPoolExecutor(1) as bg:
             pending = bg.submit(_run_all, cluster.router_address, prompts, 6)
@@ -104,16 +105,16 @@ def test_prefill_worker_killed_during_prefill(default_model) -> None:  # noqa: A
 def test_broken_kv_transfer_is_prefilled_again(fault: str, default_model) -> None:  # noqa: ANN001
     prompts = mixed_prompts(4, seed=8)
     expected = _expected(default_model, prompts, 8)
-    config = LocalClusterConfig(prefill=1, decode=1, threads_per_worker=1,
-                                decode_args=("--kv-timeout-s", "4", "--kv-backend", "grpc"))
-    with injected(kv_fault=fault, kv_fault_count=2), LocalCluster(config) as cluster:
+    config = local_deployment(prefill=1, decode=1, threads_per_worker=1)
+    options = LaunchOptions(decode_args=("--kv-timeout-s", "4", "--kv-backend", "grpc"))
+    with injected(kv_fault=fault, kv_fault_count=2), LocalCluster(config, options) as cluster:
         results = _run_all(cluster.router_address, prompts, 8)
         assert [r.token_ids for r in results] == expected
         wait_idle(_live(cluster))
 
 
 def test_no_decode_worker_left_gives_unavailable_not_a_hang() -> None:
-    with LocalCluster(LocalClusterConfig(prefill=1, decode=1, threads_per_worker=1)) as cluster:
+    with LocalCluster(local_deployment(prefill=1, decode=1, threads_per_worker=1)) as cluster:
         decode = [w for w in cluster.workers if w.role == "decode"][0]
         os.kill(decode.pid, signal.SIGKILL)
         with pytest.raises(grpc.RpcError) as err:
@@ -125,10 +126,10 @@ def test_overload_queues_then_sheds_beyond_the_bounded_queue(default_model) -> N
     capacity, queued = 4, 8
     prompts = mixed_prompts(10 * capacity, seed=13)
     expected = _expected(default_model, prompts, 4)
-    config = LocalClusterConfig(prefill=1, decode=1, threads_per_worker=1,
-                                router_args=("--max-concurrent-streams", str(capacity),
-                                             "--max-queued-requests", str(queued)))
-    with LocalCluster(config) as cluster:
+    config = local_deployment(prefill=1, decode=1, threads_per_worker=1)
+    options = LaunchOptions(router_args=("--max-concurrent-streams", str(capacity),
+                                         "--max-queued-requests", str(queued)))
+    with LocalCluster(config, options) as cluster:
         def attempt(i: int) -> object:
             try:
                 return generate(cluster.router_address, prompts[i], 4, ignore_eos=True)
@@ -148,7 +149,7 @@ def test_overload_queues_then_sheds_beyond_the_bounded_queue(default_model) -> N
 def test_sigterm_drains_a_decode_worker(default_model) -> None:  # noqa: ANN001
     prompt = "Tell me a story about the old mill by the river"
     expected = _expected(default_model, [prompt], 40)[0]
-    with LocalCluster(LocalClusterConfig(prefill=1, decode=1, threads_per_worker=1)) as cluster:
+    with LocalCluster(local_deployment(prefill=1, decode=1, threads_per_worker=1)) as cluster:
         decode = [w for w in cluster.workers if w.role == "decode"][0]
         with ThreadPoolExecutor(1) as bg:
             pending = bg.submit(generate, cluster.router_address, prompt, 40, 300, ignore_eos=True)

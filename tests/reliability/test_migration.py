@@ -24,7 +24,8 @@ import grpc
 import pytest
 from injection import injected
 
-from pdserve.cluster.local import LocalCluster, LocalClusterConfig
+from pdserve.cluster.launch import LaunchOptions, local_deployment
+from pdserve.cluster.local import LocalCluster
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.llm_engine import LLMEngine
 from pdserve.engine.model_loader import load_model
@@ -71,11 +72,10 @@ def _compute_expected(model_dir: Path, max_tokens: int, **params: object) -> lis
 TRANSPORTS = pytest.mark.parametrize("router_args", [(), ("--decode-mux",)], ids=["generate", "mux"])
 
 
-def _cluster(model_dir: Path, delay_ms: int = 60, **extra: object) -> LocalCluster:
+def _cluster(model_dir: Path, delay_ms: int = 60, router_args: tuple[str, ...] = ()) -> LocalCluster:
     with injected(step_delay_ms=delay_ms):  # the workers read it at start (LocalCluster starts them)
-        return LocalCluster(LocalClusterConfig(
-            model=str(model_dir), prefill=1, decode=2, threads_per_worker=1,
-            decode_args=("--kv-timeout-s", "20"), **extra))  # type: ignore[arg-type]
+        return LocalCluster(local_deployment(model=str(model_dir), prefill=1, decode=2, threads_per_worker=1),
+                            LaunchOptions(decode_args=("--kv-timeout-s", "20"), router_args=router_args))
 
 
 class SharedClusters:

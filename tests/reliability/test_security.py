@@ -150,7 +150,8 @@ def _ca_and_leaf(tmp: Path) -> dict[str, str]:
 
 def test_internal_mtls_between_router_and_workers(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     from pdserve import transport
-    from pdserve.cluster.local import LocalCluster, LocalClusterConfig
+    from pdserve.cluster.launch import local_deployment
+    from pdserve.cluster.local import LocalCluster
     from pdserve.v1 import worker_pb2, worker_pb2_grpc
 
     from e2e_helpers import generate, wait_idle, worker_info
@@ -161,7 +162,7 @@ def test_internal_mtls_between_router_and_workers(tmp_path: Path, monkeypatch: p
     monkeypatch.setenv(transport.ENV_CA, files["ca"])
     transport.internal_tls.cache_clear()
     try:
-        with LocalCluster(LocalClusterConfig(prefill=1, decode=1, threads_per_worker=1)) as cluster:
+        with LocalCluster(local_deployment(prefill=1, decode=1, threads_per_worker=1)) as cluster:
             assert len(generate(cluster.router_address, "The capital of France is", 5).token_ids) == 5
             roles = [(w.role, w.address) for w in cluster.workers]
             assert worker_info(roles[0][1], roles[0][0]).requests_finished == 1  # mTLS client works

@@ -17,7 +17,8 @@ import jsonschema
 import pytest
 from injection import injected
 
-from pdserve.cluster.local import LocalCluster, LocalClusterConfig
+from pdserve.cluster.launch import LaunchOptions, local_deployment
+from pdserve.cluster.local import LocalCluster
 from pdserve.v1 import common_pb2, router_pb2, router_pb2_grpc
 
 from e2e_helpers import wait_idle, worker_info
@@ -41,8 +42,9 @@ def _request(i: int) -> router_pb2.GenerateRequest:
 
 
 def test_json_schema_outputs_hold_through_migration_and_failover(default_model_dir) -> None:  # noqa: ANN001
-    config = LocalClusterConfig(prefill=1, decode=2, threads_per_worker=1, decode_args=("--kv-timeout-s", "30"))
-    with injected(step_delay_ms=40), LocalCluster(config) as cluster:
+    config = local_deployment(prefill=1, decode=2, threads_per_worker=1)
+    options = LaunchOptions(decode_args=("--kv-timeout-s", "30"))
+    with injected(step_delay_ms=40), LocalCluster(config, options) as cluster:
         stub = router_pb2_grpc.RouterStub(grpc.insecure_channel(cluster.router_address))
         texts: dict[int, str] = {}
         tokens: dict[int, int] = {}  # tokens seen so far per request
