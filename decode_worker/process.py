@@ -10,7 +10,6 @@ from __future__ import annotations
 from pdserve.decode_worker.config import DecodeWorkerConfig, build_parser, parse_args
 from pdserve.decode_worker.servicer import DecodeServicer
 from pdserve.decode_worker.worker import DecodeWorker
-from pdserve.engine.config import EngineConfig
 from pdserve.engine.fault_injection import InjectedFaults
 from pdserve.engine.metrics import WorkerMetrics
 from pdserve.kv_transfer import KvTransferServicer, grpc_message_options
@@ -46,11 +45,9 @@ def start_worker(config: DecodeWorkerConfig) -> StartedWorker:
     apply_internal_credentials(config)
     check_bind_allowed(config.host)
     model, pool = config.model, config.pool
-    engine_config = EngineConfig(model=model.path, dtype=model.dtype, device=model.device,
-                                 block_size=model.block_size, kv_cache_memory_mb=pool.kv_cache_mb,
-                                 max_num_seqs=pool.max_num_seqs, max_num_batched_tokens=pool.max_batched_tokens,
-                                 prefix_caching=pool.prefix_caching, prefill_chunk_tokens=pool.chunk_tokens or None)
-    engine_config, loaded = load_worker_model(model, engine_config)
+    engine_config, loaded = load_worker_model(model, pool, max_num_seqs=pool.max_num_seqs,
+                                              prefix_caching=pool.prefix_caching,
+                                              prefill_chunk_tokens=pool.chunk_tokens or None)
     metrics = WorkerMetrics()
     injected = InjectedFaults.from_env()  # tests only (engine/fault_injection.py)
     worker = DecodeWorker(loaded, engine_config, admission_timeout_s=pool.admission_timeout_s, metrics=metrics,

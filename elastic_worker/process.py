@@ -19,7 +19,6 @@ from pdserve.elastic_worker.servicer import (
     RoleControlServicer,
 )
 from pdserve.elastic_worker.worker import ElasticSettings, ElasticWorker, prefill_config_of
-from pdserve.engine.config import EngineConfig
 from pdserve.engine.llm_engine import build_cache
 from pdserve.engine.metrics import WorkerMetrics
 from pdserve.kv_transfer import KvTransferServicer
@@ -51,11 +50,8 @@ def start_worker(config: ElasticWorkerConfig) -> StartedWorker:
     apply_internal_credentials(shared)
     check_bind_allowed(shared.host)
     model, pool = shared.model, shared.pool
-    decode_config = EngineConfig(model=model.path, dtype=model.dtype, device=model.device,
-                                 block_size=model.block_size, kv_cache_memory_mb=pool.kv_cache_mb,
-                                 max_num_seqs=pool.max_num_seqs, max_num_batched_tokens=pool.max_batched_tokens,
-                                 prefix_caching=pool.prefix_caching)
-    decode_config, loaded = load_worker_model(model, decode_config)
+    decode_config, loaded = load_worker_model(model, pool, max_num_seqs=pool.max_num_seqs,
+                                              prefix_caching=pool.prefix_caching)
     chunk_tokens = config.prefill.pool.chunk_tokens or None
     sim = model.engine == "sim"
     if sim:

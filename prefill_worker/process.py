@@ -5,7 +5,6 @@ command line: `parse_args`, then `PrefillWorkerConfig.from_args`)."""
 
 from __future__ import annotations
 
-from pdserve.engine.config import EngineConfig
 from pdserve.engine.fault_injection import InjectedFaults
 from pdserve.engine.metrics import WorkerMetrics
 from pdserve.kv_transfer.modelled import install_modelled_links
@@ -40,10 +39,7 @@ def start_worker(config: PrefillWorkerConfig) -> StartedWorker:
     apply_internal_credentials(config)
     check_bind_allowed(config.host)
     model, pool = config.model, config.pool
-    engine_config = EngineConfig(model=model.path, dtype=model.dtype, device=model.device,
-                                 block_size=model.block_size, kv_cache_memory_mb=pool.kv_cache_mb,
-                                 max_num_batched_tokens=pool.max_batched_tokens)
-    engine_config, loaded = load_worker_model(model, engine_config)
+    engine_config, loaded = load_worker_model(model, pool)
     chunk_tokens = pool.chunk_tokens or None
     if model.engine == "sim":  # the profile's limits; KV hand-offs take its modelled time
         chunk_tokens = loaded.model.profile.engine.prefill_chunk_tokens

@@ -28,6 +28,7 @@ import grpc
 import torch
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
+from pdserve.engine.config import EngineConfig
 from pdserve.engine.kv_events import KvEventLog
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.engine.stop_checker import FINISH_ABORT, FINISH_ERROR, FINISH_LENGTH, FINISH_STOP, FINISH_STOP_STRING
@@ -342,10 +343,14 @@ def check_credentials_or_exit(config: WorkerConfig) -> None:
         raise SystemExit(2) from None
 
 
-def load_worker_model(model: ModelSection, config: Any) -> tuple[Any, Any]:  # noqa: ANN401
-    """(engine config, loaded model) for a worker's `model` settings: the simulated engine's stand-in
-    (`--engine sim`, whose profile may change the engine config's limits) or the real model,
-    resolved and loaded."""
+def load_worker_model(model: ModelSection, pool: Any, **engine: Any) -> tuple[EngineConfig, Any]:  # noqa: ANN401
+    """(engine config, loaded model) of a worker: the engine config takes the `model` section, the
+    pool's KV memory and pass budget (`kv_cache_mb`, `max_batched_tokens`) and the role's own engine
+    settings (`engine`); the model is the simulated engine's stand-in (`--engine sim`, whose profile
+    may change the engine config's limits) or the real model, resolved and loaded."""
+    config = EngineConfig(model=model.path, dtype=model.dtype, device=model.device, block_size=model.block_size,
+                          kv_cache_memory_mb=pool.kv_cache_mb, max_num_batched_tokens=pool.max_batched_tokens,
+                          **engine)
     if model.engine == "sim":
         from pdserve.engine.sim_runner import load_sim_worker
 
