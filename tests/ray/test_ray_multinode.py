@@ -274,7 +274,7 @@ def test_router_actor_restart_relearns_workers(deployment: RayCluster, engine_mo
     prompts = mixed_prompts(4, seed=53)
     max_tokens = [6] * 4
     assert _run_all(address, prompts, max_tokens) == _expected(engine_model, prompts, max_tokens)
-    status = run_cli("status", "--address", deployment.config.address, "--json")  # discoverable from any driver
+    status = run_cli("status", "--address", deployment.config.ray.address, "--json")  # discoverable from any driver
     assert status.returncode == 0 and json.loads(status.stdout)["router_address"] == address, status.stderr[-2000:]
     wait_idle(_roles(deployment))
 
