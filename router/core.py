@@ -168,6 +168,7 @@ class _Request:
     oracle: dict[str, int] | None = None  # kv_oracle: blocks cached per worker, asked at routing time
     slo_work: int = 0  # SLO admission: prefill work ahead of it at dispatch (tokens), until its first token
     slo_worker: str = ""  # the worker that prefills it
+    queued: bool = False  # it waited in the admission queue (SLO admission refuses only before that)
     dispatched_at: float = 0.0
     on_placed: Callable[[str], None] | None = None  # told the decode worker that produced the first token
 
@@ -599,6 +600,7 @@ class RouterCore:
                 if lease is None and not retry:
                     self._shed_before_queueing(state)
                 if lease is None:
+                    state.queued = True
                     lease = await asyncio.wait_for(
                         self.admission.acquire(lambda: self._assign(state), state.request.priority, retry,
                                                state.remaining_s()),
@@ -665,7 +667,9 @@ class RouterCore:
             state.slo_work = self.pool.pending_prompt_tokens(state.slo_worker)
             state.dispatched_at = time.monotonic()
             slo_s = self._slo_s(state)
-            if slo_s and self.ttft_model.ready:
+            # a request that passed the check before queueing is served, not refused after its wait:
+            # a refusal comes at once or not at all (a wrong prediction shows in SLO attainment)
+            if slo_s and self.ttft_model.ready and not state.queued:
                 try:
                     check_slo(state.clock.elapsed_s() + self.ttft_model.predict(
                         state.slo_work, lease.prefill_address or lease.decode_address), slo_s)

@@ -274,6 +274,41 @@ def test_slo_admission_refuses_at_once_what_would_miss_its_ttft(fake_server, sta
     assert stub.GetStatus(router_pb2.StatusRequest(), timeout=5).slo_shed_requests == 2
 
 
+def test_slo_admission_serves_what_it_queued_instead_of_refusing_it_after_the_wait(  # noqa: ANN001
+        fake_server, start_router) -> None:
+    """A refusal comes at once or not at all: a request that passed the check before queueing is
+    dispatched when a slot frees, even if the prediction has since turned against it, and the
+    next new request is refused at once."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from waiting import eventually
+
+    prefill, decode = FakePrefill(), HoldingDecode()
+    _server, stub = start_router(RouterConfig(prefill=(fake_server(prefill),), decode=(fake_server(decode),),
+                                              poll_interval_s=0.05, slo_ttft_s=2.0))
+    decode.release.set()
+    for i in range(6):  # teach the TTFT model
+        assert _consume(stub, f"warm{i}")[-1].finish_reason == common_pb2.FINISH_REASON_LENGTH
+    decode.release.clear()
+    with ThreadPoolExecutor(4) as pool:
+        holding = [pool.submit(_consume, stub, f"hold{i}") for i in range(3)]  # the worker's 3 places
+        eventually(lambda: decode.open == 9, 20)
+        waiting = pool.submit(_consume, stub, "queued")
+        eventually(lambda: stub.GetStatus(router_pb2.StatusRequest(), timeout=5).queued_requests == 1, 20)
+        prefill.info.queued_prompt_tokens = 10**9  # now nothing fits the SLO any more
+        eventually(lambda: any(w.queued_prompt_tokens == 10**9
+                               for w in stub.GetStatus(router_pb2.StatusRequest(), timeout=5).workers), 10)
+        decode.release.set()
+        assert waiting.result(timeout=60)[-1].finish_reason == common_pb2.FINISH_REASON_LENGTH
+        assert all(f.result(timeout=60)[-1].finish_reason for f in holding)
+    assert stub.GetStatus(router_pb2.StatusRequest(), timeout=5).slo_shed_requests == 0
+    started = time.monotonic()
+    with pytest.raises(grpc.RpcError) as refused:  # a new request meets the backlog before it waits
+        _consume(stub, "late")
+    assert refused.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and time.monotonic() - started < 5
+    assert stub.GetStatus(router_pb2.StatusRequest(), timeout=5).slo_shed_requests == 1
+
+
 def test_ttft_model_uses_a_workers_recent_ttft_and_forgets_it() -> None:
     from pdserve.router.slo import MIN_SAMPLES, RECENT_S, TtftModel
 
