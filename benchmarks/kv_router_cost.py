@@ -5,8 +5,9 @@ workers' caches. Prints the CPU model and flags with the figures.
 Three cases, each request a new one (nothing is measured on a prompt tokenized before):
 - a plain prompt of --tokens tokens, new text each time (nothing to reuse);
 - a chat follow-up turn: a history of about --tokens tokens (system prompt and earlier turns, sent
-  before) plus a new user message, tokenized whole (as before PieceCache) ...
-- ... and with the router's PieceCache (only the new turn is tokenized).
+  before) plus a new user message, tokenized and hashed whole (as before PieceCache) ...
+- ... and with the router's PieceCache and RecentChains (only the new turn is tokenized, and only
+  the blocks past the history sent before are hashed).
 
     python benchmarks/kv_router_cost.py [--model DIR] [--tokens 2000] [--workers 8] [--repeat 200]
 """
@@ -21,7 +22,7 @@ import time
 from typing import Any
 
 from pdserve.model_cache import default_model_dir
-from pdserve.router.kv_index import KvIndex, PromptKeys
+from pdserve.router.kv_index import KvIndex, PromptKeys, RecentChains
 from pdserve.tokenization import encode_chat
 from pdserve.v1 import common_pb2, router_pb2
 
@@ -101,7 +102,8 @@ def main() -> None:
     args = ap.parse_args()
     keys = PromptKeys.load(args.model)
     whole = PromptKeys(keys.tokenizer)
-    whole.pieces = None  # tokenizes every prompt whole, as the router did before PieceCache
+    whole.pieces = None  # tokenizes every prompt whole, as the router did before PieceCache ...
+    whole.chains = RecentChains(max_prompts=0)  # ... and hashes every block (before RecentChains)
     rng = random.Random(0)
     prompts = []
     for i in range(args.repeat):
@@ -119,7 +121,7 @@ def main() -> None:
     print(f"index: {len(index):,} entries over {args.workers} workers; blocks of {args.block_size}; "
           f"median of {args.repeat} requests each")
     _report("plain prompt, new each time", *_measure(keys, index, prompts, args.block_size))
-    _report("chat follow-up, tokenized whole", *_measure(whole, index, follow_ups, args.block_size))
+    _report("chat follow-up, tokenized and hashed whole", *_measure(whole, index, follow_ups, args.block_size))
     tokenize, lookup, tokens = [], [], 0
     for request, follow_up in zip(before, follow_ups, strict=True):  # its history was sent just before
         keys.keys(request, args.block_size)
@@ -128,7 +130,7 @@ def main() -> None:
         lookup += one_lookup
         assert keys.keys(follow_up, args.block_size) == whole.keys(follow_up, args.block_size), \
             "PieceCache changed a prompt's keys"
-    _report("chat follow-up, PieceCache", tokenize, lookup, tokens)
+    _report("chat follow-up, PieceCache + RecentChains", tokenize, lookup, tokens)
 
 if __name__ == "__main__":
     main()

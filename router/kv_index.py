@@ -29,13 +29,14 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import grpc
 
 from pdserve.model_cache import default_model_dir
-from pdserve.prefix_hashing import block_hashes
+from pdserve.prefix_hashing import chain_hashes, chain_start, packed_blocks
 from pdserve.tokenization import PieceCache, chat_from_pb, encode_chat, encode_text
 from pdserve.v1 import router_pb2, worker_pb2, worker_pb2_grpc
 
@@ -64,6 +65,7 @@ class PromptKeys:
         self.tokenizer = tokenizer
         # a follow-up turn re-sends the whole chat: only its new turns are tokenized (same ids)
         self.pieces = PieceCache(tokenizer) if tokenizer is not None else None
+        self.chains = RecentChains()  # ... and only its new blocks are hashed
 
     @classmethod
     def load(cls, path: str) -> PromptKeys:
@@ -95,8 +97,70 @@ class PromptKeys:
         if not ids or block_size <= 0:
             return [], len(ids)
         # the last prompt token is always computed (it yields the first token): never a cache hit
-        hashes = block_hashes(ids[:-1], block_size, request.params.cache_salt)
-        return [key_of(h) for h in hashes], len(ids)
+        return self.chains.keys(ids[:-1], block_size, request.params.cache_salt), len(ids)
+
+
+#: RecentChains' bound: prompts whose block keys it keeps (about 30 KB each at 2,000 tokens: 30 MB).
+RECENT_CHAINS = 1024
+#: Prompts kept per first block (a shared system prompt starts many conversations).
+CHAINS_PER_START = 8
+
+
+class RecentChains:
+    """The block keys of recent prompts, so that a prompt extending one seen before (a chat's
+    follow-up turn re-sends the whole chat) hashes only its blocks past the longest common run of
+    full blocks. Exact: a block's hash depends only on the tokens up to its end, and the common
+    blocks are compared byte for byte, never by hash. Bounded: `max_prompts` prompts (least recently
+    used out), at most `per_start` behind one first block. Thread-safe."""
+
+    def __init__(self, max_prompts: int = RECENT_CHAINS, per_start: int = CHAINS_PER_START) -> None:
+        self.max_prompts, self.per_start = max_prompts, per_start
+        self._lock = threading.Lock()
+        # (salt, block size, the first block's bytes) -> [(the prompt's packed blocks, hashes, keys)]
+        self._by_start: OrderedDict[tuple[str, int, bytes], list[tuple[bytes, list[bytes], list[int]]]] = \
+            OrderedDict()
+        self._count = 0
+        self.reused_blocks = 0
+
+    def keys(self, token_ids: Sequence[int], block_size: int, salt: str = "") -> list[int]:
+        data, step = packed_blocks(token_ids, block_size), 8 * block_size
+        if not data:
+            return []
+        start = (salt, block_size, data[:step])
+        with self._lock:
+            seen = list(self._by_start.get(start, ()))
+        common, hashes, keys = 0, [], []
+        for old_data, old_hashes, old_keys in seen:
+            blocks = _common_blocks(data, old_data, step)
+            if blocks > common:
+                common, hashes, keys = blocks, old_hashes[:blocks], old_keys[:blocks]
+        new = chain_hashes(data[common * step:], block_size, hashes[-1] if hashes else chain_start(salt))
+        hashes = hashes + new
+        keys = keys + [key_of(h) for h in new]
+        with self._lock:
+            self.reused_blocks += common
+            chains = self._by_start.setdefault(start, [])
+            self._by_start.move_to_end(start)
+            before = len(chains)
+            chains[:] = [c for c in chains if not data.startswith(c[0])][-(self.per_start - 1):]
+            chains.append((data, hashes, keys))
+            self._count += len(chains) - before
+            while self._count > self.max_prompts:
+                _, dropped = self._by_start.popitem(last=False)
+                self._count -= len(dropped)
+        return keys
+
+
+def _common_blocks(a: bytes, b: bytes, step: int) -> int:
+    """How many whole blocks of `step` bytes `a` and `b` share from their start (binary search)."""
+    low, high = 0, min(len(a), len(b)) // step
+    while low < high:
+        mid = (low + high + 1) // 2
+        if a[: mid * step] == b[: mid * step]:
+            low = mid
+        else:
+            high = mid - 1
+    return low
 
 
 class KvIndex:

@@ -86,6 +86,33 @@ def test_prompt_keys_match_the_workers_hashes_and_honour_the_salt() -> None:
     assert salted == _keys(ids[:-1], "tenant-a") and salted != keys
 
 
+def test_recent_chains_reuse_a_seen_prefix_and_give_the_same_keys_as_hashing_whole() -> None:
+    """Follow-ups, forks inside a block, other salts and block sizes: every prompt's keys equal those
+    of hashing it whole, the shared blocks are hashed once, and the bound holds."""
+    import random
+
+    from pdserve.prefix_hashing import block_hashes
+    from pdserve.router.kv_index import RecentChains
+
+    rng = random.Random(7)
+    chains = RecentChains(max_prompts=6, per_start=3)
+    system = [rng.randrange(50_000) for _ in range(100)]  # 6 full blocks of 16 shared by every chat
+    chats = [list(system) for _ in range(4)]
+    for _turn in range(3):
+        for chat in chats:
+            chat += [rng.randrange(50_000) for _ in range(rng.randrange(1, 40))]
+            for salt, block_size in (("", 16), ("", 4), ("tenant", 16)):
+                expected = [key_of(h) for h in block_hashes(chat, block_size, salt)]
+                assert chains.keys(chat, block_size, salt) == expected
+    assert chains.reused_blocks > 0
+    fork = chats[0][:37] + [50_001] + chats[0][38:]  # differs inside block 2 (of 16)
+    reused = chains.reused_blocks
+    assert chains.keys(fork, 16) == [key_of(h) for h in block_hashes(fork, 16)]
+    assert chains.reused_blocks - reused == 2  # blocks 0 and 1 only
+    assert chains._count <= 6 and all(len(c) <= 3 for c in chains._by_start.values())
+    assert chains.keys(system[:15], 16) == []  # no full block
+
+
 @pytest.fixture()
 def event_server():
     """A real loopback worker server publishing one swappable log (`holder[0]`)."""
