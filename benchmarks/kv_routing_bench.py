@@ -243,7 +243,8 @@ def run_policy(policy: str, topology: str, work: Workload, args: argparse.Namesp
         wall = time.perf_counter() - started
         router = cluster.metrics_addresses["router"]
         routes = {k.split('"')[1]: v for k, v in _metric(router, "pdserve_route_decisions_total").items() if '"' in k}
-        metrics = {"shipped": _metric(router, "pdserve_route_shipped_tokens_total")}
+        metrics = {"shipped": _metric(router, "pdserve_route_shipped_tokens_total"),
+                   "shed_answer": _metric(router, "pdserve_slo_shed_answer_seconds")}
         stub = router_pb2_grpc.RouterStub(grpc.insecure_channel(cluster.router_address))
         status = stub.GetStatus(router_pb2.StatusRequest(), timeout=10)
     summary = summarize(turns, args.slo_ttft, args.slo_tpot)
@@ -252,6 +253,11 @@ def run_policy(policy: str, topology: str, work: Workload, args: argparse.Namesp
     # prompt tokens whose K/V crossed to a decode worker: measured (its KV bytes received) with the model
     # engine; the sim engine models transfers without bytes, so there the router's count of what the
     # chosen decode worker lacked (KV-aware policies only) stands in
+    # the router's own time from receipt to refusal (the client's figure adds its own event loop's lag)
+    shed_answer = metrics["shed_answer"]
+    refused = shed_answer.get("_count", 0.0)
+    summary["router_shed_answer_ms_mean"] = shed_answer.get("_sum", 0.0) / refused * 1e3 if refused else None
+    summary["router_shed_within_50ms"] = shed_answer.get('_bucket{le="0.05"}', 0.0) / refused if refused else None
     received = sum(w.kv_bytes_received for w in status.workers)
     shipped = sum(metrics["shipped"].values()) if name in ("kv_aware", "kv_oracle") else None
     crossed = shipped if profile else received / kv_bytes_per_token
@@ -336,7 +342,9 @@ def main() -> int:
                       f"{_fmt(result['follow_up_network_share'])})  "
                       f"errors {result['errors']} (shed {result['shed']}, admitted attainment "
                       f"{result['admitted_slo_attainment']:.3f}, shed answer p50/max "
-                      f"{_fmt(result['shed_answer_ms_p50'])}/{_fmt(result['shed_answer_ms_max'])} ms)  "
+                      f"{_fmt(result['shed_answer_ms_p50'])}/{_fmt(result['shed_answer_ms_max'])} ms; router: "
+                      f"mean {_fmt(result['router_shed_answer_ms_mean'])} ms, "
+                      f"{_fmt(result['router_shed_within_50ms'])} within 50 ms)  "
                       f"routes {result['routes']}  ({result['wall_s']:.0f} s wall)",
                       flush=True)
     if args.json:

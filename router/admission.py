@@ -23,6 +23,7 @@ import heapq
 import itertools
 import math
 import time
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Generic, TypeVar
@@ -33,6 +34,10 @@ L = TypeVar("L")
 RECHECK_INTERVAL_S = 0.05
 #: Weight of the newest sample in the moving average of service time.
 SERVICE_TIME_ALPHA = 0.05
+#: The queue's pace: the mean of this many recent intervals between two departures from a backlogged
+#: queue, once at least MIN_PACE_SAMPLES are known.
+PACE_SAMPLES = 64
+MIN_PACE_SAMPLES = 8
 
 
 class QueueFull(RuntimeError):
@@ -70,6 +75,9 @@ class AdmissionQueue(Generic[L]):
         self.queue_time_s_sum = 0.0
         self._service_time_s = 0.0  # moving average of admitted -> finished, seconds
         self._slots = 1  # requests served at once, as the last successful assignment saw it
+        # intervals between departures while requests kept waiting: the pace at which the queue moves
+        self._pace: deque[float] = deque(maxlen=PACE_SAMPLES)
+        self._backlogged_since: float | None = None  # the last departure that left others waiting
 
     def __len__(self) -> int:
         return sum(1 for w in self._heap if not w.future.done())
@@ -121,7 +129,15 @@ class AdmissionQueue(Generic[L]):
                 continue
             heapq.heappop(self._heap)
             head.future.set_result(self._admitted(lease, head.enqueued_at))
+            self._departed(time.monotonic())
         self._arm_timer()
+
+    def _departed(self, now: float) -> None:
+        """A waiter left the queue admitted: learn the pace from the interval since the previous
+        departure, when the queue stayed backlogged between the two."""
+        if self._backlogged_since is not None:
+            self._pace.append(now - self._backlogged_since)
+        self._backlogged_since = now if len(self) else None
 
     def finished(self, service_time_s: float, slots: int) -> None:
         """A request admitted earlier ended after `service_time_s`; `slots` requests run at once."""
@@ -133,8 +149,12 @@ class AdmissionQueue(Generic[L]):
         self.wake()
 
     def predicted_wait_s(self, position: int | None = None) -> float:
-        """Expected wait of a request joining at `position` (default: the back of the queue)."""
+        """Expected wait of a request joining at `position` (default: the back of the queue): the
+        queue's measured pace (the mean interval between departures while it was backlogged) per
+        request ahead, or, before that is known, the mean service time over the slots."""
         ahead = len(self) if position is None else position
+        if len(self._pace) >= MIN_PACE_SAMPLES:
+            return (ahead + 1) * sum(self._pace) / len(self._pace)
         return (ahead + 1) / self._slots * self._service_time_s
 
     def _admitted(self, lease: L, enqueued_at: float) -> L:

@@ -66,7 +66,7 @@ from pdserve.router.policies import (
     make_policy,
     prefix_key,
 )
-from pdserve.router.slo import SloMiss, TtftModel
+from pdserve.router.slo import Calibration, SloMiss, TtftModel
 from pdserve.router.slo import check as check_slo
 from pdserve.router.validation import InvalidRequest, validate_generate_request
 from pdserve.router.worker_pool import ROLE_PB, Lease, NoHealthyWorker, SwitchRefused, WorkerPool
@@ -169,6 +169,7 @@ class _Request:
     slo_work: int = 0  # SLO admission: prefill work ahead of it at dispatch (tokens), until its first token
     slo_worker: str = ""  # the worker that prefills it
     queued: bool = False  # it waited in the admission queue (SLO admission refuses only before that)
+    predicted_ttft_s: float = 0.0  # SLO admission's prediction before it queued (calibrated by the outcome)
     dispatched_at: float = 0.0
     on_placed: Callable[[str], None] | None = None  # told the decode worker that produced the first token
 
@@ -209,6 +210,7 @@ class RouterCore:
         self._muxes: dict[str, DecodeMux] = {}  # --decode-mux: one GenerateMux call per decode worker
         self._metadata = internal_metadata()
         self.ttft_model = TtftModel()  # SLO admission (router/slo.py)
+        self.ttft_calibration = Calibration()
         self.slo_shed = 0
         self._live: dict[int, _Request] = {}  # requests in flight, by id() (their internal id changes)
         self._tasks: set[asyncio.Task] = set()  # drain migrations under way
@@ -610,6 +612,7 @@ class RouterCore:
             except SloMiss as exc:
                 self.slo_shed += 1
                 self.metrics.prom.slo_shed.inc()
+                self.metrics.prom.slo_shed_answer.observe(state.clock.elapsed_s())
                 raise RouterError(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc), exc.retry_after_s) from None
             except (asyncio.TimeoutError, TimeoutError):
                 self._end_worker_wait(waited_since, "gave_up")
@@ -700,10 +703,16 @@ class RouterCore:
         if slo_s and self.ttft_model.ready:
             prompt = state.prompt_tokens or estimate_prompt_tokens(state.request)
             after_queue = self.ttft_model.best(self.pool.prefill_backlogs(), prompt)
-            check_slo(state.clock.elapsed_s() + self.admission.predicted_wait_s() + after_queue, slo_s)
+            state.predicted_ttft_s = state.clock.elapsed_s() + self.admission.predicted_wait_s() + after_queue
+            check_slo(state.predicted_ttft_s * self.ttft_calibration.factor, slo_s)
 
     def _first_token(self, state: _Request) -> None:
-        """The request's first token arrived: teach the TTFT model what its work took."""
+        """The request's first token arrived: teach the TTFT model what its work took, and the
+        calibration how its prediction before queueing compared."""
+        if state.queued and state.predicted_ttft_s:
+            self.ttft_calibration.observe(state.predicted_ttft_s, state.clock.elapsed_s())
+            self.metrics.prom.slo_calibration.set(self.ttft_calibration.factor)
+            state.predicted_ttft_s = 0.0
         if state.dispatched_at:
             self.ttft_model.observe(time.monotonic() - state.dispatched_at, state.slo_work, state.slo_worker)
             state.dispatched_at = 0.0

@@ -68,3 +68,7 @@ class RouterPrometheus:
                                       "(KV-aware policies)", registry=r)
         self.slo_shed = Counter("pdserve_slo_shed", "Requests refused because their predicted TTFT exceeded "
                                 "their SLO", registry=r)
+        self.slo_calibration = Gauge("pdserve_slo_calibration", "SLO admission: the factor its predictions before "
+                                     "queueing are scaled by (90th percentile of actual / predicted TTFT)", registry=r)
+        self.slo_shed_answer = Histogram("pdserve_slo_shed_answer_seconds", "Request received -> refused by SLO "
+                                         "admission", buckets=LATENCY_BUCKETS, registry=r)

@@ -11,8 +11,12 @@ The model: TTFT after dispatch is the larger of
   waits, whatever the token count says (a decode worker prefilling locally between decode steps).
 A request that would wait in the admission queue is checked before it queues: the queue's predicted
 wait plus the best prediction over every worker that could take it (its backlog and recent TTFT),
-so that a refusal is answered at once rather than after the wait. Until `MIN_SAMPLES`
-first tokens were observed nothing is refused: the router does not guess before it has measured.
+so that a refusal is answered at once rather than after the wait; a request that passed that check
+is served, never refused after its wait. How far that prediction ran short is measured on the
+requests it admitted (`Calibration`: actual TTFT / predicted, at the 90th percentile of the recent
+ones) and the check scales its prediction by it, so that the admitted meet their SLO whatever the
+queue's model gets wrong under load. Until `MIN_SAMPLES` first tokens were observed nothing is
+refused: the router does not guess before it has measured.
 
 Invariants:
 - A refusal happens before any worker does work for the request (at admission), answers
@@ -24,6 +28,7 @@ from __future__ import annotations
 
 import math
 import time
+from collections import deque
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
@@ -38,6 +43,15 @@ MIN_WORK_TOKENS = 64
 RECENT_S = 1.0
 #: Weight of the newest first token in a worker's recent TTFT.
 RECENT_ALPHA = 0.3
+
+
+#: Calibration: the admitted requests' (predicted, actual) pairs it keeps, the fewest it acts on, and
+#: the share of them whose actual TTFT the calibrated prediction covers.
+CALIBRATION_SAMPLES = 256
+MIN_CALIBRATION_SAMPLES = 20
+CALIBRATION_QUANTILE = 0.9
+#: The calibration factor's floor (a prediction is never trusted to overstate by more than this).
+MIN_CALIBRATION = 0.25
 
 
 class SloMiss(RuntimeError):
@@ -84,6 +98,24 @@ class TtftModel:
         average, when = self.recent.get(worker, (0.0, 0.0))
         now = time.monotonic() if now is None else now
         return max(by_work, average) if now - when <= RECENT_S else by_work
+
+
+class Calibration:
+    """How far the TTFTs of admitted requests ran over what was predicted for them: `factor` is
+    the CALIBRATION_QUANTILE of actual / predicted over the last CALIBRATION_SAMPLES (1 until
+    MIN_CALIBRATION_SAMPLES are known), so a prediction times it covers that share of requests."""
+
+    def __init__(self) -> None:
+        self._ratios: deque[float] = deque(maxlen=CALIBRATION_SAMPLES)
+        self.factor = 1.0
+
+    def observe(self, predicted_s: float, actual_s: float) -> None:
+        if predicted_s <= 0:
+            return
+        self._ratios.append(actual_s / predicted_s)
+        if len(self._ratios) >= MIN_CALIBRATION_SAMPLES:
+            ranked = sorted(self._ratios)
+            self.factor = max(MIN_CALIBRATION, ranked[min(len(ranked) - 1, int(CALIBRATION_QUANTILE * len(ranked)))])
 
 
 def check(predicted_s: float, slo_s: float) -> None:

@@ -74,6 +74,35 @@ def test_head_of_line_is_never_overtaken_and_cancelled_waiters_are_skipped() -> 
     assert order == ["first", "last"] and left == 0
 
 
+def test_the_predicted_wait_follows_the_pace_at_which_the_queue_moved() -> None:
+    """Once a backlogged queue has let requests go, its predicted wait is the measured interval
+    between departures per request ahead, whatever the service-time model said."""
+    from pdserve.router.admission import MIN_PACE_SAMPLES
+
+    async def scenario() -> tuple[float, float, float]:
+        slots = Slots(0)
+        queue: AdmissionQueue[str] = AdmissionQueue(100, release=lambda _: None)
+        queue.finished(10.0, 1)  # the service-time model: 10 s per request, one at a time
+        waiting = [asyncio.create_task(queue.acquire(slots.assign(f"r{i}"))) for i in range(MIN_PACE_SAMPLES + 6)]
+        await asyncio.sleep(0.01)
+        before = queue.predicted_wait_s()
+        for _ in range(MIN_PACE_SAMPLES + 1):  # one departure every 20 ms while others wait
+            slots.free += 1
+            queue.wake()
+            await asyncio.sleep(0.02)
+        ahead = len(queue)
+        after = queue.predicted_wait_s()
+        for task in waiting:
+            task.cancel()
+        await asyncio.gather(*waiting, return_exceptions=True)
+        return before, after, after / (ahead + 1)
+
+    before, after, pace = run(scenario())
+    assert before > 100  # 15 ahead at 10 s each, one at a time
+    assert 0.015 < pace < 0.2, pace  # the measured 20 ms per departure (a loaded machine sleeps longer)
+    assert after < 5
+
+
 def test_a_full_queue_refuses_at_once_with_a_retry_hint() -> None:
     async def scenario() -> QueueFull:
         slots = Slots(0)
@@ -321,6 +350,21 @@ def test_ttft_model_uses_a_workers_recent_ttft_and_forgets_it() -> None:
     assert model.predict(100, "w2", now=1.5) > 1.5  # recent TTFT there, not 100 tokens' worth (1 ms)
     assert model.predict(100, "w2", now=1.0 + RECENT_S + 0.1) < 1.0  # forgotten without news
     assert model.predict(100, "w1", now=1.5) < 1.0  # the other worker is not affected
+
+
+def test_calibration_is_the_90th_percentile_of_how_far_ttfts_ran_over_their_prediction() -> None:
+    from pdserve.router.slo import MIN_CALIBRATION_SAMPLES, Calibration
+
+    calibration = Calibration()
+    for _ in range(MIN_CALIBRATION_SAMPLES - 1):
+        calibration.observe(0.1, 0.3)
+    assert calibration.factor == 1.0  # too few outcomes to act on
+    for i in range(100):  # actual / predicted: 1.00, 1.02, ... 2.98 (and the 3.0s above)
+        calibration.observe(0.1, 0.1 * (1 + i / 50))
+    assert 2.7 < calibration.factor <= 3.0
+    for _ in range(256):  # predictions that now hold: the old outcomes are forgotten
+        calibration.observe(0.1, 0.05)
+    assert calibration.factor == 0.5
 
 
 def test_ttft_model_best_is_the_best_worker_for_the_prompt_now() -> None:
