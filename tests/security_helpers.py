@@ -96,3 +96,19 @@ def cached_grpc(address: str, token: str) -> int:
         answers = list(router_pb2_grpc.RouterStub(channel).Generate(
             request, timeout=120, metadata=(("authorization", f"Bearer {token}"),)))
     return answers[-1].usage.cached_tokens
+
+
+def assert_unknown_token_refused(http_port: int, grpc_address: str, token: str = "token-of-mallory") -> None:
+    """A token that is not in the tokens file is refused on both APIs: HTTP 401, gRPC UNAUTHENTICATED."""
+    import urllib.error
+
+    import grpc
+    import pytest
+
+    with pytest.raises(urllib.error.HTTPError) as err:
+        cached_http(http_port, token)
+    assert err.value.code == 401
+    err.value.close()
+    with pytest.raises(grpc.RpcError) as rpc_err:
+        cached_grpc(grpc_address, token)
+    assert rpc_err.value.code() == grpc.StatusCode.UNAUTHENTICATED
