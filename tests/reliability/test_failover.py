@@ -4,9 +4,11 @@ undisturbed run, and every pool is full again afterwards.
 Where the failure is a worker's death or a broken transfer, the workers serve a tiny random Llama (the
 point is the failover path, not the model) and decode workers sleep before each step
 (PDSERVE_INJECT_STEP_DELAY_MS) so that streams are still running when the test acts: the default
-model's load and compute in every process made these tests the suite's slowest. The prefill-kill and
-overload tests keep the default model: its prefill passes are what keep prompts queued long enough to
-kill a prefill worker holding them, and requests in flight long enough to fill the router's queue."""
+model's load and compute in every process made these tests the suite's slowest. The overload test runs
+so too: with the step delay a request of 4 tokens stays in flight for 160 ms or more, far longer than
+its 40 requests take to arrive, so the router's slots and queue fill as they did with the default model.
+The prefill-kill test keeps the default model: its prefill passes are what keep prompts queued long
+enough to kill a prefill worker holding them."""
 
 from __future__ import annotations
 
@@ -144,14 +146,14 @@ def test_no_decode_worker_left_gives_unavailable_not_a_hang(tiny_llama_dir: Path
         assert err.value.code() == grpc.StatusCode.UNAVAILABLE
 
 
-def test_overload_queues_then_sheds_beyond_the_bounded_queue(default_model) -> None:  # noqa: ANN001
+def test_overload_queues_then_sheds_beyond_the_bounded_queue(tiny_llama_dir: Path, tiny_llama: LoadedModel) -> None:
     capacity, queued = 4, 8
     prompts = mixed_prompts(10 * capacity, seed=13)
-    expected = _expected(default_model, prompts, 4)
-    config = local_deployment(prefill=1, decode=1, threads_per_worker=1)
+    expected = _expected(tiny_llama, prompts, 4)
+    config = _tiny_deployment(tiny_llama_dir)
     options = LaunchOptions(router_args=("--max-concurrent-streams", str(capacity),
                                          "--max-queued-requests", str(queued)))
-    with LocalCluster(config, options) as cluster:
+    with injected(step_delay_ms=STEP_DELAY_MS), LocalCluster(config, options) as cluster:
         def attempt(i: int) -> object:
             try:
                 return generate(cluster.router_address, prompts[i], 4, ignore_eos=True)
