@@ -1,9 +1,16 @@
-"""Chunked prefill and the prefix cache on a real prefill worker: same tokens, nothing leaked."""
+"""Chunked prefill and the prefix cache on a real prefill worker: same tokens, nothing leaked.
+
+The token-equality and block-count tests serve a tiny random Llama (the default model's tokenizer, so
+prompts have the same token counts and share the same blocks): what they check is the prefill worker's
+bookkeeping, which no model property changes, and each saved the default model's load in two worker
+processes. Eviction keeps the default model (its 8 MiB pool holds only a few of its large blocks) and so
+does the short-prompt test (only the default model's passes are long enough to go between)."""
 
 from __future__ import annotations
 
 import threading
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import pytest
 from waiting import eventually
@@ -13,6 +20,7 @@ from pdserve.cluster.local import LocalCluster
 from pdserve.engine.block_pool import blocks_for_tokens
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.llm_engine import LLMEngine
+from pdserve.engine.model_loader import LoadedModel, load_model
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.tokenization import encode_text
 
@@ -21,16 +29,21 @@ from e2e_helpers import generate, wait_idle, worker_info
 SHARED = "You are a careful assistant. Answer briefly and precisely. " * 12
 
 
-def _expected(default_model, prompts: list[str], max_tokens: int) -> list[list[int]]:  # noqa: ANN001
-    engine = LLMEngine(default_model, EngineConfig(num_blocks=1024))
-    ids = [encode_text(default_model.tokenizer, p) for p in prompts]
+@pytest.fixture(scope="module")
+def tiny_llama(tiny_llama_dir: Path) -> LoadedModel:
+    return load_model(tiny_llama_dir)
+
+
+def _expected(loaded: LoadedModel, prompts: list[str], max_tokens: int) -> list[list[int]]:
+    engine = LLMEngine(loaded, EngineConfig(num_blocks=1024))
+    ids = [encode_text(loaded.tokenizer, p) for p in prompts]
     return engine.generate(ids, SamplingParams(max_tokens=max_tokens, ignore_eos=True))
 
 
-def test_chunked_prefill_and_prefix_hits_give_the_same_tokens(default_model) -> None:  # noqa: ANN001
+def test_chunked_prefill_and_prefix_hits_give_the_same_tokens(tiny_llama_dir: Path, tiny_llama: LoadedModel) -> None:
     prompts = [SHARED + q for q in ("What is a river?", "Name a sea.", "What is flour?", "Who was the miller?")]
-    expected = _expected(default_model, prompts, 6)
-    config = local_deployment(prefill=1, decode=1, threads_per_worker=1)
+    expected = _expected(tiny_llama, prompts, 6)
+    config = local_deployment(model=str(tiny_llama_dir), prefill=1, decode=1, threads_per_worker=1)
     with LocalCluster(config, LaunchOptions(prefill_args=("--prefill-chunk-tokens", "48"))) as cluster:
         roles = [(w.role, w.address) for w in cluster.workers]
         prefill = dict(roles)["prefill"]
@@ -40,7 +53,7 @@ def test_chunked_prefill_and_prefix_hits_give_the_same_tokens(default_model) -> 
         assert [r.token_ids for r in [first, *rest]] == expected
         info = worker_info(prefill, "prefill")
         assert info.prefix_cache_hit_blocks >= 3 * 8  # the shared prefix spans many full blocks
-        assert info.prefill_tokens_computed < sum(len(encode_text(default_model.tokenizer, p)) for p in prompts)
+        assert info.prefill_tokens_computed < sum(len(encode_text(tiny_llama.tokenizer, p)) for p in prompts)
         wait_idle(roles)
 
 
@@ -82,10 +95,10 @@ def test_eviction_under_pressure_leaks_nothing(default_model) -> None:  # noqa: 
         assert prefill.prefix_cache_blocks <= prefill.kv_blocks_total and prefill.kv_blocks_used == 0
 
 
-def test_layer_wise_streaming_gives_the_same_tokens(default_model) -> None:  # noqa: ANN001
+def test_layer_wise_streaming_gives_the_same_tokens(tiny_llama_dir: Path, tiny_llama: LoadedModel) -> None:
     prompts = [SHARED + "Tell me about the sea.", "Hello", "The capital of France is " * 30]
-    expected = _expected(default_model, prompts, 6)
-    config = local_deployment(prefill=1, decode=1, threads_per_worker=1)
+    expected = _expected(tiny_llama, prompts, 6)
+    config = local_deployment(model=str(tiny_llama_dir), prefill=1, decode=1, threads_per_worker=1)
     options = LaunchOptions(prefill_args=("--kv-streaming", "layer", "--prefill-chunk-tokens", "64"),
                             decode_args=("--kv-backend", "grpc"))
     with LocalCluster(config, options) as cluster:
@@ -107,12 +120,13 @@ def _common_prefix(a: list[int], b: list[int]) -> int:
 
 
 @pytest.mark.parametrize(("backend", "streaming"), [("shm", "request"), ("grpc", "layer")])
-def test_decode_worker_receives_only_the_blocks_it_lacks(default_model, backend: str, streaming: str) -> None:  # noqa: ANN001
+def test_decode_worker_receives_only_the_blocks_it_lacks(tiny_llama_dir: Path, tiny_llama: LoadedModel,
+                                                         backend: str, streaming: str) -> None:
     prompts = [SHARED + "What is a river?", SHARED + "Name a sea, please."]
-    ids = [encode_text(default_model.tokenizer, p) for p in prompts]
-    expected = _expected(default_model, prompts, 6)
-    block_bytes = default_model.kv_shape(16).bytes_per_block
-    config = local_deployment(prefill=1, decode=1, threads_per_worker=1)
+    ids = [encode_text(tiny_llama.tokenizer, p) for p in prompts]
+    expected = _expected(tiny_llama, prompts, 6)
+    block_bytes = tiny_llama.kv_shape(16).bytes_per_block
+    config = local_deployment(model=str(tiny_llama_dir), prefill=1, decode=1, threads_per_worker=1)
     options = LaunchOptions(prefill_args=("--kv-streaming", streaming), decode_args=("--kv-backend", backend))
     with LocalCluster(config, options) as cluster:
         roles = [(w.role, w.address) for w in cluster.workers]

@@ -7,6 +7,7 @@ import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 from pdserve.cluster.launch import local_deployment
 from pdserve.cluster.local import LocalCluster
@@ -52,8 +53,11 @@ def test_serve_prints_address_serves_and_stops_on_sigterm_without_orphans() -> N
             proc.kill()
 
 
-def test_short_prompts_prefilled_on_the_decode_worker() -> None:
-    config = local_deployment(prefill=1, decode=1, threads_per_worker=1, local_prefill_threshold=32)
+def test_short_prompts_prefilled_on_the_decode_worker(tiny_llama_dir: Path) -> None:
+    """Workers serve the tiny random Llama (the default model's tokenizer): where a prompt is prefilled
+    depends on its token count, not on the model."""
+    config = local_deployment(model=str(tiny_llama_dir), prefill=1, decode=1, threads_per_worker=1,
+                              local_prefill_threshold=32)
     with LocalCluster(config) as cluster:
         roles = [(w.role, w.address) for w in cluster.workers]
         address = dict(roles)

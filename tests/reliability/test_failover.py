@@ -1,5 +1,14 @@
 """Worker failures with real processes: every accepted request completes with the tokens of an
-undisturbed run, and every pool is full again afterwards."""
+undisturbed run, and every pool is full again afterwards.
+
+Where the failure is a worker's death or a broken transfer, the workers serve a tiny random Llama (the
+point is the failover path, not the model) and decode workers sleep before each step
+(PDSERVE_INJECT_STEP_DELAY_MS) so that streams are still running when the test acts: the default
+model's load and compute in every process made these tests the suite's slowest. The overload test runs
+so too: with the step delay a request of 4 tokens stays in flight for 160 ms or more, far longer than
+its 40 requests take to arrive, so the router's slots and queue fill as they did with the default model.
+The prefill-kill test keeps the default model: its prefill passes are what keep prompts queued long
+enough to kill a prefill worker holding them."""
 
 from __future__ import annotations
 
@@ -7,15 +16,18 @@ import os
 import signal
 import time
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import grpc
 import pytest
 from injection import injected
 
+from pdserve.cluster.deploy_config import DeploymentConfig
 from pdserve.cluster.launch import LaunchOptions, local_deployment
 from pdserve.cluster.local import LocalCluster
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.llm_engine import LLMEngine
+from pdserve.engine.model_loader import LoadedModel, load_model
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.tokenization import encode_text
 
@@ -24,6 +36,17 @@ from e2e_helpers import generate, mixed_prompts, wait_idle, worker_info
 #: Every other request of the decode-kill test carries penalties: their state must be rebuilt
 #: exactly from the tokens on the worker that takes the request over.
 PENALTIES = {"repetition_penalty": 1.2, "presence_penalty": 0.3, "frequency_penalty": 0.2}
+#: The decode workers' sleep before each step with the tiny model: a 40-token stream lasts 1.6 s or more.
+STEP_DELAY_MS = 40
+
+
+@pytest.fixture(scope="module")
+def tiny_llama(tiny_llama_dir: Path) -> LoadedModel:
+    return load_model(tiny_llama_dir)
+
+
+def _tiny_deployment(tiny_llama_dir: Path, prefill: int = 1, decode: int = 1) -> DeploymentConfig:
+    return local_deployment(model=str(tiny_llama_dir), prefill=prefill, decode=decode, threads_per_worker=1)
 
 
 def _penalties(i: int, penalized: bool) -> dict[str, float]:
@@ -33,20 +56,20 @@ def _penalties(i: int, penalized: bool) -> dict[str, float]:
 _EXPECTED: dict[tuple[object, ...], list[list[int]]] = {}
 
 
-def _expected(default_model, prompts: list[str], max_tokens: int,  # noqa: ANN001
+def _expected(loaded: LoadedModel, prompts: list[str], max_tokens: int,
               penalized: bool = False) -> list[list[int]]:
     """The engine's outputs in this process; computed once per module for the same arguments (both
     router transports of the decode-kill test compare with the same run)."""
-    key = (tuple(prompts), max_tokens, penalized)
+    key = (id(loaded), tuple(prompts), max_tokens, penalized)
     if key not in _EXPECTED:
-        _EXPECTED[key] = _compute_expected(default_model, prompts, max_tokens, penalized)
+        _EXPECTED[key] = _compute_expected(loaded, prompts, max_tokens, penalized)
     return [list(tokens) for tokens in _EXPECTED[key]]
 
 
-def _compute_expected(default_model, prompts: list[str], max_tokens: int,  # noqa: ANN001
+def _compute_expected(loaded: LoadedModel, prompts: list[str], max_tokens: int,
                       penalized: bool) -> list[list[int]]:
-    engine = LLMEngine(default_model, EngineConfig(num_blocks=1024))
-    ids = [encode_text(default_model.tokenizer, p) for p in prompts]
+    engine = LLMEngine(loaded, EngineConfig(num_blocks=1024))
+    ids = [encode_text(loaded.tokenizer, p) for p in prompts]
     out = engine.generate(ids, [SamplingParams(max_tokens=max_tokens, ignore_eos=True, **_penalties(i, penalized))
                                 for i in range(len(prompts))])
     engine.pool.assert_all_free()
@@ -64,13 +87,14 @@ def _run_all(address: str, prompts: list[str], max_tokens: int, penalized: bool 
 
 
 @pytest.mark.parametrize("router_args", [(), ("--decode-mux",)], ids=["generate", "mux"])
-def test_decode_worker_killed_mid_stream(default_model, router_args: tuple[str, ...]) -> None:  # noqa: ANN001
+def test_decode_worker_killed_mid_stream(tiny_llama_dir: Path, tiny_llama: LoadedModel,
+                                        router_args: tuple[str, ...]) -> None:
     # with --decode-mux the victim's GenerateMux stream carries all its requests: its end fails them
     # all over at once
     prompts = mixed_prompts(20, seed=21)
-    expected = _expected(default_model, prompts, 40, penalized=True)
-    with LocalCluster(local_deployment(prefill=1, decode=2, threads_per_worker=1),
-                      LaunchOptions(router_args=router_args)) as cluster:
+    expected = _expected(tiny_llama, prompts, 40, penalized=True)
+    with injected(step_delay_ms=STEP_DELAY_MS), LocalCluster(_tiny_deployment(tiny_llama_dir, decode=2),
+                                                             LaunchOptions(router_args=router_args)) as cluster:
         victim = [w for w in cluster.workers if w.role == "decode"][0]
         with ThreadPoolExecutor(1) as bg:
             pending = bg.submit(_run_all, cluster.router_address, prompts, 40, True)
@@ -102,10 +126,10 @@ def test_prefill_worker_killed_during_prefill(default_model) -> None:  # noqa: A
 
 
 @pytest.mark.parametrize("fault", ["stall", "corrupt"])
-def test_broken_kv_transfer_is_prefilled_again(fault: str, default_model) -> None:  # noqa: ANN001
+def test_broken_kv_transfer_is_prefilled_again(fault: str, tiny_llama_dir: Path, tiny_llama: LoadedModel) -> None:
     prompts = mixed_prompts(4, seed=8)
-    expected = _expected(default_model, prompts, 8)
-    config = local_deployment(prefill=1, decode=1, threads_per_worker=1)
+    expected = _expected(tiny_llama, prompts, 8)
+    config = _tiny_deployment(tiny_llama_dir)
     options = LaunchOptions(decode_args=("--kv-timeout-s", "4", "--kv-backend", "grpc"))
     with injected(kv_fault=fault, kv_fault_count=2), LocalCluster(config, options) as cluster:
         results = _run_all(cluster.router_address, prompts, 8)
@@ -113,8 +137,8 @@ def test_broken_kv_transfer_is_prefilled_again(fault: str, default_model) -> Non
         wait_idle(_live(cluster))
 
 
-def test_no_decode_worker_left_gives_unavailable_not_a_hang() -> None:
-    with LocalCluster(local_deployment(prefill=1, decode=1, threads_per_worker=1)) as cluster:
+def test_no_decode_worker_left_gives_unavailable_not_a_hang(tiny_llama_dir: Path) -> None:
+    with LocalCluster(_tiny_deployment(tiny_llama_dir)) as cluster:
         decode = [w for w in cluster.workers if w.role == "decode"][0]
         os.kill(decode.pid, signal.SIGKILL)
         with pytest.raises(grpc.RpcError) as err:
@@ -122,14 +146,14 @@ def test_no_decode_worker_left_gives_unavailable_not_a_hang() -> None:
         assert err.value.code() == grpc.StatusCode.UNAVAILABLE
 
 
-def test_overload_queues_then_sheds_beyond_the_bounded_queue(default_model) -> None:  # noqa: ANN001
+def test_overload_queues_then_sheds_beyond_the_bounded_queue(tiny_llama_dir: Path, tiny_llama: LoadedModel) -> None:
     capacity, queued = 4, 8
     prompts = mixed_prompts(10 * capacity, seed=13)
-    expected = _expected(default_model, prompts, 4)
-    config = local_deployment(prefill=1, decode=1, threads_per_worker=1)
+    expected = _expected(tiny_llama, prompts, 4)
+    config = _tiny_deployment(tiny_llama_dir)
     options = LaunchOptions(router_args=("--max-concurrent-streams", str(capacity),
                                          "--max-queued-requests", str(queued)))
-    with LocalCluster(config, options) as cluster:
+    with injected(step_delay_ms=STEP_DELAY_MS), LocalCluster(config, options) as cluster:
         def attempt(i: int) -> object:
             try:
                 return generate(cluster.router_address, prompts[i], 4, ignore_eos=True)
@@ -146,10 +170,10 @@ def test_overload_queues_then_sheds_beyond_the_bounded_queue(default_model) -> N
         wait_idle(_live(cluster))
 
 
-def test_sigterm_drains_a_decode_worker(default_model) -> None:  # noqa: ANN001
+def test_sigterm_drains_a_decode_worker(tiny_llama_dir: Path, tiny_llama: LoadedModel) -> None:
     prompt = "Tell me a story about the old mill by the river"
-    expected = _expected(default_model, [prompt], 40)[0]
-    with LocalCluster(local_deployment(prefill=1, decode=1, threads_per_worker=1)) as cluster:
+    expected = _expected(tiny_llama, [prompt], 40)[0]
+    with injected(step_delay_ms=STEP_DELAY_MS), LocalCluster(_tiny_deployment(tiny_llama_dir)) as cluster:
         decode = [w for w in cluster.workers if w.role == "decode"][0]
         with ThreadPoolExecutor(1) as bg:
             pending = bg.submit(generate, cluster.router_address, prompt, 40, 300, ignore_eos=True)

@@ -148,7 +148,9 @@ def _ca_and_leaf(tmp: Path) -> dict[str, str]:
     return {k: str(v) for k, v in files.items()}
 
 
-def test_internal_mtls_between_router_and_workers(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_internal_mtls_between_router_and_workers(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                  tiny_llama_dir: Path) -> None:
+    """Workers serve the tiny random Llama: the point is the internal plane's TLS, not the model."""
     from pdserve import transport
     from pdserve.cluster.launch import local_deployment
     from pdserve.cluster.local import LocalCluster
@@ -162,7 +164,8 @@ def test_internal_mtls_between_router_and_workers(tmp_path: Path, monkeypatch: p
     monkeypatch.setenv(transport.ENV_CA, files["ca"])
     transport.internal_tls.cache_clear()
     try:
-        with LocalCluster(local_deployment(prefill=1, decode=1, threads_per_worker=1)) as cluster:
+        config = local_deployment(model=str(tiny_llama_dir), prefill=1, decode=1, threads_per_worker=1)
+        with LocalCluster(config) as cluster:
             assert len(generate(cluster.router_address, "The capital of France is", 5).token_ids) == 5
             roles = [(w.role, w.address) for w in cluster.workers]
             assert worker_info(roles[0][1], roles[0][0]).requests_finished == 1  # mTLS client works
