@@ -47,6 +47,7 @@ from kv_router_cost import cpu  # the same folder: the CPU model and its vector 
 from pdserve.cluster.engine_flags import sim_worker_args
 from pdserve.cluster.launch import LaunchOptions, local_deployment
 from pdserve.cluster.local import LocalCluster
+from pdserve.settings import RouterSection
 from pdserve.v1 import common_pb2, router_pb2, router_pb2_grpc
 
 POLICIES = ("round_robin", "prefix_affinity", "kv_aware", "kv_aware_always", "kv_oracle", "kv_aware_slo")
@@ -291,11 +292,13 @@ def main() -> int:
     ap.add_argument("--output-len", type=int, default=32)
     ap.add_argument("--rate", type=float, default=8.0, help="conversations started per second (profile time)")
     ap.add_argument("--think-s", type=float, default=1.0, help="mean think time between turns (profile time)")
-    ap.add_argument("--threshold", type=int, default=256, help="--conditional-disagg-tokens of kv_aware")
-    ap.add_argument("--request-tokens", type=float, default=128.0, help="--kv-aware-request-tokens")
-    ap.add_argument("--kv-tokens", type=float, default=512.0, help="--kv-aware-kv-tokens")
+    ap.add_argument("--threshold", type=int, default=RouterSection.conditional_disagg_tokens,
+                    help="--conditional-disagg-tokens of kv_aware (default: the router's)")
+    ap.add_argument("--request-tokens", type=float, default=RouterSection.kv_aware_request_tokens,
+                    help="--kv-aware-request-tokens")
+    ap.add_argument("--kv-tokens", type=float, default=RouterSection.kv_aware_kv_tokens, help="--kv-aware-kv-tokens")
     ap.add_argument("--sweep", action="store_true", help="also run kv_aware at each sweep point")
-    ap.add_argument("--sweep-threshold", type=int, nargs="*", default=[0, 128, 512, 1024])
+    ap.add_argument("--sweep-threshold", type=int, nargs="*", default=[0, 128, 256, 1024, 2048])
     ap.add_argument("--sweep-request-tokens", type=float, nargs="*", default=[32.0, 512.0])
     ap.add_argument("--sweep-kv-tokens", type=float, nargs="*", default=[128.0, 2048.0])
     ap.add_argument("--slo-ttft", type=float, default=0.2, help="TTFT SLO for goodput (s, profile time)")
