@@ -112,9 +112,9 @@ class RouterSection:
                                          "decode worker counts as", flag="--kv-aware-request-tokens", min=0)
     kv_aware_kv_tokens: float = opt(512.0, "kv_aware policy: prompt tokens of work a full KV pool on a decode worker "
                                     "counts as", flag="--kv-aware-kv-tokens", min=0)
-    conditional_disagg_tokens: int = opt(512, "with a KV-aware policy: requests with fewer prompt tokens uncached "
-                                         "on their decode worker are prefilled there (0: always disaggregate; the "
-                                         "default was chosen by measurement, docs/performance.md)",
+    conditional_disagg_tokens: int = opt(0, "with a KV-aware policy: requests with fewer prompt tokens uncached on "
+                                         "their decode worker are prefilled there (0: always disaggregate; the best "
+                                         "value depends on the hardware: measure it, docs/performance.md)",
                                          flag="--conditional-disagg-tokens", min=0)
     slo_ttft_s: float = opt(0.0, "refuse (RESOURCE_EXHAUSTED / HTTP 429 with Retry-After) a request whose predicted "
                             "TTFT exceeds this many seconds, unless best_effort (0: off)", flag="--slo-ttft", min=0)
