@@ -11,7 +11,7 @@ Only pure decode passes take it (prefill and mixed passes are GEMM-bound and run
 context length, the block count and the batch size are dynamic after their first change
 (dynamo's automatic dynamic shapes), so a growing context does not recompile every step.
 
-Why it is off by default (`PDSERVE_COMPILE=1` or the `engine.compile` setting turns it on):
+Why it is off by default (`PDSERVE_COMPILE=1` or the `model.compile` setting, `--compile`, turns it on):
 compiling takes seconds to tens of seconds per shape variant on a 2-core CPU, the first decode
 passes wait for it, and it needs a C++ compiler, which a fresh machine may lack. When compiling
 fails for any reason, the layer runs eagerly from then on and the log says why, once.
@@ -58,11 +58,10 @@ def _packed_linear_shape(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tens
     return x.new_empty(x.shape[0], packed.shape[0])
 
 
-def compile_requested(setting: bool | None = None) -> bool:
-    """The setting when given, else `PDSERVE_COMPILE` (1/true/yes/on)."""
-    if setting is not None:
-        return setting
-    return os.environ.get(COMPILE_ENV, "").strip().lower() in ("1", "true", "yes", "on")
+def compile_requested(setting: bool = False) -> bool:
+    """On when the setting (`model.compile`, `--compile`) or `PDSERVE_COMPILE` (1/true/yes/on) says so:
+    the variable lets tests and benchmarks turn it on for engines they do not configure."""
+    return setting or os.environ.get(COMPILE_ENV, "").strip().lower() in ("1", "true", "yes", "on")
 
 
 def _rms(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -145,21 +144,24 @@ class CompiledDecode:
         f, cache = self.fast, batch.kv_cache
         k_slots, v_slots = cache.layer_slots(index)
         dims = (f.num_heads, f.num_kv_heads, f.head_dim, f.intermediate, cache.shape.block_size)
+        block_ids = batch.block_tables[: batch.num_decode].flatten()
+        for dynamic in (hidden, block_ids, batch.slot_mapping):  # sizes that change: one graph for all
+            torch._dynamo.maybe_mark_dynamic(dynamic, 0)
         graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
         start = time.perf_counter()
         try:
             out = self._fn(f.layers[index], hidden, rope.cos, rope.signed_sin, k_slots, v_slots, batch.slot_mapping,
-                           batch.block_tables[: batch.num_decode].flatten(), batch.decode_padding,
+                           block_ids, batch.decode_padding,
                            max(batch.context_lens), dims, self.eps, f.scale, f.act)
         except Exception as e:  # noqa: BLE001 - no compiler, an unsupported op, ...: eager from here on
             self.failed = _reason(e)
-            log.warning("engine.compile: compiling the decode layer failed (%s); the layers run eagerly",
+            log.warning("model.compile: compiling the decode layer failed (%s); the layers run eagerly",
                         self.failed)
             return None
         if torch._dynamo.utils.counters["stats"]["unique_graphs"] != graphs:
             took = time.perf_counter() - start
             self.compile_s += took
-            log.info("engine.compile: compiled a decode layer graph in %.1f s (batch %d, context %d)",
+            log.info("model.compile: compiled a decode layer graph in %.1f s (batch %d, context %d)",
                      took, hidden.shape[0], max(batch.context_lens))
         self.calls += 1
         return out

@@ -330,10 +330,10 @@ class FastForward:
             return
         reason = CompiledDecode.supported(self)
         if reason is not None:
-            log.warning("engine.compile: not used (%s); the layers run eagerly", reason)
+            log.warning("model.compile: not used (%s); the layers run eagerly", reason)
             return
         self.compiled = CompiledDecode(self)
-        log.info("engine.compile: decode layers compile on first use (torch.compile, inductor)")
+        log.info("model.compile: decode layers compile on first use (torch.compile, inductor)")
 
     # ---- construction ----------------------------------------------------------------------------
     @staticmethod

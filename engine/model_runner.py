@@ -67,7 +67,7 @@ class ModelRunner:
     """Owns no scheduling state: callers decide what runs; this computes it."""
 
     def __init__(self, loaded: LoadedModel, kv_cache: KVCache, forward: str | None = None,
-                 compile: bool | None = None) -> None:  # noqa: A002
+                 compile: bool = False) -> None:  # noqa: A002
         self.loaded = loaded
         self.model = loaded.model
         self.kv_cache = kv_cache

@@ -44,7 +44,7 @@ def _generate(model_dir: Path, prompts: list[list[int]], steps: int) -> list[lis
     return out
 
 
-def _runner(model_dir: Path, prompts: list[list[int]], compile: bool | None) -> ModelRunner:  # noqa: A002
+def _runner(model_dir: Path, prompts: list[list[int]], compile: bool) -> ModelRunner:  # noqa: A002
     loaded = load_model(model_dir)
     return ModelRunner(loaded, KVCache(loaded.kv_shape(4), 16 * len(prompts)), forward="fast", compile=compile)
 
@@ -64,9 +64,10 @@ def test_compiled_greedy_matches_generate(family_dir: Path) -> None:
 
 def test_compile_is_off_unless_asked(tiny_llama_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv(compiled_layer.COMPILE_ENV, raising=False)
-    assert _runner(tiny_llama_dir, PROMPTS, compile=None).fast.compiled is None  # type: ignore[union-attr]
+    assert _runner(tiny_llama_dir, PROMPTS, compile=False).fast.compiled is None  # type: ignore[union-attr]
+    assert compiled_layer.compile_requested(True) and not compiled_layer.compile_requested()
     monkeypatch.setenv(compiled_layer.COMPILE_ENV, "1")
-    assert compiled_layer.compile_requested() and not compiled_layer.compile_requested(False)
+    assert compiled_layer.compile_requested()
 
 
 def test_failed_compile_falls_back_to_eager_with_a_log_line(
