@@ -8,6 +8,10 @@ ratio against a same-run measured memory read bandwidth (a large tensor sum).
 With --forwards fast hf, each batch size runs with both forwards (engine/model_runner.py) in the
 same process, one after another, and the fast/hf step-time ratio is printed.
 
+With --compile off on, each batch size runs with the eager and the compiled decode layer
+(engine/compiled_layer.py) in the same process, alternating for --rounds rounds; the compiled
+side's first steps (its compiles) are timed apart and printed as the compile time.
+
 With --baseline REV, the engine of git revision REV (exported to a temporary folder) and the
 working tree's engine take turns, one fresh process each per round (--rounds), so both see the
 same load on a shared machine; each process measures its own read bandwidth, and the best and
@@ -16,6 +20,7 @@ median over the rounds are printed per side.
   python benchmarks/decode_profile.py --batch 1 16 64
   python benchmarks/decode_profile.py --batch 1 32 --forwards fast hf
   python benchmarks/decode_profile.py --batch 1 32 --baseline HEAD~3 --rounds 5
+  python benchmarks/decode_profile.py --batch 1 --compile off on --rounds 3 --steps 16 --top 0
 """
 
 from __future__ import annotations
@@ -78,6 +83,8 @@ def main() -> None:
     ap.add_argument("--top", type=int, default=8, help="profiler rows per batch (0: no profile)")
     ap.add_argument("--forwards", nargs="+", default=[None], choices=("fast", "hf"),
                     help="run each batch with these forwards (default: the engine's own choice)")
+    ap.add_argument("--compile", nargs="+", choices=("off", "on"),
+                    help="run each batch eagerly and/or with the compiled decode layer, alternating --rounds times")
     ap.add_argument("--baseline", metavar="REV", help="compare against the engine of this git revision")
     ap.add_argument("--current", metavar="REV", help="with --baseline: this revision, not the working tree")
     ap.add_argument("--rounds", type=int, default=3, help="with --baseline: processes per side")
@@ -92,6 +99,9 @@ def main() -> None:
     with torch.inference_mode():
         with profile(activities=[ProfilerActivity.CPU]):  # the profiler's own first-use set-up
             torch.ones(8).sum()
+        if args.compile:
+            compare_compile(loaded, weight_bytes, args, figures)
+            args.batch = []
         for batch in args.batch:
             medians = {}
             for forward in args.forwards:
@@ -134,6 +144,48 @@ def compare(args: argparse.Namespace) -> None:
         median = {side: statistics.median(r[key] for r in rs) for side, rs in runs.items()}
         print(f"  {key}: baseline {best['baseline']:.3f} / {median['baseline']:.3f}, "
               f"current {best['current']:.3f} / {median['current']:.3f}")
+
+
+def compare_compile(loaded, weight_bytes: int, args: argparse.Namespace,  # noqa: ANN001
+                    figures: dict[str, float]) -> None:
+    """Eager and compiled decode layers, alternating per round in this process (one FastForward,
+    its compiled layer switched on and off); the compiled side's first run also reports how long
+    its first steps took beyond a compiled step (the compiles)."""
+    from pdserve.engine.fast_forward import fast_forward_for
+
+    fast = fast_forward_for(loaded.model)
+    assert fast is not None, "--compile needs the fast forward"
+    fast.enable_compile()
+    compiled, fast.compiled = fast.compiled, None
+    for batch in args.batch:
+        steps: dict[str, list[float]] = {mode: [] for mode in args.compile}
+        for _ in range(args.rounds):
+            for mode in args.compile:
+                fast.compiled = compiled if mode == "on" else None
+                engine = running_engine(loaded, batch, args.context)
+                start = time.perf_counter()
+                step_time(engine, 2)
+                warm = time.perf_counter() - start
+                median = step_time(engine, args.steps)
+                if mode == "on" and compiled is not None and compiled.compile_s:
+                    print(f"batch {batch}: first 2 compiled steps took {warm:.1f} s "
+                          f"({compiled.compile_s:.1f} s in calls that compiled a graph)")
+                    figures[f"compile_s_batch{batch}"] = compiled.compile_s
+                    compiled.compile_s = 0.0
+                ratio = ""
+                if batch == 1:
+                    shape = engine.kv_cache.shape
+                    kv = 2 * shape.num_layers * (args.context + 12) * shape.num_kv_heads * shape.head_dim * 4
+                    ratio = f", floor ratio {(weight_bytes + kv) / median / read_bandwidth():.3f}"
+                print(f"batch {batch}, compile {mode}: {median * 1e3:.1f} ms per decode step{ratio}", flush=True)
+                steps[mode].append(median * 1e3)
+                for rid in list(engine.sequences):
+                    engine.abort(rid)
+        for mode, times in steps.items():
+            figures[f"step_ms_batch{batch}_compile_{mode}"] = min(times)
+            print(f"batch {batch}, compile {mode}: best {min(times):.1f} ms, median "
+                  f"{statistics.median(times):.1f} ms over {args.rounds} rounds")
+    fast.compiled = compiled
 
 
 def profile_batch(loaded, batch: int, forward: str | None, weight_bytes: int,  # noqa: ANN001

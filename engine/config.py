@@ -54,6 +54,8 @@ class EngineConfig:
     max_num_batched_tokens: most tokens (prompt chunks plus one per decoding sequence) in one pass.
     prefill_chunk_tokens: most prompt tokens of one sequence in one pass (chunked prefill), or None
         for as many as the pass budget allows.
+    compile: run decode passes through the torch.compile'd layer (engine/compiled_layer.py); also
+        turned on by PDSERVE_COMPILE=1.
     """
 
     model: str | None = None
@@ -68,6 +70,7 @@ class EngineConfig:
     num_threads: int | None = None
     prefix_caching: bool = False
     prefill_chunk_tokens: int | None = None
+    compile: bool = False
 
     def __post_init__(self) -> None:
         device = resolve_device(self.device)

@@ -50,6 +50,7 @@ import torch.nn.functional as F
 from transformers.activations import ACT2FN
 
 from pdserve.engine.attention import AttentionBatch, paged_attention
+from pdserve.engine.compiled_layer import CompiledDecode, packed_linear
 from pdserve.engine.timing import timed
 
 log = logging.getLogger(__name__)
@@ -88,7 +89,10 @@ class Linear:
     def __call__(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
         """x [T, K] -> [T, N]; plus `residual` [T, N] when given (one addmm on the plain kernel)."""
         if x.shape[0] >= self.packed_from_rows:
-            y = torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
+            if torch.compiler.is_compiling():  # traced into the compiled decode layer
+                y = packed_linear(x, self.packed, self.bias)
+            else:
+                y = torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
         elif residual is not None and self.bias is None:
             return torch.addmm(residual, x, self.weight.t())
         else:
@@ -317,6 +321,19 @@ class FastForward:
         self.scale = self.head_dim**-0.5
         self.act = ACT2FN[c.hidden_act]
         self.intermediate = int(c.intermediate_size)
+        self.compiled: CompiledDecode | None = None  # see enable_compile
+
+    def enable_compile(self) -> None:
+        """Run decode passes through the `torch.compile`d layer (engine/compiled_layer.py) from now on
+        (idempotent; every engine sharing this forward then uses it)."""
+        if self.compiled is not None:
+            return
+        reason = CompiledDecode.supported(self)
+        if reason is not None:
+            log.warning("model.compile: not used (%s); the layers run eagerly", reason)
+            return
+        self.compiled = CompiledDecode(self)
+        log.info("model.compile: decode layers compile on first use (torch.compile, inductor)")
 
     # ---- construction ----------------------------------------------------------------------------
     @staticmethod
@@ -382,6 +399,10 @@ class FastForward:
 
     def layer(self, index: int, hidden: torch.Tensor, batch: AttentionBatch, rope: Rope) -> torch.Tensor:
         """One decoder layer over the packed tokens: hidden [T, E] -> [T, E]."""
+        if self.compiled is not None:
+            out = self.compiled.layer(index, hidden, batch, rope)
+            if out is not None:
+                return out
         p = self.layers[index]
         t = hidden.shape[0]
         hq, hkv = self.num_heads, self.num_kv_heads

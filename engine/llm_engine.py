@@ -120,7 +120,7 @@ class LLMEngine:
         self.kv_cache = kv_cache if kv_cache is not None else build_cache(loaded, config, shared=shared_kv_cache)
         self.pool = BlockPool(self.kv_cache.num_blocks, config.block_size)
         self.kv_events = self.pool.events = KvEventLog()  # the prefix cache's changes, for the router
-        self.runner = build_runner(loaded, self.kv_cache)
+        self.runner = build_runner(loaded, self.kv_cache, compile=config.compile)
         self.scheduler = Scheduler(config, self.pool, keeps_decoding=connector is None,
                                    attention_crossover=attention_crossover(loaded))
         self.max_model_len = min(config.max_model_len or loaded.max_model_len, loaded.max_model_len)

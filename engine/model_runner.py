@@ -20,6 +20,7 @@ from dataclasses import dataclass
 import torch
 
 from pdserve.engine.attention import AttentionBatch, attention_batch
+from pdserve.engine.compiled_layer import compile_requested
 from pdserve.engine.fast_forward import FastForward, fast_forward_for
 from pdserve.engine.kv_cache import KVCache
 from pdserve.engine.model_loader import LoadedModel
@@ -65,7 +66,8 @@ def _check_same_place(loaded: LoadedModel, kv_cache: KVCache) -> None:
 class ModelRunner:
     """Owns no scheduling state: callers decide what runs; this computes it."""
 
-    def __init__(self, loaded: LoadedModel, kv_cache: KVCache, forward: str | None = None) -> None:
+    def __init__(self, loaded: LoadedModel, kv_cache: KVCache, forward: str | None = None,
+                 compile: bool = False) -> None:  # noqa: A002
         self.loaded = loaded
         self.model = loaded.model
         self.kv_cache = kv_cache
@@ -73,6 +75,8 @@ class ModelRunner:
         self.device = kv_cache.kv.device  # weights, K/V and every index tensor of a pass live here
         _check_same_place(loaded, kv_cache)
         self.fast = _choose_forward(self.model, forward)
+        if self.fast is not None and compile_requested(compile):
+            self.fast.enable_compile()
         self.forward_name = "fast" if self.fast is not None else "hf"
         self.num_forward_passes = 0
         self.full_logits: dict[int, torch.Tensor] = {}  # the last pass's `full_rows` logits

@@ -12,8 +12,8 @@ from pdserve.engine.sim_runner import SimModel, SimRunner
 Runner = ModelRunner | SimRunner
 
 
-def build_runner(loaded: LoadedModel, kv_cache: KVCache) -> Runner:
-    """A SimRunner for a sim model, else a ModelRunner."""
+def build_runner(loaded: LoadedModel, kv_cache: KVCache, compile: bool = False) -> Runner:  # noqa: A002
+    """A SimRunner for a sim model, else a ModelRunner (`compile`: its compiled decode layer)."""
     if isinstance(loaded.model, SimModel):
         return SimRunner(loaded, kv_cache)
-    return ModelRunner(loaded, kv_cache)
+    return ModelRunner(loaded, kv_cache, compile=compile)

@@ -70,6 +70,10 @@ class ModelSection:
                       flag="--engine", choices=ENGINES)
     profile: str | None = opt(None, "latency profile (JSON) of the sim engine", flag="--profile")
     speedup: float = opt(1.0, "sim engine: modelled durations are divided by this", flag="--speedup", gt=0)
+    compile: bool = opt(False, "run decode passes through a torch.compile'd decoder layer (needs a C++ compiler; "
+                        "each worker compiles for tens of seconds on its first decode passes; falls back to "
+                        "eager with a log line when compiling fails; see 'Compiled decode layer' above)",
+                        flag="--compile")
 
     @property
     def served_name(self) -> str:
