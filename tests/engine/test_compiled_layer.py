@@ -14,7 +14,7 @@ from pdserve.engine import compiled_layer
 from pdserve.engine.kv_cache import KVCache
 from pdserve.engine.model_loader import load_model
 from pdserve.engine.model_runner import ModelRunner
-from tests.engine.test_fast_forward import PROMPTS, _config, _greedy
+from tests.engine.test_fast_forward import PROMPTS, _greedy, save_family_model
 
 pytestmark = pytest.mark.slow  # compiling takes tens of seconds per model on a 2-core CPU
 
@@ -24,14 +24,8 @@ STEPS = 10
 @pytest.fixture(scope="module", params=["llama", "qwen2", "qwen3"])
 def family_dir(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory,
                default_model_dir: Path) -> Path:
-    from transformers import AutoTokenizer
-
-    tokenizer = AutoTokenizer.from_pretrained(default_model_dir)
-    torch.manual_seed(4321)
-    out = tmp_path_factory.mktemp(f"compiled-{request.param}")
-    AutoModelForCausalLM.from_config(_config(request.param, len(tokenizer))).save_pretrained(out)
-    tokenizer.save_pretrained(out)
-    return out
+    return save_family_model(request.param, tmp_path_factory.mktemp(f"compiled-{request.param}"),
+                             default_model_dir)
 
 
 def _generate(model_dir: Path, prompts: list[list[int]], steps: int) -> list[list[int]]:

@@ -28,17 +28,22 @@ def _config(family: str, vocab: int) -> object:
     return cls(vocab_size=vocab, eos_token_id=2, bos_token_id=1, **TINY, **extra)
 
 
+def save_family_model(family: str, out: Path, tokenizer_dir: Path) -> Path:
+    """A tiny random-weight model of `family` (fixed seed) with the tokenizer of `tokenizer_dir`,
+    saved as a model folder in `out`."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
+    torch.manual_seed(4321)
+    AutoModelForCausalLM.from_config(_config(family, len(tokenizer))).save_pretrained(out)
+    tokenizer.save_pretrained(out)
+    return out
+
+
 @pytest.fixture(scope="module", params=FAMILIES)
 def family_dir(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory,
                default_model_dir: Path) -> Path:
-    from transformers import AutoTokenizer
-
-    tokenizer = AutoTokenizer.from_pretrained(default_model_dir)
-    torch.manual_seed(4321)
-    out = tmp_path_factory.mktemp(f"fast-{request.param}")
-    AutoModelForCausalLM.from_config(_config(request.param, len(tokenizer))).save_pretrained(out)
-    tokenizer.save_pretrained(out)
-    return out
+    return save_family_model(request.param, tmp_path_factory.mktemp(f"fast-{request.param}"), default_model_dir)
 
 
 def _greedy(runner: ModelRunner, prompts: list[list[int]], steps: int) -> list[list[int]]:
