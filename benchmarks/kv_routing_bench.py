@@ -253,14 +253,14 @@ def run_policy(policy: str, topology: str, work: Workload, args: argparse.Namesp
     summary = summarize(turns, args.slo_ttft, args.slo_tpot)
     summary.update(policy=policy, topology=topology, wall_s=wall, routes=routes, threshold=point.threshold,
                    request_tokens=point.request_tokens, kv_tokens=point.kv_tokens)
-    # prompt tokens whose K/V crossed to a decode worker: measured (its KV bytes received) with the model
-    # engine; the sim engine models transfers without bytes, so there the router's count of what the
-    # chosen decode worker lacked (KV-aware policies only) stands in
     # the router's own time from receipt to refusal (the client's figure adds its own event loop's lag)
     shed_answer = metrics["shed_answer"]
     refused = shed_answer.get("_count", 0.0)
     summary["router_shed_answer_ms_mean"] = shed_answer.get("_sum", 0.0) / refused * 1e3 if refused else None
     summary["router_shed_within_50ms"] = shed_answer.get('_bucket{le="0.05"}', 0.0) / refused if refused else None
+    # prompt tokens whose K/V crossed to a decode worker: measured (its KV bytes received) with the model
+    # engine; the sim engine models transfers without bytes, so there the router's count of what the
+    # chosen decode worker lacked (KV-aware policies only) stands in
     received = sum(w.kv_bytes_received for w in status.workers)
     shipped = sum(metrics["shipped"].values()) if name in ("kv_aware", "kv_oracle") else None
     crossed = shipped if profile else received / kv_bytes_per_token

@@ -137,7 +137,9 @@ class AdmissionQueue(Generic[L]):
         departure, when the queue stayed backlogged between the two."""
         if self._backlogged_since is not None:
             self._pace.append(now - self._backlogged_since)
-        self._backlogged_since = now if len(self) else None
+        # is anyone still waiting (stops at the first live waiter; len() would count them all, per departure)
+        waiting = any(not w.future.done() for w in self._heap)
+        self._backlogged_since = now if waiting else None
 
     def finished(self, service_time_s: float, slots: int) -> None:
         """A request admitted earlier ended after `service_time_s`; `slots` requests run at once."""
