@@ -20,6 +20,7 @@ from transformers import AttentionInterface
 from transformers.masking_utils import AttentionMaskInterface
 
 from pdserve.engine.kv_cache import KVCache
+from pdserve.engine.native import native_decode_attention, native_unavailable
 
 ATTN_IMPLEMENTATION = "pdserve_paged"
 
@@ -57,6 +58,11 @@ class AttentionBatch:
         device = self.block_tables.device
         lengths = torch.tensor(context, dtype=torch.long, device=device)
         return (torch.arange(max(context), device=device).unsqueeze(0) >= lengths.unsqueeze(1))[:, None, None, :]
+
+    @functools.cached_property
+    def decode_context_lens(self) -> torch.Tensor:
+        """[Bd] int64 context lengths of the decoding sequences, for the native kernel (once per pass)."""
+        return torch.tensor(self.context_lens[: self.num_decode], dtype=torch.long)
 
     @functools.cached_property
     def decode_kv_ids(self) -> torch.Tensor:
@@ -112,6 +118,10 @@ def _decode_context(batch: AttentionBatch, layer: int, length: int) -> tuple[tor
     return kv[0].view(nd * heads, length, dim), kv[1].view(nd * heads, length, dim)
 
 
+def _native_attention(device: torch.device) -> bool:
+    return native_unavailable(torch.float32, device) is None
+
+
 def _decode_attention(batch: AttentionBatch, layer: int, query: torch.Tensor, scaling: float) -> torch.Tensor:
     """The decoding sequences: query [Bd, Hq, D] -> output [Bd, Hq, D].
 
@@ -119,8 +129,15 @@ def _decode_attention(batch: AttentionBatch, layer: int, query: torch.Tensor, sc
     against its sequence's keys ([B*Hkv, G, D] x [B*Hkv, D, S]), masked past each context,
     softmaxed in float32 and multiplied by the values. The gathered keys and values are made
     contiguous first: a batched matmul over the strided view is 3-4x slower on a CPU than the copy
-    plus the matmul, and SDPA's flash kernel, tiled for many query rows, slower still."""
+    plus the matmul, and SDPA's flash kernel, tiled for many query rows, slower still.
+
+    Where pdserve's native kernels run (float32 on an AVX2 CPU, engine/native.py), one call reads
+    every key and value in place from the pages instead: no gather, no copy, no mask."""
     nd = batch.num_decode
+    cache = batch.kv_cache
+    if query.dtype == torch.float32 and cache.kv.dtype == torch.float32 and _native_attention(cache.kv.device):
+        return native_decode_attention(query, cache.kv[layer, 0], cache.kv[layer, 1], batch.block_tables[:nd],
+                                       batch.decode_context_lens, scaling)
     max_len = max(batch.context_lens[:nd])
     k, v = _decode_context(batch, layer, max_len)  # [B*Hkv, S, D] each, the cache's dtype
     if k.dtype != query.dtype:

@@ -8,18 +8,19 @@ with fewer, larger operations:
   one [2 I, E] weight (with their biases, Qwen2's q/k/v included). The transformers modules are
   re-pointed at row views of the fused tensors, so nothing is stored twice and the general path
   (`ModelRunner(forward="hf")`) still runs from the same memory.
-- **Kernels chosen per weight, measured at load.** Each distinct GEMM shape is timed once with a
-  plain `F.linear` and with a oneDNN linear whose weight was reordered once
-  (`torch.ops.mkldnn._reorder_linear_weight` / `_linear_pointwise`, the oneDNN path vLLM's CPU build
-  takes through its own binding), at 1 to 64 rows: the packed kernel serves a pass from the row
-  count where it wins (on the AVX2 EPYC of docs/performance.md: 1.5-3x at 16-64 rows, slower at one
-  row). A reordered weight is an extra copy of that weight; `PDSERVE_LINEAR=plain|packed|auto`
-  overrides the choice (the exactness tests run both kernels). The choice is remembered per
-  machine (see LinearFactory); `PDSERVE_LINEAR=retime` times again, e.g. after timing on a busy
-  machine.
-- **Weights column-major.** Every weight this module multiplies by is stored as its transpose
-  ([K, N] contiguous) and seen as an [N, K] view: MKL's one-row GEMV, all of a batch-1 decode
-  step's weight reads, runs 1.4-1.7x faster from that layout on the AVX2 EPYC.
+- **Kernels chosen per weight, measured at load.** Each distinct GEMM shape is timed once, at 1 to
+  64 rows, with every kernel the machine has: pdserve's own AVX2 kernel (engine/native.py,
+  fastest at the few rows of a decode step), a plain `F.linear`, and a oneDNN linear whose weight
+  was reordered once (`torch.ops.mkldnn._reorder_linear_weight` / `_linear_pointwise`, the oneDNN
+  path vLLM's CPU build takes through its own binding; 1.5-3x at 16-64 rows on the AVX2 EPYC of
+  docs/performance.md). Each row count runs its fastest. A reordered weight is an extra copy of
+  that weight; `PDSERVE_LINEAR=native|plain|packed|auto` overrides the choice (the exactness tests
+  run each kernel). The choice is remembered per machine (see LinearFactory);
+  `PDSERVE_LINEAR=retime` times again, e.g. after timing on a busy machine.
+- **Weight layout.** Where the native kernel runs, weights stay row-major ([N, K], its layout and
+  transformers'). Elsewhere every weight this module multiplies by is stored as its transpose
+  ([K, N] contiguous) and seen as an [N, K] view: MKL's one-row GEMV runs 1.4-1.7x faster from
+  that layout on the AVX2 EPYC.
 - **Few ops per layer.** A norm is one `F.rms_norm`, RoPE of q and k together is a roll and three
   elementwise ops over tables built once per pass (`Rope`), the residual adds ride in the o and
   down GEMMs (`addmm`), and SiLU's product is taken in place.
@@ -51,6 +52,7 @@ from transformers.activations import ACT2FN
 
 from pdserve.engine.attention import AttentionBatch, paged_attention
 from pdserve.engine.compiled_layer import CompiledDecode, packed_linear
+from pdserve.engine.native import native_linear, native_rms_norm, native_unavailable
 from pdserve.engine.timing import timed
 
 log = logging.getLogger(__name__)
@@ -58,7 +60,7 @@ log = logging.getLogger(__name__)
 #: model_type -> whether its attention has per-head q/k RMSNorm (Qwen3).
 FAST_FAMILIES = {"llama": False, "mistral": False, "qwen2": False, "qwen3": True}
 LINEAR_ENV = "PDSERVE_LINEAR"
-_LINEAR_MODES = ("auto", "plain", "packed", "retime")
+_LINEAR_MODES = ("auto", "native", "plain", "packed", "retime")
 
 
 @functools.cache
@@ -75,20 +77,36 @@ def mkldnn_linear_available(dtype: torch.dtype) -> bool:
 
 
 class Linear:
-    """y = x W^T + b through the kernel chosen for this weight and this many rows: plain `F.linear`
-    below `packed_from_rows` rows, a oneDNN linear with the weight reordered once from there on.
-    `weight` stays the plain [N, K] tensor either way."""
+    """y = x W^T + b (+ residual) through the kernel chosen for this weight and this many rows.
 
-    __slots__ = ("weight", "bias", "packed", "packed_from_rows")
+    `bands` lists (kernel, from_rows) in ascending row order: a call with T rows runs the last
+    kernel whose from_rows <= T. Kernels: "native" (engine/native.py, row-major weight),
+    "plain" (`F.linear` / `addmm` over the weight as stored) and "packed" (the oneDNN linear over
+    `packed`, the weight reordered once). `weight` stays the plain [N, K] tensor either way."""
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, packed: torch.Tensor | None,
-                 packed_from_rows: int = 1) -> None:
-        self.weight, self.bias, self.packed = weight, bias, packed
-        self.packed_from_rows = packed_from_rows if packed is not None else _NEVER
+    __slots__ = ("weight", "bias", "packed", "bands")
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, packed: torch.Tensor | None = None,
+                 bands: tuple[tuple[str, int], ...] = (("plain", 1),)) -> None:
+        if any(kernel == "packed" for kernel, _ in bands) and packed is None:
+            raise ValueError("a packed band needs the reordered weight")
+        self.weight, self.bias, self.packed, self.bands = weight, bias, packed, bands
+
+    def kernel_for(self, rows: int) -> str:
+        kernel = self.bands[0][0]
+        for name, from_rows in self.bands[1:]:
+            if rows < from_rows:
+                break
+            kernel = name
+        return kernel
 
     def __call__(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
-        """x [T, K] -> [T, N]; plus `residual` [T, N] when given (one addmm on the plain kernel)."""
-        if x.shape[0] >= self.packed_from_rows:
+        """x [T, K] -> [T, N]; plus `residual` [T, N] when given (inside the native kernel, one
+        addmm on the plain one)."""
+        kernel = self.kernel_for(x.shape[0])
+        if kernel == "native":
+            return native_linear(x, self.weight, self.bias, residual)
+        if kernel == "packed":
             if torch.compiler.is_compiling():  # traced into the compiled decode layer
                 y = packed_linear(x, self.packed, self.bias)
             else:
@@ -100,9 +118,8 @@ class Linear:
         return y if residual is None else residual + y
 
 
-_NEVER = 2**62
-#: Row counts timed per weight shape to place the switch from plain to packed.
-PROBE_ROWS = (1, 4, 16, 64)
+#: Row counts timed per weight shape to choose its kernels.
+PROBE_ROWS = (1, 2, 4, 8, 16, 64)
 
 
 def _median_ms(fn: Any, repeats: int = 5) -> float:
@@ -127,20 +144,37 @@ def _choices_file() -> Path:
     return cache_root() / "linear-kernels.json"
 
 
-def _read_choices() -> dict[str, int]:
+Bands = tuple[tuple[str, int], ...]
+
+
+def _as_bands(value: Any) -> Bands | None:
+    """A remembered choice as bands, or None if it is not one (an older file's format)."""
+    if not isinstance(value, list) or not value:
+        return None
+    try:
+        bands = tuple((str(kernel), int(rows)) for kernel, rows in value)
+    except (TypeError, ValueError):
+        return None
+    ok = bands[0][1] == 1 and all(a[1] < b[1] for a, b in zip(bands, bands[1:], strict=False))
+    return bands if ok and all(kernel in KERNELS for kernel, _ in bands) else None
+
+
+def _read_choices() -> dict[str, Bands]:
     try:
         data = json.loads(_choices_file().read_text())
     except (OSError, ValueError):
         return {}
-    return {k: v for k, v in data.items() if isinstance(v, int)} if isinstance(data, dict) else {}
+    if not isinstance(data, dict):
+        return {}
+    return {k: bands for k, v in data.items() if (bands := _as_bands(v)) is not None}
 
 
-def _write_choices(choices: dict[str, int]) -> None:
+def _write_choices(choices: dict[str, Bands]) -> None:
     """Best effort and atomic: a worker that cannot write only times again next start."""
     target = _choices_file()
     try:
         target.parent.mkdir(parents=True, exist_ok=True)
-        merged = {**_read_choices(), **choices}
+        merged = {k: [list(b) for b in bands] for k, bands in {**_read_choices(), **choices}.items()}
         tmp = target.with_name(f".{target.name}.{os.getpid()}")
         tmp.write_text(json.dumps(merged, indent=1, sort_keys=True))
         os.replace(tmp, target)
@@ -148,83 +182,108 @@ def _write_choices(choices: dict[str, int]) -> None:
         pass
 
 
+KERNELS = ("native", "plain", "packed")
+
+
 class LinearFactory:
-    """Builds `Linear`s. In "auto" mode each distinct (K, N) shape is timed once with both kernels
-    at PROBE_ROWS rows; the packed kernel takes over from the smallest probed row count at which it
-    wins there and at every larger one (never, if it loses at the largest). The choice is kept in
-    pdserve's cache folder (`linear-kernels.json`) under the CPU model, torch version, thread count
-    and dtype, so a restarted worker on the same machine does not time again."""
+    """Builds `Linear`s. In "auto" mode each distinct (K, N) shape is timed once at PROBE_ROWS rows
+    with every kernel this machine has; each probed row count takes its fastest kernel, up to the
+    next probed count. The choice is kept in pdserve's cache folder (`linear-kernels.json`) under
+    the CPU model, torch version, thread count, dtype and weight layout, so a restarted worker on the
+    same machine does not time again. `PDSERVE_LINEAR=native|plain|packed` runs one kernel at every
+    row count (the exactness tests run each) and `retime` times again.
+
+    Layout: where the native kernel can run, weights stay row-major (its layout, and transformers');
+    otherwise they are stored column-major, which MKL's one-row GEMV reads 1.4-1.7x faster
+    (`column_major`)."""
 
     def __init__(self, dtype: torch.dtype, device: torch.device, mode: str | None = None) -> None:
         mode = (mode or os.environ.get(LINEAR_ENV) or "auto").lower()
         if mode not in _LINEAR_MODES:
             raise ValueError(f"{LINEAR_ENV}={mode!r}: expected one of {', '.join(_LINEAR_MODES)}")
         self.can_pack = device.type == "cpu" and mkldnn_linear_available(dtype)
-        if mode == "packed" and not self.can_pack:
-            log.warning("%s=packed: oneDNN linear is not available for %s on this CPU; using F.linear",
-                        LINEAR_ENV, dtype)
+        self.native_reason = (native_unavailable(dtype, device) if mode in ("auto", "retime", "native")
+                              else f"{LINEAR_ENV}={mode}")
+        for kernel, can in (("packed", self.can_pack), ("native", self.native_reason is None)):
+            if mode == kernel and not can:
+                why = f" ({self.native_reason})" if kernel == "native" else ""
+                log.warning("%s=%s: that kernel is not available for %s here%s; using F.linear",
+                            LINEAR_ENV, kernel, dtype, why)
+        self.kernels = [k for k, can in (("native", self.native_reason is None), ("plain", True),
+                                         ("packed", self.can_pack)) if can]
         retime = mode == "retime"  # "auto", timing again and replacing what the cache holds
-        self.mode = ("auto" if retime else mode) if self.can_pack else "plain"
+        if mode in KERNELS:
+            self.mode = mode if mode in self.kernels else "plain"
+        else:
+            self.mode = "auto" if len(self.kernels) > 1 else "plain"
+        self.column_major = "native" not in self.kernels or self.mode in ("plain", "packed")
         self.dtype = str(dtype).removeprefix("torch.")
         self.machine = _machine_key()
         self.remembered = _read_choices() if self.mode == "auto" and not retime else {}
-        self.switch_rows: dict[tuple[int, int], int] = {}  # (K, N) -> packed from this many rows
-        self.timings: dict[tuple[int, int], dict[int, tuple[float, float]]] = {}  # rows -> (plain, packed) ms
+        self.bands: dict[tuple[int, int], Bands] = {}  # (K, N) -> its kernels by row count
+        self.timings: dict[tuple[int, int], dict[int, dict[str, float]]] = {}  # rows -> kernel -> ms
 
-    def _known_switch(self, k: int, n: int) -> int | None:
-        """The shape's switch row count if already timed (here or by an earlier start), else None."""
-        if (k, n) not in self.switch_rows:
+    def _known_bands(self, k: int, n: int) -> Bands | None:
+        """The shape's bands if already timed (here or by an earlier start), else None."""
+        if (k, n) not in self.bands:
             remembered = self.remembered.get(self._key(k, n))
-            if not isinstance(remembered, int):
+            if remembered is None or any(kernel not in self.kernels for kernel, _ in remembered):
                 return None
-            self.switch_rows[(k, n)] = remembered
-        return self.switch_rows[(k, n)]
+            self.bands[(k, n)] = remembered
+        return self.bands[(k, n)]
 
-    def _time_switch(self, weight: torch.Tensor, bias: torch.Tensor | None, packed: torch.Tensor) -> int:
+    def _time_bands(self, weight: torch.Tensor, bias: torch.Tensor | None, packed: torch.Tensor | None) -> Bands:
         n, k = weight.shape
-        timings = {}
+        runs = {"native": lambda x: native_linear(x, weight, bias),
+                "plain": lambda x: F.linear(x, weight, bias),
+                "packed": lambda x: torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")}
+        runs = {name: run for name, run in runs.items()
+                if name in self.kernels and (name != "packed" or packed is not None)}
+        timings: dict[int, dict[str, float]] = {}
         generator = torch.Generator(device=weight.device).manual_seed(0)  # leaves the global RNG alone
+        bands: list[tuple[str, int]] = []
         for rows in PROBE_ROWS:
             x = torch.randn(rows, k, generator=generator, device=weight.device).to(weight.dtype)
-            timings[rows] = (_median_ms(functools.partial(F.linear, x, weight, bias)),
-                             _median_ms(functools.partial(torch.ops.mkldnn._linear_pointwise,
-                                                          x, packed, bias, "none", [], "")))
-        switch = _NEVER
-        for rows in reversed(PROBE_ROWS):
-            plain, fast = timings[rows]
-            if fast >= plain:
-                break
-            switch = rows
-        self.switch_rows[(k, n)], self.timings[(k, n)] = switch, timings
-        self.remembered[self._key(k, n)] = switch
+            timings[rows] = {name: _median_ms(functools.partial(run, x)) for name, run in runs.items()}
+            best = min(timings[rows], key=timings[rows].__getitem__)
+            if not bands or bands[-1][0] != best:
+                bands.append((best, rows))
+        self.bands[(k, n)], self.timings[(k, n)] = tuple(bands), timings
+        self.remembered[self._key(k, n)] = tuple(bands)
         _write_choices(self.remembered)
-        return switch
+        return tuple(bands)
 
     def _key(self, k: int, n: int) -> str:
-        return f"{self.machine}|{self.dtype}|{k}x{n}|column-major"  # timed against that plain layout
+        layout = "column-major" if self.column_major else "row-major"
+        return f"{self.machine}|{self.dtype}|{k}x{n}|{layout}|{'+'.join(self.kernels)}"
 
     def __call__(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> Linear:
         weight = weight.detach()
         bias = None if bias is None else bias.detach()
-        if self.mode == "plain":
-            return Linear(weight, bias, None)
+        if self.mode != "auto":
+            packed = self._pack(weight) if self.mode == "packed" else None
+            return Linear(weight, bias, packed, ((self.mode, 1),))
         n, k = weight.shape
-        switch = 1 if self.mode == "packed" else self._known_switch(k, n)
-        if switch == _NEVER:  # known to lose at every probed row count: no reordered copy is made
-            return Linear(weight, bias, None)
+        bands = self._known_bands(k, n)
+        packed = None
+        if bands is None or any(kernel == "packed" for kernel, _ in bands):
+            packed = self._pack(weight) if self.can_pack else None
+        if bands is None:
+            bands = self._time_bands(weight, bias, packed)
+        if not any(kernel == "packed" for kernel, _ in bands):
+            packed = None  # no reordered copy is kept for a weight that never runs packed
+        return Linear(weight, bias, packed, bands)
+
+    @staticmethod
+    def _pack(weight: torch.Tensor) -> torch.Tensor:
         with torch.inference_mode():
-            packed = torch.ops.mkldnn._reorder_linear_weight(weight, None)
-            if switch is None:
-                switch = self._time_switch(weight, bias, packed)
-        if switch == _NEVER:
-            return Linear(weight, bias, None)
-        return Linear(weight, bias, packed, switch)
+            return torch.ops.mkldnn._reorder_linear_weight(weight, None)
 
     def describe(self) -> str:
         if self.mode != "auto":
             return f"every linear {self.mode}"
-        return ", ".join(f"{k}x{n}: " + ("plain" if s == _NEVER else f"packed from {s} rows")
-                         for (k, n), s in self.switch_rows.items())
+        return "; ".join(f"{k}x{n}: " + ", ".join(f"{kernel} from {rows}" for kernel, rows in bands)
+                         for (k, n), bands in self.bands.items())
 
 
 def _column_major(weight: torch.Tensor) -> torch.Tensor:
@@ -233,22 +292,23 @@ def _column_major(weight: torch.Tensor) -> torch.Tensor:
     At one row (a batch-1 decode step) MKL's GEMV reads this layout 1.4-1.7x faster than the
     row-major one on the AVX2 EPYC of docs/performance.md; at 32-256 rows the two are within noise
     of each other and the packed oneDNN kernel (reordered from either) is faster than both where
-    the load-time timing picks it. `F.linear` takes the strided view as it is."""
+    the load-time timing picks it. `F.linear` takes the strided view as it is. Used only where the
+    native kernel (row-major) cannot run."""
     return weight.t().contiguous().t()
 
 
-def _fuse(module_list: list[torch.nn.Linear], attr: str) -> torch.Tensor | None:
-    """Concatenate the modules' `attr` (weight or bias) along the output rows (weights column-major)
-    and re-point each module's parameter at its row view of the fused tensor (no second copy stays
-    alive). One module is "fused" alone to get its weight into that layout."""
+def _fuse(module_list: list[torch.nn.Linear], attr: str, column_major: bool = False) -> torch.Tensor | None:
+    """Concatenate the modules' `attr` (weight or bias) along the output rows (weights column-major
+    if asked) and re-point each module's parameter at its row view of the fused tensor (no second
+    copy stays alive). One module is "fused" alone to get its weight into that layout."""
     parts = [getattr(m, attr) for m in module_list]
     if all(p is None for p in parts):
         return None
     if any(p is None for p in parts):
         raise ValueError("some fused projections have a bias and some do not")
-    fused = torch.cat([p.detach() for p in parts], dim=0)
+    fused = torch.cat([p.detach() for p in parts], dim=0) if len(parts) > 1 else parts[0].detach()
     if attr == "weight":
-        fused = _column_major(fused)
+        fused = _column_major(fused) if column_major else fused.contiguous()
     start = 0
     for module, part in zip(module_list, parts, strict=True):
         rows = part.shape[0]
@@ -257,19 +317,23 @@ def _fuse(module_list: list[torch.nn.Linear], attr: str) -> torch.Tensor | None:
     return fused
 
 
-def _fuse_weights(module_list: list[torch.nn.Linear]) -> torch.Tensor:
+def _fuse_weights(module_list: list[torch.nn.Linear], column_major: bool) -> torch.Tensor:
     """`_fuse` of the weights, which every linear layer has."""
-    fused = _fuse(module_list, "weight")
+    fused = _fuse(module_list, "weight", column_major)
     assert fused is not None, "a linear layer without a weight"
     return fused
 
 
-def _rms_norm(norm: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
-    """The model's RMSNorm module as one `F.rms_norm` call (the module's own arithmetic, bit for bit
-    in fp32, in one op instead of six) where its dtype allows; the module itself otherwise."""
+def _rms_norm(norm: torch.nn.Module, x: torch.Tensor, native: bool = False) -> torch.Tensor:
+    """The model's RMSNorm module as one call where its dtype allows: pdserve's native kernel when
+    `native` (one pass per row; the sum of squares in another order than torch's), else
+    `F.rms_norm` (the module's own arithmetic, bit for bit in fp32, seven ops instead of six
+    modules' worth); the module itself otherwise."""
     eps = getattr(norm, "variance_epsilon", None)
     if eps is None or x.dtype != torch.float32 or norm.weight.dtype != torch.float32:
         return norm(x)
+    if native and x.dim() == 2 and x.stride(1) == 1:
+        return native_rms_norm(x, norm.weight, eps)
     return F.rms_norm(x, norm.weight.shape, norm.weight, eps)
 
 
@@ -322,6 +386,7 @@ class FastForward:
         self.act = ACT2FN[c.hidden_act]
         self.intermediate = int(c.intermediate_size)
         self.compiled: CompiledDecode | None = None  # see enable_compile
+        self.native = factory.native_reason is None  # the native norm (engine/native.py) runs too
 
     def enable_compile(self) -> None:
         """Run decode passes through the `torch.compile`d layer (engine/compiled_layer.py) from now on
@@ -367,6 +432,7 @@ class FastForward:
         weight = model.lm_head.weight
         factory = LinearFactory(weight.dtype, weight.device, mode)
         qwen3 = FAST_FAMILIES[model.config.model_type]
+        cm = factory.column_major
         layers = []
         with torch.no_grad():
             for layer in model.model.layers:
@@ -376,15 +442,15 @@ class FastForward:
                 layers.append(_Layer(
                     input_norm=layer.input_layernorm,
                     post_norm=layer.post_attention_layernorm,
-                    qkv=factory(_fuse_weights(projections), _fuse(projections, "bias")),
-                    o=factory(_fuse_weights([attn.o_proj]), attn.o_proj.bias),
-                    gate_up=factory(_fuse_weights(gate_up), _fuse(gate_up, "bias")),
-                    down=factory(_fuse_weights([mlp.down_proj]), mlp.down_proj.bias),
+                    qkv=factory(_fuse_weights(projections, cm), _fuse(projections, "bias")),
+                    o=factory(_fuse_weights([attn.o_proj], cm), attn.o_proj.bias),
+                    gate_up=factory(_fuse_weights(gate_up, cm), _fuse(gate_up, "bias")),
+                    down=factory(_fuse_weights([mlp.down_proj], cm), mlp.down_proj.bias),
                     q_norm=attn.q_norm if qwen3 else None,
                     k_norm=attn.k_norm if qwen3 else None,
                 ))
             # tied embeddings: the embedding re-points too (one Parameter) and gathers strided rows
-            lm_head = factory(_fuse_weights([model.lm_head]), getattr(model.lm_head, "bias", None))
+            lm_head = factory(_fuse_weights([model.lm_head], cm), getattr(model.lm_head, "bias", None))
         fast = cls(model, layers, lm_head, factory)
         log.info("fast forward: %d layers; linear kernels: %s", len(layers), factory.describe())
         return fast
@@ -406,7 +472,7 @@ class FastForward:
         p = self.layers[index]
         t = hidden.shape[0]
         hq, hkv = self.num_heads, self.num_kv_heads
-        qkv = p.qkv(_rms_norm(p.input_norm, hidden)).view(t, hq + 2 * hkv, self.head_dim)
+        qkv = p.qkv(_rms_norm(p.input_norm, hidden, self.native)).view(t, hq + 2 * hkv, self.head_dim)
         if p.q_norm is not None and p.k_norm is not None:  # Qwen3: per-head norms before RoPE
             q, k = rope(p.q_norm(qkv[:, :hq])), rope(p.k_norm(qkv[:, hq : hq + hkv]))
         else:  # q and k rotated together: one set of ops for both
@@ -414,7 +480,7 @@ class FastForward:
             q, k = qk[:, :hq], qk[:, hq:]
         attn = paged_attention(batch, index, q, k, qkv[:, hq + hkv :], self.scale)  # [T, Hq * D]
         hidden = p.o(attn, residual=hidden)
-        gate_up = p.gate_up(_rms_norm(p.post_norm, hidden))  # [T, 2 I]
+        gate_up = p.gate_up(_rms_norm(p.post_norm, hidden, self.native))  # [T, 2 I]
         return p.down(self._act_mul(gate_up), residual=hidden)
 
     def _act_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
@@ -424,7 +490,7 @@ class FastForward:
 
     def norm_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Final norm and LM head: hidden [N, E] -> float32 logits [N, V]."""
-        return self.lm_head(_rms_norm(self.final_norm, hidden)).float()
+        return self.lm_head(_rms_norm(self.final_norm, hidden, self.native)).float()
 
 
 _BUILT: weakref.WeakKeyDictionary[Any, FastForward | None] = weakref.WeakKeyDictionary()

@@ -64,14 +64,15 @@ def _greedy(runner: ModelRunner, prompts: list[list[int]], steps: int) -> list[l
 PROMPTS = [list(range(5, 18)), list(range(300, 307)), [42], list(range(1000, 1040, 2))]
 
 
-@pytest.mark.parametrize("linear", ["plain", "packed"])
+@pytest.mark.parametrize("linear", ["native", "plain", "packed"])
 def test_fast_forward_greedy_matches_generate(family_dir: Path, linear: str, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("PDSERVE_LINEAR", linear)
     loaded = load_model(family_dir)
     runner = ModelRunner(loaded, KVCache(loaded.kv_shape(4), 16 * len(PROMPTS)), forward="fast")
-    assert runner.forward_name == "fast"
-    expected_kernel = linear == "packed" and runner.fast is not None and runner.fast.factory.can_pack
-    assert (runner.fast.layers[0].qkv.packed is not None) == expected_kernel  # type: ignore[union-attr]
+    assert runner.forward_name == "fast" and runner.fast is not None
+    expected = linear if linear in runner.fast.factory.kernels else "plain"
+    assert runner.fast.layers[0].qkv.bands == ((expected, 1),)
+    assert (runner.fast.layers[0].qkv.packed is not None) == (expected == "packed")
     got = _greedy(runner, PROMPTS, steps=12)
     reference = AutoModelForCausalLM.from_pretrained(family_dir, attn_implementation="eager").eval()
     for prompt, tokens in zip(PROMPTS, got, strict=True):
@@ -108,15 +109,22 @@ def test_fused_weights_are_shared_with_the_transformers_modules(tiny_llama: Load
     assert torch.equal(torch.cat([attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight]), qkv)
 
 
-def test_weights_are_stored_column_major_in_one_copy(tiny_llama: LoadedModel) -> None:
-    fast = fast_forward_for(tiny_llama.model)
+@pytest.mark.parametrize("linear", ["plain", "native"])
+def test_weights_are_stored_in_one_copy_in_the_kernels_layout(tiny_llama_dir: Path, linear: str,
+                                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("PDSERVE_LINEAR", linear)
+    loaded = load_model(tiny_llama_dir)
+    fast = FastForward.build(loaded.model)
     assert fast is not None
-    layer, mlp = fast.layers[0], tiny_llama.model.model.layers[0].mlp
-    for linear in (layer.qkv, layer.o, layer.gate_up, layer.down, fast.lm_head):
-        n = linear.weight.shape[0]
-        assert linear.weight.stride() == (1, n)  # [N, K] viewed over [K, N] contiguous memory
+    column_major = fast.factory.column_major
+    assert column_major == (linear == "plain" or "native" not in fast.factory.kernels)
+    layer, mlp = fast.layers[0], loaded.model.model.layers[0].mlp
+    for linear_ in (layer.qkv, layer.o, layer.gate_up, layer.down, fast.lm_head):
+        n, k = linear_.weight.shape
+        # column-major: [N, K] viewed over [K, N] contiguous memory; else row-major as torch keeps it
+        assert linear_.weight.stride() == ((1, n) if column_major else (k, 1))
     assert mlp.down_proj.weight.data_ptr() == layer.down.weight.data_ptr()  # re-pointed, not copied
-    assert tiny_llama.model.lm_head.weight.data_ptr() == fast.lm_head.weight.data_ptr()
+    assert loaded.model.lm_head.weight.data_ptr() == fast.lm_head.weight.data_ptr()
 
 
 def test_rope_is_transformers_rope_bit_for_bit() -> None:
@@ -147,13 +155,13 @@ def test_rms_norm_is_the_modules_arithmetic_bit_for_bit(family: str) -> None:
             assert torch.equal(_rms_norm(norm, x), norm(x))
 
 
-@pytest.mark.parametrize("mode", ["plain", "packed"])
+@pytest.mark.parametrize("mode", ["native", "plain", "packed"])
 def test_linear_adds_the_residual(mode: str) -> None:
     factory = LinearFactory(torch.float32, torch.device("cpu"), mode=mode)
     torch.manual_seed(0)
     weight = torch.randn(48, 32)
     for bias in (None, torch.randn(48)):
-        linear = factory(weight.t().contiguous().t(), bias)
+        linear = factory(weight.t().contiguous().t() if factory.column_major else weight, bias)
         for rows in (1, 5):
             x, residual = torch.randn(rows, 32), torch.randn(rows, 48)
             want = torch.nn.functional.linear(x, weight, bias) + residual
@@ -172,18 +180,22 @@ def test_a_model_outside_the_fast_path_runs_on_transformers_modules(tiny_llama_d
         ModelRunner(loaded, KVCache(loaded.kv_shape(4), 8), forward="turbo")
 
 
-def test_linear_switches_kernel_at_its_row_count() -> None:
-    factory = LinearFactory(torch.float32, torch.device("cpu"), mode="packed")
-    if not factory.can_pack:
-        pytest.skip("no oneDNN linear in this torch build")  # the plain kernel is tested everywhere else
+def test_linear_runs_each_kernel_from_its_row_count() -> None:
+    factory = LinearFactory(torch.float32, torch.device("cpu"), mode="auto")
     torch.manual_seed(0)
     weight, bias = torch.randn(48, 32), torch.randn(48)
-    packed = factory(weight, bias)
-    linear = Linear(weight, bias, packed.packed, packed_from_rows=4)
-    for rows in (1, 3, 4, 9):
+    packed = LinearFactory._pack(weight) if factory.can_pack else None
+    first = factory.kernels[0]  # native where it runs, else plain
+    bands = ((first, 1), ("plain", 2)) if first != "plain" else (("plain", 1),)
+    if packed is not None:
+        bands += (("packed", 4),)
+    linear = Linear(weight, bias, packed, bands)
+    for rows, want in ((1, first), (3, "plain"), (4, bands[-1][0]), (9, bands[-1][0])):
+        assert linear.kernel_for(rows) == want
         x = torch.randn(rows, 32)
         torch.testing.assert_close(linear(x), torch.nn.functional.linear(x, weight, bias), atol=1e-5, rtol=1e-5)
-    assert Linear(weight, bias, None).packed_from_rows > 2**40  # plain only: never switches
+    with pytest.raises(ValueError, match="packed band"):
+        Linear(weight, bias, None, (("packed", 1),))
 
 
 def test_linear_mode_is_validated(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -216,12 +228,14 @@ def test_auto_kernel_choice_is_timed_once_per_machine(tmp_path: Path, monkeypatc
     monkeypatch.setattr(fast_forward, "_median_ms", lambda fn, repeats=5: timed.append(1) or real(fn, repeats))
     weight = torch.randn(40, 24)
     first = LinearFactory(torch.float32, torch.device("cpu"), mode="auto")
+    runs = len(first.kernels) * len(fast_forward.PROBE_ROWS)  # every kernel at every probed row count
     first(weight)
-    assert len(timed) == 2 * len(fast_forward.PROBE_ROWS)  # both kernels at every probed row count
+    assert len(timed) == runs
     assert (tmp_path / "linear-kernels.json").is_file()
     second = LinearFactory(torch.float32, torch.device("cpu"), mode="auto")
     second(weight)
-    assert len(timed) == 2 * len(fast_forward.PROBE_ROWS)  # read back, not timed again
-    assert second.switch_rows == first.switch_rows
+    assert len(timed) == runs  # read back, not timed again
+    assert second.bands == first.bands and first.bands[(24, 40)][0][1] == 1
+    assert {kernel for kernel, _ in first.bands[(24, 40)]} <= set(first.kernels)
     LinearFactory(torch.float32, torch.device("cpu"), mode="retime")(weight)
-    assert len(timed) == 4 * len(fast_forward.PROBE_ROWS)  # PDSERVE_LINEAR=retime times again
+    assert len(timed) == 2 * runs  # PDSERVE_LINEAR=retime times again

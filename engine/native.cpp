@@ -1,0 +1,244 @@
+// pdserve's fp32 CPU kernels for AVX2/FMA (engine/native.py loads them as torch ops):
+//   linear            y = residual + (x W^T + bias), for the few rows of a decode step;
+//   rms_norm          the model's RMSNorm in one pass over each row;
+//   decode_attention  one query token per sequence against its K/V read in place from the paged
+//                     cache (no gather), grouped-query heads, softmax in fp32.
+//
+// linear:
+// W is the weight as torch stores it ([N, K], row-major). Each output is a dot product of one
+// weight row with one input row: the weight rows stream from memory once per call, four at a time,
+// and every input row (two at a time) is read from L1 against them, so at the few rows of a decode
+// step the kernel runs at the memory's read rate instead of MKL's GEMV rate (see
+// benchmarks/gemv_layout.py). Threads split the weight rows (at::parallel_for), never K, so an
+// output's arithmetic is the same at any thread count and any batch size: row m of a batch gets
+// the bits it would get alone (tests/engine/test_native_linear.py).
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+#include <immintrin.h>
+
+#include <algorithm>
+#include <cmath>
+#include <vector>
+
+namespace {
+
+inline float hsum(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+
+// sums[m * R + r] = dot(w row r, x row m) for R weight rows and MG input rows.
+template <int R, int MG>
+inline void dots(const float* x, int64_t ldx, const float* w, int64_t K, float* sums) {
+  __m256 acc[R][MG];
+#pragma GCC unroll 4
+  for (int r = 0; r < R; ++r)
+#pragma GCC unroll 2
+    for (int m = 0; m < MG; ++m) acc[r][m] = _mm256_setzero_ps();
+  int64_t k = 0;
+  for (; k + 8 <= K; k += 8) {
+    __m256 xv[MG];
+#pragma GCC unroll 2
+    for (int m = 0; m < MG; ++m) xv[m] = _mm256_loadu_ps(x + m * ldx + k);
+#pragma GCC unroll 4
+    for (int r = 0; r < R; ++r) {
+      const __m256 wv = _mm256_loadu_ps(w + r * K + k);
+#pragma GCC unroll 2
+      for (int m = 0; m < MG; ++m) acc[r][m] = _mm256_fmadd_ps(wv, xv[m], acc[r][m]);
+    }
+  }
+#pragma GCC unroll 4
+  for (int r = 0; r < R; ++r)
+#pragma GCC unroll 2
+    for (int m = 0; m < MG; ++m) {
+      float s = hsum(acc[r][m]);
+      for (int64_t kk = k; kk < K; ++kk) s += w[r * K + kk] * x[m * ldx + kk];
+      sums[m * R + r] = s;
+    }
+}
+
+template <int R>
+inline void rows(const float* x, int64_t ldx, int64_t M, const float* w, int64_t K, int64_t n0, int64_t N,
+                 const float* bias, const float* res, int64_t ldr, float* y) {
+  float sums[2 * R];
+  for (int64_t m0 = 0; m0 < M; m0 += 2) {
+    const int mg = M - m0 >= 2 ? 2 : 1;
+    if (mg == 2) dots<R, 2>(x + m0 * ldx, ldx, w, K, sums);
+    else dots<R, 1>(x + m0 * ldx, ldx, w, K, sums);
+    for (int m = 0; m < mg; ++m)
+      for (int r = 0; r < R; ++r) {
+        float v = sums[m * R + r];
+        if (bias) v = v + bias[n0 + r];
+        if (res) v = res[(m0 + m) * ldr + n0 + r] + v;
+        y[(m0 + m) * N + n0 + r] = v;
+      }
+  }
+}
+
+at::Tensor linear(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias,
+                  const std::optional<at::Tensor>& residual) {
+  TORCH_CHECK(x.dim() == 2 && weight.dim() == 2 && x.size(1) == weight.size(1),
+              "pdserve_native::linear: x [M, K] and weight [N, K] expected");
+  TORCH_CHECK(x.scalar_type() == at::kFloat && weight.scalar_type() == at::kFloat,
+              "pdserve_native::linear: float32 only");
+  TORCH_CHECK(weight.is_contiguous(), "pdserve_native::linear: the weight must be row-major");
+  const at::Tensor xc = x.stride(1) == 1 ? x : x.contiguous();
+  const int64_t M = xc.size(0), K = xc.size(1), N = weight.size(0), ldx = xc.stride(0);
+  const float* b = nullptr;
+  if (bias.has_value()) {
+    TORCH_CHECK(bias->is_contiguous() && bias->numel() == N && bias->scalar_type() == at::kFloat,
+                "pdserve_native::linear: bias [N] float32 expected");
+    b = bias->data_ptr<float>();
+  }
+  at::Tensor rc;
+  const float* r = nullptr;
+  int64_t ldr = 0;
+  if (residual.has_value()) {
+    TORCH_CHECK(residual->size(0) == M && residual->size(1) == N && residual->scalar_type() == at::kFloat,
+                "pdserve_native::linear: residual [M, N] float32 expected");
+    rc = residual->stride(1) == 1 ? *residual : residual->contiguous();
+    r = rc.data_ptr<float>();
+    ldr = rc.stride(0);
+  }
+  at::Tensor y = at::empty({M, N}, xc.options());
+  const float* X = xc.data_ptr<float>();
+  const float* W = weight.data_ptr<float>();
+  float* Y = y.data_ptr<float>();
+  const int64_t blocks = (N + 3) / 4;
+  at::parallel_for(0, blocks, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t blk = begin; blk < end; ++blk) {
+      const int64_t n0 = blk * 4;
+      if (n0 + 4 <= N) {
+        rows<4>(X, ldx, M, W + n0 * K, K, n0, N, b, r, ldr, Y);
+      } else {
+        for (int64_t n = n0; n < N; ++n) rows<1>(X, ldx, M, W + n * K, K, n, N, b, r, ldr, Y);
+      }
+    }
+  });
+  return y;
+}
+
+inline float dot(const float* a, const float* b, int64_t n) {
+  __m256 acc = _mm256_setzero_ps();
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), acc);
+  float s = hsum(acc);
+  for (; i < n; ++i) s += a[i] * b[i];
+  return s;
+}
+
+// y = weight * (x / sqrt(mean(x^2) + eps)) per row of x [M, K] (rows contiguous, any row stride),
+// in the order transformers' RMSNorm computes it; only the sum of squares is summed in another
+// order than torch's reduction (eight lanes, then across them).
+at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
+  TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1 && x.scalar_type() == at::kFloat,
+              "pdserve_native::rms_norm: x [M, K] float32 with contiguous rows expected");
+  TORCH_CHECK(weight.is_contiguous() && weight.numel() == x.size(1) && weight.scalar_type() == at::kFloat,
+              "pdserve_native::rms_norm: weight [K] float32 expected");
+  const int64_t M = x.size(0), K = x.size(1), ldx = x.stride(0);
+  at::Tensor y = at::empty({M, K}, x.options());
+  const float* X = x.data_ptr<float>();
+  const float* W = weight.data_ptr<float>();
+  float* Y = y.data_ptr<float>();
+  const float e = static_cast<float>(eps);
+  at::parallel_for(0, M, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t m = begin; m < end; ++m) {
+      const float* row = X + m * ldx;
+      const float inv = 1.0f / std::sqrt(dot(row, row, K) / static_cast<float>(K) + e);
+      float* out = Y + m * K;
+      for (int64_t k = 0; k < K; ++k) out[k] = W[k] * (row[k] * inv);
+    }
+  });
+  return y;
+}
+
+// query [B, Hq, D]; key_cache / value_cache [num_blocks, block_size, Hkv, D] (one layer, as the
+// paged cache holds it); block_tables [B, max_blocks] int64; context_lens [B] int64 -> [B, Hq, D].
+// Query head h reads kv head h / (Hq / Hkv). Scores and softmax in fp32 over the sequence's own
+// context_lens[b] positions, each key and value read where it lies in its block.
+at::Tensor decode_attention(const at::Tensor& query, const at::Tensor& key_cache, const at::Tensor& value_cache,
+                            const at::Tensor& block_tables, const at::Tensor& context_lens, double scale) {
+  TORCH_CHECK(query.dim() == 3 && query.is_contiguous() && query.scalar_type() == at::kFloat,
+              "pdserve_native::decode_attention: query [B, Hq, D] contiguous float32 expected");
+  TORCH_CHECK(key_cache.dim() == 4 && key_cache.is_contiguous() && value_cache.is_contiguous() &&
+                  key_cache.sizes() == value_cache.sizes() && key_cache.scalar_type() == at::kFloat &&
+                  value_cache.scalar_type() == at::kFloat,
+              "pdserve_native::decode_attention: K/V caches [blocks, block_size, Hkv, D] contiguous float32 expected");
+  TORCH_CHECK(block_tables.dim() == 2 && block_tables.scalar_type() == at::kLong &&
+                  context_lens.dim() == 1 && context_lens.scalar_type() == at::kLong &&
+                  block_tables.size(0) == query.size(0) && context_lens.size(0) == query.size(0),
+              "pdserve_native::decode_attention: block_tables [B, max_blocks] and context_lens [B] int64 expected");
+  const int64_t B = query.size(0), Hq = query.size(1), D = query.size(2);
+  const int64_t num_blocks = key_cache.size(0), bs = key_cache.size(1), Hkv = key_cache.size(2);
+  TORCH_CHECK(key_cache.size(3) == D && Hq % Hkv == 0, "pdserve_native::decode_attention: head shapes disagree");
+  const int64_t G = Hq / Hkv, max_blocks = block_tables.size(1);
+  const at::Tensor tables = block_tables.contiguous(), lens = context_lens.contiguous();
+  const int64_t* T = tables.data_ptr<int64_t>();
+  const int64_t* L = lens.data_ptr<int64_t>();
+  for (int64_t b = 0; b < B; ++b) {
+    TORCH_CHECK(L[b] >= 1 && L[b] <= max_blocks * bs, "pdserve_native::decode_attention: context length ", L[b],
+                " outside 1..", max_blocks * bs);
+    for (int64_t i = 0; i < (L[b] + bs - 1) / bs; ++i)
+      TORCH_CHECK(T[b * max_blocks + i] >= 0 && T[b * max_blocks + i] < num_blocks,
+                  "pdserve_native::decode_attention: block id out of range");
+  }
+  at::Tensor out = at::empty({B, Hq, D}, query.options());
+  const float* Q = query.data_ptr<float>();
+  const float* Kc = key_cache.data_ptr<float>();
+  const float* Vc = value_cache.data_ptr<float>();
+  float* O = out.data_ptr<float>();
+  const float sc = static_cast<float>(scale);
+  at::parallel_for(0, B * Hkv, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> scores;
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t b = task / Hkv, h = task % Hkv, len = L[b];
+      scores.resize(static_cast<size_t>(G * len));
+      const int64_t* table = T + b * max_blocks;
+      for (int64_t s = 0; s < len; ++s) {
+        const float* k = Kc + ((table[s / bs] * bs + s % bs) * Hkv + h) * D;
+        for (int64_t g = 0; g < G; ++g) scores[g * len + s] = dot(Q + (b * Hq + h * G + g) * D, k, D) * sc;
+      }
+      for (int64_t g = 0; g < G; ++g) {
+        float* row = scores.data() + g * len;
+        float mx = row[0];
+        for (int64_t s = 1; s < len; ++s) mx = std::max(mx, row[s]);
+        float sum = 0.0f;
+        for (int64_t s = 0; s < len; ++s) sum += (row[s] = std::exp(row[s] - mx));
+        const float inv = 1.0f / sum;
+        for (int64_t s = 0; s < len; ++s) row[s] *= inv;
+      }
+      for (int64_t g = 0; g < G; ++g) {
+        float* o = O + (b * Hq + h * G + g) * D;
+        for (int64_t d = 0; d < D; ++d) o[d] = 0.0f;
+        const float* p = scores.data() + g * len;
+        for (int64_t s = 0; s < len; ++s) {
+          const float* v = Vc + ((table[s / bs] * bs + s % bs) * Hkv + h) * D;
+          const __m256 pv = _mm256_set1_ps(p[s]);
+          int64_t d = 0;
+          for (; d + 8 <= D; d += 8)
+            _mm256_storeu_ps(o + d, _mm256_fmadd_ps(pv, _mm256_loadu_ps(v + d), _mm256_loadu_ps(o + d)));
+          for (; d < D; ++d) o[d] += p[s] * v[d];
+        }
+      }
+    }
+  });
+  return out;
+}
+
+}  // namespace
+
+TORCH_LIBRARY(pdserve_native, m) {
+  m.def("linear(Tensor x, Tensor weight, Tensor? bias, Tensor? residual) -> Tensor");
+  m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
+  m.def("decode_attention(Tensor query, Tensor key_cache, Tensor value_cache, Tensor block_tables, "
+        "Tensor context_lens, float scale) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(pdserve_native, CPU, m) {
+  m.impl("linear", &linear);
+  m.impl("rms_norm", &rms_norm);
+  m.impl("decode_attention", &decode_attention);
+}
