@@ -200,8 +200,9 @@ class LinearFactory:
     with every kernel this machine has (best of interleaved rounds); each probed row count takes its
     fastest kernel, up to the next probed count. The choice is kept in pdserve's cache folder
     (`linear-kernels.json`) under the CPU model, torch version, thread count, dtype, weight layout
-    and kernels, so a restarted worker on the same machine does not time again. `PDSERVE_LINEAR=native|plain|packed` runs one kernel at every
-    row count (the exactness tests run each) and `retime` times again.
+    and kernels, so a restarted worker on the same machine does not time again.
+    `PDSERVE_LINEAR=native|plain|packed` runs one kernel at every row count (the exactness tests run
+    each) and `retime` times again.
 
     Layout: where the native kernel can run, weights stay row-major (its layout, and transformers');
     otherwise they are stored column-major, which MKL's one-row GEMV reads 1.4-1.7x faster
