@@ -1,5 +1,6 @@
 // pdserve's fp32 CPU kernels for AVX2/FMA (engine/native.py loads them as torch ops):
-//   linear            y = residual + (x W^T + bias), for the few rows of a decode step;
+//   linear            y = residual + (x W^T + bias), for the few rows of a decode step (float32, and
+//                     bfloat16 weights widened in L1, summed in float32);
 //   rms_norm          the model's RMSNorm in one pass over each row;
 //   decode_attention  one query token per sequence against its K/V read in place from the paged
 //                     cache (no gather), grouped-query heads, softmax in fp32.
@@ -19,6 +20,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <type_traits>
 #include <vector>
 
 namespace {
@@ -60,9 +62,22 @@ inline void dots(const float* x, int64_t ldx, const float* w, int64_t K, float* 
     }
 }
 
-template <int R>
+// The model's element type T (float or c10::BFloat16) as floats: bf16 is the top half of a float.
+inline void to_float(const float* src, float* dst, int64_t n) { std::copy(src, src + n, dst); }
+inline void to_float(const c10::BFloat16* src, float* dst, int64_t n) {
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) {
+    const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i));
+    _mm256_storeu_ps(dst + i, _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16)));
+  }
+  for (; i < n; ++i) dst[i] = static_cast<float>(src[i]);
+}
+
+// Outputs R weight rows x M input rows, as torch computes them in T: the dot (+ bias) rounded to T,
+// then (+ residual) rounded to T (in float32 no rounding happens).
+template <typename T, int R>
 inline void rows(const float* x, int64_t ldx, int64_t M, const float* w, int64_t K, int64_t n0, int64_t N,
-                 const float* bias, const float* res, int64_t ldr, float* y) {
+                 const T* bias, const T* res, int64_t ldr, T* y) {
   float sums[2 * R];
   for (int64_t m0 = 0; m0 < M; m0 += 2) {
     const int mg = M - m0 >= 2 ? 2 : 1;
@@ -71,53 +86,74 @@ inline void rows(const float* x, int64_t ldx, int64_t M, const float* w, int64_t
     for (int m = 0; m < mg; ++m)
       for (int r = 0; r < R; ++r) {
         float v = sums[m * R + r];
-        if (bias) v = v + bias[n0 + r];
-        if (res) v = res[(m0 + m) * ldr + n0 + r] + v;
-        y[(m0 + m) * N + n0 + r] = v;
+        if (bias) v = v + static_cast<float>(bias[n0 + r]);
+        T out = static_cast<T>(v);
+        if (res) out = static_cast<T>(static_cast<float>(res[(m0 + m) * ldr + n0 + r]) + static_cast<float>(out));
+        y[(m0 + m) * N + n0 + r] = out;
       }
   }
+}
+
+// float32 weights are read in place; bfloat16 ones are widened four rows at a time into a buffer
+// that stays in L1 while every input row is multiplied by it, so memory is read at half the bytes.
+template <typename T>
+void linear_rows(const float* X, int64_t ldx, int64_t M, const T* W, int64_t K, int64_t N, const T* b,
+                 const T* r, int64_t ldr, T* Y) {
+  const int64_t blocks = (N + 3) / 4;
+  at::parallel_for(0, blocks, 16, [&](int64_t begin, int64_t end) {
+    std::vector<float> widened(std::is_same_v<T, float> ? 0 : 4 * K);
+    auto rows_of = [&](int64_t n, int64_t count) -> const float* {
+      if constexpr (std::is_same_v<T, float>) {
+        return W + n * K;
+      } else {
+        to_float(W + n * K, widened.data(), count * K);
+        return widened.data();
+      }
+    };
+    for (int64_t blk = begin; blk < end; ++blk) {
+      const int64_t n0 = blk * 4;
+      if (n0 + 4 <= N) {
+        rows<T, 4>(X, ldx, M, rows_of(n0, 4), K, n0, N, b, r, ldr, Y);
+      } else {
+        for (int64_t n = n0; n < N; ++n) rows<T, 1>(X, ldx, M, rows_of(n, 1), K, n, N, b, r, ldr, Y);
+      }
+    }
+  });
 }
 
 at::Tensor linear(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias,
                   const std::optional<at::Tensor>& residual) {
   TORCH_CHECK(x.dim() == 2 && weight.dim() == 2 && x.size(1) == weight.size(1),
               "pdserve_native::linear: x [M, K] and weight [N, K] expected");
-  TORCH_CHECK(x.scalar_type() == at::kFloat && weight.scalar_type() == at::kFloat,
-              "pdserve_native::linear: float32 only");
+  const auto dtype = weight.scalar_type();
+  TORCH_CHECK((dtype == at::kFloat || dtype == at::kBFloat16) && x.scalar_type() == dtype,
+              "pdserve_native::linear: float32 or bfloat16 only, x and weight alike");
   TORCH_CHECK(weight.is_contiguous(), "pdserve_native::linear: the weight must be row-major");
-  const at::Tensor xc = x.stride(1) == 1 ? x : x.contiguous();
-  const int64_t M = xc.size(0), K = xc.size(1), N = weight.size(0), ldx = xc.stride(0);
-  const float* b = nullptr;
-  if (bias.has_value()) {
-    TORCH_CHECK(bias->is_contiguous() && bias->numel() == N && bias->scalar_type() == at::kFloat,
-                "pdserve_native::linear: bias [N] float32 expected");
-    b = bias->data_ptr<float>();
-  }
+  const int64_t M = x.size(0), K = x.size(1), N = weight.size(0);
+  if (bias.has_value())
+    TORCH_CHECK(bias->is_contiguous() && bias->numel() == N && bias->scalar_type() == dtype,
+                "pdserve_native::linear: bias [N] of the weight's dtype expected");
   at::Tensor rc;
-  const float* r = nullptr;
-  int64_t ldr = 0;
   if (residual.has_value()) {
-    TORCH_CHECK(residual->size(0) == M && residual->size(1) == N && residual->scalar_type() == at::kFloat,
-                "pdserve_native::linear: residual [M, N] float32 expected");
+    TORCH_CHECK(residual->dim() == 2 && residual->size(0) == M && residual->size(1) == N &&
+                    residual->scalar_type() == dtype,
+                "pdserve_native::linear: residual [M, N] of the weight's dtype expected");
     rc = residual->stride(1) == 1 ? *residual : residual->contiguous();
-    r = rc.data_ptr<float>();
-    ldr = rc.stride(0);
   }
-  at::Tensor y = at::empty({M, N}, xc.options());
-  const float* X = xc.data_ptr<float>();
-  const float* W = weight.data_ptr<float>();
-  float* Y = y.data_ptr<float>();
-  const int64_t blocks = (N + 3) / 4;
-  at::parallel_for(0, blocks, 16, [&](int64_t begin, int64_t end) {
-    for (int64_t blk = begin; blk < end; ++blk) {
-      const int64_t n0 = blk * 4;
-      if (n0 + 4 <= N) {
-        rows<4>(X, ldx, M, W + n0 * K, K, n0, N, b, r, ldr, Y);
-      } else {
-        for (int64_t n = n0; n < N; ++n) rows<1>(X, ldx, M, W + n * K, K, n, N, b, r, ldr, Y);
-      }
-    }
-  });
+  // the input rows as float32 (bf16 widened once per call; float32 read in place)
+  const at::Tensor xf = dtype == at::kFloat ? (x.stride(1) == 1 ? x : x.contiguous()) : x.to(at::kFloat).contiguous();
+  at::Tensor y = at::empty({M, N}, weight.options());
+  if (dtype == at::kFloat) {
+    linear_rows<float>(xf.data_ptr<float>(), xf.stride(0), M, weight.data_ptr<float>(), K, N,
+                       bias.has_value() ? bias->data_ptr<float>() : nullptr,
+                       rc.defined() ? rc.data_ptr<float>() : nullptr, rc.defined() ? rc.stride(0) : 0,
+                       y.data_ptr<float>());
+  } else {
+    using B = c10::BFloat16;
+    linear_rows<B>(xf.data_ptr<float>(), xf.stride(0), M, weight.data_ptr<B>(), K, N,
+                   bias.has_value() ? bias->data_ptr<B>() : nullptr, rc.defined() ? rc.data_ptr<B>() : nullptr,
+                   rc.defined() ? rc.stride(0) : 0, y.data_ptr<B>());
+  }
   return y;
 }
 

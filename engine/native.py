@@ -108,8 +108,8 @@ def native_unavailable(dtype: torch.dtype, device: torch.device) -> str | None:
         return f"{NATIVE_ENV}=0"
     if device.type != "cpu":
         return f"device {device.type}"
-    if dtype != torch.float32:
-        return f"dtype {dtype} (float32 only)"
+    if dtype not in (torch.float32, torch.bfloat16):
+        return f"dtype {dtype} (float32 and bfloat16 only)"
     return _load()
 
 

@@ -39,6 +39,19 @@ def test_linear_is_x_w_plus_bias_plus_residual(k: int, n: int) -> None:
     torch.testing.assert_close(native.native_linear(strided, weight), F.linear(strided, weight), atol=1e-4, rtol=1e-5)
 
 
+def test_bf16_linear_sums_in_float32_and_rounds_as_torch_does() -> None:
+    torch.manual_seed(3)
+    weight, bias = torch.randn(70, 96).bfloat16(), torch.randn(70).bfloat16()
+    for rows in (1, 2, 5):
+        x, residual = torch.randn(rows, 96).bfloat16(), torch.randn(rows, 70).bfloat16()
+        exact = F.linear(x.float(), weight.float(), bias.float())  # float32 sums of the bf16 values
+        got = native.native_linear(x, weight, bias)
+        assert got.dtype == torch.bfloat16
+        torch.testing.assert_close(got, exact.bfloat16(), atol=0, rtol=2**-7)  # within one bf16 rounding
+        with_residual = native.native_linear(x, weight, bias, residual)
+        torch.testing.assert_close(with_residual, (residual.float() + got.float()).bfloat16(), atol=0, rtol=0)
+
+
 def test_linear_gives_a_row_the_same_bits_in_any_batch_and_at_any_thread_count() -> None:
     torch.manual_seed(1)
     weight, x = torch.randn(300, 576), torch.randn(7, 576)
@@ -56,8 +69,10 @@ def test_linear_gives_a_row_the_same_bits_in_any_batch_and_at_any_thread_count()
 
 def test_bad_inputs_are_refused_with_a_clear_error() -> None:
     weight = torch.randn(8, 16)
-    with pytest.raises(RuntimeError, match="float32 only"):
-        native.native_linear(torch.randn(2, 16, dtype=torch.bfloat16), weight.bfloat16())
+    with pytest.raises(RuntimeError, match="float32 or bfloat16 only"):
+        native.native_linear(torch.randn(2, 16, dtype=torch.bfloat16), weight)
+    with pytest.raises(RuntimeError, match="float32 or bfloat16 only"):
+        native.native_linear(torch.randn(2, 16).half(), weight.half())
     with pytest.raises(RuntimeError, match=r"x \[M, K\] and weight \[N, K\]"):
         native.native_linear(torch.randn(2, 15), weight)
     with pytest.raises(RuntimeError, match="row-major"):
@@ -131,7 +146,7 @@ def test_decode_attention_refuses_block_ids_and_lengths_outside_the_cache() -> N
 def test_turned_off_or_unbuildable_kernels_leave_torch_kernels_in_charge(monkeypatch: pytest.MonkeyPatch) -> None:
     from pdserve.engine.fast_forward import LinearFactory
 
-    assert native.native_unavailable(torch.bfloat16, CPU) == "dtype torch.bfloat16 (float32 only)"
+    assert native.native_unavailable(torch.float16, CPU) == "dtype torch.float16 (float32 and bfloat16 only)"
     monkeypatch.setenv(native.NATIVE_ENV, "0")
     assert native.native_unavailable(torch.float32, CPU) == "PDSERVE_NATIVE=0"
     factory = LinearFactory(torch.float32, CPU, mode="auto")
