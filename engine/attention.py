@@ -118,6 +118,10 @@ def _decode_context(batch: AttentionBatch, layer: int, length: int) -> tuple[tor
     return kv[0].view(nd * heads, length, dim), kv[1].view(nd * heads, length, dim)
 
 
+#: (query, cache) dtypes the native decode attention takes.
+_NATIVE_DTYPES = {(torch.float32, torch.float32), (torch.bfloat16, torch.bfloat16), (torch.float32, torch.bfloat16)}
+
+
 def _native_attention(device: torch.device) -> bool:
     return native_unavailable(torch.float32, device) is None
 
@@ -131,11 +135,11 @@ def _decode_attention(batch: AttentionBatch, layer: int, query: torch.Tensor, sc
     contiguous first: a batched matmul over the strided view is 3-4x slower on a CPU than the copy
     plus the matmul, and SDPA's flash kernel, tiled for many query rows, slower still.
 
-    Where pdserve's native kernels run (float32 on an AVX2 CPU, engine/native.py), one call reads
-    every key and value in place from the pages instead: no gather, no copy, no mask."""
+    Where pdserve's native kernels run (float32 or bfloat16 on an AVX2 CPU, engine/native.py), one
+    call reads every key and value in place from the pages instead: no gather, no copy, no mask."""
     nd = batch.num_decode
     cache = batch.kv_cache
-    if query.dtype == torch.float32 and cache.kv.dtype == torch.float32 and _native_attention(cache.kv.device):
+    if (query.dtype, cache.kv.dtype) in _NATIVE_DTYPES and _native_attention(cache.kv.device):
         return native_decode_attention(query, cache.kv[layer, 0], cache.kv[layer, 1], batch.block_tables[:nd],
                                        batch.decode_context_lens, scaling)
     max_len = max(batch.context_lens[:nd])

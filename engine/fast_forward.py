@@ -370,14 +370,16 @@ def _fuse_weights(module_list: list[torch.nn.Linear], column_major: bool) -> tor
 
 def _rms_norm(norm: torch.nn.Module, x: torch.Tensor, native: bool = False) -> torch.Tensor:
     """The model's RMSNorm module as one call where its dtype allows: pdserve's native kernel when
-    `native` (one pass per row; the sum of squares in another order than torch's), else
-    `F.rms_norm` (the module's own arithmetic, bit for bit in fp32, seven ops instead of six
-    modules' worth); the module itself otherwise."""
+    `native` (one pass per row, float32 or bfloat16, rounded where the module rounds; the sum of
+    squares in another order than torch's), else `F.rms_norm` in float32 (the module's own
+    arithmetic, bit for bit, in seven ops instead of the module's dozen); the module itself otherwise."""
     eps = getattr(norm, "variance_epsilon", None)
-    if eps is None or x.dtype != torch.float32 or norm.weight.dtype != torch.float32:
+    if eps is None or x.dtype != norm.weight.dtype:
         return norm(x)
-    if native and x.dim() == 2 and x.stride(1) == 1:
+    if native and x.dim() == 2 and x.stride(1) == 1 and x.dtype in (torch.float32, torch.bfloat16):
         return native_rms_norm(x, norm.weight, eps)
+    if x.dtype != torch.float32:
+        return norm(x)
     return F.rms_norm(x, norm.weight.shape, norm.weight, eps)
 
 

@@ -166,43 +166,108 @@ inline float dot(const float* a, const float* b, int64_t n) {
   return s;
 }
 
-// y = weight * (x / sqrt(mean(x^2) + eps)) per row of x [M, K] (rows contiguous, any row stride),
-// in the order transformers' RMSNorm computes it; only the sum of squares is summed in another
-// order than torch's reduction (eight lanes, then across them).
-at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
-  TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1 && x.scalar_type() == at::kFloat,
-              "pdserve_native::rms_norm: x [M, K] float32 with contiguous rows expected");
-  TORCH_CHECK(weight.is_contiguous() && weight.numel() == x.size(1) && weight.scalar_type() == at::kFloat,
-              "pdserve_native::rms_norm: weight [K] float32 expected");
-  const int64_t M = x.size(0), K = x.size(1), ldx = x.stride(0);
-  at::Tensor y = at::empty({M, K}, x.options());
-  const float* X = x.data_ptr<float>();
-  const float* W = weight.data_ptr<float>();
-  float* Y = y.data_ptr<float>();
-  const float e = static_cast<float>(eps);
+// y = weight * T(x / sqrt(mean(x^2) + eps)) per row of x [M, K] (rows contiguous, any row stride),
+// in float32 and rounded where transformers' RMSNorm rounds (T: float32 or bfloat16); only the sum
+// of squares is summed in another order than torch's reduction (eight lanes, then across them).
+template <typename T>
+void rms_norm_rows(const T* X, int64_t ldx, const T* W, int64_t M, int64_t K, float eps, T* Y) {
   at::parallel_for(0, M, 16, [&](int64_t begin, int64_t end) {
+    std::vector<float> row(K), w(K);
+    to_float(W, w.data(), K);
     for (int64_t m = begin; m < end; ++m) {
-      const float* row = X + m * ldx;
-      const float inv = 1.0f / std::sqrt(dot(row, row, K) / static_cast<float>(K) + e);
-      float* out = Y + m * K;
-      for (int64_t k = 0; k < K; ++k) out[k] = W[k] * (row[k] * inv);
+      to_float(X + m * ldx, row.data(), K);
+      const float inv = 1.0f / std::sqrt(dot(row.data(), row.data(), K) / static_cast<float>(K) + eps);
+      T* out = Y + m * K;
+      for (int64_t k = 0; k < K; ++k) out[k] = static_cast<T>(w[k] * static_cast<float>(static_cast<T>(row[k] * inv)));
     }
   });
+}
+
+at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
+  const auto dtype = x.scalar_type();
+  TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1 && (dtype == at::kFloat || dtype == at::kBFloat16),
+              "pdserve_native::rms_norm: x [M, K] float32 or bfloat16 with contiguous rows expected");
+  TORCH_CHECK(weight.is_contiguous() && weight.numel() == x.size(1) && weight.scalar_type() == dtype,
+              "pdserve_native::rms_norm: weight [K] of x's dtype expected");
+  const int64_t M = x.size(0), K = x.size(1);
+  at::Tensor y = at::empty({M, K}, x.options());
+  if (dtype == at::kFloat) {
+    rms_norm_rows<float>(x.data_ptr<float>(), x.stride(0), weight.data_ptr<float>(), M, K, eps, y.data_ptr<float>());
+  } else {
+    using B = c10::BFloat16;
+    rms_norm_rows<B>(x.data_ptr<B>(), x.stride(0), weight.data_ptr<B>(), M, K, eps, y.data_ptr<B>());
+  }
   return y;
 }
 
 // query [B, Hq, D]; key_cache / value_cache [num_blocks, block_size, Hkv, D] (one layer, as the
 // paged cache holds it); block_tables [B, max_blocks] int64; context_lens [B] int64 -> [B, Hq, D].
-// Query head h reads kv head h / (Hq / Hkv). Scores and softmax in fp32 over the sequence's own
-// context_lens[b] positions, each key and value read where it lies in its block.
+// Query head h reads kv head h / (Hq / Hkv). Scores, softmax and the weighted sum of values in
+// float32 over the sequence's own context_lens[b] positions, each key and value read (and bf16
+// widened) where it lies in its block; the output is rounded to the query's dtype.
+template <typename T, typename C>
+void decode_attention_tasks(const T* Q, const C* Kc, const C* Vc, const int64_t* tables, const int64_t* lens,
+                            int64_t B, int64_t Hq, int64_t Hkv, int64_t D, int64_t bs, int64_t max_blocks, float sc,
+                            T* O) {
+  const int64_t G = Hq / Hkv;
+  at::parallel_for(0, B * Hkv, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> scores, q(G * D), kv(D), acc(G * D);
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t b = task / Hkv, h = task % Hkv, len = lens[b];
+      const int64_t* table = tables + b * max_blocks;
+      scores.resize(static_cast<size_t>(G * len));
+      to_float(Q + (b * Hq + h * G) * D, q.data(), G * D);
+      auto row_of = [&](const C* cache, int64_t s) -> const float* {
+        const C* src = cache + ((table[s / bs] * bs + s % bs) * Hkv + h) * D;
+        if constexpr (std::is_same_v<C, float>) {
+          return src;
+        } else {
+          to_float(src, kv.data(), D);
+          return kv.data();
+        }
+      };
+      for (int64_t s = 0; s < len; ++s) {
+        const float* k = row_of(Kc, s);
+        for (int64_t g = 0; g < G; ++g) scores[g * len + s] = dot(q.data() + g * D, k, D) * sc;
+      }
+      for (int64_t g = 0; g < G; ++g) {
+        float* row = scores.data() + g * len;
+        float mx = row[0];
+        for (int64_t s = 1; s < len; ++s) mx = std::max(mx, row[s]);
+        float sum = 0.0f;
+        for (int64_t s = 0; s < len; ++s) sum += (row[s] = std::exp(row[s] - mx));
+        const float inv = 1.0f / sum;
+        for (int64_t s = 0; s < len; ++s) row[s] *= inv;
+      }
+      std::fill(acc.begin(), acc.end(), 0.0f);
+      for (int64_t s = 0; s < len; ++s) {
+        const float* v = row_of(Vc, s);
+        for (int64_t g = 0; g < G; ++g) {
+          float* o = acc.data() + g * D;
+          const float p = scores[g * len + s];
+          const __m256 pv = _mm256_set1_ps(p);
+          int64_t d = 0;
+          for (; d + 8 <= D; d += 8)
+            _mm256_storeu_ps(o + d, _mm256_fmadd_ps(pv, _mm256_loadu_ps(v + d), _mm256_loadu_ps(o + d)));
+          for (; d < D; ++d) o[d] += p * v[d];
+        }
+      }
+      T* out = O + (b * Hq + h * G) * D;
+      for (int64_t i = 0; i < G * D; ++i) out[i] = static_cast<T>(acc[i]);
+    }
+  });
+}
+
 at::Tensor decode_attention(const at::Tensor& query, const at::Tensor& key_cache, const at::Tensor& value_cache,
                             const at::Tensor& block_tables, const at::Tensor& context_lens, double scale) {
-  TORCH_CHECK(query.dim() == 3 && query.is_contiguous() && query.scalar_type() == at::kFloat,
-              "pdserve_native::decode_attention: query [B, Hq, D] contiguous float32 expected");
+  const auto qt = query.scalar_type(), ct = key_cache.scalar_type();
+  TORCH_CHECK(query.dim() == 3 && query.is_contiguous() && (qt == at::kFloat || qt == at::kBFloat16),
+              "pdserve_native::decode_attention: query [B, Hq, D] contiguous float32 or bfloat16 expected");
   TORCH_CHECK(key_cache.dim() == 4 && key_cache.is_contiguous() && value_cache.is_contiguous() &&
-                  key_cache.sizes() == value_cache.sizes() && key_cache.scalar_type() == at::kFloat &&
-                  value_cache.scalar_type() == at::kFloat,
-              "pdserve_native::decode_attention: K/V caches [blocks, block_size, Hkv, D] contiguous float32 expected");
+                  key_cache.sizes() == value_cache.sizes() && value_cache.scalar_type() == ct &&
+                  (ct == at::kFloat || ct == at::kBFloat16),
+              "pdserve_native::decode_attention: K/V caches [blocks, block_size, Hkv, D] contiguous float32 or "
+              "bfloat16 expected");
   TORCH_CHECK(block_tables.dim() == 2 && block_tables.scalar_type() == at::kLong &&
                   context_lens.dim() == 1 && context_lens.scalar_type() == at::kLong &&
                   block_tables.size(0) == query.size(0) && context_lens.size(0) == query.size(0),
@@ -210,7 +275,7 @@ at::Tensor decode_attention(const at::Tensor& query, const at::Tensor& key_cache
   const int64_t B = query.size(0), Hq = query.size(1), D = query.size(2);
   const int64_t num_blocks = key_cache.size(0), bs = key_cache.size(1), Hkv = key_cache.size(2);
   TORCH_CHECK(key_cache.size(3) == D && Hq % Hkv == 0, "pdserve_native::decode_attention: head shapes disagree");
-  const int64_t G = Hq / Hkv, max_blocks = block_tables.size(1);
+  const int64_t max_blocks = block_tables.size(1);
   const at::Tensor tables = block_tables.contiguous(), lens = context_lens.contiguous();
   const int64_t* T = tables.data_ptr<int64_t>();
   const int64_t* L = lens.data_ptr<int64_t>();
@@ -222,45 +287,21 @@ at::Tensor decode_attention(const at::Tensor& query, const at::Tensor& key_cache
                   "pdserve_native::decode_attention: block id out of range");
   }
   at::Tensor out = at::empty({B, Hq, D}, query.options());
-  const float* Q = query.data_ptr<float>();
-  const float* Kc = key_cache.data_ptr<float>();
-  const float* Vc = value_cache.data_ptr<float>();
-  float* O = out.data_ptr<float>();
   const float sc = static_cast<float>(scale);
-  at::parallel_for(0, B * Hkv, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> scores;
-    for (int64_t task = begin; task < end; ++task) {
-      const int64_t b = task / Hkv, h = task % Hkv, len = L[b];
-      scores.resize(static_cast<size_t>(G * len));
-      const int64_t* table = T + b * max_blocks;
-      for (int64_t s = 0; s < len; ++s) {
-        const float* k = Kc + ((table[s / bs] * bs + s % bs) * Hkv + h) * D;
-        for (int64_t g = 0; g < G; ++g) scores[g * len + s] = dot(Q + (b * Hq + h * G + g) * D, k, D) * sc;
-      }
-      for (int64_t g = 0; g < G; ++g) {
-        float* row = scores.data() + g * len;
-        float mx = row[0];
-        for (int64_t s = 1; s < len; ++s) mx = std::max(mx, row[s]);
-        float sum = 0.0f;
-        for (int64_t s = 0; s < len; ++s) sum += (row[s] = std::exp(row[s] - mx));
-        const float inv = 1.0f / sum;
-        for (int64_t s = 0; s < len; ++s) row[s] *= inv;
-      }
-      for (int64_t g = 0; g < G; ++g) {
-        float* o = O + (b * Hq + h * G + g) * D;
-        for (int64_t d = 0; d < D; ++d) o[d] = 0.0f;
-        const float* p = scores.data() + g * len;
-        for (int64_t s = 0; s < len; ++s) {
-          const float* v = Vc + ((table[s / bs] * bs + s % bs) * Hkv + h) * D;
-          const __m256 pv = _mm256_set1_ps(p[s]);
-          int64_t d = 0;
-          for (; d + 8 <= D; d += 8)
-            _mm256_storeu_ps(o + d, _mm256_fmadd_ps(pv, _mm256_loadu_ps(v + d), _mm256_loadu_ps(o + d)));
-          for (; d < D; ++d) o[d] += p[s] * v[d];
-        }
-      }
-    }
-  });
+  using BF = c10::BFloat16;
+  if (qt == at::kFloat && ct == at::kFloat) {
+    decode_attention_tasks<float, float>(query.data_ptr<float>(), key_cache.data_ptr<float>(),
+                                         value_cache.data_ptr<float>(), T, L, B, Hq, Hkv, D, bs, max_blocks, sc,
+                                         out.data_ptr<float>());
+  } else if (qt == at::kBFloat16 && ct == at::kBFloat16) {
+    decode_attention_tasks<BF, BF>(query.data_ptr<BF>(), key_cache.data_ptr<BF>(), value_cache.data_ptr<BF>(), T, L,
+                                   B, Hq, Hkv, D, bs, max_blocks, sc, out.data_ptr<BF>());
+  } else if (qt == at::kFloat && ct == at::kBFloat16) {
+    decode_attention_tasks<float, BF>(query.data_ptr<float>(), key_cache.data_ptr<BF>(), value_cache.data_ptr<BF>(),
+                                      T, L, B, Hq, Hkv, D, bs, max_blocks, sc, out.data_ptr<float>());
+  } else {
+    TORCH_CHECK(false, "pdserve_native::decode_attention: a bfloat16 query needs a bfloat16 cache");
+  }
   return out;
 }
 

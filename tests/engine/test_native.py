@@ -98,6 +98,20 @@ def test_rms_norm_matches_the_models_module(family: str) -> None:
         native.native_rms_norm(torch.randn(2, 576), torch.randn(575), 1e-6)
 
 
+def test_bf16_rms_norm_rounds_where_the_module_rounds() -> None:
+    from transformers.models.llama.modeling_llama import LlamaRMSNorm
+
+    norm = LlamaRMSNorm(576, eps=1e-5).bfloat16()
+    torch.manual_seed(5)
+    with torch.no_grad():
+        norm.weight.copy_(torch.randn(576))
+        x = (torch.randn(9, 576) * 3).bfloat16()
+        got, want = native.native_rms_norm(x, norm.weight, 1e-5), norm(x)
+    assert got.dtype == torch.bfloat16
+    torch.testing.assert_close(got, want, atol=0, rtol=2**-7)  # at most one bf16 rounding apart
+    assert (got == want).float().mean() > 0.95  # and nearly always the same bits
+
+
 def _paged_batch(cache: KVCache, contexts: list[int], block_size: int) -> AttentionBatch:
     """Decoding sequences with ragged contexts over shuffled, interleaved blocks of `cache`."""
     order = torch.randperm(cache.num_blocks).tolist()
@@ -116,20 +130,27 @@ def _paged_batch(cache: KVCache, contexts: list[int], block_size: int) -> Attent
 
 
 @pytest.mark.parametrize("contexts", [[1], [37], [5, 64, 17, 33]])
+@pytest.mark.parametrize(("query_dtype", "cache_dtype"), [(torch.float32, torch.float32),
+                                                          (torch.bfloat16, torch.bfloat16),
+                                                          (torch.float32, torch.bfloat16)])
 def test_decode_attention_reads_the_pages_in_place_as_the_gather_path_computes(
-        contexts: list[int], monkeypatch: pytest.MonkeyPatch) -> None:
+        contexts: list[int], query_dtype: torch.dtype, cache_dtype: torch.dtype,
+        monkeypatch: pytest.MonkeyPatch) -> None:
     from pdserve.engine.kv_cache import KVCacheShape
 
     torch.manual_seed(2)
-    shape = KVCacheShape(num_layers=2, num_kv_heads=3, head_dim=64, block_size=16, dtype=torch.float32)
+    shape = KVCacheShape(num_layers=2, num_kv_heads=3, head_dim=64, block_size=16, dtype=cache_dtype)
     cache = KVCache(shape, 24)
-    cache.kv.normal_()
+    cache.kv.copy_(torch.randn(cache.kv.shape))
     batch = _paged_batch(cache, contexts, 16)
-    query = torch.randn(len(contexts), 9, 64)  # 9 query heads over 3 kv heads
+    query = torch.randn(len(contexts), 9, 64).to(query_dtype)  # 9 query heads over 3 kv heads
     got = _decode_attention(batch, 1, query, 0.125)
+    assert got.dtype == query_dtype
     monkeypatch.setattr("pdserve.engine.attention._native_attention", lambda device: False)
     want = _decode_attention(batch, 1, query, 0.125)  # the gather + batched matmul path
-    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    # in bf16 the gather path rounds its scores and probabilities to bf16 where the native kernel keeps float32
+    tolerance = 1e-5 if query_dtype == cache_dtype == torch.float32 else 3e-2
+    torch.testing.assert_close(got.float(), want.float(), atol=tolerance, rtol=tolerance)
 
 
 def test_decode_attention_refuses_block_ids_and_lengths_outside_the_cache() -> None:
