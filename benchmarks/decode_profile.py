@@ -12,6 +12,9 @@ With --compile off on, each batch size runs with the eager and the compiled deco
 (engine/compiled_layer.py) in the same process, alternating for --rounds rounds; the compiled
 side's first steps (its compiles) are timed apart and printed as the compile time.
 
+With --dtypes float32 bfloat16, the model is loaded in both dtypes and their engines' steps alternate
+for --rounds rounds in one process, per batch size.
+
 With --baseline REV, the engine of git revision REV (exported to a temporary folder) and the
 working tree's engine take turns, one fresh process each per round (--rounds), so both see the
 same load on a shared machine; each process measures its own read bandwidth, and the best and
@@ -21,6 +24,7 @@ median over the rounds are printed per side.
   python benchmarks/decode_profile.py --batch 1 32 --forwards fast hf
   python benchmarks/decode_profile.py --batch 1 32 --baseline HEAD~3 --rounds 5
   python benchmarks/decode_profile.py --batch 1 --compile off on --rounds 3 --steps 16 --top 0
+  python benchmarks/decode_profile.py --batch 1 32 --dtypes float32 bfloat16 --rounds 3 --steps 8
 """
 
 from __future__ import annotations
@@ -85,6 +89,8 @@ def main() -> None:
                     help="run each batch with these forwards (default: the engine's own choice)")
     ap.add_argument("--compile", nargs="+", choices=("off", "on"),
                     help="run each batch eagerly and/or with the compiled decode layer, alternating --rounds times")
+    ap.add_argument("--dtypes", nargs="+", choices=("float32", "bfloat16"),
+                    help="load the model in each dtype and alternate their engines for --rounds rounds")
     ap.add_argument("--baseline", metavar="REV", help="compare against the engine of this git revision")
     ap.add_argument("--current", metavar="REV", help="with --baseline: this revision, not the working tree")
     ap.add_argument("--rounds", type=int, default=3, help="with --baseline: processes per side")
@@ -92,6 +98,9 @@ def main() -> None:
     args = ap.parse_args()
     if args.baseline:
         compare(args)
+        return
+    if args.dtypes:
+        compare_dtypes(args)
         return
     loaded = load_model(resolve_model(None))
     weight_bytes = sum(p.numel() * p.element_size() for p in loaded.model.parameters())
@@ -184,6 +193,28 @@ def compare_compile(loaded, weight_bytes: int, args: argparse.Namespace,  # noqa
             print(f"batch {batch}, compile {mode}: best {min(times):.1f} ms, median "
                   f"{statistics.median(times):.1f} ms over {args.rounds} rounds")
     fast.compiled = compiled
+
+
+def compare_dtypes(args: argparse.Namespace) -> None:
+    """The model loaded once per dtype in this process; per batch size, one engine per dtype, their
+    steps alternating for --rounds rounds (a drifting machine weighs on every dtype alike)."""
+    path = resolve_model(None)
+    models = {dtype: load_model(path, dtype=getattr(torch, dtype)) for dtype in args.dtypes}
+    with torch.inference_mode():
+        for batch in args.batch:
+            engines = {dtype: running_engine(m, batch, args.context) for dtype, m in models.items()}
+            steps: dict[str, list[float]] = {dtype: [] for dtype in engines}
+            for _ in range(args.rounds):
+                for dtype, engine in engines.items():
+                    steps[dtype].append(step_time(engine, args.steps) * 1e3)
+            for dtype, engine in engines.items():
+                times = steps[dtype]
+                print(f"batch {batch}, {dtype}: per round {', '.join(f'{t:.1f}' for t in times)} ms; best "
+                      f"{min(times):.1f}, median {statistics.median(times):.1f} ms", flush=True)
+                _abort_all(engine)
+            if len(steps) == 2:
+                first, second = (statistics.median(steps[d]) for d in args.dtypes)
+                print(f"batch {batch}: {args.dtypes[1]} steps at {first / second:.2f}x the speed of {args.dtypes[0]}")
 
 
 def profile_batch(loaded, batch: int, forward: str | None, weight_bytes: int,  # noqa: ANN001

@@ -3,11 +3,13 @@
 The fast forward (engine/fast_forward.py) stores every weight column-major ([K, N] contiguous,
 used through an [N, K] view). This times one pass over weights of the default model's shapes
 (30 layers of fused qkv, o, fused gate/up and down, plus the LM head: about 540 MB, more than any
-cache, as in a decode step) with three kernels, in alternating rounds so a shared machine's load
-falls on all three alike: `F.linear` over row-major weights, `F.linear` over column-major ones,
-and the oneDNN linear over weights reordered once. Prints the best and median round per kernel.
+cache, as in a decode step) with each kernel, in alternating rounds so a shared machine's load
+falls on all alike: `F.linear` over row-major weights, `F.linear` over column-major ones, the
+oneDNN linear over weights reordered once, and pdserve's native kernel (engine/native.py, row-major)
+where it runs. Prints the best and median round per kernel, with the read rate of the best round,
+and the read rate of one large tensor sum in the same process.
 
-  python benchmarks/gemv_layout.py --rows 1 4 32 256 --rounds 7
+  python benchmarks/gemv_layout.py --rows 1 2 4 32 --rounds 7
 """
 
 from __future__ import annotations
@@ -43,7 +45,12 @@ def kernels(layers: int) -> dict[str, Callable[[dict[int, torch.Tensor]], None]]
         for k, w in packed:
             torch.ops.mkldnn._linear_pointwise(xs[k], w, None, "none", [], "")
 
-    return {"row-major": plain(rows_major), "column-major": plain(column_major), "packed": onednn}
+    runs = {"row-major": plain(rows_major), "column-major": plain(column_major), "packed": onednn}
+    from pdserve.engine.native import native_linear, native_unavailable
+
+    if native_unavailable(torch.float32, torch.device("cpu")) is None:
+        runs["native"] = lambda xs: [native_linear(xs[w.shape[1]], w) for w in rows_major]
+    return runs
 
 
 def main() -> None:
@@ -53,7 +60,16 @@ def main() -> None:
     ap.add_argument("--layers", type=int, default=30)
     args = ap.parse_args()
     runs = kernels(args.layers)
-    print(f"{torch.get_num_threads()} threads, {torch.backends.cpu.get_cpu_capability()}")
+    total = sum(n * k * 4 for k, n in LAYER_SHAPES) * args.layers + LM_HEAD[0] * LM_HEAD[1] * 4
+    big = torch.ones(total // 4)
+    sums = []
+    for _ in range(5):
+        start = time.perf_counter()
+        big.sum()
+        sums.append(time.perf_counter() - start)
+    del big
+    print(f"{torch.get_num_threads()} threads, {torch.backends.cpu.get_cpu_capability()}; "
+          f"{total / 1e6:.0f} MB of weights; one tensor sum of that size reads {total / min(sums) / 1e9:.1f} GB/s")
     with torch.inference_mode():
         for rows in args.rows:
             xs = {k: torch.randn(rows, k) for k in (576, 1536)}
@@ -64,8 +80,8 @@ def main() -> None:
                     run(xs)
                     times[name].append(time.perf_counter() - start)
             print(f"rows {rows}: " + ", ".join(
-                f"{name} best {min(t) * 1e3:.0f} ms, median {statistics.median(t) * 1e3:.0f} ms"
-                for name, t in times.items()))
+                f"{name} best {min(t) * 1e3:.1f} ms ({total / min(t) / 1e9:.1f} GB/s), median "
+                f"{statistics.median(t) * 1e3:.1f} ms" for name, t in times.items()))
 
 
 if __name__ == "__main__":

@@ -182,22 +182,29 @@ def _eos_ids(path: Path, config: Any, tokenizer: Any) -> frozenset[int]:
     return frozenset(ids)
 
 
-#: Served bf16 over fp32 on a CPU without a oneDNN bf16 kernel (AVX2 AMD EPYC, 2 cores,
-#: benchmarks/peer_vllm.py; docs/performance.md): what the warning below quotes.
+#: Served bf16 over fp32 on a CPU with neither a oneDNN bf16 kernel nor pdserve's native kernels
+#: (AVX2 AMD EPYC, 2 cores, benchmarks/peer_vllm.py with PDSERVE_NATIVE=0; docs/performance.md):
+#: what the warning below quotes.
 AVX2_BF16_SERVED_RATIO = "0.17x"
 
 
 def warn_if_slow_bf16(dtype: torch.dtype, device: str) -> bool:
-    """Log a warning (and return True) when bf16 is asked for on a CPU whose oneDNN has no bf16
-    kernel (no AVX-512 BW/VL/DQ, AVX-512 BF16, AMX or AVX-NE-CONVERT): every bf16 GEMM then runs
+    """Log a warning (and return True) when bf16 is asked for on a CPU that has neither a oneDNN bf16
+    kernel (no AVX-512 BW/VL/DQ, AVX-512 BF16, AMX or AVX-NE-CONVERT) nor pdserve's native kernels
+    (engine/native.py: bf16 weights widened in cache, on any AVX2 CPU): every bf16 GEMM then runs
     converted in plain AVX2 code, slower than fp32."""
     from pdserve.engine.fast_forward import mkldnn_linear_available
+    from pdserve.engine.native import native_unavailable
 
     if dtype != torch.bfloat16 or torch.device(device).type != "cpu" or mkldnn_linear_available(torch.bfloat16):
         return False
-    log.warning("bfloat16 on this CPU (%s, no native bf16 kernel) is slower than float32: served output tok/s "
-                "measured %s of float32 on an AVX2 CPU. Use --dtype float32 (or auto) here; bf16 pays on CPUs "
-                "with AVX-512 BF16 or AMX.", torch.backends.cpu.get_cpu_capability(), AVX2_BF16_SERVED_RATIO)
+    why_not_native = native_unavailable(dtype, torch.device(device))
+    if why_not_native is None:
+        return False
+    log.warning("bfloat16 on this CPU (%s, no native bf16 kernel; pdserve's own kernels: %s) is slower than "
+                "float32: served output tok/s measured %s of float32 on an AVX2 CPU. Use --dtype float32 (or "
+                "auto) here; bf16 pays on CPUs with AVX-512 BF16 or AMX, or with pdserve's native kernels.",
+                torch.backends.cpu.get_cpu_capability(), why_not_native, AVX2_BF16_SERVED_RATIO)
     return True
 
 

@@ -206,13 +206,18 @@ def test_linear_mode_is_validated(monkeypatch: pytest.MonkeyPatch) -> None:
 
 def test_bf16_on_a_cpu_without_a_bf16_kernel_warns(monkeypatch: pytest.MonkeyPatch,
                                                     caplog: pytest.LogCaptureFixture) -> None:
-    from pdserve.engine import fast_forward, model_loader
+    from pdserve.engine import fast_forward, model_loader, native
 
     monkeypatch.setattr(fast_forward, "mkldnn_linear_available", lambda dtype: False)
+    monkeypatch.setenv(native.NATIVE_ENV, "0")  # neither oneDNN's bf16 kernel nor pdserve's own
     with caplog.at_level("WARNING", logger="pdserve.engine.model_loader"):
         assert model_loader.warn_if_slow_bf16(torch.bfloat16, "cpu")
     assert "slower than float32" in caplog.text and model_loader.AVX2_BF16_SERVED_RATIO in caplog.text
+    assert "PDSERVE_NATIVE=0" in caplog.text
     assert not model_loader.warn_if_slow_bf16(torch.float32, "cpu")
+    monkeypatch.delenv(native.NATIVE_ENV)
+    if native.native_unavailable(torch.bfloat16, torch.device("cpu")) is None:
+        assert not model_loader.warn_if_slow_bf16(torch.bfloat16, "cpu")  # the native kernels serve bf16
     monkeypatch.setattr(fast_forward, "mkldnn_linear_available", lambda dtype: True)
     assert not model_loader.warn_if_slow_bf16(torch.bfloat16, "cpu")
 
