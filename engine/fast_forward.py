@@ -21,15 +21,19 @@ with fewer, larger operations:
   transformers'). Elsewhere every weight this module multiplies by is stored as its transpose
   ([K, N] contiguous) and seen as an [N, K] view: MKL's one-row GEMV runs 1.4-1.7x faster from
   that layout on the AVX2 EPYC.
-- **Few ops per layer.** A norm is one `F.rms_norm`, RoPE of q and k together is a roll and three
-  elementwise ops over tables built once per pass (`Rope`), the residual adds ride in the o and
-  down GEMMs (`addmm`), and SiLU's product is taken in place.
-- **The attention** is `engine.attention.paged_attention`, which the transformers path uses too.
+- **Few ops per layer.** A norm is one native kernel call where the native kernels run (else one
+  `F.rms_norm`), RoPE of q and k together is a roll and three elementwise ops over tables built
+  once per pass (`Rope`), the residual adds ride in the o and down GEMMs (inside the native kernel
+  or an `addmm`), and SiLU's product is taken in place.
+- **The attention** is `engine.attention.paged_attention`, which the transformers path uses too
+  (its decode part is a native kernel reading the pages in place, where the native kernels run).
 
 Exactness: the norms are `F.rms_norm` with the model's own weight and epsilon (bit for bit the
-modules' fp32 arithmetic), `Rope` computes transformers' `apply_rotary_pos_emb` bit for bit over the
-model's own rotary tables, and the MLP is `act(gate) * up`, so greedy fp32 output stays
-token-identical to Hugging Face; tests/engine/test_fast_forward.py holds it to that per family.
+modules' fp32 arithmetic) or the native norm (the same arithmetic, its sum of squares in another
+order), the native linears sum in another order than MKL, `Rope` computes transformers'
+`apply_rotary_pos_emb` bit for bit over the model's own rotary tables, and the MLP is
+`act(gate) * up`, so greedy fp32 output stays token-identical to Hugging Face;
+tests/engine/test_fast_forward.py holds it to that per family and kernel.
 
 Anything outside the shapes this module knows (another activation, a norm with a bias, sliding
 windows) falls back to the transformers path: `FastForward.build` returns None and says why.
