@@ -16,8 +16,6 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
-from transformers import AttentionInterface
-from transformers.masking_utils import AttentionMaskInterface
 
 from pdserve.engine.kv_cache import KVCache
 from pdserve.engine.native import native_decode_attention, native_unavailable
@@ -227,6 +225,11 @@ def _no_mask(*args: object, **kwargs: object) -> None:
 
 
 def register() -> None:
-    """Register the attention function (idempotent)."""
+    """Register the attention function (idempotent). transformers' registries are imported here, not
+    at module level: they pull in its modeling code (about 2 s of a worker's start-up), which only a
+    process that loads a real model needs (load_model calls this); a sim-engine worker never does."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface
+
     AttentionInterface.register(ATTN_IMPLEMENTATION, paged_attention_forward)
     AttentionMaskInterface.register(ATTN_IMPLEMENTATION, _no_mask)

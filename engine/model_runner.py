@@ -16,14 +16,18 @@ from __future__ import annotations
 import os
 from collections.abc import Callable, Collection
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
 from pdserve.engine.attention import AttentionBatch, attention_batch
 from pdserve.engine.compiled_layer import compile_requested
-from pdserve.engine.fast_forward import FastForward, fast_forward_for
 from pdserve.engine.kv_cache import KVCache
 from pdserve.engine.model_loader import LoadedModel
+
+if TYPE_CHECKING:  # imported where a runner is built: it pulls in transformers' modeling code (about
+    # 2 s of a process's start-up), which a sim-engine worker (no weights, no forward) never needs
+    from pdserve.engine.fast_forward import FastForward
 
 
 @dataclass(frozen=True)
@@ -48,6 +52,8 @@ def _choose_forward(model: object, forward: str | None) -> FastForward | None:
         raise ValueError(f"forward {forward!r}: expected one of {', '.join(FORWARDS)}")
     if forward == "hf":
         return None
+    from pdserve.engine.fast_forward import FastForward, fast_forward_for
+
     fast = fast_forward_for(model)
     if fast is None and forward == "fast":
         raise ValueError(f"forward 'fast' requested, but {FastForward.unsupported_reason(model)}")

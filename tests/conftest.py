@@ -9,6 +9,8 @@ import grpc
 import pytest
 import torch
 
+from pdserve.cluster.launch import local_deployment
+from pdserve.cluster.local import LocalCluster
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.llm_engine import LLMEngine
 from pdserve.engine.model_loader import LoadedModel, load_model
@@ -74,6 +76,18 @@ def tiny_model(tiny_model_dir: Path) -> LoadedModel:
     return load_model(tiny_model_dir)
 
 
+@pytest.fixture(scope="session")
+def default_1p1d(default_model_dir: Path) -> Iterator[LocalCluster]:
+    """One 1P1D LocalCluster of the default model (one thread per worker: `local_deployment(model=None,
+    prefill=1, decode=1, threads_per_worker=1)`), started once for the modules that only send it requests
+    (tests/e2e/test_disaggregated.py, tests/e2e/test_kv_faults.py, tests/capacity/test_capacity_bench_real.py):
+    it saves two starts of the same three processes (the default model's load in two workers each). A test
+    that uses it must not kill, drain or reconfigure its processes, and leaves it idle (every block free:
+    `wait_idle`); one that needs other flags or kills a worker starts its own cluster."""
+    with LocalCluster(local_deployment(model=None, prefill=1, decode=1, threads_per_worker=1)) as cluster:
+        yield cluster
+
+
 #: Folders (under tests/) whose tests start worker processes, a router process or Ray: all `slow`.
 SLOW_FOLDERS = frozenset({"e2e", "reliability", "ecosystem", "ray"})
 #: Folders whose tests start a Ray cluster: `ray` (and `slow`).
@@ -81,8 +95,8 @@ RAY_FOLDERS = frozenset({"ray"})
 #: Modules elsewhere whose tests start worker processes (LocalCluster of sim-engine or real workers).
 #: (Single slow tests elsewhere carry their own @pytest.mark.slow, e.g. tests/test_gpu_check.py's dry run.)
 SLOW_MODULES = frozenset({"capacity/test_sim_cluster.py", "capacity/test_capacity_bench_real.py"})
-#: Fixtures that load the real default model (135M parameters) into the test process.
-SLOW_FIXTURES = frozenset({"default_model"})
+#: Fixtures that load the real default model (135M parameters) into the test process, or start workers.
+SLOW_FIXTURES = frozenset({"default_model", "default_1p1d"})
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

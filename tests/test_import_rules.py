@@ -180,3 +180,17 @@ def test_importing_the_router_loads_neither_torch_nor_the_engine() -> None:
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(
         [str(REPO), *filter(None, [os.environ.get("PYTHONPATH")])])}
     subprocess.run([sys.executable, "-c", code], check=True, cwd=REPO, env=env, timeout=120)
+
+
+def test_a_worker_process_imports_transformers_modeling_only_to_load_a_model() -> None:
+    """The worker process modules import neither transformers' modeling code nor the fast forward
+    (which imports it): a sim-engine worker has no weights and never needs them, and they are about
+    2 s of every worker's start-up. A real worker imports them when it loads its model."""
+    code = ("import sys, pdserve.decode_worker.process, pdserve.prefill_worker.process, "
+            "pdserve.elastic_worker.process\n"
+            "bad = [m for m in ('transformers.modeling_utils', 'transformers.masking_utils', "
+            "'pdserve.engine.fast_forward') if m in sys.modules]\n"
+            "assert not bad, bad\n")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(
+        [str(REPO), *filter(None, [os.environ.get("PYTHONPATH")])])}
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=REPO, env=env, timeout=120)

@@ -1,4 +1,5 @@
-"""A short real bench against a 1P1D LocalCluster with the default model, through `pdserve bench`."""
+"""A short real bench against a 1P1D LocalCluster with the default model (the session's, tests/conftest.py),
+through `pdserve bench`."""
 
 from __future__ import annotations
 
@@ -8,20 +9,20 @@ from pathlib import Path
 import pytest
 
 from pdserve.cluster.cli import main
-from pdserve.cluster.launch import local_deployment
 from pdserve.cluster.local import LocalCluster
+
+from e2e_helpers import wait_idle
 
 
 @pytest.mark.slow
-def test_real_bench_writes_every_record(default_model_dir: Path, tmp_path: Path) -> None:
-    config = local_deployment(model=None, prefill=1, decode=1, threads_per_worker=1)
+def test_real_bench_writes_every_record(default_1p1d: LocalCluster, tmp_path: Path) -> None:
     out = tmp_path / "result.json"
-    with LocalCluster(config) as cluster:
-        code = main([
-            "bench", "--url", cluster.router_address, "--num-prompts", "8", "--rate", "4", "--seed", "1",
-            "--input-len", "8:24", "--output-len", "4", "--ignore-eos", "--warmup", "1", "--no-progress",
-            "--slo", "ttft_ms=60000", "--slo", "tpot_ms=60000", "--output", str(out),
-        ])
+    # the session's 1P1D default-model cluster (tests/conftest.py)
+    code = main([
+        "bench", "--url", default_1p1d.router_address, "--num-prompts", "8", "--rate", "4", "--seed", "1",
+        "--input-len", "8:24", "--output-len", "4", "--ignore-eos", "--warmup", "1", "--no-progress",
+        "--slo", "ttft_ms=60000", "--slo", "tpot_ms=60000", "--output", str(out),
+    ])
     assert code == 0
     doc = json.loads(out.read_text())
     records, summary = doc["records"], doc["summary"]
@@ -36,3 +37,4 @@ def test_real_bench_writes_every_record(default_model_dir: Path, tmp_path: Path)
     assert summary["slo_attainment_all"] == 1.0
     assert 0 < summary["ttft_ms"]["median"] <= summary["ttft_ms"]["p99"]
     assert doc["config"]["input_len"] == {"uniform": [8, 24]} and doc["config"]["rate"] == 4.0
+    wait_idle([(w.role, w.address) for w in default_1p1d.workers])  # the shared cluster is left idle

@@ -5,7 +5,6 @@ from __future__ import annotations
 import random
 import threading
 import time
-from collections.abc import Iterator
 
 import grpc
 import pytest
@@ -54,9 +53,9 @@ def workload(default_model) -> tuple[list[str], list[int], list[list[int]]]:  # 
 
 
 @pytest.fixture(scope="module")
-def one_p_one_d() -> Iterator[LocalCluster]:
-    with _start(1, 1) as cluster:
-        yield cluster
+def one_p_one_d(default_1p1d: LocalCluster) -> LocalCluster:
+    """The session's default-model 1P1D cluster (tests/conftest.py), the same as `_start(1, 1)`."""
+    return default_1p1d
 
 
 @pytest.mark.parametrize("topology", ["1p1d", "2p2d", "colocated"])

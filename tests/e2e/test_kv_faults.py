@@ -10,7 +10,6 @@ import grpc
 import pytest
 import torch
 
-from pdserve.cluster.launch import local_deployment
 from pdserve.cluster.local import LocalCluster
 from pdserve.kv_transfer import KvSpec
 from pdserve.kv_transfer.base import dtype_name
@@ -53,10 +52,9 @@ class RoguePrefill(worker_pb2_grpc.PrefillWorkerServicer):
 
 
 @pytest.fixture(scope="module")
-def cluster() -> Iterator[LocalCluster]:
-    with LocalCluster(local_deployment(model=None, prefill=1, decode=1, colocated=0,
-                                       threads_per_worker=1)) as c:
-        yield c
+def cluster(default_1p1d: LocalCluster) -> LocalCluster:
+    """The session's default-model 1P1D cluster (tests/conftest.py): what this module started before."""
+    return default_1p1d
 
 
 @pytest.mark.parametrize("mode", ["checksum", "fingerprint"])

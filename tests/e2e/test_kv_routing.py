@@ -1,13 +1,18 @@
-"""KV-aware routing end to end on the default model (real processes, 1 prefill + 2 decode workers):
-the router learns from the workers' KV events where a prompt's blocks are, sends a follow-up turn
-to the decode worker holding its history and lets that worker prefill the few new tokens itself
-(conditional disaggregation), while a new prompt still goes through the prefill worker; greedy
-output equals the engine's in this process whatever the routing decides."""
+"""KV-aware routing end to end (real processes, 1 prefill + 2 decode workers): the router learns from the
+workers' KV events where a prompt's blocks are, sends a follow-up turn to the decode worker holding its
+history and lets that worker prefill the few new tokens itself (conditional disaggregation), while a new
+prompt still goes through the prefill worker; greedy output equals the engine's in this process whatever
+the routing decides.
+
+It serves a tiny random Llama with the default model's tokenizer (tests/conftest.py): the prompts have
+the same token counts and blocks, and routing reads blocks and token counts, not the weights; it saves the
+default model's load in three worker processes."""
 
 from __future__ import annotations
 
 import urllib.request
 from collections.abc import Iterator
+from pathlib import Path
 
 import grpc
 import pytest
@@ -15,6 +20,7 @@ from waiting import eventually
 
 from pdserve.cluster.launch import LaunchOptions, local_deployment
 from pdserve.cluster.local import LocalCluster
+from pdserve.engine.model_loader import LoadedModel, load_model
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.tokenization import encode_text
 from pdserve.v1 import common_pb2, router_pb2, router_pb2_grpc
@@ -30,8 +36,13 @@ FRESH = ("A recipe for bread: flour, water, salt and yeast, mixed and left to ri
 
 
 @pytest.fixture(scope="module")
-def cluster() -> Iterator[LocalCluster]:
-    config = local_deployment(model=None, prefill=1, decode=2, threads_per_worker=1, metrics=True,
+def tiny_llama(tiny_llama_dir: Path) -> LoadedModel:
+    return load_model(tiny_llama_dir)
+
+
+@pytest.fixture(scope="module")
+def cluster(tiny_llama_dir: Path) -> Iterator[LocalCluster]:
+    config = local_deployment(model=str(tiny_llama_dir), prefill=1, decode=2, threads_per_worker=1, metrics=True,
                               prefill_policy="kv_aware", decode_policy="kv_aware")
     options = LaunchOptions(router_args=("--conditional-disagg-tokens", str(THRESHOLD)))
     with LocalCluster(config, options) as started:
@@ -53,12 +64,12 @@ def _gauge(metrics_address: str, name: str) -> float:
     return sum(float(line.split()[-1]) for line in text.splitlines() if line.startswith(name + " "))
 
 
-def test_follow_up_goes_where_its_blocks_are_and_prefills_there(cluster: LocalCluster, default_model) -> None:  # noqa: ANN001
+def test_follow_up_goes_where_its_blocks_are_and_prefills_there(cluster: LocalCluster, tiny_llama: LoadedModel) -> None:
     from pdserve.engine.config import EngineConfig
     from pdserve.engine.llm_engine import LLMEngine
 
-    tokenizer = default_model.tokenizer
-    engine = LLMEngine(default_model, EngineConfig(num_blocks=512))
+    tokenizer = tiny_llama.tokenizer
+    engine = LLMEngine(tiny_llama, EngineConfig(num_blocks=512))
     expected = engine.generate([encode_text(tokenizer, p) for p in (HISTORY, FOLLOW_UP, FRESH)],
                                [SamplingParams(max_tokens=6)] * 3)
     router_metrics = cluster.metrics_addresses["router"]
