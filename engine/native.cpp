@@ -1,9 +1,9 @@
-// pdserve's fp32 CPU kernels for AVX2/FMA (engine/native.py loads them as torch ops):
-//   linear            y = residual + (x W^T + bias), for the few rows of a decode step (float32, and
-//                     bfloat16 weights widened in L1, summed in float32);
+// pdserve's CPU kernels for AVX2/FMA, float32 and bfloat16 (engine/native.py loads them as torch ops):
+//   linear            y = residual + (x W^T + bias), for the few rows of a decode step (bfloat16
+//                     weights widened in L1, summed in float32);
 //   rms_norm          the model's RMSNorm in one pass over each row;
 //   decode_attention  one query token per sequence against its K/V read in place from the paged
-//                     cache (no gather), grouped-query heads, softmax in fp32.
+//                     cache (no gather), grouped-query heads, softmax in float32.
 //
 // linear:
 // W is the weight as torch stores it ([N, K], row-major). Each output is a dot product of one
@@ -12,7 +12,7 @@
 // step the kernel runs at the memory's read rate instead of MKL's GEMV rate (see
 // benchmarks/gemv_layout.py). Threads split the weight rows (at::parallel_for), never K, so an
 // output's arithmetic is the same at any thread count and any batch size: row m of a batch gets
-// the bits it would get alone (tests/engine/test_native_linear.py).
+// the bits it would get alone (tests/engine/test_native.py).
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
