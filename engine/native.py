@@ -1,4 +1,4 @@
-"""pdserve's own fp32 CPU kernels (native.cpp), compiled once per machine, as torch ops.
+"""pdserve's own float32 / bfloat16 CPU kernels (native.cpp), compiled once per machine, as torch ops.
 
 - **linear**: a batch-1 decode step reads every weight once, so its speed is the rate at which its
   GEMVs read memory. MKL's GEMV and the packed oneDNN kernel read at 14-24 GB/s on the AVX2 EPYC of
@@ -16,7 +16,7 @@ They are built on first use with torch's C++ extension builder (g++ and ninja; a
 torch's extension folder (`$TORCH_EXTENSIONS_DIR`, default ~/.cache/torch_extensions) under a
 name that changes with the source, so a restarted worker loads it in milliseconds and concurrent
 builders wait on torch's lock. `./run setup` builds it ahead. Where it cannot be used (not x86-64,
-no AVX2/FMA, float32 only, no compiler, `PDSERVE_NATIVE=0`), `native_unavailable()` says why
+no AVX2/FMA, a dtype other than float32 or bfloat16, no compiler, `PDSERVE_NATIVE=0`), `native_unavailable()` says why
 and the engine runs torch's kernels (MKL, oneDNN) as before.
 
 Exactness: each dot product (a linear's output, a norm's sum of squares, an attention score) is
@@ -132,7 +132,6 @@ def native_decode_attention(query: torch.Tensor, key_cache: torch.Tensor, value_
     through block_tables [B, max_blocks] -> [B, Hq, D]."""
     return torch.ops.pdserve_native.decode_attention(query, key_cache, value_cache, block_tables,
                                                      context_lens, scale)
-
 
 
 def main() -> None:
