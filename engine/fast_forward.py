@@ -80,6 +80,11 @@ def mkldnn_linear_available(dtype: torch.dtype) -> bool:
     return True
 
 
+def _runs_packed(bands: Bands) -> bool:
+    """Whether some row count runs the packed kernel (which needs the reordered weight)."""
+    return any(kernel == "packed" for kernel, _ in bands)
+
+
 class Linear:
     """y = x W^T + b (+ residual) through the kernel chosen for this weight and this many rows.
 
@@ -92,7 +97,7 @@ class Linear:
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, packed: torch.Tensor | None = None,
                  bands: tuple[tuple[str, int], ...] = (("plain", 1),)) -> None:
-        if any(kernel == "packed" for kernel, _ in bands) and packed is None:
+        if _runs_packed(bands) and packed is None:
             raise ValueError("a packed band needs the reordered weight")
         self.weight, self.bias, self.packed, self.bands = weight, bias, packed, bands
 
@@ -314,11 +319,11 @@ class LinearFactory:
         n, k = weight.shape
         bands = self._known_bands(k, n)
         packed = None
-        if bands is None or any(kernel == "packed" for kernel, _ in bands):
+        if bands is None or _runs_packed(bands):
             packed = self._pack(weight) if self.can_pack else None
         if bands is None:
             bands = self._time_bands(weight, bias, packed)
-        if not any(kernel == "packed" for kernel, _ in bands):
+        if not _runs_packed(bands):
             packed = None  # no reordered copy is kept for a weight that never runs packed
         return Linear(weight, bias, packed, bands)
 
