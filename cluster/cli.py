@@ -438,9 +438,20 @@ def _cmd_status(args: argparse.Namespace) -> int:
     print(f"in flight: {status.in_flight_requests}  total requests: {status.total_requests}  "
           f"queued: {status.queued_requests}/{status.max_queued_requests}  "
           f"mean queue time: {_mean_queue_time(status):.3f} s  shed (SLO): {status.slo_shed_requests}")
+    for kernels, workers in _kernel_uses(rows).items():
+        print(f"kernels: {kernels}: {', '.join(workers)}")
     for warning in warnings:
         print(f"warning: {warning}", file=sys.stderr)
     return 0
+
+
+def _kernel_uses(rows: list[dict[str, object]]) -> dict[str, list[str]]:
+    """How each worker's kernels were chosen -> the workers that chose that way (one line each)."""
+    uses: dict[str, list[str]] = {}
+    for row in rows:
+        if row["kernels"]:
+            uses.setdefault(str(row["kernels"]), []).append(str(row["worker_id"]))
+    return uses
 
 
 def _mean_queue_time(status: router_pb2.StatusResponse) -> float:

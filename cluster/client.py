@@ -191,6 +191,7 @@ def status_rows(status: router_pb2.StatusResponse) -> list[dict[str, object]]:
             "healthy": w.healthy,
             "node_id": w.node_id,
             "host": w.host,
+            "kernels": w.kernels,
         }
         for w in status.workers
     ]

@@ -412,6 +412,7 @@ def worker_document(config: DeploymentConfig, role: str, worker_id: str, host: s
     doc: dict[str, Any] = {
         "host": host, "port": 0, "worker_id": worker_id, "model": model.path, "device": model.device,
         "dtype": model.dtype, "block_size": model.block_size, "compile": model.compile,
+        "deterministic": model.deterministic, "kernel_table": model.kernel_table,
         "threads": threads or pool.threads,
         "kv_cache_mb": pool.kv_cache_mb, "max_batched_tokens": pool.max_batched_tokens,
         "prefix_caching": pool.prefix_caching, "request_timeout_s": pool.request_timeout_s,

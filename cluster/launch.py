@@ -24,6 +24,7 @@ from pdserve.settings import RaySection
 #: mode, as `pdserve serve --threads-per-worker` does; None there leaves each pool's own default)
 SETTINGS: dict[str, str] = {
     "model": "model.path", "model_name": "model.name", "device": "model.device", "dtype": "model.dtype",
+    "deterministic": "model.deterministic", "kernel_table": "model.kernel_table",
     "prefill": "prefill.count", "decode": "decode.count", "colocated": "colocated.count",
     "threads_per_worker": "*.threads", "kv_cache_mb": "*.kv_cache_mb", "drain_timeout_s": "*.drain_timeout_s",
     "local_prefill_threshold": "decode.local_prefill_threshold",

@@ -39,6 +39,7 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from pdserve.cluster.deploy_config import WORKER_HOST, DeploymentConfig, router_document, worker_document
+from pdserve.cluster.kernel_tables import with_kernel_table
 from pdserve.cluster.launch import LaunchOptions
 from pdserve.cluster.processes import ManagedProcess, ProcessStartError, stop_all
 from pdserve.constants import METRICS_ANY_PORT
@@ -219,7 +220,9 @@ class LocalCluster:
         return process
 
     def _start(self) -> None:
-        config = self.config
+        decode_role = "decode" if self.config.size("decode") else "colocated"
+        config = self.config = with_kernel_table(self.config, worker_threads(self.config, decode_role),
+                                                 child_env(self.config.security.internal_token_file))
         deadline = time.monotonic() + config.startup_timeout_s
         names = config.worker_names()
         launched = [self._launch(wid, role, local_worker_document(config, role, wid)) for role, wid in names]

@@ -65,7 +65,9 @@ except ImportError as exc:
     raise missing_extra("ray", "The Ray deployment (pdserve serve --ray, scale, status --address)") from exc
 
 from pdserve.cluster.deploy_config import DeploymentConfig, _abspath, router_document, worker_document
+from pdserve.cluster.kernel_tables import with_kernel_table
 from pdserve.cluster.launch import LaunchOptions
+from pdserve.cluster.local import child_env
 from pdserve.cluster.ray_actors import RouterActor, WorkerActor, router_process, worker_config
 from pdserve.transport import launcher_token, load_tenant_tokens, load_token, router_token_digest
 
@@ -182,7 +184,9 @@ class Controller:
         tenant): the public API's token or tenant tokens, read on the driver, handed to the router actor."""
         logging.basicConfig(level=config.observability.log_level,
                             format="%(asctime)s controller %(levelname)s %(message)s")
-        self.config = config
+        # one kernel table for every worker (timed here, on the head node, at the decode workers'
+        # threads; a worker on another CPU model times its own and says so in `pdserve status`)
+        self.config = config = with_kernel_table(config, config.decode.threads or os.cpu_count() or 1, child_env())
         self._internal_token = internal_token
         self._router_token = secrets.token_urlsafe(32)  # the router actor's own credential (SetKvTargets)
         self._auth_token = auth_token

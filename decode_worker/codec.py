@@ -167,5 +167,5 @@ def worker_info(worker: DecodeWorker, worker_id: str, address: str, kv_target: s
         prefix_cache_hit_blocks=s["prefix_cache_hit_blocks"], prefix_cache_blocks=s["prefix_cache_blocks"],
         max_running_requests=worker.engine.config.max_num_seqs, node_id=node[0], host=node[1],
         requests_migrated_in=worker.requests_migrated_in, requests_migrated_out=worker.requests_migrated_out,
-        kv_block_size=worker.engine.pool.block_size,
+        kv_block_size=worker.engine.pool.block_size, kernels=getattr(worker.engine.runner, "kernels", ""),
     )

@@ -63,6 +63,19 @@ class AttentionBatch:
         return torch.tensor(self.context_lens[: self.num_decode], dtype=torch.long)
 
     @functools.cached_property
+    def row_block_tables(self) -> torch.Tensor:
+        """[T, max_blocks]: each new token's sequence's block table (batch-invariant mode, once per pass)."""
+        counts = torch.tensor(self.query_lens, device=self.block_tables.device)
+        return self.block_tables.repeat_interleave(counts, dim=0)
+
+    @functools.cached_property
+    def row_context_lens(self) -> torch.Tensor:
+        """[T] int64: the keys each new token attends to, itself and those before it (causal)."""
+        lens = [ctx - q_len + j + 1 for q_len, ctx in zip(self.query_lens, self.context_lens, strict=True)
+                for j in range(q_len)]
+        return torch.tensor(lens, dtype=torch.long)
+
+    @functools.cached_property
     def decode_kv_ids(self) -> torch.Tensor:
         """[2 * Bd * max_blocks] rows of a layer's K/V, viewed as [2 * num_blocks, block_size, H, D],
         that hold the decoding sequences' blocks: their keys', then their values' (once per pass)."""
@@ -179,16 +192,32 @@ def _prefill_attention(
     return torch.cat(outputs, dim=1).transpose(0, 1)  # [T, Hq, D]
 
 
+def _per_row_attention(batch: AttentionBatch, layer: int, query: torch.Tensor, scale: float) -> torch.Tensor:
+    """Batch-invariant attention: every new token, prompt or decode, is one query row of the native
+    decode kernel over its own causal context read from the pages (after this pass's K/V were
+    written), so a token's output has the same bits whatever else is in the pass, however its prompt
+    was chunked, and on a prefill worker as on a decode worker. query [T, Hq, D] -> [T, Hq, D]."""
+    cache = batch.kv_cache
+    if (query.dtype, cache.kv.dtype) not in _NATIVE_DTYPES or not _native_attention(cache.kv.device):
+        raise RuntimeError("deterministic attention needs pdserve's native kernels for "
+                           f"{query.dtype} queries over a {cache.kv.dtype} cache")
+    return native_decode_attention(query.contiguous(), cache.kv[layer, 0], cache.kv[layer, 1],
+                                   batch.row_block_tables, batch.row_context_lens, scale)
+
+
 def paged_attention(batch: AttentionBatch, layer: int, query: torch.Tensor, key: torch.Tensor,
-                    value: torch.Tensor, scale: float) -> torch.Tensor:
+                    value: torch.Tensor, scale: float, per_row: bool = False) -> torch.Tensor:
     """Write the pass's new K/V into their cache slots, then attend every sequence's queries to
     its own cached context. query [T, Hq, D], key/value [T, Hkv, D] -> output [T, Hq * D]
-    (decoding sequences first, as the batch is packed)."""
+    (decoding sequences first, as the batch is packed). `per_row`: batch-invariant mode
+    (`_per_row_attention`)."""
     k_slots, v_slots = batch.kv_cache.layer_slots(layer)
     k_slots.index_copy_(0, batch.slot_mapping, key.to(k_slots.dtype))  # [T, Hkv, D]
     v_slots.index_copy_(0, batch.slot_mapping, value.to(v_slots.dtype))
     nd = batch.num_decode
-    if batch.is_decode:
+    if per_row:
+        out = _per_row_attention(batch, layer, query, scale)
+    elif batch.is_decode:
         out = _decode_attention(batch, layer, query.contiguous(), scale)
     elif nd == 0:
         out = _prefill_attention(batch, layer, query, key, value, scale)

@@ -56,6 +56,11 @@ class EngineConfig:
         for as many as the pass budget allows.
     compile: run decode passes through the torch.compile'd layer (engine/compiled_layer.py); also
         turned on by PDSERVE_COMPILE=1.
+    deterministic: batch-invariant mode: a request's tokens do not depend on what else is in its
+        batch, where its prompt was prefilled or how it was chunked (native kernels at every row
+        count, per-row attention and sampling; docs/performance.md gives its cost).
+    kernel_table: the deployment's linear-kernel choices (engine/kernel_table.py; JSON text or a
+        file), so every worker computes what the others compute; None: this process times its own.
     """
 
     model: str | None = None
@@ -71,6 +76,8 @@ class EngineConfig:
     prefix_caching: bool = False
     prefill_chunk_tokens: int | None = None
     compile: bool = False
+    deterministic: bool = False
+    kernel_table: str | None = None
 
     def __post_init__(self) -> None:
         device = resolve_device(self.device)

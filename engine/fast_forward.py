@@ -57,6 +57,7 @@ from transformers.activations import ACT2FN
 
 from pdserve.engine.attention import AttentionBatch, paged_attention
 from pdserve.engine.compiled_layer import CompiledDecode, packed_linear
+from pdserve.engine.kernel_table import KERNELS, Bands, KernelTable, as_bands, cpu_identity
 from pdserve.engine.native import native_linear, native_rms_norm, native_unavailable
 
 log = logging.getLogger(__name__)
@@ -186,21 +187,6 @@ def _choices_file() -> Path:
     return cache_root() / "linear-kernels.json"
 
 
-Bands = tuple[tuple[str, int], ...]
-
-
-def _as_bands(value: Any) -> Bands | None:
-    """A remembered choice as bands, or None if it is not one (an older file's format)."""
-    if not isinstance(value, list) or not value:
-        return None
-    try:
-        bands = tuple((str(kernel), int(rows)) for kernel, rows in value)
-    except (TypeError, ValueError):
-        return None
-    ok = bands[0][1] == 1 and all(a[1] < b[1] for a, b in zip(bands, bands[1:], strict=False))
-    return bands if ok and all(kernel in KERNELS for kernel, _ in bands) else None
-
-
 def _read_choices() -> dict[str, Bands]:
     try:
         data = json.loads(_choices_file().read_text())
@@ -208,7 +194,7 @@ def _read_choices() -> dict[str, Bands]:
         return {}
     if not isinstance(data, dict):
         return {}
-    return {k: bands for k, v in data.items() if (bands := _as_bands(v)) is not None}
+    return {k: bands for k, v in data.items() if (bands := as_bands(v)) is not None}
 
 
 def _write_choices(choices: dict[str, Bands]) -> None:
@@ -224,9 +210,6 @@ def _write_choices(choices: dict[str, Bands]) -> None:
         pass
 
 
-KERNELS = ("native", "plain", "packed")
-
-
 class LinearFactory:
     """Builds `Linear`s. In "auto" mode each distinct (K, N) shape is timed once at PROBE_ROWS rows
     with every kernel this machine has (best of interleaved rounds); each probed row count takes its
@@ -240,7 +223,8 @@ class LinearFactory:
     otherwise they are stored column-major, which MKL's one-row GEMV reads 1.4-1.7x faster
     (`column_major`)."""
 
-    def __init__(self, dtype: torch.dtype, device: torch.device, mode: str | None = None) -> None:
+    def __init__(self, dtype: torch.dtype, device: torch.device, mode: str | None = None,
+                 table: KernelTable | None = None) -> None:
         mode = (mode or os.environ.get(LINEAR_ENV) or "auto").lower()
         if mode not in _LINEAR_MODES:
             raise ValueError(f"{LINEAR_ENV}={mode!r}: expected one of {', '.join(_LINEAR_MODES)}")
@@ -265,9 +249,32 @@ class LinearFactory:
         self.remembered = _read_choices() if self.mode == "auto" and not retime else {}
         self.bands: dict[tuple[int, int], Bands] = {}  # (K, N) -> its kernels by row count
         self.timings: dict[tuple[int, int], dict[int, dict[str, float]]] = {}  # rows -> kernel -> ms
+        self.table, self.table_miss = self._usable_table(table), ""
+        self.off_table: list[tuple[int, int]] = []  # shapes whose kernels this process chose (not the table)
+
+    def _usable_table(self, table: KernelTable | None) -> KernelTable | None:
+        """`table` where this machine and mode can follow it (else None, `table_refused` says why)."""
+        self.table_refused = ""
+        if table is None or self.mode != "auto":
+            return None
+        if table.cpu != cpu_identity():
+            self.table_refused = f"this CPU ({cpu_identity()}) is not the table's ({table.cpu})"
+        elif table.dtype != self.dtype:
+            self.table_refused = f"the table is for {table.dtype}, this model runs {self.dtype}"
+        if self.table_refused:
+            log.warning("kernel table %s not used: %s; timing this worker's own", table.digest, self.table_refused)
+            return None
+        return table
 
     def _known_bands(self, k: int, n: int) -> Bands | None:
-        """The shape's bands if already timed (here or by an earlier start), else None."""
+        """The shape's bands: the deployment's table's, else already timed (here or by an earlier
+        start), else None."""
+        if (k, n) not in self.bands and self.table is not None:
+            listed = self.table.entries.get(self.entry_key(k, n))
+            if listed is not None and all(kernel in self.kernels for kernel, _ in listed):
+                self.bands[(k, n)] = listed
+            else:
+                self.table_miss = self.table_miss or f"{k}x{n} is not in it"
         if (k, n) not in self.bands:
             remembered = self.remembered.get(self._key(k, n))
             if remembered is None or any(kernel not in self.kernels for kernel, _ in remembered):
@@ -306,9 +313,25 @@ class LinearFactory:
         _write_choices(self.remembered)
         return tuple(bands)
 
-    def _key(self, k: int, n: int) -> str:
+    def entry_key(self, k: int, n: int) -> str:
+        """A weight shape's key in a kernel table: its shape, layout and the kernels it chose among."""
         layout = "column-major" if self.column_major else "row-major"
-        return f"{self.machine}|{self.dtype}|{k}x{n}|{layout}|{'+'.join(self.kernels)}|{TIMING}"
+        return f"{k}x{n}|{layout}|{'+'.join(self.kernels)}"
+
+    def _key(self, k: int, n: int) -> str:
+        return f"{self.machine}|{self.dtype}|{self.entry_key(k, n)}|{TIMING}"
+
+    def describe_use(self) -> str:
+        """Where this model's kernel choices came from (`pdserve status`)."""
+        if self.mode != "auto":
+            return f"every linear {self.mode}"
+        if self.table is not None and not self.off_table:
+            return f"deployment table {self.table.digest} ({self.table.threads} threads)"
+        if self.table is not None:
+            return (f"deployment table {self.table.digest}, own timing for {len(self.off_table)} shapes "
+                    f"({self.table_miss})")
+        why = self.table_refused or "no deployment table"
+        return f"own timing ({why})"
 
     def __call__(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> Linear:
         weight = weight.detach()
@@ -323,6 +346,8 @@ class LinearFactory:
             packed = self._pack(weight) if self.can_pack else None
         if bands is None:
             bands = self._time_bands(weight, bias, packed)
+        if self.table is not None and self.bands[(k, n)] is not self.table.entries.get(self.entry_key(k, n)):
+            self.off_table.append((k, n))
         if not _runs_packed(bands):
             packed = None  # no reordered copy is kept for a weight that never runs packed
         return Linear(weight, bias, packed, bands)
@@ -425,7 +450,8 @@ class _Layer:
 class FastForward:
     """The fused forward of one loaded model (shared by every engine of that model in a process)."""
 
-    def __init__(self, model: Any, layers: list[_Layer], lm_head: Linear, factory: LinearFactory) -> None:
+    def __init__(self, model: Any, layers: list[_Layer], lm_head: Linear, factory: LinearFactory,
+                 deterministic: bool = False) -> None:
         c = model.config
         self.model = model
         self.layers = layers
@@ -442,13 +468,21 @@ class FastForward:
         self.intermediate = int(c.intermediate_size)
         self.compiled: CompiledDecode | None = None  # see enable_compile
         self.native = factory.native_reason is None  # the native norm (engine/native.py) runs too
+        self.deterministic = deterministic  # batch-invariant: see `build`
+
+    @property
+    def kernels(self) -> str:
+        """How this forward's kernels were chosen (`pdserve status`)."""
+        if self.deterministic:
+            return "deterministic: native linear, norm and attention at every row count"
+        return self.factory.describe_use()
 
     def enable_compile(self) -> None:
         """Run decode passes through the `torch.compile`d layer (engine/compiled_layer.py) from now on
         (idempotent; every engine sharing this forward then uses it)."""
         if self.compiled is not None:
             return
-        reason = CompiledDecode.supported(self)
+        reason = "deterministic mode" if self.deterministic else CompiledDecode.supported(self)
         if reason is not None:
             log.warning("model.compile: not used (%s); the layers run eagerly", reason)
             return
@@ -479,13 +513,23 @@ class FastForward:
         return None
 
     @classmethod
-    def build(cls, model: Any, mode: str | None = None) -> FastForward | None:
+    def build(cls, model: Any, mode: str | None = None, table: KernelTable | None = None,
+              deterministic: bool = False) -> FastForward | None:
+        """The model's fused forward, or None where it does not apply. `table`: the deployment's kernel
+        choices (engine/kernel_table.py). `deterministic`: batch-invariant mode: every linear, norm and
+        attention row runs pdserve's native kernels, whose sums for one row are the same at any row
+        count, thread count and batch position (ValueError where they cannot run)."""
         reason = cls.unsupported_reason(model)
+        weight = model.lm_head.weight
+        if deterministic:
+            reason = reason or native_unavailable(weight.dtype, weight.device)
+            if reason is not None:
+                raise ValueError(f"deterministic mode needs pdserve's native kernels and the fast forward: {reason}")
+            mode = "native"
         if reason is not None:
             log.info("fast forward not used (%s): transformers' modules run the model", reason)
             return None
-        weight = model.lm_head.weight
-        factory = LinearFactory(weight.dtype, weight.device, mode)
+        factory = LinearFactory(weight.dtype, weight.device, mode, table)
         qwen3 = FAST_FAMILIES[model.config.model_type]
         cm = factory.column_major
         layers = []
@@ -506,8 +550,8 @@ class FastForward:
                 ))
             # tied embeddings: the embedding re-points too (one Parameter) and gathers strided rows
             lm_head = factory(_fuse_weights([model.lm_head], cm), getattr(model.lm_head, "bias", None))
-        fast = cls(model, layers, lm_head, factory)
-        log.info("fast forward: %d layers; linear kernels: %s", len(layers), factory.describe())
+        fast = cls(model, layers, lm_head, factory, deterministic)
+        log.info("fast forward: %d layers; linear kernels: %s (%s)", len(layers), factory.describe(), fast.kernels)
         return fast
 
     # ---- the pass ----------------------------------------------------------------------------------
@@ -533,7 +577,8 @@ class FastForward:
         else:  # q and k rotated together: one set of ops for both
             qk = rope(qkv[:, : hq + hkv])
             q, k = qk[:, :hq], qk[:, hq:]
-        attn = paged_attention(batch, index, q, k, qkv[:, hq + hkv :], self.scale)  # [T, Hq * D]
+        attn = paged_attention(batch, index, q, k, qkv[:, hq + hkv :], self.scale,  # [T, Hq * D]
+                               per_row=self.deterministic)
         hidden = p.o(attn, residual=hidden)
         gate_up = p.gate_up(_rms_norm(p.post_norm, hidden, self.native))  # [T, 2 I]
         return p.down(self._act_mul(gate_up), residual=hidden)
@@ -541,18 +586,29 @@ class FastForward:
     def _act_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
         """act(gate) * up over the fused [T, 2 I] output -> [T, I]."""
         gate, up = gate_up[:, : self.intermediate], gate_up[:, self.intermediate :]
-        return self.act(gate).mul_(up)
+        if not self.deterministic:
+            return self.act(gate).mul_(up)
+        # torch splits a large elementwise op across threads at element offsets that move with the
+        # row count, and vectorized and tail elements of an activation (exp) may round differently:
+        # slices under its parallel grain run serially, each row whole, the same bits at any batch
+        rows = max(1, _SERIAL_GRAIN // max(1, self.intermediate))
+        return torch.cat([self.act(gate[i : i + rows]).mul_(up[i : i + rows]) for i in range(0, len(gate), rows)])
 
     def norm_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Final norm and LM head: hidden [N, E] -> float32 logits [N, V]."""
         return self.lm_head(_rms_norm(self.final_norm, hidden, self.native)).float()
 
 
-_BUILT: weakref.WeakKeyDictionary[Any, FastForward | None] = weakref.WeakKeyDictionary()
+#: Elements under which torch runs an elementwise op on one thread (at::internal::GRAIN_SIZE).
+_SERIAL_GRAIN = 32768
+_BUILT: weakref.WeakKeyDictionary[Any, tuple[tuple[Any, ...], FastForward | None]] = weakref.WeakKeyDictionary()
 
 
-def fast_forward_for(model: Any, mode: str | None = None) -> FastForward | None:
-    """The model's FastForward, built on first use and shared by every engine of the process."""
-    if model not in _BUILT:
-        _BUILT[model] = FastForward.build(model, mode)
-    return _BUILT[model]
+def fast_forward_for(model: Any, mode: str | None = None, table: KernelTable | None = None,
+                     deterministic: bool = False) -> FastForward | None:
+    """The model's FastForward, built on first use and shared by every engine of the process that asks
+    for the same settings (other settings build it again over the same weights)."""
+    settings = (mode, table, deterministic)
+    if model not in _BUILT or _BUILT[model][0] != settings:
+        _BUILT[model] = (settings, FastForward.build(model, mode, table, deterministic))
+    return _BUILT[model][1]

@@ -120,7 +120,8 @@ class LLMEngine:
         self.kv_cache = kv_cache if kv_cache is not None else build_cache(loaded, config, shared=shared_kv_cache)
         self.pool = BlockPool(self.kv_cache.num_blocks, config.block_size)
         self.kv_events = self.pool.events = KvEventLog()  # the prefix cache's changes, for the router
-        self.runner = build_runner(loaded, self.kv_cache, compile=config.compile)
+        self.runner = build_runner(loaded, self.kv_cache, compile=config.compile, deterministic=config.deterministic,
+                                   kernel_table=config.kernel_table)
         self.scheduler = Scheduler(config, self.pool, keeps_decoding=connector is None,
                                    attention_crossover=attention_crossover(loaded))
         self.max_model_len = min(config.max_model_len or loaded.max_model_len, loaded.max_model_len)
@@ -304,6 +305,16 @@ class LLMEngine:
             return self._isolate(items, exc)
         return self._apply(items, sampled, time.perf_counter() - started, logprobs)
 
+    def _sample(self, logits: torch.Tensor, seqs: list[Sequence], histories: list[TokenHistory | None]) -> list[int]:
+        """One token per row; in deterministic mode each row is sampled alone (a batched sort, top-k
+        or softmax could order or sum a row otherwise beside rows of other widths)."""
+        params, steps = [seq.params for seq in seqs], [seq.next_output_index for seq in seqs]
+        eos = self.loaded.eos_token_ids
+        if not self.config.deterministic:
+            return sample(logits, params, steps, histories, eos)
+        return [sample(logits[r : r + 1], params[r : r + 1], steps[r : r + 1], histories[r : r + 1], eos)[0]
+                for r in range(len(seqs))]
+
     def _compute(self, items: list[PassItem]) -> tuple[list[int], dict[int, _PassLogprobs]]:
         """Forward pass and sampling, with no change to any sequence: a failed attempt leaves
         nothing to undo (K/V slots it wrote are rewritten by the retry). Returns one token per
@@ -329,8 +340,7 @@ class LLMEngine:
         row_logits = logits[rows]
         if masks is not None:
             structured.apply_masks(row_logits, masks)
-        sampled = sample(row_logits, [seq.params for seq in seqs], [seq.next_output_index for seq in seqs],
-                         histories, self.loaded.eos_token_ids)
+        sampled = self._sample(row_logits, seqs, histories)
         logprobs: dict[int, _PassLogprobs] = {}
         for row in full_rows:
             seq, start = items[row].seq, items[row].seq.num_cached

@@ -44,17 +44,23 @@ FORWARD_ENV = "PDSERVE_FORWARD"
 FORWARDS = ("auto", "fast", "hf")
 
 
-def _choose_forward(model: object, forward: str | None) -> FastForward | None:
+def _choose_forward(model: object, forward: str | None, deterministic: bool = False,
+                    kernel_table: str | None = None) -> FastForward | None:
     """The FastForward to run, or None for transformers' modules (ValueError on an unknown name,
-    or on "fast" for a model the fast path does not cover)."""
+    on "fast" for a model the fast path does not cover, and on deterministic mode where the fast
+    path with its native kernels cannot run)."""
     forward = (forward or os.environ.get(FORWARD_ENV) or "auto").lower()
     if forward not in FORWARDS:
         raise ValueError(f"forward {forward!r}: expected one of {', '.join(FORWARDS)}")
     if forward == "hf":
+        if deterministic:
+            raise ValueError("deterministic mode runs the fast forward; forward 'hf' was requested")
         return None
     from pdserve.engine.fast_forward import FastForward, fast_forward_for
+    from pdserve.engine.kernel_table import KernelTable
 
-    fast = fast_forward_for(model)
+    table = KernelTable.load(kernel_table) if kernel_table else None
+    fast = fast_forward_for(model, table=table, deterministic=deterministic)
     if fast is None and forward == "fast":
         raise ValueError(f"forward 'fast' requested, but {FastForward.unsupported_reason(model)}")
     return fast
@@ -73,17 +79,21 @@ class ModelRunner:
     """Owns no scheduling state: callers decide what runs; this computes it."""
 
     def __init__(self, loaded: LoadedModel, kv_cache: KVCache, forward: str | None = None,
-                 compile: bool = False) -> None:  # noqa: A002
+                 compile: bool = False, deterministic: bool = False,  # noqa: A002
+                 kernel_table: str | None = None) -> None:
         self.loaded = loaded
         self.model = loaded.model
         self.kv_cache = kv_cache
         self.block_size = kv_cache.shape.block_size
         self.device = kv_cache.kv.device  # weights, K/V and every index tensor of a pass live here
         _check_same_place(loaded, kv_cache)
-        self.fast = _choose_forward(self.model, forward)
+        self.fast = _choose_forward(self.model, forward, deterministic, kernel_table)
         if self.fast is not None and compile_requested(compile):
             self.fast.enable_compile()
         self.forward_name = "fast" if self.fast is not None else "hf"
+        self.deterministic = deterministic
+        #: how the kernels were chosen (WorkerInfo.kernels, `pdserve status`)
+        self.kernels = self.fast.kernels if self.fast is not None else "transformers' modules"
         self.num_forward_passes = 0
         self.full_logits: dict[int, torch.Tensor] = {}  # the last pass's `full_rows` logits
         self.num_prefill_tokens = 0  # new tokens of sequences that were not decoding (prompts, recomputes)

@@ -74,6 +74,13 @@ class ModelSection:
                         "each worker compiles for tens of seconds on its first decode passes; falls back to "
                         "eager with a log line when compiling fails; see 'Compiled decode layer' above)",
                         flag="--compile")
+    deterministic: bool = opt(False, "batch-invariant mode: a request's tokens do not depend on what else is in its "
+                              "batch, on the prefill/decode split, or on a failover or migration (greedy and "
+                              "seeded sampling, float32 and bfloat16; needs the native CPU kernels and a "
+                              "Llama-family model; costs throughput, docs/performance.md)", flag="--deterministic")
+    kernel_table: str | None = opt(None, "the linear-kernel table every worker uses (JSON, or a file written by "
+                                   "`python -m pdserve.engine.kernel_table`); default: the launcher times one per "
+                                   "deployment and hands it to every worker", flag="--kernel-table")
 
     @property
     def served_name(self) -> str:

@@ -124,4 +124,5 @@ class PrefillServicer(worker_pb2_grpc.PrefillWorkerServicer):
             requests_finished=w.requests_finished, prefix_cache_hit_blocks=w.pool.cache_hits,
             prefix_cache_blocks=w.pool.num_cached, kv_segment_prefix=segment_prefix(),
             node_id=self.node_id, host=self.node_host, kv_block_size=w.pool.block_size,
+            kernels=getattr(w.runner, "kernels", ""),
         )

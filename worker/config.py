@@ -41,7 +41,8 @@ POOL_SETTINGS = tuple(f.name for f in dataclasses.fields(PoolSection) if f.name 
 WORKER_FLAGS = {"internal_grpc_calls_per_peer": "--grpc-calls-per-peer",
                 "internal_grpc_calls_total": "--grpc-calls-total"}
 #: The model settings a worker takes (every ModelSection field but the HTTP API's model id).
-MODEL_SETTINGS = ("path", "block_size", "device", "dtype", "compile", *ENGINE_SETTINGS)
+MODEL_SETTINGS = ("path", "block_size", "device", "dtype", "compile", "deterministic", "kernel_table",
+                  *ENGINE_SETTINGS)
 WORKER_ID_HELP = "this worker's name (logs, WorkerInfo, the READY line)"
 
 C = TypeVar("C", bound="WorkerConfig")

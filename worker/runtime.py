@@ -350,7 +350,8 @@ def load_worker_model(model: ModelSection, pool: Any, **engine: Any) -> tuple[En
     may change the engine config's limits) or the real model, resolved and loaded."""
     config = EngineConfig(model=model.path, dtype=model.dtype, device=model.device, block_size=model.block_size,
                           kv_cache_memory_mb=pool.kv_cache_mb, max_num_batched_tokens=pool.max_batched_tokens,
-                          compile=model.compile, **engine)
+                          compile=model.compile, deterministic=model.deterministic,
+                          kernel_table=model.kernel_table, **engine)
     if model.engine == "sim":
         from pdserve.engine.sim_runner import load_sim_worker
 

@@ -93,7 +93,8 @@ class _Colocated(worker_pb2_grpc.DecodeWorkerServicer):
         )
 
     def GetInfo(self, request, context):  # noqa: N802, ANN001
-        return common_pb2.WorkerInfo(worker_id="colocated-0", healthy=True, kv_blocks_total=8, pid=42)
+        return common_pb2.WorkerInfo(worker_id="colocated-0", healthy=True, kv_blocks_total=8, pid=42,
+                                     kernels="own timing (this CPU (B) is not the table's (A))")
 
 
 @pytest.fixture(scope="module")
@@ -144,6 +145,7 @@ def test_cli_status(router_address: str, capsys: pytest.CaptureFixture[str]) -> 
         "healthy",
     ]
     assert lines[1].split()[:2] == ["colocated", "colocated-0"] and "0/8" in lines[1] and lines[1].endswith("yes")
+    assert "kernels: own timing (this CPU (B) is not the table's (A)): colocated-0" in lines  # which timed its own
     assert main(["status", "--url", router_address, "--json"]) == 0
     doc = json.loads(capsys.readouterr().out)
     assert doc["workers"][0]["role"] == "colocated" and doc["workers"][0]["healthy"] is True

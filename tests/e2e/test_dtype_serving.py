@@ -33,15 +33,22 @@ def _cluster(model: Path, dtype: str, prefill_args: tuple[str, ...] = ()) -> Loc
 
 @pytest.mark.slow
 def test_bf16_1p1d_ships_bf16_kv_and_matches_the_engine(tiny_llama_dir: Path) -> None:
-    loaded = load_model(tiny_llama_dir, torch.bfloat16)
-    engine = LLMEngine(loaded, EngineConfig(dtype="bfloat16", num_blocks=64))
-    ids = [encode_text(loaded.tokenizer, p) for p in PROMPTS]
-    expected = [engine.generate([p], SamplingParams(max_tokens=MAX_TOKENS))[0] for p in ids]
-    shape = loaded.kv_shape(16)
+    """The in-process engine follows the deployment's kernel table, as both workers do: the same kernel
+    at the same row count, so the same bf16 sums (without it, on a CPU that offers oneDNN's bf16
+    kernel, timing per process chose differently and changed a token)."""
     with _cluster(tiny_llama_dir, "bfloat16") as cluster:
+        table = cluster.config.model.kernel_table
+        loaded = load_model(tiny_llama_dir, torch.bfloat16)
+        engine = LLMEngine(loaded, EngineConfig(dtype="bfloat16", num_blocks=64, kernel_table=table))
+        ids = [encode_text(loaded.tokenizer, p) for p in PROMPTS]
+        expected = [engine.generate([p], SamplingParams(max_tokens=MAX_TOKENS))[0] for p in ids]
+        shape = loaded.kv_shape(16)
         got = [generate(cluster.router_address, p, MAX_TOKENS).token_ids for p in PROMPTS]
-        decode = next(w for w in cluster.workers if w[0] == "decode")
-        received = worker_info(decode[2], "decode").kv_bytes_received
+        infos = {w.role: worker_info(w.address, w.role) for w in cluster.workers}
+        received = infos["decode"].kv_bytes_received
+    assert table is not None
+    assert engine.runner.kernels.startswith("deployment table")
+    assert infos["prefill"].kernels == infos["decode"].kernels == engine.runner.kernels
     assert got == expected
     assert shape.dtype == torch.bfloat16
     assert received == sum(math.ceil(len(p) / 16) for p in ids) * shape.bytes_per_block  # 2 bytes a value

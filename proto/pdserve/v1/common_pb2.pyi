@@ -287,7 +287,7 @@ class TraceDetokenizeHold(_message.Message):
     def __init__(self, token_id: _Optional[int] = ..., held: _Optional[bytes] = ..., held_tokens: _Optional[int] = ...) -> None: ...
 
 class WorkerInfo(_message.Message):
-    __slots__ = ("worker_id", "role", "address", "pid", "queue_depth", "queued_prompt_tokens", "kv_blocks_used", "kv_blocks_total", "running_requests", "healthy", "kv_address", "prefill_tokens_computed", "kv_bytes_sent", "kv_bytes_received", "requests_finished", "prefix_cache_hit_blocks", "prefix_cache_blocks", "max_running_requests", "unhealthy_reason", "kv_segment_prefix", "node_id", "host", "requests_migrated_in", "requests_migrated_out", "kv_block_size")
+    __slots__ = ("worker_id", "role", "address", "pid", "queue_depth", "queued_prompt_tokens", "kv_blocks_used", "kv_blocks_total", "running_requests", "healthy", "kv_address", "prefill_tokens_computed", "kv_bytes_sent", "kv_bytes_received", "requests_finished", "prefix_cache_hit_blocks", "prefix_cache_blocks", "max_running_requests", "unhealthy_reason", "kv_segment_prefix", "node_id", "host", "requests_migrated_in", "requests_migrated_out", "kv_block_size", "kernels")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     ROLE_FIELD_NUMBER: _ClassVar[int]
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
@@ -313,6 +313,7 @@ class WorkerInfo(_message.Message):
     REQUESTS_MIGRATED_IN_FIELD_NUMBER: _ClassVar[int]
     REQUESTS_MIGRATED_OUT_FIELD_NUMBER: _ClassVar[int]
     KV_BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
+    KERNELS_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     role: WorkerRole
     address: str
@@ -338,4 +339,5 @@ class WorkerInfo(_message.Message):
     requests_migrated_in: int
     requests_migrated_out: int
     kv_block_size: int
-    def __init__(self, worker_id: _Optional[str] = ..., role: _Optional[_Union[WorkerRole, str]] = ..., address: _Optional[str] = ..., pid: _Optional[int] = ..., queue_depth: _Optional[int] = ..., queued_prompt_tokens: _Optional[int] = ..., kv_blocks_used: _Optional[int] = ..., kv_blocks_total: _Optional[int] = ..., running_requests: _Optional[int] = ..., healthy: _Optional[bool] = ..., kv_address: _Optional[str] = ..., prefill_tokens_computed: _Optional[int] = ..., kv_bytes_sent: _Optional[int] = ..., kv_bytes_received: _Optional[int] = ..., requests_finished: _Optional[int] = ..., prefix_cache_hit_blocks: _Optional[int] = ..., prefix_cache_blocks: _Optional[int] = ..., max_running_requests: _Optional[int] = ..., unhealthy_reason: _Optional[str] = ..., kv_segment_prefix: _Optional[str] = ..., node_id: _Optional[str] = ..., host: _Optional[str] = ..., requests_migrated_in: _Optional[int] = ..., requests_migrated_out: _Optional[int] = ..., kv_block_size: _Optional[int] = ...) -> None: ...
+    kernels: str
+    def __init__(self, worker_id: _Optional[str] = ..., role: _Optional[_Union[WorkerRole, str]] = ..., address: _Optional[str] = ..., pid: _Optional[int] = ..., queue_depth: _Optional[int] = ..., queued_prompt_tokens: _Optional[int] = ..., kv_blocks_used: _Optional[int] = ..., kv_blocks_total: _Optional[int] = ..., running_requests: _Optional[int] = ..., healthy: _Optional[bool] = ..., kv_address: _Optional[str] = ..., prefill_tokens_computed: _Optional[int] = ..., kv_bytes_sent: _Optional[int] = ..., kv_bytes_received: _Optional[int] = ..., requests_finished: _Optional[int] = ..., prefix_cache_hit_blocks: _Optional[int] = ..., prefix_cache_blocks: _Optional[int] = ..., max_running_requests: _Optional[int] = ..., unhealthy_reason: _Optional[str] = ..., kv_segment_prefix: _Optional[str] = ..., node_id: _Optional[str] = ..., host: _Optional[str] = ..., requests_migrated_in: _Optional[int] = ..., requests_migrated_out: _Optional[int] = ..., kv_block_size: _Optional[int] = ..., kernels: _Optional[str] = ...) -> None: ...
