@@ -112,6 +112,8 @@ CASES: dict[str, tuple[Any, dict[str, Any], Callable[[DeploymentConfig, Received
     "model.dtype": ("bfloat16", {}, _all(WORKERS, "dtype", "bfloat16")),
     "model.block_size": (32, {}, _all(WORKERS, "block_size", 32)),
     "model.compile": (True, {}, _all(WORKERS, "compile", True)),
+    "model.deterministic": (True, {}, _all(WORKERS, "deterministic", True)),
+    "model.kernel_table": ('{"version": 1}', {}, _all(WORKERS, "kernel_table", '{"version": 1}')),
     "model.engine": ("sim", {"model.profile": "PROFILE"}, _all(WORKERS, "engine", "sim")),
     "model.profile": ("PROFILE", SIM, lambda c, got: all(Path(ns.profile).name == "profile.json"
                                                          for k, ns in got if k != "router")),
