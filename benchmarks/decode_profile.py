@@ -226,7 +226,7 @@ def profile_batch(loaded, batch: int, forward: str | None, weight_bytes: int,  #
     engine = running_engine(loaded, batch, args.context)
     step_time(engine, 2)
     median = step_time(engine, args.steps)
-    print(f"\nbatch {batch}, forward {engine.runner.forward_name}: {median * 1e3:.1f} ms per decode step, "
+    print(f"\nbatch {batch}, forward {getattr(engine.runner, 'forward_name', 'sim')}: {median * 1e3:.1f} ms per decode step, "
           f"{batch / median:.0f} tokens/s")
     figures[f"step_ms_batch{batch}"] = median * 1e3
     if args.top > 0:

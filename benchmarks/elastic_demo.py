@@ -29,6 +29,7 @@ import random
 import sys
 import threading
 import time
+from typing import Any, TypedDict
 from pathlib import Path
 
 import grpc
@@ -48,8 +49,16 @@ from pdserve.cluster.launch import LaunchOptions, local_deployment  # noqa: E402
 from pdserve.cluster.local import LocalCluster  # noqa: E402
 
 # profile time
-PHASES = ({"name": "A: long prompts, short outputs", "prompt": 2048, "output": 8, "rate": 40.0},
-          {"name": "B: short prompts, long outputs", "prompt": 128, "output": 64, "rate": 18.0})
+class Phase(TypedDict):
+    name: str
+    prompt: int
+    output: int
+    rate: float
+
+
+PHASES: tuple[Phase, ...] = (
+    {"name": "A: long prompts, short outputs", "prompt": 2048, "output": 8, "rate": 40.0},
+    {"name": "B: short prompts, long outputs", "prompt": 128, "output": 64, "rate": 18.0})
 SLOS = {"ttft": 0.5, "tpot": 0.04}  # seconds, profile time
 # the autoscaler's time constants in profile seconds (divided by the speedup for the wall-clock loop)
 AUTOSCALER = {"window_s": 1.5, "confirm_s": 0.5, "cooldown_s": 1.5, "interval_s": 0.1}
@@ -114,7 +123,7 @@ def run_config(name: str, prefill: int, decode: int, autoscale: bool, trace: lis
                 confirm_s=wall["confirm_s"], cooldown_s=wall["cooldown_s"], min_samples=8, min_workers=n,
                 max_workers=n), planner)
             loop = AutoscalerLoop(url, core, interval_s=wall["interval_s"]).start()
-        stop, roles = threading.Event(), []
+        stop, roles = threading.Event(), list[Any]()
         watcher = threading.Thread(target=watch_roles, args=(url, stop, roles), daemon=True)
         watcher.start()
         bench = BenchConfig(url=url, input_len=LengthDist(values=(1,), weights=(1.0,)),

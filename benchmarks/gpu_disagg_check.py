@@ -132,6 +132,7 @@ def step_kv(args: argparse.Namespace) -> list[Row]:
                               args.device, "--dtype", args.dtype, "--kv-tokens", str(args.kv_tokens),
                               "--repeats", str(args.repeats)],
                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    assert child.stdin is not None and child.stdout is not None  # both PIPE
     try:
         prefix = child.stdout.readline().split()[1]
         options = ExpectOptions(120, in_place=True, shm_segment_prefix=prefix)
@@ -139,9 +140,10 @@ def step_kv(args: argparse.Namespace) -> list[Row]:
                     for i in range(args.repeats + 1)]
         child.stdin.write("go\n")
         child.stdin.flush()
-        copies = []
+        copies: list[float] = []
         for pending in pendings:
             kv, _ = pending.wait(120)
+            assert not isinstance(kv, torch.Tensor), "an in_place intake on one host completes in place"
             dst.kv.zero_()
             start = time.perf_counter()
             kv(dst.kv, ids)  # device to device (cuda_ipc) or from shared memory (the fallback); then synced

@@ -356,7 +356,7 @@ def main(argv: list[str] | None = None) -> int:
             row = {"row": number, "attack": what, "attacker": [str(o) for o in outcome][:8],
                    "attacker_as_expected": expected(outcome), "honest_errors": errors[:3],
                    "honest_max_gap_ms": round(worst * 1e3, 1), "max_gap_over_baseline": round(worst / baseline, 2),
-                   "memory_grown_mb": round(grown, 1), "memory_grown_by": max(growth, key=growth.get),
+                   "memory_grown_mb": round(grown, 1), "memory_grown_by": max(growth, key=lambda name: growth[name]),
                    "threads": {name: threads(pid) for name, pid in pids.items()},
                    "stall_goal_ms": round(max(GAP_GOAL * baseline, chunk_now) * 1e3, 1),
                    "chunk_ms": round(chunk_now * 1e3, 1), "honest_gaps": len(gaps),

@@ -181,8 +181,8 @@ def summarize(turns: list[Turn], slo_ttft: float, slo_tpot: float) -> dict[str, 
     traced = [t for t in follow_ups(ok) if t.shipped_tokens is not None]
     follow = [t for t in ok if t.turn > 0]
     duration = max((t.done_at for t in ok), default=0.0)
-    good = [t for t in ok if t.ttft <= slo_ttft and (t.tpot is None or t.tpot <= slo_tpot)]
-    ttft = [t.ttft for t in ok]
+    ttft = [t.ttft for t in ok if t.ttft is not None]  # every one of `ok`
+    good = [t for t in ok if t.ttft is not None and t.ttft <= slo_ttft and (t.tpot is None or t.tpot <= slo_tpot)]
     tpot = [t.tpot for t in ok if t.tpot is not None]
     return {
         "requests": len(turns), "errors": len(turns) - len(ok),
@@ -333,7 +333,7 @@ def main() -> int:
               f"{args.systems} system prompts of {args.system_tokens} tokens", flush=True)
         results = []
         for topology in args.topology:
-            runs = [(policy, None) for policy in args.policies]
+            runs: list[tuple[str, Point | None]] = [(policy, None) for policy in args.policies]
             runs += [("kv_aware", point) for point in sweep_points(args)] if args.sweep else []
             for policy, point in runs:
                 result = run_policy(policy, topology, work, args, profile, bytes_per_token, point)

@@ -86,7 +86,7 @@ def shm_in_place_seconds(receiver: KvTransferServicer, address: str, tokens: int
     source, dest = KVCache(shape, 2 * n, shared=True), KVCache(shape, 2 * n)
     source.kv.copy_(torch.randn(source.kv.shape))
     src_ids, dst_ids = list(range(n // 2, n // 2 + n)), list(range(n, 2 * n))  # as a pool hands them out
-    sender, times = ShmKvSender(address), {c: [] for c in checksums}
+    sender, times = ShmKvSender(address), {c: list[float]() for c in checksums}
     for i in range(repeats + 1):
         for checksum in checksums:
             spec = KvSpec(request_id=uuid.uuid4().hex, model_fingerprint="bench", dtype="float32",

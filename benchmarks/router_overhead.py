@@ -133,12 +133,13 @@ async def measure(mode: str, streams: int, tokens: int, stand_in: str, router: s
     else:
         async with grpc.aio.insecure_channel(stand_in if mode == "direct" else router) as channel:
             if mode == "direct":
-                stub = worker_pb2_grpc.DecodeWorkerStub(channel)
-                calls = [stub.Generate(worker_pb2.DecodeRequest(request_id=f"d{i}", prompt="x", params=params))
+                worker = worker_pb2_grpc.DecodeWorkerStub(channel)
+                calls = [worker.Generate(worker_pb2.DecodeRequest(request_id=f"d{i}", prompt="x", params=params))
                          for i in range(streams)]
             else:
-                stub = router_pb2_grpc.RouterStub(channel)
-                calls = [stub.Generate(router_pb2.GenerateRequest(prompt="x", params=params)) for _ in range(streams)]
+                router_stub = router_pb2_grpc.RouterStub(channel)
+                calls = [router_stub.Generate(router_pb2.GenerateRequest(prompt="x", params=params))
+                         for _ in range(streams)]
             runs = await asyncio.gather(*(_grpc_stream(c) for c in calls))
     return [x for run in runs for x in run]
 
@@ -192,7 +193,7 @@ def main() -> None:
                                         logs / f"router-{name}.log", env=env)
                 processes.append(router)
                 ready = router.wait_ready(60)
-                routers[name] = (str(ready["address"]), str(ready["http_address"]), int(ready["pid"]))
+                routers[name] = (str(ready["address"]), str(ready["http_address"]), int(str(ready["pid"])))
         print(f"{'streams':>7} {'mode':>16} {'p50 ms':>8} {'p90 ms':>8} {'added p50 ms':>13} "
               f"{'router CPU us/token':>20}")
         for streams in args.streams:

@@ -71,7 +71,8 @@ def main() -> None:
     for name, params in settings.items():
         rows = [params] * args.rows
         steps = list(range(args.rows))
-        old_times, new_times = [], []
+        old_times: list[float] = []
+        new_times: list[float] = []
         for _ in range(args.repeats):
             for fn, times in ((old_sample, old_times), (sample, new_times)):
                 start = time.perf_counter()

@@ -376,7 +376,7 @@ class AutoscalerLoop:
     core: Autoscaler
     interval_s: float = 1.0
     token: str | None = None
-    resize: Callable[[Decision, Observation], None] | None = None
+    resize: Callable[[Decision, Observation], object] | None = None
     tls_ca_file: str | None = None  # a router serving TLS: PEM to trust (serve passes its own certificate)
     metrics: AutoscalerMetrics = field(default_factory=AutoscalerMetrics)
     history: list[dict[str, Any]] = field(default_factory=list)  # every action: time, decision, outcome

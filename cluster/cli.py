@@ -256,7 +256,8 @@ def _start_autoscaler(cluster: LocalCluster, config: DeploymentConfig, options: 
     if not obs.metrics:
         return [loop]
     guarded = not is_loopback(obs.metrics_host)  # beyond loopback: bearer token (config checked it is set)
-    tls = (config.security.tls_cert, config.security.tls_key) if config.security.tls_cert else None
+    cert, key = config.security.tls_cert, config.security.tls_key
+    tls = (cert, key) if cert and key else None  # the config checked they go together
     endpoint = MetricsEndpoint(loop.metrics.registry, 0, obs.metrics_host, token if guarded else None,
                                tls if guarded else None)
     print(f"metrics autoscaler: {endpoint.url}", flush=True)

@@ -17,7 +17,7 @@ from pdserve.decode_worker.worker import DecodeWorker, WorkerDead
 from pdserve.engine.block_pool import blocks_for_tokens
 from pdserve.engine.sequence import Sequence
 from pdserve.failures import DECODE, RequestInvalid, WorkerUnavailable
-from pdserve.kv_transfer import KvSpec, KvTransferError, get_backend
+from pdserve.kv_transfer import KvSender, KvSpec, KvTransferError, get_backend
 from pdserve.v1 import worker_pb2
 
 log = logging.getLogger(__name__)
@@ -78,7 +78,7 @@ class MigrationSource:
         return worker_pb2.MigrateOutResponse(kv_bytes=spec.nbytes, kv_transfer_s=transfer_s,
                                              last_token_id=seq.output_ids[-1])
 
-    def _plan(self, request: worker_pb2.MigrateOutRequest, seq: Sequence, backend: str) -> tuple[KvSpec, object]:
+    def _plan(self, request: worker_pb2.MigrateOutRequest, seq: Sequence, backend: str) -> tuple[KvSpec, KvSender]:
         """What to push and the sender: RequestInvalid for what the target asked wrongly."""
         num_tokens = seq.num_tokens - 1
         try:

@@ -23,7 +23,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import AsyncIterable, AsyncIterator, Callable
+from collections.abc import AsyncGenerator, AsyncIterable, AsyncIterator, Callable
 from typing import Any
 
 import grpc
@@ -34,7 +34,7 @@ from pdserve.v1 import router_pb2, worker_pb2
 
 log = logging.getLogger(__name__)
 
-GenerateFn = Callable[[worker_pb2.DecodeRequest, Any], AsyncIterator[router_pb2.GenerateResponse]]
+GenerateFn = Callable[[worker_pb2.DecodeRequest, Any], AsyncGenerator[router_pb2.GenerateResponse, None]]
 
 
 class MuxAbort(Exception):

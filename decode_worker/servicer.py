@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator
 from typing import NoReturn
 
 import grpc
@@ -44,7 +44,7 @@ from pdserve.worker.runtime import Drain, node_identity, trace_events_to_pb
 #: The core's outcomes that are not a typed failure, and their statuses.
 STATUSES = {DeadlinePassed: grpc.StatusCode.DEADLINE_EXCEEDED, NotFound: grpc.StatusCode.NOT_FOUND,
             NotPermitted: grpc.StatusCode.PERMISSION_DENIED, WrongState: grpc.StatusCode.FAILED_PRECONDITION}
-OUTCOMES = (Failure, *STATUSES)
+OUTCOMES: tuple[type[Exception], ...] = (Failure, *STATUSES)
 
 
 async def _abort(context: grpc.aio.ServicerContext, exc: Exception) -> NoReturn:
@@ -78,7 +78,7 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
 
     async def Generate(  # noqa: N802
         self, request: worker_pb2.DecodeRequest, context: grpc.aio.ServicerContext
-    ) -> AsyncIterator[router_pb2.GenerateResponse]:
+    ) -> AsyncGenerator[router_pb2.GenerateResponse, None]:
         start = time.perf_counter()
         request_id = request.request_id or uuid.uuid4().hex
         try:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator
 from typing import Any
 
 import grpc
@@ -42,7 +42,7 @@ class ElasticDecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
 
     async def Generate(  # noqa: N802
         self, request: worker_pb2.DecodeRequest, context: grpc.aio.ServicerContext
-    ) -> AsyncIterator[router_pb2.GenerateResponse]:
+    ) -> AsyncGenerator[router_pb2.GenerateResponse, None]:
         core = self._worker.core
         if core.role == PREFILL:
             await context.abort(grpc.StatusCode.UNAVAILABLE,
@@ -123,6 +123,7 @@ class RoleControlServicer(worker_pb2_grpc.RoleControlServicer):
         role = ROLE_OF_PB.get(request.role)
         if role is None:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "role: must be prefill, decode or colocated")
+            raise AssertionError("unreachable")  # context.abort raises
         if self._worker.process_drain.draining:
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, "the worker is shutting down")
         timeout_s = request.drain_timeout_s if request.drain_timeout_s > 0 else DEFAULT_DRAIN_TIMEOUT_S

@@ -26,7 +26,7 @@ from __future__ import annotations
 import logging
 import os
 import time
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 import torch.nn.functional as F
@@ -68,6 +68,16 @@ def _rms(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return F.rms_norm(x, weight.shape, weight, eps)
 
 
+def norm_weight(norm: torch.nn.Module) -> torch.Tensor:
+    """A norm module's weight (torch types a module attribute as Tensor | Module)."""
+    return cast(torch.Tensor, norm.weight)
+
+
+def norm_eps(norm: torch.nn.Module) -> float:
+    """An RMSNorm module's epsilon."""
+    return float(cast(float, norm.variance_epsilon))
+
+
 def decode_layer(p: _Layer, hidden: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor,
                  k_slots: torch.Tensor, v_slots: torch.Tensor, slot_mapping: torch.Tensor,
                  block_ids: torch.Tensor, padding: torch.Tensor | None, length: int,
@@ -79,9 +89,9 @@ def decode_layer(p: _Layer, hidden: torch.Tensor, cos: torch.Tensor, signed_sin:
     views (`index_put_` on the graph inputs, done in place by inductor)."""
     hq, hkv, d, inter, block_size = dims
     t = hidden.shape[0]
-    qkv = p.qkv(_rms(hidden, p.input_norm.weight, eps[0])).view(t, hq + 2 * hkv, d)
+    qkv = p.qkv(_rms(hidden, norm_weight(p.input_norm), eps[0])).view(t, hq + 2 * hkv, d)
     if p.q_norm is not None and p.k_norm is not None:  # Qwen3: per-head norms before RoPE
-        q, k = _rms(qkv[:, :hq], p.q_norm.weight, eps[2]), _rms(qkv[:, hq : hq + hkv], p.k_norm.weight, eps[2])
+        q, k = _rms(qkv[:, :hq], norm_weight(p.q_norm), eps[2]), _rms(qkv[:, hq : hq + hkv], norm_weight(p.k_norm), eps[2])
         q = q * cos + q.roll(d // 2, dims=-1) * signed_sin
         k = k * cos + k.roll(d // 2, dims=-1) * signed_sin
     else:
@@ -102,7 +112,7 @@ def decode_layer(p: _Layer, hidden: torch.Tensor, cos: torch.Tensor, signed_sin:
     probs = torch.softmax(scores, dim=-1).to(q.dtype)
     attn = torch.bmm(probs, context(v_slots)).reshape(t, hq * d)
     hidden = p.o(attn, residual=hidden)
-    gate_up = p.gate_up(_rms(hidden, p.post_norm.weight, eps[1]))
+    gate_up = p.gate_up(_rms(hidden, norm_weight(p.post_norm), eps[1]))
     return p.down(act(gate_up[:, :inter]) * gate_up[:, inter:], residual=hidden)
 
 
@@ -120,8 +130,8 @@ class CompiledDecode:
     def __init__(self, fast: FastForward) -> None:
         self.fast = fast
         first = fast.layers[0]
-        self.eps = (first.input_norm.variance_epsilon, first.post_norm.variance_epsilon,
-                    first.q_norm.variance_epsilon if first.q_norm is not None else 0.0)
+        self.eps = (norm_eps(first.input_norm), norm_eps(first.post_norm),
+                    norm_eps(first.q_norm) if first.q_norm is not None else 0.0)
         self.failed: str | None = None
         self.calls = 0  # decode layers run compiled
         self.compile_s = 0.0  # time spent in calls that compiled a new graph

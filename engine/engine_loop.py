@@ -41,7 +41,7 @@ class EngineLoop:
         self._die_after = die_after_iterations  # fault injection (liveness tests)
         self._iterations = 0
         self._futures: weakref.WeakSet[Future] = weakref.WeakSet()
-        self._inbox: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
+        self._inbox: queue.SimpleQueue[Callable[[], object]] = queue.SimpleQueue()
         self._stopped = threading.Event()
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
 

@@ -56,7 +56,7 @@ import torch.nn.functional as F
 from transformers.activations import ACT2FN
 
 from pdserve.engine.attention import AttentionBatch, paged_attention
-from pdserve.engine.compiled_layer import CompiledDecode, packed_linear
+from pdserve.engine.compiled_layer import CompiledDecode, norm_weight, packed_linear
 from pdserve.engine.kernel_table import KERNELS, Bands, KernelTable, as_bands, cpu_identity
 from pdserve.engine.native import native_linear, native_rms_norm, native_unavailable
 
@@ -408,13 +408,14 @@ def _rms_norm(norm: torch.nn.Module, x: torch.Tensor, native: bool = False) -> t
     squares in another order than torch's), else `F.rms_norm` in float32 (the module's own
     arithmetic, bit for bit, in seven ops instead of the module's dozen); the module itself otherwise."""
     eps = getattr(norm, "variance_epsilon", None)
-    if eps is None or x.dtype != norm.weight.dtype:
+    weight = norm_weight(norm)
+    if eps is None or x.dtype != weight.dtype:
         return norm(x)
     if native and x.dim() == 2 and x.stride(1) == 1 and x.dtype in (torch.float32, torch.bfloat16):
-        return native_rms_norm(x, norm.weight, eps)
+        return native_rms_norm(x, weight, eps)
     if x.dtype != torch.float32:
         return norm(x)
-    return F.rms_norm(x, norm.weight.shape, norm.weight, eps)
+    return F.rms_norm(x, weight.shape, weight, eps)
 
 
 class Rope:

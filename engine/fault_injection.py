@@ -52,8 +52,10 @@ class InjectedFaults:
 
         count, death, delay = (number(ENV_KV_FAULT_COUNT, int), number(ENV_LOOP_DEATH_AFTER_STEPS, int),
                                number(ENV_STEP_DELAY_MS, float))
-        return cls(kv_fault=env.get(ENV_KV_FAULT, "").strip() or None, kv_fault_count=1 if count is None else count,
-                   loop_death_after_steps=death, step_delay_ms=0.0 if delay is None else delay)
+        return cls(kv_fault=env.get(ENV_KV_FAULT, "").strip() or None,
+                   kv_fault_count=1 if count is None else int(count),
+                   loop_death_after_steps=None if death is None else int(death),
+                   step_delay_ms=0.0 if delay is None else delay)
 
     def env(self) -> dict[str, str]:
         """The environment variables that inject these faults (for tests that start workers)."""

@@ -166,8 +166,9 @@ class PendingKv(abc.ABC):
         """Id of the request this intake is for."""
 
     @abc.abstractmethod
-    def wait(self, timeout: float | None = None) -> tuple[torch.Tensor, int]:
-        """Block until complete; return ``(kv_tensor, first_token_id)``.
+    def wait(self, timeout: float | None = None) -> tuple[torch.Tensor | InPlaceCopy, int]:
+        """Block until complete; return ``(kv_tensor, first_token_id)``, or, for an intake expected
+        ``in_place`` that arrived in shared memory, ``(InPlaceCopy, first_token_id)``.
 
         Raises KvTransferError if the intake failed, or if ``timeout`` seconds passed first
         (a wait timeout does not fail the intake; its own deadline does).
@@ -199,6 +200,17 @@ class LayerSource(Protocol):
     buffer: torch.Tensor
 
     def wait_layers(self, count: int) -> None: ...
+
+
+class InPlaceCopy(Protocol):
+    """K/V an ``in_place`` intake left where the sender put it (``shm_backend.InPlaceKv``): call it with
+    (the cache tensor, the block ids to fill) to copy the blocks in, or release it."""
+
+    nbytes: int
+
+    def __call__(self, kv: torch.Tensor, block_ids: list[int]) -> None: ...
+
+    def release(self) -> None: ...
 
 
 class KvSender(abc.ABC):

@@ -164,7 +164,7 @@ def export_tensor(tensor: torch.Tensor) -> IpcDescriptor:
     (device, handle, size, size_offset, ref_handle, ref_offset, event_handle,
      sync) = storage._share_cuda_()  # type: ignore[attr-defined]
     return IpcDescriptor(int(device), dtype_name(tensor.dtype), tuple(tensor.shape), tuple(tensor.stride()),
-                         tensor.storage_offset(), int(size), int(size_offset), bytes(handle), bytes(ref_handle),
+                         int(tensor.storage_offset()), int(size), int(size_offset), bytes(handle), bytes(ref_handle),
                          int(ref_offset), bytes(event_handle or b""), bool(sync))
 
 

@@ -38,12 +38,12 @@ def encode_text(tokenizer: Any, text: str, pieces: PieceCache | None = None) -> 
 Message = dict[str, Any]  # {"role", "content"} plus "tool_calls" / "tool_call_id" / "name"
 
 
-def encode_chat(tokenizer: Any, messages: Sequence[tuple[str, str] | Message],
+def encode_chat(tokenizer: Any, pairs_or_dicts: Sequence[tuple[str, str] | Message],
                 tools: list[dict[str, Any]] | None = None, pieces: PieceCache | None = None) -> list[int]:
     """Render messages ((role, content) pairs or OpenAI-style dicts) and `tools` with the
     tokenizer's own chat template, ready for a reply. `pieces` (of this tokenizer) gives the same
     ids, reusing those of the turns seen before (a follow-up turn of a chat re-sends them all)."""
-    messages = [{"role": m[0], "content": m[1]} if isinstance(m, tuple) else m for m in messages]
+    messages = [{"role": m[0], "content": m[1]} if isinstance(m, tuple) else m for m in pairs_or_dicts]
     if tools and not _template_renders_tools(tokenizer):
         messages = _hermes_messages(messages, tools)
         tools = None

@@ -44,7 +44,7 @@ import asyncio
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from dataclasses import dataclass, field
 
 import grpc
@@ -200,10 +200,10 @@ class RouterCore:
             if self._prompt_keys is None:
                 log.warning("KV-aware policy without a tokenizer (--tokenizer): only token-id prompts get "
                             "cache hints; the others are routed by load")
-            self.kv_index = KvIndex()
-            self.metrics.prom.kv_index_entries.set_function(lambda: len(self.kv_index))
+            self.kv_index = index = KvIndex()
+            self.metrics.prom.kv_index_entries.set_function(lambda: len(index))
             if not self._kv_oracle:
-                pool.attach_kv_feed(KvEventFeed(self.kv_index))
+                pool.attach_kv_feed(KvEventFeed(index))
         self.admission: AdmissionQueue[Lease] = AdmissionQueue(config.max_queued_requests, self._release)
         self._dispatched = 0  # leases held (requests at a worker)
         self._stubs: dict[str, tuple[grpc.aio.Channel, worker_pb2_grpc.DecodeWorkerStub]] = {}
@@ -217,7 +217,7 @@ class RouterCore:
 
     # ----- public --------------------------------------------------------------------------------
     async def generate(self, request: router_pb2.GenerateRequest, timeout_s: float | None = None,
-                       tenant: str | None = None) -> AsyncIterator[router_pb2.GenerateResponse]:
+                       tenant: str | None = None) -> AsyncGenerator[router_pb2.GenerateResponse, None]:
         """Serve one request; yields its responses. Raises RouterError when it fails. A `tenant` (the
         caller's token's) is folded into the request's cache salt after validation, so its prefix
         cache is shared only within that tenant."""

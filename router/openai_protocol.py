@@ -500,7 +500,7 @@ def finish_reason(response: router_pb2.GenerateResponse) -> str | None:
     return FINISH_REASONS.get(response.finish_reason, "stop")
 
 
-def usage(response: router_pb2.GenerateResponse) -> dict[str, int]:
+def usage(response: router_pb2.GenerateResponse) -> dict[str, Any]:
     prompt, completion = response.usage.prompt_tokens, response.usage.completion_tokens
     return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
             "prompt_tokens_details": {"cached_tokens": response.usage.cached_tokens}}

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Mapping
+from typing import TYPE_CHECKING
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -26,6 +27,9 @@ from pdserve.router.policies import COLOCATED, DECODE, PREFILL
 from pdserve.router.worker_pool import WorkerPool
 from pdserve.serving import AioServer, CallLimits, PeerCallLimiter, RequestParseInterceptor
 from pdserve.v1 import common_pb2, router_pb2, router_pb2_grpc
+
+if TYPE_CHECKING:  # aiohttp is imported only where the HTTP API starts
+    from pdserve.router.http_api import OpenAIHttpServer
 
 log = logging.getLogger(__name__)
 
@@ -78,11 +82,13 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
         if role is None or not request.worker_id:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
                                 "worker_id and role (prefill, decode or colocated) are required")
+            raise AssertionError("unreachable")  # context.abort raises
         timeout_s = request.drain_timeout_s if request.drain_timeout_s > 0 else DEFAULT_SWITCH_TIMEOUT_S
         try:
             return await self._core.switch_role(request.worker_id, role, timeout_s)
         except RouterError as exc:
             await context.abort(exc.code, exc.details)
+            raise AssertionError("unreachable") from exc  # context.abort raises
 
 
 class RouterServer:
@@ -98,7 +104,7 @@ class RouterServer:
         self.host = host
         self.port = port
         self.address = f"{host}:{port}"
-        self._http = None  # router.http_api.OpenAIHttpServer once started
+        self._http: OpenAIHttpServer | None = None  # once started
         self.http_port: int | None = None
 
     def start_http(self, port: int, model_name: str, auth_token: str | Mapping[str, str | None] | None,
@@ -107,9 +113,9 @@ class RouterServer:
         """Serve the OpenAI-compatible HTTP API on this router's loop; return the bound port."""
         from pdserve.router.http_api import OpenAIHttpServer  # aiohttp only when asked
 
-        self._http = OpenAIHttpServer(self.core, model_name, self.host, port, auth_token, timeout_s,
-                                      tls_cert_file, tls_key_file)
-        return self.grpc_server.loop_thread.run(self._http.start(), timeout=30)
+        self._http = http = OpenAIHttpServer(self.core, model_name, self.host, port, auth_token, timeout_s,
+                                             tls_cert_file, tls_key_file)
+        return self.grpc_server.loop_thread.run(http.start(), timeout=30)
 
     def stop(self, grace: float | None = 5.0) -> None:
         """Stop accepting calls, let open streams finish for ``grace`` seconds, close worker channels."""

@@ -63,7 +63,7 @@ def parse_tools(body: dict[str, Any], chat: common_pb2.ChatMessages,
     for i, tool in enumerate(tools):
         function = tool.get("function") if isinstance(tool, dict) and tool.get("type") == "function" else None
         name = function.get("name") if isinstance(function, dict) else None
-        if not isinstance(name, str) or not name:
+        if not isinstance(function, dict) or not isinstance(name, str) or not name:
             raise ToolError("tools", f"tools[{i}]: must be {{\"type\": \"function\", \"function\": {{\"name\": ...}}}}")
         parameters = function.get("parameters", {"type": "object", "properties": {}})
         if not isinstance(parameters, dict):
@@ -179,7 +179,7 @@ class ToolStream:
         self.held += text
         if self.mode.kind == REQUIRED:
             return "", []
-        content, calls = "", []
+        content, calls = "", list[dict[str, Any]]()
         while True:
             start = self.held.find(START)
             if start < 0:

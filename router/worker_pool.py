@@ -573,10 +573,10 @@ def slots_of(info: common_pb2.WorkerInfo | None) -> int:
 def _open(endpoint: WorkerEndpoint, channel: grpc.Channel | None = None) -> _WorkerState:
     channel = channel or open_channel(endpoint.address)
     if endpoint.role == PREFILL:
-        stub = worker_pb2_grpc.PrefillWorkerStub(channel)
-        return _WorkerState(endpoint, channel, stub.GetInfo, stub.SetKvTargets)
-    stub = worker_pb2_grpc.DecodeWorkerStub(channel)
-    return _WorkerState(endpoint, channel, stub.GetInfo, stub.SetKvTargets)
+        prefill = worker_pb2_grpc.PrefillWorkerStub(channel)
+        return _WorkerState(endpoint, channel, prefill.GetInfo, prefill.SetKvTargets)
+    decode = worker_pb2_grpc.DecodeWorkerStub(channel)
+    return _WorkerState(endpoint, channel, decode.GetInfo, decode.SetKvTargets)
 
 
 def _status_info(state: _WorkerState) -> common_pb2.WorkerInfo:

@@ -1,6 +1,6 @@
 """The import rules of shared/GUIDE.md section 2 (and issue 30's new one), checked on the source.
 
-Every first-party module (each folder pyproject's package-dir maps into the ``pdserve`` namespace) is
+Every first-party module (each folder a pdserve/ symlink puts into the ``pdserve`` package) is
 parsed with ``ast``; every import in it counts, at module level or inside a function (a lazy import
 is still an arrow), relative ones resolved. The rules:
 
@@ -33,8 +33,9 @@ except ImportError:  # Python 3.10
     import tomli as tomllib  # type: ignore[no-redef]
 
 REPO = Path(__file__).resolve().parents[1]
-PACKAGE_DIR: dict[str, str] = tomllib.loads((REPO / "pyproject.toml").read_text(encoding="utf-8"))["tool"][
-    "setuptools"]["package-dir"]
+#: package -> its folder: pdserve/'s symlinks (pdserve/engine -> ../engine), the one list of them
+PACKAGE_DIR: dict[str, str] = {"pdserve": "pdserve", **{f"pdserve.{link.name}": os.path.relpath(link.resolve(), REPO)
+                                          for link in sorted((REPO / "pdserve").iterdir()) if link.is_symlink()}}
 SUBPACKAGES = tuple(name for name in PACKAGE_DIR if name != "pdserve")  # pdserve.engine, pdserve.router, ...
 
 #: (rule, importing module, imported module prefix) -> why it is allowed.

@@ -66,7 +66,7 @@ def node_identity() -> tuple[str, str]:
     return os.environ.get(NODE_ID_ENV, ""), os.environ.get(NODE_HOST_ENV) or socket.gethostname()
 
 
-def finish_reason_to_pb(reason: str | None) -> int:
+def finish_reason_to_pb(reason: str | None) -> common_pb2.FinishReason:
     return _FINISH_TO_PB.get(reason or "", common_pb2.FINISH_REASON_UNSPECIFIED)
 
 
