@@ -14,6 +14,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
+import subprocess
 from pathlib import Path
 
 from pdserve.cluster.deploy_config import DeploymentConfig
@@ -43,7 +44,8 @@ def with_kernel_table(config: DeploymentConfig, threads: int, env: dict[str, str
         return config  # the worker reports the missing model itself
     try:
         table = deployment_table(model_dir, dtype, threads, env=env)
-    except (OSError, RuntimeError, ValueError) as exc:
+    except (OSError, RuntimeError, ValueError, KeyError, TypeError, subprocess.TimeoutExpired) as exc:
+        # KeyError/TypeError: a config.json without the Llama-family fields (that model runs transformers' modules)
         log.warning("no deployment kernel table (%s): each worker times its own", exc)
         return config
     return dataclasses.replace(config, model=dataclasses.replace(config.model, kernel_table=table.to_json()))

@@ -104,3 +104,5 @@ def test_no_table_where_none_applies(tmp_path: Path) -> None:
     cuda = local_deployment(model=str(tmp_path), device="cuda")
     assert with_kernel_table(cuda, 1) is cuda  # the GPU runs one kernel (torch's)
     assert with_kernel_table(local_deployment(model=str(tmp_path)), 1).model.kernel_table is None  # no config.json
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "gpt2", "n_embd": 64}))  # not Llama-shaped
+    assert with_kernel_table(local_deployment(model=str(tmp_path)), 1).model.kernel_table is None
