@@ -1,5 +1,5 @@
-"""The decode worker's gRPC adapter: DecodeWorker.Generate/GenerateMux/GetInfo/Abort and the source
-side of live migration. It reads protos into typed calls (decode_worker/codec.py), calls the core
+"""The decode worker's gRPC adapter: DecodeWorker.Generate/GenerateMux/GetInfo/Abort, Tokenize and
+Detokenize (decode_worker/token_service.py), and the source side of live migration. It reads protos into typed calls (decode_worker/codec.py), calls the core
 (`DecodeWorker`, the decode-side KV contract `KvIntake`, `MigrationSource`) and maps their typed
 outcomes to statuses in one place (`_abort`): pdserve/failures.py's failures with their label in the
 trailing metadata, decode_worker/outcomes.py's others by `STATUSES`.
@@ -31,11 +31,19 @@ from pdserve.decode_worker.codec import (
 from pdserve.decode_worker.kv_intake import IntakeSettings, KvIntake
 from pdserve.decode_worker.migration_source import MigrationSource
 from pdserve.decode_worker.mux import serve_mux
-from pdserve.decode_worker.outcomes import DeadlinePassed, NotFound, NotPermitted, WrongState, await_loop
+from pdserve.decode_worker.outcomes import (
+    DeadlinePassed,
+    NotFound,
+    NotPermitted,
+    WrongState,
+    await_loop,
+    internal_fault,
+)
 from pdserve.decode_worker.peers import GrpcPeers
 from pdserve.decode_worker.request_stream import RequestStream
+from pdserve.decode_worker.token_service import answer_detokenize, answer_tokenize
 from pdserve.decode_worker.worker import DecodeWorker, Suspended
-from pdserve.failures import DECODE, Failure, WorkerUnavailable
+from pdserve.failures import DECODE, Failure, RequestInvalid, WorkerUnavailable
 from pdserve.kv_transfer import KvReceiver
 from pdserve.transport import is_router_call
 from pdserve.v1 import common_pb2, router_pb2, worker_pb2, worker_pb2_grpc
@@ -165,6 +173,25 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
         self.worker.abort(request.request_id)
         self.worker.release_suspended(request.request_id)  # a migration given up
         return worker_pb2.AbortResponse(found=found)
+
+    # ----- the tokenizer, for the HTTP API's /tokenize and /detokenize (decode_worker/token_service.py)
+    async def Tokenize(self, request: worker_pb2.TokenizeRequest,  # noqa: N802
+                       context: grpc.aio.ServicerContext) -> worker_pb2.TokenizeResponse:
+        try:
+            return await answer_tokenize(self.worker.loaded, request)
+        except RequestInvalid as exc:
+            await _abort(context, exc)
+        except Exception as exc:  # noqa: BLE001 - not the request's fault: our bug, said as such
+            await _abort(context, internal_fault(self.worker_id, "", "tokenizing", exc))
+
+    async def Detokenize(self, request: worker_pb2.DetokenizeRequest,  # noqa: N802
+                         context: grpc.aio.ServicerContext) -> worker_pb2.DetokenizeResponse:
+        try:
+            return await answer_detokenize(self.worker.loaded, request)
+        except RequestInvalid as exc:
+            await _abort(context, exc)
+        except Exception as exc:  # noqa: BLE001 - not the request's fault: our bug, said as such
+            await _abort(context, internal_fault(self.worker_id, "", "detokenizing", exc))
 
     # ----- live migration, source side (decode_worker/migration_source.py) -------------------------
     def SetKvTargets(self, request: worker_pb2.KvTargets,  # noqa: N802

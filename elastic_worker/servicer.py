@@ -90,6 +90,23 @@ class ElasticDecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
                          context: grpc.aio.ServicerContext) -> worker_pb2.MigrateOutResponse:
         return await (await self._decode_servicer(context)).MigrateOut(request, context)
 
+    # the tokenizer: the router asks serving (decode, colocated) workers only
+    async def Tokenize(self, request: worker_pb2.TokenizeRequest,  # noqa: N802
+                       context: grpc.aio.ServicerContext) -> worker_pb2.TokenizeResponse:
+        return await (await self._serving_servicer(context)).Tokenize(request, context)
+
+    async def Detokenize(self, request: worker_pb2.DetokenizeRequest,  # noqa: N802
+                         context: grpc.aio.ServicerContext) -> worker_pb2.DetokenizeResponse:
+        return await (await self._serving_servicer(context)).Detokenize(request, context)
+
+    async def _serving_servicer(self, context: grpc.aio.ServicerContext) -> Any:  # noqa: ANN401
+        """The decode core's servicer; UNAVAILABLE while this worker is a prefill worker."""
+        core = self._worker.core
+        if core.role == PREFILL:
+            await context.abort(grpc.StatusCode.UNAVAILABLE,
+                                f"worker {self._worker.settings.worker_id} is a prefill worker now")
+        return core.servicer
+
 
 class ElasticPrefillServicer(worker_pb2_grpc.PrefillWorkerServicer):
     def __init__(self, worker: ElasticWorker) -> None:

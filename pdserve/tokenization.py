@@ -39,9 +39,11 @@ Message = dict[str, Any]  # {"role", "content"} plus "tool_calls" / "tool_call_i
 
 
 def encode_chat(tokenizer: Any, pairs_or_dicts: Sequence[tuple[str, str] | Message],
-                tools: list[dict[str, Any]] | None = None, pieces: PieceCache | None = None) -> list[int]:
+                tools: list[dict[str, Any]] | None = None, pieces: PieceCache | None = None,
+                add_generation_prompt: bool = True) -> list[int]:
     """Render messages ((role, content) pairs or OpenAI-style dicts) and `tools` with the
-    tokenizer's own chat template, ready for a reply. `pieces` (of this tokenizer) gives the same
+    tokenizer's own chat template, ready for a reply (without the assistant's opening when
+    `add_generation_prompt` is false: /tokenize's option). `pieces` (of this tokenizer) gives the same
     ids, reusing those of the turns seen before (a follow-up turn of a chat re-sends them all)."""
     messages = [{"role": m[0], "content": m[1]} if isinstance(m, tuple) else m for m in pairs_or_dicts]
     if tools and not _template_renders_tools(tokenizer):
@@ -59,7 +61,8 @@ def encode_chat(tokenizer: Any, pairs_or_dicts: Sequence[tuple[str, str] | Messa
     specials = special_token_strings(tokenizer)
     extra = {"tools": tools} if tools else {}
     if not any(s in m["content"] for m in messages for s in specials):
-        rendered = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True, **extra)
+        rendered = tokenizer.apply_chat_template(messages, tokenize=False,
+                                                 add_generation_prompt=add_generation_prompt, **extra)
         if pieces is not None:
             return pieces.encode(rendered, add_special_tokens=False)
         return list(tokenizer(rendered, add_special_tokens=False).input_ids)
@@ -68,7 +71,7 @@ def encode_chat(tokenizer: Any, pairs_or_dicts: Sequence[tuple[str, str] | Messa
     # is tokenized with special tokens split into ordinary pieces, so no message can forge a turn.
     rendered = tokenizer.apply_chat_template(
         [{**m, "content": _PLACEHOLDER.format(i)} for i, m in enumerate(messages)], tokenize=False,
-        add_generation_prompt=True, **extra,
+        add_generation_prompt=add_generation_prompt, **extra,
     )
     ids: list[int] = []
     for piece in _PLACEHOLDERS.split(rendered):

@@ -817,6 +817,16 @@ class RouterCore:
             self.metrics.migrated()
         return False
 
+    def worker_stub(self, address: str) -> worker_pb2_grpc.DecodeWorkerStub:
+        """The cached DecodeWorker stub of a worker, for calls beside Generate (the HTTP API's
+        /tokenize); each call needs `internal_metadata`."""
+        return self._stub(address)
+
+    @property
+    def internal_metadata(self) -> tuple[tuple[str, str], ...]:
+        """The internal plane's credential, sent with every call to a worker."""
+        return self._metadata
+
     def _stub(self, address: str) -> worker_pb2_grpc.DecodeWorkerStub:
         self._channel(address)
         return self._stubs[address][1]

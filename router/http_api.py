@@ -1,16 +1,21 @@
 """The router's OpenAI-compatible HTTP front end (aiohttp, on the router's own event loop).
 
 Endpoints: ``POST /v1/completions``, ``POST /v1/chat/completions`` (both with ``stream``: server-sent
-events ``data: {chunk}`` then ``data: [DONE]``), ``GET /v1/models``, ``GET /health``.
+events ``data: {chunk}`` then ``data: [DONE]``), ``POST /v1/responses`` (router/responses_api.py; with
+``stream``: named events ``event: <type>`` / ``data: {event}``), ``GET`` and ``DELETE
+/v1/responses/{id}`` (stored responses, router/response_store.py), ``GET /v1/models``, vLLM's ``POST
+/tokenize`` and ``POST /detokenize`` (router/tokenize_api.py: a serving worker's tokenizer), ``GET /health``.
 
 Invariants:
 - Every generation calls the router's own `RouterCore.generate` directly (no loopback gRPC hop), so
   validation, admission queueing, worker selection, relaying, metrics and failover are the gRPC path's.
 - One client request id per request: the ``X-Request-Id`` header when given, else a new one; it is
   the ``request_id`` label (logged beside the router's internal id), the suffix of the answer's ``id``
-  and the ``X-Request-Id`` response header.
-- With a token configured every ``/v1/*`` endpoint needs ``Authorization: Bearer <token>`` (401
-  otherwise); ``/health`` stays open. With a certificate configured the API is served over HTTPS.
+  (not of a Responses id: those key the response store, so they are random) and the ``X-Request-Id``
+  response header.
+- With a token configured every endpoint but ``/health`` needs ``Authorization: Bearer <token>`` (401
+  otherwise). A stored response belongs to its caller's tenant. With a certificate configured the API
+  is served over HTTPS.
 - When the HTTP client goes away (or the handler ends for any reason) the generation is closed, so the
   workers free the request's KV blocks.
 - A refusal by the admission queue is 429 with a ``Retry-After`` header.
@@ -39,13 +44,15 @@ import ssl
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
-from typing import Any
+from contextlib import aclosing
+from functools import partial
+from typing import Any, NamedTuple
 
 from aiohttp import web
 
 from pdserve.constants import REQUEST_TIMEOUT_S
 from pdserve.limits import RECEIVE_LIMIT_BYTES, fd_share
-from pdserve.router import tools
+from pdserve.router import responses_api, tools
 from pdserve.router.auth import BearerToken
 from pdserve.router.core import RouterCore, RouterError
 from pdserve.router.openai_protocol import (
@@ -64,8 +71,19 @@ from pdserve.router.openai_protocol import (
     usage,
     usage_chunk,
 )
+from pdserve.router.response_store import ResponseStore
+from pdserve.router.responses_api import RESPONSE, ResponsesRequest, parse_responses
+from pdserve.router.tokenize_api import (
+    DETOKENIZE,
+    TOKENIZE,
+    TokenizerRelay,
+    detokenize_answer,
+    parse_detokenize,
+    parse_tokenize,
+    tokenize_answer,
+)
 from pdserve.router.validation import MAX_REQUEST_ID_CHARS, is_printable_ascii
-from pdserve.v1 import common_pb2, router_pb2
+from pdserve.v1 import common_pb2, router_pb2, worker_pb2
 
 log = logging.getLogger(__name__)
 
@@ -149,23 +167,41 @@ def _router_error(exc: RouterError, request_id: str | None = None) -> web.Respon
     return _error_response(error_from_grpc(exc.code, exc.details), request_id, exc.retry_after_s)
 
 
+class _Body(NamedTuple):
+    """How one endpoint's body is read: `parse` (JSON value, model name, request id) -> the parsed
+    request (OpenAIError names a bad field); `pack` / `unpack` carry it as bytes and small values."""
+
+    parse: Callable[[object, str, str], Any]
+    pack: Callable[[Any], Any]
+    unpack: Callable[[Any], Any]
+
+
+BODIES: dict[str, _Body] = {
+    COMPLETION: _Body(partial(parse_request, COMPLETION), ParsedRequest.pack,
+                      partial(ParsedRequest.unpack, COMPLETION)),
+    CHAT: _Body(partial(parse_request, CHAT), ParsedRequest.pack, partial(ParsedRequest.unpack, CHAT)),
+    RESPONSE: _Body(parse_responses, ResponsesRequest.pack, ResponsesRequest.unpack),
+    TOKENIZE: _Body(parse_tokenize, lambda m: m.SerializeToString(), worker_pb2.TokenizeRequest.FromString),
+    DETOKENIZE: _Body(parse_detokenize, lambda m: m.SerializeToString(), worker_pb2.DetokenizeRequest.FromString),
+}
+
+
 def parse_body(kind: str, raw: bytes, model_name: str, request_id: str) -> tuple[Any, ...]:
-    """`parse_request` of a raw body, in the parser process: ("ok", serialized GenerateRequest,
-    answer options) or ("error", status, message, param). Only bytes and small values cross back."""
+    """The parse of a raw body of endpoint `kind` (`BODIES`), in the parser process: ("ok", packed
+    request) or ("error", status, message, param). Only bytes and small values cross back."""
+    body = BODIES[kind]
     try:
-        parsed = parse_request(kind, _load_json(raw), model_name, request_id)
+        parsed = body.parse(_load_json(raw), model_name, request_id)
     except OpenAIError as exc:
         return ("error", exc.status, exc.message, exc.param)
-    options = {"stream": parsed.stream, "include_usage": parsed.include_usage, "logprobs": parsed.logprobs,
-               "echo": parsed.echo, "drop_output": parsed.drop_output, "tools": parsed.tools}
-    return ("ok", parsed.grpc_request.SerializeToString(), options)
+    return ("ok", body.pack(parsed))
 
 
 _parser: concurrent.futures.ProcessPoolExecutor | None = None
 
 
-async def _parse_elsewhere(kind: str, raw: bytes, model_name: str, request_id: str) -> ParsedRequest:
-    """`parse_request` of a large body in a parser process (started on first use, one for the router)."""
+async def _parse_elsewhere(kind: str, raw: bytes, model_name: str, request_id: str) -> Any:  # noqa: ANN401
+    """`parse_body` of a large body in a parser process (started on first use, one for the router)."""
     global _parser
     if _parser is None:
         _parser = concurrent.futures.ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn"))
@@ -177,9 +213,28 @@ async def _parse_elsewhere(kind: str, raw: bytes, model_name: str, request_id: s
         raise OpenAIError(503, "the request parser process stopped; try again") from None
     if answer[0] == "error":
         raise OpenAIError(answer[1], answer[2], param=answer[3])
-    request = router_pb2.GenerateRequest()
-    request.ParseFromString(answer[1])
-    return ParsedRequest(kind=kind, grpc_request=request, **answer[2])
+    return BODIES[kind].unpack(answer[1])
+
+
+def _request_id(request: web.Request) -> str:
+    """The client's X-Request-Id (or a new one); OpenAIError 400 when it is not printable ASCII."""
+    request_id = request.headers.get("X-Request-Id") or uuid.uuid4().hex
+    if len(request_id) > MAX_REQUEST_ID_CHARS or not is_printable_ascii(request_id):
+        raise OpenAIError(400, f"X-Request-Id: must be printable ASCII of at most {MAX_REQUEST_ID_CHARS} characters")
+    return request_id
+
+
+async def _read_body(request: web.Request, kind: str, model_name: str, request_id: str) -> Any:  # noqa: ANN401
+    """The request's body, parsed as endpoint `kind`'s (`BODIES`); OpenAIError for a bad one."""
+    try:
+        raw = await asyncio.wait_for(request.read(), BODY_TIMEOUT_S)
+    except (asyncio.TimeoutError, TimeoutError):
+        raise OpenAIError(408, f"the request body did not arrive within {BODY_TIMEOUT_S:.0f} s") from None
+    if len(raw) <= INLINE_PARSE_BYTES:
+        return BODIES[kind].parse(_load_json(raw), model_name, request_id)
+    # JSON and its checks (a million token ids or keys) in another process: json.loads holds the GIL
+    # throughout, so a thread would still freeze the loop that relays every stream
+    return await _parse_elsewhere(kind, raw, model_name, request_id)
 
 
 class OpenAIHttpServer:
@@ -200,6 +255,8 @@ class OpenAIHttpServer:
         self._runner: web.AppRunner | None = None
         self.max_connections = max_connections or default_max_connections()
         self.site: _CappedSite | None = None
+        self.responses = ResponseStore()
+        self._tokenizer = TokenizerRelay(core.pool, core.worker_stub, core.internal_metadata)
 
     # ----- lifecycle ----------------------------------------------------------------------------
     async def start(self) -> int:
@@ -208,7 +265,12 @@ class OpenAIHttpServer:
         app.add_routes([
             web.post("/v1/completions", self._completions),
             web.post("/v1/chat/completions", self._chat_completions),
+            web.post("/v1/responses", self._create_response),
+            web.get("/v1/responses/{response_id}", self._get_response),
+            web.delete("/v1/responses/{response_id}", self._delete_response),
             web.get("/v1/models", self._models),
+            web.post("/tokenize", self._tokenize),
+            web.post("/detokenize", self._detokenize),
             web.get("/health", self._health),
         ])
         self._runner = web.AppRunner(app, handler_cancellation=True, access_log=None, keepalive_timeout=KEEPALIVE_S)
@@ -237,7 +299,7 @@ class OpenAIHttpServer:
     # ----- endpoints ------------------------------------------------------------------------------
     @web.middleware
     async def _auth(self, request: web.Request, handler: Handler) -> web.StreamResponse:
-        if self._token is None or not request.path.startswith("/v1/"):
+        if self._token is None or request.path == "/health":
             return await handler(request)
         tenant = self._token.tenant_of(request.headers.get("Authorization"))
         if tenant is not None:
@@ -263,20 +325,12 @@ class OpenAIHttpServer:
         return await self._generate(request, CHAT)
 
     async def _generate(self, request: web.Request, kind: str) -> web.StreamResponse:
-        request_id = request.headers.get("X-Request-Id") or uuid.uuid4().hex
-        if len(request_id) > MAX_REQUEST_ID_CHARS or not is_printable_ascii(request_id):
-            return _error_response(OpenAIError(400, f"X-Request-Id: must be printable ASCII of at most "
-                                                    f"{MAX_REQUEST_ID_CHARS} characters"))
         try:
-            try:
-                raw = await asyncio.wait_for(request.read(), BODY_TIMEOUT_S)
-            except (asyncio.TimeoutError, TimeoutError):
-                raise OpenAIError(408, f"the request body did not arrive within {BODY_TIMEOUT_S:.0f} s") from None
-            if len(raw) <= INLINE_PARSE_BYTES:
-                parsed = parse_request(kind, _load_json(raw), self.model_name, request_id)
-            else:  # JSON and its checks (a million token ids or keys) in another process: json.loads holds
-                # the GIL throughout, so a thread would still freeze the loop that relays every stream
-                parsed = await _parse_elsewhere(kind, raw, self.model_name, request_id)
+            request_id = _request_id(request)
+        except OpenAIError as exc:
+            return _error_response(exc)
+        try:
+            parsed: ParsedRequest = await _read_body(request, kind, self.model_name, request_id)
         except OpenAIError as exc:
             return _error_response(exc, request_id)
         responses = self._core.generate(parsed.grpc_request, self.timeout_s, request.get(TENANT_KEY) or None)
@@ -290,6 +344,107 @@ class OpenAIHttpServer:
             return _error_response(exc, request_id)
         finally:
             await responses.aclose()  # frees the workers when the client left early
+
+    # ----- the Responses API (router/responses_api.py) --------------------------------------------
+    async def _create_response(self, request: web.Request) -> web.StreamResponse:
+        try:
+            request_id = _request_id(request)
+        except OpenAIError as exc:
+            return _error_response(exc)
+        tenant = request.get(TENANT_KEY) or ""
+        try:
+            parsed: ResponsesRequest = await _read_body(request, RESPONSE, self.model_name, request_id)
+            previous = self._previous_conversation(parsed, tenant)
+        except OpenAIError as exc:
+            return _error_response(exc, request_id)
+        turn = responses_api.continue_conversation(parsed, previous)
+        responses = self._core.generate(parsed.chat.grpc_request, self.timeout_s, tenant or None)
+        try:
+            if parsed.chat.stream:
+                return await self._stream_response(request, parsed, responses, previous + turn, tenant)
+            text, reason, usage_ = await responses_api.collect(responses)
+            answer = responses_api.answer(parsed, self.model_name, text, reason, usage_)
+            body = json.dumps(answer, ensure_ascii=False)
+            self._keep(parsed, tenant, answer, len(body), previous + turn)
+            return web.Response(text=body, content_type="application/json", headers={"X-Request-Id": request_id})
+        except RouterError as exc:
+            return _error_response(responses_api.renamed(error_from_grpc(exc.code, exc.details)), request_id,
+                                   exc.retry_after_s)
+        except OpenAIError as exc:
+            return _error_response(exc, request_id)
+        finally:
+            await responses.aclose()  # frees the workers when the client left early
+
+    def _previous_conversation(self, parsed: ResponsesRequest,
+                               tenant: str) -> tuple[common_pb2.ChatMessage, ...]:
+        previous_id = parsed.options.previous_response_id
+        if previous_id is None:
+            return ()
+        stored = self.responses.get(previous_id, tenant)
+        if stored is None:
+            raise OpenAIError(400, f"previous_response_id: no stored response {previous_id!r} (responses are kept "
+                                   f"in the router's memory, the last {self.responses.max_responses} at most, and "
+                                   "only with store=true)", param="previous_response_id",
+                              code="previous_response_not_found")
+        return stored.conversation
+
+    def _keep(self, parsed: ResponsesRequest, tenant: str, answer: dict[str, Any], answer_bytes: int,
+              conversation: tuple[common_pb2.ChatMessage, ...]) -> None:
+        """Store a finished response (with `store`), its conversation continued by its output."""
+        if parsed.options.store:
+            turn = responses_api.output_turn(answer["output"])
+            self.responses.put(answer["id"], tenant, answer, answer_bytes, (*conversation, turn))
+
+    async def _stream_response(self, request: web.Request, parsed: ResponsesRequest,
+                               responses: AsyncIterator[router_pb2.GenerateResponse],
+                               conversation: tuple[common_pb2.ChatMessage, ...], tenant: str) -> web.StreamResponse:
+        first = await anext(responses, None)  # errors before the first token still get a plain error answer
+        out = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
+                                          "X-Request-Id": parsed.chat.grpc_request.request_id})
+        await out.prepare(request)
+        stream = responses_api.ResponseStream(parsed, self.model_name)
+        async with aclosing(stream.events(first, responses)) as events:
+            async for event in events:
+                data = json.dumps(event, ensure_ascii=False)
+                await out.write(f"event: {event['type']}\ndata: {data}\n\n".encode())
+        if stream.answer is not None:
+            self._keep(parsed, tenant, stream.answer, len(json.dumps(stream.answer, ensure_ascii=False)),
+                       conversation)
+        await out.write_eof()
+        return out
+
+    async def _get_response(self, request: web.Request) -> web.Response:
+        stored = self.responses.get(request.match_info["response_id"], request.get(TENANT_KEY) or "")
+        if stored is None:
+            return _error_response(_no_stored_response(request.match_info["response_id"]))
+        return web.json_response(stored.answer)
+
+    async def _delete_response(self, request: web.Request) -> web.Response:
+        response_id = request.match_info["response_id"]
+        if not self.responses.delete(response_id, request.get(TENANT_KEY) or ""):
+            return _error_response(_no_stored_response(response_id))
+        return web.json_response({"id": response_id, "object": "response.deleted", "deleted": True})
+
+    # ----- vLLM's tokenizer endpoints (router/tokenize_api.py) --------------------------------------
+    async def _tokenize(self, request: web.Request) -> web.Response:
+        return await self._tokenizer_call(request, TOKENIZE, self._tokenizer.tokenize, tokenize_answer)
+
+    async def _detokenize(self, request: web.Request) -> web.Response:
+        return await self._tokenizer_call(request, DETOKENIZE, self._tokenizer.detokenize, detokenize_answer)
+
+    async def _tokenizer_call(self, request: web.Request, kind: str, call: Callable[[Any], Awaitable[Any]],
+                              shape: Callable[[Any], dict[str, Any]]) -> web.Response:
+        try:
+            request_id = _request_id(request)
+        except OpenAIError as exc:
+            return _error_response(exc)
+        try:
+            answer = await call(await _read_body(request, kind, self.model_name, request_id))
+        except OpenAIError as exc:
+            return _error_response(exc, request_id)
+        except RouterError as exc:
+            return _router_error(exc, request_id)
+        return web.json_response(shape(answer), headers={"X-Request-Id": request_id})
 
     # ----- relaying -------------------------------------------------------------------------------
     async def _collect(self, parsed: ParsedRequest,
@@ -390,6 +545,10 @@ class OpenAIHttpServer:
             await send.data(exc.body())
         await send.done()
         return out
+
+
+def _no_stored_response(response_id: str) -> OpenAIError:
+    return OpenAIError(404, f"no stored response {response_id!r}", param="response_id", code="response_not_found")
 
 
 class _EventWriter:

@@ -129,18 +129,30 @@ class ParsedRequest:
     def n(self) -> int:
         return max(1, self.grpc_request.params.n)
 
+    def pack(self) -> tuple[bytes, dict[str, Any]]:
+        """Bytes and small values (what crosses back from the parser process); `unpack` reverses it."""
+        options = {"stream": self.stream, "include_usage": self.include_usage, "logprobs": self.logprobs,
+                   "echo": self.echo, "drop_output": self.drop_output, "tools": self.tools}
+        return self.grpc_request.SerializeToString(), options
+
+    @classmethod
+    def unpack(cls, kind: str, packed: tuple[bytes, dict[str, Any]]) -> ParsedRequest:
+        request = router_pb2.GenerateRequest()
+        request.ParseFromString(packed[0])
+        return cls(kind=kind, grpc_request=request, **packed[1])
+
 
 def parse_request(kind: str, body: object, model_name: str, request_id: str) -> ParsedRequest:
     """Validate an OpenAI request body; OpenAIError(400/404) names the first bad field."""
     if not isinstance(body, dict):
         raise OpenAIError(400, "request body must be a JSON object")
-    _check_model(body.get("model"), model_name)
+    check_model(body.get("model"), model_name)
     _check_supported(body)
     request = router_pb2.GenerateRequest(request_id=request_id, params=_sampling_params(body))
     _scheduling(body, request)
     tools = None
     if kind == CHAT:
-        request.messages.CopyFrom(_messages(body.get("messages")))
+        request.messages.CopyFrom(chat_messages(body.get("messages")))
         try:
             tools = parse_tools(body, request.messages, request.params)
         except ToolError as exc:
@@ -209,7 +221,8 @@ def _logprob_options(kind: str, body: dict[str, Any], params: common_pb2.Samplin
     return num is not None, echo, drop_output
 
 
-def _check_model(model: object, model_name: str) -> None:
+def check_model(model: object, model_name: str) -> None:
+    """400 without a model name, 404 for a model this server does not serve."""
     if not isinstance(model, str) or not model:
         raise OpenAIError(400, "model: a model name is required", param="model")
     if model != model_name:
@@ -445,7 +458,8 @@ def _set_prompt(request: router_pb2.GenerateRequest, prompt: object) -> None:
         raise OpenAIError(400, "prompt: must be a string or a list of token ids", param="prompt")
 
 
-def _messages(messages: object) -> common_pb2.ChatMessages:
+def chat_messages(messages: object) -> common_pb2.ChatMessages:
+    """A chat completions' ``messages`` list as ChatMessages (developer turns become system turns)."""
     if not isinstance(messages, list) or not messages:
         raise OpenAIError(400, "messages: must be a non-empty list", param="messages")
     chat = common_pb2.ChatMessages()

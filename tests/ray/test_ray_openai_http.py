@@ -1,16 +1,19 @@
 """`pdserve serve --ray --http-port 0` (the real CLI, one process) serves the OpenAI-compatible API:
-the official `openai` client lists the model and completes a prompt through the Ray router actor.
+the official `openai` client lists the model, completes a prompt, chats and uses the Responses API
+(a continued conversation too), and /tokenize counts a chat, through the Ray router actor.
 Settings that `serve --ray` used to drop (model name, log format, local prefill threshold, prefix
 affinity, layer streaming) are given too and the deployment starts with them."""
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import signal
 import subprocess
 import sys
 import time
+import urllib.request
 from pathlib import Path
 
 import pytest
@@ -49,8 +52,20 @@ def test_serve_ray_http_port_serves_the_openai_api(tmp_path: Path) -> None:
                                                temperature=0)
         assert completion.choices[0].text and completion.usage.completion_tokens == 4
         chat = client.chat.completions.create(model="smol", messages=[{"role": "user", "content": "Hi"}],
-                                              max_tokens=3)
+                                              max_tokens=3, temperature=0)
         assert chat.choices[0].message.content is not None
+        # the Responses API and the tokenizer endpoints: the same HTTP code in the router actor
+        answer = client.responses.create(model="smol", input="Hi", max_output_tokens=3, temperature=0)
+        assert answer.output_text == chat.choices[0].message.content
+        assert answer.usage.input_tokens == chat.usage.prompt_tokens
+        follow_up = client.responses.create(model="smol", previous_response_id=answer.id, input="And?",
+                                            max_output_tokens=2)
+        assert follow_up.usage.input_tokens > answer.usage.input_tokens + answer.usage.output_tokens
+        tokenize = urllib.request.Request(match.group(1).removesuffix("/v1") + "/tokenize", data=json.dumps(
+            {"model": "smol", "messages": [{"role": "user", "content": "Hi"}]}).encode(),
+            headers={"Content-Type": "application/json"})
+        with urllib.request.urlopen(tokenize, timeout=60) as tokenized:
+            assert json.loads(tokenized.read())["count"] == chat.usage.prompt_tokens
     finally:
         if serve.poll() is None:
             serve.send_signal(signal.SIGTERM)

@@ -72,6 +72,16 @@ class DecodeWorkerStub:
                 request_serializer=pdserve_dot_v1_dot_worker__pb2.KvTargets.SerializeToString,
                 response_deserializer=pdserve_dot_v1_dot_worker__pb2.KvTargetsAck.FromString,
                 _registered_method=True)
+        self.Tokenize = channel.unary_unary(
+                '/pdserve.v1.DecodeWorker/Tokenize',
+                request_serializer=pdserve_dot_v1_dot_worker__pb2.TokenizeRequest.SerializeToString,
+                response_deserializer=pdserve_dot_v1_dot_worker__pb2.TokenizeResponse.FromString,
+                _registered_method=True)
+        self.Detokenize = channel.unary_unary(
+                '/pdserve.v1.DecodeWorker/Detokenize',
+                request_serializer=pdserve_dot_v1_dot_worker__pb2.DetokenizeRequest.SerializeToString,
+                response_deserializer=pdserve_dot_v1_dot_worker__pb2.DetokenizeResponse.FromString,
+                _registered_method=True)
 
 
 class DecodeWorkerServicer:
@@ -141,6 +151,22 @@ class DecodeWorkerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Tokenize(self, request, context):
+        """The model's token ids of a prompt or chat, tokenized as Generate would (the HTTP API's
+        /tokenize). INVALID_ARGUMENT for input Generate would refuse; nothing is scheduled.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Detokenize(self, request, context):
+        """The text of token ids (the HTTP API's /detokenize). INVALID_ARGUMENT for an id outside the
+        vocabulary.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_DecodeWorkerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -178,6 +204,16 @@ def add_DecodeWorkerServicer_to_server(servicer, server):
                     servicer.SetKvTargets,
                     request_deserializer=pdserve_dot_v1_dot_worker__pb2.KvTargets.FromString,
                     response_serializer=pdserve_dot_v1_dot_worker__pb2.KvTargetsAck.SerializeToString,
+            ),
+            'Tokenize': grpc.unary_unary_rpc_method_handler(
+                    servicer.Tokenize,
+                    request_deserializer=pdserve_dot_v1_dot_worker__pb2.TokenizeRequest.FromString,
+                    response_serializer=pdserve_dot_v1_dot_worker__pb2.TokenizeResponse.SerializeToString,
+            ),
+            'Detokenize': grpc.unary_unary_rpc_method_handler(
+                    servicer.Detokenize,
+                    request_deserializer=pdserve_dot_v1_dot_worker__pb2.DetokenizeRequest.FromString,
+                    response_serializer=pdserve_dot_v1_dot_worker__pb2.DetokenizeResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -370,6 +406,60 @@ class DecodeWorker:
             '/pdserve.v1.DecodeWorker/SetKvTargets',
             pdserve_dot_v1_dot_worker__pb2.KvTargets.SerializeToString,
             pdserve_dot_v1_dot_worker__pb2.KvTargetsAck.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Tokenize(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pdserve.v1.DecodeWorker/Tokenize',
+            pdserve_dot_v1_dot_worker__pb2.TokenizeRequest.SerializeToString,
+            pdserve_dot_v1_dot_worker__pb2.TokenizeResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Detokenize(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pdserve.v1.DecodeWorker/Detokenize',
+            pdserve_dot_v1_dot_worker__pb2.DetokenizeRequest.SerializeToString,
+            pdserve_dot_v1_dot_worker__pb2.DetokenizeResponse.FromString,
             options,
             channel_credentials,
             insecure,
