@@ -34,7 +34,7 @@ from __future__ import annotations
 import json
 import time
 import uuid
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -418,7 +418,7 @@ class ResponseStream:
         self.answer: dict[str, Any] | None = None
 
     async def events(self, first: router_pb2.GenerateResponse | None,
-                     responses: AsyncIterator[router_pb2.GenerateResponse]) -> AsyncIterator[dict[str, Any]]:
+                     responses: AsyncIterator[router_pb2.GenerateResponse]) -> AsyncGenerator[dict[str, Any], None]:
         """Every event, from the generation's first response (already read) and the rest."""
         yield self._lifecycle("response.created", "in_progress")
         yield self._lifecycle("response.in_progress", "in_progress")
@@ -426,7 +426,7 @@ class ResponseStream:
             response = first
             while response is not None:
                 reason = finish_reason(response)
-                text, calls = response.text, []
+                text, calls = response.text, list[dict[str, Any]]()
                 if self._parser is not None:
                     text, calls = self._parser.feed(response.text)
                     if reason is not None:
