@@ -14,6 +14,9 @@ Invariants:
 - KV targets: every poll also registers the kv_address of each decode worker with every prefill
   worker (`PrefillWorker.SetKvTargets`); a prefill worker pushes KV only to registered targets, and
   the pool pairs a decode worker only with prefill workers that acknowledged its kv_address.
+- Nothing from before a role switch lands after it: a poll answer is recorded only on the worker
+  state it was sent for (a switch replaces the state and polls it itself), and registrations run one
+  at a time, so the last one sent is computed from the roles as they are after the switch.
 """
 
 from __future__ import annotations
@@ -154,6 +157,9 @@ class WorkerPool:
         self._poll_interval_s = poll_interval_s
         self._info_timeout_s = info_timeout_s
         self._lock = threading.Lock()
+        # register_kv_targets one at a time: a registration computed before a role switch must not
+        # reach the workers (or be recorded) after the one the switch sends
+        self._register_lock = threading.Lock()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._workers = {e.address: _open(e) for e in endpoints}
@@ -209,8 +215,8 @@ class WorkerPool:
         log.info("worker %s (%s) added", endpoint.address, endpoint.role)
         if self._kv_feed is not None:
             self._kv_feed.watch(endpoint.address, state.channel)
-        self._record_poll(endpoint.address, state.info_call.future(worker_pb2.InfoRequest(),
-                                                                    timeout=self._info_timeout_s))
+        self._record_poll(endpoint.address, state, state.info_call.future(worker_pb2.InfoRequest(),
+                                                                           timeout=self._info_timeout_s))
         self.register_kv_targets()  # a new decode worker is paired only once prefill workers know it
 
     def remove(self, address: str) -> bool:
@@ -235,17 +241,22 @@ class WorkerPool:
         with self._lock:
             states = list(self._workers.items())  # the set may change at runtime (add/remove)
         futures = {
-            address: state.info_call.future(worker_pb2.InfoRequest(), timeout=self._info_timeout_s)
+            address: (state, state.info_call.future(worker_pb2.InfoRequest(), timeout=self._info_timeout_s))
             for address, state in states
         }
-        for address, future in futures.items():
-            self._record_poll(address, future)
+        for address, (state, future) in futures.items():
+            self._record_poll(address, state, future)
         self.register_kv_targets()
         self._changed()
 
     def register_kv_targets(self) -> None:
         """Tell every prefill worker the kv_address of every decode worker (concurrently); remember
-        what each acknowledged. A failed call keeps the last acknowledged set."""
+        what each acknowledged. A failed call keeps the last acknowledged set. One registration at a
+        time (a poll's and a role switch's do not interleave)."""
+        with self._register_lock:
+            self._register_kv_targets_serialized()
+
+    def _register_kv_targets_serialized(self) -> None:
         with self._lock:
             targets = sorted({s.info.kv_address for s in self._workers.values()
                               if s.endpoint.role == DECODE and s.info is not None and s.info.kv_address})
@@ -280,15 +291,16 @@ class WorkerPool:
             except Exception:  # a bug here must not kill health tracking silently
                 log.exception("worker poll failed")
 
-    def _record_poll(self, address: str, future: grpc.Future) -> None:
+    def _record_poll(self, address: str, polled: _WorkerState, future: grpc.Future) -> None:
+        """Record the GetInfo answer (or failure) `future` of the worker state `polled`."""
         try:
             info, error = future.result(), None
         except grpc.RpcError as exc:
             info, error = None, f"{exc.code().name}: {exc.details()}"
         with self._lock:
             state = self._workers.get(address)
-            if state is None:  # removed meanwhile
-                return
+            if state is not polled:  # removed meanwhile, or a role switch replaced it (and polled it itself):
+                return  # an answer from before the switch ("switching to ...", unhealthy) is stale
             was_healthy = state.healthy
             state.healthy = info is not None and info.healthy
             state.info = info if info is not None else state.info
@@ -536,7 +548,8 @@ class WorkerPool:
             state = _open(WorkerEndpoint(address, role), old.channel)
             state.held = True  # not yet: until its targets are registered
             self._workers[address] = state
-        self._record_poll(address, state.info_call.future(worker_pb2.InfoRequest(), timeout=self._info_timeout_s))
+        self._record_poll(address, state, state.info_call.future(worker_pb2.InfoRequest(),
+                                                                  timeout=self._info_timeout_s))
         self.register_kv_targets()
         with self._lock:
             state.held = False

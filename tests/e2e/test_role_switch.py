@@ -10,6 +10,7 @@ from pathlib import Path
 
 import grpc
 import pytest
+from waiting import eventually
 
 from pdserve.cluster.cli import main as pdserve_main
 from pdserve.cluster.client import PdserveClient, status_rows
@@ -19,7 +20,7 @@ from pdserve.cluster.local import LocalCluster
 from pdserve.transport import open_channel
 from pdserve.v1 import common_pb2, router_pb2, worker_pb2, worker_pb2_grpc
 
-from e2e_helpers import Streams, greedy_workload, wait_idle
+from e2e_helpers import Streams, greedy_workload, wait_idle, worker_info
 
 NUM_STREAMS = 16
 pytestmark = pytest.mark.slow
@@ -44,6 +45,14 @@ def cluster(tiny_llama_dir: Path):  # noqa: ANN201
 def _roles(address: str) -> dict[str, str]:
     with PdserveClient(address) as client:
         return {row["worker_id"]: row["role"] for row in status_rows(client.status())}
+
+
+def _routed_as(address: str, roles: dict[str, str]) -> bool:
+    """The router sees every worker in `roles` (worker_id -> role) healthy in that role: what it
+    assigns the next requests by."""
+    with PdserveClient(address) as client:
+        rows = {row["worker_id"]: row for row in status_rows(client.status())}
+    return all(rows[w]["role"] == role and rows[w]["healthy"] for w, role in roles.items())
 
 
 def _run_streams_with_switches(cluster: LocalCluster, workload,  # noqa: ANN001
@@ -77,13 +86,18 @@ def test_switch_both_ways_during_16_streams_keeps_every_token(cluster, workload,
     # `pdserve status` shows the new roles
     assert pdserve_main(["status", "--url", cluster.router_address, "--json"]) == 0
     assert '"worker_id": "decode-1"' in capsys.readouterr().out
-    # the switched workers serve in their new roles: a new round of streams uses both
+    # the switched workers serve in their new roles: a new round of streams uses both. It starts once
+    # the workers are idle and the router routes by their new roles (both healthy in them: round robin
+    # then gives each decode worker and each prefill worker its share of the 16)
     wait_idle([(w.role, w.address) for w in cluster.workers])
+    eventually(lambda: _routed_as(cluster.router_address, roles), 30, 0.1,
+               "the router to see every worker healthy in its new role")
     _run_streams_with_switches(cluster, workload, [])
-    with PdserveClient(cluster.router_address) as client:
-        infos = {w.worker_id: w for w in client.status().workers}
-    assert infos["prefill-1"].kv_bytes_received > 0  # decoded after becoming a decode worker
-    assert infos["decode-1"].kv_bytes_sent > 0  # prefilled after becoming a prefill worker
+    # read from the workers themselves: the router's status holds its last poll, which may predate
+    # the round's first KV transfer
+    address = {w.worker_id: w.address for w in cluster.workers}
+    assert worker_info(address["prefill-1"], "decode").kv_bytes_received > 0  # decoded after becoming a decode worker
+    assert worker_info(address["decode-1"], "prefill").kv_bytes_sent > 0  # prefilled after becoming a prefill worker
     # and back, via the command line
     assert pdserve_main(["role", "--url", cluster.router_address, "decode-1", "decode"]) == 0
     assert pdserve_main(["role", "--url", cluster.router_address, "prefill-1", "prefill"]) == 0

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+import time
 from dataclasses import dataclass, field
 
 import grpc
@@ -26,13 +27,15 @@ SCRIPT = [
 class FakeDecode(worker_pb2_grpc.DecodeWorkerServicer):
     """Decode worker double. mode: "ok" streams SCRIPT, "exhausted" fails RESOURCE_EXHAUSTED,
     "hang" sends one message then waits until the call is cancelled, "prefill_internal" fails INTERNAL as
-    a decode worker does when the prefill worker's step broke on the request."""
+    a decode worker does when the prefill worker's step broke on the request. `first_token_delay_s`
+    ("ok"): how long it waits before its first token (a known TTFT, which the router's SLO model learns)."""
 
     mode: str = "ok"
     role: int = common_pb2.WORKER_ROLE_DECODE
     requests: list[worker_pb2.DecodeRequest] = field(default_factory=list)
     cancelled: threading.Event = field(default_factory=threading.Event)
     info: common_pb2.WorkerInfo = field(default_factory=lambda: common_pb2.WorkerInfo(healthy=True))
+    first_token_delay_s: float = 0.0
 
     def Generate(self, request: worker_pb2.DecodeRequest, context: grpc.ServicerContext):  # noqa: N802
         self.requests.append(request)
@@ -46,6 +49,8 @@ class FakeDecode(worker_pb2_grpc.DecodeWorkerServicer):
             yield router_pb2.GenerateResponse(request_id=request.request_id, text="x", token_ids=[1])
             self.cancelled.wait(10)
             return
+        if self.first_token_delay_s:
+            time.sleep(self.first_token_delay_s)
         for response in SCRIPT:
             out = router_pb2.GenerateResponse()
             out.CopyFrom(response)

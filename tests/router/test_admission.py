@@ -270,13 +270,16 @@ def test_a_request_fault_on_one_worker_is_retried_on_another(fake_server, start_
 def test_slo_admission_refuses_at_once_what_would_miss_its_ttft(fake_server, start_router) -> None:  # noqa: ANN001
     """The router learns the prefill rate from first tokens; once a prefill worker reports a backlog
     that the rate says takes longer than the SLO, a new request is refused with a retry-after hint
-    before any worker sees it, a best-effort one is still served, and the refusal is counted."""
+    before any worker sees it, a best-effort one is still served, and the refusal is counted. The
+    worker's first token takes a known 50 ms, so every TTFT the model learns is at least that: a
+    per-request SLO of 1 ms is below its prediction with or without a backlog."""
     from waiting import eventually
 
-    prefill, decode = FakePrefill(), FakeDecode()
+    first_token_s = 0.05
+    prefill, decode = FakePrefill(), FakeDecode(first_token_delay_s=first_token_s)
     _server, stub = start_router(RouterConfig(prefill=(fake_server(prefill),), decode=(fake_server(decode),),
                                               poll_interval_s=0.05, slo_ttft_s=2.0))
-    for i in range(6):  # teach the TTFT model (no backlog: every TTFT is well within the SLO)
+    for i in range(6):  # teach the TTFT model (no backlog: every TTFT, >= 50 ms, is well within the SLO)
         responses = list(stub.Generate(router_pb2.GenerateRequest(prompt=f"warm {i}"), timeout=10))
         assert responses[-1].finish_reason == common_pb2.FINISH_REASON_STOP
     prefill.info.queued_prompt_tokens = 10**9  # a huge backlog: no rate learned here fits it in 2 s
@@ -297,9 +300,14 @@ def test_slo_admission_refuses_at_once_what_would_miss_its_ttft(fake_server, sta
     tight = router_pb2.GenerateRequest(prompt="per-request SLO", slo_ttft_ms=1)
     prefill.info.queued_prompt_tokens = 0
     eventually(lambda: not sees_backlog(), 10)
-    with pytest.raises(grpc.RpcError) as per_request:  # even without a backlog, 1 ms is below any prediction
+    seen = len(decode.requests)
+    # even without a backlog, 1 ms is below the prediction: every first token took >= 50 ms, so the
+    # learned rate (per 64 tokens of work at least) and the worker's recent TTFT are both >= 45 ms
+    with pytest.raises(grpc.RpcError) as per_request:
         list(stub.Generate(tight, timeout=10))
     assert per_request.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert "exceeds the SLO" in per_request.value.details()
+    assert len(decode.requests) == seen  # refused at admission too
     assert stub.GetStatus(router_pb2.StatusRequest(), timeout=5).slo_shed_requests == 2
 
 
@@ -383,12 +391,13 @@ def test_ttft_model_best_is_the_best_worker_for_the_prompt_now() -> None:
 
 def test_http_requests_carry_their_own_slo_and_priority_class(fake_server, start_router) -> None:  # noqa: ANN001
     """On HTTP, `slo_ttft_ms` sets a request's own TTFT objective (a 1 ms one is refused at once with
-    429 and Retry-After), `best_effort` exempts it, and bad values are 400s naming the field."""
+    429 and Retry-After), `best_effort` exempts it, and bad values are 400s naming the field. The
+    worker's first token takes a known 50 ms, so the TTFT the router predicts is well above 1 ms."""
     import json
     import urllib.error
     import urllib.request
 
-    decode = FakeDecode()
+    decode = FakeDecode(first_token_delay_s=0.05)
     server, stub = start_router(RouterConfig(prefill=(fake_server(FakePrefill()),), decode=(fake_server(decode),),
                                              http_port=0, model_name="m"))
 
@@ -406,7 +415,7 @@ def test_http_requests_carry_their_own_slo_and_priority_class(fake_server, start
         list(stub.Generate(router_pb2.GenerateRequest(prompt=f"warm {i}"), timeout=10))
     assert post({})[0] == 200
     seen = len(decode.requests)
-    status, headers, body = post({"slo_ttft_ms": 1})  # below any prediction
+    status, headers, body = post({"slo_ttft_ms": 1})  # below the prediction (every TTFT took >= 50 ms)
     assert status == 429 and int(headers["Retry-After"]) >= 1, body
     assert "exceeds the SLO" in body["error"]["message"]
     assert len(decode.requests) == seen  # refused before any worker saw it
