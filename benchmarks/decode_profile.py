@@ -52,8 +52,9 @@ from pdserve.engine.sampling_params import SamplingParams
 def running_engine(loaded, batch: int, context: int) -> LLMEngine:  # noqa: ANN001
     engine = LLMEngine(loaded, EngineConfig(num_blocks=2048, max_num_seqs=max(64, batch)))
     for i in range(batch):
-        engine.add_request(str(i), [100 + (i + j) % 1000 for j in range(context)],
-                           SamplingParams(max_tokens=10_000, ignore_eos=True))
+        engine.add_request(
+            str(i), [100 + (i + j) % 1000 for j in range(context)], SamplingParams(max_tokens=10_000, ignore_eos=True)
+        )
     while engine.scheduler.waiting or engine.scheduler.prefilling:
         engine.step()  # prefills
     return engine
@@ -85,12 +86,25 @@ def main() -> None:
     ap.add_argument("--context", type=int, default=64)
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--top", type=int, default=8, help="profiler rows per batch (0: no profile)")
-    ap.add_argument("--forwards", nargs="+", default=[None], choices=("fast", "hf"),
-                    help="run each batch with these forwards (default: the engine's own choice)")
-    ap.add_argument("--compile", nargs="+", choices=("off", "on"),
-                    help="run each batch eagerly and/or with the compiled decode layer, alternating --rounds times")
-    ap.add_argument("--dtypes", nargs="+", choices=("float32", "bfloat16"),
-                    help="load the model in each dtype and alternate their engines for --rounds rounds")
+    ap.add_argument(
+        "--forwards",
+        nargs="+",
+        default=[None],
+        choices=("fast", "hf"),
+        help="run each batch with these forwards (default: the engine's own choice)",
+    )
+    ap.add_argument(
+        "--compile",
+        nargs="+",
+        choices=("off", "on"),
+        help="run each batch eagerly and/or with the compiled decode layer, alternating --rounds times",
+    )
+    ap.add_argument(
+        "--dtypes",
+        nargs="+",
+        choices=("float32", "bfloat16"),
+        help="load the model in each dtype and alternate their engines for --rounds rounds",
+    )
     ap.add_argument("--baseline", metavar="REV", help="compare against the engine of this git revision")
     ap.add_argument("--current", metavar="REV", help="with --baseline: this revision, not the working tree")
     ap.add_argument("--rounds", type=int, default=3, help="with --baseline: processes per side")
@@ -116,8 +130,10 @@ def main() -> None:
                 for forward in args.forwards:
                     medians[forward] = profile_batch(loaded, batch, forward, weight_bytes, args, figures)
                 if len(medians) == 2:
-                    print(f"batch {batch}: fast/hf step time {medians['fast'] / medians['hf']:.2f} "
-                          f"(fast is {medians['hf'] / medians['fast']:.2f}x the tokens/s)")
+                    print(
+                        f"batch {batch}: fast/hf step time {medians['fast'] / medians['hf']:.2f} "
+                        f"(fast is {medians['hf'] / medians['fast']:.2f}x the tokens/s)"
+                    )
     if args.json:
         print(json.dumps(figures))
 
@@ -135,28 +151,49 @@ def compare(args: argparse.Namespace) -> None:
     root = Path(__file__).resolve().parent.parent
     runs: dict[str, list[dict[str, float]]] = {"baseline": [], "current": []}
     with tempfile.TemporaryDirectory(prefix="decode-profile-") as tmp:
-        trees = {"baseline": _export(root, args.baseline, Path(tmp) / "baseline"),
-                 "current": _export(root, args.current, Path(tmp) / "current") if args.current else root}
+        trees = {
+            "baseline": _export(root, args.baseline, Path(tmp) / "baseline"),
+            "current": _export(root, args.current, Path(tmp) / "current") if args.current else root,
+        }
         for _ in range(args.rounds):
             for side, tree in trees.items():
-                command = [sys.executable, __file__, "--json", "--top", "0", "--context", str(args.context),
-                           "--steps", str(args.steps), "--batch", *map(str, args.batch)]
+                command = [
+                    sys.executable,
+                    __file__,
+                    "--json",
+                    "--top",
+                    "0",
+                    "--context",
+                    str(args.context),
+                    "--steps",
+                    str(args.steps),
+                    "--batch",
+                    *map(str, args.batch),
+                ]
                 env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tree), str(tree / "proto")])}
                 out = subprocess.run(command, env=env, check=True, capture_output=True, text=True).stdout
                 runs[side].append(json.loads(out.strip().splitlines()[-1]))
                 print(side, runs[side][-1], flush=True)
-    print(f"\n{args.rounds} rounds, baseline {args.baseline} vs {args.current or 'the working tree'} "
-          "(best / median over rounds):")
+    print(
+        f"\n{args.rounds} rounds, baseline {args.baseline} vs {args.current or 'the working tree'} "
+        "(best / median over rounds):"
+    )
     for key in runs["current"][0]:
         pick = min if key.startswith("step_ms") else max  # best: the fastest step, the highest rate
         best = {side: pick(r[key] for r in rs) for side, rs in runs.items()}
         median = {side: statistics.median(r[key] for r in rs) for side, rs in runs.items()}
-        print(f"  {key}: baseline {best['baseline']:.3f} / {median['baseline']:.3f}, "
-              f"current {best['current']:.3f} / {median['current']:.3f}")
+        print(
+            f"  {key}: baseline {best['baseline']:.3f} / {median['baseline']:.3f}, "
+            f"current {best['current']:.3f} / {median['current']:.3f}"
+        )
 
 
-def compare_compile(loaded, weight_bytes: int, args: argparse.Namespace,  # noqa: ANN001
-                    figures: dict[str, float]) -> None:
+def compare_compile(
+    loaded,
+    weight_bytes: int,
+    args: argparse.Namespace,  # noqa: ANN001
+    figures: dict[str, float],
+) -> None:
     """Eager and compiled decode layers, alternating per round in this process (one FastForward,
     its compiled layer switched on and off); the compiled side's first run also reports how long
     its first steps took beyond a compiled step (the compiles)."""
@@ -177,8 +214,10 @@ def compare_compile(loaded, weight_bytes: int, args: argparse.Namespace,  # noqa
                 warm = time.perf_counter() - start
                 median = step_time(engine, args.steps)
                 if mode == "on" and compiled is not None and compiled.compile_s:
-                    print(f"batch {batch}: first 2 compiled steps took {warm:.1f} s "
-                          f"({compiled.compile_s:.1f} s in calls that compiled a graph)")
+                    print(
+                        f"batch {batch}: first 2 compiled steps took {warm:.1f} s "
+                        f"({compiled.compile_s:.1f} s in calls that compiled a graph)"
+                    )
                     figures[f"compile_s_batch{batch}"] = compiled.compile_s
                     compiled.compile_s = 0.0
                 ratio = ""
@@ -190,8 +229,10 @@ def compare_compile(loaded, weight_bytes: int, args: argparse.Namespace,  # noqa
                 _abort_all(engine)
         for mode, times in steps.items():
             figures[f"step_ms_batch{batch}_compile_{mode}"] = min(times)
-            print(f"batch {batch}, compile {mode}: best {min(times):.1f} ms, median "
-                  f"{statistics.median(times):.1f} ms over {args.rounds} rounds")
+            print(
+                f"batch {batch}, compile {mode}: best {min(times):.1f} ms, median "
+                f"{statistics.median(times):.1f} ms over {args.rounds} rounds"
+            )
     fast.compiled = compiled
 
 
@@ -209,16 +250,25 @@ def compare_dtypes(args: argparse.Namespace) -> None:
                     steps[dtype].append(step_time(engine, args.steps) * 1e3)
             for dtype, engine in engines.items():
                 times = steps[dtype]
-                print(f"batch {batch}, {dtype}: per round {', '.join(f'{t:.1f}' for t in times)} ms; best "
-                      f"{min(times):.1f}, median {statistics.median(times):.1f} ms", flush=True)
+                print(
+                    f"batch {batch}, {dtype}: per round {', '.join(f'{t:.1f}' for t in times)} ms; best "
+                    f"{min(times):.1f}, median {statistics.median(times):.1f} ms",
+                    flush=True,
+                )
                 _abort_all(engine)
             if len(steps) == 2:
                 first, second = (statistics.median(steps[d]) for d in args.dtypes)
                 print(f"batch {batch}: {args.dtypes[1]} steps at {first / second:.2f}x the speed of {args.dtypes[0]}")
 
 
-def profile_batch(loaded, batch: int, forward: str | None, weight_bytes: int,  # noqa: ANN001
-                  args: argparse.Namespace, figures: dict[str, float]) -> float:
+def profile_batch(
+    loaded,
+    batch: int,
+    forward: str | None,
+    weight_bytes: int,  # noqa: ANN001
+    args: argparse.Namespace,
+    figures: dict[str, float],
+) -> float:
     """Median decode step of `batch` sequences with `forward`, and its profile; returns the median
     and adds it (and at batch 1 the floor ratio) to `figures`."""
     if forward is not None:
@@ -226,8 +276,11 @@ def profile_batch(loaded, batch: int, forward: str | None, weight_bytes: int,  #
     engine = running_engine(loaded, batch, args.context)
     step_time(engine, 2)
     median = step_time(engine, args.steps)
-    print(f"\nbatch {batch}, forward {getattr(engine.runner, 'forward_name', 'sim')}: {median * 1e3:.1f} ms per decode step, "
-          f"{batch / median:.0f} tokens/s")
+    print(
+        f"\nbatch {batch}, forward {getattr(engine.runner, 'forward_name', 'sim')}: "
+        f"{median * 1e3:.1f} ms per decode step, "
+        f"{batch / median:.0f} tokens/s"
+    )
     figures[f"step_ms_batch{batch}"] = median * 1e3
     if args.top > 0:
         with profile(activities=[ProfilerActivity.CPU]):
@@ -239,9 +292,11 @@ def profile_batch(loaded, batch: int, forward: str | None, weight_bytes: int,  #
         read = _batch1_bytes(engine, weight_bytes, args.context)
         bandwidth = read_bandwidth()
         moved = read / median
-        print(f"batch 1: reads {read / 2**20:.0f} MiB per step -> "
-              f"{moved / 1e9:.2f} GB/s; measured read bandwidth {bandwidth / 1e9:.2f} GB/s; "
-              f"ratio {moved / bandwidth:.2f}")
+        print(
+            f"batch 1: reads {read / 2**20:.0f} MiB per step -> "
+            f"{moved / 1e9:.2f} GB/s; measured read bandwidth {bandwidth / 1e9:.2f} GB/s; "
+            f"ratio {moved / bandwidth:.2f}"
+        )
         figures["read_bandwidth_gbs"], figures["ratio_batch1"] = bandwidth / 1e9, moved / bandwidth
     _abort_all(engine)
     return median

@@ -42,15 +42,13 @@ WORDS = "the river ran past the old mill carrying leaves and light of evening wh
 
 def make_prompts(tokenizer, n: int, min_words: int, max_words: int, seed: int) -> list[list[int]]:  # noqa: ANN001
     rng = random.Random(seed)
-    return [encode_text(tokenizer, " ".join(rng.choices(WORDS, k=rng.randint(min_words, max_words))))
-            for _ in range(n)]
+    return [encode_text(tokenizer, " ".join(rng.choices(WORDS, k=rng.randint(min_words, max_words)))) for _ in range(n)]
 
 
 def hf_sequential(model, prompts: list[list[int]], lengths: list[int]) -> int:  # noqa: ANN001
     total = 0
     for p, n in zip(prompts, lengths, strict=True):
-        out = model.generate(torch.tensor([p]), do_sample=False, max_new_tokens=n, min_new_tokens=n,
-                             pad_token_id=0)
+        out = model.generate(torch.tensor([p]), do_sample=False, max_new_tokens=n, min_new_tokens=n, pad_token_id=0)
         total += out.shape[1] - len(p)
     return total
 
@@ -64,8 +62,9 @@ def hf_static(model, prompts: list[list[int]], lengths: list[int]) -> int:  # no
     width, longest = max(len(p) for p in prompts), max(lengths)
     ids = torch.tensor([[0] * (width - len(p)) + p for p in prompts])
     mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
-    out = model.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=longest,
-                         min_new_tokens=longest, pad_token_id=0)
+    out = model.generate(
+        ids, attention_mask=mask, do_sample=False, max_new_tokens=longest, min_new_tokens=longest, pad_token_id=0
+    )
     return sum(min(n, out.shape[1] - width) for n in lengths)  # only what each request asked for
 
 
@@ -107,8 +106,10 @@ def main() -> None:
     prompts = make_prompts(loaded.tokenizer, args.num_seqs, args.min_words, args.max_words, args.seed)
     rng = random.Random(args.seed + 1)
     lengths = [rng.randint(args.min_tokens, args.max_tokens) for _ in prompts]
-    print(f"model={path.name} seqs={args.num_seqs} batch={batch} output_tokens={args.min_tokens}-{args.max_tokens} "
-          f"prompt_lens={min(map(len, prompts))}-{max(map(len, prompts))} threads={torch.get_num_threads()}")
+    print(
+        f"model={path.name} seqs={args.num_seqs} batch={batch} output_tokens={args.min_tokens}-{args.max_tokens} "
+        f"prompt_lens={min(map(len, prompts))}-{max(map(len, prompts))} threads={torch.get_num_threads()}"
+    )
     systems: dict[str, Callable[[], int]] = {
         "hf-static": lambda: hf_static_batches(hf, prompts, lengths, batch),
         "pdserve": lambda: pdserve(engine, prompts, lengths),

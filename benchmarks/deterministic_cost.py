@@ -47,11 +47,14 @@ def main() -> None:
     engines = {}
     for mode in ("default", "deterministic"):
         loaded = load_model(path, getattr(torch, args.dtype))
-        engines[mode] = LLMEngine(loaded, EngineConfig(dtype=args.dtype, num_blocks=2048,
-                                                       deterministic=mode == "deterministic"))
+        engines[mode] = LLMEngine(
+            loaded, EngineConfig(dtype=args.dtype, num_blocks=2048, deterministic=mode == "deterministic")
+        )
     tok = engines["default"].loaded.tokenizer
-    prompts = [tok.encode(f"Question {i}: tell me about the history of the river valley and the mill " * 5)[:60]
-               for i in range(args.batch)]
+    prompts = [
+        tok.encode(f"Question {i}: tell me about the history of the river valley and the mill " * 5)[:60]
+        for i in range(args.batch)
+    ]
     long_prompt = (tok.encode("the old mill by the river turned all winter " * 400))[: args.prompt_tokens]
     for engine in engines.values():  # warm-up
         _round(engine, prompts[:2], 4, long_prompt[:64])
@@ -59,13 +62,17 @@ def main() -> None:
     for r in range(args.rounds):
         for mode, engine in engines.items():
             results[mode].append(_round(engine, prompts, args.tokens, long_prompt))
-            print(f"round {r + 1} {mode}: {results[mode][-1][0]:.1f} tok/s, prefill {results[mode][-1][1]:.2f} s",
-                  flush=True)
+            print(
+                f"round {r + 1} {mode}: {results[mode][-1][0]:.1f} tok/s, prefill {results[mode][-1][1]:.2f} s",
+                flush=True,
+            )
     med = {m: (statistics.median(t for t, _ in v), statistics.median(p for _, p in v)) for m, v in results.items()}
     d, x = med["default"], med["deterministic"]
-    print(f"{args.dtype}, {args.batch} prompts x {args.tokens} tokens: default {d[0]:.1f} tok/s, deterministic "
-          f"{x[0]:.1f} tok/s ({x[0] / d[0]:.2f}x); {len(long_prompt)}-token prefill: default {d[1]:.2f} s, "
-          f"deterministic {x[1]:.2f} s ({x[1] / d[1]:.2f}x the time)")
+    print(
+        f"{args.dtype}, {args.batch} prompts x {args.tokens} tokens: default {d[0]:.1f} tok/s, deterministic "
+        f"{x[0]:.1f} tok/s ({x[0] / d[0]:.2f}x); {len(long_prompt)}-token prefill: default {d[1]:.2f} s, "
+        f"deterministic {x[1]:.2f} s ({x[1] / d[1]:.2f}x the time)"
+    )
 
 
 if __name__ == "__main__":

@@ -40,7 +40,7 @@ FLOORS: dict[str, str] = {
 
 
 def version_tuple(version: str) -> tuple[int, ...]:
-    """"1.85.1" -> (1, 85, 1); pre-release and local tails are ignored ("7.35.1rc1" -> (7, 35, 1))."""
+    """ "1.85.1" -> (1, 85, 1); pre-release and local tails are ignored ("7.35.1rc1" -> (7, 35, 1))."""
     parts = []
     for piece in version.split("+")[0].split("."):
         match = re.match(r"\d+", piece)
@@ -96,12 +96,28 @@ def main() -> int:
     wheels = {name: wheel_for(name, args.wheels) for name in missing}
     absent = [name for name, wheel in wheels.items() if wheel is None]
     if absent:
-        print(f"device_deps: no carried wheel for {', '.join(absent)} in {args.wheels} "
-              f"(make them here with `bash benchmarks/device_prepare.sh`)", file=sys.stderr)
+        print(
+            f"device_deps: no carried wheel for {', '.join(absent)} in {args.wheels} "
+            f"(make them here with `bash benchmarks/device_prepare.sh`)",
+            file=sys.stderr,
+        )
         return 1
     args.target.mkdir(parents=True, exist_ok=True)
-    command = [sys.executable, "-m", "pip", "install", "-q", "--no-index", "--no-deps", "--no-compile",
-               "--no-cache-dir", "--upgrade", "--target", str(args.target), *map(str, wheels.values())]
+    command = [
+        sys.executable,
+        "-m",
+        "pip",
+        "install",
+        "-q",
+        "--no-index",
+        "--no-deps",
+        "--no-compile",
+        "--no-cache-dir",
+        "--upgrade",
+        "--target",
+        str(args.target),
+        *map(str, wheels.values()),
+    ]
     print(f"device_deps: installing {', '.join(w.name for w in wheels.values() if w)}", file=sys.stderr)
     subprocess.run(command, check=True)
     print(args.target)

@@ -36,8 +36,16 @@ from pdserve.engine.model_loader import LoadedModel, load_model
 from pdserve.engine.sampling_params import SamplingParams
 
 DTYPES = ("float32", "bfloat16")
-TOPICS = ("the sea", "a mountain", "the city at night", "an old library", "a train journey", "winter",
-          "a garden", "the desert")
+TOPICS = (
+    "the sea",
+    "a mountain",
+    "the city at night",
+    "an old library",
+    "a train journey",
+    "winter",
+    "a garden",
+    "the desert",
+)
 
 
 def summary(values: list[float]) -> str:
@@ -64,9 +72,15 @@ def interleaved(repeats: int, measure: Callable[[str], float]) -> dict[str, list
 
 # --- served ---------------------------------------------------------------------------------------
 
+
 def chat_request(url: str, model: str, prompt: str, max_tokens: int) -> int:
-    body = {"model": model, "messages": [{"role": "user", "content": prompt}], "max_tokens": max_tokens,
-            "temperature": 0.0, "ignore_eos": True}
+    body = {
+        "model": model,
+        "messages": [{"role": "user", "content": prompt}],
+        "max_tokens": max_tokens,
+        "temperature": 0.0,
+        "ignore_eos": True,
+    }
     req = urllib.request.Request(url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
     with urllib.request.urlopen(req, timeout=1800) as resp:  # noqa: S310 - loopback URL we built
         return int(json.loads(resp.read())["usage"]["completion_tokens"])
@@ -89,24 +103,38 @@ def run_served(args: argparse.Namespace) -> float:
     clusters = {}
     try:
         for dtype in DTYPES:
-            config = local_deployment(prefill=0, decode=0, colocated=1, threads_per_worker=args.threads,
-                                      device="cpu", dtype=dtype, http_port=0, kv_cache_mb=args.kv_cache_mb,
-                                      model=args.model)
+            config = local_deployment(
+                prefill=0,
+                decode=0,
+                colocated=1,
+                threads_per_worker=args.threads,
+                device="cpu",
+                dtype=dtype,
+                http_port=0,
+                kv_cache_mb=args.kv_cache_mb,
+                model=args.model,
+            )
             options = LaunchOptions(decode_args=("--max-num-seqs", str(args.num_prompts)))
             clusters[dtype] = LocalCluster(config, options).__enter__()
         name = clusters["float32"].config.model.served_name
         for dtype in DTYPES:  # warm-up: first passes allocate and load lazily
             served_burst(clusters[dtype].http_address, name, 2, 4)
-        results = interleaved(args.repeats, lambda d: served_burst(clusters[d].http_address, name,
-                                                                     args.num_prompts, args.max_tokens))
+        results = interleaved(
+            args.repeats, lambda d: served_burst(clusters[d].http_address, name, args.num_prompts, args.max_tokens)
+        )
     finally:
         for cluster in clusters.values():
             cluster.stop()
-    return report(f"served: {args.num_prompts} chat prompts x {args.max_tokens} tokens at once, "
-                  f"colocated, {args.threads} threads", "output tok/s", results)
+    return report(
+        f"served: {args.num_prompts} chat prompts x {args.max_tokens} tokens at once, "
+        f"colocated, {args.threads} threads",
+        "output tok/s",
+        results,
+    )
 
 
 # --- matmul ---------------------------------------------------------------------------------------
+
 
 def linear_gflops(rows: int, dtype: str, repeats: int = 5) -> float:
     x = torch.randn(rows, 576).to(getattr(torch, dtype))
@@ -128,14 +156,21 @@ def run_matmul(args: argparse.Namespace) -> None:
 
 # --- in-process engine ----------------------------------------------------------------------------
 
+
 def load(dtype: str, model: str | None) -> LoadedModel:
     config = EngineConfig(dtype=dtype)
     return load_model(resolve_model(model), config.torch_dtype, config.device)
 
 
 def prefill_rate(loaded: LoadedModel, tokens: int) -> float:
-    engine = LLMEngine(loaded, EngineConfig(dtype=str(loaded.model.dtype).removeprefix("torch."),
-                                            num_blocks=tokens // 16 + 8, max_num_batched_tokens=tokens))
+    engine = LLMEngine(
+        loaded,
+        EngineConfig(
+            dtype=str(loaded.model.dtype).removeprefix("torch."),
+            num_blocks=tokens // 16 + 8,
+            max_num_batched_tokens=tokens,
+        ),
+    )
     prompt = [100 + (7 * i) % 5000 for i in range(tokens)]
     start = time.perf_counter()
     engine.generate([prompt], SamplingParams(max_tokens=1))
@@ -146,8 +181,9 @@ def run_prefill(args: argparse.Namespace, models: dict[str, LoadedModel]) -> flo
     for dtype in DTYPES:
         prefill_rate(models[dtype], 64)  # warm-up
     results = interleaved(args.repeats, lambda d: prefill_rate(models[d], args.prefill_tokens))
-    return report(f"prefill of one {args.prefill_tokens}-token prompt, {torch.get_num_threads()} threads",
-                  "prompt tok/s", results)
+    return report(
+        f"prefill of one {args.prefill_tokens}-token prompt, {torch.get_num_threads()} threads", "prompt tok/s", results
+    )
 
 
 def decode_engine(loaded: LoadedModel, context: int) -> LLMEngine:
@@ -211,13 +247,17 @@ def run_decode(args: argparse.Namespace, models: dict[str, LoadedModel]) -> None
     results = interleaved(args.repeats, measure)
     report(f"batch-1 decode step, context {args.context}", "ms", results)
     bw = statistics.median(bandwidths)
-    print(f"  read bandwidth {bw / 1e9:.1f} GB/s (median of {len(bandwidths)}, "
-          f"{min(bandwidths) / 1e9:.1f}-{max(bandwidths) / 1e9:.1f})")
+    print(
+        f"  read bandwidth {bw / 1e9:.1f} GB/s (median of {len(bandwidths)}, "
+        f"{min(bandwidths) / 1e9:.1f}-{max(bandwidths) / 1e9:.1f})"
+    )
     for dtype in DTYPES:
         nbytes = step_bytes(engines[dtype])
         limit_ms = nbytes / bw * 1e3
-        print(f"  {dtype:9s} reads {nbytes / 2**20:.0f} MiB per step: limit {limit_ms:.1f} ms, "
-              f"fraction of the limit {limit_ms / statistics.median(results[dtype]):.2f}")
+        print(
+            f"  {dtype:9s} reads {nbytes / 2**20:.0f} MiB per step: limit {limit_ms:.1f} ms, "
+            f"fraction of the limit {limit_ms / statistics.median(results[dtype]):.2f}"
+        )
     print("\nbf16 batch-1 step, top operators by self CPU time:")
     profile_step(engines["bfloat16"], args.top)
     if args.compile:
@@ -226,14 +266,20 @@ def run_decode(args: argparse.Namespace, models: dict[str, LoadedModel]) -> None
             step_ms(engines[dtype], 3)  # compiles
         compiled = interleaved(args.repeats, lambda d: step_ms(engines[d], args.steps))
         for dtype in DTYPES:
-            print(f"  {dtype:9s} compiled MLPs: {summary(compiled[dtype])} ms against eager "
-                  f"{statistics.median(results[dtype]):.2f} ms")
+            print(
+                f"  {dtype:9s} compiled MLPs: {summary(compiled[dtype])} ms against eager "
+                f"{statistics.median(results[dtype]):.2f} ms"
+            )
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--only", nargs="+", choices=("served", "matmul", "prefill", "decode"),
-                    default=["served", "matmul", "prefill", "decode"])
+    ap.add_argument(
+        "--only",
+        nargs="+",
+        choices=("served", "matmul", "prefill", "decode"),
+        default=["served", "matmul", "prefill", "decode"],
+    )
     ap.add_argument("--rows", type=int, nargs="+", default=[1, 32, 512])
     ap.add_argument("--model", default=None)
     ap.add_argument("--repeats", type=int, default=3)
@@ -248,8 +294,10 @@ def main() -> None:
     ap.add_argument("--compile", action=argparse.BooleanOptionalAction, default=True)
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
-    print(f"torch {torch.__version__}, CPU capability {torch.backends.cpu.get_cpu_capability()}, "
-          f"{torch.get_num_threads()} threads")
+    print(
+        f"torch {torch.__version__}, CPU capability {torch.backends.cpu.get_cpu_capability()}, "
+        f"{torch.get_num_threads()} threads"
+    )
     if "served" in args.only:
         run_served(args)
     if "matmul" in args.only:

@@ -39,6 +39,7 @@ def kernels(layers: int) -> dict[str, Callable[[dict[int, torch.Tensor]], None]]
         def run(xs: dict[int, torch.Tensor]) -> None:
             for w in weights:
                 F.linear(xs[w.shape[1]], w)
+
         return run
 
     def onednn(xs: dict[int, torch.Tensor]) -> None:
@@ -49,6 +50,7 @@ def kernels(layers: int) -> dict[str, Callable[[dict[int, torch.Tensor]], None]]
     from pdserve.engine.native import native_linear, native_unavailable
 
     if native_unavailable(torch.float32, torch.device("cpu")) is None:
+
         def native(xs: dict[int, torch.Tensor]) -> None:
             for w in rows_major:
                 native_linear(xs[w.shape[1]], w)
@@ -72,8 +74,10 @@ def main() -> None:
         big.sum()
         sums.append(time.perf_counter() - start)
     del big
-    print(f"{torch.get_num_threads()} threads, {torch.backends.cpu.get_cpu_capability()}; "
-          f"{total / 1e6:.0f} MB of weights; one tensor sum of that size reads {total / min(sums) / 1e9:.1f} GB/s")
+    print(
+        f"{torch.get_num_threads()} threads, {torch.backends.cpu.get_cpu_capability()}; "
+        f"{total / 1e6:.0f} MB of weights; one tensor sum of that size reads {total / min(sums) / 1e9:.1f} GB/s"
+    )
     with torch.inference_mode():
         for rows in args.rows:
             xs = {k: torch.randn(rows, k) for k in (576, 1536)}
@@ -83,9 +87,14 @@ def main() -> None:
                     start = time.perf_counter()
                     run(xs)
                     times[name].append(time.perf_counter() - start)
-            print(f"rows {rows}: " + ", ".join(
-                f"{name} best {min(t) * 1e3:.1f} ms ({total / min(t) / 1e9:.1f} GB/s), median "
-                f"{statistics.median(t) * 1e3:.1f} ms" for name, t in times.items()))
+            print(
+                f"rows {rows}: "
+                + ", ".join(
+                    f"{name} best {min(t) * 1e3:.1f} ms ({total / min(t) / 1e9:.1f} GB/s), median "
+                    f"{statistics.median(t) * 1e3:.1f} ms"
+                    for name, t in times.items()
+                )
+            )
 
 
 if __name__ == "__main__":

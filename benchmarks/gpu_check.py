@@ -49,34 +49,94 @@ ROOT = Path(__file__).resolve().parents[1]
 # Real model configurations (dimensions only; rope scaling left out): the default model (SmolLM2-135M),
 # Llama-3.2-1B, Llama-3.1-8B, Qwen2-0.5B.
 SHAPES: dict[str, dict[str, Any]] = {
-    "default": {"family": "llama", "hidden_size": 576, "intermediate_size": 1536, "num_hidden_layers": 30,
-                "num_attention_heads": 9, "num_key_value_heads": 3, "head_dim": 64, "vocab_size": 49152,
-                "rope_theta": 100000.0, "tie_word_embeddings": True},
-    "llama-1b": {"family": "llama", "hidden_size": 2048, "intermediate_size": 8192, "num_hidden_layers": 16,
-                 "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 64, "vocab_size": 128256,
-                 "rope_theta": 500000.0, "tie_word_embeddings": True},
-    "llama-8b": {"family": "llama", "hidden_size": 4096, "intermediate_size": 14336, "num_hidden_layers": 32,
-                 "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 128, "vocab_size": 128256,
-                 "rope_theta": 500000.0, "tie_word_embeddings": False},
-    "qwen2-0.5b": {"family": "qwen2", "hidden_size": 896, "intermediate_size": 4864, "num_hidden_layers": 24,
-                   "num_attention_heads": 14, "num_key_value_heads": 2, "head_dim": 64, "vocab_size": 151936,
-                   "rope_theta": 1000000.0, "tie_word_embeddings": True},
+    "default": {
+        "family": "llama",
+        "hidden_size": 576,
+        "intermediate_size": 1536,
+        "num_hidden_layers": 30,
+        "num_attention_heads": 9,
+        "num_key_value_heads": 3,
+        "head_dim": 64,
+        "vocab_size": 49152,
+        "rope_theta": 100000.0,
+        "tie_word_embeddings": True,
+    },
+    "llama-1b": {
+        "family": "llama",
+        "hidden_size": 2048,
+        "intermediate_size": 8192,
+        "num_hidden_layers": 16,
+        "num_attention_heads": 32,
+        "num_key_value_heads": 8,
+        "head_dim": 64,
+        "vocab_size": 128256,
+        "rope_theta": 500000.0,
+        "tie_word_embeddings": True,
+    },
+    "llama-8b": {
+        "family": "llama",
+        "hidden_size": 4096,
+        "intermediate_size": 14336,
+        "num_hidden_layers": 32,
+        "num_attention_heads": 32,
+        "num_key_value_heads": 8,
+        "head_dim": 128,
+        "vocab_size": 128256,
+        "rope_theta": 500000.0,
+        "tie_word_embeddings": False,
+    },
+    "qwen2-0.5b": {
+        "family": "qwen2",
+        "hidden_size": 896,
+        "intermediate_size": 4864,
+        "num_hidden_layers": 24,
+        "num_attention_heads": 14,
+        "num_key_value_heads": 2,
+        "head_dim": 64,
+        "vocab_size": 151936,
+        "rope_theta": 1000000.0,
+        "tie_word_embeddings": True,
+    },
 }
 TINY: dict[str, dict[str, Any]] = {
-    "tiny-llama": {"family": "llama", "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
-                   "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16, "vocab_size": 49152,
-                   "rope_theta": 10000.0, "tie_word_embeddings": True},
-    "tiny-qwen2": {"family": "qwen2", "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
-                   "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16, "vocab_size": 49152,
-                   "rope_theta": 10000.0, "tie_word_embeddings": False},
+    "tiny-llama": {
+        "family": "llama",
+        "hidden_size": 64,
+        "intermediate_size": 128,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "head_dim": 16,
+        "vocab_size": 49152,
+        "rope_theta": 10000.0,
+        "tie_word_embeddings": True,
+    },
+    "tiny-qwen2": {
+        "family": "qwen2",
+        "hidden_size": 64,
+        "intermediate_size": 128,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "head_dim": 16,
+        "vocab_size": 49152,
+        "rope_theta": 10000.0,
+        "tie_word_embeddings": False,
+    },
 }
-PARAGRAPH = ("The river ran quietly past the old mill, carrying leaves and the last light of the evening. "
-             "Children who had played on its banks all afternoon went home one by one, and the miller, "
-             "an old man with flour in his beard, counted the sacks he would carry to market at dawn. ")
+PARAGRAPH = (
+    "The river ran quietly past the old mill, carrying leaves and the last light of the evening. "
+    "Children who had played on its banks all afternoon went home one by one, and the miller, "
+    "an old man with flour in his beard, counted the sacks he would carry to market at dawn. "
+)
 EXACTNESS_PROMPTS = [  # tests/engine/test_hf_equivalence.py's 7 cases
-    ("text", "Hello"), ("text", "济南的冬天"), ("text", "The capital of France is"),
-    ("chat", "What is the capital of France?"), ("chat", "Write a short poem about the sea."),
-    ("text", "def fibonacci(n):\n    "), ("text", PARAGRAPH * 9 + "Summarize the story above in one sentence:"),
+    ("text", "Hello"),
+    ("text", "济南的冬天"),
+    ("text", "The capital of France is"),
+    ("chat", "What is the capital of France?"),
+    ("chat", "Write a short poem about the sea."),
+    ("text", "def fibonacci(n):\n    "),
+    ("text", PARAGRAPH * 9 + "Summarize the story above in one sentence:"),
 ]
 
 
@@ -87,14 +147,27 @@ def shape_config(name: str, dims: dict[str, Any]) -> Any:  # noqa: ANN401 - a tr
     dims = dict(dims)
     family, theta = dims.pop("family"), dims.pop("rope_theta")
     cls = LlamaConfig if family == "llama" else Qwen2Config
-    config = cls(**dims, max_position_embeddings=8192, rms_norm_eps=1e-5, bos_token_id=None, eos_token_id=None,
-                 pad_token_id=None, rope_parameters={"rope_type": "default", "rope_theta": theta})
+    config = cls(
+        **dims,
+        max_position_embeddings=8192,
+        rms_norm_eps=1e-5,
+        bos_token_id=None,
+        eos_token_id=None,
+        pad_token_id=None,
+        rope_parameters={"rope_type": "default", "rope_theta": theta},
+    )
     config.name_or_path = name
     return config
 
 
-def build(name: str, dims: dict[str, Any], dtype: torch.dtype, device: str, tokenizer: Any,  # noqa: ANN401
-          seed: int = 0) -> Any:  # noqa: ANN401 - a LoadedModel
+def build(
+    name: str,
+    dims: dict[str, Any],
+    dtype: torch.dtype,
+    device: str,
+    tokenizer: Any,  # noqa: ANN401
+    seed: int = 0,
+) -> Any:  # noqa: ANN401 - a LoadedModel
     """A LoadedModel of random weights (seeded; transformers' own init) built on `device`."""
     from transformers import AutoModelForCausalLM
 
@@ -106,8 +179,14 @@ def build(name: str, dims: dict[str, Any], dtype: torch.dtype, device: str, toke
     config = shape_config(name, dims)
     with torch.device(device):
         model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation="sdpa").eval()
-    return LoadedModel(model=model, tokenizer=tokenizer, path=Path(name), fingerprint=f"random-{name}-{seed}-{dtype}",
-                       eos_token_ids=frozenset(), max_model_len=8192)
+    return LoadedModel(
+        model=model,
+        tokenizer=tokenizer,
+        path=Path(name),
+        fingerprint=f"random-{name}-{seed}-{dtype}",
+        eos_token_ids=frozenset(),
+        max_model_len=8192,
+    )
 
 
 def use_attention(loaded: Any, which: str) -> None:  # noqa: ANN401
@@ -127,8 +206,12 @@ def engine_for(loaded: Any, device: str, dtype: str, num_blocks: int, max_num_se
     from pdserve.engine.llm_engine import LLMEngine
 
     use_attention(loaded, "pdserve")
-    return LLMEngine(loaded, EngineConfig(device=device, dtype=dtype, num_blocks=num_blocks,
-                                          max_num_seqs=max_num_seqs, max_num_batched_tokens=16384))
+    return LLMEngine(
+        loaded,
+        EngineConfig(
+            device=device, dtype=dtype, num_blocks=num_blocks, max_num_seqs=max_num_seqs, max_num_batched_tokens=16384
+        ),
+    )
 
 
 def sync(device: str) -> None:
@@ -136,20 +219,32 @@ def sync(device: str) -> None:
         torch.cuda.synchronize()
 
 
-def hf_generate(loaded: Any, prompts: list[list[int]], max_tokens: int, device: str,  # noqa: ANN401
-                scores: bool = False) -> Any:  # noqa: ANN401
+def hf_generate(
+    loaded: Any,
+    prompts: list[list[int]],
+    max_tokens: int,
+    device: str,  # noqa: ANN401
+    scores: bool = False,
+) -> Any:  # noqa: ANN401
     """transformers' greedy `generate` on a static batch (left-padded when lengths differ)."""
     use_attention(loaded, "sdpa")
     width = max(len(p) for p in prompts)
     ids = torch.zeros((len(prompts), width), dtype=torch.long, device=device)
     mask = torch.zeros_like(ids)
     for i, p in enumerate(prompts):
-        ids[i, width - len(p):] = torch.tensor(p, device=device)
-        mask[i, width - len(p):] = 1
+        ids[i, width - len(p) :] = torch.tensor(p, device=device)
+        mask[i, width - len(p) :] = 1
     with torch.inference_mode():
-        return loaded.model.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=max_tokens,
-                                     min_new_tokens=max_tokens, pad_token_id=0, return_dict_in_generate=True,
-                                     output_scores=scores)
+        return loaded.model.generate(
+            ids,
+            attention_mask=mask,
+            do_sample=False,
+            max_new_tokens=max_tokens,
+            min_new_tokens=max_tokens,
+            pad_token_id=0,
+            return_dict_in_generate=True,
+            output_scores=scores,
+        )
 
 
 def encode(loaded: Any, kind: str, text: str) -> list[int]:  # noqa: ANN401
@@ -162,8 +257,10 @@ def encode(loaded: Any, kind: str, text: str) -> list[int]:  # noqa: ANN401
 def step_env(args: argparse.Namespace) -> list[Row]:
     from importlib import metadata
 
-    rows: list[Row] = [{"step": "env", "what": "device", "value": args.device_name, "ok": True},
-                       {"step": "env", "what": "python", "value": platform.python_version(), "ok": True}]
+    rows: list[Row] = [
+        {"step": "env", "what": "device", "value": args.device_name, "ok": True},
+        {"step": "env", "what": "python", "value": platform.python_version(), "ok": True},
+    ]
     for name in ("torch", "transformers", "grpcio", "protobuf"):
         rows.append({"step": "env", "what": name, "value": metadata.version(name), "ok": True})
     return rows
@@ -179,15 +276,21 @@ def step_exactness(args: argparse.Namespace) -> list[Row]:
     dims = (TINY if args.tiny else SHAPES)[shape]
     loaded = build(shape, dims, torch.float32, args.device, args.tok)
     prompts = [encode(loaded, kind, text) for kind, text in EXACTNESS_PROMPTS]
-    ref = [hf_generate(loaded, [p], args.exact_tokens, args.device).sequences[0, len(p):].tolist() for p in prompts]
+    ref = [hf_generate(loaded, [p], args.exact_tokens, args.device).sequences[0, len(p) :].tolist() for p in prompts]
     engine = engine_for(loaded, args.device, "float32", num_blocks=512)
     params = SamplingParams(max_tokens=args.exact_tokens, ignore_eos=True)
     batched = engine.generate(prompts, params)
     alone = [engine.generate([p], params)[0] for p in prompts]
     for label, ours in (("batched", batched), ("alone", alone)):
         same = sum(a == b for a, b in zip(ours, ref, strict=True))
-        rows.append({"step": "exactness", "what": f"fp32 {shape} greedy = HF generate, {label}",
-                     "value": f"{same}/{len(prompts)}", "ok": same == len(prompts)})
+        rows.append(
+            {
+                "step": "exactness",
+                "what": f"fp32 {shape} greedy = HF generate, {label}",
+                "value": f"{same}/{len(prompts)}",
+                "ok": same == len(prompts),
+            }
+        )
     del engine, loaded
     # bf16: logprob-close
     loaded = build(shape, dims, torch.bfloat16, args.device, args.tok)
@@ -197,7 +300,7 @@ def step_exactness(args: argparse.Namespace) -> list[Row]:
     for p in prompts:
         ours = engine_greedy_with_top(engine, p, args.exact_tokens)
         out = hf_generate(loaded, [p], args.exact_tokens, args.device, scores=True)
-        theirs_ids = out.sequences[0, len(p):].tolist()
+        theirs_ids = out.sequences[0, len(p) :].tolist()
         theirs_top = [set(torch.log_softmax(s[0].float(), -1).topk(5).indices.tolist()) for s in out.scores]
         use_attention(loaded, "pdserve")
         for pos, (a, b) in enumerate(zip(ours[0], theirs_ids, strict=False)):
@@ -205,8 +308,14 @@ def step_exactness(args: argparse.Namespace) -> list[Row]:
                 diverged += 1
                 ok = ok and a in theirs_top[pos] and b in ours[1][pos]
                 break
-    rows.append({"step": "exactness", "what": f"bf16 {shape} logprob-close to HF (prompts that diverged)",
-                 "value": f"{diverged}/{len(prompts)}", "ok": ok})
+    rows.append(
+        {
+            "step": "exactness",
+            "what": f"bf16 {shape} logprob-close to HF (prompts that diverged)",
+            "value": f"{diverged}/{len(prompts)}",
+            "ok": ok,
+        }
+    )
     return rows
 
 
@@ -248,16 +357,34 @@ def step_decode(args: argparse.Namespace) -> list[Row]:
             blocks = batch * math.ceil((args.decode_prompt + args.decode_tokens) / 16) + 64
             engine = engine_for(loaded, args.device, args.dtype, num_blocks=blocks, max_num_seqs=max(batch, 1))
             params = SamplingParams(max_tokens=args.decode_tokens, ignore_eos=True)
-            ours = timed(lambda e=engine, p=prompts, s=params: e.generate(p, s), args.device,  # type: ignore[misc]
-                         repeats=args.repeats)
+            ours = timed(
+                lambda e=engine, p=prompts, s=params: e.generate(p, s),
+                args.device,  # type: ignore[misc]
+                repeats=args.repeats,
+            )
             del engine
-            hf = timed(lambda p=prompts, m=loaded: hf_generate(m, p, args.decode_tokens, args.device),  # type: ignore[misc]
-                       args.device, repeats=args.repeats)
+            hf = timed(
+                lambda p=prompts, m=loaded: hf_generate(m, p, args.decode_tokens, args.device),  # type: ignore[misc]
+                args.device,
+                repeats=args.repeats,
+            )
             tokens = batch * args.decode_tokens
-            rows.append({"step": "decode", "what": f"{shape} {args.dtype} batch {batch} engine tok/s",
-                         "value": round(tokens / ours, 1), "ok": True})
-            rows.append({"step": "decode", "what": f"{shape} {args.dtype} batch {batch} engine / HF static",
-                         "value": round(hf / ours, 2), "ok": True})
+            rows.append(
+                {
+                    "step": "decode",
+                    "what": f"{shape} {args.dtype} batch {batch} engine tok/s",
+                    "value": round(tokens / ours, 1),
+                    "ok": True,
+                }
+            )
+            rows.append(
+                {
+                    "step": "decode",
+                    "what": f"{shape} {args.dtype} batch {batch} engine / HF static",
+                    "value": round(hf / ours, 2),
+                    "ok": True,
+                }
+            )
         del loaded
         if args.device.startswith("cuda"):
             torch.cuda.empty_cache()
@@ -276,8 +403,9 @@ def running(engine: Any, batch: int, context: int) -> None:  # noqa: ANN401
     from pdserve.engine.sampling_params import SamplingParams
 
     for i in range(batch):
-        engine.add_request(f"r{i}", [100 + (i + j) % 1000 for j in range(context)],
-                           SamplingParams(max_tokens=100_000, ignore_eos=True))
+        engine.add_request(
+            f"r{i}", [100 + (i + j) % 1000 for j in range(context)], SamplingParams(max_tokens=100_000, ignore_eos=True)
+        )
     while engine.scheduler.waiting or engine.scheduler.prefilling:
         engine.step()
 
@@ -293,11 +421,21 @@ def step_floor(args: argparse.Namespace) -> list[Row]:
     kv_bytes = 2 * kv.num_layers * 80 * kv.num_kv_heads * kv.head_dim * loaded.model.dtype.itemsize
     bandwidth = copy_bandwidth(args.device, min(2**30, 4 * weight_bytes))
     floor = (weight_bytes + kv_bytes) / bandwidth
-    return [{"step": "floor", "what": f"{shape} batch-1 step ms", "value": round(step * 1e3, 3), "ok": True},
-            {"step": "floor", "what": f"{shape} bytes per step / copy bandwidth ms", "value": round(floor * 1e3, 3),
-             "ok": True},
-            {"step": "floor", "what": f"{shape} batch-1 step / memory floor (goal >= 0.5)",
-             "value": round(floor / step, 3), "ok": True}]
+    return [
+        {"step": "floor", "what": f"{shape} batch-1 step ms", "value": round(step * 1e3, 3), "ok": True},
+        {
+            "step": "floor",
+            "what": f"{shape} bytes per step / copy bandwidth ms",
+            "value": round(floor * 1e3, 3),
+            "ok": True,
+        },
+        {
+            "step": "floor",
+            "what": f"{shape} batch-1 step / memory floor (goal >= 0.5)",
+            "value": round(floor / step, 3),
+            "ok": True,
+        },
+    ]
 
 
 def step_prefill(args: argparse.Namespace) -> list[Row]:
@@ -316,10 +454,20 @@ def step_prefill(args: argparse.Namespace) -> list[Row]:
     a = torch.randn(tokens, h, dtype=args.torch_dtype, device=args.device)
     b = torch.randn(h, f, dtype=args.torch_dtype, device=args.device)
     gemm = 2 * tokens * h * f / timed(lambda: a @ b, args.device, repeats=10)
-    return [{"step": "prefill", "what": f"{shape} {tokens}-token prompt tok/s", "value": round(tokens / seconds, 1),
-             "ok": True},
-            {"step": "prefill", "what": f"{shape} achieved TFLOP/s / same-run GEMM TFLOP/s",
-             "value": round(achieved / gemm, 3), "ok": True}]
+    return [
+        {
+            "step": "prefill",
+            "what": f"{shape} {tokens}-token prompt tok/s",
+            "value": round(tokens / seconds, 1),
+            "ok": True,
+        },
+        {
+            "step": "prefill",
+            "what": f"{shape} achieved TFLOP/s / same-run GEMM TFLOP/s",
+            "value": round(achieved / gemm, 3),
+            "ok": True,
+        },
+    ]
 
 
 def step_profile(args: argparse.Namespace) -> list[Row]:
@@ -340,8 +488,15 @@ def step_profile(args: argparse.Namespace) -> list[Row]:
     events = sorted(prof.key_averages(), key=lambda e: getattr(e, key, 0), reverse=True)
     total = sum(getattr(e, key) for e in events) or 1
     print(prof.key_averages().table(sort_by=key, row_limit=12))
-    return [{"step": "profile", "what": f"{shape} batch {batch} step: {e.key[:48]}",
-             "value": f"{100 * getattr(e, key) / total:.1f}%", "ok": True} for e in events[:8]]
+    return [
+        {
+            "step": "profile",
+            "what": f"{shape} batch {batch} step: {e.key[:48]}",
+            "value": f"{100 * getattr(e, key) / total:.1f}%",
+            "ok": True,
+        }
+        for e in events[:8]
+    ]
 
 
 def save_default(args: argparse.Namespace, folder: Path) -> Path:
@@ -381,8 +536,11 @@ def burst(address: str, num_prompts: int, prompt_len: int, max_tokens: int) -> d
         raise RuntimeError(f"a request ended early: {[t for _, _, t in results]}")
     ttfts = sorted(r[0] for r in results)
     gaps = sorted(g for r in results for g in r[1])
-    return {"ttft_ms_median": statistics.median(ttfts) * 1e3, "itl_ms_median": statistics.median(gaps) * 1e3,
-            "output_tok_s": num_prompts * max_tokens / wall}
+    return {
+        "ttft_ms_median": statistics.median(ttfts) * 1e3,
+        "itl_ms_median": statistics.median(gaps) * 1e3,
+        "output_tok_s": num_prompts * max_tokens / wall,
+    }
 
 
 def step_serving(args: argparse.Namespace) -> list[Row]:
@@ -395,10 +553,14 @@ def step_serving(args: argparse.Namespace) -> list[Row]:
     on_gpu = args.device == "cuda"
     first, second = ("cuda:0", "cuda:1" if torch.cuda.device_count() >= 2 else "cuda:0") if on_gpu else ("cpu", "cpu")
     topologies = {
-        "1p1d": (local_deployment(prefill=1, decode=1, model=model, device=args.device, dtype=args.dtype),
-                 LaunchOptions(prefill_args=("--device", first), decode_args=("--device", second))),
-        "colocated": (local_deployment(prefill=0, decode=0, colocated=1, model=model, device=args.device,
-                                       dtype=args.dtype), LaunchOptions()),
+        "1p1d": (
+            local_deployment(prefill=1, decode=1, model=model, device=args.device, dtype=args.dtype),
+            LaunchOptions(prefill_args=("--device", first), decode_args=("--device", second)),
+        ),
+        "colocated": (
+            local_deployment(prefill=0, decode=0, colocated=1, model=model, device=args.device, dtype=args.dtype),
+            LaunchOptions(),
+        ),
     }
     rows: list[Row] = []
     figures = {}
@@ -407,15 +569,28 @@ def step_serving(args: argparse.Namespace) -> list[Row]:
             figures[name] = burst(cluster.router_address, args.num_prompts, args.prompt_len, args.max_tokens)
             if name == "1p1d":
                 decode = next(w for w in cluster.workers if w[0] == "decode")
-                info = worker_pb2_grpc.DecodeWorkerStub(open_channel(decode[2])).GetInfo(worker_pb2.InfoRequest(),
-                                                                                        timeout=10)
-                rows.append({"step": "serving", "what": "1p1d decode worker prefilled no prompt",
-                             "value": int(info.prefill_tokens_computed), "ok": info.prefill_tokens_computed == 0})
+                info = worker_pb2_grpc.DecodeWorkerStub(open_channel(decode[2])).GetInfo(
+                    worker_pb2.InfoRequest(), timeout=10
+                )
+                rows.append(
+                    {
+                        "step": "serving",
+                        "what": "1p1d decode worker prefilled no prompt",
+                        "value": int(info.prefill_tokens_computed),
+                        "ok": info.prefill_tokens_computed == 0,
+                    }
+                )
         for key, value in figures[name].items():
             rows.append({"step": "serving", "what": f"{name} {key}", "value": round(value, 2), "ok": True})
     for key in ("ttft_ms_median", "itl_ms_median", "output_tok_s"):
-        rows.append({"step": "serving", "what": f"1p1d/colocated {key}",
-                     "value": round(figures["1p1d"][key] / figures["colocated"][key], 2), "ok": True})
+        rows.append(
+            {
+                "step": "serving",
+                "what": f"1p1d/colocated {key}",
+                "value": round(figures["1p1d"][key] / figures["colocated"][key], 2),
+                "ok": True,
+            }
+        )
     return rows
 
 
@@ -470,13 +645,18 @@ def step_kv(args: argparse.Namespace) -> list[Row]:
     proc.join(60)
     ok = abs(answer["sum"] - expected) <= 1e-3 * max(1.0, abs(expected))
     rows.append({"step": "kv", "what": "CUDA IPC to another process: same bytes", "value": ok, "ok": ok})
-    rows.append({"step": "kv", "what": "CUDA IPC import+clone GB/s", "value": round(nbytes / answer["s"] / 1e9, 2),
-                 "ok": True})
+    rows.append(
+        {"step": "kv", "what": "CUDA IPC import+clone GB/s", "value": round(nbytes / answer["s"] / 1e9, 2), "ok": True}
+    )
     return rows
 
 
-def run_steps(tag: str, args: argparse.Namespace, rows: list[Row],
-              step_of: Callable[[str], Callable[[argparse.Namespace], list[Row]]]) -> list[Row]:
+def run_steps(
+    tag: str,
+    args: argparse.Namespace,
+    rows: list[Row],
+    step_of: Callable[[str], Callable[[argparse.Namespace], list[Row]]],
+) -> list[Row]:
     """Run each step named in `args.only` (`step_of(name)`), adding its rows to `rows`; a step that
     raises adds one failed row instead (one failed step must not hide the others' rows). Prints each
     step's time, then the table."""
@@ -524,8 +704,9 @@ def main() -> int:
     ap.add_argument("--device", choices=("cuda", "cpu"), default="cuda", help="cpu: the dry run on tiny shapes")
     ap.add_argument("--only", nargs="+", choices=STEPS, default=list(STEPS))
     ap.add_argument("--out", default=None, help="folder for gpu-check.json (default $OUT when set)")
-    ap.add_argument("--tokenizer", default=None, help="tokenizer folder (default .device/tokenizer, else the "
-                    "cached default model)")
+    ap.add_argument(
+        "--tokenizer", default=None, help="tokenizer folder (default .device/tokenizer, else the cached default model)"
+    )
     ap.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16", "float32"))
     ap.add_argument("--decode-shapes", nargs="+", default=None, help="default: llama-1b llama-8b (cpu: tiny-llama)")
     ap.add_argument("--batches", type=int, nargs="+", default=None, help="default 1 32 128 (cpu: 1 4)")
@@ -562,8 +743,12 @@ def main() -> int:
     rows = run_steps("gpu_check", args, [], lambda name: globals()[f"step_{name}"])
     if out_dir:
         Path(out_dir).mkdir(parents=True, exist_ok=True)
-        doc = {"device": args.device_name, "torch": torch.__version__, "seconds": time.perf_counter() - started,
-               "rows": rows}
+        doc = {
+            "device": args.device_name,
+            "torch": torch.__version__,
+            "seconds": time.perf_counter() - started,
+            "rows": rows,
+        }
         (Path(out_dir) / "gpu-check.json").write_text(json.dumps(doc, indent=1, default=str))
     return 0 if all(r["ok"] for r in rows) else 1
 

@@ -53,8 +53,13 @@ def kv_shape(args: argparse.Namespace) -> Any:  # noqa: ANN401 - a KVCacheShape
     from pdserve.engine.kv_cache import KVCacheShape
 
     dims = TINY["tiny-llama"] if args.tiny else SHAPES["llama-8b"]
-    return KVCacheShape(num_layers=dims["num_hidden_layers"], num_kv_heads=dims["num_key_value_heads"],
-                        head_dim=dims["head_dim"], block_size=16, dtype=args.torch_dtype)
+    return KVCacheShape(
+        num_layers=dims["num_hidden_layers"],
+        num_kv_heads=dims["num_key_value_heads"],
+        head_dim=dims["head_dim"],
+        block_size=16,
+        dtype=args.torch_dtype,
+    )
 
 
 def seeded_pool(args: argparse.Namespace, seed: int) -> Any:  # noqa: ANN401 - a KVCache
@@ -119,8 +124,9 @@ def step_kv(args: argparse.Namespace) -> list[Row]:
 
         def PushKv(self, request_iterator, context):  # noqa: ANN001, ANN202, N802 - records the path taken
             frames = list(request_iterator)
-            self.kinds.append("cuda_ipc" if frames[0].header.cuda_ipc_descriptor else "shm" if
-                              frames[0].header.shm_name else "grpc")
+            self.kinds.append(
+                "cuda_ipc" if frames[0].header.cuda_ipc_descriptor else "shm" if frames[0].header.shm_name else "grpc"
+            )
             return super().PushKv(iter(frames), context)
 
     receiver = Receiver()
@@ -128,16 +134,35 @@ def step_kv(args: argparse.Namespace) -> list[Row]:
     receiver.add_to_server(server)
     address = f"127.0.0.1:{server.add_insecure_port('127.0.0.1:0')}"
     server.start()
-    child = subprocess.Popen([sys.executable, __file__, "--role", "kv-sender", "--address", address, "--device",
-                              args.device, "--dtype", args.dtype, "--kv-tokens", str(args.kv_tokens),
-                              "--repeats", str(args.repeats)],
-                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    child = subprocess.Popen(
+        [
+            sys.executable,
+            __file__,
+            "--role",
+            "kv-sender",
+            "--address",
+            address,
+            "--device",
+            args.device,
+            "--dtype",
+            args.dtype,
+            "--kv-tokens",
+            str(args.kv_tokens),
+            "--repeats",
+            str(args.repeats),
+        ],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
     assert child.stdin is not None and child.stdout is not None  # both PIPE
     try:
         prefix = child.stdout.readline().split()[1]
         options = ExpectOptions(120, in_place=True, shm_segment_prefix=prefix)
-        pendings = [receiver.expect(KvSpec.for_cache(f"kv-{i}", "fp", src.shape, args.kv_tokens), options)
-                    for i in range(args.repeats + 1)]
+        pendings = [
+            receiver.expect(KvSpec.for_cache(f"kv-{i}", "fp", src.shape, args.kv_tokens), options)
+            for i in range(args.repeats + 1)
+        ]
         child.stdin.write("go\n")
         child.stdin.flush()
         copies: list[float] = []
@@ -165,13 +190,20 @@ def step_kv(args: argparse.Namespace) -> list[Row]:
         {"step": "kv", "what": "pinned-host staging GB/s", "value": sig(nbytes / staged / 1e9), "ok": True},
         {"step": "kv", "what": "pinned-host staging / d2d copy", "value": sig(d2d / staged), "ok": True},
         {"step": "kv", "what": "hand-off path taken", "value": kind, "ok": kind == "cuda_ipc" or args.tiny},
-        {"step": "kv", "what": f"{kind} hand-off (frame, copy, ack) GB/s", "value": sig(nbytes / handoff / 1e9),
-         "ok": True},
-        {"step": "kv", "what": f"{kind} hand-off / d2d copy (goal >= 0.5)", "value": sig(d2d / handoff),
-         "ok": goal},
+        {
+            "step": "kv",
+            "what": f"{kind} hand-off (frame, copy, ack) GB/s",
+            "value": sig(nbytes / handoff / 1e9),
+            "ok": True,
+        },
+        {"step": "kv", "what": f"{kind} hand-off / d2d copy (goal >= 0.5)", "value": sig(d2d / handoff), "ok": goal},
         {"step": "kv", "what": f"{kind} copy alone / d2d copy", "value": sig(d2d / copy), "ok": True},
-        {"step": "kv", "what": f"{kind} first hand-off (maps the pool) ms", "value": round(sends[0] * 1e3, 2),
-         "ok": True},
+        {
+            "step": "kv",
+            "what": f"{kind} first hand-off (maps the pool) ms",
+            "value": round(sends[0] * 1e3, 2),
+            "ok": True,
+        },
         {"step": "kv", "what": "blocks arrived bit-exact", "value": same, "ok": same},
     ]
 
@@ -246,11 +278,17 @@ def figures(run: dict[str, Any], args: argparse.Namespace) -> dict[str, float]:
     def met(r: dict[str, Any]) -> bool:
         tpot = (r["e2e"] - r["ttft"]) / max(1, len(r["ids"]) - 1)
         return r["ttft"] * 1e3 <= args.slo_ttft_ms and tpot * 1e3 <= args.slo_tpot_ms
-    return {"ttft_ms_p50": pct([r["ttft"] for r in short], 0.5), "ttft_ms_p90": pct([r["ttft"] for r in short], 0.9),
-            "itl_ms_p50": pct(gaps, 0.5), "itl_ms_p90": pct(gaps, 0.9),
-            "long_ttft_ms_p50": pct([r["ttft"] for r in run["long"]], 0.5) if run["long"] else float("nan"),
-            "goodput_rps": sum(met(r) for r in everyone) / run["wall"], "met_slo": sum(met(r) for r in everyone),
-            "requests": len(everyone)}
+
+    return {
+        "ttft_ms_p50": pct([r["ttft"] for r in short], 0.5),
+        "ttft_ms_p90": pct([r["ttft"] for r in short], 0.9),
+        "itl_ms_p50": pct(gaps, 0.5),
+        "itl_ms_p90": pct(gaps, 0.9),
+        "long_ttft_ms_p50": pct([r["ttft"] for r in run["long"]], 0.5) if run["long"] else float("nan"),
+        "goodput_rps": sum(met(r) for r in everyone) / run["wall"],
+        "met_slo": sum(met(r) for r in everyone),
+        "requests": len(everyone),
+    }
 
 
 def step_serving(args: argparse.Namespace) -> list[Row]:
@@ -259,14 +297,18 @@ def step_serving(args: argparse.Namespace) -> list[Row]:
 
     model = save_model(args)
     common = {"model": model, "device": args.device, "dtype": args.dtype, "kv_cache_mb": args.kv_cache_mb}
-    topologies = {"1p1d": local_deployment(prefill=1, decode=1, **common),
-                  "colocated": local_deployment(prefill=0, decode=0, colocated=1, **common)}
+    topologies = {
+        "1p1d": local_deployment(prefill=1, decode=1, **common),
+        "colocated": local_deployment(prefill=0, decode=0, colocated=1, **common),
+    }
     out: dict[str, dict[str, dict[str, float]]] = {}
     rows: list[Row] = []
     for name, config in topologies.items():
         with LocalCluster(config) as cluster:
-            out[name] = {"interference": figures(workload(cluster.router_address, args, True), args),
-                         "short alone": figures(workload(cluster.router_address, args, False), args)}
+            out[name] = {
+                "interference": figures(workload(cluster.router_address, args, True), args),
+                "short alone": figures(workload(cluster.router_address, args, False), args),
+            }
             if name == "1p1d":
                 rows += backend_rows(cluster)
     for name in topologies:
@@ -276,12 +318,30 @@ def step_serving(args: argparse.Namespace) -> list[Row]:
     itl = out["1p1d"]["interference"]["itl_ms_p90"] / out["colocated"]["interference"]["itl_ms_p90"]
     ttft = out["1p1d"]["short alone"]["ttft_ms_p50"] / out["colocated"]["short alone"]["ttft_ms_p50"]
     judge = not args.tiny  # the dry run checks the machinery, not the goals
-    rows.append({"step": "serving", "what": "1p1d/colocated interference itl p90 (goal <= 0.5)",
-                 "value": round(itl, 3), "ok": itl <= 0.5 or not judge})
-    rows.append({"step": "serving", "what": "1p1d/colocated short-alone ttft p50 (goal <= 1.1)",
-                 "value": round(ttft, 3), "ok": ttft <= 1.1 or not judge})
-    rows.append({"step": "serving", "what": f"SLOs: ttft <= {args.slo_ttft_ms} ms, tpot <= {args.slo_tpot_ms} ms",
-                 "value": "stated", "ok": True})
+    rows.append(
+        {
+            "step": "serving",
+            "what": "1p1d/colocated interference itl p90 (goal <= 0.5)",
+            "value": round(itl, 3),
+            "ok": itl <= 0.5 or not judge,
+        }
+    )
+    rows.append(
+        {
+            "step": "serving",
+            "what": "1p1d/colocated short-alone ttft p50 (goal <= 1.1)",
+            "value": round(ttft, 3),
+            "ok": ttft <= 1.1 or not judge,
+        }
+    )
+    rows.append(
+        {
+            "step": "serving",
+            "what": f"SLOs: ttft <= {args.slo_ttft_ms} ms, tpot <= {args.slo_tpot_ms} ms",
+            "value": "stated",
+            "ok": True,
+        }
+    )
     return rows
 
 
@@ -294,10 +354,20 @@ def backend_rows(cluster: Any) -> list[Row]:  # noqa: ANN401
     info = worker_pb2_grpc.DecodeWorkerStub(open_channel(decode.address)).GetInfo(worker_pb2.InfoRequest(), timeout=10)
     logs = " ".join(p.read_text(errors="replace") for p in Path(cluster.log_dir).glob("*.log"))
     fell_back = "KV goes through host memory" in logs
-    return [{"step": "serving", "what": "1p1d decode worker prefilled no prompt",
-             "value": int(info.prefill_tokens_computed), "ok": info.prefill_tokens_computed == 0},
-            {"step": "serving", "what": "1p1d KV path", "value": "host (fallback logged)" if fell_back else "cuda_ipc",
-             "ok": True}]
+    return [
+        {
+            "step": "serving",
+            "what": "1p1d decode worker prefilled no prompt",
+            "value": int(info.prefill_tokens_computed),
+            "ok": info.prefill_tokens_computed == 0,
+        },
+        {
+            "step": "serving",
+            "what": "1p1d KV path",
+            "value": "host (fallback logged)" if fell_back else "cuda_ipc",
+            "ok": True,
+        },
+    ]
 
 
 # ----- kill ----------------------------------------------------------------------------------------
@@ -321,15 +391,20 @@ def step_kill(args: argparse.Namespace) -> list[Row]:
     from pdserve.v1 import worker_pb2, worker_pb2_grpc
 
     model = save_model(args)
-    config = local_deployment(prefill=2, decode=1, model=model, device=args.device, dtype=args.dtype,
-                              kv_cache_mb=args.kv_cache_mb)
+    config = local_deployment(
+        prefill=2, decode=1, model=model, device=args.device, dtype=args.dtype, kv_cache_mb=args.kv_cache_mb
+    )
     prompt = prompts(1, args.kill_len, 3)[0]
     with LocalCluster(config) as cluster, PdserveClient(cluster.router_address, timeout_s=300) as client:
         reference = run_request(client, prompt, args.short_tokens)
-        prefill = {w.pid: worker_pb2_grpc.PrefillWorkerStub(open_channel(w.address))
-                   for w in cluster.workers if w.role == "prefill"}
-        done_before = {pid: stub.GetInfo(worker_pb2.InfoRequest(), timeout=5).requests_finished
-                       for pid, stub in prefill.items()}
+        prefill = {
+            w.pid: worker_pb2_grpc.PrefillWorkerStub(open_channel(w.address))
+            for w in cluster.workers
+            if w.role == "prefill"
+        }
+        done_before = {
+            pid: stub.GetInfo(worker_pb2.InfoRequest(), timeout=5).requests_finished for pid, stub in prefill.items()
+        }
         with ThreadPoolExecutor(1) as pool:
             future = pool.submit(run_request, client, prompt, args.short_tokens)
             victim = busy_prefill_worker(prefill, time.perf_counter() + 30)
@@ -337,8 +412,9 @@ def step_kill(args: argparse.Namespace) -> list[Row]:
                 os.kill(victim, signal.SIGKILL)
             result = future.result(timeout=300)
         survivor = next(pid for pid in prefill if pid != victim)
-        took_over = prefill[survivor].GetInfo(worker_pb2.InfoRequest(), timeout=5).requests_finished - \
-            done_before[survivor]
+        took_over = (
+            prefill[survivor].GetInfo(worker_pb2.InfoRequest(), timeout=5).requests_finished - done_before[survivor]
+        )
         decode = next(w for w in cluster.workers if w.role == "decode")
         stub = worker_pb2_grpc.DecodeWorkerStub(open_channel(decode.address))
         deadline, used = time.perf_counter() + 10, -1
@@ -347,15 +423,29 @@ def step_kill(args: argparse.Namespace) -> list[Row]:
             time.sleep(0.1)
     same = result["ids"] == reference["ids"]
     stalled = result["e2e"] > args.stall_s
-    return [{"step": "kill", "what": "prefill worker killed while it held the request", "value": victim is not None,
-             "ok": victim is not None},
-            {"step": "kill", "what": "request failed over to the other prefill worker", "value": took_over >= 1,
-             "ok": took_over >= 1 or args.tiny},
-            {"step": "kill", "what": "tokens identical to an undisturbed run", "value": same, "ok": same},
-            {"step": "kill", "what": f"request e2e s (no stall: <= {args.stall_s} s)", "value": round(result["e2e"], 2),
-             "ok": not stalled},
-            {"step": "kill", "what": "undisturbed e2e s", "value": round(reference["e2e"], 2), "ok": True},
-            {"step": "kill", "what": "decode KV blocks still used afterwards", "value": used, "ok": used == 0}]
+    return [
+        {
+            "step": "kill",
+            "what": "prefill worker killed while it held the request",
+            "value": victim is not None,
+            "ok": victim is not None,
+        },
+        {
+            "step": "kill",
+            "what": "request failed over to the other prefill worker",
+            "value": took_over >= 1,
+            "ok": took_over >= 1 or args.tiny,
+        },
+        {"step": "kill", "what": "tokens identical to an undisturbed run", "value": same, "ok": same},
+        {
+            "step": "kill",
+            "what": f"request e2e s (no stall: <= {args.stall_s} s)",
+            "value": round(result["e2e"], 2),
+            "ok": not stalled,
+        },
+        {"step": "kill", "what": "undisturbed e2e s", "value": round(reference["e2e"], 2), "ok": True},
+        {"step": "kill", "what": "decode KV blocks still used afterwards", "value": used, "ok": used == 0},
+    ]
 
 
 # ----- main ----------------------------------------------------------------------------------------
@@ -365,8 +455,12 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--only", nargs="+", choices=STEPS, default=list(STEPS))
     ap.add_argument("--out", default=None, help="folder for gpu-disagg-check.json (default $OUT when set)")
     ap.add_argument("--tokenizer", default=None, help="default .device/tokenizer, else the cached default model")
-    ap.add_argument("--dtype", default=None, choices=("bfloat16", "float16", "float32"),
-                    help="default bfloat16 (cpu: float32, the fast dtype on an AVX2 CPU)")
+    ap.add_argument(
+        "--dtype",
+        default=None,
+        choices=("bfloat16", "float16", "float32"),
+        help="default bfloat16 (cpu: float32, the fast dtype on an AVX2 CPU)",
+    )
     ap.add_argument("--kv-tokens", type=int, default=None, help="default 2048 (cpu: 256)")
     ap.add_argument("--repeats", type=int, default=None, help="kv hand-offs timed: default 10 (cpu: 3)")
     ap.add_argument("--kv-cache-mb", type=int, default=None, help="every worker's KV cache: default 4096 (cpu: 64)")
@@ -384,11 +478,22 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--address", default="", help=argparse.SUPPRESS)
     args = ap.parse_args()
     args.tiny = args.device == "cpu"
-    for name, gpu, cpu in (("dtype", "bfloat16", "float32"),
-                           ("kv_tokens", 2048, 256), ("repeats", 10, 3), ("kv_cache_mb", 4096, 64), ("short", 16, 2),
-                           ("short_len", 64, 16), ("short_tokens", 128, 8), ("long", 8, 1), ("long_len", 2048, 200),
-                           ("long_gap_s", 0.15, 0.1), ("slo_ttft_ms", 500.0, 60000.0), ("slo_tpot_ms", 30.0, 10000.0),
-                           ("kill_len", 4096, 600), ("stall_s", 20.0, 60.0)):
+    for name, gpu, cpu in (
+        ("dtype", "bfloat16", "float32"),
+        ("kv_tokens", 2048, 256),
+        ("repeats", 10, 3),
+        ("kv_cache_mb", 4096, 64),
+        ("short", 16, 2),
+        ("short_len", 64, 16),
+        ("short_tokens", 128, 8),
+        ("long", 8, 1),
+        ("long_len", 2048, 200),
+        ("long_gap_s", 0.15, 0.1),
+        ("slo_ttft_ms", 500.0, 60000.0),
+        ("slo_tpot_ms", 30.0, 10000.0),
+        ("kill_len", 4096, 600),
+        ("stall_s", 20.0, 60.0),
+    ):
         if getattr(args, name) is None:
             setattr(args, name, cpu if args.tiny else gpu)
     args.torch_dtype = getattr(torch, args.dtype)
@@ -407,13 +512,22 @@ def main() -> int:
     args.tok = load_tokenizer(args.tokenizer)
     print(f"gpu_disagg_check: {device_name}, torch {torch.__version__}, steps {' '.join(args.only)}", flush=True)
     started = time.perf_counter()
-    rows = run_steps("gpu_disagg_check", args, [{"step": "env", "what": "device", "value": device_name, "ok": True}],
-                     lambda name: globals()[f"step_{name}"])
+    rows = run_steps(
+        "gpu_disagg_check",
+        args,
+        [{"step": "env", "what": "device", "value": device_name, "ok": True}],
+        lambda name: globals()[f"step_{name}"],
+    )
     out_dir = args.out or os.environ.get("OUT")
     if out_dir:
         Path(out_dir).mkdir(parents=True, exist_ok=True)
-        doc = {"device": device_name, "torch": torch.__version__, "seconds": time.perf_counter() - started,
-               "args": {k: v for k, v in vars(args).items() if k not in ("tok", "torch_dtype")}, "rows": rows}
+        doc = {
+            "device": device_name,
+            "torch": torch.__version__,
+            "seconds": time.perf_counter() - started,
+            "args": {k: v for k, v in vars(args).items() if k not in ("tok", "torch_dtype")},
+            "rows": rows,
+        }
         (Path(out_dir) / "gpu-disagg-check.json").write_text(json.dumps(doc, indent=1, default=str))
     return 0 if all(r["ok"] for r in rows) else 1
 

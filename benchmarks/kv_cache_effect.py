@@ -103,8 +103,15 @@ def run_no_cache(runner: Runner, prompt: list[int], n: int) -> tuple[list[int], 
     return tokens, times
 
 
-def measure(loaded: LoadedModel, prompt: list[int], max_tokens: int, dense: int, positions: list[int],
-            repeats: int, progress: bool = False) -> Result:
+def measure(
+    loaded: LoadedModel,
+    prompt: list[int],
+    max_tokens: int,
+    dense: int,
+    positions: list[int],
+    repeats: int,
+    progress: bool = False,
+) -> Result:
     runner = Runner(loaded, len(prompt) + max_tokens)
     runner.pass_("no_cache", prompt, 0)  # warm-up
     log = (lambda msg: print(msg, flush=True)) if progress else (lambda msg: None)
@@ -122,8 +129,10 @@ def measure(loaded: LoadedModel, prompt: list[int], max_tokens: int, dense: int,
         sparse_s[n] = statistics.median(seconds for _, seconds in no_cache_runs)
         paired_s[n] = statistics.median(seconds for _, seconds in cached_runs)
         sparse_match[n] = all(token == cached_tokens[n - 1] for token, _ in cached_runs + no_cache_runs)
-        log(f"n={n}: cached {paired_s[n] * 1e3:.0f} ms, no cache {sparse_s[n] * 1e3:.0f} ms, "
-            f"same token: {sparse_match[n]}")
+        log(
+            f"n={n}: cached {paired_s[n] * 1e3:.0f} ms, no cache {sparse_s[n] * 1e3:.0f} ms, "
+            f"same token: {sparse_match[n]}"
+        )
     return Result(len(prompt), cached_tokens, cached_s, dense_tokens, dense_s, sparse_s, paired_s, sparse_match)
 
 
@@ -134,18 +143,42 @@ def plot(result: Result, path: Path, title: str) -> None:
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(8, 5.5))
-    ax.plot(range(1, len(result.cached_s) + 1), [s * 1e3 for s in result.cached_s], lw=0.8,
-            label="paged KV cache (every token)")
-    ax.plot(range(1, len(result.dense_s) + 1), [s * 1e3 for s in result.dense_s], lw=0.8,
-            label="no cache, generating (every token)")
+    ax.plot(
+        range(1, len(result.cached_s) + 1),
+        [s * 1e3 for s in result.cached_s],
+        lw=0.8,
+        label="paged KV cache (every token)",
+    )
+    ax.plot(
+        range(1, len(result.dense_s) + 1),
+        [s * 1e3 for s in result.dense_s],
+        lw=0.8,
+        label="no cache, generating (every token)",
+    )
     sparse = sorted(result.sparse_s)
-    ax.plot(sparse, [result.sparse_s[n] * 1e3 for n in sparse], "o--", ms=4,
-            label="no cache at measured positions (median of paired runs)")
-    ax.plot(sparse, [result.paired_cached_s[n] * 1e3 for n in sparse], "s--", ms=4,
-            label="cached step at the same positions (paired)")
+    ax.plot(
+        sparse,
+        [result.sparse_s[n] * 1e3 for n in sparse],
+        "o--",
+        ms=4,
+        label="no cache at measured positions (median of paired runs)",
+    )
+    ax.plot(
+        sparse,
+        [result.paired_cached_s[n] * 1e3 for n in sparse],
+        "s--",
+        ms=4,
+        label="cached step at the same positions (paired)",
+    )
     for n in sparse:
-        ax.annotate(f"{result.ratio(n):.0f}x", (n, result.sparse_s[n] * 1e3), textcoords="offset points",
-                    xytext=(0, 6), ha="center", fontsize=8)
+        ax.annotate(
+            f"{result.ratio(n):.0f}x",
+            (n, result.sparse_s[n] * 1e3),
+            textcoords="offset points",
+            xytext=(0, 6),
+            ha="center",
+            fontsize=8,
+        )
     ax.set_xlabel("output token n (the pass that produced it)")
     ax.set_ylabel("latency of the pass (ms)")
     ax.set_yscale("log")
@@ -163,15 +196,25 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--model", default=None, help="local Hugging Face folder (default: the default model)")
     ap.add_argument("--max-tokens", type=int, default=1024, help="N: output tokens of the cached run")
     ap.add_argument("--dense", type=int, default=64, help="output tokens the no-cache path generates itself")
-    ap.add_argument("--positions", type=int, nargs="+", default=[16, 128, 384, 512, 768],
-                    help="output positions where both paths are measured in pairs (besides --report-at)")
+    ap.add_argument(
+        "--positions",
+        type=int,
+        nargs="+",
+        default=[16, 128, 384, 512, 768],
+        help="output positions where both paths are measured in pairs (besides --report-at)",
+    )
     ap.add_argument("--report-at", type=int, nargs="+", default=[64, 256, 1024])
     ap.add_argument("--repeats", type=int, default=3, help="paired passes per measured position (median)")
     ap.add_argument("--threads", type=int, default=1, help="torch threads (1: a shared 2-core machine)")
     ap.add_argument("--plot", type=Path, default=Path("benchmarks/reports/kv-cache-effect/kv_cache_effect.png"))
     ap.add_argument("--json", type=Path, default=None, help="also write the raw figures here")
-    ap.add_argument("--replot", type=Path, default=None, metavar="JSON",
-                    help="only redraw the plot from a --json file of an earlier run")
+    ap.add_argument(
+        "--replot",
+        type=Path,
+        default=None,
+        metavar="JSON",
+        help="only redraw the plot from a --json file of an earlier run",
+    )
     args = ap.parse_args(argv)
     if args.replot:
         raw = json.loads(args.replot.read_text())
@@ -185,21 +228,30 @@ def main(argv: list[str] | None = None) -> int:
     loaded = load_model(resolve_model(args.model))
     prompt = list(loaded.tokenizer(PROMPT).input_ids)
     started = time.perf_counter()
-    result = measure(loaded, prompt, args.max_tokens, args.dense, args.positions + args.report_at, args.repeats,
-                     progress=True)
-    print(f"prompt {result.prompt_tokens} tokens, {args.max_tokens} output tokens, {args.threads} threads, "
-          f"run took {time.perf_counter() - started:.0f} s")
-    print(f"tokens identical: {result.identical} (no-cache generation 1..{len(result.dense_tokens)}: "
-          f"{result.dense_tokens == result.cached_tokens[: len(result.dense_tokens)]}; measured positions: "
-          f"{sum(result.sparse_match.values())}/{len(result.sparse_match)})")
+    result = measure(
+        loaded, prompt, args.max_tokens, args.dense, args.positions + args.report_at, args.repeats, progress=True
+    )
+    print(
+        f"prompt {result.prompt_tokens} tokens, {args.max_tokens} output tokens, {args.threads} threads, "
+        f"run took {time.perf_counter() - started:.0f} s"
+    )
+    print(
+        f"tokens identical: {result.identical} (no-cache generation 1..{len(result.dense_tokens)}: "
+        f"{result.dense_tokens == result.cached_tokens[: len(result.dense_tokens)]}; measured positions: "
+        f"{sum(result.sparse_match.values())}/{len(result.sparse_match)})"
+    )
     print(f"{'n':>6} {'cached ms':>10} {'no cache ms':>12} {'ratio':>7}")
     for n in sorted(result.sparse_s):
         mark = "  <-" if n in args.report_at else ""
-        print(f"{n:>6} {result.paired_cached_s[n] * 1e3:>10.1f} {result.sparse_s[n] * 1e3:>12.1f} "
-              f"{result.ratio(n):>6.1f}x{mark}")
+        print(
+            f"{n:>6} {result.paired_cached_s[n] * 1e3:>10.1f} {result.sparse_s[n] * 1e3:>12.1f} "
+            f"{result.ratio(n):>6.1f}x{mark}"
+        )
     dense = len(result.dense_s)
-    print(f"cached run: {sum(result.cached_s):.1f} s for {args.max_tokens} tokens; no cache, tokens "
-          f"1..{dense}: {sum(result.dense_s):.1f} s (cached: {sum(result.cached_s[:dense]):.1f} s)")
+    print(
+        f"cached run: {sum(result.cached_s):.1f} s for {args.max_tokens} tokens; no cache, tokens "
+        f"1..{dense}: {sum(result.dense_s):.1f} s (cached: {sum(result.cached_s[:dense]):.1f} s)"
+    )
     title = f"{loaded.path.name}, CPU fp32, {args.threads} threads, batch 1: latency per output token"
     plot(result, args.plot, title)
     print(f"plot: {args.plot}")

@@ -49,8 +49,9 @@ def _words(rng: random.Random, count: int) -> str:
 WORDS = "river mill boat flour water salt yeast morning bank count bread kitchen warm".split()
 
 
-def _measure(keys: PromptKeys, index: KvIndex, requests: list[router_pb2.GenerateRequest],
-             block_size: int) -> tuple[list[float], list[float], int]:
+def _measure(
+    keys: PromptKeys, index: KvIndex, requests: list[router_pb2.GenerateRequest], block_size: int
+) -> tuple[list[float], list[float], int]:
     """(tokenize + hash seconds, lookup seconds, tokens of the last prompt), per request."""
     tokenize, lookup, tokens = [], [], 0
     for request in requests:
@@ -64,8 +65,9 @@ def _measure(keys: PromptKeys, index: KvIndex, requests: list[router_pb2.Generat
     return tokenize, lookup, tokens
 
 
-def _chat_turns(rng: random.Random, tokenizer: Any, tokens: int, repeat: int) -> tuple[
-        list[router_pb2.GenerateRequest], list[router_pb2.GenerateRequest]]:
+def _chat_turns(
+    rng: random.Random, tokenizer: Any, tokens: int, repeat: int
+) -> tuple[list[router_pb2.GenerateRequest], list[router_pb2.GenerateRequest]]:
     """(the histories sent first, the follow-ups measured): `repeat` conversations of about `tokens`
     tokens, each follow-up its history plus a new user message of 64-256 words."""
     history = [("system", _words(rng, 600))]
@@ -86,9 +88,11 @@ def _chat_request(chat: list[tuple[str, str]]) -> router_pb2.GenerateRequest:
 
 def _report(name: str, tokenize: list[float], lookup: list[float], tokens: int) -> None:
     total = sorted(a + b for a, b in zip(tokenize, lookup, strict=True))
-    print(f"{name} ({tokens} tokens): tokenize + hash {statistics.median(tokenize) * 1e3:.3f} ms, "
-          f"index lookup {statistics.median(lookup) * 1e3:.3f} ms, total {statistics.median(total) * 1e3:.3f} ms "
-          f"(p90 {total[int(0.9 * len(total))] * 1e3:.3f} ms)")
+    print(
+        f"{name} ({tokens} tokens): tokenize + hash {statistics.median(tokenize) * 1e3:.3f} ms, "
+        f"index lookup {statistics.median(lookup) * 1e3:.3f} ms, total {statistics.median(total) * 1e3:.3f} ms "
+        f"(p90 {total[int(0.9 * len(total))] * 1e3:.3f} ms)"
+    )
 
 
 def main() -> None:
@@ -118,8 +122,10 @@ def main() -> None:
         held = [rng.getrandbits(64) for _ in range(args.blocks_per_worker)]
         index.replace(f"w{w}", held + [key for keys_ in histories[w :: args.workers] for key in keys_])
     print(f"CPU: {cpu()}")
-    print(f"index: {len(index):,} entries over {args.workers} workers; blocks of {args.block_size}; "
-          f"median of {args.repeat} requests each")
+    print(
+        f"index: {len(index):,} entries over {args.workers} workers; blocks of {args.block_size}; "
+        f"median of {args.repeat} requests each"
+    )
     _report("plain prompt, new each time", *_measure(keys, index, prompts, args.block_size))
     _report("chat follow-up, tokenized and hashed whole", *_measure(whole, index, follow_ups, args.block_size))
     tokenize, lookup, tokens = [], [], 0
@@ -128,9 +134,11 @@ def main() -> None:
         one_tokenize, one_lookup, tokens = _measure(keys, index, [follow_up], args.block_size)
         tokenize += one_tokenize
         lookup += one_lookup
-        assert keys.keys(follow_up, args.block_size) == whole.keys(follow_up, args.block_size), \
+        assert keys.keys(follow_up, args.block_size) == whole.keys(follow_up, args.block_size), (
             "PieceCache changed a prompt's keys"
+        )
     _report("chat follow-up, PieceCache + RecentChains", tokenize, lookup, tokens)
+
 
 if __name__ == "__main__":
     main()

@@ -38,8 +38,14 @@ def kv_for(tokens: int, dtype: torch.dtype = torch.float32) -> tuple[KvSpec, tor
     g = SMOLLM2
     n = -(-tokens // g["block_size"])
     shape = (g["layers"], 2, n, g["block_size"], g["kv_heads"], g["head_dim"])
-    spec = KvSpec(request_id=uuid.uuid4().hex, model_fingerprint="bench", dtype=dtype_name(dtype), shape=shape,
-                  block_size=g["block_size"], num_tokens=tokens)
+    spec = KvSpec(
+        request_id=uuid.uuid4().hex,
+        model_fingerprint="bench",
+        dtype=dtype_name(dtype),
+        shape=shape,
+        block_size=g["block_size"],
+        num_tokens=tokens,
+    )
     return spec, torch.randn(shape).to(dtype)
 
 
@@ -69,8 +75,9 @@ def grpc_seconds(backend: str, receiver: KvTransferServicer, address: str, token
     return statistics.median(times)
 
 
-def shm_in_place_seconds(receiver: KvTransferServicer, address: str, tokens: int, repeats: int,
-                         checksums: tuple[str, ...] = ("",)) -> dict[str, list[float]]:
+def shm_in_place_seconds(
+    receiver: KvTransferServicer, address: str, tokens: int, repeats: int, checksums: tuple[str, ...] = ("",)
+) -> dict[str, list[float]]:
     """What a 1P1D pair on one host does: from blocks of a prefill cache in shared memory straight
     into reserved blocks of a decode cache (a consumer thread copies, the ack waits for it). Each
     round runs once per entry of `checksums` (interleaved); returns the times per entry."""
@@ -81,19 +88,30 @@ def shm_in_place_seconds(receiver: KvTransferServicer, address: str, tokens: int
 
     g = SMOLLM2
     n = -(-tokens // g["block_size"])
-    shape = KVCacheShape(num_layers=g["layers"], num_kv_heads=g["kv_heads"], head_dim=g["head_dim"],
-                         block_size=g["block_size"], dtype=torch.float32)
+    shape = KVCacheShape(
+        num_layers=g["layers"],
+        num_kv_heads=g["kv_heads"],
+        head_dim=g["head_dim"],
+        block_size=g["block_size"],
+        dtype=torch.float32,
+    )
     source, dest = KVCache(shape, 2 * n, shared=True), KVCache(shape, 2 * n)
     source.kv.copy_(torch.randn(source.kv.shape))
     src_ids, dst_ids = list(range(n // 2, n // 2 + n)), list(range(n, 2 * n))  # as a pool hands them out
     sender, times = ShmKvSender(address), {c: list[float]() for c in checksums}
     for i in range(repeats + 1):
         for checksum in checksums:
-            spec = KvSpec(request_id=uuid.uuid4().hex, model_fingerprint="bench", dtype="float32",
-                          shape=(g["layers"], 2, n, g["block_size"], g["kv_heads"], g["head_dim"]),
-                          block_size=g["block_size"], num_tokens=tokens)
-            pending = receiver.expect(spec, ExpectOptions(60, in_place=True, shm_segment_prefix=segment_prefix(),
-                                                                require_checksum=checksum))
+            spec = KvSpec(
+                request_id=uuid.uuid4().hex,
+                model_fingerprint="bench",
+                dtype="float32",
+                shape=(g["layers"], 2, n, g["block_size"], g["kv_heads"], g["head_dim"]),
+                block_size=g["block_size"],
+                num_tokens=tokens,
+            )
+            pending = receiver.expect(
+                spec, ExpectOptions(60, in_place=True, shm_segment_prefix=segment_prefix(), require_checksum=checksum)
+            )
             consumer = threading.Thread(target=lambda p=pending: p.wait(60)[0](dest.kv, dst_ids))
             consumer.start()
             start = time.perf_counter()
@@ -119,9 +137,11 @@ def bandwidth(tokens_list: list[int], repeats: int, with_ray: bool = True) -> No
     receiver.add_to_server(server)
     address = f"127.0.0.1:{server.add_insecure_port('127.0.0.1:0')}"
     server.start()
-    print(f"{'tokens':>7} {'MiB':>8} {'memcpy GB/s':>12} {'grpc GB/s':>10} {'grpc/memcpy':>12}"
-          f" {'shm GB/s':>9} {'shm/memcpy':>11} {'shm c2c GB/s':>13} {'c2c/memcpy':>11}"
-          + (f" {'ray GB/s':>9} {'ray/memcpy':>11}" if with_ray else ""))
+    print(
+        f"{'tokens':>7} {'MiB':>8} {'memcpy GB/s':>12} {'grpc GB/s':>10} {'grpc/memcpy':>12}"
+        f" {'shm GB/s':>9} {'shm/memcpy':>11} {'shm c2c GB/s':>13} {'c2c/memcpy':>11}"
+        + (f" {'ray GB/s':>9} {'ray/memcpy':>11}" if with_ray else "")
+    )
     try:
         for tokens in tokens_list:
             spec, kv = kv_for(tokens)
@@ -130,8 +150,10 @@ def bandwidth(tokens_list: list[int], repeats: int, with_ray: bool = True) -> No
             gb = spec.nbytes / 1e9
             shm = grpc_seconds("shm", receiver, address, tokens, repeats)
             c2c = statistics.median(shm_in_place_seconds(receiver, address, tokens, repeats)[""])
-            line = (f"{tokens:7d} {spec.nbytes / 2**20:8.1f} {gb / mem:12.2f} {gb / net:10.2f} {mem / net:12.3f}"
-                    f" {gb / shm:9.2f} {mem / shm:11.3f} {gb / c2c:13.2f} {mem / c2c:11.3f}")
+            line = (
+                f"{tokens:7d} {spec.nbytes / 2**20:8.1f} {gb / mem:12.2f} {gb / net:10.2f} {mem / net:12.3f}"
+                f" {gb / shm:9.2f} {mem / shm:11.3f} {gb / c2c:13.2f} {mem / c2c:11.3f}"
+            )
             if with_ray:
                 obj = ray_seconds(tokens, repeats)
                 line += f" {gb / obj:9.2f} {mem / obj:11.3f}"
@@ -150,8 +172,11 @@ def checksum_cost(tokens_list: list[int], repeats: int) -> None:
     address = f"127.0.0.1:{server.add_insecure_port('127.0.0.1:0')}"
     server.start()
     algorithms = ("", "xxh3", "crc32")
-    print(f"{'tokens':>7} {'MiB':>6}" + "".join(f" {(a or 'none') + ' ms':>10} {'(min-max)':>14}" for a in algorithms)
-          + f" {'xxh3/none':>10} {'crc32/none':>11}")
+    print(
+        f"{'tokens':>7} {'MiB':>6}"
+        + "".join(f" {(a or 'none') + ' ms':>10} {'(min-max)':>14}" for a in algorithms)
+        + f" {'xxh3/none':>10} {'crc32/none':>11}"
+    )
     try:
         for tokens in tokens_list:
             spec, _ = kv_for(tokens)

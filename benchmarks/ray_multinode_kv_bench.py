@@ -34,16 +34,26 @@ def main() -> None:
     from pdserve.cluster.ray_kv_bench import cross_node_seconds
 
     specs = {t: kv_for(t) for t in args.tokens}
-    ray_times = cross_node_seconds([(t, spec.shape) for t, (spec, _) in specs.items()], SMOLLM2["block_size"],
-                                   args.repeats)
+    ray_times = cross_node_seconds(
+        [(t, spec.shape) for t, (spec, _) in specs.items()], SMOLLM2["block_size"], args.repeats
+    )
     cols = ("memcpy", "ray_same", "ray_cross", "grpc_cross")
-    print(f"{'tokens':>7} {'MiB':>7} " + " ".join(f"{c + ' GB/s':>15}" for c in cols) + " "
-          + " ".join(f"{c + '/memcpy':>17}" for c in cols[1:]))
+    print(
+        f"{'tokens':>7} {'MiB':>7} "
+        + " ".join(f"{c + ' GB/s':>15}" for c in cols)
+        + " "
+        + " ".join(f"{c + '/memcpy':>17}" for c in cols[1:])
+    )
     for t, (spec, _) in specs.items():
         secs = ray_times[t]
         gb = spec.nbytes / 1e9
-        print(f"{t:7d} {spec.nbytes / 2**20:7.1f} " + " ".join(f"{gb / secs[c]:15.2f}" for c in cols) + " "
-              + " ".join(f"{secs['memcpy'] / secs[c]:17.3f}" for c in cols[1:]), flush=True)
+        print(
+            f"{t:7d} {spec.nbytes / 2**20:7.1f} "
+            + " ".join(f"{gb / secs[c]:15.2f}" for c in cols)
+            + " "
+            + " ".join(f"{secs['memcpy'] / secs[c]:17.3f}" for c in cols[1:]),
+            flush=True,
+        )
 
 
 if __name__ == "__main__":

@@ -45,7 +45,7 @@ import grpc
 from pdserve.cluster.processes import ManagedProcess
 from pdserve.v1 import common_pb2, router_pb2, router_pb2_grpc, worker_pb2, worker_pb2_grpc
 
-STAND_IN = r'''
+STAND_IN = r"""
 import asyncio, sys, time, grpc
 from pdserve.serving import ready_line
 from pdserve.decode_worker.mux import serve_mux
@@ -82,7 +82,7 @@ async def main():
     await server.wait_for_termination()
 
 asyncio.run(main())
-'''
+"""
 
 
 def _latencies(texts: list[str], received_ns: list[int]) -> list[float]:
@@ -128,18 +128,22 @@ async def measure(mode: str, streams: int, tokens: int, stand_in: str, router: s
     if mode == "http":
         connector = aiohttp.TCPConnector(limit=streams)
         async with aiohttp.ClientSession(connector=connector) as session:
-            runs = await asyncio.gather(*(_http_stream(session, f"http://{http}/v1/completions", tokens)
-                                          for _ in range(streams)))
+            runs = await asyncio.gather(
+                *(_http_stream(session, f"http://{http}/v1/completions", tokens) for _ in range(streams))
+            )
     else:
         async with grpc.aio.insecure_channel(stand_in if mode == "direct" else router) as channel:
             if mode == "direct":
                 worker = worker_pb2_grpc.DecodeWorkerStub(channel)
-                calls = [worker.Generate(worker_pb2.DecodeRequest(request_id=f"d{i}", prompt="x", params=params))
-                         for i in range(streams)]
+                calls = [
+                    worker.Generate(worker_pb2.DecodeRequest(request_id=f"d{i}", prompt="x", params=params))
+                    for i in range(streams)
+                ]
             else:
                 router_stub = router_pb2_grpc.RouterStub(channel)
-                calls = [router_stub.Generate(router_pb2.GenerateRequest(prompt="x", params=params))
-                         for _ in range(streams)]
+                calls = [
+                    router_stub.Generate(router_pb2.GenerateRequest(prompt="x", params=params)) for _ in range(streams)
+                ]
             runs = await asyncio.gather(*(_grpc_stream(c) for c in calls))
     return [x for run in runs for x in run]
 
@@ -150,31 +154,54 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=50, help="tokens per stream")
     ap.add_argument("--interval-ms", type=float, default=20.0, help="gap between a stream's tokens")
     ap.add_argument("--repeats", type=int, default=3, help="rounds of (direct, router, http) per stream count")
-    ap.add_argument("--loops", nargs="+", default=["default"], choices=["default", "asyncio", "uvloop"],
-                    help="event loop of the router under test (one router each, measured side by side)")
-    ap.add_argument("--tick", choices=["free", "aligned"], default="free",
-                    help="stand-in clock: free = each stream ticks from its own start (the calls arrive spread "
-                         "over a few ms, so a tick's tokens trickle); aligned = all streams tick together, the "
-                         "burst of a decode step")
-    ap.add_argument("--transports", nargs="+", default=["generate"], choices=["generate", "mux"],
-                    help="router -> stand-in transport: a Generate call per stream, or one GenerateMux stream "
-                         "(router --decode-mux); one router each, measured side by side")
-    ap.add_argument("--router-cpu", type=int, default=None, metavar="CPU",
-                    help="pin the routers to this CPU and the client and stand-in to the others (Linux), as a "
-                         "router on its own machine or core would run; default: no pinning, all share all CPUs")
+    ap.add_argument(
+        "--loops",
+        nargs="+",
+        default=["default"],
+        choices=["default", "asyncio", "uvloop"],
+        help="event loop of the router under test (one router each, measured side by side)",
+    )
+    ap.add_argument(
+        "--tick",
+        choices=["free", "aligned"],
+        default="free",
+        help="stand-in clock: free = each stream ticks from its own start (the calls arrive spread "
+        "over a few ms, so a tick's tokens trickle); aligned = all streams tick together, the "
+        "burst of a decode step",
+    )
+    ap.add_argument(
+        "--transports",
+        nargs="+",
+        default=["generate"],
+        choices=["generate", "mux"],
+        help="router -> stand-in transport: a Generate call per stream, or one GenerateMux stream "
+        "(router --decode-mux); one router each, measured side by side",
+    )
+    ap.add_argument(
+        "--router-cpu",
+        type=int,
+        default=None,
+        metavar="CPU",
+        help="pin the routers to this CPU and the client and stand-in to the others (Linux), as a "
+        "router on its own machine or core would run; default: no pinning, all share all CPUs",
+    )
     args = ap.parse_args()
     pin: list[str] = []
     if args.router_cpu is not None:
         cpus = os.sched_getaffinity(0)
         if args.router_cpu not in cpus or len(cpus) < 2:
-            ap.error(f"--router-cpu {args.router_cpu}: need it among this process's CPUs {sorted(cpus)}, "
-                     "with at least one other left for the client and stand-in")
+            ap.error(
+                f"--router-cpu {args.router_cpu}: need it among this process's CPUs {sorted(cpus)}, "
+                "with at least one other left for the client and stand-in"
+            )
         os.sched_setaffinity(0, cpus - {args.router_cpu})  # the stand-in inherits it
         pin = ["taskset", "-c", str(args.router_cpu)]  # every router thread, from its first
     logs = Path(tempfile.mkdtemp(prefix="pdserve-overhead-"))
-    stand_in = ManagedProcess("stand-in", [sys.executable, "-c", STAND_IN, str(args.tokens), str(args.interval_ms),
-                                             args.tick],
-                              logs / "stand-in.log")
+    stand_in = ManagedProcess(
+        "stand-in",
+        [sys.executable, "-c", STAND_IN, str(args.tokens), str(args.interval_ms), args.tick],
+        logs / "stand-in.log",
+    )
     processes = [stand_in]
     try:
         stand_in_address = str(stand_in.wait_ready(60)["address"])
@@ -186,16 +213,34 @@ def main() -> None:
                     env["PDSERVE_EVENT_LOOP"] = loop
                 name = loop if transport == "generate" else f"{loop}-mux"
                 extra = ["--decode-mux"] if transport == "mux" else []
-                router = ManagedProcess(f"router-{name}", [*pin, sys.executable, "-m", "pdserve.router", "--port", "0",
-                                                           "--http-port", "0", "--colocated", stand_in_address,
-                                                           "--max-concurrent-streams", "1024", "--log-level",
-                                                           "WARNING", *extra],
-                                        logs / f"router-{name}.log", env=env)
+                router = ManagedProcess(
+                    f"router-{name}",
+                    [
+                        *pin,
+                        sys.executable,
+                        "-m",
+                        "pdserve.router",
+                        "--port",
+                        "0",
+                        "--http-port",
+                        "0",
+                        "--colocated",
+                        stand_in_address,
+                        "--max-concurrent-streams",
+                        "1024",
+                        "--log-level",
+                        "WARNING",
+                        *extra,
+                    ],
+                    logs / f"router-{name}.log",
+                    env=env,
+                )
                 processes.append(router)
                 ready = router.wait_ready(60)
                 routers[name] = (str(ready["address"]), str(ready["http_address"]), int(str(ready["pid"])))
-        print(f"{'streams':>7} {'mode':>16} {'p50 ms':>8} {'p90 ms':>8} {'added p50 ms':>13} "
-              f"{'router CPU us/token':>20}")
+        print(
+            f"{'streams':>7} {'mode':>16} {'p50 ms':>8} {'p90 ms':>8} {'added p50 ms':>13} {'router CPU us/token':>20}"
+        )
         for streams in args.streams:
             modes = ["direct"] + [f"{kind}/{loop}" for loop in routers for kind in ("router", "http")]
             samples: dict[str, list[float]] = {m: [] for m in modes}
@@ -205,8 +250,9 @@ def main() -> None:
                     kind, _, loop = mode.partition("/")
                     router_address, http_address, pid = routers.get(loop, ("", "", 0))
                     before = _cpu_s(pid) if pid else 0.0
-                    samples[mode] += asyncio.run(measure(kind, streams, args.tokens, stand_in_address,
-                                                         router_address, http_address))
+                    samples[mode] += asyncio.run(
+                        measure(kind, streams, args.tokens, stand_in_address, router_address, http_address)
+                    )
                     cpu[mode] += (_cpu_s(pid) - before) if pid else 0.0
             p50 = {m: statistics.median(v) for m, v in samples.items()}
             for mode, values in samples.items():

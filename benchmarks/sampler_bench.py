@@ -79,8 +79,9 @@ def main() -> None:
                 fn(logits, rows, steps)
                 times.append(time.perf_counter() - start)
         old_ms, new_ms = statistics.median(old_times) * 1e3, statistics.median(new_times) * 1e3
-        results.append({"setting": name, "rows": args.rows, "old_ms": old_ms, "new_ms": new_ms,
-                        "speedup": old_ms / new_ms})
+        results.append(
+            {"setting": name, "rows": args.rows, "old_ms": old_ms, "new_ms": new_ms, "speedup": old_ms / new_ms}
+        )
         print(f"{name:38s} row by row {old_ms:8.2f} ms   batched {new_ms:8.2f} ms   {old_ms / new_ms:5.2f}x")
     if args.json:
         with open(args.json, "w") as out:

@@ -33,7 +33,8 @@ from pdserve.v1 import common_pb2, worker_pb2, worker_pb2_grpc
 
 def worker_info(address: str, role: str) -> common_pb2.WorkerInfo:
     stub = (worker_pb2_grpc.PrefillWorkerStub if role == "prefill" else worker_pb2_grpc.DecodeWorkerStub)(
-        open_channel(address))
+        open_channel(address)
+    )
     return stub.GetInfo(worker_pb2.InfoRequest(), timeout=10)
 
 
@@ -56,8 +57,13 @@ def rss_mb(pid: int) -> float:
 
 
 async def _one_http(session: aiohttp.ClientSession, url: str, i: int, model: str) -> str:
-    body = {"model": model, "prompt": f"Tell me about the river number {i}", "max_tokens": 8 + i % 25,
-            "stream": True, "ignore_eos": True}
+    body = {
+        "model": model,
+        "prompt": f"Tell me about the river number {i}",
+        "max_tokens": 8 + i % 25,
+        "stream": True,
+        "ignore_eos": True,
+    }
     try:
         async with session.post(url, json=body) as response:
             if response.status != 200:
@@ -105,17 +111,28 @@ def main() -> None:
         report_rss(cluster, "start")
         if args.num_prompts > 0:  # 0: the HTTP phase only
             start = time.monotonic()
-            result = run_bench(BenchConfig(url=cluster.router_address, input_len=LengthDist.parse("8:48"),
-                                           output_len=LengthDist.parse("8:32"), num_prompts=args.num_prompts,
-                                           max_concurrency=args.max_concurrency, ignore_eos=True, timeout_s=3600),
-                               progress=False)
+            result = run_bench(
+                BenchConfig(
+                    url=cluster.router_address,
+                    input_len=LengthDist.parse("8:48"),
+                    output_len=LengthDist.parse("8:32"),
+                    num_prompts=args.num_prompts,
+                    max_concurrency=args.max_concurrency,
+                    ignore_eos=True,
+                    timeout_s=3600,
+                ),
+                progress=False,
+            )
             summary = result["summary"]
             infos = wait_idle(workers, timeout=120)
-            print(f"gRPC: {args.num_prompts} requests at concurrency {args.max_concurrency}: "
-                  f"completed {summary['completed']}, failed {summary['failed']}, "
-                  f"{time.monotonic() - start:.0f} s, {summary['output_throughput']:.1f} output tok/s; "
-                  f"KV blocks used once idle: {[i.kv_blocks_used for i in infos]} of "
-                  f"{[i.kv_blocks_total for i in infos]}", flush=True)
+            print(
+                f"gRPC: {args.num_prompts} requests at concurrency {args.max_concurrency}: "
+                f"completed {summary['completed']}, failed {summary['failed']}, "
+                f"{time.monotonic() - start:.0f} s, {summary['output_throughput']:.1f} output tok/s; "
+                f"KV blocks used once idle: {[i.kv_blocks_used for i in infos]} of "
+                f"{[i.kv_blocks_total for i in infos]}",
+                flush=True,
+            )
             errors = Counter(r["error"][:80] for r in result["records"] if r["error"])
             if errors:
                 print(f"gRPC errors: {dict(errors.most_common(5))}")
@@ -123,9 +140,12 @@ def main() -> None:
         start = time.monotonic()
         outcomes = asyncio.run(http_phase(cluster.http_address, args.http_requests, args.http_concurrency))
         infos = wait_idle(workers, timeout=120)
-        print(f"HTTP: {args.http_requests} streaming requests at concurrency {args.http_concurrency}: "
-              f"{dict(outcomes)}, {time.monotonic() - start:.0f} s; KV blocks used once idle: "
-              f"{[i.kv_blocks_used for i in infos]}", flush=True)
+        print(
+            f"HTTP: {args.http_requests} streaming requests at concurrency {args.http_concurrency}: "
+            f"{dict(outcomes)}, {time.monotonic() - start:.0f} s; KV blocks used once idle: "
+            f"{[i.kv_blocks_used for i in infos]}",
+            flush=True,
+        )
         report_rss(cluster, "HTTP phase")
         print("requests finished per worker:", {a: worker_info(a, r).requests_finished for r, a in workers})
 

@@ -56,8 +56,12 @@ def idle_blocks(workers: list, timeout_s: float = 60.0) -> int:  # noqa: ANN001
 
 def one_request(stub: router_pb2_grpc.RouterStub, rng: random.Random, cancel_rate: float) -> str:
     prompt = " ".join(rng.choices(WORDS, k=rng.randint(2, 40)))
-    request = router_pb2.GenerateRequest(prompt=prompt, params=common_pb2.SamplingParams(
-        max_tokens=rng.randint(2, 16), ignore_eos=True, temperature=0.8, seed=rng.randrange(1 << 30)))
+    request = router_pb2.GenerateRequest(
+        prompt=prompt,
+        params=common_pb2.SamplingParams(
+            max_tokens=rng.randint(2, 16), ignore_eos=True, temperature=0.8, seed=rng.randrange(1 << 30)
+        ),
+    )
     call = stub.Generate(request, timeout=300)
     cancel_at = rng.randint(1, 3) if rng.random() < cancel_rate else None
     try:
@@ -82,8 +86,13 @@ def main() -> None:
     ap.add_argument("--concurrency", type=int, default=16)
     ap.add_argument("--cancel-rate", type=float, default=0.1)
     ap.add_argument("--kill-after-s", type=float, default=30.0, help="0: kill nothing")
-    ap.add_argument("--rss-from", type=int, default=0, metavar="N",
-                    help="measure memory growth from the moment N requests have ended (e.g. 500)")
+    ap.add_argument(
+        "--rss-from",
+        type=int,
+        default=0,
+        metavar="N",
+        help="measure memory growth from the moment N requests have ended (e.g. 500)",
+    )
     ap.add_argument("--prefill", type=int, default=2)
     ap.add_argument("--decode", type=int, default=2)
     ap.add_argument("--seed", type=int, default=0)
@@ -129,8 +138,10 @@ def main() -> None:
         print(f"memory from request {max(1, args.rss_from)} to {args.requests}:")
         for name in [w.worker_id for w in survivors] + ["router"]:
             end = rss_mb(pids[name])
-            print(f"  {name:12s} RSS {start_rss[name]:7.0f} MB -> {end:7.0f} MB ({end - start_rss[name]:+.0f} MB); "
-                  f"after warm-up {warm_rss[name]:7.0f} MB")
+            print(
+                f"  {name:12s} RSS {start_rss[name]:7.0f} MB -> {end:7.0f} MB ({end - start_rss[name]:+.0f} MB); "
+                f"after warm-up {warm_rss[name]:7.0f} MB"
+            )
 
 
 if __name__ == "__main__":

@@ -25,9 +25,14 @@ from pdserve.engine.model_loader import load_model
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.tokenization import encode_chat
 
-SCHEMA = {"type": "object", "properties": {"items": {"type": "array", "minItems": 64, "maxItems": 64,
-                                                     "items": {"type": "string", "maxLength": 24}}},
-          "required": ["items"], "additionalProperties": False}
+SCHEMA = {
+    "type": "object",
+    "properties": {
+        "items": {"type": "array", "minItems": 64, "maxItems": 64, "items": {"type": "string", "maxLength": 24}}
+    },
+    "required": ["items"],
+    "additionalProperties": False,
+}
 
 
 def _run(engine: LLMEngine, prompts: list[list[int]], params: SamplingParams) -> tuple[float, int]:
@@ -47,11 +52,18 @@ def main() -> None:
     print(cpu_description())
     loaded = load_model(resolve_model(args.model))
     engine = LLMEngine(loaded, EngineConfig(num_blocks=2048))
-    prompts = [encode_chat(loaded.tokenizer, [("user", f"List {i + 5} things you find in a kitchen, as JSON.")])
-               for i in range(args.requests)]
+    prompts = [
+        encode_chat(loaded.tokenizer, [("user", f"List {i + 5} things you find in a kitchen, as JSON.")])
+        for i in range(args.requests)
+    ]
     plain = SamplingParams(max_tokens=args.max_tokens, temperature=0.8, seed=1, ignore_eos=True)
-    constrained = SamplingParams(max_tokens=args.max_tokens, temperature=0.8, seed=1, ignore_eos=True,
-                                 structured=("json_schema", json.dumps(SCHEMA)))
+    constrained = SamplingParams(
+        max_tokens=args.max_tokens,
+        temperature=0.8,
+        seed=1,
+        ignore_eos=True,
+        structured=("json_schema", json.dumps(SCHEMA)),
+    )
     _run(engine, prompts[:2], constrained)  # warm-up: compiles the grammar, loads llguidance
     rates: dict[str, list[float]] = {"plain": [], "constrained": []}
     tokens: dict[str, int] = {}
@@ -63,13 +75,18 @@ def main() -> None:
     assert tokens["plain"] == tokens["constrained"], f"runs of different lengths: {tokens}"
     plain_rate, constrained_rate = statistics.median(rates["plain"]), statistics.median(rates["constrained"])
     print(f"plain        {plain_rate:7.1f} tok/s  ({tokens['plain']} tokens per run)  runs {rates['plain']}")
-    print(f"constrained  {constrained_rate:7.1f} tok/s  ({tokens['constrained']} tokens per run)  "
-          f"runs {rates['constrained']}")
+    print(
+        f"constrained  {constrained_rate:7.1f} tok/s  ({tokens['constrained']} tokens per run)  "
+        f"runs {rates['constrained']}"
+    )
     print(f"constrained / plain: {constrained_rate / plain_rate:.3f}")
     if args.json:
         with open(args.json, "w") as out:
-            json.dump({"cpu": cpu_description(), "rates": rates, "tokens": tokens,
-                       "ratio": constrained_rate / plain_rate}, out, indent=1)
+            json.dump(
+                {"cpu": cpu_description(), "rates": rates, "tokens": tokens, "ratio": constrained_rate / plain_rate},
+                out,
+                indent=1,
+            )
 
 
 if __name__ == "__main__":

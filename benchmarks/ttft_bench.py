@@ -40,11 +40,14 @@ def disagg(lengths: list[int], repeats: int, threads: int, kv_backend: str, kv_s
     prompts = {n: [random_ids(n, rng) for _ in range(repeats + 1)] for n in lengths}
     results: dict[str, dict[int, float]] = {}
     configs = {
-        "colocated": (local_deployment(prefill=0, decode=0, colocated=1, threads_per_worker=threads),
-                      LaunchOptions()),
-        "1p1d": (local_deployment(prefill=1, decode=1, threads_per_worker=threads),
-                 LaunchOptions(prefill_args=("--no-prefix-caching", "--kv-streaming", kv_streaming),
-                               decode_args=("--kv-backend", kv_backend))),
+        "colocated": (local_deployment(prefill=0, decode=0, colocated=1, threads_per_worker=threads), LaunchOptions()),
+        "1p1d": (
+            local_deployment(prefill=1, decode=1, threads_per_worker=threads),
+            LaunchOptions(
+                prefill_args=("--no-prefix-caching", "--kv-streaming", kv_streaming),
+                decode_args=("--kv-backend", kv_backend),
+            ),
+        ),
     }
     for name, (config, options) in configs.items():
         with LocalCluster(config, options) as cluster, PdserveClient(cluster.router_address) as client:
@@ -64,8 +67,10 @@ def prefix(length: int, repeats: int, threads: int) -> None:
     with LocalCluster(config) as cluster, PdserveClient(cluster.router_address) as client:
         hit = median_ttft(client, cached)  # the warm-up request fills the cache with the shared prefix
         miss = median_ttft(client, fresh)
-    print(f"prompt {length} tokens, 90% shared: TTFT {hit * 1e3:.1f} ms vs {miss * 1e3:.1f} ms unshared "
-          f"-> ratio {hit / miss:.2f}")
+    print(
+        f"prompt {length} tokens, 90% shared: TTFT {hit * 1e3:.1f} ms vs {miss * 1e3:.1f} ms unshared "
+        f"-> ratio {hit / miss:.2f}"
+    )
 
 
 def main() -> None:

@@ -154,8 +154,12 @@ async def run_bench_async(
     return await run_planned_async(config, measured, warm, on_done)
 
 
-async def run_planned_async(config: BenchConfig, measured: Sequence[PlannedRequest],
-                            warm: Sequence[PlannedRequest] = (), on_done: ProgressFn | None = None) -> dict[str, Any]:
+async def run_planned_async(
+    config: BenchConfig,
+    measured: Sequence[PlannedRequest],
+    warm: Sequence[PlannedRequest] = (),
+    on_done: ProgressFn | None = None,
+) -> dict[str, Any]:
     """Send planned requests (a trace made elsewhere, e.g. a workload that shifts) with ``config``'s
     connection, concurrency limit, SLOs and speedup (its lengths, rate and counts are not used);
     return {config, summary, records}, records in profile time."""
@@ -174,8 +178,9 @@ async def run_planned_async(config: BenchConfig, measured: Sequence[PlannedReque
 
         if warm:
             t_warm = time.perf_counter()
-            await asyncio.gather(*(guarded(PlannedRequest(p.prompt_ids, p.output_len, 0.0), -1 - i, t_warm)
-                                   for i, p in enumerate(warm)))
+            await asyncio.gather(
+                *(guarded(PlannedRequest(p.prompt_ids, p.output_len, 0.0), -1 - i, t_warm) for i, p in enumerate(warm))
+            )
         t0 = time.perf_counter()
         records = await asyncio.gather(*(guarded(p, i, t0) for i, p in enumerate(measured)))
         duration = (time.perf_counter() - t0) * config.speedup
@@ -195,8 +200,13 @@ def to_profile_time(record: RequestRecord, speedup: float) -> RequestRecord:
     def scaled(value: float | None) -> float | None:
         return None if value is None else value * speedup
 
-    return dataclasses.replace(record, send_time=record.send_time * speedup, ttft=scaled(record.ttft),
-                               itl=[gap * speedup for gap in record.itl], e2e=scaled(record.e2e))
+    return dataclasses.replace(
+        record,
+        send_time=record.send_time * speedup,
+        ttft=scaled(record.ttft),
+        itl=[gap * speedup for gap in record.itl],
+        e2e=scaled(record.e2e),
+    )
 
 
 def run_bench(config: BenchConfig, corpus_ids: Sequence[int] | None = None, progress: bool = True) -> dict[str, Any]:
@@ -229,8 +239,12 @@ def summary_rows(summary: dict[str, Any]) -> list[tuple[str, str]]:
         rows.append(("SLO attainment all", f"{100 * summary['slo_attainment_all']:.1f}%"))
     for name in LATENCY_METRICS:
         s = summary[f"{name}_ms"]
-        rows.append((f"{name.upper()} ms mean/median/p90/p99", "  ".join(f"{s[k]:.1f}" for k in
-                                                                         ("mean", "median", "p90", "p99"))))
+        rows.append(
+            (
+                f"{name.upper()} ms mean/median/p90/p99",
+                "  ".join(f"{s[k]:.1f}" for k in ("mean", "median", "p90", "p99")),
+            )
+        )
     return rows
 
 

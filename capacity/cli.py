@@ -34,8 +34,13 @@ def _add_workload(p: argparse.ArgumentParser) -> None:
     p.add_argument("--output-len", default="64", help="max output tokens: N or LOW:HIGH (uniform)")
     p.add_argument("--output-hist", default=None, metavar="FILE", help="JSON/CSV of length,weight (wins)")
     p.add_argument("--burstiness", type=float, default=1.0, help="gamma shape: 1 = Poisson, < 1 burstier")
-    p.add_argument("--slo", action="append", default=[], metavar="METRIC_MS=V",
-                   help="ttft_ms=..., tpot_ms=..., e2e_ms=... (repeatable)")
+    p.add_argument(
+        "--slo",
+        action="append",
+        default=[],
+        metavar="METRIC_MS=V",
+        help="ttft_ms=..., tpot_ms=..., e2e_ms=... (repeatable)",
+    )
 
 
 def _add_load(p: argparse.ArgumentParser) -> None:
@@ -53,8 +58,11 @@ def add_bench(commands: argparse._SubParsersAction) -> None:
     bench = commands.add_parser("bench", help="load-generate against a running router")
     bench.add_argument("--url", default=DEFAULT_URL, help=f"router address (default {DEFAULT_URL})")
     bench.add_argument("--rate", type=parse_rate, default=math.inf, help="requests/s, or inf (all at once)")
-    bench.add_argument("--token", default=None,
-                       help="bearer token for a router started with an auth token (default: $PDSERVE_AUTH_TOKEN)")
+    bench.add_argument(
+        "--token",
+        default=None,
+        help="bearer token for a router started with an auth token (default: $PDSERVE_AUTH_TOKEN)",
+    )
     bench.add_argument("--tls-ca", default=None, metavar="PEM", help="trust this CA/certificate and use TLS")
     _add_load(bench)
     bench.add_argument("--output", default=None, metavar="FILE", help="write config, summary and records (JSON)")
@@ -68,8 +76,12 @@ def add_sweep(commands: argparse._SubParsersAction) -> None:
     sweep.add_argument("--workers", type=int, default=2, help="worker budget")
     sweep.add_argument("--rates", type=_rates, required=True, help="comma-separated rates, e.g. 0.5,1,2")
     _add_load(sweep)
-    sweep.add_argument("--configs", default=None, metavar="NAMES",
-                       help="only these configurations, comma-separated (e.g. 1P5D,3P3D,colocated x6); default all")
+    sweep.add_argument(
+        "--configs",
+        default=None,
+        metavar="NAMES",
+        help="only these configurations, comma-separated (e.g. 1P5D,3P3D,colocated x6); default all",
+    )
     sweep.add_argument("--output-dir", default="sweep-results")
     add_engine_flags(sweep)
     sweep.set_defaults(func=_cmd_sweep)
@@ -82,23 +94,46 @@ def add_plan(commands: argparse._SubParsersAction) -> None:
     prof.add_argument("--model", default=None)
     prof.add_argument("--threads", type=int, default=1, help="torch threads (match the workers')")
     prof.add_argument("--repeats", type=int, default=3)
-    prof.add_argument("--contention", type=int, default=1, metavar="N",
-                      help="measure while N - 1 co-running helpers keep other cores busy (N workers share the machine)")
-    prof.add_argument("--prefill-tokens", type=_int_list, default=None, metavar="N,N,...",
-                      help="prompt lengths of the prefill points (default 32,128,256,512,1024)")
-    prof.add_argument("--decode-batches", type=_int_list, default=None, metavar="B,B,...",
-                      help="batch sizes of the decode points (default 1,4,16); measure the batches your "
-                           "workload runs: the fit is a line in the batch")
-    prof.add_argument("--decode-contexts", type=_int_list, default=None, metavar="C,C,...",
-                      help="context lengths of the decode points (default 128,512,1024)")
+    prof.add_argument(
+        "--contention",
+        type=int,
+        default=1,
+        metavar="N",
+        help="measure while N - 1 co-running helpers keep other cores busy (N workers share the machine)",
+    )
+    prof.add_argument(
+        "--prefill-tokens",
+        type=_int_list,
+        default=None,
+        metavar="N,N,...",
+        help="prompt lengths of the prefill points (default 32,128,256,512,1024)",
+    )
+    prof.add_argument(
+        "--decode-batches",
+        type=_int_list,
+        default=None,
+        metavar="B,B,...",
+        help="batch sizes of the decode points (default 1,4,16); measure the batches your "
+        "workload runs: the fit is a line in the batch",
+    )
+    prof.add_argument(
+        "--decode-contexts",
+        type=_int_list,
+        default=None,
+        metavar="C,C,...",
+        help="context lengths of the decode points (default 128,512,1024)",
+    )
     prof.add_argument("--output", default="profile.json")
     prof.set_defaults(func=_cmd_profile)
-    pfit = sub.add_parser("fit", help="fit a profile's pass model to the pass log of a serving run "
-                                      "(PDSERVE_PASS_LOG=DIR while it ran)")
-    pfit.add_argument("--pass-log", required=True, nargs="+", metavar="PATH",
-                      help="pass-log files, or folders of them (passes-*.csv)")
-    pfit.add_argument("--profile", required=True,
-                      help="base profile: transfer, engine limits and model are taken from it")
+    pfit = sub.add_parser(
+        "fit", help="fit a profile's pass model to the pass log of a serving run (PDSERVE_PASS_LOG=DIR while it ran)"
+    )
+    pfit.add_argument(
+        "--pass-log", required=True, nargs="+", metavar="PATH", help="pass-log files, or folders of them (passes-*.csv)"
+    )
+    pfit.add_argument(
+        "--profile", required=True, help="base profile: transfer, engine limits and model are taken from it"
+    )
     pfit.add_argument("--name", default=None, help="name of the new profile (default: the base's + -pass-log)")
     pfit.add_argument("--output", required=True)
     pfit.set_defaults(func=_cmd_fit)
@@ -108,8 +143,13 @@ def add_plan(commands: argparse._SubParsersAction) -> None:
     sim.add_argument("--profile-decode", default=None, help="profile of the decode device")
     sim.add_argument("--rate", type=float, required=True, help="offered rate (req/s)")
     _add_workload(sim)
-    sim.add_argument("--tail-slo", action="append", default=[], metavar="METRIC_STAT_MS=V",
-                     help="tail SLO, e.g. ttft_p90_ms=500, ttft_p99_ms=2000, tpot_p90_ms=50 (repeatable)")
+    sim.add_argument(
+        "--tail-slo",
+        action="append",
+        default=[],
+        metavar="METRIC_STAT_MS=V",
+        help="tail SLO, e.g. ttft_p90_ms=500, ttft_p99_ms=2000, tpot_p90_ms=50 (repeatable)",
+    )
     sim.add_argument("--target", type=float, default=0.9, help="attainment the --slo SLOs need (0.9: p90)")
     sim.add_argument("--max-workers", type=int, default=64)
     sim.add_argument("--max-slice", type=int, default=5, help="largest p+q of the ratios p:q searched")
@@ -121,27 +161,44 @@ def add_plan(commands: argparse._SubParsersAction) -> None:
     val = sub.add_parser("validate", help="replay a sweep's requests in the simulator; report the errors")
     val.add_argument("--profile", required=True)
     val.add_argument("--sweep", required=True, help="results.json of `pdserve sweep` (or results.json.gz)")
-    val.add_argument("--no-prefix-cache", action="store_true",
-                     help="do not model the prefill workers' prefix caches (no tokenizer needed)")
+    val.add_argument(
+        "--no-prefix-cache",
+        action="store_true",
+        help="do not model the prefill workers' prefix caches (no tokenizer needed)",
+    )
     val.add_argument("--output", default=None, metavar="FILE")
     val.set_defaults(func=_cmd_validate)
-    cal = sub.add_parser("calibrate", help="measure the serving stack's overhead from a calibration sweep "
-                                          "of a sim cluster; write the profile with it")
+    cal = sub.add_parser(
+        "calibrate",
+        help="measure the serving stack's overhead from a calibration sweep "
+        "of a sim cluster; write the profile with it",
+    )
     cal.add_argument("--profile", required=True)
     cal.add_argument("--sweep", required=True, help="results.json of a sim-engine `pdserve sweep` (or results.json.gz)")
     cal.add_argument("--output", required=True, metavar="FILE")
-    cal.add_argument("--wake-sigma", type=float, default=None, metavar="S",
-                     help="model a delay per pass that does not grow with the batch, lognormal with this "
-                          "log-space deviation (measured on a step log), and fit its mean to ITL p99 "
-                          "instead of the pass overhead's random factor")
-    cal.add_argument("--jitter-sigma", type=float, default=0.0, metavar="S",
-                     help="with --wake-sigma: the pass overhead's random factor, held fixed (default 0)")
+    cal.add_argument(
+        "--wake-sigma",
+        type=float,
+        default=None,
+        metavar="S",
+        help="model a delay per pass that does not grow with the batch, lognormal with this "
+        "log-space deviation (measured on a step log), and fit its mean to ITL p99 "
+        "instead of the pass overhead's random factor",
+    )
+    cal.add_argument(
+        "--jitter-sigma",
+        type=float,
+        default=0.0,
+        metavar="S",
+        help="with --wake-sigma: the pass overhead's random factor, held fixed (default 0)",
+    )
     cal.set_defaults(func=_cmd_calibrate)
 
 
 def comma_list(parse: Callable[[str], T], what: str) -> Callable[[str], list[T]]:
     """An argparse type: "a,b,c" -> [parse(a), parse(b), parse(c)]; an element that does not parse
     is an ArgumentTypeError naming the list and why."""
+
     def convert(text: str) -> list[T]:
         try:
             return [parse(part.strip()) for part in text.split(",") if part.strip()]
@@ -159,11 +216,21 @@ def bench_config(args: argparse.Namespace, url: str) -> Any:
     from pdserve.capacity.bench import BenchConfig
 
     return BenchConfig(
-        url=url, input_len=length_dist(args.input_len, args.input_hist, "128"),
-        output_len=length_dist(args.output_len, args.output_hist, "64"), num_prompts=args.num_prompts,
-        rate=getattr(args, "rate", math.inf), burstiness=args.burstiness, max_concurrency=args.max_concurrency,
-        warmup=args.warmup, seed=args.seed, ignore_eos=args.ignore_eos, slos=parse_slo(args.slo),
-        model=args.model, timeout_s=args.timeout, speedup=args.speedup, engine=args.engine,
+        url=url,
+        input_len=length_dist(args.input_len, args.input_hist, "128"),
+        output_len=length_dist(args.output_len, args.output_hist, "64"),
+        num_prompts=args.num_prompts,
+        rate=getattr(args, "rate", math.inf),
+        burstiness=args.burstiness,
+        max_concurrency=args.max_concurrency,
+        warmup=args.warmup,
+        seed=args.seed,
+        ignore_eos=args.ignore_eos,
+        slos=parse_slo(args.slo),
+        model=args.model,
+        timeout_s=args.timeout,
+        speedup=args.speedup,
+        engine=args.engine,
         profile=str(Path(args.profile).resolve()) if args.profile else None,
         token=getattr(args, "token", None) or os.environ.get("PDSERVE_AUTH_TOKEN") or None,
         tls_ca=getattr(args, "tls_ca", None),
@@ -204,8 +271,16 @@ def _cmd_sweep(args: argparse.Namespace) -> int:
     except (ValueError, OSError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    doc = run_sweep(config, args.workers, args.rates, Path(args.output_dir), args.model,
-                    log=lambda s: print(s, file=sys.stderr, flush=True), worker_args=worker_args, configs=configs)
+    doc = run_sweep(
+        config,
+        args.workers,
+        args.rates,
+        Path(args.output_dir),
+        args.model,
+        log=lambda s: print(s, file=sys.stderr, flush=True),
+        worker_args=worker_args,
+        configs=configs,
+    )
     from pdserve.capacity.sweep import csv_row
 
     cols = ("config", "rate", "goodput", "slo_attainment_all", "ttft_p90_ms", "tpot_mean_ms", "itl_p99_ms")
@@ -223,11 +298,16 @@ def _cmd_profile(args: argparse.Namespace) -> int:
     from pdserve.capacity.profiler import DECODE_BATCHES, DECODE_CONTEXTS, PREFILL_TOKENS, run_profile
 
     try:
-        profile = run_profile(args.model, args.threads, args.repeats, args.contention,
-                              progress=lambda s: print(s, file=sys.stderr),
-                              prefill_tokens=args.prefill_tokens or PREFILL_TOKENS,
-                              decode_batches=args.decode_batches or DECODE_BATCHES,
-                              decode_contexts=args.decode_contexts or DECODE_CONTEXTS)
+        profile = run_profile(
+            args.model,
+            args.threads,
+            args.repeats,
+            args.contention,
+            progress=lambda s: print(s, file=sys.stderr),
+            prefill_tokens=args.prefill_tokens or PREFILL_TOKENS,
+            decode_batches=args.decode_batches or DECODE_BATCHES,
+            decode_contexts=args.decode_contexts or DECODE_CONTEXTS,
+        )
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
@@ -255,13 +335,17 @@ def _cmd_fit(args: argparse.Namespace) -> int:
         return 2
     profile.save(args.output)
     fitted = profile.points["pass_log"]
-    print(f"fitted {fitted['passes']} passes from {len(files)} file(s): "
-          + ", ".join(f"{t} {c:.6g}" for t, c in zip(fitted["terms"], fitted["coef"], strict=True))
-          + f"; passes spread around the fit by a log-space deviation of {fitted['pass_sigma']:.3f} (pass_sigma)")
+    print(
+        f"fitted {fitted['passes']} passes from {len(files)} file(s): "
+        + ", ".join(f"{t} {c:.6g}" for t, c in zip(fitted["terms"], fitted["coef"], strict=True))
+        + f"; passes spread around the fit by a log-space deviation of {fitted['pass_sigma']:.3f} (pass_sigma)"
+    )
     for kind, stats in fitted["by_kind"].items():
         if stats["passes"]:
-            print(f"  {kind}: {stats['passes']} passes, mean {1000 * stats['mean_s']:.1f} ms, "
-                  f"mean |residual| {1000 * stats['mean_abs_residual_s']:.1f} ms")
+            print(
+                f"  {kind}: {stats['passes']} passes, mean {1000 * stats['mean_s']:.1f} ms, "
+                f"mean |residual| {1000 * stats['mean_abs_residual_s']:.1f} ms"
+            )
     return 0
 
 
@@ -278,29 +362,38 @@ def _cmd_simulate(args: argparse.Namespace) -> int:
         require("matplotlib", "pdserve plan simulate --plot")
 
     try:
-        timing = timing_for(_load_profile(args.profile), _load_profile(args.profile_prefill),
-                            _load_profile(args.profile_decode))
-        workload = Workload(length_dist(args.input_len, args.input_hist, "128"),
-                            length_dist(args.output_len, args.output_hist, "64"), args.burstiness)
+        timing = timing_for(
+            _load_profile(args.profile), _load_profile(args.profile_prefill), _load_profile(args.profile_decode)
+        )
+        workload = Workload(
+            length_dist(args.input_len, args.input_hist, "128"),
+            length_dist(args.output_len, args.output_hist, "64"),
+            args.burstiness,
+        )
         slos = Slos(parse_slo(args.slo), tuple(parse_tail_slo(args.tail_slo)), args.target)
-        result = plan(timing, workload, args.rate, slos, args.max_workers, args.num_requests, args.seed,
-                      args.max_slice)
+        result = plan(timing, workload, args.rate, slos, args.max_workers, args.num_requests, args.seed, args.max_slice)
     except (ValueError, OSError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     cols = ("slice", "slice goodput", "goodput/worker", f"deployment for {args.rate:g} req/s", "workers")
     print(format_table(cols, format_rows(result["rows"])))
-    print("pareto front (workers: deployment, goodput): "
-          + ", ".join(f"{p['workers']}: {p['deployment']} {p['goodput']:.2f}" for p in result["pareto_front"]))
+    print(
+        "pareto front (workers: deployment, goodput): "
+        + ", ".join(f"{p['workers']}: {p['deployment']} {p['goodput']:.2f}" for p in result["pareto_front"])
+    )
     for key in ("best_disaggregated", "best_colocated", "recommended"):
         if key in result:
             r = result[key]
-            print(f"{key}: {r['deployment']} ({r['workers']} workers, sustains {r['sustains']:.2f} req/s, "
-                  f"{r['goodput_per_worker']:.3f} req/s per worker)")
+            print(
+                f"{key}: {r['deployment']} ({r['workers']} workers, sustains {r['sustains']:.2f} req/s, "
+                f"{r['goodput_per_worker']:.3f} req/s per worker)"
+            )
     if "verified" in result.get("recommended", {}):
         v = result["recommended"]["verified"]
-        print(f"recommended, simulated whole at {args.rate:g} req/s: SLOs met {v['slos_met']}, TTFT p90 "
-              f"{v['ttft_p90_ms']:.1f} ms, TTFT p99 {v['ttft_p99_ms']:.1f} ms, TPOT p90 {v['tpot_p90_ms']:.1f} ms")
+        print(
+            f"recommended, simulated whole at {args.rate:g} req/s: SLOs met {v['slos_met']}, TTFT p90 "
+            f"{v['ttft_p90_ms']:.1f} ms, TTFT p99 {v['ttft_p99_ms']:.1f} ms, TPOT p90 {v['tpot_p90_ms']:.1f} ms"
+        )
     if "recommended" not in result:
         print(f"no deployment up to {args.max_workers} workers sustains {args.rate:g} req/s")
     if args.output:
@@ -351,8 +444,13 @@ def _cmd_calibrate(args: argparse.Namespace) -> int:
         sweep = read_sweep(args.sweep)
         if args.wake_sigma is not None and min(args.wake_sigma, args.jitter_sigma) < 0:
             raise ValueError("--wake-sigma and --jitter-sigma must be >= 0")
-        profile = calibrate_overhead(_load_profile(args.profile), sweep, sweep_prompts(sweep),
-                                     wake_sigma=args.wake_sigma, jitter_sigma=args.jitter_sigma)
+        profile = calibrate_overhead(
+            _load_profile(args.profile),
+            sweep,
+            sweep_prompts(sweep),
+            wake_sigma=args.wake_sigma,
+            jitter_sigma=args.jitter_sigma,
+        )
     except (ValueError, OSError, KeyError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

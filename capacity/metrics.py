@@ -136,8 +136,9 @@ def _fraction(done: Sequence[RequestRecord], metric: str, limit_s: float) -> flo
     return sum(meets(r, metric, limit_s) for r in done) / len(done) if done else 0.0
 
 
-def bootstrap_goodput(records: Sequence[RequestRecord], duration_s: float, slos: Mapping[str, float],
-                      resamples: int = 1000, seed: int = 0) -> tuple[float, float]:
+def bootstrap_goodput(
+    records: Sequence[RequestRecord], duration_s: float, slos: Mapping[str, float], resamples: int = 1000, seed: int = 0
+) -> tuple[float, float]:
     """95% percentile-bootstrap interval of goodput (requests resampled with replacement; the
     duration is held fixed)."""
     good = np.array([meets_all(r, slos) for r in records], dtype=float)

@@ -62,8 +62,9 @@ def parse_tail_slo(items: Sequence[str]) -> list[TailSlo]:
         name, sep, value = item.partition("=")
         parts = name.strip().split("_")
         if not sep or len(parts) != 3 or parts[0] not in TAIL_METRICS or parts[1] not in TAIL_STATS or parts[2] != "ms":
-            raise ValueError(f"tail SLO must look like ttft_p90_ms=500 (metrics {TAIL_METRICS}, stats "
-                             f"{TAIL_STATS}), got {item!r}")
+            raise ValueError(
+                f"tail SLO must look like ttft_p90_ms=500 (metrics {TAIL_METRICS}, stats {TAIL_STATS}), got {item!r}"
+            )
         limit = float(value)
         if not limit > 0:
             raise ValueError(f"tail SLO {name} must be > 0 ms, got {value}")
@@ -100,14 +101,26 @@ class Slos:
         return all(t.met(summary) for t in self.tail)
 
 
-def timing_for(profile: Profile, prefill_profile: Profile | None = None, decode_profile: Profile | None = None,
-               overhead_scale: float = 1.0, rr_offset: int = 0) -> Timing:
+def timing_for(
+    profile: Profile,
+    prefill_profile: Profile | None = None,
+    decode_profile: Profile | None = None,
+    overhead_scale: float = 1.0,
+    rr_offset: int = 0,
+) -> Timing:
     """Timing of one profile, or of per-pool profiles (the KV links are the prefill side's)."""
     return Timing(prefill_profile or profile, decode_profile or profile, overhead_scale, rr_offset=rr_offset)
 
 
-def simulate_summary(timing: Timing, dep: Deployment, workload: Workload, rate: float, num_requests: int,
-                     slos: Mapping[str, float], seed: int = 0) -> dict[str, Any]:
+def simulate_summary(
+    timing: Timing,
+    dep: Deployment,
+    workload: Workload,
+    rate: float,
+    num_requests: int,
+    slos: Mapping[str, float],
+    seed: int = 0,
+) -> dict[str, Any]:
     """Simulate ``num_requests`` requests arriving at ``rate``; return the metrics summary."""
     rng = np.random.default_rng(seed)
     inputs = workload.input_len.sample(rng, num_requests)
@@ -135,8 +148,9 @@ def slice_requests(dep: Deployment, num_requests: int) -> int:
     return max(num_requests, 50 * dep.num_workers)
 
 
-def max_rate(timing: Timing, dep: Deployment, workload: Workload, slos: Slos, num_requests: int, seed: int,
-             rounds: int = 6) -> float:
+def max_rate(
+    timing: Timing, dep: Deployment, workload: Workload, slos: Slos, num_requests: int, seed: int, rounds: int = 6
+) -> float:
     """Highest rate meeting the SLOs: doubling from a guess, then bisection (0 when none does)."""
     n = slice_requests(dep, num_requests)
 
@@ -163,8 +177,17 @@ def _rate_guess(timing: Timing, dep: Deployment, workload: Workload) -> float:
     return max(1e-3, (dep.prefill or dep.colocated) / max(1e-9, profile.pass_s([(prompt, 0)], 0, 0)) / 4)
 
 
-def plan(timing: Timing, workload: Workload, rate: float, slos: Slos, max_workers: int = 64,
-         num_requests: int = 300, seed: int = 0, max_slice: int = 5, verify_max_workers: int = 32) -> dict[str, Any]:
+def plan(
+    timing: Timing,
+    workload: Workload,
+    rate: float,
+    slos: Slos,
+    max_workers: int = 64,
+    num_requests: int = 300,
+    seed: int = 0,
+    max_slice: int = 5,
+    verify_max_workers: int = 32,
+) -> dict[str, Any]:
     """Search slices, size each family for ``rate``, build the Pareto front; see the module docstring."""
     if not rate > 0 or max_workers < 1:
         raise ValueError("rate must be > 0 and max_workers >= 1")
@@ -174,12 +197,23 @@ def plan(timing: Timing, workload: Workload, rate: float, slos: Slos, max_worker
         per_worker = slice_rate / dep.num_workers
         copies = math.ceil(rate / slice_rate) if slice_rate > 0 else None
         sized = _scaled(dep, copies) if copies and copies * dep.num_workers <= max_workers else None
-        rows.append({"slice": dep.name, "slice_workers": dep.num_workers, "slice_goodput": slice_rate,
-                     "goodput_per_worker": per_worker, "deployment": sized.name if sized else None,
-                     "workers": sized.num_workers if sized else None,
-                     "sustains": copies * slice_rate if sized and copies else None})
-    result: dict[str, Any] = {"rate": rate, "max_workers": max_workers, "rows": rows,
-                              "pareto_front": pareto_front(rows, max_workers)}
+        rows.append(
+            {
+                "slice": dep.name,
+                "slice_workers": dep.num_workers,
+                "slice_goodput": slice_rate,
+                "goodput_per_worker": per_worker,
+                "deployment": sized.name if sized else None,
+                "workers": sized.num_workers if sized else None,
+                "sustains": copies * slice_rate if sized and copies else None,
+            }
+        )
+    result: dict[str, Any] = {
+        "rate": rate,
+        "max_workers": max_workers,
+        "rows": rows,
+        "pareto_front": pareto_front(rows, max_workers),
+    }
     for family in ("disaggregated", "colocated"):
         feasible = [r for r in rows if r["workers"] and ("P" in r["slice"]) == (family == "disaggregated")]
         if feasible:
@@ -189,8 +223,15 @@ def plan(timing: Timing, workload: Workload, rate: float, slos: Slos, max_worker
         best = min(chosen, key=lambda r: (r["workers"], -r["goodput_per_worker"]))
         result["recommended"] = dict(best)
         if best["workers"] <= verify_max_workers:
-            whole = simulate_summary(timing, Deployment.parse(best["deployment"]), workload, rate,
-                                     max(num_requests, 50 * best["workers"]), slos.per_request, seed)
+            whole = simulate_summary(
+                timing,
+                Deployment.parse(best["deployment"]),
+                workload,
+                rate,
+                max(num_requests, 50 * best["workers"]),
+                slos.per_request,
+                seed,
+            )
             result["recommended"]["verified"] = {"slos_met": slos.met(whole), **_latency_row(whole)}
     return result
 
@@ -221,30 +262,54 @@ def pareto_front(rows: Sequence[Mapping[str, Any]], max_workers: int) -> list[di
 
 
 def _latency_row(s: Mapping[str, Any]) -> dict[str, Any]:
-    return {"attainment": s["slo_attainment_all"], "goodput": s["goodput"], "ttft_p90_ms": s["ttft_ms"]["p90"],
-            "ttft_p99_ms": s["ttft_ms"]["p99"], "tpot_p90_ms": s["tpot_ms"]["p90"], "itl_p99_ms": s["itl_ms"]["p99"]}
+    return {
+        "attainment": s["slo_attainment_all"],
+        "goodput": s["goodput"],
+        "ttft_p90_ms": s["ttft_ms"]["p90"],
+        "ttft_p99_ms": s["ttft_ms"]["p99"],
+        "tpot_p90_ms": s["tpot_ms"]["p90"],
+        "itl_p99_ms": s["itl_ms"]["p99"],
+    }
 
 
 def format_rows(rows: Sequence[Mapping[str, Any]]) -> list[list[str]]:
-    return [[r["slice"], f"{r['slice_goodput']:.3f}", f"{r['goodput_per_worker']:.3f}", r["deployment"] or "-",
-             str(r["workers"] or "-")] for r in rows]
+    return [
+        [
+            r["slice"],
+            f"{r['slice_goodput']:.3f}",
+            f"{r['goodput_per_worker']:.3f}",
+            r["deployment"] or "-",
+            str(r["workers"] or "-"),
+        ]
+        for r in rows
+    ]
 
 
 # ----- validation -------------------------------------------------------------------------------------
-VALIDATED = (("goodput", None), ("ttft_ms", "mean"), ("ttft_ms", "p90"), ("tpot_ms", "mean"), ("itl_ms", "p90"),
-             ("itl_ms", "p99"))
+VALIDATED = (
+    ("goodput", None),
+    ("ttft_ms", "mean"),
+    ("ttft_ms", "p90"),
+    ("tpot_ms", "mean"),
+    ("itl_ms", "p90"),
+    ("itl_ms", "p99"),
+)
 HEADLINE = ("goodput", "ttft_ms_p90", "tpot_ms_mean", "itl_ms_p99")
 
 
-def replay_trace(point: Mapping[str, Any],
-                 output_len: LengthDist) -> tuple[list[float], list[int], list[int], list[int]]:
+def replay_trace(
+    point: Mapping[str, Any], output_len: LengthDist
+) -> tuple[list[float], list[int], list[int], list[int]]:
     """Arrival times, prompt and output lengths and request indices of a measured point's requests,
     in arrival order (failed requests, whose output length is unknown, get the distribution's mean)."""
     records = sorted(point["records"], key=lambda r: r["send_time"])
     fallback = max(1, round(output_len.mean))
-    return ([float(r["send_time"]) for r in records], [int(r["prompt_tokens"]) for r in records],
-            [int(r["output_tokens"]) if not r["error"] and r["output_tokens"] else fallback for r in records],
-            [int(r["index"]) for r in records])
+    return (
+        [float(r["send_time"]) for r in records],
+        [int(r["prompt_tokens"]) for r in records],
+        [int(r["output_tokens"]) if not r["error"] and r["output_tokens"] else fallback for r in records],
+        [int(r["index"]) for r in records],
+    )
 
 
 PromptSource = Callable[[Mapping[str, Any]], tuple[list[list[int]], list[list[int]]]]
@@ -257,8 +322,12 @@ def sweep_prompts(sweep: Mapping[str, Any]) -> PromptSource:
 
     bench = sweep["bench"]
     corpus = load_corpus_ids(bench.get("model"))
-    config = BenchConfig(url="", input_len=LengthDist.from_json(bench["input_len"]),
-                         output_len=LengthDist.from_json(bench["output_len"]), num_prompts=int(bench["num_prompts"]))
+    config = BenchConfig(
+        url="",
+        input_len=LengthDist.from_json(bench["input_len"]),
+        output_len=LengthDist.from_json(bench["output_len"]),
+        num_prompts=int(bench["num_prompts"]),
+    )
     warmup, seed = int(bench.get("warmup", 0)), int(bench["seed"])
 
     cached: list[tuple[list[list[int]], list[list[int]]]] = []
@@ -294,8 +363,9 @@ def validate(timing: Timing, sweep: Mapping[str, Any], prompts: PromptSource | N
         hashes, worker_caches = None, None
         if prompts is not None:
             engine = timing.prefill.engine if dep.prefill else timing.decode.engine  # the workers that prefill
-            worker_caches = caches.setdefault(point["config"], [PrefixCache(engine.num_blocks)
-                                                                for _ in range(dep.prefill or dep.colocated)])
+            worker_caches = caches.setdefault(
+                point["config"], [PrefixCache(engine.num_blocks) for _ in range(dep.prefill or dep.colocated)]
+            )
             hashes = _warm_and_hash(prompts(point), worker_caches, sent_before, indices, inputs, engine.block_size)
         point_timing = Timing(timing.prefill, timing.decode, speedup, timing.backend, sent_before + warmup)
         predicted_records = simulate(dep, arrivals, inputs, outputs, point_timing, hashes, worker_caches)
@@ -303,14 +373,27 @@ def validate(timing: Timing, sweep: Mapping[str, Any], prompts: PromptSource | N
         points.append(_compare(point, predicted, slos))
     keys = [m if s is None else f"{m}_{s}" for m, s in VALIDATED]
     mape = {k: _mean_abs([p[k]["rel_error"] for p in points]) for k in keys}
-    return {"profile": {"prefill": timing.prefill.name, "decode": timing.decode.name}, "speedup": speedup,
-            "prefix_cache_modelled": prompts is not None, "points": points, "mean_abs_rel_error": mape,
-            "max_abs_rel_error": {k: max((abs(p[k]["rel_error"]) for p in points
-                                          if not math.isnan(p[k]["rel_error"])), default=math.nan) for k in keys}}
+    return {
+        "profile": {"prefill": timing.prefill.name, "decode": timing.decode.name},
+        "speedup": speedup,
+        "prefix_cache_modelled": prompts is not None,
+        "points": points,
+        "mean_abs_rel_error": mape,
+        "max_abs_rel_error": {
+            k: max((abs(p[k]["rel_error"]) for p in points if not math.isnan(p[k]["rel_error"])), default=math.nan)
+            for k in keys
+        },
+    }
 
 
-def _warm_and_hash(prompts: tuple[list[list[int]], list[list[int]]], caches: list[PrefixCache], sent_before: int,
-                   indices: Sequence[int], inputs: Sequence[int], block_size: int) -> list[list[bytes]]:
+def _warm_and_hash(
+    prompts: tuple[list[list[int]], list[list[int]]],
+    caches: list[PrefixCache],
+    sent_before: int,
+    indices: Sequence[int],
+    inputs: Sequence[int],
+    block_size: int,
+) -> list[list[bytes]]:
     """Cache the warm-up prompts where round robin sent them; return the measured prompts' block
     hashes in replay order (ValueError when the regenerated prompts do not match the records)."""
     from pdserve.engine.block_pool import block_hashes
@@ -326,8 +409,11 @@ def _warm_and_hash(prompts: tuple[list[list[int]], list[list[int]]], caches: lis
 def _compare(point: Mapping[str, Any], predicted: Mapping[str, Any], slos: Mapping[str, float]) -> dict[str, Any]:
     measured = point["summary"]
     records = [RequestRecord.from_json(r) for r in point["records"]]
-    row: dict[str, Any] = {"config": point["config"], "rate": point["rate"],
-                           "goodput_ci95": list(bootstrap_goodput(records, measured["duration_s"], slos))}
+    row: dict[str, Any] = {
+        "config": point["config"],
+        "rate": point["rate"],
+        "goodput_ci95": list(bootstrap_goodput(records, measured["duration_s"], slos)),
+    }
     for metric, stat in VALIDATED:
         key = metric if stat is None else f"{metric}_{stat}"
         m, p = _get(measured, metric, stat), _get(predicted, metric, stat)
@@ -357,8 +443,14 @@ JITTER_SIGMA_MAX = 2.326
 WAKE_S_MAX = 0.1
 
 
-def calibrate_overhead(profile: Profile, sweep: Mapping[str, Any], prompts: PromptSource | None = None,
-                       iterations: int = 3, wake_sigma: float | None = None, jitter_sigma: float = 0.0) -> Profile:
+def calibrate_overhead(
+    profile: Profile,
+    sweep: Mapping[str, Any],
+    prompts: PromptSource | None = None,
+    iterations: int = 3,
+    wake_sigma: float | None = None,
+    jitter_sigma: float = 0.0,
+) -> Profile:
     """`profile` with ``overhead`` measured on a calibration sweep of a sim cluster (another run than
     the one being validated), in wall seconds (the sweep's speedup divided out), never negative:
 
@@ -450,6 +542,7 @@ def _memo(prompts: PromptSource) -> PromptSource:
 
 def _nnls2(jac: np.ndarray, target: np.ndarray, two: bool) -> np.ndarray:
     """min |jac x - target| over x >= 0 for one or two unknowns (returns two entries)."""
+
     def solve(cols: list[int]) -> np.ndarray:
         x = np.zeros(2)
         if cols:

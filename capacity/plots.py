@@ -40,8 +40,10 @@ def write_plots(output_dir: Path, doc: dict[str, Any]) -> list[Path]:
     for name, pts in groups.items():
         goodput = [p["summary"]["goodput"] or 0 for p in pts]
         cis = [p["summary"].get("goodput_ci95") or [g, g] for p, g in zip(pts, goodput, strict=True)]
-        err = [[max(0.0, g - lo) for g, (lo, _) in zip(goodput, cis, strict=True)],
-               [max(0.0, hi - g) for g, (_, hi) in zip(goodput, cis, strict=True)]]
+        err = [
+            [max(0.0, g - lo) for g, (lo, _) in zip(goodput, cis, strict=True)],
+            [max(0.0, hi - g) for g, (_, hi) in zip(goodput, cis, strict=True)],
+        ]
         ax.errorbar([p["rate"] for p in pts], goodput, yerr=err, marker="o", capsize=3, label=name)
     rates = sorted({p["rate"] for p in doc["points"]})
     ax.plot(rates, rates, ls=":", color="gray", label="offered rate")
@@ -54,8 +56,13 @@ def write_plots(output_dir: Path, doc: dict[str, Any]) -> list[Path]:
         rates = [p["rate"] for p in pts]
         ax.plot(rates, [100 * (p["summary"]["slo_attainment_all"] or 0) for p in pts], marker="o", label=f"{name} all")
         for metric in pts[0]["summary"]["slo_attainment"]:
-            ax.plot(rates, [100 * p["summary"]["slo_attainment"][metric] for p in pts], ls="--", alpha=0.6,
-                    label=f"{name} {metric}")
+            ax.plot(
+                rates,
+                [100 * p["summary"]["slo_attainment"][metric] for p in pts],
+                ls="--",
+                alpha=0.6,
+                label=f"{name} {metric}",
+            )
     ax.set(xlabel="request rate (req/s)", ylabel="SLO attainment (%)", title="SLO attainment vs rate", ylim=(0, 105))
     ax.legend(fontsize=7)
     save(fig, PLOTS[1])
@@ -95,8 +102,16 @@ def plot_plan(path: Path, result: dict[str, Any]) -> Path:
         style = {"ls": "--", "color": "black"} if row["slice"].startswith("colocated") else {"alpha": 0.5}
         ax.plot(sizes, [rate * n / size for n in sizes], lw=1, label=row["slice"], **style)
     front = result["pareto_front"]
-    ax.plot([p["workers"] for p in front], [p["goodput"] for p in front], "o-", color="red", lw=2, ms=4,
-            label="Pareto front", drawstyle="steps-post")
+    ax.plot(
+        [p["workers"] for p in front],
+        [p["goodput"] for p in front],
+        "o-",
+        color="red",
+        lw=2,
+        ms=4,
+        label="Pareto front",
+        drawstyle="steps-post",
+    )
     ax.axhline(result["rate"], color="gray", ls=":", label=f"offered {result['rate']:g} req/s")
     ax.set(xlabel="workers", ylabel="goodput at the SLOs (req/s)", title="Sustained goodput vs deployment size")
     ax.legend(fontsize=6, ncol=2)

@@ -58,9 +58,13 @@ def device_description(threads: int) -> dict[str, Any]:
     }
 
 
-def _profile_compute(loaded: Any, repeats: int, prefill_tokens: Sequence[int] = PREFILL_TOKENS,
-                     decode_batches: Sequence[int] = DECODE_BATCHES, decode_contexts: Sequence[int] = DECODE_CONTEXTS,
-                     ) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+def _profile_compute(
+    loaded: Any,
+    repeats: int,
+    prefill_tokens: Sequence[int] = PREFILL_TOKENS,
+    decode_batches: Sequence[int] = DECODE_BATCHES,
+    decode_contexts: Sequence[int] = DECODE_CONTEXTS,
+) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
     from pdserve.engine.kv_cache import KVCache
     from pdserve.engine.model_runner import ModelRunner, StepInput
 
@@ -106,8 +110,9 @@ def _profile_transfer(loaded: Any, repeats: int) -> list[dict[str, float]]:
             kv = torch.randn(dims).to(shape.dtype)
 
             def once(kv: torch.Tensor = kv, dims: tuple[int, ...] = dims, tokens: int = tokens) -> None:
-                spec = KvSpec(f"profile-{next(counter)}", loaded.fingerprint, dtype_name(shape.dtype), dims,
-                              BLOCK_SIZE, tokens)
+                spec = KvSpec(
+                    f"profile-{next(counter)}", loaded.fingerprint, dtype_name(shape.dtype), dims, BLOCK_SIZE, tokens
+                )
                 pending = receiver.expect(spec, ExpectOptions(60.0))
                 sender.send(spec, kv, 1, 60.0)
                 pending.wait(60.0)
@@ -122,11 +127,7 @@ def _profile_transfer(loaded: Any, repeats: int) -> list[dict[str, float]]:
 
 
 CONTENTION_SCRIPT = (
-    "import sys, torch\n"
-    "torch.set_num_threads(1)\n"
-    "a = torch.randn(384, 384)\n"
-    "while True:\n"
-    "    a = torch.tanh(a @ a)\n"
+    "import sys, torch\ntorch.set_num_threads(1)\na = torch.randn(384, 384)\nwhile True:\n    a = torch.tanh(a @ a)\n"
 )
 
 
@@ -152,10 +153,16 @@ def check_grid(name: str, values: Sequence[int], minimum: int, count: int) -> tu
     return grid
 
 
-def run_profile(model: str | None = None, threads: int = 1, repeats: int = 3, contention: int = 1,
-                progress: Callable[[str], object] = print, prefill_tokens: Sequence[int] = PREFILL_TOKENS,
-                decode_batches: Sequence[int] = DECODE_BATCHES,
-                decode_contexts: Sequence[int] = DECODE_CONTEXTS) -> Profile:
+def run_profile(
+    model: str | None = None,
+    threads: int = 1,
+    repeats: int = 3,
+    contention: int = 1,
+    progress: Callable[[str], object] = print,
+    prefill_tokens: Sequence[int] = PREFILL_TOKENS,
+    decode_batches: Sequence[int] = DECODE_BATCHES,
+    decode_contexts: Sequence[int] = DECODE_CONTEXTS,
+) -> Profile:
     """Measure and fit; return the profile (`contention`: workers sharing the machine, this one included).
     The grids say where the fits are measured: the prompt lengths, decode batch sizes and contexts a
     workload will see give a profile that is accurate there (a line through batches 1-16 misses
@@ -186,24 +193,36 @@ def run_profile(model: str | None = None, threads: int = 1, repeats: int = 3, co
     link = LinkCost(max(0.0, t0), 1.0 / max(t1, 1e-15))
     return Profile(
         name=f"cpu-{loaded.path.name}-{threads}thread-contention{contention}".lower(),
-        model_name=loaded.path.name, kv_bytes_per_token=shape.bytes_per_block / BLOCK_SIZE,
+        model_name=loaded.path.name,
+        kv_bytes_per_token=shape.bytes_per_block / BLOCK_SIZE,
         max_model_len=loaded.max_model_len,
         description=f"{loaded.path.name} on this CPU, {threads} torch thread(s) per worker, measured by "
-                    f"`pdserve plan profile` with {contention} worker(s) sharing the machine",
+        f"`pdserve plan profile` with {contention} worker(s) sharing the machine",
         source="measured by pdserve plan profile",
         device=device_description(threads),
-        prefill=PrefillCost(*_nonnegative(fit([[1, p["tokens"], p["tokens"] ** 2] for p in prefill],
-                                              [p["latency_s"] for p in prefill]))),
-        decode=DecodeCost(*_nonnegative(fit([[1, p["batch"], p["batch"] * p["context"]] for p in decode],
-                                            [p["latency_s"] for p in decode]))),
+        prefill=PrefillCost(
+            *_nonnegative(fit([[1, p["tokens"], p["tokens"] ** 2] for p in prefill], [p["latency_s"] for p in prefill]))
+        ),
+        decode=DecodeCost(
+            *_nonnegative(
+                fit([[1, p["batch"], p["batch"] * p["context"]] for p in decode], [p["latency_s"] for p in decode])
+            )
+        ),
         transfer={"grpc": link, "shm": link, "ray": link},
-        engine=EngineLimits(block_size=BLOCK_SIZE,
-                            kv_capacity_tokens=int(DECODE_KV_CACHE_MB * 2**20 // shape.bytes_per_block) * BLOCK_SIZE,
-                            max_num_seqs=MAX_NUM_SEQS, max_batched_tokens=MAX_BATCHED_TOKENS,
-                            prefill_chunk_tokens=PREFILL_CHUNK_TOKENS),
+        engine=EngineLimits(
+            block_size=BLOCK_SIZE,
+            kv_capacity_tokens=int(DECODE_KV_CACHE_MB * 2**20 // shape.bytes_per_block) * BLOCK_SIZE,
+            max_num_seqs=MAX_NUM_SEQS,
+            max_batched_tokens=MAX_BATCHED_TOKENS,
+            prefill_chunk_tokens=PREFILL_CHUNK_TOKENS,
+        ),
         contention_workers=contention,
-        points={"prefill": prefill, "decode": decode, "transfer": transfer,
-                "profile_seconds": time.perf_counter() - started},
+        points={
+            "prefill": prefill,
+            "decode": decode,
+            "transfer": transfer,
+            "profile_seconds": time.perf_counter() - started,
+        },
     )
 
 
@@ -250,10 +269,13 @@ def fit_pass_log(base: Profile, rows: Sequence[Mapping[str, float]], name: str |
     if len(rows) < MIN_PASS_LOG_LINES:
         raise ValueError(f"pass log: need at least {MIN_PASS_LOG_LINES} passes to fit, got {len(rows)}")
     if not any(r["prefill_tokens"] for r in rows) or not any(r["decode_batch"] for r in rows):
-        raise ValueError("pass log: need passes with prompt tokens and passes with decoding sequences "
-                         "(log a run that prefills and decodes: both roles, or colocated workers)")
-    x = np.array([[1.0, r["prefill_tokens"], r["prefill_attention"], r["decode_batch"], r["decode_context"]]
-                  for r in rows])
+        raise ValueError(
+            "pass log: need passes with prompt tokens and passes with decoding sequences "
+            "(log a run that prefills and decodes: both roles, or colocated workers)"
+        )
+    x = np.array(
+        [[1.0, r["prefill_tokens"], r["prefill_attention"], r["decode_batch"], r["decode_context"]] for r in rows]
+    )
     y = np.array([r["seconds"] for r in rows])
     a, bp, cp, bd, cd = (float(c) for c in nonnegative_lstsq(x, y))
     fitted = x @ np.array([a, bp, cp, bd, cd])
@@ -265,20 +287,31 @@ def fit_pass_log(base: Profile, rows: Sequence[Mapping[str, float]], name: str |
         "decode only": [i for i, r in enumerate(rows) if r["decode_batch"] and not r["prefill_tokens"]],
         "mixed": [i for i, r in enumerate(rows) if r["decode_batch"] and r["prefill_tokens"]],
     }
-    summary = {kind: {"passes": len(idx),
-                      "mean_s": float(np.mean(y[idx])) if idx else None,
-                      "mean_abs_residual_s": float(np.mean(np.abs(residual[idx]))) if idx else None}
-               for kind, idx in kinds.items()}
+    summary = {
+        kind: {
+            "passes": len(idx),
+            "mean_s": float(np.mean(y[idx])) if idx else None,
+            "mean_abs_residual_s": float(np.mean(np.abs(residual[idx]))) if idx else None,
+        }
+        for kind, idx in kinds.items()
+    }
     return replace(
         base,
         name=name or f"{base.name}-pass-log",
         description=f"{base.description}; pass model fitted to {len(rows)} passes of a serving run's pass log "
-                    "(`pdserve plan fit`)",
+        "(`pdserve plan fit`)",
         source=f"{base.source}; pass model: `pdserve plan fit` on a pass log",
         prefill=PrefillCost(a, bp, cp),
         decode=DecodeCost(a, bd, cd),
         overhead=Overhead(pass_sigma=pass_sigma),
-        points={**base.points, "pass_log": {"passes": len(rows), "terms": list(PASS_LOG_TERMS),
-                                            "coef": [a, bp, cp, bd, cd], "pass_sigma": pass_sigma,
-                                            "by_kind": summary}},
+        points={
+            **base.points,
+            "pass_log": {
+                "passes": len(rows),
+                "terms": list(PASS_LOG_TERMS),
+                "coef": [a, bp, cp, bd, cd],
+                "pass_sigma": pass_sigma,
+                "by_kind": summary,
+            },
+        },
     )

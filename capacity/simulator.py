@@ -165,8 +165,9 @@ class SimRequest:
     def record(self, latency: float) -> RequestRecord:
         times = [t + latency for t in self.token_times]
         itl = [b - a for a, b in itertools.pairwise(times)]
-        return RequestRecord(self.index, self.arrival, self.input_len, len(times), times[0] - self.arrival,
-                             itl, times[-1] - self.arrival)
+        return RequestRecord(
+            self.index, self.arrival, self.input_len, len(times), times[0] - self.arrival, itl, times[-1] - self.arrival
+        )
 
 
 class EventLoop:
@@ -223,22 +224,28 @@ class _Loop:
 
         spread = self.overhead.pass_sigma
         if spread > 0:  # drawn only when modelled: older profiles keep their timelines
-            seconds *= float(self.rng.lognormal(-spread**2 / 2, spread))
+            seconds *= float(self.rng.lognormal(-(spread**2) / 2, spread))
         extra = self.overhead.pass_s(num_seqs) * self.scale
         sigma = self.overhead.jitter_sigma
         if sigma > 0 and extra > 0:
-            extra *= float(self.rng.lognormal(-sigma**2 / 2, sigma))
+            extra *= float(self.rng.lognormal(-(sigma**2) / 2, sigma))
         wake, wake_sigma = self.overhead.wake_s * self.scale, self.overhead.wake_sigma
         if wake > 0:  # drawn only when modelled: older profiles keep their timelines
-            extra += wake * float(self.rng.lognormal(-wake_sigma**2 / 2, wake_sigma)) if wake_sigma > 0 else wake
+            extra += wake * float(self.rng.lognormal(-(wake_sigma**2) / 2, wake_sigma)) if wake_sigma > 0 else wake
         self.loop.at(self.loop.now + seconds + extra, end)
 
 
 class _EngineWorker(_Loop):
     """Decode or colocated worker: `LLMEngine` (scheduler + block pool) behind the loop."""
 
-    def __init__(self, loop: EventLoop, profile: Profile, scale: float, rng: np.random.Generator | None = None,
-                 cache: PrefixCache | None = None) -> None:
+    def __init__(
+        self,
+        loop: EventLoop,
+        profile: Profile,
+        scale: float,
+        rng: np.random.Generator | None = None,
+        cache: PrefixCache | None = None,
+    ) -> None:
         super().__init__(loop, profile, scale, rng)
         self.cache = cache  # colocated workers' prefix cache (a decode worker prefills nothing)
         self.running: list[SimRequest] = []
@@ -368,8 +375,15 @@ class _EngineWorker(_Loop):
         return chunks
 
     def _chunk(self, req: SimRequest, budget: int, allowance: float, first: bool) -> int:
-        return next_chunk(self._prefill_tokens(req) - req.computed, req.computed, self.limits.prefill_chunk_tokens,
-                          budget, allowance, self.crossover, first)
+        return next_chunk(
+            self._prefill_tokens(req) - req.computed,
+            req.computed,
+            self.limits.prefill_chunk_tokens,
+            budget,
+            allowance,
+            self.crossover,
+            first,
+        )
 
     def _has_slot(self) -> bool:
         return len(self.running) + len(self.prefilling) < self.limits.max_num_seqs
@@ -424,8 +438,15 @@ class _PrefillJob:
 class _PrefillWorker(_Loop):
     """`PrefillWorker`: FIFO admission by free blocks, chunked passes, KV shipped after each prompt."""
 
-    def __init__(self, loop: EventLoop, profile: Profile, scale: float, backend: str,
-                 cache: PrefixCache | None = None, rng: np.random.Generator | None = None) -> None:
+    def __init__(
+        self,
+        loop: EventLoop,
+        profile: Profile,
+        scale: float,
+        backend: str,
+        cache: PrefixCache | None = None,
+        rng: np.random.Generator | None = None,
+    ) -> None:
         super().__init__(loop, profile, scale, rng)
         self.backend = backend
         self.cache = cache
@@ -498,13 +519,22 @@ def simulate(
     as with `--prefix-caching`."""
     loop = EventLoop()
     hashes = prompt_hashes or [()] * len(arrivals)
-    reqs = [SimRequest(i, t, max(1, n), max(1, m), block_hashes=h)
-            for i, (t, n, m, h) in enumerate(zip(arrivals, input_lens, output_lens, hashes, strict=True))]
+    reqs = [
+        SimRequest(i, t, max(1, n), max(1, m), block_hashes=h)
+        for i, (t, n, m, h) in enumerate(zip(arrivals, input_lens, output_lens, hashes, strict=True))
+    ]
     scale = timing.overhead_scale
     colocated_caches = list(prefix_caches) if prefix_caches is not None and dep.colocated else []
-    engines = [_EngineWorker(loop, timing.decode, scale, np.random.default_rng([timing.seed, 0, i]),
-                             colocated_caches[i] if colocated_caches else None)
-               for i in range(dep.colocated or dep.decode)]
+    engines = [
+        _EngineWorker(
+            loop,
+            timing.decode,
+            scale,
+            np.random.default_rng([timing.seed, 0, i]),
+            colocated_caches[i] if colocated_caches else None,
+        )
+        for i in range(dep.colocated or dep.decode)
+    ]
     caches = list(prefix_caches) if prefix_caches is not None and dep.prefill else [None] * dep.prefill
     prefills = []
     for i, cache in enumerate(caches[: dep.prefill]):

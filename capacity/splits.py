@@ -23,8 +23,15 @@ class PlannerSplits:
     """For a mix and n workers, the goodput `capacity.planner.max_rate` predicts for every split pPqD
     with p + q = n; cached per bucketed mix (prompt and output lengths to 25%)."""
 
-    def __init__(self, profile_path: str, ttft_s: float | None, tpot_s: float | None, target: float = 0.9,
-                 speedup: float = 1.0, num_requests: int = 120) -> None:
+    def __init__(
+        self,
+        profile_path: str,
+        ttft_s: float | None,
+        tpot_s: float | None,
+        target: float = 0.9,
+        speedup: float = 1.0,
+        num_requests: int = 120,
+    ) -> None:
         self._timing = timing_for(load_profile(profile_path))
         slos = {k: v for k, v in (("ttft", ttft_s), ("tpot", tpot_s)) if v is not None}
         # the profile is in profile time; a sim cluster with --speedup K runs K times faster
@@ -42,10 +49,19 @@ class PlannerSplits:
     def _rates(self, prompt: int, output: int, n: int) -> dict[int, float]:
         workload = Workload(LengthDist(values=(prompt,), weights=(1.0,)), LengthDist(values=(output,), weights=(1.0,)))
         started = time.monotonic()
-        rates = {p: max_rate(self._timing, Deployment(p, n - p), workload, self._slos, self._num_requests, seed=0,
-                             rounds=4) * self._speedup for p in range(1, n)}
-        log.info("planner: %d prompt / %d output tokens on %d workers: %s (%.1fs)", prompt, output, n,
-                 ", ".join(f"{p}P{n - p}D {r:.2f}/s" for p, r in rates.items()), time.monotonic() - started)
+        rates = {
+            p: max_rate(self._timing, Deployment(p, n - p), workload, self._slos, self._num_requests, seed=0, rounds=4)
+            * self._speedup
+            for p in range(1, n)
+        }
+        log.info(
+            "planner: %d prompt / %d output tokens on %d workers: %s (%.1fs)",
+            prompt,
+            output,
+            n,
+            ", ".join(f"{p}P{n - p}D {r:.2f}/s" for p, r in rates.items()),
+            time.monotonic() - started,
+        )
         return rates
 
 

@@ -22,9 +22,26 @@ from pdserve.capacity.bench import BenchConfig, load_corpus_ids, run_bench
 from pdserve.capacity.metrics import RequestRecord, bootstrap_goodput
 
 CSV_COLUMNS = (
-    "config", "prefill", "decode", "colocated", "rate", "completed", "failed", "request_throughput",
-    "output_throughput", "goodput", "slo_attainment_all", "ttft_mean_ms", "ttft_p90_ms", "ttft_p99_ms",
-    "tpot_mean_ms", "tpot_p90_ms", "itl_median_ms", "itl_p99_ms", "e2e_mean_ms", "goodput_ci95_low",
+    "config",
+    "prefill",
+    "decode",
+    "colocated",
+    "rate",
+    "completed",
+    "failed",
+    "request_throughput",
+    "output_throughput",
+    "goodput",
+    "slo_attainment_all",
+    "ttft_mean_ms",
+    "ttft_p90_ms",
+    "ttft_p99_ms",
+    "tpot_mean_ms",
+    "tpot_p90_ms",
+    "itl_median_ms",
+    "itl_p99_ms",
+    "e2e_mean_ms",
+    "goodput_ci95_low",
     "goodput_ci95_high",
 )
 
@@ -72,13 +89,25 @@ def threads_per_worker(workers: int, cores: int | None = None) -> int:
 def csv_row(point: dict[str, Any]) -> dict[str, Any]:
     s = point["summary"]
     return {
-        "config": point["config"], "prefill": point["prefill"], "decode": point["decode"],
-        "colocated": point["colocated"], "rate": point["rate"], "completed": s["completed"], "failed": s["failed"],
-        "request_throughput": s["request_throughput"], "output_throughput": s["output_throughput"],
-        "goodput": s["goodput"], "slo_attainment_all": s["slo_attainment_all"],
-        "ttft_mean_ms": s["ttft_ms"]["mean"], "ttft_p90_ms": s["ttft_ms"]["p90"], "ttft_p99_ms": s["ttft_ms"]["p99"],
-        "tpot_mean_ms": s["tpot_ms"]["mean"], "tpot_p90_ms": s["tpot_ms"]["p90"],
-        "itl_median_ms": s["itl_ms"]["median"], "itl_p99_ms": s["itl_ms"]["p99"], "e2e_mean_ms": s["e2e_ms"]["mean"],
+        "config": point["config"],
+        "prefill": point["prefill"],
+        "decode": point["decode"],
+        "colocated": point["colocated"],
+        "rate": point["rate"],
+        "completed": s["completed"],
+        "failed": s["failed"],
+        "request_throughput": s["request_throughput"],
+        "output_throughput": s["output_throughput"],
+        "goodput": s["goodput"],
+        "slo_attainment_all": s["slo_attainment_all"],
+        "ttft_mean_ms": s["ttft_ms"]["mean"],
+        "ttft_p90_ms": s["ttft_ms"]["p90"],
+        "ttft_p99_ms": s["ttft_ms"]["p99"],
+        "tpot_mean_ms": s["tpot_ms"]["mean"],
+        "tpot_p90_ms": s["tpot_ms"]["p90"],
+        "itl_median_ms": s["itl_ms"]["median"],
+        "itl_p99_ms": s["itl_ms"]["p99"],
+        "e2e_mean_ms": s["e2e_ms"]["mean"],
         "goodput_ci95_low": s.get("goodput_ci95", [None, None])[0],
         "goodput_ci95_high": s.get("goodput_ci95", [None, None])[1],
     }
@@ -136,9 +165,14 @@ def run_sweep(
     threads = 1 if bench.engine == "sim" else threads_per_worker(budget)
     points: list[dict[str, Any]] = []
     for config in configs or sweep_configs(budget):
-        cluster_config = local_deployment(model=model, prefill=config.prefill, decode=config.decode,
-                                          colocated=config.colocated, threads_per_worker=threads,
-                                          startup_timeout_s=600.0)
+        cluster_config = local_deployment(
+            model=model,
+            prefill=config.prefill,
+            decode=config.decode,
+            colocated=config.colocated,
+            threads_per_worker=threads,
+            startup_timeout_s=600.0,
+        )
         options = LaunchOptions(prefill_args=worker_args, decode_args=worker_args)
         log(f"sweep: starting {config.name} ({threads} thread(s) per worker)")
         with LocalCluster(cluster_config, options) as cluster:
@@ -146,10 +180,20 @@ def run_sweep(
                 run = dataclasses.replace(bench, url=cluster.router_address, rate=rate, model=model)
                 result = run_bench(run, corpus_ids, progress=True)
                 summary = result["summary"]
-                log(f"sweep: {config.name} rate {rate}: goodput {summary['goodput']} req/s, "
-                    f"ttft p90 {summary['ttft_ms']['p90']:.0f} ms, itl p99 {summary['itl_ms']['p99']:.0f} ms")
-                points.append({**dataclasses.asdict(config), "config": config.name, "rate": rate,
-                               "rate_index": i, "summary": summary, "records": result["records"]})
+                log(
+                    f"sweep: {config.name} rate {rate}: goodput {summary['goodput']} req/s, "
+                    f"ttft p90 {summary['ttft_ms']['p90']:.0f} ms, itl p99 {summary['itl_ms']['p99']:.0f} ms"
+                )
+                points.append(
+                    {
+                        **dataclasses.asdict(config),
+                        "config": config.name,
+                        "rate": rate,
+                        "rate_index": i,
+                        "summary": summary,
+                        "records": result["records"],
+                    }
+                )
     bench_doc = dataclasses.replace(bench, url="", model=model).to_json()
     bench_doc["workers"] = budget
     bench_doc["rate"] = None

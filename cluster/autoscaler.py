@@ -50,8 +50,11 @@ from pdserve.v1 import common_pb2, router_pb2, router_pb2_grpc
 log = logging.getLogger(__name__)
 
 PREFILL, DECODE = "prefill", "decode"
-ROLE_NAMES = {common_pb2.WORKER_ROLE_PREFILL: PREFILL, common_pb2.WORKER_ROLE_DECODE: DECODE,
-              common_pb2.WORKER_ROLE_COLOCATED: "colocated"}
+ROLE_NAMES = {
+    common_pb2.WORKER_ROLE_PREFILL: PREFILL,
+    common_pb2.WORKER_ROLE_DECODE: DECODE,
+    common_pb2.WORKER_ROLE_COLOCATED: "colocated",
+}
 
 
 # ----- what the core sees and says ----------------------------------------------------------------
@@ -174,8 +177,14 @@ class Autoscaler:
         missed = min(ttft_ok, tpot_ok) < self._miss_line(len(samples))
         mix = _mix(samples, obs.now - since)
         direction, why, target_p = self._direction(obs, prefill, decode, mix, ttft_ok, tpot_ok, missed)
-        self.last.update(ttft_attainment=ttft_ok, tpot_attainment=tpot_ok, target_prefill=target_p,
-                         prompt_tokens=mix.prompt_tokens, output_tokens=mix.output_tokens, rate=mix.rate)
+        self.last.update(
+            ttft_attainment=ttft_ok,
+            tpot_attainment=tpot_ok,
+            target_prefill=target_p,
+            prompt_tokens=mix.prompt_tokens,
+            output_tokens=mix.output_tokens,
+            rate=mix.rate,
+        )
         if not self._confirmed(direction, obs.now):
             return self._maybe_resize(obs, healthy, missed, direction or self._pressure_role(prefill, ttft_ok, tpot_ok))
         decision = self._switch(direction, prefill, decode, why)
@@ -185,8 +194,16 @@ class Autoscaler:
         return [decision]
 
     # direction -----------------------------------------------------------------------------------
-    def _direction(self, obs: Observation, prefill: list[WorkerView], decode: list[WorkerView], mix: Mix,
-                   ttft_ok: float, tpot_ok: float, missed: bool) -> tuple[str, str, int | None]:
+    def _direction(
+        self,
+        obs: Observation,
+        prefill: list[WorkerView],
+        decode: list[WorkerView],
+        mix: Mix,
+        ttft_ok: float,
+        tpot_ok: float,
+        missed: bool,
+    ) -> tuple[str, str, int | None]:
         """(role to move one worker to or "", why, the planner's prefill count or None)."""
         backlog = self._backlog(obs, prefill)
         if backlog:  # a leading signal: the finished requests (and the mix they show) lag behind it
@@ -200,15 +217,24 @@ class Autoscaler:
                 gain = rates[best] / current - 1 if current > 0 else math.inf
                 if best != len(prefill) and (missed or gain >= self.config.min_gain):
                     role = PREFILL if best > len(prefill) else DECODE
-                    return role, (f"planner: {best}P{n - best}D sustains {rates[best]:.2f} req/s vs "
-                                  f"{current:.2f} for {len(prefill)}P{len(decode)}D at {_fmt_mix(mix)}"), best
+                    return (
+                        role,
+                        (
+                            f"planner: {best}P{n - best}D sustains {rates[best]:.2f} req/s vs "
+                            f"{current:.2f} for {len(prefill)}P{len(decode)}D at {_fmt_mix(mix)}"
+                        ),
+                        best,
+                    )
                 if not missed:
                     return "", "", best
                 # missed although the planner likes this split for the mix of the requests that
                 # finished: the mix is shifting (they lag behind); follow the pressure signals
                 role = self._pressure_role(prefill, ttft_ok, tpot_ok, obs.router_queued)
-                return role, f"SLO missed at the planner's split (ttft {ttft_ok:.2f}, tpot {tpot_ok:.2f}); " \
-                             f"pressure on {role}", best
+                return (
+                    role,
+                    f"SLO missed at the planner's split (ttft {ttft_ok:.2f}, tpot {tpot_ok:.2f}); pressure on {role}",
+                    best,
+                )
         if not missed:
             return "", "", None
         role = self._pressure_role(prefill, ttft_ok, tpot_ok, obs.router_queued)
@@ -286,9 +312,15 @@ class Autoscaler:
             if len(by_role[role]) > 1:
                 victim = min(by_role[role], key=lambda w: (w.running + w.queue_depth, w.worker_id))
                 self._acted(obs.now, "")
-                return [Decision("remove", role, f"SLOs held >= {c.scale_in_attainment:.2f} at <= "
-                                                 f"{c.scale_in_utilization:.0%} use for {c.scale_in_s:.0f}s",
-                                 victim.worker_id)]
+                return [
+                    Decision(
+                        "remove",
+                        role,
+                        f"SLOs held >= {c.scale_in_attainment:.2f} at <= "
+                        f"{c.scale_in_utilization:.0%} use for {c.scale_in_s:.0f}s",
+                        victim.worker_id,
+                    )
+                ]
         return []
 
     def _confirmed_resize(self, now: float, role: str) -> bool:
@@ -313,8 +345,9 @@ class Autoscaler:
 
 def _mix(samples: Sequence[Sample], span_s: float) -> Mix:
     n = len(samples)
-    return Mix(sum(s.prompt_tokens for s in samples) / n, sum(s.output_tokens for s in samples) / n,
-               n / max(span_s, 1e-3))
+    return Mix(
+        sum(s.prompt_tokens for s in samples) / n, sum(s.output_tokens for s in samples) / n, n / max(span_s, 1e-3)
+    )
 
 
 def _fmt_mix(mix: Mix) -> str:
@@ -333,17 +366,28 @@ class AutoscalerMetrics:
     def __init__(self) -> None:
         self.registry = CollectorRegistry()
         r = self.registry
-        self.decisions = Counter("pdserve_autoscaler_decisions", "Autoscaler actions by kind and role",
-                                 ["kind", "role", "outcome"], registry=r)
-        self.workers = Gauge("pdserve_autoscaler_workers", "Workers per role as the autoscaler saw them",
-                             ["role"], registry=r)
-        self.attainment = Gauge("pdserve_autoscaler_slo_attainment", "SLO attainment over the window",
-                                ["slo"], registry=r)
-        self.target_prefill = Gauge("pdserve_autoscaler_target_prefill_workers",
-                                    "Prefill workers the planner recommends for the current mix (-1: none)",
-                                    registry=r)
-        self.last_decision = Gauge("pdserve_autoscaler_last_decision_timestamp_seconds",
-                                   "Unix time of the autoscaler's latest action (0: none yet)", registry=r)
+        self.decisions = Counter(
+            "pdserve_autoscaler_decisions",
+            "Autoscaler actions by kind and role",
+            ["kind", "role", "outcome"],
+            registry=r,
+        )
+        self.workers = Gauge(
+            "pdserve_autoscaler_workers", "Workers per role as the autoscaler saw them", ["role"], registry=r
+        )
+        self.attainment = Gauge(
+            "pdserve_autoscaler_slo_attainment", "SLO attainment over the window", ["slo"], registry=r
+        )
+        self.target_prefill = Gauge(
+            "pdserve_autoscaler_target_prefill_workers",
+            "Prefill workers the planner recommends for the current mix (-1: none)",
+            registry=r,
+        )
+        self.last_decision = Gauge(
+            "pdserve_autoscaler_last_decision_timestamp_seconds",
+            "Unix time of the autoscaler's latest action (0: none yet)",
+            registry=r,
+        )
 
     def observe(self, last: dict[str, Any]) -> None:
         for role in (PREFILL, DECODE):
@@ -359,11 +403,24 @@ class AutoscalerMetrics:
 # ----- the loop -----------------------------------------------------------------------------------
 def observation_from_status(status: router_pb2.StatusResponse, now: float) -> Observation:
     """A router StatusResponse (with `recent`) as the core's Observation, on the clock `now`."""
-    workers = tuple(WorkerView(w.worker_id or w.address, ROLE_NAMES.get(w.role, "unknown"), w.healthy, w.queue_depth,
-                               w.queued_prompt_tokens, w.running_requests, w.max_running_requests, w.kv_blocks_used,
-                               w.kv_blocks_total) for w in status.workers)
-    samples = tuple(Sample(now - r.finished_ago_s, r.ttft_s, r.tpot_s, r.prompt_tokens, r.output_tokens, r.ok,
-                           r.queue_s) for r in status.recent)
+    workers = tuple(
+        WorkerView(
+            w.worker_id or w.address,
+            ROLE_NAMES.get(w.role, "unknown"),
+            w.healthy,
+            w.queue_depth,
+            w.queued_prompt_tokens,
+            w.running_requests,
+            w.max_running_requests,
+            w.kv_blocks_used,
+            w.kv_blocks_total,
+        )
+        for w in status.workers
+    )
+    samples = tuple(
+        Sample(now - r.finished_ago_s, r.ttft_s, r.tpot_s, r.prompt_tokens, r.output_tokens, r.ok, r.queue_s)
+        for r in status.recent
+    )
     return Observation(now, workers, samples, status.queued_requests)
 
 
@@ -412,8 +469,9 @@ class AutoscalerLoop:
                 log.exception("autoscaler tick failed")
 
     def tick(self) -> list[Decision]:
-        status = self._stub.GetStatus(router_pb2.StatusRequest(recent_window_s=self.core.config.window_s),
-                                      timeout=10, metadata=self._metadata)
+        status = self._stub.GetStatus(
+            router_pb2.StatusRequest(recent_window_s=self.core.config.window_s), timeout=10, metadata=self._metadata
+        )
         obs = observation_from_status(status, time.monotonic())
         decisions = self.core.decide(obs)
         self.metrics.observe(self.core.last)
@@ -422,35 +480,65 @@ class AutoscalerLoop:
         return decisions
 
     def _execute(self, decision: Decision, obs: Observation) -> None:
-        fields = {"decision": decision.kind, "worker_id": decision.worker_id, "role": decision.role,
-                  "reason": decision.reason}
-        log.info("autoscaler: %s %s -> %s: %s", decision.kind, decision.worker_id or "-", decision.role,
-                 decision.reason, extra=fields)
+        fields = {
+            "decision": decision.kind,
+            "worker_id": decision.worker_id,
+            "role": decision.role,
+            "reason": decision.reason,
+        }
+        log.info(
+            "autoscaler: %s %s -> %s: %s",
+            decision.kind,
+            decision.worker_id or "-",
+            decision.role,
+            decision.reason,
+            extra=fields,
+        )
         started = time.monotonic()
         outcome = "done"
         try:
             if decision.kind == "switch":
                 from pdserve.cluster.elastic_cli import ROLE_PB
 
-                self._stub.SwitchRole(router_pb2.SwitchRoleRequest(
-                    worker_id=decision.worker_id, role=ROLE_PB[decision.role], drain_timeout_s=120.0),
-                    timeout=150, metadata=self._metadata)
+                self._stub.SwitchRole(
+                    router_pb2.SwitchRoleRequest(
+                        worker_id=decision.worker_id, role=ROLE_PB[decision.role], drain_timeout_s=120.0
+                    ),
+                    timeout=150,
+                    metadata=self._metadata,
+                )
             elif self.resize is not None:
                 self.resize(decision, obs)
             else:
                 outcome = "unsupported"
         except grpc.RpcError as exc:
             outcome = exc.code().name
-            log.warning("autoscaler: %s of %s failed: %s: %s", decision.kind, decision.worker_id, outcome,
-                        exc.details())
+            log.warning(
+                "autoscaler: %s of %s failed: %s: %s", decision.kind, decision.worker_id, outcome, exc.details()
+            )
         took = time.monotonic() - started
         self.metrics.decisions.labels(decision.kind, decision.role, outcome).inc()
         self.metrics.last_decision.set_to_current_time()
-        log.info("autoscaler: %s %s -> %s %s in %.2f s", decision.kind, decision.worker_id or "-", decision.role,
-                 outcome, took, extra={**fields, "outcome": outcome, "took_s": round(took, 3)})
-        self.history.append({"at": started, "took_s": time.monotonic() - started, "kind": decision.kind,
-                             "worker_id": decision.worker_id, "role": decision.role, "reason": decision.reason,
-                             "outcome": outcome})
+        log.info(
+            "autoscaler: %s %s -> %s %s in %.2f s",
+            decision.kind,
+            decision.worker_id or "-",
+            decision.role,
+            outcome,
+            took,
+            extra={**fields, "outcome": outcome, "took_s": round(took, 3)},
+        )
+        self.history.append(
+            {
+                "at": started,
+                "took_s": time.monotonic() - started,
+                "kind": decision.kind,
+                "worker_id": decision.worker_id,
+                "role": decision.role,
+                "reason": decision.reason,
+                "outcome": outcome,
+            }
+        )
 
 
 def autoscaler_config(options: Any, can_resize: bool = False, speedup: float = 1.0) -> AutoscalerConfig:
@@ -458,14 +546,23 @@ def autoscaler_config(options: Any, can_resize: bool = False, speedup: float = 1
     sim cluster run `speedup` times faster (as `pdserve bench --speedup` reports): the loop, which
     watches the wall clock, keeps them divided by `speedup`."""
     slo = options.slo
-    return AutoscalerConfig(ttft_s=slo["ttft_ms"] / 1000 / speedup if "ttft_ms" in slo else None,
-                            tpot_s=slo["tpot_ms"] / 1000 / speedup if "tpot_ms" in slo else None,
-                            min_workers=options.min_workers, max_workers=options.max_workers, can_resize=can_resize)
+    return AutoscalerConfig(
+        ttft_s=slo["ttft_ms"] / 1000 / speedup if "ttft_ms" in slo else None,
+        tpot_s=slo["tpot_ms"] / 1000 / speedup if "tpot_ms" in slo else None,
+        min_workers=options.min_workers,
+        max_workers=options.max_workers,
+        can_resize=can_resize,
+    )
 
 
-def start_local_autoscaler(router_address: str, options: Any, token: str | None = None,
-                           speedup: float = 1.0, tls_ca_file: str | None = None,
-                           make_planner: PlannerFactory | None = None) -> AutoscalerLoop:
+def start_local_autoscaler(
+    router_address: str,
+    options: Any,
+    token: str | None = None,
+    speedup: float = 1.0,
+    tls_ca_file: str | None = None,
+    make_planner: PlannerFactory | None = None,
+) -> AutoscalerLoop:
     """Start the loop for a local deployment (role switches only), with the planner `make_planner`
     builds (the CLI passes one when a profile is known)."""
     config = autoscaler_config(options, speedup=speedup)

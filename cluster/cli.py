@@ -68,10 +68,12 @@ def _cmd_model_fetch(args: argparse.Namespace) -> int:
 
 def _add_serve(commands: argparse._SubParsersAction) -> None:
     serve = commands.add_parser(
-        "serve", help="run a router and workers (local processes, or Ray actors with --ray)",
+        "serve",
+        help="run a router and workers (local processes, or Ray actors with --ray)",
         description="Run a deployment from one config: a YAML/TOML file (--config), flags on top. Every "
-                    "setting is listed below by section; `--print-config` shows the effective one. A setting "
-                    "the mode cannot honour is refused. See docs/configuration.md and examples/.")
+        "setting is listed below by section; `--print-config` shows the effective one. A setting "
+        "the mode cannot honour is refused. See docs/configuration.md and examples/.",
+    )
     add_flags(serve)
     serve.set_defaults(func=_cmd_serve)
 
@@ -98,13 +100,20 @@ def _add_generate(commands: argparse._SubParsersAction) -> None:
     gen.add_argument("--stop", action="append", default=[], metavar="STR", help="stop string (repeatable)")
     gen.add_argument("--chat", action="store_true", help="send PROMPT as one user chat message")
     gen.add_argument("--json", action="store_true", help="print one JSON object instead of streaming")
-    gen.add_argument("--trace", action="store_true",
-                     help="print the request's steps as they happen: tokenization, prefill pass, KV hand-off, "
-                          "each decode step, detokenization holds, finish (with --json: a \"trace\" list)")
+    gen.add_argument(
+        "--trace",
+        action="store_true",
+        help="print the request's steps as they happen: tokenization, prefill pass, KV hand-off, "
+        'each decode step, detokenization holds, finish (with --json: a "trace" list)',
+    )
     gen.add_argument("--ignore-eos", action="store_true")
-    gen.add_argument("--request-id", default="", metavar="ID",
-                     help="the request's id (printable ASCII): router and workers log it, the response echoes it "
-                          "(\"request_id\" in --json); default: one the router makes")
+    gen.add_argument(
+        "--request-id",
+        default="",
+        metavar="ID",
+        help="the request's id (printable ASCII): router and workers log it, the response echoes it "
+        '("request_id" in --json); default: one the router makes',
+    )
     gen.add_argument("--timeout", type=float, default=REQUEST_TIMEOUT_S, metavar="S", help="deadline in seconds")
     gen.set_defaults(func=_cmd_generate)
 
@@ -113,9 +122,13 @@ def _add_status(commands: argparse._SubParsersAction) -> None:
     status = commands.add_parser("status", help="show the router's workers")
     status.add_argument("--url", default=DEFAULT_ADDRESS, help=f"router address (default {DEFAULT_ADDRESS})")
     _add_auth_args(status)
-    status.add_argument("--address", default=None, metavar="RAY_ADDR",
-                        help="find the router of the `serve --ray` deployment on this Ray cluster (e.g. auto) "
-                             "instead of --url; prints its address first")
+    status.add_argument(
+        "--address",
+        default=None,
+        metavar="RAY_ADDR",
+        help="find the router of the `serve --ray` deployment on this Ray cluster (e.g. auto) "
+        "instead of --url; prints its address first",
+    )
     status.add_argument("--json", action="store_true")
     status.set_defaults(func=_cmd_status)
 
@@ -131,8 +144,18 @@ def _add_model(commands: argparse._SubParsersAction) -> None:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="pdserve", description="Disaggregated prefill/decode LLM serving.")
     commands = parser.add_subparsers(dest="command", required=True)
-    for add in (_add_serve, _add_scale, _add_generate, _add_status, add_migrate, add_role, _add_model, add_bench,
-                add_sweep, add_plan):
+    for add in (
+        _add_serve,
+        _add_scale,
+        _add_generate,
+        _add_status,
+        add_migrate,
+        add_role,
+        _add_model,
+        add_bench,
+        add_sweep,
+        add_plan,
+    ):
         add(commands)
     return parser
 
@@ -161,25 +184,33 @@ def _cmd_serve_ray(config: DeploymentConfig) -> int:
 
     def announce() -> None:
         print(f"router: {cluster.router_address}")
-        print(f"placement: {cluster.placement}" + (f" (auto: {_placement_why(cluster.placement)})"
-                                                   if config.ray.placement == "auto" else ""))
-        print(format_table(("name", "role", "address"), [[w["name"], w["role"], w["address"]]
-                                                          for w in cluster.workers()]))
+        print(
+            f"placement: {cluster.placement}"
+            + (f" (auto: {_placement_why(cluster.placement)})" if config.ray.placement == "auto" else "")
+        )
+        print(
+            format_table(("name", "role", "address"), [[w["name"], w["role"], w["address"]] for w in cluster.workers()])
+        )
         _print_extras(cluster.http_address, {}, bool(config.security.tls_cert))
         if config.elastic.switchable:
             print(f"workers switch roles: `pdserve role --url {cluster.router_address} WORKER_ID {{prefill,decode}}`")
         options = config.autoscale_options()
         if options is not None:  # the loop runs in the controller actor (cluster.ray_elastic)
-            print(f"autoscaler (in the controller): keeping {config.elastic.slo} with "
-                  f"{options.min_workers}..{options.max_workers} workers")
+            print(
+                f"autoscaler (in the controller): keeping {config.elastic.slo} with "
+                f"{options.min_workers}..{options.max_workers} workers"
+            )
         print("`pdserve scale --prefill N --decode M` resizes; Ctrl-C (or SIGTERM) stops everything.", flush=True)
 
     return _serve_until_interrupt(cluster, announce)
 
 
 def _placement_why(placement: str) -> str:
-    return ("each pool's workers on different nodes" if placement == "spread"
-            else "a single-node cluster; --placement spread spreads the pools once it has more")
+    return (
+        "each pool's workers on different nodes"
+        if placement == "spread"
+        else "a single-node cluster; --placement spread spreads the pools once it has more"
+    )
 
 
 def _cmd_scale(args: argparse.Namespace) -> int:
@@ -250,16 +281,22 @@ def _start_autoscaler(cluster: LocalCluster, config: DeploymentConfig, options: 
     logger.setLevel(obs.log_level.upper())
     logger.propagate = False
     token = _token_of_file(config.security.auth_token_file)
-    loop = start_local_autoscaler(cluster.router_address, options, token, speedup=config.model.speedup,
-                                  tls_ca_file=config.security.tls_cert or None,  # over TLS: trust our own cert
-                                  make_planner=_planner_factory(config))
+    loop = start_local_autoscaler(
+        cluster.router_address,
+        options,
+        token,
+        speedup=config.model.speedup,
+        tls_ca_file=config.security.tls_cert or None,  # over TLS: trust our own cert
+        make_planner=_planner_factory(config),
+    )
     if not obs.metrics:
         return [loop]
     guarded = not is_loopback(obs.metrics_host)  # beyond loopback: bearer token (config checked it is set)
     cert, key = config.security.tls_cert, config.security.tls_key
     tls = (cert, key) if cert and key else None  # the config checked they go together
-    endpoint = MetricsEndpoint(loop.metrics.registry, 0, obs.metrics_host, token if guarded else None,
-                               tls if guarded else None)
+    endpoint = MetricsEndpoint(
+        loop.metrics.registry, 0, obs.metrics_host, token if guarded else None, tls if guarded else None
+    )
     print(f"metrics autoscaler: {endpoint.url}", flush=True)
     return [loop, endpoint]
 
@@ -273,8 +310,11 @@ def _planner_factory(config: DeploymentConfig) -> Any:  # noqa: ANN401 - a Plann
     return planner_factory(options.profile, config.model.speedup) if options is not None else None
 
 
-def _serve_until_interrupt(cluster: Any, announce: Callable[[], None],  # noqa: ANN401 - either launcher
-                           before_stop: Callable[[], object] | None = None) -> int:
+def _serve_until_interrupt(
+    cluster: Any,
+    announce: Callable[[], None],  # noqa: ANN401 - either launcher
+    before_stop: Callable[[], object] | None = None,
+) -> int:
     """Announce the running deployment, wait for Ctrl-C or SIGTERM, then stop it (once, uninterrupted);
     `before_stop` runs first (the autoscaler loop)."""
     try:
@@ -336,8 +376,9 @@ def _cmd_generate(args: argparse.Namespace) -> int:
         ignore_eos=args.ignore_eos,
     )
     messages = [("user", args.prompt)] if args.chat else None
-    request = build_request(prompt=None if args.chat else args.prompt, messages=messages, params=params,
-                            request_id=args.request_id)
+    request = build_request(
+        prompt=None if args.chat else args.prompt, messages=messages, params=params, request_id=args.request_id
+    )
     request.trace = args.trace
     try:
         with PdserveClient(args.url, args.timeout, _token(args), args.tls_ca) as client:
@@ -384,8 +425,9 @@ def _echo_trace(responses: Iterator[router_pb2.GenerateResponse]) -> Iterator[ro
         yield response
 
 
-def _keep_trace(responses: Iterator[router_pb2.GenerateResponse],
-                events: list[common_pb2.TraceEvent]) -> Iterator[router_pb2.GenerateResponse]:
+def _keep_trace(
+    responses: Iterator[router_pb2.GenerateResponse], events: list[common_pb2.TraceEvent]
+) -> Iterator[router_pb2.GenerateResponse]:
     for response in responses:
         events.extend(response.trace)
         yield response
@@ -436,9 +478,11 @@ def _cmd_status(args: argparse.Namespace) -> int:
         print(json.dumps(doc))
         return 0
     print(format_table(STATUS_COLUMNS, [_status_cells(r) for r in rows]))
-    print(f"in flight: {status.in_flight_requests}  total requests: {status.total_requests}  "
-          f"queued: {status.queued_requests}/{status.max_queued_requests}  "
-          f"mean queue time: {_mean_queue_time(status):.3f} s  shed (SLO): {status.slo_shed_requests}")
+    print(
+        f"in flight: {status.in_flight_requests}  total requests: {status.total_requests}  "
+        f"queued: {status.queued_requests}/{status.max_queued_requests}  "
+        f"mean queue time: {_mean_queue_time(status):.3f} s  shed (SLO): {status.slo_shed_requests}"
+    )
     for kernels, workers in _kernel_uses(rows).items():
         print(f"kernels: {kernels}: {', '.join(workers)}")
     for warning in warnings:
@@ -466,8 +510,11 @@ def _status_cells(row: dict[str, object]) -> list[str]:
 
 
 def _add_auth_args(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--token", default=None,
-                        help="bearer token for a router started with an auth token (default: $PDSERVE_AUTH_TOKEN)")
+    parser.add_argument(
+        "--token",
+        default=None,
+        help="bearer token for a router started with an auth token (default: $PDSERVE_AUTH_TOKEN)",
+    )
     parser.add_argument("--tls-ca", default=None, metavar="PEM", help="trust this CA/certificate and use TLS")
 
 

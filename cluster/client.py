@@ -115,8 +115,11 @@ def collect(responses: Iterable[router_pb2.GenerateResponse]) -> GenerationResul
         text.append(response.text)
         token_ids.extend(response.token_ids)
         last = response
-    usage = {"prompt_tokens": last.usage.prompt_tokens, "completion_tokens": last.usage.completion_tokens,
-             "cached_tokens": last.usage.cached_tokens}
+    usage = {
+        "prompt_tokens": last.usage.prompt_tokens,
+        "completion_tokens": last.usage.completion_tokens,
+        "cached_tokens": last.usage.cached_tokens,
+    }
     timings = {name: getattr(last.timings, name) for name in TIMING_FIELDS}
     return GenerationResult(
         last.request_id, "".join(text), token_ids, FINISH_REASONS[last.finish_reason], last.error, usage, timings
@@ -126,8 +129,13 @@ def collect(responses: Iterable[router_pb2.GenerateResponse]) -> GenerationResul
 class PdserveClient:
     """Client of one router. Thread-safe (one channel); close() or use as a context manager."""
 
-    def __init__(self, address: str = DEFAULT_ADDRESS, timeout_s: float = DEFAULT_TIMEOUT_S,
-                 token: str | None = None, tls_ca_file: str | None = None) -> None:
+    def __init__(
+        self,
+        address: str = DEFAULT_ADDRESS,
+        timeout_s: float = DEFAULT_TIMEOUT_S,
+        token: str | None = None,
+        tls_ca_file: str | None = None,
+    ) -> None:
         """`token`: bearer token for a router started with an auth token; `tls_ca_file`: PEM of the CA
         (or self-signed certificate) to trust when the router serves TLS."""
         if not timeout_s > 0:
@@ -156,13 +164,17 @@ class PdserveClient:
 
     def status(self) -> router_pb2.StatusResponse:
         """The router's GetStatus snapshot."""
-        return self._stub.GetStatus(router_pb2.StatusRequest(), timeout=min(self.timeout_s, 10.0),
-                                    metadata=self._metadata)
+        return self._stub.GetStatus(
+            router_pb2.StatusRequest(), timeout=min(self.timeout_s, 10.0), metadata=self._metadata
+        )
 
     def migrate(self, request_id: str, to_worker_id: str = "") -> router_pb2.MigrateResponse:
         """Move a running request to another decode worker (Router.Migrate)."""
-        return self._stub.Migrate(router_pb2.MigrateRequest(request_id=request_id, to_worker_id=to_worker_id),
-                                  timeout=self.timeout_s, metadata=self._metadata)
+        return self._stub.Migrate(
+            router_pb2.MigrateRequest(request_id=request_id, to_worker_id=to_worker_id),
+            timeout=self.timeout_s,
+            metadata=self._metadata,
+        )
 
     def close(self) -> None:
         self._channel.close()
@@ -209,6 +221,8 @@ def placement_warnings(rows: list[dict[str, object]], cluster_nodes: int = 0) ->
         pool = [r for r in rows if r["role"] == role]
         where = {str(r["node_id"]) for r in pool}
         if len(pool) >= 2 and len(where) == 1 and "" not in where:
-            warnings.append(f"all {len(pool)} {role} workers run on node {where.pop()[:12]}: losing that node "
-                            f"loses the {role} pool (serve with --placement spread)")
+            warnings.append(
+                f"all {len(pool)} {role} workers run on node {where.pop()[:12]}: losing that node "
+                f"loses the {role} pool (serve with --placement spread)"
+            )
     return warnings

@@ -54,15 +54,28 @@ class ConfigError(ValueError):
 
 
 SECTIONS: dict[str, type] = {
-    "model": ModelSection, "router": RouterSection, "prefill": PrefillPool, "decode": DecodePool,
-    "colocated": ColocatedPool, "kv": KvTransferSection, "ray": RaySection, "security": SecuritySection,
-    "observability": ObservabilitySection, "elastic": ElasticSection,
+    "model": ModelSection,
+    "router": RouterSection,
+    "prefill": PrefillPool,
+    "decode": DecodePool,
+    "colocated": ColocatedPool,
+    "kv": KvTransferSection,
+    "ray": RaySection,
+    "security": SecuritySection,
+    "observability": ObservabilitySection,
+    "elastic": ElasticSection,
 }
 POOLS = ("prefill", "decode", "colocated")
 GROUP_TITLES = {
-    "model": "model", "router": "router", "prefill": "prefill pool", "decode": "decode pool",
-    "colocated": "colocated pool", "kv": "KV transfer", "ray": "Ray (with --ray; see docs/ray.md)",
-    "security": "security (see docs/security.md)", "observability": "observability",
+    "model": "model",
+    "router": "router",
+    "prefill": "prefill pool",
+    "decode": "decode pool",
+    "colocated": "colocated pool",
+    "kv": "KV transfer",
+    "ray": "Ray (with --ray; see docs/ray.md)",
+    "security": "security (see docs/security.md)",
+    "observability": "observability",
     "elastic": "elastic roles and the SLO autoscaler (see docs/configuration.md, docs/ray.md)",
 }
 
@@ -101,14 +114,18 @@ class DeploymentConfig:
             f = _field_of(name)
             if self.mode not in f.metadata["modes"] and value != _default_of(f):
                 why = f.metadata["why"]
-                raise ConfigError(f"{name} ({f.metadata['flag'] or flag_of(name)}) is not supported "
-                                  f"{'with --ray' if self.mode == 'ray' else 'without --ray'}"
-                                  + (f": {why}" if why else ""))
+                raise ConfigError(
+                    f"{name} ({f.metadata['flag'] or flag_of(name)}) is not supported "
+                    f"{'with --ray' if self.mode == 'ray' else 'without --ray'}" + (f": {why}" if why else "")
+                )
         if self.mode == "ray" and self.colocated != ColocatedPool():
-            changed = next(f.name for f in dataclasses.fields(ColocatedPool)
-                           if getattr(self.colocated, f.name) != f.default)
-            raise ConfigError(f"colocated.{changed} ({flag_of('colocated.' + changed)}) is not supported with --ray: "
-                              "the Ray deployment has prefill and decode pools only")
+            changed = next(
+                f.name for f in dataclasses.fields(ColocatedPool) if getattr(self.colocated, f.name) != f.default
+            )
+            raise ConfigError(
+                f"colocated.{changed} ({flag_of('colocated.' + changed)}) is not supported with --ray: "
+                "the Ray deployment has prefill and decode pools only"
+            )
         if self.mode == "ray" and self.kv.backend == "shm":
             raise ConfigError("kv.backend: shm is not supported with --ray (use grpc or ray)")
         if self.mode == "local" and self.kv.backend == "ray":
@@ -125,11 +142,15 @@ class DeploymentConfig:
         elif self.model.profile or self.model.speedup != 1.0:
             raise ConfigError("model.profile, model.speedup: need model.engine sim (--engine sim)")
         if not is_loopback(self.observability.metrics_host) and not self._has_auth_token():
-            raise ConfigError(f"observability.metrics_host: refusing /metrics on {self.observability.metrics_host}, "
-                              "beyond loopback, without an auth token (--auth-token-file)")
+            raise ConfigError(
+                f"observability.metrics_host: refusing /metrics on {self.observability.metrics_host}, "
+                "beyond loopback, without an auth token (--auth-token-file)"
+            )
         if self.kv.checksum and self.kv.backend in ("grpc", "ray"):
-            raise ConfigError(f"kv.checksum: applies to the shm backend only, not to kv.backend {self.kv.backend} "
-                              "(the gRPC stream checksums every frame itself)")
+            raise ConfigError(
+                f"kv.checksum: applies to the shm backend only, not to kv.backend {self.kv.backend} "
+                "(the gRPC stream checksums every frame itself)"
+            )
         self._check_elastic()
 
     def _check_elastic(self) -> None:
@@ -145,9 +166,11 @@ class DeploymentConfig:
         except ValueError as exc:
             raise ConfigError(f"elastic: {exc}") from None
         if self.mode == "ray" and not elastic.min_workers <= self.num_workers <= elastic.max_workers:
-            raise ConfigError(f"elastic.min_workers/max_workers: the deployment starts with {self.num_workers} "
-                              f"workers, outside {elastic.min_workers}..{elastic.max_workers} "
-                              "(--ray resizes within them)")
+            raise ConfigError(
+                f"elastic.min_workers/max_workers: the deployment starts with {self.num_workers} "
+                f"workers, outside {elastic.min_workers}..{elastic.max_workers} "
+                "(--ray resizes within them)"
+            )
 
     def autoscale_options(self) -> Any:  # noqa: ANN401 - cluster.elastic_cli.AutoscaleOptions (lazy import)
         """The SLO autoscaler's options (`cluster.elastic_cli.AutoscaleOptions`), or None without
@@ -157,8 +180,13 @@ class DeploymentConfig:
         from pdserve.cluster.elastic_cli import AutoscaleOptions, parse_slo
 
         profile = _abspath(self.model.profile) if self.model.engine == "sim" else None
-        return AutoscaleOptions(parse_slo(self.elastic.slo), self.elastic.min_workers, self.elastic.max_workers,
-                                self.elastic.interval_s, profile)
+        return AutoscaleOptions(
+            parse_slo(self.elastic.slo),
+            self.elastic.min_workers,
+            self.elastic.max_workers,
+            self.elastic.interval_s,
+            profile,
+        )
 
     def _has_auth_token(self) -> bool:
         import os
@@ -218,8 +246,9 @@ def _check_keys(name: str, cls: type, value: Any) -> None:  # noqa: ANN401
     for key in value:
         if key not in known:
             where = f" in {name}" if name else ""
-            raise ConfigError(f"{name + '.' if name else ''}{key}: unknown key (known{where}: "
-                              f"{', '.join(sorted(known))})")
+            raise ConfigError(
+                f"{name + '.' if name else ''}{key}: unknown key (known{where}: {', '.join(sorted(known))})"
+            )
 
 
 def _merge(doc: dict[str, Any], overrides: dict[str, Any]) -> dict[str, Any]:
@@ -273,10 +302,15 @@ def _check_field(dotted: str, f: dataclasses.Field[Any], value: Any) -> None:  #
         if optional or (f.name == "count" and dotted.split(".")[0] in ("prefill", "decode")):
             return
         raise ConfigError(f"{dotted}: must be set (got null)")
-    ok = (isinstance(value, bool) if base is bool else
-          isinstance(value, int) and not isinstance(value, bool) if base is int else
-          isinstance(value, (int, float)) and not isinstance(value, bool) if base is float else
-          isinstance(value, str))
+    ok = (
+        isinstance(value, bool)
+        if base is bool
+        else isinstance(value, int) and not isinstance(value, bool)
+        if base is int
+        else isinstance(value, (int, float)) and not isinstance(value, bool)
+        if base is float
+        else isinstance(value, str)
+    )
     if not ok:
         raise ConfigError(f"{dotted}: expected {base.__name__}{' or null' if optional else ''}, got {value!r}")
     meta = f.metadata
@@ -296,6 +330,7 @@ def _check_field(dotted: str, f: dataclasses.Field[Any], value: Any) -> None:  #
 
 
 # ----- files ------------------------------------------------------------------------------------
+
 
 def load_file(path: str | Path) -> dict[str, Any]:
     """A config file's contents: YAML (.yaml/.yml), TOML (.toml) or JSON (.json)."""
@@ -326,8 +361,10 @@ def load_file(path: str | Path) -> dict[str, Any]:
 # ----- flags ------------------------------------------------------------------------------------
 
 FANOUT_FLAGS = {  # one flag that sets a field of every pool
-    "--threads-per-worker": ("threads", "torch threads of every worker (default: the CPUs split among the "
-                                        "workers of its phase)"),
+    "--threads-per-worker": (
+        "threads",
+        "torch threads of every worker (default: the CPUs split among the workers of its phase)",
+    ),
     "--kv-cache-mb": ("kv_cache_mb", "KV cache size of every worker (MB)"),
 }
 
@@ -343,11 +380,21 @@ def flag_of(dotted: str) -> str:
 def add_flags(parser: argparse.ArgumentParser) -> None:
     """One flag per setting, grouped by section; every flag's default is "not given", so only the
     flags on the command line override the config file."""
-    parser.add_argument("--config", default=None, metavar="FILE",
-                        help="deployment config (YAML or TOML; see examples/); flags override it")
+    parser.add_argument(
+        "--config",
+        default=None,
+        metavar="FILE",
+        help="deployment config (YAML or TOML; see examples/); flags override it",
+    )
     parser.add_argument("--print-config", action="store_true", help="print the effective config (YAML) and exit")
-    parser.add_argument("--ray", dest="mode", action="store_const", const="ray", default=argparse.SUPPRESS,
-                        help="run the router and workers as Ray actors (mode: ray)")
+    parser.add_argument(
+        "--ray",
+        dest="mode",
+        action="store_const",
+        const="ray",
+        default=argparse.SUPPRESS,
+        help="run the router and workers as Ray actors (mode: ray)",
+    )
     top = parser.add_argument_group("deployment")
     _add_flag(top, "startup_timeout_s")
     groups = {name: parser.add_argument_group(GROUP_TITLES[name]) for name in SECTIONS}
@@ -399,42 +446,72 @@ def config_from_args(args: argparse.Namespace) -> DeploymentConfig:
 
 # ----- what each process receives -----------------------------------------------------------------
 
+
 def _pool(config: DeploymentConfig, role: str) -> PoolSection:
     return getattr(config, role)  # type: ignore[no-any-return]
 
 
-def worker_document(config: DeploymentConfig, role: str, worker_id: str, host: str = WORKER_HOST,
-                    threads: int | None = None, metrics_port: int = 0) -> dict[str, Any]:
+def worker_document(
+    config: DeploymentConfig,
+    role: str,
+    worker_id: str,
+    host: str = WORKER_HOST,
+    threads: int | None = None,
+    metrics_port: int = 0,
+) -> dict[str, Any]:
     """The `python -m pdserve.prefill_worker|pdserve.decode_worker --config` document of one worker (role: prefill,
     decode or colocated). `threads`: the launcher's resolved thread count (else the pool's)."""
     pool = _pool(config, role)
     model, obs = config.model, config.observability
     doc: dict[str, Any] = {
-        "host": host, "port": 0, "worker_id": worker_id, "model": model.path, "device": model.device,
-        "dtype": model.dtype, "block_size": model.block_size, "compile": model.compile,
-        "deterministic": model.deterministic, "kernel_table": model.kernel_table,
+        "host": host,
+        "port": 0,
+        "worker_id": worker_id,
+        "model": model.path,
+        "device": model.device,
+        "dtype": model.dtype,
+        "block_size": model.block_size,
+        "compile": model.compile,
+        "deterministic": model.deterministic,
+        "kernel_table": model.kernel_table,
         "threads": threads or pool.threads,
-        "kv_cache_mb": pool.kv_cache_mb, "max_batched_tokens": pool.max_batched_tokens,
-        "prefix_caching": pool.prefix_caching, "request_timeout_s": pool.request_timeout_s,
-        "kv_timeout_s": pool.kv_timeout_s, "drain_timeout_s": pool.drain_timeout_s,
+        "kv_cache_mb": pool.kv_cache_mb,
+        "max_batched_tokens": pool.max_batched_tokens,
+        "prefix_caching": pool.prefix_caching,
+        "request_timeout_s": pool.request_timeout_s,
+        "kv_timeout_s": pool.kv_timeout_s,
+        "drain_timeout_s": pool.drain_timeout_s,
         "internal_token_file": _local_only(config, config.security.internal_token_file),
         "grpc_calls_per_peer": config.security.internal_grpc_calls_per_peer,
         "grpc_calls_total": config.security.internal_grpc_calls_total,
-        "log_level": obs.log_level, "log_format": obs.log_format, "metrics_port": metrics_port,
-        "engine": model.engine, "profile": _abspath(model.profile), "speedup": model.speedup,
+        "log_level": obs.log_level,
+        "log_format": obs.log_format,
+        "metrics_port": metrics_port,
+        "engine": model.engine,
+        "profile": _abspath(model.profile),
+        "speedup": model.speedup,
     }
     if role == "prefill":
         assert isinstance(pool, PrefillPool)
-        doc.update(prefill_chunk_tokens=pool.chunk_tokens, kv_streaming=config.kv.streaming,
-                   shared_kv_cache=config.kv.shared_cache)
+        doc.update(
+            prefill_chunk_tokens=pool.chunk_tokens,
+            kv_streaming=config.kv.streaming,
+            shared_kv_cache=config.kv.shared_cache,
+        )
         return doc
     assert isinstance(pool, ColocatedPool)
     backend = config.kv.backend
     if config.mode == "ray" and backend == "auto":
         backend = "grpc"
-    doc.update(colocated=role == "colocated", max_num_seqs=pool.max_num_seqs, prefill_chunk_tokens=pool.chunk_tokens,
-               admission_timeout_s=pool.admission_timeout_s, kv_backend=backend, kv_checksum=config.kv.checksum,
-               kv_target=f"ray:{worker_id}" if backend == "ray" else "")
+    doc.update(
+        colocated=role == "colocated",
+        max_num_seqs=pool.max_num_seqs,
+        prefill_chunk_tokens=pool.chunk_tokens,
+        admission_timeout_s=pool.admission_timeout_s,
+        kv_backend=backend,
+        kv_checksum=config.kv.checksum,
+        kv_target=f"ray:{worker_id}" if backend == "ray" else "",
+    )
     if isinstance(pool, DecodePool):
         doc["local_prefill_threshold"] = pool.local_prefill_threshold
     return doc
@@ -444,29 +521,43 @@ def router_document(config: DeploymentConfig, workers: dict[str, list[str]], met
     """The `python -m pdserve.router --config` document: `workers` maps a role to its worker addresses."""
     router, sec, obs = config.router, config.security, config.observability
     return {
-        "host": router.host, "port": router.port,
-        "prefill": list(workers.get("prefill", [])), "decode": list(workers.get("decode", [])),
+        "host": router.host,
+        "port": router.port,
+        "prefill": list(workers.get("prefill", [])),
+        "decode": list(workers.get("decode", [])),
         "colocated": list(workers.get("colocated", [])),
-        "prefill_policy": router.prefill_policy, "decode_policy": router.decode_policy,
-        "max_stream_timeout": router.max_stream_timeout_s, "max_concurrent_streams": router.max_concurrent_streams,
-        "max_queued_requests": router.max_queued_requests, "max_attempts": router.max_attempts,
+        "prefill_policy": router.prefill_policy,
+        "decode_policy": router.decode_policy,
+        "max_stream_timeout": router.max_stream_timeout_s,
+        "max_concurrent_streams": router.max_concurrent_streams,
+        "max_queued_requests": router.max_queued_requests,
+        "max_attempts": router.max_attempts,
         "decode_mux": router.decode_mux,
-        "kv_aware_request_tokens": router.kv_aware_request_tokens, "kv_aware_kv_tokens": router.kv_aware_kv_tokens,
-        "conditional_disagg_tokens": router.conditional_disagg_tokens, "slo_ttft": router.slo_ttft_s,
+        "kv_aware_request_tokens": router.kv_aware_request_tokens,
+        "kv_aware_kv_tokens": router.kv_aware_kv_tokens,
+        "conditional_disagg_tokens": router.conditional_disagg_tokens,
+        "slo_ttft": router.slo_ttft_s,
         # KV-aware policies hash prompts with the served model's tokenizer
         "tokenizer": (config.model.path or "default")
-        if {router.prefill_policy, router.decode_policy} & {"kv_aware", "kv_oracle"} else "",
-        "grpc_calls_per_peer": router.grpc_calls_per_peer, "grpc_calls_total": router.grpc_calls_total,
-        "grpc_connection_idle": router.grpc_connection_idle_s, "grpc_connection_age": router.grpc_connection_age_s,
+        if {router.prefill_policy, router.decode_policy} & {"kv_aware", "kv_oracle"}
+        else "",
+        "grpc_calls_per_peer": router.grpc_calls_per_peer,
+        "grpc_calls_total": router.grpc_calls_total,
+        "grpc_connection_idle": router.grpc_connection_idle_s,
+        "grpc_connection_age": router.grpc_connection_age_s,
         # only Ray restarts a dead worker (actor max_restarts); local workers that die stay dead
         "worker_restart_wait": config.ray.restart_wait_s if config.mode == "ray" and config.ray.max_restarts else 0.0,
-        "http_port": router.http_port, "model_name": config.model.served_name,
-        "metrics_port": metrics_port, "metrics_host": obs.metrics_host,
+        "http_port": router.http_port,
+        "model_name": config.model.served_name,
+        "metrics_port": metrics_port,
+        "metrics_host": obs.metrics_host,
         "auth_token_file": _local_only(config, sec.auth_token_file),
         "auth_tokens_file": _local_only(config, sec.auth_tokens_file),
-        "tls_cert": _abspath(sec.tls_cert), "tls_key": _abspath(sec.tls_key),
+        "tls_cert": _abspath(sec.tls_cert),
+        "tls_key": _abspath(sec.tls_key),
         "internal_token_file": _local_only(config, sec.internal_token_file),
-        "log_level": obs.log_level, "log_format": obs.log_format,
+        "log_level": obs.log_level,
+        "log_format": obs.log_format,
     }
 
 

@@ -20,8 +20,11 @@ from pdserve.cluster.client import DEFAULT_ADDRESS, status_rows
 from pdserve.cluster.tables import format_table
 from pdserve.v1 import common_pb2, router_pb2, router_pb2_grpc
 
-ROLE_PB = {"prefill": common_pb2.WORKER_ROLE_PREFILL, "decode": common_pb2.WORKER_ROLE_DECODE,
-           "colocated": common_pb2.WORKER_ROLE_COLOCATED}
+ROLE_PB = {
+    "prefill": common_pb2.WORKER_ROLE_PREFILL,
+    "decode": common_pb2.WORKER_ROLE_DECODE,
+    "colocated": common_pb2.WORKER_ROLE_COLOCATED,
+}
 SLO_KEYS = ("ttft_ms", "tpot_ms")
 
 
@@ -30,16 +33,30 @@ def add_role(commands: argparse._SubParsersAction) -> None:
     role.add_argument("worker_id", metavar="WORKER_ID", help="worker_id (as `pdserve status` shows it) or address")
     role.add_argument("role", choices=tuple(ROLE_PB), help="the new role")
     role.add_argument("--url", default=DEFAULT_ADDRESS, help=f"router address (default {DEFAULT_ADDRESS})")
-    role.add_argument("--token", default=None,
-                      help="bearer token for a router started with an auth token (default: $PDSERVE_AUTH_TOKEN)")
+    role.add_argument(
+        "--token",
+        default=None,
+        help="bearer token for a router started with an auth token (default: $PDSERVE_AUTH_TOKEN)",
+    )
     role.add_argument("--tls-ca", default=None, metavar="PEM", help="trust this CA/certificate and use TLS")
-    role.add_argument("--drain-timeout", type=float, default=120.0, metavar="S",
-                      help="how long the worker may take to finish the work of its old role (default 120)")
+    role.add_argument(
+        "--drain-timeout",
+        type=float,
+        default=120.0,
+        metavar="S",
+        help="how long the worker may take to finish the work of its old role (default 120)",
+    )
     role.set_defaults(func=_cmd_role)
 
 
-def switch_role(url: str, worker_id: str, role: str, drain_timeout_s: float = 120.0, token: str | None = None,
-                tls_ca_file: str | None = None) -> router_pb2.SwitchRoleResponse:
+def switch_role(
+    url: str,
+    worker_id: str,
+    role: str,
+    drain_timeout_s: float = 120.0,
+    token: str | None = None,
+    tls_ca_file: str | None = None,
+) -> router_pb2.SwitchRoleResponse:
     """Router.SwitchRole; raises grpc.RpcError."""
     if tls_ca_file:
         with open(tls_ca_file, "rb") as f:
@@ -50,7 +67,9 @@ def switch_role(url: str, worker_id: str, role: str, drain_timeout_s: float = 12
     with channel:
         return router_pb2_grpc.RouterStub(channel).SwitchRole(
             router_pb2.SwitchRoleRequest(worker_id=worker_id, role=ROLE_PB[role], drain_timeout_s=drain_timeout_s),
-            timeout=drain_timeout_s + 30.0, metadata=metadata)
+            timeout=drain_timeout_s + 30.0,
+            metadata=metadata,
+        )
 
 
 def _cmd_role(args: argparse.Namespace) -> int:
@@ -62,10 +81,16 @@ def _cmd_role(args: argparse.Namespace) -> int:
         return 1
     row = status_rows(router_pb2.StatusResponse(workers=[result.worker]))[0]
     before = common_pb2.WorkerRole.Name(result.previous_role).removeprefix("WORKER_ROLE_").lower()
-    print(f"{row['worker_id'] or args.worker_id}: {before} -> {row['role']} (finished old work in "
-          f"{result.drain_s:.2f} s, switch {result.switch_s:.2f} s)")
-    print(format_table(("role", "worker_id", "address", "healthy"),
-                       [[str(row["role"]), str(row["worker_id"]), str(row["address"]), str(row["healthy"])]]))
+    print(
+        f"{row['worker_id'] or args.worker_id}: {before} -> {row['role']} (finished old work in "
+        f"{result.drain_s:.2f} s, switch {result.switch_s:.2f} s)"
+    )
+    print(
+        format_table(
+            ("role", "worker_id", "address", "healthy"),
+            [[str(row["role"]), str(row["worker_id"]), str(row["address"]), str(row["healthy"])]],
+        )
+    )
     return 0
 
 
@@ -91,7 +116,7 @@ class AutoscaleOptions:
 
 
 def parse_slo(text: str) -> dict[str, float]:
-    """"ttft_ms=500,tpot_ms=50" -> {"ttft_ms": 500.0, "tpot_ms": 50.0} (ValueError naming the bad item)."""
+    """ "ttft_ms=500,tpot_ms=50" -> {"ttft_ms": 500.0, "tpot_ms": 50.0} (ValueError naming the bad item)."""
     out: dict[str, float] = {}
     for item in filter(None, (part.strip() for part in text.split(","))):
         key, sep, value = item.partition("=")

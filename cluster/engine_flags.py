@@ -13,9 +13,10 @@ from pdserve.settings import ENGINE_SETTINGS, ModelSection, add_section_flags
 def add_engine_flags(parser: argparse.ArgumentParser) -> None:
     """--engine, --profile, --speedup, as every worker takes them (`model` section's settings); bench
     and sweep also scale their rates and times by --speedup, so results read in profile time."""
-    group = parser.add_argument_group("simulated engine (docs/capacity.md)",
-                                      "bench and sweep divide their rates and times by --speedup too, so "
-                                      "results read in profile time")
+    group = parser.add_argument_group(
+        "simulated engine (docs/capacity.md)",
+        "bench and sweep divide their rates and times by --speedup too, so results read in profile time",
+    )
     add_section_flags(group, ModelSection, ENGINE_SETTINGS)
 
 

@@ -28,9 +28,13 @@ _PINNED = ("native", "plain", "packed")
 
 def _needs_table(config: DeploymentConfig) -> bool:
     model = config.model
-    return (model.kernel_table is None and model.engine == "model" and not model.deterministic
-            and not model.device.startswith("cuda")
-            and os.environ.get("PDSERVE_LINEAR", "auto").lower() not in _PINNED)
+    return (
+        model.kernel_table is None
+        and model.engine == "model"
+        and not model.deterministic
+        and not model.device.startswith("cuda")
+        and os.environ.get("PDSERVE_LINEAR", "auto").lower() not in _PINNED
+    )
 
 
 def with_kernel_table(config: DeploymentConfig, threads: int, env: dict[str, str] | None = None) -> DeploymentConfig:

@@ -23,18 +23,35 @@ from pdserve.settings import RaySection
 #: short keyword name -> the dotted setting it stands for ("*.name": that field of every pool of the
 #: mode, as `pdserve serve --threads-per-worker` does; None there leaves each pool's own default)
 SETTINGS: dict[str, str] = {
-    "model": "model.path", "model_name": "model.name", "device": "model.device", "dtype": "model.dtype",
-    "deterministic": "model.deterministic", "kernel_table": "model.kernel_table",
-    "prefill": "prefill.count", "decode": "decode.count", "colocated": "colocated.count",
-    "threads_per_worker": "*.threads", "kv_cache_mb": "*.kv_cache_mb", "drain_timeout_s": "*.drain_timeout_s",
+    "model": "model.path",
+    "model_name": "model.name",
+    "device": "model.device",
+    "dtype": "model.dtype",
+    "deterministic": "model.deterministic",
+    "kernel_table": "model.kernel_table",
+    "prefill": "prefill.count",
+    "decode": "decode.count",
+    "colocated": "colocated.count",
+    "threads_per_worker": "*.threads",
+    "kv_cache_mb": "*.kv_cache_mb",
+    "drain_timeout_s": "*.drain_timeout_s",
     "local_prefill_threshold": "decode.local_prefill_threshold",
-    "host": "router.host", "port": "router.port", "http_port": "router.http_port",
-    "prefill_policy": "router.prefill_policy", "decode_policy": "router.decode_policy",
-    "max_queued_requests": "router.max_queued_requests", "kv_backend": "kv.backend",
-    "auth_token_file": "security.auth_token_file", "tls_cert_file": "security.tls_cert",
-    "tls_key_file": "security.tls_key", "log_dir": "observability.log_dir", "log_level": "observability.log_level",
-    "log_format": "observability.log_format", "metrics": "observability.metrics",
-    "metrics_host": "observability.metrics_host", "elastic": "elastic.enabled",
+    "host": "router.host",
+    "port": "router.port",
+    "http_port": "router.http_port",
+    "prefill_policy": "router.prefill_policy",
+    "decode_policy": "router.decode_policy",
+    "max_queued_requests": "router.max_queued_requests",
+    "kv_backend": "kv.backend",
+    "auth_token_file": "security.auth_token_file",
+    "tls_cert_file": "security.tls_cert",
+    "tls_key_file": "security.tls_key",
+    "log_dir": "observability.log_dir",
+    "log_level": "observability.log_level",
+    "log_format": "observability.log_format",
+    "metrics": "observability.metrics",
+    "metrics_host": "observability.metrics_host",
+    "elastic": "elastic.enabled",
     "startup_timeout_s": "startup_timeout_s",
     **{f.name: f"ray.{f.name}" for f in dataclasses.fields(RaySection)},
 }
@@ -60,10 +77,15 @@ def ray_deployment(prefill: int = 1, decode: int = 1, **settings: Any) -> Deploy
 def _deployment(mode: str, settings: dict[str, Any]) -> DeploymentConfig:
     unknown = sorted(set(settings) - set(SETTINGS))
     if unknown:
-        raise ConfigError(f"{unknown[0]}: unknown setting name (known: {', '.join(sorted(SETTINGS))}; "
-                          "extra process flags go in LaunchOptions)")
-    overrides = {SETTINGS[name]: value for name, value in settings.items()
-                 if value is not None or not SETTINGS[name].startswith("*.")}
+        raise ConfigError(
+            f"{unknown[0]}: unknown setting name (known: {', '.join(sorted(SETTINGS))}; "
+            "extra process flags go in LaunchOptions)"
+        )
+    overrides = {
+        SETTINGS[name]: value
+        for name, value in settings.items()
+        if value is not None or not SETTINGS[name].startswith("*.")
+    }
     return DeploymentConfig.from_dict({"mode": mode}, every_pool({**LIBRARY_CHOICES[mode], **overrides}, mode))
 
 
@@ -82,5 +104,9 @@ class LaunchOptions:
 
     def args_for(self, kind: str) -> tuple[str, ...]:
         """The extra flags of a process kind: prefill, decode, colocated or router."""
-        return {"prefill": self.prefill_args, "decode": self.decode_args, "colocated": self.decode_args,
-                "router": self.router_args}[kind]
+        return {
+            "prefill": self.prefill_args,
+            "decode": self.decode_args,
+            "colocated": self.decode_args,
+            "router": self.router_args,
+        }[kind]

@@ -57,8 +57,12 @@ from pdserve.transport import (
 )
 
 STOP_GRACE_S = 5.0
-PROCESS_MODULES = {"prefill": "pdserve.prefill_worker", "decode": "pdserve.decode_worker",
-                   "colocated": "pdserve.decode_worker", "router": "pdserve.router"}
+PROCESS_MODULES = {
+    "prefill": "pdserve.prefill_worker",
+    "decode": "pdserve.decode_worker",
+    "colocated": "pdserve.decode_worker",
+    "router": "pdserve.router",
+}
 _REPO = Path(__file__).resolve().parents[1]
 
 
@@ -101,8 +105,10 @@ def local_worker_document(config: DeploymentConfig, role: str, worker_id: str) -
     "decode": ...}, each read by that role's parser (same worker_id, threads and /metrics port)."""
     threads, metrics_port = worker_threads(config, role), _metrics_port(config)
     if config.elastic.switchable:
-        return {kind: worker_document(config, kind, worker_id, WORKER_HOST, threads, metrics_port)
-                for kind in ("prefill", "decode")}
+        return {
+            kind: worker_document(config, kind, worker_id, WORKER_HOST, threads, metrics_port)
+            for kind in ("prefill", "decode")
+        }
     return worker_document(config, role, worker_id, WORKER_HOST, threads, metrics_port)
 
 
@@ -221,8 +227,9 @@ class LocalCluster:
 
     def _start(self) -> None:
         decode_role = "decode" if self.config.size("decode") else "colocated"
-        config = self.config = with_kernel_table(self.config, worker_threads(self.config, decode_role),
-                                                 child_env(self.config.security.internal_token_file))
+        config = self.config = with_kernel_table(
+            self.config, worker_threads(self.config, decode_role), child_env(self.config.security.internal_token_file)
+        )
         deadline = time.monotonic() + config.startup_timeout_s
         names = config.worker_names()
         launched = [self._launch(wid, role, local_worker_document(config, role, wid)) for role, wid in names]

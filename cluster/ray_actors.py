@@ -58,8 +58,9 @@ def worker_config(role: str, document: dict[str, Any], extra_argv: tuple[str, ..
     ``python -m`` reads them. ValueError when the parser refuses them (it names the cause on stderr)."""
     try:
         if is_elastic_document(document):
-            return ElasticWorkerConfig.from_args(*elastic_config.parse_args(["--role", role, *extra_argv],
-                                                                            document=document))
+            return ElasticWorkerConfig.from_args(
+                *elastic_config.parse_args(["--role", role, *extra_argv], document=document)
+            )
         if role == "prefill":
             return PrefillWorkerConfig.from_args(prefill_config.parse_args(list(extra_argv), document=document))
         if role == "decode":
@@ -97,8 +98,7 @@ class WorkerActor:
     a `PrefillWorkerConfig`, a `DecodeWorkerConfig`, or an `ElasticWorkerConfig` for a worker that
     can switch roles)."""
 
-    def __init__(self, config: WorkerProcessConfig, internal_token: str | None = None,
-                 router_digest: str = "") -> None:
+    def __init__(self, config: WorkerProcessConfig, internal_token: str | None = None, router_digest: str = "") -> None:
         import ray
 
         from pdserve.worker.runtime import NODE_HOST_ENV, NODE_ID_ENV, configure_worker
@@ -142,13 +142,20 @@ class WorkerActor:
     def info(self) -> dict[str, Any]:
         import ray
 
-        return {"role": self.role, "worker_id": self.worker_id, "address": self.started.address,
-                "elastic": self._elastic is not None, "role_switches": self._elastic.switches if self._elastic else 0,
-                "pid": os.getpid(), "node_id": ray.get_runtime_context().get_node_id(),
-                "host": ray.util.get_node_ip_address(),
-                "draining": self.started.drain.draining, "idle": self.started.is_idle(),
-                "ray_kv_transfers": self._ray_receiver.transfers_received if self._ray_receiver else 0,
-                "ray_kv_parts": self._ray_receiver.parts_received if self._ray_receiver else 0}
+        return {
+            "role": self.role,
+            "worker_id": self.worker_id,
+            "address": self.started.address,
+            "elastic": self._elastic is not None,
+            "role_switches": self._elastic.switches if self._elastic else 0,
+            "pid": os.getpid(),
+            "node_id": ray.get_runtime_context().get_node_id(),
+            "host": ray.util.get_node_ip_address(),
+            "draining": self.started.drain.draining,
+            "idle": self.started.is_idle(),
+            "ray_kv_transfers": self._ray_receiver.transfers_received if self._ray_receiver else 0,
+            "ray_kv_parts": self._ray_receiver.parts_received if self._ray_receiver else 0,
+        }
 
     def drain(self) -> None:
         """Report unhealthy and refuse new requests; the ones held here keep being served."""
@@ -175,8 +182,9 @@ class WorkerActor:
         return dict(self._ray_receiver.receive_part(header, part, refs))
 
 
-def router_process(document: dict[str, Any], auth_token: str | None = None,
-                   auth_tokens: dict[str, str] | None = None) -> Any:  # noqa: ANN401
+def router_process(
+    document: dict[str, Any], auth_token: str | None = None, auth_tokens: dict[str, str] | None = None
+) -> Any:  # noqa: ANN401
     """The router actor's typed config (`router.process.RouterProcess`), built on the launcher's side
     from its config document by the router process's own parser; `auth_token` and `auth_tokens`
     (token -> tenant; the launcher's, read on its driver) win over the document's token files.
@@ -193,8 +201,12 @@ class RouterActor:
     """The router (public gRPC API and, with http_port, the OpenAI HTTP API) inside a Ray actor,
     started from its typed config (`router_process`)."""
 
-    def __init__(self, process: Any, internal_token: str | None = None,  # noqa: ANN401 - RouterProcess
-                 router_token: str | None = None) -> None:
+    def __init__(
+        self,
+        process: Any,
+        internal_token: str | None = None,  # noqa: ANN401 - RouterProcess
+        router_token: str | None = None,
+    ) -> None:
         _use_internal_token(internal_token)
         if router_token:  # the credential of the calls only the router makes (SetKvTargets)
             from pdserve.transport import ENV_ROUTER_TOKEN
@@ -237,8 +249,12 @@ class RouterActor:
     def info(self) -> dict[str, Any]:
         import ray
 
-        return {"address": self.server.address, "pid": os.getpid(), "node_id": ray.get_runtime_context().get_node_id(),
-                "restarted": ray.get_runtime_context().was_current_actor_reconstructed}
+        return {
+            "address": self.server.address,
+            "pid": os.getpid(),
+            "node_id": ray.get_runtime_context().get_node_id(),
+            "restarted": ray.get_runtime_context().was_current_actor_reconstructed,
+        }
 
     def stop(self) -> None:
         self.server.stop(5.0)
@@ -256,5 +272,6 @@ def _workers_after_restart(config: Any) -> Any:  # noqa: ANN401 - router.config.
 
     controller = ray.get_actor(CONTROLLER_NAME, namespace=NAMESPACE)
     workers = ray.get(controller.router_workers.remote(), timeout=60)
-    return dataclasses.replace(config, **{role: tuple(w["address"] for w in workers if w["role"] == role)
-                                          for role in ("prefill", "decode")})
+    return dataclasses.replace(
+        config, **{role: tuple(w["address"] for w in workers if w["role"] == role) for role in ("prefill", "decode")}
+    )

@@ -110,7 +110,9 @@ def router_resources(config: DeploymentConfig) -> dict[str, float]:
 def worker_actor_options(config: DeploymentConfig, role: str, name: str) -> dict[str, Any]:
     """Ray actor options of a worker (all but its placement)."""
     options: dict[str, Any] = {
-        "name": name, "namespace": NAMESPACE, "max_restarts": config.ray.max_restarts,
+        "name": name,
+        "namespace": NAMESPACE,
+        "max_restarts": config.ray.max_restarts,
         "max_concurrency": 64,  # a threaded actor: KV intake calls run while others wait
     }
     resources = worker_resources(config, role)
@@ -126,8 +128,14 @@ def worker_actor_options(config: DeploymentConfig, role: str, name: str) -> dict
 def router_actor_options(config: DeploymentConfig) -> dict[str, Any]:
     """Ray actor options of the router (all but its placement)."""
     custom = config.ray.router_resource
-    return {"name": ROUTER_NAME, "namespace": NAMESPACE, "num_cpus": 1, "max_concurrency": 16,
-            "max_restarts": config.ray.router_max_restarts, "resources": {custom: 1.0} if custom else None}
+    return {
+        "name": ROUTER_NAME,
+        "namespace": NAMESPACE,
+        "num_cpus": 1,
+        "max_concurrency": 16,
+        "max_restarts": config.ray.router_max_restarts,
+        "resources": {custom: 1.0} if custom else None,
+    }
 
 
 def drain_timeout_s(config: DeploymentConfig) -> float:
@@ -176,14 +184,21 @@ class _Worker:
 class Controller:
     """Owns the deployment (wrapped as the named detached actor ``pdserve-controller``)."""
 
-    def __init__(self, config: DeploymentConfig, internal_token: str | None = None, auth_token: str | None = None,
-                 options: LaunchOptions | None = None, make_planner: Callable[..., Any] | None = None,
-                 auth_tokens: dict[str, str] | None = None) -> None:
+    def __init__(
+        self,
+        config: DeploymentConfig,
+        internal_token: str | None = None,
+        auth_token: str | None = None,
+        options: LaunchOptions | None = None,
+        make_planner: Callable[..., Any] | None = None,
+        auth_tokens: dict[str, str] | None = None,
+    ) -> None:
         """`make_planner`: the autoscaler's planner factory (`cluster.autoscaler.PlannerFactory`), handed
         in by the CLI when `elastic.autoscale` has a profile. `auth_token` / `auth_tokens` (token ->
         tenant): the public API's token or tenant tokens, read on the driver, handed to the router actor."""
-        logging.basicConfig(level=config.observability.log_level,
-                            format="%(asctime)s controller %(levelname)s %(message)s")
+        logging.basicConfig(
+            level=config.observability.log_level, format="%(asctime)s controller %(levelname)s %(message)s"
+        )
         # one kernel table for every worker (timed here, on the head node, at the decode workers'
         # threads; a worker on another CPU model times its own and says so in `pdserve status`)
         self.config = config = with_kernel_table(config, config.decode.threads or os.cpu_count() or 1, child_env())
@@ -199,20 +214,27 @@ class Controller:
         self._stop = threading.Event()
         roles = ["prefill"] * config.size("prefill") + ["decode"] * config.size("decode")
         self.placement = resolve_placement(config.ray.placement, live_node_count())
-        log.info("placement %s (configured %s, %d live nodes)", self.placement, config.ray.placement,
-                 live_node_count())
+        log.info("placement %s (configured %s, %d live nodes)", self.placement, config.ray.placement, live_node_count())
         self._groups: list[Any] = []  # every placement group this controller reserved and still holds
         if self.placement == "spread":  # the router alone (on this, the head node, if it has room), then a
             # SPREAD group per pool: the node whose loss ends the cluster anyway also holds the entry point
-            self._pg = self._reserve([router_resources(config)], "STRICT_PACK", "pdserve",
-                                     ray.get_runtime_context().get_node_id())
+            self._pg = self._reserve(
+                [router_resources(config)], "STRICT_PACK", "pdserve", ray.get_runtime_context().get_node_id()
+            )
             try:
                 # separate groups are placed one after another, not jointly: the most constrained pool
                 # first (a custom resource or GPUs, then the larger), so that the others take what is left
-                order = sorted((r for r in ROLES if r in roles), reverse=True,
-                               key=lambda r: (set(worker_resources(config, r)) != {"CPU"}, roles.count(r)))
-                pools = {role: self._reserve([worker_resources(config, role)] * roles.count(role), "SPREAD",
-                                             f"pdserve-{role}") for role in order}
+                order = sorted(
+                    (r for r in ROLES if r in roles),
+                    reverse=True,
+                    key=lambda r: (set(worker_resources(config, r)) != {"CPU"}, roles.count(r)),
+                )
+                pools = {
+                    role: self._reserve(
+                        [worker_resources(config, role)] * roles.count(role), "SPREAD", f"pdserve-{role}"
+                    )
+                    for role in order
+                }
             except BaseException:
                 self._remove_groups()
                 raise
@@ -239,14 +261,17 @@ class Controller:
             from pdserve.cluster.ray_elastic import RayAutoscaler
 
             # with tenant tokens the autoscaler's status calls go in the first tenant's name
-            self._autoscaler = RayAutoscaler(self, self.router_address_value, options,
-                                             auth_token or next(iter(auth_tokens or {}), None),
-                                             tls_ca_file=config.security.tls_cert or None,
-                                             make_planner=make_planner)
+            self._autoscaler = RayAutoscaler(
+                self,
+                self.router_address_value,
+                options,
+                auth_token or next(iter(auth_tokens or {}), None),
+                tls_ca_file=config.security.tls_cert or None,
+                make_planner=make_planner,
+            )
 
     # ----- placement -------------------------------------------------------------------------
-    def _reserve(self, bundles: list[dict[str, float]], strategy: str, name: str = "",
-                 near: str | None = None) -> Any:  # noqa: ANN401 - PlacementGroup
+    def _reserve(self, bundles: list[dict[str, float]], strategy: str, name: str = "", near: str | None = None) -> Any:  # noqa: ANN401 - PlacementGroup
         """A placement group of these bundles, ready (RuntimeError when the cluster cannot place it
         within startup_timeout_s); kept in `_groups` until removed. `near`: a node id it prefers
         (STRICT_PACK only; elsewhere when that node has no room)."""
@@ -255,8 +280,10 @@ class Controller:
             ray.get(pg.ready(), timeout=self.config.startup_timeout_s)
         except ray.exceptions.GetTimeoutError:
             remove_placement_group(pg)
-            raise RuntimeError(f"placement group {bundles} ({strategy}) not placed within "
-                               f"{self.config.startup_timeout_s:.0f} s: not enough resources in the cluster") from None
+            raise RuntimeError(
+                f"placement group {bundles} ({strategy}) not placed within "
+                f"{self.config.startup_timeout_s:.0f} s: not enough resources in the cluster"
+            ) from None
         self._groups.append(pg)
         return pg
 
@@ -281,8 +308,9 @@ class Controller:
         options = worker_actor_options(self.config, role, name)
         options["scheduling_strategy"] = PlacementGroupSchedulingStrategy(self._pg if pg is None else pg, bundle)
         config = worker_config(role, ray_worker_document(self.config, role, name), self._options.args_for(role))
-        handle = _RemoteWorker.options(**options).remote(config, self._internal_token,
-                                                         router_token_digest(self._router_token))
+        handle = _RemoteWorker.options(**options).remote(
+            config, self._internal_token, router_token_digest(self._router_token)
+        )
         return _Worker(name, role, handle, pg=pg)
 
     def _wait_serving(self, workers: list[_Worker]) -> None:
@@ -293,9 +321,13 @@ class Controller:
     def _start_router(self, workers: list[_Worker]) -> Any:  # noqa: ANN401 - ray ActorHandle
         addresses = {role: [w.address for w in workers if w.role == role] for role in ROLES}
         router = _RemoteRouter.options(
-            **router_actor_options(self.config), scheduling_strategy=PlacementGroupSchedulingStrategy(self._pg, 0),
-        ).remote(router_process(router_document(self.config, addresses), self._auth_token, self._auth_tokens),
-                 self._internal_token, self._router_token)
+            **router_actor_options(self.config),
+            scheduling_strategy=PlacementGroupSchedulingStrategy(self._pg, 0),
+        ).remote(
+            router_process(router_document(self.config, addresses), self._auth_token, self._auth_tokens),
+            self._internal_token,
+            self._router_token,
+        )
         timeout = self.config.startup_timeout_s
         self.router_address_value = ray.get(router.address.remote(), timeout=timeout)
         self.router_http_address_value = ray.get(router.http_address.remote(), timeout=30)
@@ -319,8 +351,9 @@ class Controller:
     def workers(self) -> list[dict[str, Any]]:
         """name, role, address (as the router knows it) and draining of every worker, in start order."""
         with self._lock:
-            return [{"name": w.name, "role": w.role, "address": w.address, "draining": w.draining}
-                    for w in self._workers]
+            return [
+                {"name": w.name, "role": w.role, "address": w.address, "draining": w.draining} for w in self._workers
+            ]
 
     def worker_info(self) -> list[dict[str, Any]]:
         """Each live worker's own info() (pid, node, idle, ...)."""
@@ -393,8 +426,13 @@ class Controller:
     def _reregister(self, worker: _Worker, address: str, role: str) -> None:
         """A restarted worker serves on a new port, in the role it was created with (an elastic one
         that had switched starts over in its first role)."""
-        log.warning("worker %s moved from %s to %s (restarted, %s); updating the router", worker.name,
-                    worker.address, address, role)
+        log.warning(
+            "worker %s moved from %s to %s (restarted, %s); updating the router",
+            worker.name,
+            worker.address,
+            address,
+            role,
+        )
         # the new address first: requests waiting for a worker of this role (restart_wait_s) never see
         # the pool without one
         ray.get(self._router.add_worker.remote(address, role))
@@ -420,7 +458,7 @@ class Controller:
                 current = {r: [w for w in self._workers if w.role == r and not w.draining] for r in ROLES}
             targets = {"prefill": prefill, "decode": decode}
             roles = [r for r in ROLES for _ in range(targets[r] - len(current[r]))]
-            removed = [w for r in ROLES for w in current[r][targets[r]:]]
+            removed = [w for r in ROLES for w in current[r][targets[r] :]]
             added = self._add(roles)
             self._retire(removed)
         return {"added": [w.name for w in added], "removed": [w.name for w in removed]}
@@ -548,8 +586,10 @@ class Controller:
         """Run one autoscaler tick now (as the loop does every elastic.interval_s); its decisions."""
         if self._autoscaler is None:
             raise RuntimeError("the deployment runs no autoscaler (serve --autoscale)")
-        return [{"kind": d.kind, "role": d.role, "worker_id": d.worker_id, "reason": d.reason}
-                for d in self._autoscaler.loop.tick()]
+        return [
+            {"kind": d.kind, "role": d.role, "worker_id": d.worker_id, "reason": d.reason}
+            for d in self._autoscaler.loop.tick()
+        ]
 
     # ----- teardown --------------------------------------------------------------------------
     def shutdown(self) -> None:
@@ -594,8 +634,9 @@ T = TypeVar("T")
 RAY_START_TIMED_OUT = "timed out during startup"
 
 
-def start_with_retry(start: Callable[[], T], attempts: int = 2, pause_s: float = 10.0,
-                     cleanup: Callable[[], None] | None = None) -> T:
+def start_with_retry(
+    start: Callable[[], T], attempts: int = 2, pause_s: float = 10.0, cleanup: Callable[[], None] | None = None
+) -> T:
     """`start()` (a local ray.init, or a test's multi-node cluster), tried once more when Ray's
     start-up times out: Ray gives a new node's raylet a fixed 30 s to register, which a busy small
     machine, or one where another instance is still stopping, can miss. Between tries: a warning,
@@ -606,8 +647,9 @@ def start_with_retry(start: Callable[[], T], attempts: int = 2, pause_s: float =
         except Exception as exc:  # Ray raises a bare Exception for this
             if RAY_START_TIMED_OUT not in str(exc) or attempt == attempts:
                 raise
-            log.warning("starting Ray timed out (try %d of %d): %s; trying again in %.0f s", attempt, attempts,
-                        exc, pause_s)
+            log.warning(
+                "starting Ray timed out (try %d of %d): %s; trying again in %.0f s", attempt, attempts, exc, pause_s
+            )
             ray.shutdown()
             if cleanup is not None:
                 cleanup()
@@ -629,8 +671,10 @@ def check_reachable(address: str | None, timeout_s: float = 5.0) -> None:
     try:
         socket.create_connection((host.strip("[]"), int(port)), timeout=timeout_s).close()
     except OSError as exc:
-        raise ConnectionError(f"no Ray cluster at {address}: {exc} (start one with `ray start --head`, "
-                              f"or pass the head's GCS address, host:6379 by default)") from None
+        raise ConnectionError(
+            f"no Ray cluster at {address}: {exc} (start one with `ray start --head`, "
+            f"or pass the head's GCS address, host:6379 by default)"
+        ) from None
 
 
 def _configured_internal_token(config: DeploymentConfig) -> str | None:
@@ -655,8 +699,12 @@ def get_controller(address: str | None = "auto") -> Any:  # noqa: ANN401 - ray A
 class RayCluster:
     """Driver-side handle: starts the deployment on construction; ``stop()`` tears it down (idempotent)."""
 
-    def __init__(self, config: DeploymentConfig, make_planner: Callable[..., Any] | None = None,
-                 options: LaunchOptions | None = None) -> None:
+    def __init__(
+        self,
+        config: DeploymentConfig,
+        make_planner: Callable[..., Any] | None = None,
+        options: LaunchOptions | None = None,
+    ) -> None:
         """`make_planner`: the autoscaler's planner factory, run in the controller (see Controller);
         `options`: extra worker flags (the router actor takes none)."""
         if config.mode != "ray":
@@ -683,11 +731,16 @@ class RayCluster:
         atexit.register(self.stop)
         try:
             self._controller = _RemoteController.options(
-                name=CONTROLLER_NAME, namespace=NAMESPACE, lifetime="detached", num_cpus=0, max_concurrency=16,
+                name=CONTROLLER_NAME,
+                namespace=NAMESPACE,
+                lifetime="detached",
+                num_cpus=0,
+                max_concurrency=16,
                 scheduling_strategy=NodeAffinitySchedulingStrategy(controller_node_id(), soft=False),
             ).remote(config, internal, auth, options, make_planner, tenants)
-            self.router_address: str = ray.get(self._controller.router_address.remote(),
-                                               timeout=config.startup_timeout_s + 60)
+            self.router_address: str = ray.get(
+                self._controller.router_address.remote(), timeout=config.startup_timeout_s + 60
+            )
             self.http_address: str = ray.get(self._controller.router_http_address.remote(), timeout=60)
             self.placement: str = ray.get(self._controller.placement_name.remote(), timeout=60)
         except BaseException:
@@ -745,4 +798,3 @@ class RayCluster:
         self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
     ) -> None:
         self.stop()
-

@@ -76,11 +76,20 @@ class RayActuator:
                 outcome = self._apply(decision)
             except Exception as exc:  # noqa: BLE001 - recorded; the loop goes on
                 outcome = f"failed: {type(exc).__name__}: {exc}"
-            log.info("autoscaler on Ray: %s %s %s -> %s", decision.kind, decision.role, decision.worker_id or "-",
-                     outcome)
-            self.actions.append({"at": time.time(), "took_s": time.monotonic() - started, "kind": decision.kind,
-                                 "role": decision.role, "worker_id": decision.worker_id, "reason": decision.reason,
-                                 "outcome": outcome})
+            log.info(
+                "autoscaler on Ray: %s %s %s -> %s", decision.kind, decision.role, decision.worker_id or "-", outcome
+            )
+            self.actions.append(
+                {
+                    "at": time.time(),
+                    "took_s": time.monotonic() - started,
+                    "kind": decision.kind,
+                    "role": decision.role,
+                    "worker_id": decision.worker_id,
+                    "reason": decision.reason,
+                    "outcome": outcome,
+                }
+            )
             return outcome
 
     def _apply(self, decision: Decision) -> str:
@@ -110,9 +119,15 @@ class RayActuator:
 class RayAutoscaler:
     """The autoscaler loop of a Ray deployment, run inside the controller actor."""
 
-    def __init__(self, workers: WorkerSet, router_address: str, options: Any,  # noqa: ANN401 - AutoscaleOptions
-                 token: str | None = None, tls_ca_file: str | None = None,
-                 make_planner: PlannerFactory | None = None) -> None:
+    def __init__(
+        self,
+        workers: WorkerSet,
+        router_address: str,
+        options: Any,  # noqa: ANN401 - AutoscaleOptions
+        token: str | None = None,
+        tls_ca_file: str | None = None,
+        make_planner: PlannerFactory | None = None,
+    ) -> None:
         """`tls_ca_file`: the router's TLS certificate, read on this (the head) node, as trust root.
         `make_planner`: what builds the planner (the CLI's, from the profile; None: pressure only)."""
         config = autoscaler_config(options, can_resize=True)
@@ -124,13 +139,23 @@ class RayAutoscaler:
         self.tls_ca_file = tls_ca_file
         self._lock = threading.Lock()
         self.loop = self._start(router_address)
-        log.info("autoscaler on Ray: keeping %s with %d..%d workers, %s", options.slo, options.min_workers,
-                 options.max_workers, "planner on " + options.profile if planner else "no planner")
+        log.info(
+            "autoscaler on Ray: keeping %s with %d..%d workers, %s",
+            options.slo,
+            options.min_workers,
+            options.max_workers,
+            "planner on " + options.profile if planner else "no planner",
+        )
 
     def _start(self, router_address: str) -> AutoscalerLoop:
-        return AutoscalerLoop(router_address, self.core, self.interval_s, self.token,
-                              resize=lambda decision, obs: self.actuator(decision, obs),
-                              tls_ca_file=self.tls_ca_file).start()
+        return AutoscalerLoop(
+            router_address,
+            self.core,
+            self.interval_s,
+            self.token,
+            resize=lambda decision, obs: self.actuator(decision, obs),
+            tls_ca_file=self.tls_ca_file,
+        ).start()
 
     def follow(self, router_address: str) -> None:
         """The router moved (restarted on a new port or node): go on against the new address, with
@@ -146,8 +171,11 @@ class RayAutoscaler:
 
     def status(self) -> dict[str, Any]:
         """What the latest tick measured, every decision the loop made, and the resizes' outcomes."""
-        return {"last": dict(self.core.last), "decisions": list(self.loop.history),
-                "resizes": list(self.actuator.actions)}
+        return {
+            "last": dict(self.core.last),
+            "decisions": list(self.loop.history),
+            "resizes": list(self.actuator.actions),
+        }
 
     def stop(self) -> None:
         self.loop.stop()

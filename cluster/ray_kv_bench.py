@@ -53,8 +53,11 @@ def ray_send_seconds(make_kv: Callable[[], tuple[KvSpec, torch.Tensor]], repeats
 
     if not ray.is_initialized():  # left running for the next call (ends with the process)
         ray.init(num_cpus=2, include_dashboard=False, namespace=NAMESPACE, log_to_driver=False)
-    actor = ray.remote(_BenchReceiver).options(name=BENCH_ACTOR, namespace=NAMESPACE, num_cpus=0,
-                                              get_if_exists=True).remote()
+    actor = (
+        ray.remote(_BenchReceiver)
+        .options(name=BENCH_ACTOR, namespace=NAMESPACE, num_cpus=0, get_if_exists=True)
+        .remote()
+    )
     try:
         sender = RayKvSender(f"ray:{BENCH_ACTOR}")
         times = []
@@ -76,8 +79,14 @@ NODE_STORE_BYTES = 512 * 2**20  # object store per node of the benchmark cluster
 def _random_kv(shape: tuple[int, ...], block_size: int, tokens: int) -> tuple[KvSpec, torch.Tensor]:
     import uuid
 
-    spec = KvSpec(request_id=uuid.uuid4().hex, model_fingerprint="bench", dtype="float32", shape=shape,
-                  block_size=block_size, num_tokens=tokens)
+    spec = KvSpec(
+        request_id=uuid.uuid4().hex,
+        model_fingerprint="bench",
+        dtype="float32",
+        shape=shape,
+        block_size=block_size,
+        num_tokens=tokens,
+    )
     return spec, torch.randn(shape)
 
 
@@ -137,8 +146,14 @@ class _NodeSender:
                 times.append(time.perf_counter() - start)
         return statistics.median(times)
 
-    def grpc_send(self, receiver: Any, shape: tuple[int, ...], block_size: int, tokens: int,  # noqa: ANN401
-                  repeats: int) -> float:
+    def grpc_send(
+        self,
+        receiver: Any,
+        shape: tuple[int, ...],
+        block_size: int,
+        tokens: int,  # noqa: ANN401
+        repeats: int,
+    ) -> float:
         from pdserve.kv_transfer import get_backend
 
         sender = get_backend("grpc").sender_factory(ray.get(receiver.get_address.remote()))
@@ -155,8 +170,9 @@ class _NodeSender:
         return statistics.median(times)
 
 
-def cross_node_seconds(shapes: list[tuple[int, tuple[int, ...]]], block_size: int,
-                       repeats: int) -> dict[int, dict[str, float]]:
+def cross_node_seconds(
+    shapes: list[tuple[int, tuple[int, ...]]], block_size: int, repeats: int
+) -> dict[int, dict[str, float]]:
     """Start a head + two worker nodes (each its own raylet and object store, on this host), then for
     each (tokens, shape): median seconds of a memcpy of the bytes in the sending actor (the baseline),
     of one KV send node-a -> node-b through the object store (RayKvSender -> a receiving actor), the
@@ -165,8 +181,10 @@ def cross_node_seconds(shapes: list[tuple[int, tuple[int, ...]]], block_size: in
 
     from pdserve.kv_transfer.ray_backend import NAMESPACE
 
-    cluster = Cluster(initialize_head=True, head_node_args={
-        "num_cpus": 1, "object_store_memory": NODE_STORE_BYTES, "include_dashboard": False})
+    cluster = Cluster(
+        initialize_head=True,
+        head_node_args={"num_cpus": 1, "object_store_memory": NODE_STORE_BYTES, "include_dashboard": False},
+    )
     try:
         for name in ("node_a", "node_b"):
             cluster.add_node(num_cpus=4, resources={name: 10}, object_store_memory=NODE_STORE_BYTES)
@@ -174,13 +192,23 @@ def cross_node_seconds(shapes: list[tuple[int, tuple[int, ...]]], block_size: in
         ray.init(address=cluster.address, namespace=NAMESPACE, log_to_driver=False)
         on = {name: {"num_cpus": 0, "resources": {name: 1}} for name in ("node_a", "node_b")}
         sender = ray.remote(_NodeSender).options(**on["node_a"]).remote()
-        remote_rx = ray.remote(_BenchReceiver).options(name="bench-rx-b", namespace=NAMESPACE, max_concurrency=4,
-                                                       **on["node_b"]).remote()
-        local_rx = ray.remote(_BenchReceiver).options(name="bench-rx-a", namespace=NAMESPACE, max_concurrency=4,
-                                                      **on["node_a"]).remote()
+        remote_rx = (
+            ray.remote(_BenchReceiver)
+            .options(name="bench-rx-b", namespace=NAMESPACE, max_concurrency=4, **on["node_b"])
+            .remote()
+        )
+        local_rx = (
+            ray.remote(_BenchReceiver)
+            .options(name="bench-rx-a", namespace=NAMESPACE, max_concurrency=4, **on["node_a"])
+            .remote()
+        )
         grpc_rx = ray.remote(_GrpcReceiver).options(max_concurrency=4, **on["node_b"]).remote()
-        nodes = ray.get([sender.node_id.remote(), ray.remote(lambda: ray.get_runtime_context().get_node_id())
-                         .options(**on["node_b"]).remote()])
+        nodes = ray.get(
+            [
+                sender.node_id.remote(),
+                ray.remote(lambda: ray.get_runtime_context().get_node_id()).options(**on["node_b"]).remote(),
+            ]
+        )
         assert nodes[0] != nodes[1]
         ray.get([remote_rx.__ray_ready__.remote(), local_rx.__ray_ready__.remote(), grpc_rx.get_address.remote()])
         out = {}

@@ -54,13 +54,19 @@ def describe(event: common_pb2.TraceEvent) -> tuple[str, str]:
         return "decode", f"token {e.token_id} {piece(e.piece)}, KV {e.kv_len}, ITL {_ms(e.itl_s)}"
     if kind == "hold":
         e = event.hold
-        return "detok hold", (f"token {e.token_id}: {len(e.held)} bytes {piece(e.held)} over {e.held_tokens} "
-                              f"token(s) wait for the rest of a character")
+        return "detok hold", (
+            f"token {e.token_id}: {len(e.held)} bytes {piece(e.held)} over {e.held_tokens} "
+            f"token(s) wait for the rest of a character"
+        )
     if kind == "route":
         e = event.route
         where = f"decode {e.decode_worker}" + (f", prefill {e.prefill_worker}" if e.prefill_worker else "")
-        cached = (f"; {e.prompt_tokens} prompt tokens, cached {e.decode_cached_tokens} on decode, "
-                  f"{e.prefill_cached_tokens} on prefill" if e.prompt_tokens else "")
+        cached = (
+            f"; {e.prompt_tokens} prompt tokens, cached {e.decode_cached_tokens} on decode, "
+            f"{e.prefill_cached_tokens} on prefill"
+            if e.prompt_tokens
+            else ""
+        )
         return "route", f"{e.decision}: {where}{cached}"
     return "unknown", str(event)
 
@@ -78,6 +84,8 @@ def trace_lines(response: router_pb2.GenerateResponse, elapsed_s: float) -> list
     if response.finish_reason != common_pb2.FINISH_REASON_UNSPECIFIED:
         reason = FINISH_NAMES.get(response.finish_reason, str(response.finish_reason))
         usage = response.usage
-        lines.append(f"{stamp}  {'finish':<11} {'':<11} {reason}: {usage.prompt_tokens} prompt + "
-                     f"{usage.completion_tokens} generated tokens")
+        lines.append(
+            f"{stamp}  {'finish':<11} {'':<11} {reason}: {usage.prompt_tokens} prompt + "
+            f"{usage.completion_tokens} generated tokens"
+        )
     return lines

@@ -64,8 +64,9 @@ def _tokenize_large(loaded: LoadedModel, request: worker_pb2.DecodeRequest) -> l
         trim_heap()
 
 
-async def read_request(loaded: LoadedModel, request: worker_pb2.DecodeRequest, worker_id: str,
-                       request_id: str) -> ReadRequest:
+async def read_request(
+    loaded: LoadedModel, request: worker_pb2.DecodeRequest, worker_id: str, request_id: str
+) -> ReadRequest:
     """Tokenize and check a DecodeRequest; RequestInvalid for a bad one, RequestFault for our bug."""
     try:
         start = time.perf_counter()
@@ -87,26 +88,41 @@ async def read_request(loaded: LoadedModel, request: worker_pb2.DecodeRequest, w
     return ReadRequest(prompt_ids, params, resume_ids, tokenize_s)
 
 
-def tokenize_event(loaded: LoadedModel, worker_id: str, prompt_ids: list[int],
-                   tokenize_s: float) -> common_pb2.TraceEvent:
+def tokenize_event(
+    loaded: LoadedModel, worker_id: str, prompt_ids: list[int], tokenize_s: float
+) -> common_pb2.TraceEvent:
     pieces = token_bytes(loaded.tokenizer, prompt_ids)
-    return common_pb2.TraceEvent(worker_id=worker_id, tokenize=common_pb2.TraceTokenize(
-        token_ids=prompt_ids, pieces=pieces, time_s=tokenize_s))
+    return common_pb2.TraceEvent(
+        worker_id=worker_id, tokenize=common_pb2.TraceTokenize(token_ids=prompt_ids, pieces=pieces, time_s=tokenize_s)
+    )
 
 
-def record_prefill(outcome: PrefillOutcome, worker_id: str, timings: common_pb2.Timings,
-                   trace: list[common_pb2.TraceEvent] | None) -> None:
+def record_prefill(
+    outcome: PrefillOutcome, worker_id: str, timings: common_pb2.Timings, trace: list[common_pb2.TraceEvent] | None
+) -> None:
     """Add a remote prefill's timings, and (traced) its passes and the K/V hand-off, to the request's."""
     response = outcome.response
     timings.MergeFrom(response.timings)
     if trace is not None:
         trace.extend(response.trace)
-        trace.append(common_pb2.TraceEvent(worker_id=worker_id, kv_transfer=common_pb2.TraceKvTransfer(
-            backend=outcome.backend, bytes=response.kv_bytes, time_s=response.timings.kv_transfer_s)))
+        trace.append(
+            common_pb2.TraceEvent(
+                worker_id=worker_id,
+                kv_transfer=common_pb2.TraceKvTransfer(
+                    backend=outcome.backend, bytes=response.kv_bytes, time_s=response.timings.kv_transfer_s
+                ),
+            )
+        )
 
 
-def response_of(request_id: str, out: TokenOutput, timings: common_pb2.Timings, start: float,
-                first_at: float, prefill_cached: int = 0) -> router_pb2.GenerateResponse:
+def response_of(
+    request_id: str,
+    out: TokenOutput,
+    timings: common_pb2.Timings,
+    start: float,
+    first_at: float,
+    prefill_cached: int = 0,
+) -> router_pb2.GenerateResponse:
     response = router_pb2.GenerateResponse(request_id=request_id, text=out.text)
     if out.token_id >= 0:
         response.token_ids.append(out.token_id)
@@ -130,8 +146,9 @@ def _pieces(tokenizer: Any, ids: set[int]) -> dict[int, str]:  # noqa: ANN401
     """Each token decoded alone, in one batched call (a long prompt's logprobs name thousands of
     tokens: one decode call each held the event loop for most of a second)."""
     ordered = sorted(ids)
-    texts = tokenizer.batch_decode([[t] for t in ordered], skip_special_tokens=False,
-                                   clean_up_tokenization_spaces=False)
+    texts = tokenizer.batch_decode(
+        [[t] for t in ordered], skip_special_tokens=False, clean_up_tokenization_spaces=False
+    )
     return dict(zip(ordered, texts, strict=True))
 
 
@@ -153,19 +170,39 @@ def add_logprobs(response: router_pb2.GenerateResponse, out: TokenOutput, tokeni
         response.prompt_logprobs.extend(_logprob_pb(e, pieces) for e in out.prompt_logprobs)
 
 
-def worker_info(worker: DecodeWorker, worker_id: str, address: str, kv_target: str, colocated: bool,
-                unhealthy_reason: str, node: tuple[str, str]) -> common_pb2.WorkerInfo:
+def worker_info(
+    worker: DecodeWorker,
+    worker_id: str,
+    address: str,
+    kv_target: str,
+    colocated: bool,
+    unhealthy_reason: str,
+    node: tuple[str, str],
+) -> common_pb2.WorkerInfo:
     """GetInfo's answer: the worker's load, KV pool and counters."""
     s = worker.stats()
     return common_pb2.WorkerInfo(
-        worker_id=worker_id, address=address, pid=os.getpid(), kv_address=kv_target,
+        worker_id=worker_id,
+        address=address,
+        pid=os.getpid(),
+        kv_address=kv_target,
         role=common_pb2.WORKER_ROLE_COLOCATED if colocated else common_pb2.WORKER_ROLE_DECODE,
-        queue_depth=s["queue_depth"], kv_blocks_used=s["kv_used"], kv_blocks_total=s["kv_total"],
-        running_requests=s["running"], healthy=not unhealthy_reason, unhealthy_reason=unhealthy_reason,
+        queue_depth=s["queue_depth"],
+        kv_blocks_used=s["kv_used"],
+        kv_blocks_total=s["kv_total"],
+        running_requests=s["running"],
+        healthy=not unhealthy_reason,
+        unhealthy_reason=unhealthy_reason,
         prefill_tokens_computed=s["prefill_tokens_computed"],
-        kv_bytes_received=worker.kv_bytes_received, requests_finished=worker.requests_finished,
-        prefix_cache_hit_blocks=s["prefix_cache_hit_blocks"], prefix_cache_blocks=s["prefix_cache_blocks"],
-        max_running_requests=worker.engine.config.max_num_seqs, node_id=node[0], host=node[1],
-        requests_migrated_in=worker.requests_migrated_in, requests_migrated_out=worker.requests_migrated_out,
-        kv_block_size=worker.engine.pool.block_size, kernels=getattr(worker.engine.runner, "kernels", ""),
+        kv_bytes_received=worker.kv_bytes_received,
+        requests_finished=worker.requests_finished,
+        prefix_cache_hit_blocks=s["prefix_cache_hit_blocks"],
+        prefix_cache_blocks=s["prefix_cache_blocks"],
+        max_running_requests=worker.engine.config.max_num_seqs,
+        node_id=node[0],
+        host=node[1],
+        requests_migrated_in=worker.requests_migrated_in,
+        requests_migrated_out=worker.requests_migrated_out,
+        kv_block_size=worker.engine.pool.block_size,
+        kernels=getattr(worker.engine.runner, "kernels", ""),
     )

@@ -28,16 +28,18 @@ class DecodeWorkerConfig(WorkerConfig):
 
     worker_id: str = opt("decode-0", WORKER_ID_HELP)
     colocated: bool = opt(False, "prefill every request here (classic server)")
-    kv_target: str = opt("", "where prefill workers send KV (default: this worker's gRPC address; "
-                         "ray:<actor name> for the ray backend)")
+    kv_target: str = opt(
+        "", "where prefill workers send KV (default: this worker's gRPC address; ray:<actor name> for the ray backend)"
+    )
     pool: DecodePool = field(default_factory=DecodePool)
     kv: KvTransferSection = field(default_factory=KvTransferSection)
 
     OWN_FLAGS: ClassVar[tuple[str, ...]] = (*WorkerConfig.OWN_FLAGS, "colocated", "kv_target")
     SECTION_FLAGS: ClassVar[Mapping[str, SectionFlags]] = {
         **WorkerConfig.SECTION_FLAGS,
-        "pool": SectionFlags(DecodePool, (*POOL_SETTINGS, *DECODE_SETTINGS),
-                             {"chunk_tokens": "--prefill-chunk-tokens"}),
+        "pool": SectionFlags(
+            DecodePool, (*POOL_SETTINGS, *DECODE_SETTINGS), {"chunk_tokens": "--prefill-chunk-tokens"}
+        ),
         "kv": SectionFlags(KvTransferSection, ("backend", "checksum"), by_hand=("checksum",)),
     }
 
@@ -48,16 +50,23 @@ class DecodeWorkerConfig(WorkerConfig):
 
 def build_parser() -> argparse.ArgumentParser:
     """This worker's command-line flags (also read by `elastic_worker`, which takes both roles' flags)."""
-    ap = argparse.ArgumentParser(prog="python -m pdserve.decode_worker",
-                                 description="One decode (or colocated) worker process; gRPC on loopback by "
-                                             "default. Serves DecodeWorker, KvTransfer (the gRPC KV backend's "
-                                             "receiver) and health on one port.")
+    ap = argparse.ArgumentParser(
+        prog="python -m pdserve.decode_worker",
+        description="One decode (or colocated) worker process; gRPC on loopback by "
+        "default. Serves DecodeWorker, KvTransfer (the gRPC KV backend's "
+        "receiver) and health on one port.",
+    )
     DecodeWorkerConfig.add_flags(ap)
-    ap.add_argument("--kv-checksum", nargs="?", const="xxh3", default=section_default(KvTransferSection, "checksum"),
-                    choices=tuple(name for name in KV_CHECKSUMS if name),
-                    help="shm backend: prefill workers send a checksum of the blocks (xxh3 when no algorithm is "
-                         "named), checked here over the copied bytes; the gRPC stream always checksums every "
-                         "frame (see docs/security.md for the cost)")
+    ap.add_argument(
+        "--kv-checksum",
+        nargs="?",
+        const="xxh3",
+        default=section_default(KvTransferSection, "checksum"),
+        choices=tuple(name for name in KV_CHECKSUMS if name),
+        help="shm backend: prefill workers send a checksum of the blocks (xxh3 when no algorithm is "
+        "named), checked here over the copied bytes; the gRPC stream always checksums every "
+        "frame (see docs/security.md for the cost)",
+    )
     add_config_arg(ap)
     return ap
 

@@ -70,16 +70,18 @@ class PrefillPeers(Protocol):
     async def segment_prefix(self, address: str, timeout_s: float) -> str:
         """The shared-memory segment prefix the worker reports ("" for none); PeerCallFailed."""
 
-    async def prefill(self, address: str, request: worker_pb2.PrefillRequest,
-                      timeout_s: float) -> worker_pb2.PrefillResponse:
+    async def prefill(
+        self, address: str, request: worker_pb2.PrefillRequest, timeout_s: float
+    ) -> worker_pb2.PrefillResponse:
         """Have it prefill and push the K/V here; its answer once the K/V were acknowledged, or PeerCallFailed."""
 
 
 class MigrationSources(Protocol):
     """The network to other decode workers, as sources of a live migration."""
 
-    async def migrate_out(self, address: str, request: worker_pb2.MigrateOutRequest,
-                          timeout_s: float) -> worker_pb2.MigrateOutResponse:
+    async def migrate_out(
+        self, address: str, request: worker_pb2.MigrateOutRequest, timeout_s: float
+    ) -> worker_pb2.MigrateOutResponse:
         """Have it push a suspended request's K/V here; PeerCallFailed."""
 
 
@@ -147,8 +149,14 @@ def _call_error(call: asyncio.Task) -> PeerCallFailed | None:
 class KvIntake:
     """One per decode worker; its coroutines run on the serving event loop."""
 
-    def __init__(self, worker: DecodeWorker, receiver: KvReceiver, settings: IntakeSettings,
-                 prefill_peers: PrefillPeers, migration_sources: MigrationSources) -> None:
+    def __init__(
+        self,
+        worker: DecodeWorker,
+        receiver: KvReceiver,
+        settings: IntakeSettings,
+        prefill_peers: PrefillPeers,
+        migration_sources: MigrationSources,
+    ) -> None:
         self.worker = worker
         self.receiver = receiver
         self.settings = settings
@@ -157,26 +165,42 @@ class KvIntake:
         self._peers: dict[str, PeerFacts] = {}  # prefill address -> what it told us (shared memory only)
 
     # ----- remote prefill --------------------------------------------------------------------
-    async def remote_prefill(self, request_id: str, prefill_address: str, prompt_ids: list[int],
-                             resume_ids: list[int], params: SamplingParams, deadline: float,
-                             trace: bool = False) -> PrefillOutcome:
+    async def remote_prefill(
+        self,
+        request_id: str,
+        prefill_address: str,
+        prompt_ids: list[int],
+        resume_ids: list[int],
+        params: SamplingParams,
+        deadline: float,
+        trace: bool = False,
+    ) -> PrefillOutcome:
         """Have `prefill_address` compute the K/V of prompt + resumed tokens, take them in and start
         decoding. A failure on the prefill side is WorkerUnavailable(PREFILL) (RequestFault(PREFILL)
         when its step broke on this request; its RequestInvalid / Overloaded pass on)."""
         route = await self.route(prefill_address, deadline)
-        seq = await await_loop(self.worker.reserve(request_id, prompt_ids, params, resume_ids, trace), deadline,
-                               self.settings.worker_id)
+        seq = await await_loop(
+            self.worker.reserve(request_id, prompt_ids, params, resume_ids, trace), deadline, self.settings.worker_id
+        )
         tokens = prompt_ids + resume_ids
         kv_deadline = min(deadline, time.perf_counter() + self.settings.kv_timeout_s)
         spec = self.worker.expected_spec(request_id, len(tokens), seq.num_reused_blocks)
         pending = self.receiver.expect(spec, route.expect_options(max(0.1, kv_deadline - time.perf_counter())))
         request = worker_pb2.PrefillRequest(
-            request_id=request_id, prompt_token_ids=tokens, params=sampling_params_to_pb(params),
-            kv_target_address=self.settings.kv_target, kv_backend=route.backend,
-            decode_worker_id=self.settings.worker_id, output_index=len(resume_ids), kv_block_offset=spec.block_offset,
-            trace=trace, kv_checksum=route.checksum)
-        call = asyncio.ensure_future(self.prefill_peers.prefill(prefill_address, request,
-                                                                max(0.1, kv_deadline - time.perf_counter())))
+            request_id=request_id,
+            prompt_token_ids=tokens,
+            params=sampling_params_to_pb(params),
+            kv_target_address=self.settings.kv_target,
+            kv_backend=route.backend,
+            decode_worker_id=self.settings.worker_id,
+            output_index=len(resume_ids),
+            kv_block_offset=spec.block_offset,
+            trace=trace,
+            kv_checksum=route.checksum,
+        )
+        call = asyncio.ensure_future(
+            self.prefill_peers.prefill(prefill_address, request, max(0.1, kv_deadline - time.perf_counter()))
+        )
         legs = self._link(call, pending)
         kv = None
         try:
@@ -209,8 +233,9 @@ class KvIntake:
         if wants_shm(settings.kv_backend, prefill_address, settings.address):
             peer = self._peers.get(prefill_address) or await self._ask_segments(prefill_address, deadline)
         try:
-            return choose_route(settings.kv_backend, settings.address, peer, settings.kv_checksum,
-                                self.worker.engine.kv_cache.device)
+            return choose_route(
+                settings.kv_backend, settings.address, peer, settings.kv_checksum, self.worker.engine.kv_cache.device
+            )
         except KvTransferError as exc:
             raise WorkerUnavailable(f"prefill failed on {prefill_address}: {exc}", PREFILL) from exc
 
@@ -246,13 +271,22 @@ class KvIntake:
         call.add_done_callback(on_call_done)
         return legs
 
-    async def _commit(self, request_id: str, kv: Any, first_token: int, backend: str, deadline: float,  # noqa: ANN401
-                      nbytes: int | None = None) -> None:
-        await await_loop(self.worker.commit(request_id, kv, first_token, backend, nbytes), deadline,
-                         self.settings.worker_id)
+    async def _commit(
+        self,
+        request_id: str,
+        kv: Any,
+        first_token: int,
+        backend: str,
+        deadline: float,  # noqa: ANN401
+        nbytes: int | None = None,
+    ) -> None:
+        await await_loop(
+            self.worker.commit(request_id, kv, first_token, backend, nbytes), deadline, self.settings.worker_id
+        )
 
-    def _prefill_failure(self, exc: Exception, call: asyncio.Task, pending: PendingKv, prefill_address: str,
-                         call_ended: bool) -> Failure:
+    def _prefill_failure(
+        self, exc: Exception, call: asyncio.Task, pending: PendingKv, prefill_address: str, call_ended: bool
+    ) -> Failure:
         """Pass the request's own faults on; report everything else as the prefill side's failure."""
         peer = self._peers.pop(prefill_address, None)  # it may have restarted: ask it again next time
         if peer is not None and peer.segment_prefix:
@@ -267,9 +301,17 @@ class KvIntake:
         return kind(f"prefill failed on {prefill_address}: {reason or exc}", PREFILL)
 
     # ----- live migration, target side -----------------------------------------------------------
-    async def migrate_in(self, request_id: str, source: str, source_request_id: str, prompt_ids: list[int],
-                         resume_ids: list[int], params: SamplingParams, deadline: float,
-                         trace: bool = False) -> router_pb2.MigrationMarker:
+    async def migrate_in(
+        self,
+        request_id: str,
+        source: str,
+        source_request_id: str,
+        prompt_ids: list[int],
+        resume_ids: list[int],
+        params: SamplingParams,
+        deadline: float,
+        trace: bool = False,
+    ) -> router_pb2.MigrationMarker:
         """Reserve blocks for prompt + outputs, expect the K/V of every token but the last, have the
         source push them, then decode on. No prompt token is computed here. A failure of the source or
         of the push is WorkerUnavailable(MIGRATION_SOURCE): the router then fails the request over."""
@@ -277,8 +319,9 @@ class KvIntake:
             raise RequestInvalid("migrate_from_address needs migrate_request_id and resume_output_ids")
         started = time.perf_counter()
         worker_id = self.settings.worker_id
-        seq = await await_loop(self.worker.reserve(request_id, prompt_ids, params, resume_ids, trace), deadline,
-                               worker_id)
+        seq = await await_loop(
+            self.worker.reserve(request_id, prompt_ids, params, resume_ids, trace), deadline, worker_id
+        )
         num_tokens = len(prompt_ids) + len(resume_ids) - 1
         n_blocks = blocks_for_tokens(num_tokens, self.worker.engine.pool.block_size)
         offset = min(seq.num_reused_blocks, n_blocks - 1)  # at least one block travels
@@ -287,11 +330,18 @@ class KvIntake:
         spec = self.worker.expected_spec(request_id, num_tokens, offset)
         pending = self.receiver.expect(spec, route.expect_options(max(0.1, kv_deadline - time.perf_counter())))
         order = worker_pb2.MigrateOutRequest(
-            request_id=source_request_id, target_request_id=request_id, kv_target_address=self.settings.kv_target,
-            kv_backend=route.backend, num_tokens=num_tokens, kv_block_offset=offset, target_worker_id=worker_id)
+            request_id=source_request_id,
+            target_request_id=request_id,
+            kv_target_address=self.settings.kv_target,
+            kv_backend=route.backend,
+            num_tokens=num_tokens,
+            kv_block_offset=offset,
+            target_worker_id=worker_id,
+        )
         try:
-            response = await self.migration_sources.migrate_out(source, order,
-                                                                max(0.1, kv_deadline - time.perf_counter()))
+            response = await self.migration_sources.migrate_out(
+                source, order, max(0.1, kv_deadline - time.perf_counter())
+            )
             kv, _ = await _kv_of(pending, kv_deadline - time.perf_counter())
         except (PeerCallFailed, KvTransferError) as exc:
             pending.cancel("migration failed")
@@ -300,7 +350,9 @@ class KvIntake:
             if not pending.done():
                 pending.cancel("request ended")
         await await_loop(self.worker.commit_migrated(request_id, kv, spec.nbytes, offset), deadline, worker_id)
-        log.info("request_id=%s migrated in from %s: %d tokens, %d KV bytes", request_id, source, num_tokens,
-                 spec.nbytes)
-        return router_pb2.MigrationMarker(resumed=True, num_tokens=num_tokens, kv_bytes=response.kv_bytes,
-                                          kv_transfer_s=time.perf_counter() - started)
+        log.info(
+            "request_id=%s migrated in from %s: %d tokens, %d KV bytes", request_id, source, num_tokens, spec.nbytes
+        )
+        return router_pb2.MigrationMarker(
+            resumed=True, num_tokens=num_tokens, kv_bytes=response.kv_bytes, kv_transfer_s=time.perf_counter() - started
+        )

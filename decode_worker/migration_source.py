@@ -52,20 +52,28 @@ class MigrationSource:
         """Push a suspended request's K/V to a registered decode worker, then free them here."""
         target = request.kv_target_address
         if target not in self.kv_targets:
-            raise NotPermitted(f"kv_target_address {target!r} is not a decode worker registered with "
-                               f"decode worker {self.worker_id}")
+            raise NotPermitted(
+                f"kv_target_address {target!r} is not a decode worker registered with decode worker {self.worker_id}"
+            )
         try:
             seq = await asyncio.wrap_future(self.worker.suspended(request.request_id))
         except KeyError:
             raise NotFound(f"request {request.request_id} is not suspended here") from None
         backend = request.kv_backend or "grpc"
         spec, sender = self._plan(request, seq, backend)
-        blocks = seq.block_table[spec.block_offset : blocks_for_tokens(spec.num_tokens,
-                                                                       self.worker.engine.pool.block_size)]
+        blocks = seq.block_table[
+            spec.block_offset : blocks_for_tokens(spec.num_tokens, self.worker.engine.pool.block_size)
+        ]
         started = time.perf_counter()
         try:  # the blocks are held (suspended): no step writes them while they are read here
-            await asyncio.to_thread(sender.send_blocks, spec, self.worker.engine.kv_cache, blocks,
-                                    seq.output_ids[-1], timeout_s=self.kv_timeout_s)
+            await asyncio.to_thread(
+                sender.send_blocks,
+                spec,
+                self.worker.engine.kv_cache,
+                blocks,
+                seq.output_ids[-1],
+                timeout_s=self.kv_timeout_s,
+            )
         except Exception as exc:  # noqa: BLE001 - reported to the target, which fails over
             self.worker.release_suspended(request.request_id)
             self.worker.metrics.kv_failed(backend, "send")
@@ -73,10 +81,18 @@ class MigrationSource:
         transfer_s = time.perf_counter() - started
         self.worker.release_suspended(request.request_id, migrated=True)
         self.worker.metrics.kv_transferred(backend, "send", spec.nbytes, transfer_s)
-        log.info("request_id=%s migrated out to %s (%s): %d tokens, %d bytes in %.3fs", request.request_id,
-                 request.target_worker_id, target, spec.num_tokens, spec.nbytes, transfer_s)
-        return worker_pb2.MigrateOutResponse(kv_bytes=spec.nbytes, kv_transfer_s=transfer_s,
-                                             last_token_id=seq.output_ids[-1])
+        log.info(
+            "request_id=%s migrated out to %s (%s): %d tokens, %d bytes in %.3fs",
+            request.request_id,
+            request.target_worker_id,
+            target,
+            spec.num_tokens,
+            spec.nbytes,
+            transfer_s,
+        )
+        return worker_pb2.MigrateOutResponse(
+            kv_bytes=spec.nbytes, kv_transfer_s=transfer_s, last_token_id=seq.output_ids[-1]
+        )
 
     def _plan(self, request: worker_pb2.MigrateOutRequest, seq: Sequence, backend: str) -> tuple[KvSpec, KvSender]:
         """What to push and the sender: RequestInvalid for what the target asked wrongly."""
@@ -85,16 +101,23 @@ class MigrationSource:
             if backend not in ("grpc", "ray"):
                 raise RequestInvalid(f"kv_backend: migration ships over grpc or ray, not {backend!r}")
             if request.num_tokens != num_tokens:
-                raise RequestInvalid(f"num_tokens: this worker holds {num_tokens} tokens of K/V, "
-                                     f"not {request.num_tokens}")
+                raise RequestInvalid(
+                    f"num_tokens: this worker holds {num_tokens} tokens of K/V, not {request.num_tokens}"
+                )
             try:  # what it refuses here is the request's: the target's id and block offset
-                spec = KvSpec.for_cache(request.target_request_id, self.worker.loaded.fingerprint,
-                                        self.worker.engine.kv_cache.shape, num_tokens, request.kv_block_offset)
+                spec = KvSpec.for_cache(
+                    request.target_request_id,
+                    self.worker.loaded.fingerprint,
+                    self.worker.engine.kv_cache.shape,
+                    num_tokens,
+                    request.kv_block_offset,
+                )
             except ValueError as exc:
                 raise RequestInvalid(str(exc)) from exc
             return spec, get_backend(backend).sender_factory(request.kv_target_address)
         except (RequestInvalid, KvTransferError):
             raise
         except Exception as exc:  # noqa: BLE001 - not the request's fault: our bug, said as such
-            raise internal_fault(self.worker_id, request.request_id, f"MigrateOut to {request.kv_target_address}",
-                                 exc) from exc
+            raise internal_fault(
+                self.worker_id, request.request_id, f"MigrateOut to {request.kv_target_address}", exc
+            ) from exc

@@ -23,7 +23,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import AsyncGenerator, AsyncIterable, AsyncIterator, Callable
+from collections.abc import AsyncGenerator, AsyncIterable, Callable
 from typing import Any
 
 import grpc
@@ -58,8 +58,9 @@ class _MuxContext:
     def time_remaining(self) -> float | None:
         return None if self._deadline is None else max(0.0, self._deadline - time.monotonic())
 
-    async def abort(self, code: grpc.StatusCode, details: str = "",
-                    trailing_metadata: tuple[tuple[str, str], ...] = ()) -> None:
+    async def abort(
+        self, code: grpc.StatusCode, details: str = "", trailing_metadata: tuple[tuple[str, str], ...] = ()
+    ) -> None:
         raise MuxAbort(code, details, next((v for k, v in trailing_metadata if k == FAILURE_KEY), ""))
 
 
@@ -145,14 +146,23 @@ class MuxSession:
     def _open(self, opened: worker_pb2.MuxOpen) -> None:
         request_id = opened.request.request_id
         if not request_id:
-            asyncio.ensure_future(self._send(worker_pb2.MuxItem(
-                request_id="", end=True, code=grpc.StatusCode.INVALID_ARGUMENT.value[0],
-                details="request_id: must not be empty")))
+            asyncio.ensure_future(
+                self._send(
+                    worker_pb2.MuxItem(
+                        request_id="",
+                        end=True,
+                        code=grpc.StatusCode.INVALID_ARGUMENT.value[0],
+                        details="request_id: must not be empty",
+                    )
+                )
+            )
             return
         if request_id in self._tasks:
             # an answer tagged with this id would reach the open request: the second open is dropped
-            log.warning("GenerateMux: request id %s is already open on this stream; the second open is ignored",
-                        safe_id(request_id))
+            log.warning(
+                "GenerateMux: request id %s is already open on this stream; the second open is ignored",
+                safe_id(request_id),
+            )
             return
         self._tasks[request_id] = asyncio.ensure_future(self._drive(opened))
 
@@ -185,7 +195,8 @@ class MuxSession:
         await send(item(request_id=request_id, end=True, code=code.value[0], details=details, failure=failure))
 
 
-async def serve_mux(generate: GenerateFn, requests: AsyncIterable[worker_pb2.MuxRequest],
-                    context: grpc.aio.ServicerContext) -> None:
+async def serve_mux(
+    generate: GenerateFn, requests: AsyncIterable[worker_pb2.MuxRequest], context: grpc.aio.ServicerContext
+) -> None:
     """Serve one GenerateMux call with `generate` (a servicer's Generate)."""
     await MuxSession(generate, context).run(requests)

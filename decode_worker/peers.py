@@ -39,12 +39,14 @@ class GrpcPeers:
         info = await _call(self._prefill_stub(address).GetInfo, worker_pb2.InfoRequest(), timeout_s)
         return info.kv_segment_prefix
 
-    async def prefill(self, address: str, request: worker_pb2.PrefillRequest,
-                      timeout_s: float) -> worker_pb2.PrefillResponse:
+    async def prefill(
+        self, address: str, request: worker_pb2.PrefillRequest, timeout_s: float
+    ) -> worker_pb2.PrefillResponse:
         return await _call(self._prefill_stub(address).Prefill, request, timeout_s)
 
-    async def migrate_out(self, address: str, request: worker_pb2.MigrateOutRequest,
-                          timeout_s: float) -> worker_pb2.MigrateOutResponse:
+    async def migrate_out(
+        self, address: str, request: worker_pb2.MigrateOutRequest, timeout_s: float
+    ) -> worker_pb2.MigrateOutResponse:
         return await _call(self._decode_stub(address).MigrateOut, request, timeout_s)
 
     def _prefill_stub(self, address: str) -> worker_pb2_grpc.PrefillWorkerStub:

@@ -45,31 +45,63 @@ def start_worker(config: DecodeWorkerConfig) -> StartedWorker:
     apply_internal_credentials(config)
     check_bind_allowed(config.host)
     model, pool = config.model, config.pool
-    engine_config, loaded = load_worker_model(model, pool, max_num_seqs=pool.max_num_seqs,
-                                              prefix_caching=pool.prefix_caching,
-                                              prefill_chunk_tokens=pool.chunk_tokens or None)
+    engine_config, loaded = load_worker_model(
+        model,
+        pool,
+        max_num_seqs=pool.max_num_seqs,
+        prefix_caching=pool.prefix_caching,
+        prefill_chunk_tokens=pool.chunk_tokens or None,
+    )
     metrics = WorkerMetrics()
     injected = InjectedFaults.from_env()  # tests only (engine/fault_injection.py)
-    worker = DecodeWorker(loaded, engine_config, admission_timeout_s=pool.admission_timeout_s, metrics=metrics,
-                          die_after_steps=injected.loop_death_after_steps,
-                          step_delay_s=injected.step_delay_ms / 1000)
+    worker = DecodeWorker(
+        loaded,
+        engine_config,
+        admission_timeout_s=pool.admission_timeout_s,
+        metrics=metrics,
+        die_after_steps=injected.loop_death_after_steps,
+        step_delay_s=injected.step_delay_ms / 1000,
+    )
     endpoint = start_metrics_endpoint(metrics.registry, config.metrics_port)
     kv_receiver = KvTransferServicer()
     drain = Drain()
-    server = make_server(control_threads=32, options=receive_options(frame_receive_bytes()), name=config.worker_id,
-                         limits=call_limits(config))
+    server = make_server(
+        control_threads=32,
+        options=receive_options(frame_receive_bytes()),
+        name=config.worker_id,
+        limits=call_limits(config),
+    )
     address = bind(server, config.host, config.port)
-    servicer = DecodeServicer(worker, kv_receiver, config.worker_id, address, config.colocated,
-                              pool.local_prefill_threshold, pool.request_timeout_s, pool.kv_timeout_s, drain,
-                              kv_backend=config.kv.backend, kv_target=config.kv_target or address,
-                              kv_checksum=config.kv.checksum)
+    servicer = DecodeServicer(
+        worker,
+        kv_receiver,
+        config.worker_id,
+        address,
+        config.colocated,
+        pool.local_prefill_threshold,
+        pool.request_timeout_s,
+        pool.kv_timeout_s,
+        drain,
+        kv_backend=config.kv.backend,
+        kv_target=config.kv_target or address,
+        kv_checksum=config.kv.checksum,
+    )
     worker_pb2_grpc.add_DecodeWorkerServicer_to_server(servicer, server)
     worker_pb2_grpc.add_KvEventsServicer_to_server(
-        KvEventsServicer(config.worker_id, lambda: worker.engine.kv_events), server)
+        KvEventsServicer(config.worker_id, lambda: worker.engine.kv_events), server
+    )
     kv_receiver.add_to_server(server)
-    return start_serving(server, address, drain, worker.idle, lambda: worker.dead_reason, pool.drain_timeout_s,
-                         stops=(kv_receiver.close, worker.stop), endpoint=endpoint,
-                         extras={"servicer": servicer, "kv_receiver": kv_receiver})
+    return start_serving(
+        server,
+        address,
+        drain,
+        worker.idle,
+        lambda: worker.dead_reason,
+        pool.drain_timeout_s,
+        stops=(kv_receiver.close, worker.stop),
+        endpoint=endpoint,
+        extras={"servicer": servicer, "kv_receiver": kv_receiver},
+    )
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -1,5 +1,6 @@
 """The decode worker's gRPC adapter: DecodeWorker.Generate/GenerateMux/GetInfo/Abort, Tokenize and
-Detokenize (decode_worker/token_service.py), and the source side of live migration. It reads protos into typed calls (decode_worker/codec.py), calls the core
+Detokenize (decode_worker/token_service.py), and the source side of live migration. It reads
+protos into typed calls (decode_worker/codec.py), calls the core
 (`DecodeWorker`, the decode-side KV contract `KvIntake`, `MigrationSource`) and maps their typed
 outcomes to statuses in one place (`_abort`): pdserve/failures.py's failures with their label in the
 trailing metadata, decode_worker/outcomes.py's others by `STATUSES`.
@@ -50,8 +51,12 @@ from pdserve.v1 import common_pb2, router_pb2, worker_pb2, worker_pb2_grpc
 from pdserve.worker.runtime import Drain, node_identity, trace_events_to_pb
 
 #: The core's outcomes that are not a typed failure, and their statuses.
-STATUSES = {DeadlinePassed: grpc.StatusCode.DEADLINE_EXCEEDED, NotFound: grpc.StatusCode.NOT_FOUND,
-            NotPermitted: grpc.StatusCode.PERMISSION_DENIED, WrongState: grpc.StatusCode.FAILED_PRECONDITION}
+STATUSES = {
+    DeadlinePassed: grpc.StatusCode.DEADLINE_EXCEEDED,
+    NotFound: grpc.StatusCode.NOT_FOUND,
+    NotPermitted: grpc.StatusCode.PERMISSION_DENIED,
+    WrongState: grpc.StatusCode.FAILED_PRECONDITION,
+}
 OUTCOMES: tuple[type[Exception], ...] = (Failure, *STATUSES)
 
 
@@ -64,10 +69,21 @@ async def _abort(context: grpc.aio.ServicerContext, exc: Exception) -> NoReturn:
 
 
 class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
-    def __init__(self, worker: DecodeWorker, kv_receiver: KvReceiver, worker_id: str, address: str,
-                 colocated: bool, local_prefill_threshold: int, request_timeout_s: float,
-                 kv_timeout_s: float = 120.0, drain: Drain | None = None, kv_backend: str = "grpc",
-                 kv_target: str = "", kv_checksum: str = "") -> None:
+    def __init__(
+        self,
+        worker: DecodeWorker,
+        kv_receiver: KvReceiver,
+        worker_id: str,
+        address: str,
+        colocated: bool,
+        local_prefill_threshold: int,
+        request_timeout_s: float,
+        kv_timeout_s: float = 120.0,
+        drain: Drain | None = None,
+        kv_backend: str = "grpc",
+        kv_target: str = "",
+        kv_checksum: str = "",
+    ) -> None:
         self.worker = worker
         self.worker_id, self.address, self.kv_target = worker_id, address, kv_target or address
         self.node_id, self.node_host = node_identity()
@@ -98,13 +114,22 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
         except OUTCOMES as exc:
             await _abort(context, exc)
 
-    async def GenerateMux(self, request_iterator: AsyncIterator[worker_pb2.MuxRequest],  # noqa: N802
-                          context: grpc.aio.ServicerContext) -> None:
+    async def GenerateMux(
+        self,
+        request_iterator: AsyncIterator[worker_pb2.MuxRequest],  # noqa: N802
+        context: grpc.aio.ServicerContext,
+    ) -> None:
         """Generate for many requests on one stream (decode_worker/mux.py)."""
         await serve_mux(self.Generate, request_iterator, context)
 
-    async def _generate(self, request_id: str, request: worker_pb2.DecodeRequest, read: ReadRequest, start: float,
-                        context: grpc.aio.ServicerContext) -> AsyncIterator[router_pb2.GenerateResponse]:
+    async def _generate(
+        self,
+        request_id: str,
+        request: worker_pb2.DecodeRequest,
+        read: ReadRequest,
+        start: float,
+        context: grpc.aio.ServicerContext,
+    ) -> AsyncIterator[router_pb2.GenerateResponse]:
         self.worker.metrics.tokenize_time.observe(read.tokenize_s)
         timings = common_pb2.Timings(tokenize_s=read.tokenize_s)
         trace: list[common_pb2.TraceEvent] | None = None  # events not sent yet (traced requests only)
@@ -118,16 +143,25 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
         with RequestStream(self.worker, self.worker_id, request_id, deadline) as stream:
             prefill_cached = 0
             if request.migrate_from_address:
-                marker = await self.intake.migrate_in(request_id, request.migrate_from_address,
-                                                      request.migrate_request_id, prompt_ids, resume_ids, params,
-                                                      deadline, traced)
+                marker = await self.intake.migrate_in(
+                    request_id,
+                    request.migrate_from_address,
+                    request.migrate_request_id,
+                    prompt_ids,
+                    resume_ids,
+                    params,
+                    deadline,
+                    traced,
+                )
                 yield router_pb2.GenerateResponse(request_id=request_id, migration=marker)
             elif self._prefill_locally(request, prompt_ids):
-                await await_loop(self.worker.add_local(request_id, prompt_ids, params, resume_ids, traced), deadline,
-                                 self.worker_id)
+                await await_loop(
+                    self.worker.add_local(request_id, prompt_ids, params, resume_ids, traced), deadline, self.worker_id
+                )
             else:
-                outcome = await self.intake.remote_prefill(request_id, request.prefill_address, prompt_ids,
-                                                           resume_ids, params, deadline, traced)
+                outcome = await self.intake.remote_prefill(
+                    request_id, request.prefill_address, prompt_ids, resume_ids, params, deadline, traced
+                )
                 record_prefill(outcome, self.worker_id, timings, trace)
                 prefill_cached = outcome.response.cached_tokens
             async for response in self._stream(stream, timings, start, trace, prefill_cached):
@@ -137,19 +171,29 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
         # log-probabilities (of the prompt, or of the first token, which a prefill worker samples) are
         # computed where the request is prefilled: such requests are prefilled here
         wants_logprobs = request.params.HasField("logprobs") or request.params.HasField("prompt_logprobs")
-        return (self.colocated or not request.prefill_address or len(prompt_ids) < self.local_prefill_threshold
-                or wants_logprobs)
+        return (
+            self.colocated
+            or not request.prefill_address
+            or len(prompt_ids) < self.local_prefill_threshold
+            or wants_logprobs
+        )
 
-    async def _stream(self, stream: RequestStream, timings: common_pb2.Timings, start: float,
-                      trace: list[common_pb2.TraceEvent] | None,
-                      prefill_cached: int = 0) -> AsyncIterator[router_pb2.GenerateResponse]:
+    async def _stream(
+        self,
+        stream: RequestStream,
+        timings: common_pb2.Timings,
+        start: float,
+        trace: list[common_pb2.TraceEvent] | None,
+        prefill_cached: int = 0,
+    ) -> AsyncIterator[router_pb2.GenerateResponse]:
         first_at: float | None = None
         tokenizer = self.worker.loaded.tokenizer
         while True:
             item = await stream.next()
             if isinstance(item, Suspended):  # live migration: another decode worker takes over
-                yield router_pb2.GenerateResponse(request_id=stream.request_id,
-                                                  migration=router_pb2.MigrationMarker(suspended=True))
+                yield router_pb2.GenerateResponse(
+                    request_id=stream.request_id, migration=router_pb2.MigrationMarker(suspended=True)
+                )
                 return
             first_at = first_at or time.perf_counter()
             response = response_of(stream.request_id, item, timings, start, first_at, prefill_cached)
@@ -165,8 +209,15 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
                 return
 
     def GetInfo(self, request: worker_pb2.InfoRequest, context: grpc.ServicerContext) -> common_pb2.WorkerInfo:  # noqa: N802
-        return worker_info(self.worker, self.worker_id, self.address, self.kv_target, self.colocated,
-                           self.unhealthy_reason(), (self.node_id, self.node_host))
+        return worker_info(
+            self.worker,
+            self.worker_id,
+            self.address,
+            self.kv_target,
+            self.colocated,
+            self.unhealthy_reason(),
+            (self.node_id, self.node_host),
+        )
 
     def Abort(self, request: worker_pb2.AbortRequest, context: grpc.ServicerContext) -> worker_pb2.AbortResponse:  # noqa: N802
         found = request.request_id in self.worker.engine.sequences
@@ -175,8 +226,11 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
         return worker_pb2.AbortResponse(found=found)
 
     # ----- the tokenizer, for the HTTP API's /tokenize and /detokenize (decode_worker/token_service.py)
-    async def Tokenize(self, request: worker_pb2.TokenizeRequest,  # noqa: N802
-                       context: grpc.aio.ServicerContext) -> worker_pb2.TokenizeResponse:
+    async def Tokenize(
+        self,
+        request: worker_pb2.TokenizeRequest,  # noqa: N802
+        context: grpc.aio.ServicerContext,
+    ) -> worker_pb2.TokenizeResponse:
         try:
             return await answer_tokenize(self.worker.loaded, request)
         except RequestInvalid as exc:
@@ -184,8 +238,11 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
         except Exception as exc:  # noqa: BLE001 - not the request's fault: our bug, said as such
             await _abort(context, internal_fault(self.worker_id, "", "tokenizing", exc))
 
-    async def Detokenize(self, request: worker_pb2.DetokenizeRequest,  # noqa: N802
-                         context: grpc.aio.ServicerContext) -> worker_pb2.DetokenizeResponse:
+    async def Detokenize(
+        self,
+        request: worker_pb2.DetokenizeRequest,  # noqa: N802
+        context: grpc.aio.ServicerContext,
+    ) -> worker_pb2.DetokenizeResponse:
         try:
             return await answer_detokenize(self.worker.loaded, request)
         except RequestInvalid as exc:
@@ -194,24 +251,35 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
             await _abort(context, internal_fault(self.worker_id, "", "detokenizing", exc))
 
     # ----- live migration, source side (decode_worker/migration_source.py) -------------------------
-    def SetKvTargets(self, request: worker_pb2.KvTargets,  # noqa: N802
-                     context: grpc.ServicerContext) -> worker_pb2.KvTargetsAck:
+    def SetKvTargets(
+        self,
+        request: worker_pb2.KvTargets,  # noqa: N802
+        context: grpc.ServicerContext,
+    ) -> worker_pb2.KvTargetsAck:
         if not is_router_call(context.invocation_metadata()):
-            context.abort(grpc.StatusCode.PERMISSION_DENIED, "only the router may set KV targets (router credential "
-                                                             "missing or wrong)")
+            context.abort(
+                grpc.StatusCode.PERMISSION_DENIED,
+                "only the router may set KV targets (router credential missing or wrong)",
+            )
         self.migration.set_targets(frozenset(t for t in request.targets if t))
         return worker_pb2.KvTargetsAck(num_targets=len(self.migration.kv_targets))
 
-    async def Suspend(self, request: worker_pb2.SuspendRequest,  # noqa: N802
-                      context: grpc.aio.ServicerContext) -> worker_pb2.SuspendResponse:
+    async def Suspend(
+        self,
+        request: worker_pb2.SuspendRequest,  # noqa: N802
+        context: grpc.aio.ServicerContext,
+    ) -> worker_pb2.SuspendResponse:
         try:
             seq = await self.migration.suspend(request.request_id)
         except OUTCOMES as exc:
             await _abort(context, exc)
         return worker_pb2.SuspendResponse(num_output_tokens=len(seq.output_ids), num_cached_tokens=seq.num_cached)
 
-    async def MigrateOut(self, request: worker_pb2.MigrateOutRequest,  # noqa: N802
-                         context: grpc.aio.ServicerContext) -> worker_pb2.MigrateOutResponse:
+    async def MigrateOut(
+        self,
+        request: worker_pb2.MigrateOutRequest,  # noqa: N802
+        context: grpc.aio.ServicerContext,
+    ) -> worker_pb2.MigrateOutResponse:
         """Push a suspended request's K/V to a registered decode worker, then free them here."""
         try:
             return await self.migration.migrate_out(request)

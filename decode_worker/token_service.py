@@ -43,8 +43,8 @@ def _special_affixes(tokenizer: Any) -> tuple[list[int], list[int]]:  # noqa: AN
     plain = list(tokenizer("a", add_special_tokens=False).input_ids)
     marked = list(tokenizer("a", add_special_tokens=True).input_ids)
     for start in range(len(marked) - len(plain) + 1):
-        if marked[start: start + len(plain)] == plain:
-            return marked[:start], marked[start + len(plain):]
+        if marked[start : start + len(plain)] == plain:
+            return marked[:start], marked[start + len(plain) :]
     return [], []
 
 
@@ -62,8 +62,9 @@ def _size(request: worker_pb2.TokenizeRequest | worker_pb2.DetokenizeRequest) ->
         return len(request.tokens)
     if request.WhichOneof("input") == "prompt":
         return len(request.prompt)
-    return sum(len(m.content) + len(m.tool_calls_json) for m in request.messages.messages) + \
-        len(request.messages.tools_json)
+    return sum(len(m.content) + len(m.tool_calls_json) for m in request.messages.messages) + len(
+        request.messages.tools_json
+    )
 
 
 async def answer_tokenize(loaded: LoadedModel, request: worker_pb2.TokenizeRequest) -> worker_pb2.TokenizeResponse:
@@ -72,8 +73,9 @@ async def answer_tokenize(loaded: LoadedModel, request: worker_pb2.TokenizeReque
     return await asyncio.to_thread(tokenize, loaded, request)
 
 
-async def answer_detokenize(loaded: LoadedModel,
-                            request: worker_pb2.DetokenizeRequest) -> worker_pb2.DetokenizeResponse:
+async def answer_detokenize(
+    loaded: LoadedModel, request: worker_pb2.DetokenizeRequest
+) -> worker_pb2.DetokenizeResponse:
     if _size(request) <= INLINE_CHARS:
         return detokenize(loaded, request)
     return await asyncio.to_thread(detokenize, loaded, request)

@@ -81,10 +81,17 @@ class _PendingReservation:
 
 
 class DecodeWorker:
-    def __init__(self, loaded: LoadedModel, config: EngineConfig, admission_timeout_s: float = 30.0,
-                 max_waiting: int = 1024, metrics: WorkerMetrics | None = None,
-                 die_after_steps: int | None = None, step_delay_s: float = 0.0,
-                 kv_cache: KVCache | None = None) -> None:
+    def __init__(
+        self,
+        loaded: LoadedModel,
+        config: EngineConfig,
+        admission_timeout_s: float = 30.0,
+        max_waiting: int = 1024,
+        metrics: WorkerMetrics | None = None,
+        die_after_steps: int | None = None,
+        step_delay_s: float = 0.0,
+        kv_cache: KVCache | None = None,
+    ) -> None:
         """`step_delay_s`: testing only, a sleep before each step (slows a tiny model's streams)."""
         self.loaded = loaded
         self.step_delay_s = step_delay_s
@@ -103,10 +110,15 @@ class DecodeWorker:
         self.metrics.bind_gauges(
             running=lambda: len(self.engine.scheduler.running),
             waiting=lambda: self.queue_depth,
-            blocks_used=lambda: self.engine.pool.num_used, blocks_total=lambda: self.engine.pool.num_blocks)
-        self.loop = EngineLoop("decode-loop", self._iteration,
-                               lambda: self.engine.has_work or bool(self._reservations),
-                               die_after_iterations=die_after_steps)
+            blocks_used=lambda: self.engine.pool.num_used,
+            blocks_total=lambda: self.engine.pool.num_blocks,
+        )
+        self.loop = EngineLoop(
+            "decode-loop",
+            self._iteration,
+            lambda: self.engine.has_work or bool(self._reservations),
+            die_after_iterations=die_after_steps,
+        )
         self.loop.on_death = self._on_loop_death
         self.loop.start()
 
@@ -129,25 +141,35 @@ class DecodeWorker:
     def close_stream(self, request_id: str) -> None:
         self._streams.pop(request_id, None)
 
-    def add_local(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
-                  resume_ids: list[int], trace: bool = False) -> Future:
+    def add_local(
+        self, request_id: str, prompt_ids: list[int], params: SamplingParams, resume_ids: list[int], trace: bool = False
+    ) -> Future:
         """Prefill and decode here (colocated, or a prompt under the local-prefill threshold)."""
         self.metrics.prompt_tokens.inc(len(prompt_ids))
-        return self.run_on_loop(lambda: self.engine.add_request(request_id, prompt_ids, params, resume_ids,
-                                                                trace=trace))
+        return self.run_on_loop(
+            lambda: self.engine.add_request(request_id, prompt_ids, params, resume_ids, trace=trace)
+        )
 
-    def reserve(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
-                resume_ids: list[int], trace: bool = False) -> Future:
+    def reserve(
+        self, request_id: str, prompt_ids: list[int], params: SamplingParams, resume_ids: list[int], trace: bool = False
+    ) -> Future:
         """Hold blocks for a remote prefill; waits for room until the admission deadline."""
         future: Future = Future()
-        pending = _PendingReservation(request_id, prompt_ids, params, resume_ids,
-                                      time.monotonic() + self.admission_timeout_s, future, trace)
+        pending = _PendingReservation(
+            request_id, prompt_ids, params, resume_ids, time.monotonic() + self.admission_timeout_s, future, trace
+        )
         self.loop.track(future)
         self.loop.post(lambda: self._try_reserve(pending, first=True))
         return future
 
-    def commit(self, request_id: str, kv: torch.Tensor | BlockWriter, first_token: int, backend: str = "grpc",
-               nbytes: int | None = None) -> Future:
+    def commit(
+        self,
+        request_id: str,
+        kv: torch.Tensor | BlockWriter,
+        first_token: int,
+        backend: str = "grpc",
+        nbytes: int | None = None,
+    ) -> Future:
         """The prompt's KV arrived (through `backend`): a tensor to copy into the reserved blocks, or a
         writer that copies it there from shared memory (`nbytes` then says how much). Start decoding."""
         size = kv.numel() * kv.element_size() if isinstance(kv, torch.Tensor) else int(nbytes or 0)
@@ -173,6 +195,7 @@ class DecodeWorker:
                 timer = threading.Timer(hold_s, lambda: self.release_suspended(request_id))
                 timer.daemon = True
                 timer.start()
+
         future.add_done_callback(expire)
         return future
 
@@ -182,12 +205,14 @@ class DecodeWorker:
 
     def release_suspended(self, request_id: str, migrated: bool = False) -> None:
         """Free a suspended request's blocks (its K/V left, or the migration was given up)."""
+
         def release() -> None:
             seq = self._suspended.pop(request_id, None)
             if seq is not None:
                 self.engine.release_handoff(seq)
                 if migrated:
                     self.requests_migrated_out += 1
+
         self.loop.post(release)
 
     def commit_migrated(self, request_id: str, kv: torch.Tensor, nbytes: int, block_offset: int) -> Future:
@@ -202,12 +227,14 @@ class DecodeWorker:
                 raise KeyError(f"request {request_id} has no reservation (aborted?)")
             self.engine.commit_migrated(seq, kv, block_offset)
             self.requests_migrated_in += 1
+
         return self.run_on_loop(commit)
 
     def expected_spec(self, request_id: str, num_tokens: int, block_offset: int = 0) -> KvSpec:
         """The payload for `num_tokens` tokens of which the first `block_offset` blocks are held here."""
-        return KvSpec.for_cache(request_id, self.loaded.fingerprint, self.engine.kv_cache.shape, num_tokens,
-                                block_offset)
+        return KvSpec.for_cache(
+            request_id, self.loaded.fingerprint, self.engine.kv_cache.shape, num_tokens, block_offset
+        )
 
     def idle(self) -> bool:
         """No request open here, none held for a migration (used to finish draining)."""
@@ -226,9 +253,12 @@ class DecodeWorker:
         e = self.engine
         return {
             "queue_depth": self.queue_depth,
-            "running": len(e.sequences), "kv_used": e.pool.num_used, "kv_total": e.pool.num_blocks,
+            "running": len(e.sequences),
+            "kv_used": e.pool.num_used,
+            "kv_total": e.pool.num_blocks,
             "prefill_tokens_computed": e.runner.num_prefill_tokens,
-            "prefix_cache_hit_blocks": e.pool.cache_hits, "prefix_cache_blocks": e.pool.num_cached,
+            "prefix_cache_hit_blocks": e.pool.cache_hits,
+            "prefix_cache_blocks": e.pool.num_cached,
         }
 
     # ----- loop thread ------------------------------------------------------------------------
@@ -270,8 +300,9 @@ class DecodeWorker:
         if pending.future.cancelled():
             return True
         try:
-            seq = self.engine.reserve(pending.request_id, pending.prompt_ids, pending.params, pending.resume_ids,
-                                      trace=pending.trace)
+            seq = self.engine.reserve(
+                pending.request_id, pending.prompt_ids, pending.params, pending.resume_ids, trace=pending.trace
+            )
         except ValueError as exc:
             pending.future.set_exception(exc)
             return True
@@ -282,9 +313,12 @@ class DecodeWorker:
                 pending.future.set_result(seq)
             return True
         if time.monotonic() > pending.deadline:
-            pending.future.set_exception(AdmissionError(
-                f"KV pool full: {self.engine.pool.num_free} of {self.engine.pool.num_blocks} blocks free, "
-                f"request needs {blocks_for_tokens(len(pending.prompt_ids) + 1, self.engine.pool.block_size)}"))
+            pending.future.set_exception(
+                AdmissionError(
+                    f"KV pool full: {self.engine.pool.num_free} of {self.engine.pool.num_blocks} blocks free, "
+                    f"request needs {blocks_for_tokens(len(pending.prompt_ids) + 1, self.engine.pool.block_size)}"
+                )
+            )
             return True
         if first:
             if len(self._reservations) >= self.max_waiting:

@@ -45,25 +45,33 @@ class ElasticWorkerConfig:
             raise ValueError(f"role must be one of {', '.join(ROLES)}, got {self.role!r}")
 
     @classmethod
-    def from_args(cls, role: str, prefill_args: argparse.Namespace,
-                  decode_args: argparse.Namespace) -> ElasticWorkerConfig:
+    def from_args(
+        cls, role: str, prefill_args: argparse.Namespace, decode_args: argparse.Namespace
+    ) -> ElasticWorkerConfig:
         """The config of `parse_args`'s result (role, prefill flags, decode flags)."""
         return cls(role, PrefillWorkerConfig.from_args(prefill_args), DecodeWorkerConfig.from_args(decode_args))
 
 
-def parse_args(argv: list[str] | None = None, document: dict[str, Any] | None = None,
-               ) -> tuple[str, argparse.Namespace, argparse.Namespace]:
+def parse_args(
+    argv: list[str] | None = None,
+    document: dict[str, Any] | None = None,
+) -> tuple[str, argparse.Namespace, argparse.Namespace]:
     """(role, prefill flags, decode flags); exits with status 2 on a flag neither role knows.
 
     `document` (or the JSON file of ``--config``): {"prefill": {...}, "decode": {...}}, each role's
     process document (`deploy_config.worker_document`), validated by that role's parser; flags on
     the command line override both."""
     argv = list(sys.argv[1:] if argv is None else argv)
-    role_parser = argparse.ArgumentParser(prog="python -m pdserve.elastic_worker", description=DESCRIPTION,
-                                          add_help=False)
+    role_parser = argparse.ArgumentParser(
+        prog="python -m pdserve.elastic_worker", description=DESCRIPTION, add_help=False
+    )
     role_parser.add_argument("--role", choices=ROLES, required=True, help="the role to start in")
-    role_parser.add_argument("--config", default=None, metavar="FILE",
-                             help='JSON {"prefill": {...}, "decode": {...}}: each role\'s process document')
+    role_parser.add_argument(
+        "--config",
+        default=None,
+        metavar="FILE",
+        help='JSON {"prefill": {...}, "decode": {...}}: each role\'s process document',
+    )
     role_args, rest = role_parser.parse_known_args(argv)
     if document is None and role_args.config:
         try:
@@ -83,7 +91,8 @@ def parse_args(argv: list[str] | None = None, document: dict[str, Any] | None = 
     for parser in parsers.values():
         parser.allow_abbrev = False
     (prefill_args, prefill_rest), (decode_args, decode_rest) = (
-        parser.parse_known_args(rest, namespace=bases[kind]) for kind, parser in parsers.items())
+        parser.parse_known_args(rest, namespace=bases[kind]) for kind, parser in parsers.items()
+    )
     unknown = [a for a in prefill_rest if a in decode_rest]
     if unknown:
         role_parser.error(f"unrecognized arguments: {' '.join(unknown)}")

@@ -50,8 +50,9 @@ def start_worker(config: ElasticWorkerConfig) -> StartedWorker:
     apply_internal_credentials(shared)
     check_bind_allowed(shared.host)
     model, pool = shared.model, shared.pool
-    decode_config, loaded = load_worker_model(model, pool, max_num_seqs=pool.max_num_seqs,
-                                              prefix_caching=pool.prefix_caching)
+    decode_config, loaded = load_worker_model(
+        model, pool, max_num_seqs=pool.max_num_seqs, prefix_caching=pool.prefix_caching
+    )
     chunk_tokens = config.prefill.pool.chunk_tokens or None
     sim = model.engine == "sim"
     if sim:
@@ -63,21 +64,35 @@ def start_worker(config: ElasticWorkerConfig) -> StartedWorker:
     endpoint = start_metrics_endpoint(metrics.registry, shared.metrics_port)
     kv_receiver = KvTransferServicer()
     drain = Drain()
-    server = make_server(control_threads=32, options=receive_options(decode_main.frame_receive_bytes()),
-                         name=shared.worker_id, limits=call_limits(shared))
+    server = make_server(
+        control_threads=32,
+        options=receive_options(decode_main.frame_receive_bytes()),
+        name=shared.worker_id,
+        limits=call_limits(shared),
+    )
     address = bind(server, shared.host, shared.port)
-    settings = ElasticSettings(shared.worker_id, address, config.prefill, config.decode, prefill_config,
-                               decode_config, chunk_tokens)
+    settings = ElasticSettings(
+        shared.worker_id, address, config.prefill, config.decode, prefill_config, decode_config, chunk_tokens
+    )
     worker = ElasticWorker(loaded, kv_cache, settings, config.role, kv_receiver, metrics, drain)
     worker_pb2_grpc.add_DecodeWorkerServicer_to_server(ElasticDecodeServicer(worker), server)
     worker_pb2_grpc.add_PrefillWorkerServicer_to_server(ElasticPrefillServicer(worker), server)
     worker_pb2_grpc.add_RoleControlServicer_to_server(RoleControlServicer(worker), server)
     worker_pb2_grpc.add_KvEventsServicer_to_server(
-        KvEventsServicer(shared.worker_id, lambda: worker.core.worker.engine.kv_events), server)
+        KvEventsServicer(shared.worker_id, lambda: worker.core.worker.engine.kv_events), server
+    )
     kv_receiver.add_to_server(server)
-    return start_serving(server, address, drain, worker.idle, worker.dead_reason, pool.drain_timeout_s,
-                         stops=(kv_receiver.close, worker.stop), endpoint=endpoint,
-                         extras={"worker": worker, "kv_receiver": kv_receiver})
+    return start_serving(
+        server,
+        address,
+        drain,
+        worker.idle,
+        worker.dead_reason,
+        pool.drain_timeout_s,
+        stops=(kv_receiver.close, worker.stop),
+        endpoint=endpoint,
+        extras={"worker": worker, "kv_receiver": kv_receiver},
+    )
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -21,8 +21,11 @@ from pdserve.v1 import common_pb2, router_pb2, worker_pb2, worker_pb2_grpc
 
 log = logging.getLogger(__name__)
 
-ROLE_OF_PB = {common_pb2.WORKER_ROLE_PREFILL: PREFILL, common_pb2.WORKER_ROLE_DECODE: DECODE,
-              common_pb2.WORKER_ROLE_COLOCATED: COLOCATED}
+ROLE_OF_PB = {
+    common_pb2.WORKER_ROLE_PREFILL: PREFILL,
+    common_pb2.WORKER_ROLE_DECODE: DECODE,
+    common_pb2.WORKER_ROLE_COLOCATED: COLOCATED,
+}
 DEFAULT_DRAIN_TIMEOUT_S = 120.0
 
 
@@ -45,13 +48,17 @@ class ElasticDecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
     ) -> AsyncGenerator[router_pb2.GenerateResponse, None]:
         core = self._worker.core
         if core.role == PREFILL:
-            await context.abort(grpc.StatusCode.UNAVAILABLE,
-                                f"worker {self._worker.settings.worker_id} is a prefill worker now")
+            await context.abort(
+                grpc.StatusCode.UNAVAILABLE, f"worker {self._worker.settings.worker_id} is a prefill worker now"
+            )
         async for response in core.servicer.Generate(request, context):  # type: ignore[union-attr]
             yield response
 
-    async def GenerateMux(self, request_iterator: AsyncIterator[worker_pb2.MuxRequest],  # noqa: N802
-                          context: grpc.aio.ServicerContext) -> None:
+    async def GenerateMux(
+        self,
+        request_iterator: AsyncIterator[worker_pb2.MuxRequest],  # noqa: N802
+        context: grpc.aio.ServicerContext,
+    ) -> None:
         # each request goes through Generate above, so a request opened after a switch to prefill
         # ends UNAVAILABLE as a Generate call would
         await serve_mux(self.Generate, request_iterator, context)
@@ -66,8 +73,11 @@ class ElasticDecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
         return core.servicer.Abort(request, context)  # type: ignore[union-attr]
 
     # live migration's source side: a draining or switching decode core hands its running requests over
-    def SetKvTargets(self, request: worker_pb2.KvTargets,  # noqa: N802
-                     context: grpc.ServicerContext) -> worker_pb2.KvTargetsAck:
+    def SetKvTargets(
+        self,
+        request: worker_pb2.KvTargets,  # noqa: N802
+        context: grpc.ServicerContext,
+    ) -> worker_pb2.KvTargetsAck:
         core = self._worker.core
         if core.role == PREFILL:  # no sequence to migrate from here; the router registers again on a switch
             return worker_pb2.KvTargetsAck(num_targets=0)
@@ -78,33 +88,47 @@ class ElasticDecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
         sequence to suspend or migrate)."""
         core = self._worker.core
         if core.role == PREFILL:
-            await context.abort(grpc.StatusCode.NOT_FOUND,
-                                f"worker {self._worker.settings.worker_id} is a prefill worker now")
+            await context.abort(
+                grpc.StatusCode.NOT_FOUND, f"worker {self._worker.settings.worker_id} is a prefill worker now"
+            )
         return core.servicer
 
-    async def Suspend(self, request: worker_pb2.SuspendRequest,  # noqa: N802
-                      context: grpc.aio.ServicerContext) -> worker_pb2.SuspendResponse:
+    async def Suspend(
+        self,
+        request: worker_pb2.SuspendRequest,  # noqa: N802
+        context: grpc.aio.ServicerContext,
+    ) -> worker_pb2.SuspendResponse:
         return await (await self._decode_servicer(context)).Suspend(request, context)
 
-    async def MigrateOut(self, request: worker_pb2.MigrateOutRequest,  # noqa: N802
-                         context: grpc.aio.ServicerContext) -> worker_pb2.MigrateOutResponse:
+    async def MigrateOut(
+        self,
+        request: worker_pb2.MigrateOutRequest,  # noqa: N802
+        context: grpc.aio.ServicerContext,
+    ) -> worker_pb2.MigrateOutResponse:
         return await (await self._decode_servicer(context)).MigrateOut(request, context)
 
     # the tokenizer: the router asks serving (decode, colocated) workers only
-    async def Tokenize(self, request: worker_pb2.TokenizeRequest,  # noqa: N802
-                       context: grpc.aio.ServicerContext) -> worker_pb2.TokenizeResponse:
+    async def Tokenize(
+        self,
+        request: worker_pb2.TokenizeRequest,  # noqa: N802
+        context: grpc.aio.ServicerContext,
+    ) -> worker_pb2.TokenizeResponse:
         return await (await self._serving_servicer(context)).Tokenize(request, context)
 
-    async def Detokenize(self, request: worker_pb2.DetokenizeRequest,  # noqa: N802
-                         context: grpc.aio.ServicerContext) -> worker_pb2.DetokenizeResponse:
+    async def Detokenize(
+        self,
+        request: worker_pb2.DetokenizeRequest,  # noqa: N802
+        context: grpc.aio.ServicerContext,
+    ) -> worker_pb2.DetokenizeResponse:
         return await (await self._serving_servicer(context)).Detokenize(request, context)
 
     async def _serving_servicer(self, context: grpc.aio.ServicerContext) -> Any:  # noqa: ANN401
         """The decode core's servicer; UNAVAILABLE while this worker is a prefill worker."""
         core = self._worker.core
         if core.role == PREFILL:
-            await context.abort(grpc.StatusCode.UNAVAILABLE,
-                                f"worker {self._worker.settings.worker_id} is a prefill worker now")
+            await context.abort(
+                grpc.StatusCode.UNAVAILABLE, f"worker {self._worker.settings.worker_id} is a prefill worker now"
+            )
         return core.servicer
 
 
@@ -112,19 +136,26 @@ class ElasticPrefillServicer(worker_pb2_grpc.PrefillWorkerServicer):
     def __init__(self, worker: ElasticWorker) -> None:
         self._worker = worker
 
-    async def Prefill(self, request: worker_pb2.PrefillRequest,  # noqa: N802
-                      context: grpc.aio.ServicerContext) -> worker_pb2.PrefillResponse:
+    async def Prefill(
+        self,
+        request: worker_pb2.PrefillRequest,  # noqa: N802
+        context: grpc.aio.ServicerContext,
+    ) -> worker_pb2.PrefillResponse:
         core = self._worker.core
         if core.role != PREFILL:
-            await context.abort(grpc.StatusCode.UNAVAILABLE,
-                                f"worker {self._worker.settings.worker_id} is a {core.role} worker now")
+            await context.abort(
+                grpc.StatusCode.UNAVAILABLE, f"worker {self._worker.settings.worker_id} is a {core.role} worker now"
+            )
         return await core.servicer.Prefill(request, context)  # type: ignore[union-attr]
 
     def GetInfo(self, request: worker_pb2.InfoRequest, context: grpc.ServicerContext) -> common_pb2.WorkerInfo:  # noqa: N802
         return worker_info(self._worker)
 
-    def SetKvTargets(self, request: worker_pb2.KvTargets,  # noqa: N802
-                     context: grpc.ServicerContext) -> worker_pb2.KvTargetsAck:
+    def SetKvTargets(
+        self,
+        request: worker_pb2.KvTargets,  # noqa: N802
+        context: grpc.ServicerContext,
+    ) -> worker_pb2.KvTargetsAck:
         core = self._worker.core
         if core.role != PREFILL:  # nothing is pushed from here in another role; the router re-registers
             return worker_pb2.KvTargetsAck(num_targets=0)
@@ -135,8 +166,11 @@ class RoleControlServicer(worker_pb2_grpc.RoleControlServicer):
     def __init__(self, worker: ElasticWorker) -> None:
         self._worker = worker
 
-    async def SetRole(self, request: worker_pb2.SetRoleRequest,  # noqa: N802
-                      context: grpc.aio.ServicerContext) -> common_pb2.WorkerInfo:
+    async def SetRole(
+        self,
+        request: worker_pb2.SetRoleRequest,  # noqa: N802
+        context: grpc.aio.ServicerContext,
+    ) -> common_pb2.WorkerInfo:
         role = ROLE_OF_PB.get(request.role)
         if role is None:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "role: must be prefill, decode or colocated")

@@ -104,8 +104,16 @@ class ElasticSettings:
 class ElasticWorker:
     """The current role core plus the switch between cores; thread-safe."""
 
-    def __init__(self, loaded: LoadedModel, kv_cache: KVCache, settings: ElasticSettings, role: str,
-                 kv_receiver: KvTransferServicer, metrics: WorkerMetrics, process_drain: Drain) -> None:
+    def __init__(
+        self,
+        loaded: LoadedModel,
+        kv_cache: KVCache,
+        settings: ElasticSettings,
+        role: str,
+        kv_receiver: KvTransferServicer,
+        metrics: WorkerMetrics,
+        process_drain: Drain,
+    ) -> None:
         if role not in ROLES:
             raise ValueError(f"role must be one of {', '.join(ROLES)}, got {role!r}")
         self.loaded = loaded
@@ -148,14 +156,19 @@ class ElasticWorker:
             old.drain.leave(role)
             if not self._finish_or_migrate(old, started + drain_timeout_s):
                 old.drain.stay()
-                raise SwitchTimeout(f"the {old.role} work held did not finish within {drain_timeout_s:.1f}s; "
-                                    f"still {old.role}")
+                raise SwitchTimeout(
+                    f"the {old.role} work held did not finish within {drain_timeout_s:.1f}s; still {old.role}"
+                )
             drain_s = time.monotonic() - started
             old.stop()
             self.core = self._build(role)
             self.switches += 1
-            log.info("now %s (finished the old role's work in %.3fs, switched in %.3fs)", role, drain_s,
-                     time.monotonic() - started)
+            log.info(
+                "now %s (finished the old role's work in %.3fs, switched in %.3fs)",
+                role,
+                drain_s,
+                time.monotonic() - started,
+            )
             return drain_s
 
     def _finish_or_migrate(self, core: RoleCore, deadline: float) -> bool:
@@ -182,22 +195,44 @@ class ElasticWorker:
         s, config = self.settings, self.settings.prefill
         injected = InjectedFaults.from_env()  # tests only (engine/fault_injection.py)
         faults = FaultInjector(injected.kv_fault, injected.kv_fault_count)
-        worker = PrefillWorker(self.loaded, s.prefill_config, transfer_timeout_s=config.pool.kv_timeout_s,
-                               metrics=self.metrics, faults=faults, prefill_chunk_tokens=s.prefill_chunk_tokens,
-                               prefix_caching=config.pool.prefix_caching, kv_streaming=config.kv.streaming,
-                               kv_cache=self.kv_cache)
+        worker = PrefillWorker(
+            self.loaded,
+            s.prefill_config,
+            transfer_timeout_s=config.pool.kv_timeout_s,
+            metrics=self.metrics,
+            faults=faults,
+            prefill_chunk_tokens=s.prefill_chunk_tokens,
+            prefix_caching=config.pool.prefix_caching,
+            kv_streaming=config.kv.streaming,
+            kv_cache=self.kv_cache,
+        )
         servicer = PrefillServicer(worker, s.worker_id, s.address, config.pool.request_timeout_s, drain)
         return RoleCore(PREFILL, worker, servicer, drain)
 
     def _build_decode(self, role: str, drain: RoleDrain) -> RoleCore:
         s, config = self.settings, self.settings.decode
         pool = config.pool
-        worker = DecodeWorker(self.loaded, s.decode_config, admission_timeout_s=pool.admission_timeout_s,
-                              metrics=self.metrics, kv_cache=self.kv_cache)
-        servicer = DecodeServicer(worker, self.kv_receiver, s.worker_id, s.address, role == COLOCATED,
-                                  pool.local_prefill_threshold, pool.request_timeout_s, pool.kv_timeout_s, drain,
-                                  kv_backend=config.kv.backend, kv_target=config.kv_target or s.address,
-                                  kv_checksum=config.kv.checksum)
+        worker = DecodeWorker(
+            self.loaded,
+            s.decode_config,
+            admission_timeout_s=pool.admission_timeout_s,
+            metrics=self.metrics,
+            kv_cache=self.kv_cache,
+        )
+        servicer = DecodeServicer(
+            worker,
+            self.kv_receiver,
+            s.worker_id,
+            s.address,
+            role == COLOCATED,
+            pool.local_prefill_threshold,
+            pool.request_timeout_s,
+            pool.kv_timeout_s,
+            drain,
+            kv_backend=config.kv.backend,
+            kv_target=config.kv_target or s.address,
+            kv_checksum=config.kv.checksum,
+        )
         return RoleCore(role, worker, servicer, drain)
 
 

@@ -71,8 +71,11 @@ class AttentionBatch:
     @functools.cached_property
     def row_context_lens(self) -> torch.Tensor:
         """[T] int64: the keys each new token attends to, itself and those before it (causal)."""
-        lens = [ctx - q_len + j + 1 for q_len, ctx in zip(self.query_lens, self.context_lens, strict=True)
-                for j in range(q_len)]
+        lens = [
+            ctx - q_len + j + 1
+            for q_len, ctx in zip(self.query_lens, self.context_lens, strict=True)
+            for j in range(q_len)
+        ]
         return torch.tensor(lens, dtype=torch.long)
 
     @functools.cached_property
@@ -102,9 +105,9 @@ def attention_batch(batch: AttentionBatch) -> Iterator[None]:
         _current.batch = previous
 
 
-def _paged_context(kv_cache: KVCache, layer: int, block_tables: torch.Tensor, length: int) -> tuple[
-    torch.Tensor, torch.Tensor
-]:
+def _paged_context(
+    kv_cache: KVCache, layer: int, block_tables: torch.Tensor, length: int
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Keys and values of B sequences: ([B, H, length, D], [B, H, length, D]).
 
     `index_select` on the block axis of keys and values separately: on CPU it copies whole blocks
@@ -151,8 +154,9 @@ def _decode_attention(batch: AttentionBatch, layer: int, query: torch.Tensor, sc
     nd = batch.num_decode
     cache = batch.kv_cache
     if (query.dtype, cache.kv.dtype) in _NATIVE_DTYPES and _native_attention(cache.kv.device):
-        return native_decode_attention(query, cache.kv[layer, 0], cache.kv[layer, 1], batch.block_tables[:nd],
-                                       batch.decode_context_lens, scaling)
+        return native_decode_attention(
+            query, cache.kv[layer, 0], cache.kv[layer, 1], batch.block_tables[:nd], batch.decode_context_lens, scaling
+        )
     max_len = max(batch.context_lens[:nd])
     k, v = _decode_context(batch, layer, max_len)  # [B*Hkv, S, D] each, the cache's dtype
     if k.dtype != query.dtype:
@@ -167,7 +171,11 @@ def _decode_attention(batch: AttentionBatch, layer: int, query: torch.Tensor, sc
 
 
 def _prefill_attention(
-    batch: AttentionBatch, layer: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+    batch: AttentionBatch,
+    layer: int,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
     scaling: float,
 ) -> torch.Tensor:
     """The prefilling sequences (those after the first `num_decode`): query [T, Hq, D], key/value
@@ -199,14 +207,29 @@ def _per_row_attention(batch: AttentionBatch, layer: int, query: torch.Tensor, s
     was chunked, and on a prefill worker as on a decode worker. query [T, Hq, D] -> [T, Hq, D]."""
     cache = batch.kv_cache
     if (query.dtype, cache.kv.dtype) not in _NATIVE_DTYPES or not _native_attention(cache.kv.device):
-        raise RuntimeError("deterministic attention needs pdserve's native kernels for "
-                           f"{query.dtype} queries over a {cache.kv.dtype} cache")
-    return native_decode_attention(query.contiguous(), cache.kv[layer, 0], cache.kv[layer, 1],
-                                   batch.row_block_tables, batch.row_context_lens, scale)
+        raise RuntimeError(
+            "deterministic attention needs pdserve's native kernels for "
+            f"{query.dtype} queries over a {cache.kv.dtype} cache"
+        )
+    return native_decode_attention(
+        query.contiguous(),
+        cache.kv[layer, 0],
+        cache.kv[layer, 1],
+        batch.row_block_tables,
+        batch.row_context_lens,
+        scale,
+    )
 
 
-def paged_attention(batch: AttentionBatch, layer: int, query: torch.Tensor, key: torch.Tensor,
-                    value: torch.Tensor, scale: float, per_row: bool = False) -> torch.Tensor:
+def paged_attention(
+    batch: AttentionBatch,
+    layer: int,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    scale: float,
+    per_row: bool = False,
+) -> torch.Tensor:
     """Write the pass's new K/V into their cache slots, then attend every sequence's queries to
     its own cached context. query [T, Hq, D], key/value [T, Hkv, D] -> output [T, Hq * D]
     (decoding sequences first, as the batch is packed). `per_row`: batch-invariant mode
@@ -244,8 +267,9 @@ def paged_attention_forward(
         raise RuntimeError("paged attention called outside a pdserve forward pass")
     layer = int(module.layer_idx)  # type: ignore[arg-type]
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
-    out = paged_attention(batch, layer, query[0].transpose(0, 1), key[0].transpose(0, 1),
-                          value[0].transpose(0, 1), scale)
+    out = paged_attention(
+        batch, layer, query[0].transpose(0, 1), key[0].transpose(0, 1), value[0].transpose(0, 1), scale
+    )
     return out.view(1, out.shape[0], query.shape[1], query.shape[-1]), None
 
 

@@ -52,8 +52,7 @@ def stream_allowance(chunk_tokens: int, crossover: float) -> float:
     return chunk_cost(chunk_tokens, 0, crossover)
 
 
-def next_chunk(left: int, cached: int, chunk: int, budget: int, allowance: float, crossover: float,
-               first: bool) -> int:
+def next_chunk(left: int, cached: int, chunk: int, budget: int, allowance: float, crossover: float, first: bool) -> int:
     """New tokens of a prompt's next chunk: at most `chunk`, the pass's token `budget` and the `left`
     tokens; with a finite `allowance` (streams decode in the pass) at most what fits it on `cached`
     tokens of context, yet one for the pass's `first` chunk, so a prompt always progresses. The

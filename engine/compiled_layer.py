@@ -78,11 +78,22 @@ def norm_eps(norm: torch.nn.Module) -> float:
     return float(cast(float, norm.variance_epsilon))
 
 
-def decode_layer(p: _Layer, hidden: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor,
-                 k_slots: torch.Tensor, v_slots: torch.Tensor, slot_mapping: torch.Tensor,
-                 block_ids: torch.Tensor, padding: torch.Tensor | None, length: int,
-                 dims: tuple[int, int, int, int, int], eps: tuple[float, float, float], scale: float,
-                 act: Any) -> torch.Tensor:  # noqa: ANN401
+def decode_layer(
+    p: _Layer,
+    hidden: torch.Tensor,
+    cos: torch.Tensor,
+    signed_sin: torch.Tensor,
+    k_slots: torch.Tensor,
+    v_slots: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    block_ids: torch.Tensor,
+    padding: torch.Tensor | None,
+    length: int,
+    dims: tuple[int, int, int, int, int],
+    eps: tuple[float, float, float],
+    scale: float,
+    act: Any,
+) -> torch.Tensor:  # noqa: ANN401
     """One decoder layer of a decode pass, the fast forward's arithmetic in compilable form:
     hidden [B, E] -> [B, E]. dims: (query heads, kv heads, head dim, intermediate, block size);
     eps: the input, post and q/k norms' epsilons. The K/V writes go straight into the cache slot
@@ -91,7 +102,10 @@ def decode_layer(p: _Layer, hidden: torch.Tensor, cos: torch.Tensor, signed_sin:
     t = hidden.shape[0]
     qkv = p.qkv(_rms(hidden, norm_weight(p.input_norm), eps[0])).view(t, hq + 2 * hkv, d)
     if p.q_norm is not None and p.k_norm is not None:  # Qwen3: per-head norms before RoPE
-        q, k = _rms(qkv[:, :hq], norm_weight(p.q_norm), eps[2]), _rms(qkv[:, hq : hq + hkv], norm_weight(p.k_norm), eps[2])
+        q, k = (
+            _rms(qkv[:, :hq], norm_weight(p.q_norm), eps[2]),
+            _rms(qkv[:, hq : hq + hkv], norm_weight(p.k_norm), eps[2]),
+        )
         q = q * cos + q.roll(d // 2, dims=-1) * signed_sin
         k = k * cos + k.roll(d // 2, dims=-1) * signed_sin
     else:
@@ -130,8 +144,11 @@ class CompiledDecode:
     def __init__(self, fast: FastForward) -> None:
         self.fast = fast
         first = fast.layers[0]
-        self.eps = (norm_eps(first.input_norm), norm_eps(first.post_norm),
-                    norm_eps(first.q_norm) if first.q_norm is not None else 0.0)
+        self.eps = (
+            norm_eps(first.input_norm),
+            norm_eps(first.post_norm),
+            norm_eps(first.q_norm) if first.q_norm is not None else 0.0,
+        )
         self.failed: str | None = None
         self.calls = 0  # decode layers run compiled
         self.compile_s = 0.0  # time spent in calls that compiled a new graph
@@ -160,18 +177,34 @@ class CompiledDecode:
         graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
         start = time.perf_counter()
         try:
-            out = self._fn(f.layers[index], hidden, rope.cos, rope.signed_sin, k_slots, v_slots, batch.slot_mapping,
-                           block_ids, batch.decode_padding,
-                           max(batch.context_lens), dims, self.eps, f.scale, f.act)
+            out = self._fn(
+                f.layers[index],
+                hidden,
+                rope.cos,
+                rope.signed_sin,
+                k_slots,
+                v_slots,
+                batch.slot_mapping,
+                block_ids,
+                batch.decode_padding,
+                max(batch.context_lens),
+                dims,
+                self.eps,
+                f.scale,
+                f.act,
+            )
         except Exception as e:  # noqa: BLE001 - no compiler, an unsupported op, ...: eager from here on
             self.failed = _reason(e)
-            log.warning("model.compile: compiling the decode layer failed (%s); the layers run eagerly",
-                        self.failed)
+            log.warning("model.compile: compiling the decode layer failed (%s); the layers run eagerly", self.failed)
             return None
         if torch._dynamo.utils.counters["stats"]["unique_graphs"] != graphs:
             took = time.perf_counter() - start
             self.compile_s += took
-            log.info("model.compile: compiled a decode layer graph in %.1f s (batch %d, context %d)",
-                     took, hidden.shape[0], max(batch.context_lens))
+            log.info(
+                "model.compile: compiled a decode layer graph in %.1f s (batch %d, context %d)",
+                took,
+                hidden.shape[0],
+                max(batch.context_lens),
+            )
         self.calls += 1
         return out

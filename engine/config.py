@@ -19,7 +19,7 @@ _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torc
 
 
 def resolve_device(device: str, cuda_count: int | None = None) -> str:
-    """"auto" -> "cuda" when CUDA is available else "cpu"; "cuda[:N]" is checked against the
+    """ "auto" -> "cuda" when CUDA is available else "cpu"; "cuda[:N]" is checked against the
     visible GPUs (ValueError naming the problem). `cuda_count` overrides torch's count (tests)."""
     check_device_name(device)
     count = torch.cuda.device_count() if cuda_count is None else cuda_count
@@ -35,7 +35,7 @@ def resolve_device(device: str, cuda_count: int | None = None) -> str:
 
 
 def resolve_dtype(dtype: str, device: str) -> str:
-    """"auto" -> "bfloat16" on a CUDA device, "float32" on CPU; other names are checked."""
+    """ "auto" -> "bfloat16" on a CUDA device, "float32" on CPU; other names are checked."""
     if check_dtype_name(dtype) == "auto":
         return "bfloat16" if device.startswith("cuda") else "float32"
     return dtype

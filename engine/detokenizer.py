@@ -40,8 +40,13 @@ def ends_inside_a_character(tail: bytes) -> bool:
 class IncrementalDetokenizer:
     """Feed token ids one by one; get text deltas. `flush()` releases what is held at the end."""
 
-    def __init__(self, tokenizer: Any, skip_special_tokens: bool = True,
-                 prompt_ids: Sequence[int] = (), spaces_between_special_tokens: bool = True) -> None:
+    def __init__(
+        self,
+        tokenizer: Any,
+        skip_special_tokens: bool = True,
+        prompt_ids: Sequence[int] = (),
+        spaces_between_special_tokens: bool = True,
+    ) -> None:
         self._tokenizer = tokenizer
         self._skip_special = skip_special_tokens
         # slow (Python) tokenizers join special tokens with spaces unless told not to; fast ones never

@@ -32,8 +32,13 @@ class LoopDead(RuntimeError):
 
 
 class EngineLoop:
-    def __init__(self, name: str, iteration: Callable[[], None], has_work: Callable[[], bool],
-                 die_after_iterations: int | None = None) -> None:
+    def __init__(
+        self,
+        name: str,
+        iteration: Callable[[], None],
+        has_work: Callable[[], bool],
+        die_after_iterations: int | None = None,
+    ) -> None:
         self._iteration = iteration
         self._has_work = has_work
         self.dead_reason = ""

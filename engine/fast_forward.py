@@ -96,8 +96,13 @@ class Linear:
 
     __slots__ = ("weight", "bias", "packed", "bands")
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, packed: torch.Tensor | None = None,
-                 bands: tuple[tuple[str, int], ...] = (("plain", 1),)) -> None:
+    def __init__(
+        self,
+        weight: torch.Tensor,
+        bias: torch.Tensor | None,
+        packed: torch.Tensor | None = None,
+        bands: tuple[tuple[str, int], ...] = (("plain", 1),),
+    ) -> None:
         if _runs_packed(bands) and packed is None:
             raise ValueError("a packed band needs the reordered weight")
         self.weight, self.bias, self.packed, self.bands = weight, bias, packed, bands
@@ -177,8 +182,9 @@ def _machine_key() -> str:
             model = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), model)
     except OSError:
         pass
-    return (f"{model}|{torch.backends.cpu.get_cpu_capability()}|torch {torch.__version__}|"
-            f"{torch.get_num_threads()} threads")
+    return (
+        f"{model}|{torch.backends.cpu.get_cpu_capability()}|torch {torch.__version__}|{torch.get_num_threads()} threads"
+    )
 
 
 def _choices_file() -> Path:
@@ -223,21 +229,25 @@ class LinearFactory:
     otherwise they are stored column-major, which MKL's one-row GEMV reads 1.4-1.7x faster
     (`column_major`)."""
 
-    def __init__(self, dtype: torch.dtype, device: torch.device, mode: str | None = None,
-                 table: KernelTable | None = None) -> None:
+    def __init__(
+        self, dtype: torch.dtype, device: torch.device, mode: str | None = None, table: KernelTable | None = None
+    ) -> None:
         mode = (mode or os.environ.get(LINEAR_ENV) or "auto").lower()
         if mode not in _LINEAR_MODES:
             raise ValueError(f"{LINEAR_ENV}={mode!r}: expected one of {', '.join(_LINEAR_MODES)}")
         self.can_pack = device.type == "cpu" and mkldnn_linear_available(dtype)
-        self.native_reason = (native_unavailable(dtype, device) if mode in ("auto", "retime", "native")
-                              else f"{LINEAR_ENV}={mode}")
+        self.native_reason = (
+            native_unavailable(dtype, device) if mode in ("auto", "retime", "native") else f"{LINEAR_ENV}={mode}"
+        )
         for kernel, can in (("packed", self.can_pack), ("native", self.native_reason is None)):
             if mode == kernel and not can:
                 why = f" ({self.native_reason})" if kernel == "native" else ""
-                log.warning("%s=%s: that kernel is not available for %s here%s; using F.linear",
-                            LINEAR_ENV, kernel, dtype, why)
-        self.kernels = [k for k, can in (("native", self.native_reason is None), ("plain", True),
-                                         ("packed", self.can_pack)) if can]
+                log.warning(
+                    "%s=%s: that kernel is not available for %s here%s; using F.linear", LINEAR_ENV, kernel, dtype, why
+                )
+        self.kernels = [
+            k for k, can in (("native", self.native_reason is None), ("plain", True), ("packed", self.can_pack)) if can
+        ]
         retime = mode == "retime"  # "auto", timing again and replacing what the cache holds
         if mode in KERNELS:
             self.mode = mode if mode in self.kernels else "plain"
@@ -293,12 +303,14 @@ class LinearFactory:
         def over_copies(kernel: Any) -> Any:
             return lambda x: [kernel(x, i) for i in range(len(weights))]
 
-        runs = {"native": over_copies(lambda x, i: native_linear(x, weights[i], bias)),
-                "plain": over_copies(lambda x, i: F.linear(x, weights[i], bias)),
-                "packed": over_copies(lambda x, i: torch.ops.mkldnn._linear_pointwise(x, packs[i], bias, "none",
-                                                                                      [], ""))}
-        runs = {name: run for name, run in runs.items()
-                if name in self.kernels and (name != "packed" or packed is not None)}
+        runs = {
+            "native": over_copies(lambda x, i: native_linear(x, weights[i], bias)),
+            "plain": over_copies(lambda x, i: F.linear(x, weights[i], bias)),
+            "packed": over_copies(lambda x, i: torch.ops.mkldnn._linear_pointwise(x, packs[i], bias, "none", [], "")),
+        }
+        runs = {
+            name: run for name, run in runs.items() if name in self.kernels and (name != "packed" or packed is not None)
+        }
         timings: dict[int, dict[str, float]] = {}
         generator = torch.Generator(device=weight.device).manual_seed(0)  # leaves the global RNG alone
         bands: list[tuple[str, int]] = []
@@ -328,8 +340,9 @@ class LinearFactory:
         if self.table is not None and not self.off_table:
             return f"deployment table {self.table.digest} ({self.table.threads} threads)"
         if self.table is not None:
-            return (f"deployment table {self.table.digest}, own timing for {len(self.off_table)} shapes "
-                    f"({self.table_miss})")
+            return (
+                f"deployment table {self.table.digest}, own timing for {len(self.off_table)} shapes ({self.table_miss})"
+            )
         why = self.table_refused or "no deployment table"
         return f"own timing ({why})"
 
@@ -360,8 +373,10 @@ class LinearFactory:
     def describe(self) -> str:
         if self.mode != "auto":
             return f"every linear {self.mode}"
-        return "; ".join(f"{k}x{n}: " + ", ".join(f"{kernel} from {rows}" for kernel, rows in bands)
-                         for (k, n), bands in self.bands.items())
+        return "; ".join(
+            f"{k}x{n}: " + ", ".join(f"{kernel} from {rows}" for kernel, rows in bands)
+            for (k, n), bands in self.bands.items()
+        )
 
 
 def _column_major(weight: torch.Tensor) -> torch.Tensor:
@@ -451,8 +466,9 @@ class _Layer:
 class FastForward:
     """The fused forward of one loaded model (shared by every engine of that model in a process)."""
 
-    def __init__(self, model: Any, layers: list[_Layer], lm_head: Linear, factory: LinearFactory,
-                 deterministic: bool = False) -> None:
+    def __init__(
+        self, model: Any, layers: list[_Layer], lm_head: Linear, factory: LinearFactory, deterministic: bool = False
+    ) -> None:
         c = model.config
         self.model = model
         self.layers = layers
@@ -514,8 +530,9 @@ class FastForward:
         return None
 
     @classmethod
-    def build(cls, model: Any, mode: str | None = None, table: KernelTable | None = None,
-              deterministic: bool = False) -> FastForward | None:
+    def build(
+        cls, model: Any, mode: str | None = None, table: KernelTable | None = None, deterministic: bool = False
+    ) -> FastForward | None:
         """The model's fused forward, or None where it does not apply. `table`: the deployment's kernel
         choices (engine/kernel_table.py). `deterministic`: batch-invariant mode: every linear, norm and
         attention row runs pdserve's native kernels, whose sums for one row are the same at any row
@@ -539,16 +556,18 @@ class FastForward:
                 attn, mlp = layer.self_attn, layer.mlp
                 projections = [attn.q_proj, attn.k_proj, attn.v_proj]
                 gate_up = [mlp.gate_proj, mlp.up_proj]
-                layers.append(_Layer(
-                    input_norm=layer.input_layernorm,
-                    post_norm=layer.post_attention_layernorm,
-                    qkv=factory(_fuse_weights(projections, cm), _fuse(projections, "bias")),
-                    o=factory(_fuse_weights([attn.o_proj], cm), attn.o_proj.bias),
-                    gate_up=factory(_fuse_weights(gate_up, cm), _fuse(gate_up, "bias")),
-                    down=factory(_fuse_weights([mlp.down_proj], cm), mlp.down_proj.bias),
-                    q_norm=attn.q_norm if qwen3 else None,
-                    k_norm=attn.k_norm if qwen3 else None,
-                ))
+                layers.append(
+                    _Layer(
+                        input_norm=layer.input_layernorm,
+                        post_norm=layer.post_attention_layernorm,
+                        qkv=factory(_fuse_weights(projections, cm), _fuse(projections, "bias")),
+                        o=factory(_fuse_weights([attn.o_proj], cm), attn.o_proj.bias),
+                        gate_up=factory(_fuse_weights(gate_up, cm), _fuse(gate_up, "bias")),
+                        down=factory(_fuse_weights([mlp.down_proj], cm), mlp.down_proj.bias),
+                        q_norm=attn.q_norm if qwen3 else None,
+                        k_norm=attn.k_norm if qwen3 else None,
+                    )
+                )
             # tied embeddings: the embedding re-points too (one Parameter) and gathers strided rows
             lm_head = factory(_fuse_weights([model.lm_head], cm), getattr(model.lm_head, "bias", None))
         fast = cls(model, layers, lm_head, factory, deterministic)
@@ -578,8 +597,15 @@ class FastForward:
         else:  # q and k rotated together: one set of ops for both
             qk = rope(qkv[:, : hq + hkv])
             q, k = qk[:, :hq], qk[:, hq:]
-        attn = paged_attention(batch, index, q, k, qkv[:, hq + hkv :], self.scale,  # [T, Hq * D]
-                               per_row=self.deterministic)
+        attn = paged_attention(
+            batch,
+            index,
+            q,
+            k,
+            qkv[:, hq + hkv :],
+            self.scale,  # [T, Hq * D]
+            per_row=self.deterministic,
+        )
         hidden = p.o(attn, residual=hidden)
         gate_up = p.gate_up(_rms_norm(p.post_norm, hidden, self.native))  # [T, 2 I]
         return p.down(self._act_mul(gate_up), residual=hidden)
@@ -605,8 +631,9 @@ _SERIAL_GRAIN = 32768
 _BUILT: weakref.WeakKeyDictionary[Any, tuple[tuple[Any, ...], FastForward | None]] = weakref.WeakKeyDictionary()
 
 
-def fast_forward_for(model: Any, mode: str | None = None, table: KernelTable | None = None,
-                     deterministic: bool = False) -> FastForward | None:
+def fast_forward_for(
+    model: Any, mode: str | None = None, table: KernelTable | None = None, deterministic: bool = False
+) -> FastForward | None:
     """The model's FastForward, built on first use and shared by every engine of the process that asks
     for the same settings (other settings build it again over the same weights)."""
     settings = (mode, table, deterministic)

@@ -41,6 +41,7 @@ class InjectedFaults:
     @classmethod
     def from_env(cls, env: Mapping[str, str] = os.environ) -> InjectedFaults:
         """The faults the environment asks for; ValueError naming a malformed variable."""
+
         def number(name: str, kind: type) -> int | float | None:
             text = env.get(name, "").strip()
             if not text:
@@ -50,12 +51,17 @@ class InjectedFaults:
             except ValueError:
                 raise ValueError(f"{name}: expected a number, got {text!r}") from None
 
-        count, death, delay = (number(ENV_KV_FAULT_COUNT, int), number(ENV_LOOP_DEATH_AFTER_STEPS, int),
-                               number(ENV_STEP_DELAY_MS, float))
-        return cls(kv_fault=env.get(ENV_KV_FAULT, "").strip() or None,
-                   kv_fault_count=1 if count is None else int(count),
-                   loop_death_after_steps=None if death is None else int(death),
-                   step_delay_ms=0.0 if delay is None else delay)
+        count, death, delay = (
+            number(ENV_KV_FAULT_COUNT, int),
+            number(ENV_LOOP_DEATH_AFTER_STEPS, int),
+            number(ENV_STEP_DELAY_MS, float),
+        )
+        return cls(
+            kv_fault=env.get(ENV_KV_FAULT, "").strip() or None,
+            kv_fault_count=1 if count is None else int(count),
+            loop_death_after_steps=None if death is None else int(death),
+            step_delay_ms=0.0 if delay is None else delay,
+        )
 
     def env(self) -> dict[str, str]:
         """The environment variables that inject these faults (for tests that start workers)."""

@@ -90,9 +90,16 @@ class KernelTable:
     entries: dict[str, Bands] = field(default_factory=dict)
 
     def to_json(self) -> str:
-        return json.dumps({"version": TABLE_VERSION, "cpu": self.cpu, "threads": self.threads, "dtype": self.dtype,
-                           "entries": {k: [list(b) for b in v] for k, v in sorted(self.entries.items())}},
-                          sort_keys=True)
+        return json.dumps(
+            {
+                "version": TABLE_VERSION,
+                "cpu": self.cpu,
+                "threads": self.threads,
+                "dtype": self.dtype,
+                "entries": {k: [list(b) for b in v] for k, v in sorted(self.entries.items())},
+            },
+            sort_keys=True,
+        )
 
     @classmethod
     def from_json(cls, text: str) -> KernelTable:
@@ -112,8 +119,12 @@ class KernelTable:
             raise ValueError(f"kernel table: entry {bad[0]!r} is not a list of [kernel, from_rows]")
         if not isinstance(data.get("threads"), int) or not isinstance(data.get("cpu"), str):
             raise ValueError("kernel table: 'cpu' (string) and 'threads' (integer) are required")
-        return cls(cpu=data["cpu"], threads=data["threads"], dtype=str(data.get("dtype")),
-                   entries={k: v for k, v in bands.items() if v is not None})
+        return cls(
+            cpu=data["cpu"],
+            threads=data["threads"],
+            dtype=str(data.get("dtype")),
+            entries={k: v for k, v in bands.items() if v is not None},
+        )
 
     @classmethod
     def load(cls, value: str) -> KernelTable:
@@ -133,8 +144,13 @@ def linear_shapes(config: dict[str, Any]) -> list[tuple[int, int]]:
     kv_heads = int(config.get("num_key_value_heads") or heads)
     head_dim = int(config.get("head_dim") or hidden // heads)
     inter, vocab = int(config["intermediate_size"]), int(config["vocab_size"])
-    shapes = [((heads + 2 * kv_heads) * head_dim, hidden), (hidden, heads * head_dim), (2 * inter, hidden),
-              (hidden, inter), (vocab, hidden)]
+    shapes = [
+        ((heads + 2 * kv_heads) * head_dim, hidden),
+        (hidden, heads * head_dim),
+        (2 * inter, hidden),
+        (hidden, inter),
+        (vocab, hidden),
+    ]
     return list(dict.fromkeys(shapes))
 
 
@@ -151,8 +167,16 @@ def cache_path(model_dir: Path, dtype: str, threads: int) -> Path:
 
     config = json.loads((model_dir / "config.json").read_text())
     native = hashlib.sha256(_NATIVE_SOURCE.read_bytes()).hexdigest() if _NATIVE_SOURCE.is_file() else ""
-    parts = [str(TABLE_VERSION), json.dumps(linear_shapes(config)), dtype, str(threads), cpu_identity(), native,
-             _timing_method(), os.environ.get("PDSERVE_NATIVE", "")]
+    parts = [
+        str(TABLE_VERSION),
+        json.dumps(linear_shapes(config)),
+        dtype,
+        str(threads),
+        cpu_identity(),
+        native,
+        _timing_method(),
+        os.environ.get("PDSERVE_NATIVE", ""),
+    ]
     key = hashlib.sha256("\0".join(parts).encode()).hexdigest()[:24]
     return cache_root() / "kernel-tables" / f"{key}.json"
 
@@ -195,8 +219,9 @@ def ensure_table(model_dir: Path, dtype: str, threads: int) -> Path:
     return path
 
 
-def deployment_table(model_dir: Path, dtype: str, threads: int, timeout_s: float = 300.0,
-                     env: dict[str, str] | None = None) -> KernelTable:
+def deployment_table(
+    model_dir: Path, dtype: str, threads: int, timeout_s: float = 300.0, env: dict[str, str] | None = None
+) -> KernelTable:
     """The launcher's side: this machine's cached table, else timed by a subprocess (so the launcher
     imports no torch). RuntimeError with the subprocess's last words when timing fails."""
     path = cache_path(model_dir, dtype, threads)
@@ -205,10 +230,22 @@ def deployment_table(model_dir: Path, dtype: str, threads: int, timeout_s: float
             return KernelTable.load(str(path))
         except (OSError, ValueError):
             pass
-    print(f"pdserve: timing linear kernels once for this machine ({dtype}, {threads} threads)",
-          file=sys.stderr, flush=True)
-    argv = [sys.executable, "-m", "pdserve.engine.kernel_table", "--model", str(model_dir), "--dtype", dtype,
-            "--threads", str(threads)]
+    print(
+        f"pdserve: timing linear kernels once for this machine ({dtype}, {threads} threads)",
+        file=sys.stderr,
+        flush=True,
+    )
+    argv = [
+        sys.executable,
+        "-m",
+        "pdserve.engine.kernel_table",
+        "--model",
+        str(model_dir),
+        "--dtype",
+        dtype,
+        "--threads",
+        str(threads),
+    ]
     done = subprocess.run(argv, capture_output=True, text=True, timeout=timeout_s, env=env, check=False)
     if done.returncode != 0:
         raise RuntimeError(f"timing linear kernels failed: {done.stderr.strip()[-800:]}")
@@ -216,9 +253,11 @@ def deployment_table(model_dir: Path, dtype: str, threads: int, timeout_s: float
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m pdserve.engine.kernel_table",
-                                     description="Time the linear kernels for a model's shapes on this machine "
-                                                 "(once; cached) and print the table file's path.")
+    parser = argparse.ArgumentParser(
+        prog="python -m pdserve.engine.kernel_table",
+        description="Time the linear kernels for a model's shapes on this machine "
+        "(once; cached) and print the table file's path.",
+    )
     parser.add_argument("--model", default=None, help="local Hugging Face folder (default: the default model)")
     parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"))
     parser.add_argument("--threads", type=int, default=os.cpu_count() or 1, help="the workers' torch threads")

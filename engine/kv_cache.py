@@ -63,7 +63,7 @@ def remove_stale_segments() -> int:
     for name in os.listdir(SHM_DIR):
         if not name.startswith(SHM_PREFIX):
             continue
-        pid_text = name[len(SHM_PREFIX):].removeprefix("cache-").split("-", 1)[0]
+        pid_text = name[len(SHM_PREFIX) :].removeprefix("cache-").split("-", 1)[0]
         if not pid_text.isdigit() or _alive(int(pid_text)):
             continue
         try:
@@ -92,8 +92,9 @@ def _shared_zeros(shape: tuple[int, ...], dtype: torch.dtype) -> tuple[torch.Ten
         log.warning("KV cache stays in private memory: %s lacks %d MiB free", SHM_DIR, nbytes >> 20)
         return None
     remove_stale_segments()
-    segment = shared_memory.SharedMemory(name=f"{segment_prefix()}cache-{uuid.uuid4().hex[:12]}",
-                                         create=True, size=nbytes)
+    segment = shared_memory.SharedMemory(
+        name=f"{segment_prefix()}cache-{uuid.uuid4().hex[:12]}", create=True, size=nbytes
+    )
     untrack_segment(segment)
     atexit.register(_unlink, segment)
     tensor = torch.frombuffer(segment.buf, dtype=torch.uint8, count=nbytes).view(dtype).view(shape)
@@ -183,13 +184,21 @@ class KVCache:
     def scatter(self, block_ids: list[int], blocks: torch.Tensor) -> None:
         """Write shipped K/V (as returned by `gather`, on any device) into this cache's `block_ids`.
         ValueError when its shape or dtype differs from this cache's."""
-        expected = (self.shape.num_layers, 2, len(block_ids), self.shape.block_size,
-                    self.shape.num_kv_heads, self.shape.head_dim)
+        expected = (
+            self.shape.num_layers,
+            2,
+            len(block_ids),
+            self.shape.block_size,
+            self.shape.num_kv_heads,
+            self.shape.head_dim,
+        )
         if tuple(blocks.shape) != expected:
             raise ValueError(f"K/V shape {tuple(blocks.shape)} does not fit blocks of shape {expected}")
         if blocks.dtype != self.kv.dtype:
-            raise ValueError(f"dtype: shipped K/V is {blocks.dtype}, this cache holds {self.kv.dtype} "
-                             "(run prefill and decode workers with the same --dtype)")
+            raise ValueError(
+                f"dtype: shipped K/V is {blocks.dtype}, this cache holds {self.kv.dtype} "
+                "(run prefill and decode workers with the same --dtype)"
+            )
         ids = torch.tensor(block_ids, dtype=torch.long, device=self.kv.device)
         self.kv.index_copy_(2, ids, blocks.to(self.kv.device, non_blocking=True))
 

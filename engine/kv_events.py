@@ -94,15 +94,27 @@ class KvEventLog:
         with self._lock:
             first_retained = self._last_seq - len(self._events) + 1
             if after_seq <= 0 or after_seq > self._last_seq or after_seq + 1 < first_retained:
-                return EventBatch(self.epoch, self._last_seq + 1, self._last_seq, tuple(self._keys),
-                                  (True,) * len(self._keys), snapshot=True)
+                return EventBatch(
+                    self.epoch,
+                    self._last_seq + 1,
+                    self._last_seq,
+                    tuple(self._keys),
+                    (True,) * len(self._keys),
+                    snapshot=True,
+                )
             if after_seq == self._last_seq:
                 return None
             start = after_seq + 1 - first_retained
             count = min(max_events, self._last_seq - after_seq)
             events = [self._events[start + i] for i in range(count)]
-        return EventBatch(self.epoch, after_seq + 1, after_seq + count, tuple(k for k, _ in events),
-                          tuple(s for _, s in events), snapshot=False)
+        return EventBatch(
+            self.epoch,
+            after_seq + 1,
+            after_seq + count,
+            tuple(k for k, _ in events),
+            tuple(s for _, s in events),
+            snapshot=False,
+        )
 
     def wait(self, after_seq: int, timeout_s: float) -> bool:
         """Block until an event after `after_seq` exists or `timeout_s` passes; whether one does."""

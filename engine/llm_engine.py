@@ -108,8 +108,14 @@ def _pass_shape(items: list[PassItem]) -> tuple[int, int, int, int]:
 
 
 class LLMEngine:
-    def __init__(self, loaded: LoadedModel, config: EngineConfig, connector: KvConnector | None = None,
-                 shared_kv_cache: bool = False, kv_cache: KVCache | None = None) -> None:
+    def __init__(
+        self,
+        loaded: LoadedModel,
+        config: EngineConfig,
+        connector: KvConnector | None = None,
+        shared_kv_cache: bool = False,
+        kv_cache: KVCache | None = None,
+    ) -> None:
         """`connector`: hand finished prefills to it instead of decoding them (a prefill worker).
         `shared_kv_cache`: put the KV cache in shared memory (same-host peers read it in place).
         `kv_cache`: use this (idle) cache instead of allocating one: a worker that changes role
@@ -120,10 +126,16 @@ class LLMEngine:
         self.kv_cache = kv_cache if kv_cache is not None else build_cache(loaded, config, shared=shared_kv_cache)
         self.pool = BlockPool(self.kv_cache.num_blocks, config.block_size)
         self.kv_events = self.pool.events = KvEventLog()  # the prefix cache's changes, for the router
-        self.runner = build_runner(loaded, self.kv_cache, compile=config.compile, deterministic=config.deterministic,
-                                   kernel_table=config.kernel_table)
-        self.scheduler = Scheduler(config, self.pool, keeps_decoding=connector is None,
-                                   attention_crossover=attention_crossover(loaded))
+        self.runner = build_runner(
+            loaded,
+            self.kv_cache,
+            compile=config.compile,
+            deterministic=config.deterministic,
+            kernel_table=config.kernel_table,
+        )
+        self.scheduler = Scheduler(
+            config, self.pool, keeps_decoding=connector is None, attention_crossover=attention_crossover(loaded)
+        )
         self.max_model_len = min(config.max_model_len or loaded.max_model_len, loaded.max_model_len)
         self.sequences: dict[str, Sequence] = {}  # every sequence not finished, handed-off ones included
         self.last_pass: ScheduledPass | None = None  # what the latest step planned (for metrics)
@@ -146,11 +158,19 @@ class LLMEngine:
     def check_fits_pool(self, num_tokens: int) -> None:
         """RequestInvalid if `num_tokens` tokens can never be prefilled here, even with the pool to themselves."""
         if blocks_for_tokens(num_tokens, self.pool.block_size) > self.pool.num_blocks:
-            raise RequestInvalid(f"prompt of {num_tokens} tokens does not fit this worker's KV pool "
-                             f"({self.pool.num_blocks} blocks of {self.pool.block_size} tokens)")
+            raise RequestInvalid(
+                f"prompt of {num_tokens} tokens does not fit this worker's KV pool "
+                f"({self.pool.num_blocks} blocks of {self.pool.block_size} tokens)"
+            )
 
-    def new_sequence(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
-                     resume_ids: list[int] | None = None, trace: bool = False) -> Sequence:
+    def new_sequence(
+        self,
+        request_id: str,
+        prompt_ids: list[int],
+        params: SamplingParams,
+        resume_ids: list[int] | None = None,
+        trace: bool = False,
+    ) -> Sequence:
         """A validated sequence; `resume_ids` are output tokens already delivered (failover);
         `trace`: collect its step trace (engine.trace)."""
         resume_ids = resume_ids or []
@@ -158,15 +178,18 @@ class LLMEngine:
             raise RequestInvalid(f"request id {request_id!r} is already in this engine")
         self.check_request(prompt_ids, resume_ids)
         vocab = self.loaded.config.vocab_size
-        for name, ids in (("logit_bias", [t for t, _ in params.logit_bias]),
-                          ("allowed_token_ids", list(params.allowed_token_ids))):
+        for name, ids in (
+            ("logit_bias", [t for t, _ in params.logit_bias]),
+            ("allowed_token_ids", list(params.allowed_token_ids)),
+        ):
             outside = [t for t in ids if t >= vocab]
             if outside:
                 raise RequestInvalid(f"{name}: token id {outside[0]} is outside the vocabulary [0, {vocab})")
         if params.bad_words and not params.bad_words_ids:
             params = dataclasses.replace(params, bad_words_ids=bad_words_ids(self.loaded.tokenizer, params.bad_words))
-        seq = Sequence.create(request_id, prompt_ids, params, self.loaded.tokenizer, self.loaded.eos_token_ids,
-                              trace=trace)
+        seq = Sequence.create(
+            request_id, prompt_ids, params, self.loaded.tokenizer, self.loaded.eos_token_ids, trace=trace
+        )
         seq.replay(resume_ids)
         if params.structured is not None:  # rebuilt from the tokens: the same on every worker
             seq.constraint = Constraint(self.loaded, *params.structured)
@@ -174,8 +197,15 @@ class LLMEngine:
         self.sequences[request_id] = seq
         return seq
 
-    def add_request(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
-                    resume_ids: list[int] | None = None, output_index: int = 0, trace: bool = False) -> Sequence:
+    def add_request(
+        self,
+        request_id: str,
+        prompt_ids: list[int],
+        params: SamplingParams,
+        resume_ids: list[int] | None = None,
+        output_index: int = 0,
+        trace: bool = False,
+    ) -> Sequence:
         """Queue a request for prefill here (resumed ones recompute their outputs' K/V).
         `output_index`: output position of the token sampled after the prompt, when the prompt
         already ends with earlier outputs (a prefill worker computing a resumed request)."""
@@ -183,12 +213,18 @@ class LLMEngine:
         seq = self.new_sequence(request_id, prompt_ids, params, resume_ids, trace)
         seq.output_index_base = output_index
         if seq.constraint is not None and output_index:  # the prompt ends with earlier outputs
-            seq.constraint.advance(prompt_ids[len(prompt_ids) - output_index:])
+            seq.constraint.advance(prompt_ids[len(prompt_ids) - output_index :])
         self.scheduler.add_waiting(seq)
         return seq
 
-    def reserve(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
-                resume_ids: list[int] | None = None, trace: bool = False) -> Sequence | None:
+    def reserve(
+        self,
+        request_id: str,
+        prompt_ids: list[int],
+        params: SamplingParams,
+        resume_ids: list[int] | None = None,
+        trace: bool = False,
+    ) -> Sequence | None:
         """Hold blocks for tokens whose K/V will arrive from elsewhere; None if the pool is full.
 
         With prefix caching, the leading full blocks this engine already holds for the same tokens
@@ -312,8 +348,10 @@ class LLMEngine:
         eos = self.loaded.eos_token_ids
         if not self.config.deterministic:
             return sample(logits, params, steps, histories, eos)
-        return [sample(logits[r : r + 1], params[r : r + 1], steps[r : r + 1], histories[r : r + 1], eos)[0]
-                for r in range(len(seqs))]
+        return [
+            sample(logits[r : r + 1], params[r : r + 1], steps[r : r + 1], histories[r : r + 1], eos)[0]
+            for r in range(len(seqs))
+        ]
 
     def _compute(self, items: list[PassItem]) -> tuple[list[int], dict[int, _PassLogprobs]]:
         """Forward pass and sampling, with no change to any sequence: a failed attempt leaves
@@ -326,17 +364,21 @@ class LLMEngine:
         rows = [row for row, item in enumerate(items) if item.samples]
         seqs = [items[r].seq for r in rows]
         # grammar masks are computed while the model runs (llguidance's threads, without the GIL)
-        masks = structured.start_masks([seq.constraint for seq in seqs], int(self.loaded.config.vocab_size)) \
-            if any(seq.constraint is not None for seq in seqs) else None
+        masks = (
+            structured.start_masks([seq.constraint for seq in seqs], int(self.loaded.config.vocab_size))
+            if any(seq.constraint is not None for seq in seqs)
+            else None
+        )
         try:
             logits = self.runner.forward(
                 [StepInput(item.token_ids, item.seq.num_cached, item.seq.block_table) for item in items],
-                on_layer_done=on_layer, **extra)
+                on_layer_done=on_layer,
+                **extra,
+            )
         finally:
             if masks is not None:  # a failed pass still waits: the matchers must be idle before anything else
                 structured.finish_masks(masks)
-        histories = [TokenHistory(seq.all_ids, seq.next_output_index) if seq.params.penalized else None
-                     for seq in seqs]
+        histories = [TokenHistory(seq.all_ids, seq.next_output_index) if seq.params.penalized else None for seq in seqs]
         row_logits = logits[rows]
         if masks is not None:
             structured.apply_masks(row_logits, masks)
@@ -346,8 +388,11 @@ class LLMEngine:
             seq, start = items[row].seq, items[row].seq.num_cached
             # the logits at position p predict prompt token p + 1
             targets = seq.prompt_ids[start + 1 : start + 1 + len(items[row].token_ids)]
-            entries = token_logprobs(self.runner.full_logits[row][: len(targets)], targets,
-                                     seq.params.prompt_logprobs or 0) if targets else []
+            entries = (
+                token_logprobs(self.runner.full_logits[row][: len(targets)], targets, seq.params.prompt_logprobs or 0)
+                if targets
+                else []
+            )
             logprobs[row] = _PassLogprobs(prompt=(start + 1, entries))
         for slot, (row, token) in enumerate(zip(rows, sampled, strict=True)):
             num_top = items[row].seq.params.logprobs
@@ -374,8 +419,9 @@ class LLMEngine:
         half = len(rest) // 2
         return outputs + self._run(rest[:half]) + self._run(rest[half:])
 
-    def _apply(self, items: list[PassItem], sampled: list[int], pass_s: float,
-               logprobs: dict[int, _PassLogprobs] | None = None) -> list[TokenOutput]:
+    def _apply(
+        self, items: list[PassItem], sampled: list[int], pass_s: float, logprobs: dict[int, _PassLogprobs] | None = None
+    ) -> list[TokenOutput]:
         """Advance every sequence of a successful pass; emit (or hand off) the sampled tokens."""
         tokens = iter(sampled)
         outputs = []
@@ -431,10 +477,17 @@ class LLMEngine:
         seq.finish(FINISH_ERROR)
         self.sequences.pop(seq.request_id, None)
         self.scheduler.remove(seq)
-        return TokenOutput(request_id=seq.request_id, token_id=-1, text="", finish_reason=FINISH_ERROR,
-                           num_prompt_tokens=len(seq.prompt_ids), num_output_tokens=len(seq.output_ids),
-                           error=str(error) or type(error).__name__, detokenize_s=seq.detokenize_s,
-                           trace=seq.take_trace())
+        return TokenOutput(
+            request_id=seq.request_id,
+            token_id=-1,
+            text="",
+            finish_reason=FINISH_ERROR,
+            num_prompt_tokens=len(seq.prompt_ids),
+            num_output_tokens=len(seq.output_ids),
+            error=str(error) or type(error).__name__,
+            detokenize_s=seq.detokenize_s,
+            trace=seq.take_trace(),
+        )
 
     @staticmethod
     def _output(seq: Sequence, token_id: int, text: str) -> TokenOutput:
@@ -444,17 +497,23 @@ class LLMEngine:
         if token_id >= 0 and seq.prompt_logprobs is not None and not seq.prompt_logprobs_sent:
             prompt_logprobs, seq.prompt_logprobs_sent = tuple(seq.prompt_logprobs), True
         return TokenOutput(
-            logprob=logprob, prompt_logprobs=prompt_logprobs,
-            request_id=seq.request_id, token_id=token_id, text=text, finish_reason=seq.finish_reason,
-            num_prompt_tokens=len(seq.prompt_ids), num_output_tokens=len(seq.output_ids),
-            num_cached_tokens=seq.num_prefix_hit_tokens, detokenize_s=seq.detokenize_s, queue_s=queue_s,
-            prefill_s=prefill_s, trace=seq.take_trace(),
+            logprob=logprob,
+            prompt_logprobs=prompt_logprobs,
+            request_id=seq.request_id,
+            token_id=token_id,
+            text=text,
+            finish_reason=seq.finish_reason,
+            num_prompt_tokens=len(seq.prompt_ids),
+            num_output_tokens=len(seq.output_ids),
+            num_cached_tokens=seq.num_prefix_hit_tokens,
+            detokenize_s=seq.detokenize_s,
+            queue_s=queue_s,
+            prefill_s=prefill_s,
+            trace=seq.take_trace(),
         )
 
     # ----- convenience -----------------------------------------------------------------------
-    def generate(
-        self, prompts: Iterable[list[int]], params: SamplingParams | list[SamplingParams]
-    ) -> list[list[int]]:
+    def generate(self, prompts: Iterable[list[int]], params: SamplingParams | list[SamplingParams]) -> list[list[int]]:
         """Run prompts to completion together (continuous batching); return their output ids."""
         prompts = list(prompts)
         plist = params if isinstance(params, list) else [params] * len(prompts)

@@ -30,33 +30,56 @@ class WorkerMetrics:
     def __init__(self, registry: CollectorRegistry | None = None) -> None:
         self.registry = registry or CollectorRegistry()
         r = self.registry
-        self.queue_time = Histogram("pdserve_request_queue_time_seconds", "Time a request waited in the queue",
-                                    buckets=LATENCY_BUCKETS, registry=r)
-        self.prefill_batch_size = Histogram("pdserve_prefill_batch_size", "Prompts per prefill pass",
-                                            buckets=BATCH_SIZE_BUCKETS, registry=r)
-        self.decode_batch_size = Histogram("pdserve_decode_batch_size", "Sequences per decode step",
-                                           buckets=BATCH_SIZE_BUCKETS, registry=r)
+        self.queue_time = Histogram(
+            "pdserve_request_queue_time_seconds",
+            "Time a request waited in the queue",
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.prefill_batch_size = Histogram(
+            "pdserve_prefill_batch_size", "Prompts per prefill pass", buckets=BATCH_SIZE_BUCKETS, registry=r
+        )
+        self.decode_batch_size = Histogram(
+            "pdserve_decode_batch_size", "Sequences per decode step", buckets=BATCH_SIZE_BUCKETS, registry=r
+        )
         self.prompt_tokens = Counter("pdserve_prompt_tokens", "Prompt tokens prefilled", registry=r)
         self.generation_tokens = Counter("pdserve_generation_tokens", "Tokens generated", registry=r)
         labels = ("backend", "direction")
         self.kv_bytes = Counter("pdserve_kv_transfer_bytes", "KV bytes moved between workers", labels, registry=r)
-        self.kv_seconds = Histogram("pdserve_kv_transfer_seconds", "Duration of one request's KV transfer",
-                                    labels, buckets=TRANSFER_BUCKETS, registry=r)
+        self.kv_seconds = Histogram(
+            "pdserve_kv_transfer_seconds",
+            "Duration of one request's KV transfer",
+            labels,
+            buckets=TRANSFER_BUCKETS,
+            registry=r,
+        )
         self.kv_failures = Counter("pdserve_kv_transfer_failures", "Failed KV transfers", labels, registry=r)
-        self.requests_running = Gauge("pdserve_num_requests_running", "Requests holding KV and decoding",
-                                      registry=r)
-        self.requests_waiting = Gauge("pdserve_num_requests_waiting", "Requests queued for KV room or prefill",
-                                      registry=r)
+        self.requests_running = Gauge("pdserve_num_requests_running", "Requests holding KV and decoding", registry=r)
+        self.requests_waiting = Gauge(
+            "pdserve_num_requests_waiting", "Requests queued for KV room or prefill", registry=r
+        )
         self.kv_blocks_used = Gauge("pdserve_kv_blocks_used", "KV cache blocks in use", registry=r)
-        self.tokenize_time = Histogram("pdserve_tokenize_seconds", "Turning one request's prompt into token ids",
-                                       buckets=LATENCY_BUCKETS, registry=r)
-        self.detokenize_time = Histogram("pdserve_detokenize_seconds",
-                                         "Turning one request's output ids into streamed text (summed over tokens)",
-                                         buckets=LATENCY_BUCKETS, registry=r)
+        self.tokenize_time = Histogram(
+            "pdserve_tokenize_seconds",
+            "Turning one request's prompt into token ids",
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.detokenize_time = Histogram(
+            "pdserve_detokenize_seconds",
+            "Turning one request's output ids into streamed text (summed over tokens)",
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
         self.kv_blocks_total = Gauge("pdserve_kv_blocks_total", "KV cache blocks in the pool", registry=r)
 
-    def bind_gauges(self, running: Callable[[], float], waiting: Callable[[], float],
-                    blocks_used: Callable[[], float], blocks_total: Callable[[], float]) -> None:
+    def bind_gauges(
+        self,
+        running: Callable[[], float],
+        waiting: Callable[[], float],
+        blocks_used: Callable[[], float],
+        blocks_total: Callable[[], float],
+    ) -> None:
         """Make the gauges read the worker's state at scrape time (each callable must be cheap)."""
         self.requests_running.set_function(running)
         self.requests_waiting.set_function(waiting)

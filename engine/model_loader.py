@@ -24,7 +24,9 @@ from pdserve.engine.kv_cache import KVCacheShape
 log = logging.getLogger(__name__)
 
 _ARCH_BY_MODEL_TYPE = {
-    "llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
+    "llama": "LlamaForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
     "mistral": "MistralForCausalLM",
 }
 SUPPORTED_ARCHITECTURES = frozenset(_ARCH_BY_MODEL_TYPE.values())
@@ -51,8 +53,11 @@ class LoadedModel:
         c = self.config
         head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
         return KVCacheShape(
-            num_layers=c.num_hidden_layers, num_kv_heads=c.num_key_value_heads, head_dim=head_dim,
-            block_size=block_size, dtype=self.model.dtype,
+            num_layers=c.num_hidden_layers,
+            num_kv_heads=c.num_key_value_heads,
+            head_dim=head_dim,
+            block_size=block_size,
+            dtype=self.model.dtype,
         )
 
 
@@ -75,9 +80,20 @@ def check_supported(path: Path) -> Any:
 
 
 #: What the fingerprint covers in a model folder: weights, tokenizer, configs, chat template.
-FINGERPRINT_PATTERNS = ("*.safetensors", "*.bin", "*.gguf", "tokenizer*", "vocab*", "merges.txt", "*.model",
-                        "special_tokens_map.json", "added_tokens.json", "chat_template*", "config.json",
-                        "generation_config.json")
+FINGERPRINT_PATTERNS = (
+    "*.safetensors",
+    "*.bin",
+    "*.gguf",
+    "tokenizer*",
+    "vocab*",
+    "merges.txt",
+    "*.model",
+    "special_tokens_map.json",
+    "added_tokens.json",
+    "chat_template*",
+    "config.json",
+    "generation_config.json",
+)
 WEIGHT_PATTERNS = ("*.safetensors", "*.bin", "*.gguf")
 _FINGERPRINT_VERSION = b"pdserve.model_fingerprint.v2"
 
@@ -201,10 +217,14 @@ def warn_if_slow_bf16(dtype: torch.dtype, device: str) -> bool:
     why_not_native = native_unavailable(dtype, torch.device(device))
     if why_not_native is None:
         return False
-    log.warning("bfloat16 on this CPU (%s, no native bf16 kernel; pdserve's own kernels: %s) is slower than "
-                "float32: served output tok/s measured %s of float32 on an AVX2 CPU. Use --dtype float32 (or "
-                "auto) here; bf16 pays on CPUs with AVX-512 BF16 or AMX, or with pdserve's native kernels.",
-                torch.backends.cpu.get_cpu_capability(), why_not_native, AVX2_BF16_SERVED_RATIO)
+    log.warning(
+        "bfloat16 on this CPU (%s, no native bf16 kernel; pdserve's own kernels: %s) is slower than "
+        "float32: served output tok/s measured %s of float32 on an AVX2 CPU. Use --dtype float32 (or "
+        "auto) here; bf16 pays on CPUs with AVX-512 BF16 or AMX, or with pdserve's native kernels.",
+        torch.backends.cpu.get_cpu_capability(),
+        why_not_native,
+        AVX2_BF16_SERVED_RATIO,
+    )
     return True
 
 
@@ -218,7 +238,10 @@ def load_model(path: str | Path, dtype: torch.dtype = torch.float32, device: str
     model = model.to(torch.device(device)).eval()  # type: ignore[arg-type]  # transformers types .to oddly
     tokenizer = AutoTokenizer.from_pretrained(path)
     return LoadedModel(
-        model=model, tokenizer=tokenizer, path=path, fingerprint=fingerprint(path, dtype, model),
+        model=model,
+        tokenizer=tokenizer,
+        path=path,
+        fingerprint=fingerprint(path, dtype, model),
         eos_token_ids=_eos_ids(path, config, tokenizer),
         max_model_len=int(getattr(config, "max_position_embeddings", 2048)),
     )

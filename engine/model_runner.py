@@ -44,8 +44,9 @@ FORWARD_ENV = "PDSERVE_FORWARD"
 FORWARDS = ("auto", "fast", "hf")
 
 
-def _choose_forward(model: object, forward: str | None, deterministic: bool = False,
-                    kernel_table: str | None = None) -> FastForward | None:
+def _choose_forward(
+    model: object, forward: str | None, deterministic: bool = False, kernel_table: str | None = None
+) -> FastForward | None:
     """The FastForward to run, or None for transformers' modules (ValueError on an unknown name,
     on "fast" for a model the fast path does not cover, and on deterministic mode where the fast
     path with its native kernels cannot run)."""
@@ -78,9 +79,15 @@ def _check_same_place(loaded: LoadedModel, kv_cache: KVCache) -> None:
 class ModelRunner:
     """Owns no scheduling state: callers decide what runs; this computes it."""
 
-    def __init__(self, loaded: LoadedModel, kv_cache: KVCache, forward: str | None = None,
-                 compile: bool = False, deterministic: bool = False,  # noqa: A002
-                 kernel_table: str | None = None) -> None:
+    def __init__(
+        self,
+        loaded: LoadedModel,
+        kv_cache: KVCache,
+        forward: str | None = None,
+        compile: bool = False,
+        deterministic: bool = False,  # noqa: A002
+        kernel_table: str | None = None,
+    ) -> None:
         self.loaded = loaded
         self.model = loaded.model
         self.kv_cache = kv_cache
@@ -114,13 +121,13 @@ class ModelRunner:
             query_lens=[len(i.token_ids) for i in items],
             context_lens=[i.num_cached + len(i.token_ids) for i in items],
             block_tables=tables.to(self.device),
-            num_decode=next((n for n, i in enumerate(items) if len(i.token_ids) != 1 or i.num_cached == 0),
-                            len(items)),
+            num_decode=next((n for n, i in enumerate(items) if len(i.token_ids) != 1 or i.num_cached == 0), len(items)),
         )
 
     @torch.inference_mode()
-    def forward(self, items: list[StepInput], on_layer_done: LayerCallback | None = None,
-                full_rows: Collection[int] = ()) -> torch.Tensor:
+    def forward(
+        self, items: list[StepInput], on_layer_done: LayerCallback | None = None, full_rows: Collection[int] = ()
+    ) -> torch.Tensor:
         """Run one pass; return float32 logits [len(items), vocab] at each sequence's last new token.
         For the items in `full_rows` (prompt log-probabilities), the logits at every new token are
         left in `self.full_logits` (row -> [len(token_ids), vocab] float32); it is empty otherwise."""
@@ -132,9 +139,11 @@ class ModelRunner:
         batch = self._batch(items)
         device = self.device
         input_ids = torch.tensor([[t for i in items for t in i.token_ids]], device=device)  # [1, T]
-        positions = torch.cat(
-            [torch.arange(i.num_cached, i.num_cached + len(i.token_ids)) for i in items]
-        ).unsqueeze(0).to(device)  # [1, T]
+        positions = (
+            torch.cat([torch.arange(i.num_cached, i.num_cached + len(i.token_ids)) for i in items])
+            .unsqueeze(0)
+            .to(device)
+        )  # [1, T]
         last = torch.tensor(batch.query_lens).cumsum(0) - 1  # [N] index of each last new token
         if self.fast is not None:
             hidden = self._fast_layers(batch, input_ids[0], positions[0], on_layer_done)  # [T, E]
@@ -155,8 +164,13 @@ class ModelRunner:
             return self.fast.norm_logits(rows)
         return self.model.lm_head(self.model.model.norm(rows)).float()
 
-    def _fast_layers(self, batch: AttentionBatch, input_ids: torch.Tensor, positions: torch.Tensor,
-                     on_layer_done: LayerCallback | None) -> torch.Tensor:
+    def _fast_layers(
+        self,
+        batch: AttentionBatch,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        on_layer_done: LayerCallback | None,
+    ) -> torch.Tensor:
         fast = self.fast
         assert fast is not None
         hidden = torch.nn.functional.embedding(input_ids, fast.embed)  # [T, E]
@@ -167,8 +181,13 @@ class ModelRunner:
                 on_layer_done(index)
         return hidden
 
-    def _hf_layers(self, batch: AttentionBatch, input_ids: torch.Tensor, positions: torch.Tensor,
-                   on_layer_done: LayerCallback | None) -> torch.Tensor:
+    def _hf_layers(
+        self,
+        batch: AttentionBatch,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        on_layer_done: LayerCallback | None,
+    ) -> torch.Tensor:
         inner = self.model.model
         with attention_batch(batch):
             hidden = inner.embed_tokens(input_ids)  # [1, T, E]

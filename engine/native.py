@@ -79,8 +79,14 @@ def _load() -> str | None:
     try:
         from torch.utils.cpp_extension import load
 
-        load(_library_name(), [str(SOURCE)], extra_cflags=list(CFLAGS), extra_ldflags=["-fopenmp"],
-             is_python_module=False, verbose=False)
+        load(
+            _library_name(),
+            [str(SOURCE)],
+            extra_cflags=list(CFLAGS),
+            extra_ldflags=["-fopenmp"],
+            is_python_module=False,
+            verbose=False,
+        )
     except Exception as e:  # noqa: BLE001 - no compiler, no ninja, a read-only cache, ...
         lines = str(e).strip().splitlines()
         return f"building it failed ({type(e).__name__}: {lines[-1] if lines else 'no message'})"
@@ -90,8 +96,9 @@ def _load() -> str | None:
 
     # their shapes, for graphs that torch.compile traces through them (engine/compiled_layer.py)
     @torch.library.register_fake("pdserve_native::linear")
-    def _linear_shape(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-                      residual: torch.Tensor | None) -> torch.Tensor:
+    def _linear_shape(
+        x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, residual: torch.Tensor | None
+    ) -> torch.Tensor:
         return x.new_empty(x.shape[0], weight.shape[0])
 
     @torch.library.register_fake("pdserve_native::rms_norm")
@@ -113,8 +120,9 @@ def native_unavailable(dtype: torch.dtype, device: torch.device) -> str | None:
     return _load()
 
 
-def native_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-                  residual: torch.Tensor | None = None) -> torch.Tensor:
+def native_linear(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, residual: torch.Tensor | None = None
+) -> torch.Tensor:
     """residual + (x weight^T + bias): x [M, K], weight [N, K] contiguous -> [M, N] (the kernel
     must be loaded: `native_unavailable` returned None)."""
     return torch.ops.pdserve_native.linear(x, weight, bias, residual)
@@ -125,13 +133,18 @@ def native_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.
     return torch.ops.pdserve_native.rms_norm(x, weight, eps)
 
 
-def native_decode_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
-                            block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float) -> torch.Tensor:
+def native_decode_attention(
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    context_lens: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
     """query [B, Hq, D] against each sequence's first context_lens[b] cached keys and values,
     read in place from one layer's key_cache / value_cache [num_blocks, block_size, Hkv, D]
     through block_tables [B, max_blocks] -> [B, Hq, D]."""
-    return torch.ops.pdserve_native.decode_attention(query, key_cache, value_cache, block_tables,
-                                                     context_lens, scale)
+    return torch.ops.pdserve_native.decode_attention(query, key_cache, value_cache, block_tables, context_lens, scale)
 
 
 def main() -> None:

@@ -47,10 +47,18 @@ class PassLog:
             return None
         return cls(Path(folder) / f"passes-{os.getpid()}-{next(_counter)}.csv")
 
-    def write(self, start_s: float, seconds: float, decode_batch: int, decode_context: int,
-              prefill_tokens: int, prefill_attention: int) -> None:
-        self._file.write(f"{start_s:.6f},{seconds:.6f},{decode_batch},{decode_context},{prefill_tokens},"
-                         f"{prefill_attention}\n")
+    def write(
+        self,
+        start_s: float,
+        seconds: float,
+        decode_batch: int,
+        decode_context: int,
+        prefill_tokens: int,
+        prefill_attention: int,
+    ) -> None:
+        self._file.write(
+            f"{start_s:.6f},{seconds:.6f},{decode_batch},{decode_context},{prefill_tokens},{prefill_attention}\n"
+        )
 
     def close(self) -> None:
         self._file.close()

@@ -12,8 +12,13 @@ from pdserve.engine.sim_runner import SimModel, SimRunner
 Runner = ModelRunner | SimRunner
 
 
-def build_runner(loaded: LoadedModel, kv_cache: KVCache, compile: bool = False,  # noqa: A002
-                 deterministic: bool = False, kernel_table: str | None = None) -> Runner:
+def build_runner(
+    loaded: LoadedModel,
+    kv_cache: KVCache,
+    compile: bool = False,  # noqa: A002
+    deterministic: bool = False,
+    kernel_table: str | None = None,
+) -> Runner:
     """A SimRunner for a sim model, else a ModelRunner (`compile`: its compiled decode layer;
     `deterministic` and `kernel_table`: see EngineConfig)."""
     if isinstance(loaded.model, SimModel):

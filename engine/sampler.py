@@ -47,8 +47,12 @@ class TokenHistory:
     num_output: int
 
 
-def apply_penalties(logits: torch.Tensor, params: Sequence[SamplingParams],
-                    histories: Sequence[TokenHistory | None], eos_token_ids: Collection[int] = ()) -> torch.Tensor:
+def apply_penalties(
+    logits: torch.Tensor,
+    params: Sequence[SamplingParams],
+    histories: Sequence[TokenHistory | None],
+    eos_token_ids: Collection[int] = (),
+) -> torch.Tensor:
     """logits [B, V] -> a new [B, V] tensor with each penalized row's repetition, presence and
     frequency penalties, logit bias, bad words, min_tokens mask and allowed tokens applied (vLLM's
     semantics); rows without any are unchanged. `histories[i]` must be given for every penalized row."""
@@ -97,18 +101,21 @@ def apply_penalties(logits: torch.Tensor, params: Sequence[SamplingParams],
         sub = torch.where(seen, torch.where(sub > 0, sub / penalty, sub * penalty), sub)
     if output_ids:
         counts = torch.zeros_like(sub)
-        counts.index_put_((index(row_of_output), index(output_ids)), torch.ones(len(output_ids), device=device),
-                          accumulate=True)
+        counts.index_put_(
+            (index(row_of_output), index(output_ids)), torch.ones(len(output_ids), device=device), accumulate=True
+        )
         presence = torch.tensor([params[i].presence_penalty for i in rows], device=device).unsqueeze(1)
         frequency = torch.tensor([params[i].frequency_penalty for i in rows], device=device).unsqueeze(1)
         sub = sub - frequency * counts - presence * (counts > 0)
     if bias_ids:
-        sub.index_put_((index(bias_rows), index(bias_ids)), torch.tensor(bias_values, device=device),
-                       accumulate=True)
+        sub.index_put_((index(bias_rows), index(bias_ids)), torch.tensor(bias_values, device=device), accumulate=True)
     if banned_ids:
         sub[index(banned_rows), index(banned_ids)] = float("-inf")
-    allowed = [(r, [t for t in params[i].allowed_token_ids if t < vocab]) for r, i in enumerate(rows)
-               if params[i].allowed_token_ids]
+    allowed = [
+        (r, [t for t in params[i].allowed_token_ids if t < vocab])
+        for r, i in enumerate(rows)
+        if params[i].allowed_token_ids
+    ]
     if allowed:
         keep = torch.zeros_like(sub, dtype=torch.bool)
         keep[index([r for r, ids in allowed for _ in ids]), index([t for _, ids in allowed for t in ids])] = True
@@ -163,8 +170,13 @@ def _draw(raw: torch.Tensor, params: Sequence[SamplingParams], steps: Sequence[i
     return tokens.tolist()
 
 
-def sample(logits: torch.Tensor, params: list[SamplingParams], steps: list[int],
-           histories: Sequence[TokenHistory | None] | None = None, eos_token_ids: Collection[int] = ()) -> list[int]:
+def sample(
+    logits: torch.Tensor,
+    params: list[SamplingParams],
+    steps: list[int],
+    histories: Sequence[TokenHistory | None] | None = None,
+    eos_token_ids: Collection[int] = (),
+) -> list[int]:
     """logits: [B, V] on any device; one SamplingParams and output position per row -> B token ids.
     Rows with penalties, biases or min_tokens need their `histories` (see apply_penalties)."""
     if any(p.penalized for p in params):
@@ -175,8 +187,9 @@ def sample(logits: torch.Tensor, params: list[SamplingParams], steps: list[int],
     drawing = [i for i, p in enumerate(params) if not p.greedy]
     if drawing:
         raw = logits[drawing].float().cpu() if len(drawing) < len(params) else logits.float().cpu()
-        for i, token in zip(drawing, _draw(raw, [params[i] for i in drawing], [steps[i] for i in drawing]),
-                            strict=True):
+        for i, token in zip(
+            drawing, _draw(raw, [params[i] for i in drawing], [steps[i] for i in drawing]), strict=True
+        ):
             tokens[i] = token
     return tokens
 

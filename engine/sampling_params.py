@@ -102,8 +102,15 @@ class SamplingParams:
     @property
     def penalized(self) -> bool:
         """Whether any penalty, bias or min_tokens changes this request's logits."""
-        return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0
-                    or self.min_tokens or self.logit_bias or self.allowed_token_ids or self.bad_words_ids)
+        return bool(
+            self.presence_penalty
+            or self.frequency_penalty
+            or self.repetition_penalty != 1.0
+            or self.min_tokens
+            or self.logit_bias
+            or self.allowed_token_ids
+            or self.bad_words_ids
+        )
 
     def _check_stops(self) -> None:
         if len(self.stop) > MAX_STOP_STRINGS:

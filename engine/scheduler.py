@@ -81,8 +81,9 @@ class ScheduledPass:
 
 
 class Scheduler:
-    def __init__(self, config: EngineConfig, pool: BlockPool, keeps_decoding: bool = True,
-                 attention_crossover: float = math.inf) -> None:
+    def __init__(
+        self, config: EngineConfig, pool: BlockPool, keeps_decoding: bool = True, attention_crossover: float = math.inf
+    ) -> None:
         """`attention_crossover`: the model's K of `engine.chunk_cost` (infinite: a chunk's cost
         does not grow with its context)."""
         self.config = config
@@ -199,8 +200,15 @@ class Scheduler:
         chunk = self.config.prefill_chunk_tokens or self.config.max_num_batched_tokens
         if seq.wants_prompt_logprobs():  # every position's log_softmax over the vocabulary: smaller chunks
             chunk = min(chunk, PROMPT_LOGPROB_CHUNK_TOKENS)
-        return next_chunk(len(seq.prefill_ids) - seq.num_cached, seq.num_cached, chunk, budget, allowance,
-                          self.attention_crossover, first)
+        return next_chunk(
+            len(seq.prefill_ids) - seq.num_cached,
+            seq.num_cached,
+            chunk,
+            budget,
+            allowance,
+            self.attention_crossover,
+            first,
+        )
 
     def _has_slot(self) -> bool:
         return len(self.running) + len(self.prefilling) < self.config.max_num_seqs

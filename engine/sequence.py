@@ -77,14 +77,24 @@ class Sequence:
 
     @classmethod
     def create(
-        cls, request_id: str, prompt_ids: list[int], params: SamplingParams, tokenizer: Any,
-        eos_token_ids: frozenset[int], trace: bool = False,
+        cls,
+        request_id: str,
+        prompt_ids: list[int],
+        params: SamplingParams,
+        tokenizer: Any,
+        eos_token_ids: frozenset[int],
+        trace: bool = False,
     ) -> Sequence:
         return cls(
-            request_id=request_id, prompt_ids=list(prompt_ids), params=params,
-            detokenizer=IncrementalDetokenizer(tokenizer, skip_special_tokens=params.skip_special_tokens,
-                                               prompt_ids=prompt_ids,
-                                               spaces_between_special_tokens=params.spaces_between_special_tokens),
+            request_id=request_id,
+            prompt_ids=list(prompt_ids),
+            params=params,
+            detokenizer=IncrementalDetokenizer(
+                tokenizer,
+                skip_special_tokens=params.skip_special_tokens,
+                prompt_ids=prompt_ids,
+                spaces_between_special_tokens=params.spaces_between_special_tokens,
+            ),
             stopper=StopChecker(params, eos_token_ids),
             trace=[] if trace else None,
             prompt_logprobs=[TokenLogprob(prompt_ids[0], None)] if params.prompt_logprobs is not None else None,

@@ -169,8 +169,10 @@ class EngineLimits:
         return self.kv_capacity_tokens // self.block_size
 
     def to_json(self) -> dict[str, Any]:
-        return {k: getattr(self, k) for k in ("block_size", "kv_capacity_tokens", "max_num_seqs",
-                                               "max_batched_tokens", "prefill_chunk_tokens")}
+        return {
+            k: getattr(self, k)
+            for k in ("block_size", "kv_capacity_tokens", "max_num_seqs", "max_batched_tokens", "prefill_chunk_tokens")
+        }
 
     @classmethod
     def from_json(cls, doc: Mapping[str, Any]) -> EngineLimits:
@@ -199,8 +201,18 @@ class Overhead:
     pass_sigma: float = 0.0
 
     def __post_init__(self) -> None:
-        if min(self.per_pass_s, self.per_request_s, self.per_seq_s, self.jitter_sigma, self.wake_s,
-               self.wake_sigma, self.pass_sigma) < 0:
+        if (
+            min(
+                self.per_pass_s,
+                self.per_request_s,
+                self.per_seq_s,
+                self.jitter_sigma,
+                self.wake_s,
+                self.wake_sigma,
+                self.pass_sigma,
+            )
+            < 0
+        ):
             raise ValueError(f"overhead: must be >= 0, got {self}")
 
     def pass_s(self, num_seqs: int) -> float:
@@ -208,16 +220,27 @@ class Overhead:
         return self.per_pass_s + self.per_seq_s * num_seqs
 
     def to_json(self) -> dict[str, Any]:
-        return {"per_pass_s": self.per_pass_s, "per_seq_s": self.per_seq_s, "per_request_s": self.per_request_s,
-                "jitter_sigma": self.jitter_sigma, "wake_s": self.wake_s, "wake_sigma": self.wake_sigma,
-                "pass_sigma": self.pass_sigma}
+        return {
+            "per_pass_s": self.per_pass_s,
+            "per_seq_s": self.per_seq_s,
+            "per_request_s": self.per_request_s,
+            "jitter_sigma": self.jitter_sigma,
+            "wake_s": self.wake_s,
+            "wake_sigma": self.wake_sigma,
+            "pass_sigma": self.pass_sigma,
+        }
 
     @classmethod
     def from_json(cls, doc: Mapping[str, Any]) -> Overhead:
-        return cls(float(doc.get("per_pass_s", 0.0)), float(doc.get("per_request_s", 0.0)),
-                   float(doc.get("per_seq_s", 0.0)), float(doc.get("jitter_sigma", 0.0)),
-                   float(doc.get("wake_s", 0.0)), float(doc.get("wake_sigma", 0.0)),
-                   float(doc.get("pass_sigma", 0.0)))
+        return cls(
+            float(doc.get("per_pass_s", 0.0)),
+            float(doc.get("per_request_s", 0.0)),
+            float(doc.get("per_seq_s", 0.0)),
+            float(doc.get("jitter_sigma", 0.0)),
+            float(doc.get("wake_s", 0.0)),
+            float(doc.get("wake_sigma", 0.0)),
+            float(doc.get("pass_sigma", 0.0)),
+        )
 
 
 @dataclass(frozen=True)
@@ -276,14 +299,24 @@ class Profile:
     # ----- JSON ----------------------------------------------------------------------------
     def to_json(self) -> dict[str, Any]:
         return {
-            "format": PROFILE_FORMAT, "version": PROFILE_VERSION, "name": self.name,
-            "description": self.description, "source": self.source,
-            "model": {"name": self.model_name, "kv_bytes_per_token": self.kv_bytes_per_token,
-                      "max_model_len": self.max_model_len},
-            "device": self.device, "contention_workers": self.contention_workers,
-            "prefill": self.prefill.to_json(), "decode": self.decode.to_json(),
+            "format": PROFILE_FORMAT,
+            "version": PROFILE_VERSION,
+            "name": self.name,
+            "description": self.description,
+            "source": self.source,
+            "model": {
+                "name": self.model_name,
+                "kv_bytes_per_token": self.kv_bytes_per_token,
+                "max_model_len": self.max_model_len,
+            },
+            "device": self.device,
+            "contention_workers": self.contention_workers,
+            "prefill": self.prefill.to_json(),
+            "decode": self.decode.to_json(),
             "transfer": {k: v.to_json() for k, v in self.transfer.items()},
-            "engine": self.engine.to_json(), "overhead": self.overhead.to_json(), "points": self.points,
+            "engine": self.engine.to_json(),
+            "overhead": self.overhead.to_json(),
+            "points": self.points,
         }
 
     @classmethod
@@ -295,16 +328,20 @@ class Profile:
         try:
             model = doc["model"]
             return cls(
-                name=str(doc["name"]), model_name=str(model["name"]),
+                name=str(doc["name"]),
+                model_name=str(model["name"]),
                 kv_bytes_per_token=float(model["kv_bytes_per_token"]),
                 max_model_len=int(model.get("max_model_len", 8192)),
-                prefill=PrefillCost.from_json(doc["prefill"]), decode=DecodeCost.from_json(doc["decode"]),
+                prefill=PrefillCost.from_json(doc["prefill"]),
+                decode=DecodeCost.from_json(doc["decode"]),
                 transfer={str(k): LinkCost.from_json(v) for k, v in doc["transfer"].items()},
                 engine=EngineLimits.from_json(doc.get("engine", {})),
                 overhead=Overhead.from_json(doc.get("overhead", {})),
                 contention_workers=int(doc.get("contention_workers", 1)),
-                description=str(doc.get("description", "")), source=str(doc.get("source", "")),
-                device=dict(doc.get("device", {})), points=dict(doc.get("points", {})),
+                description=str(doc.get("description", "")),
+                source=str(doc.get("source", "")),
+                device=dict(doc.get("device", {})),
+                points=dict(doc.get("points", {})),
             )
         except KeyError as exc:
             raise ValueError(f"profile: missing field {exc.args[0]!r}") from None

@@ -59,8 +59,7 @@ class SimLoadedModel(LoadedModel):
     """A LoadedModel without weights whose KV geometry is the 4-byte-per-token placeholder."""
 
     def kv_shape(self, block_size: int) -> KVCacheShape:
-        return KVCacheShape(num_layers=1, num_kv_heads=1, head_dim=1, block_size=block_size,
-                            dtype=PLACEHOLDER_DTYPE)
+        return KVCacheShape(num_layers=1, num_kv_heads=1, head_dim=1, block_size=block_size, dtype=PLACEHOLDER_DTYPE)
 
 
 def pseudo_token_ids(tokenizer: Any, eos_ids: frozenset[int], vocab_size: int) -> tuple[int, ...]:
@@ -69,8 +68,11 @@ def pseudo_token_ids(tokenizer: Any, eos_ids: frozenset[int], vocab_size: int) -
     special = set(getattr(tokenizer, "all_special_ids", [])) | set(eos_ids)
     limit = min(vocab_size, 8192)
     pieces = tokenizer.convert_ids_to_tokens(list(range(limit)))
-    words = [i for i, p in enumerate(pieces)
-             if i not in special and isinstance(p, str) and p[:1] in ("Ġ", "▁") and p[1:].isalpha() and len(p) >= 4]
+    words = [
+        i
+        for i, p in enumerate(pieces)
+        if i not in special and isinstance(p, str) and p[:1] in ("Ġ", "▁") and p[1:].isalpha() and len(p) >= 4
+    ]
     if not words:
         words = [i for i in range(limit) if i not in special]
     return tuple(words[:MAX_PSEUDO_TOKENS])
@@ -101,15 +103,26 @@ def load_sim_model(path: str | Path, profile: Profile, speedup: float = 1.0) -> 
     model = SimModel(config, profile, speedup, pseudo_token_ids(tokenizer, eos, config.vocab_size))
     digest = hashlib.sha256(f"sim|{profile.name}|{profile.model_name}|{config.vocab_size}".encode()).hexdigest()
     max_len = min(profile.max_model_len, int(getattr(config, "max_position_embeddings", profile.max_model_len)))
-    return SimLoadedModel(model=model, tokenizer=tokenizer, path=path, fingerprint=f"sim-{digest[:28]}",
-                          eos_token_ids=eos, max_model_len=max_len)
+    return SimLoadedModel(
+        model=model,
+        tokenizer=tokenizer,
+        path=path,
+        fingerprint=f"sim-{digest[:28]}",
+        eos_token_ids=eos,
+        max_model_len=max_len,
+    )
 
 
 class SimRunner:
     """Same interface as `engine.model_runner.ModelRunner`; waits instead of computing."""
 
-    def __init__(self, loaded: LoadedModel, kv_cache: KVCache,
-                 sleep: Callable[[float], None] = time.sleep, clock: Callable[[], float] = time.perf_counter) -> None:
+    def __init__(
+        self,
+        loaded: LoadedModel,
+        kv_cache: KVCache,
+        sleep: Callable[[float], None] = time.sleep,
+        clock: Callable[[], float] = time.perf_counter,
+    ) -> None:
         if not isinstance(loaded.model, SimModel):
             raise TypeError("SimRunner needs a model loaded by load_sim_model")
         self.full_logits: dict[int, torch.Tensor] = {}  # never filled: no prompt log-probabilities here
@@ -168,6 +181,11 @@ def load_sim_worker(model: ModelSection, config: EngineConfig) -> tuple[EngineCo
     torch.set_num_threads(1)
     profile = load_profile(model.profile)
     limits = profile.engine
-    config = replace(config, block_size=limits.block_size, num_blocks=limits.num_blocks,
-                     max_num_seqs=limits.max_num_seqs, max_num_batched_tokens=limits.max_batched_tokens)
+    config = replace(
+        config,
+        block_size=limits.block_size,
+        num_blocks=limits.num_blocks,
+        max_num_seqs=limits.max_num_seqs,
+        max_num_batched_tokens=limits.max_batched_tokens,
+    )
     return config, load_sim_model(resolve_model(model.path), profile, model.speedup)

@@ -80,8 +80,7 @@ def tokenizer_of(loaded: Any) -> Any:  # noqa: ANN401 - an llguidance LLTokenize
         import llguidance.hf
 
         eos = sorted(loaded.eos_token_ids) or None
-        cached = llguidance.hf.from_tokenizer(loaded.tokenizer, n_vocab=int(loaded.config.vocab_size),
-                                              eos_token=eos)
+        cached = llguidance.hf.from_tokenizer(loaded.tokenizer, n_vocab=int(loaded.config.vocab_size), eos_token=eos)
         loaded.tokenizer._pdserve_llg_tokenizer = cached
     return cached
 
@@ -148,8 +147,9 @@ def start_masks(constraints: list[Constraint | None], vocab: int) -> Masks | Non
     bitmask = allocate_token_bitmask(len(slots), vocab)
     pool, executor = _executors()
     matchers = [(constraint._matcher, slot) for slot, (_, constraint) in enumerate(slots)]
-    return Masks([row for row, _ in slots], bitmask, pool.submit(fill_next_token_bitmask_par, executor, matchers,
-                                                                  bitmask))
+    return Masks(
+        [row for row, _ in slots], bitmask, pool.submit(fill_next_token_bitmask_par, executor, matchers, bitmask)
+    )
 
 
 def finish_masks(masks: Masks) -> None:

@@ -55,8 +55,9 @@ _BYTE_TOKEN = re.compile(r"^<0x([0-9A-Fa-f]{2})>$")  # SentencePiece byte fallba
 @lru_cache(maxsize=1)
 def _byte_decoder() -> dict[str, int]:
     """GPT-2's byte-level BPE alphabet, inverted: the character each byte is written as -> the byte."""
-    printable = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + \
-        list(range(ord("®"), ord("ÿ") + 1))
+    printable = (
+        list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
+    )
     chars = printable[:]
     extra = 0
     for b in range(256):
@@ -85,6 +86,7 @@ def token_bytes(tokenizer: Any, token_ids: list[int] | tuple[int, ...]) -> list[
     pieces = []
     for token_id, token in zip(token_ids, tokenizer.convert_ids_to_tokens(list(token_ids)), strict=True):
         exact = piece_bytes(token or "")
-        pieces.append(exact if exact is not None
-                      else tokenizer.decode([token_id], clean_up_tokenization_spaces=False).encode())
+        pieces.append(
+            exact if exact is not None else tokenizer.decode([token_id], clean_up_tokenization_spaces=False).encode()
+        )
     return pieces

@@ -110,13 +110,20 @@ class KvSpec:
             )
 
     @classmethod
-    def for_cache(cls, request_id: str, model_fingerprint: str, cache: KVCacheShape, num_tokens: int,
-                  block_offset: int = 0) -> KvSpec:
+    def for_cache(
+        cls, request_id: str, model_fingerprint: str, cache: KVCacheShape, num_tokens: int, block_offset: int = 0
+    ) -> KvSpec:
         """The payload of `num_tokens` tokens of a cache of geometry `cache`, from block `block_offset` on."""
         n = math.ceil(num_tokens / cache.block_size) - block_offset
-        return cls(request_id=request_id, model_fingerprint=model_fingerprint, dtype=dtype_name(cache.dtype),
-                   shape=(cache.num_layers, 2, n, cache.block_size, cache.num_kv_heads, cache.head_dim),
-                   block_size=cache.block_size, num_tokens=num_tokens, block_offset=block_offset)
+        return cls(
+            request_id=request_id,
+            model_fingerprint=model_fingerprint,
+            dtype=dtype_name(cache.dtype),
+            shape=(cache.num_layers, 2, n, cache.block_size, cache.num_kv_heads, cache.head_dim),
+            block_size=cache.block_size,
+            num_tokens=num_tokens,
+            block_offset=block_offset,
+        )
 
     @property
     def torch_dtype(self) -> torch.dtype:
@@ -227,8 +234,15 @@ class KvSender(abc.ABC):
         Frees nothing: the caller frees its blocks after this returns or raises.
         """
 
-    def send_blocks(self, spec: KvSpec, cache: KVCache, block_ids: list[int], first_token_id: int,
-                    timeout_s: float, checksum: str = "") -> KvAck:
+    def send_blocks(
+        self,
+        spec: KvSpec,
+        cache: KVCache,
+        block_ids: list[int],
+        first_token_id: int,
+        timeout_s: float,
+        checksum: str = "",
+    ) -> KvAck:
         """Ship blocks `block_ids` of a worker's KV cache (the spec's blocks, in order). Backends that
         can read the cache in place override this; the default gathers a copy and `send`s it.
         `checksum`: the receiver asked for a checksum of the blocks with this algorithm; backends that
@@ -275,8 +289,9 @@ class ExpectOptions:
         if not self.deadline_s > 0:
             raise ValueError(f"deadline_s must be > 0, got {self.deadline_s}")
         if self.require_checksum not in CHECKSUM_ALGORITHMS + ("",):
-            raise ValueError(f"require_checksum: {self.require_checksum!r} is not one of "
-                             f"{', '.join(CHECKSUM_ALGORITHMS)}")
+            raise ValueError(
+                f"require_checksum: {self.require_checksum!r} is not one of {', '.join(CHECKSUM_ALGORITHMS)}"
+            )
 
 
 class KvReceiver(abc.ABC):

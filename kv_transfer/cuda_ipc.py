@@ -73,8 +73,10 @@ class IpcDescriptor:
         if not self.memory_handle:
             raise ValueError("memory_handle: empty")
         if self.last_byte > self.storage_size_bytes:
-            raise ValueError(f"shape/strides: the tensor reaches byte {self.last_byte}, "
-                             f"past its storage of {self.storage_size_bytes}")
+            raise ValueError(
+                f"shape/strides: the tensor reaches byte {self.last_byte}, "
+                f"past its storage of {self.storage_size_bytes}"
+            )
 
     @property
     def itemsize(self) -> int:
@@ -99,13 +101,27 @@ def pack(d: IpcDescriptor) -> bytes:
     """The descriptor as bytes (layout in the module docstring)."""
     name = d.dtype.encode("ascii")
     n = len(d.shape)
-    return b"".join([
-        MAGIC, struct.pack("<HB", d.device, len(name)), name, struct.pack("<B", n),
-        struct.pack(f"<{n}Q", *d.shape), struct.pack(f"<{n}q", *d.strides),
-        struct.pack("<QQQQB", d.storage_offset, d.storage_size_bytes, d.storage_offset_bytes,
-                    d.ref_counter_offset, int(d.event_sync_required)),
-        _handle(d.memory_handle), _handle(d.ref_counter_handle), _handle(d.event_handle),
-    ])
+    return b"".join(
+        [
+            MAGIC,
+            struct.pack("<HB", d.device, len(name)),
+            name,
+            struct.pack("<B", n),
+            struct.pack(f"<{n}Q", *d.shape),
+            struct.pack(f"<{n}q", *d.strides),
+            struct.pack(
+                "<QQQQB",
+                d.storage_offset,
+                d.storage_size_bytes,
+                d.storage_offset_bytes,
+                d.ref_counter_offset,
+                int(d.event_sync_required),
+            ),
+            _handle(d.memory_handle),
+            _handle(d.ref_counter_handle),
+            _handle(d.event_handle),
+        ]
+    )
 
 
 class _Reader:
@@ -151,8 +167,20 @@ def unpack(data: bytes) -> IpcDescriptor:
     handles = [reader.handle() for _ in range(3)]
     if reader.pos != len(reader.data):
         raise ValueError("descriptor: trailing bytes")
-    return IpcDescriptor(device, dtype, tuple(shape), tuple(strides), offset, size, size_offset, handles[0],
-                         handles[1], ref_offset, handles[2], bool(sync))
+    return IpcDescriptor(
+        device,
+        dtype,
+        tuple(shape),
+        tuple(strides),
+        offset,
+        size,
+        size_offset,
+        handles[0],
+        handles[1],
+        ref_offset,
+        handles[2],
+        bool(sync),
+    )
 
 
 def export_tensor(tensor: torch.Tensor) -> IpcDescriptor:
@@ -161,11 +189,21 @@ def export_tensor(tensor: torch.Tensor) -> IpcDescriptor:
     if tensor.device.type != "cuda" or not torch.cuda.is_available():
         raise IpcUnavailable(f"CUDA IPC needs a CUDA tensor, got one on {tensor.device}")
     storage = tensor.untyped_storage()
-    (device, handle, size, size_offset, ref_handle, ref_offset, event_handle,
-     sync) = storage._share_cuda_()  # type: ignore[attr-defined]
-    return IpcDescriptor(int(device), dtype_name(tensor.dtype), tuple(tensor.shape), tuple(tensor.stride()),
-                         int(tensor.storage_offset()), int(size), int(size_offset), bytes(handle), bytes(ref_handle),
-                         int(ref_offset), bytes(event_handle or b""), bool(sync))
+    (device, handle, size, size_offset, ref_handle, ref_offset, event_handle, sync) = storage._share_cuda_()  # type: ignore[attr-defined]
+    return IpcDescriptor(
+        int(device),
+        dtype_name(tensor.dtype),
+        tuple(tensor.shape),
+        tuple(tensor.stride()),
+        int(tensor.storage_offset()),
+        int(size),
+        int(size_offset),
+        bytes(handle),
+        bytes(ref_handle),
+        int(ref_offset),
+        bytes(event_handle or b""),
+        bool(sync),
+    )
 
 
 def import_tensor(d: IpcDescriptor, expected_shape: tuple[int, ...], expected_dtype: str) -> torch.Tensor:
@@ -176,8 +214,14 @@ def import_tensor(d: IpcDescriptor, expected_shape: tuple[int, ...], expected_dt
         raise IpcUnavailable(f"CUDA device {d.device} is not visible in this process")
     torch.cuda.init()  # opening an IPC handle needs an initialised CUDA context
     storage = torch.UntypedStorage._new_shared_cuda(  # type: ignore[attr-defined]
-        d.device, d.memory_handle, d.storage_size_bytes, d.storage_offset_bytes, d.ref_counter_handle,
-        d.ref_counter_offset, d.event_handle or None, d.event_sync_required,
+        d.device,
+        d.memory_handle,
+        d.storage_size_bytes,
+        d.storage_offset_bytes,
+        d.ref_counter_handle,
+        d.ref_counter_offset,
+        d.event_handle or None,
+        d.event_sync_required,
     )
     out = torch.empty(0, dtype=SUPPORTED_DTYPES[d.dtype], device=f"cuda:{d.device}")
     return out.set_(storage, d.storage_offset, d.shape, d.strides)

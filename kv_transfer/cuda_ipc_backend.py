@@ -98,13 +98,19 @@ class CudaIpcKvSender(KvSender):
         self.target_address = target_address
         self._host = shm_backend.get_sender(target_address)  # one control channel per decode worker
 
-    def send(self, spec: KvSpec, kv: torch.Tensor, first_token_id: int, timeout_s: float,
-             checksum: str = "") -> KvAck:
+    def send(self, spec: KvSpec, kv: torch.Tensor, first_token_id: int, timeout_s: float, checksum: str = "") -> KvAck:
         """A tensor outside the pool (a gathered copy) has no handle worth exporting: host path."""
         return self._host.send(spec, kv, first_token_id, timeout_s, checksum)
 
-    def send_blocks(self, spec: KvSpec, cache: KVCache, block_ids: list[int], first_token_id: int,
-                    timeout_s: float, checksum: str = "") -> KvAck:
+    def send_blocks(
+        self,
+        spec: KvSpec,
+        cache: KVCache,
+        block_ids: list[int],
+        first_token_id: int,
+        timeout_s: float,
+        checksum: str = "",
+    ) -> KvAck:
         if len(block_ids) != spec.shape[2]:
             raise ValueError(f"block_ids: {len(block_ids)} blocks for a spec of {spec.shape[2]}")
         try:
@@ -129,14 +135,16 @@ class CudaIpcKvSender(KvSender):
 # ----- receiver ------------------------------------------------------------------------------------
 def contiguous_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
     """C-order strides (elements) of `shape`."""
-    return tuple(math.prod(shape[i + 1:]) for i in range(len(shape)))
+    return tuple(math.prod(shape[i + 1 :]) for i in range(len(shape)))
 
 
 def check_descriptor(d: IpcDescriptor, header: KvHeader, spec: KvSpec) -> str:
-    """"" when the descriptor is the pool the frame says, holding the expected K/V; else why not."""
+    """ "" when the descriptor is the pool the frame says, holding the expected K/V; else why not."""
     if d.dtype != spec.dtype:
-        return (f"cuda_ipc_descriptor: the pool holds {d.dtype!r}, this worker's cache {spec.dtype!r}: prefill "
-                "and decode workers must run the same --dtype")
+        return (
+            f"cuda_ipc_descriptor: the pool holds {d.dtype!r}, this worker's cache {spec.dtype!r}: prefill "
+            "and decode workers must run the same --dtype"
+        )
     layout = (spec.shape[0], 2, header.shm_num_blocks, *spec.shape[3:])
     if d.shape != layout:
         return f"cuda_ipc_descriptor: pool shape {list(d.shape)}, the frame's layout is {list(layout)}"
@@ -157,8 +165,9 @@ def mapped_pool(owner: str, data: bytes, d: IpcDescriptor) -> torch.Tensor:
         known = _POOLS.get(owner)
         if known is not None:
             if known[0] != data:
-                raise ValueError("cuda_ipc_descriptor: not the pool mapped for this prefill worker "
-                                 "(a stale or forged handle)")
+                raise ValueError(
+                    "cuda_ipc_descriptor: not the pool mapped for this prefill worker (a stale or forged handle)"
+                )
             _POOLS.move_to_end(owner)
             return known[1]
         try:
@@ -180,8 +189,12 @@ def forget_pool(owner: str) -> None:
         _POOLS.pop(owner, None)
 
 
-def locate_blocks(header: KvHeader, spec: KvSpec, owner: str, require_checksum: str = "",
-                  ) -> tuple[torch.Tensor, list[int]]:
+def locate_blocks(
+    header: KvHeader,
+    spec: KvSpec,
+    owner: str,
+    require_checksum: str = "",
+) -> tuple[torch.Tensor, list[int]]:
     """The mapped pool and the request's block ids in it, after every check (ValueError naming the
     field); IpcUnavailable when this process cannot map it (the sender then takes the host path).
     `owner`: the identity of the prefill worker called for this request ("": no device KV accepted)."""

@@ -118,8 +118,9 @@ def encode_frames_as_ready(
         wait_layers(rng.layer_end)
         start = rng.layer_start * spec.layer_nbytes + rng.byte_offset
         chunk = raw[start : start + rng.byte_length]
-        yield KvFrame(header=_header(spec, rng, index, len(plan), zlib.crc32(chunk), first_token_id),
-                      data=chunk.tobytes())
+        yield KvFrame(
+            header=_header(spec, rng, index, len(plan), zlib.crc32(chunk), first_token_id), data=chunk.tobytes()
+        )
 
 
 def _frames(spec: KvSpec, raw: memoryview, first_token_id: int, plan: list[FrameRange]) -> Iterator[KvFrame]:
@@ -223,8 +224,11 @@ class FrameAssembler:
     def _check_identity(self, h: KvHeader) -> None:
         exp = self.expected
         if h.dtype != exp.dtype:  # before the fingerprint (which covers the dtype) so the cause is named
-            raise KvFrameError("dtype", f"sender's K/V is {h.dtype!r}, this worker's cache holds {exp.dtype!r}: "
-                               "prefill and decode workers must run the same --dtype")
+            raise KvFrameError(
+                "dtype",
+                f"sender's K/V is {h.dtype!r}, this worker's cache holds {exp.dtype!r}: "
+                "prefill and decode workers must run the same --dtype",
+            )
         for field in ("request_id", "model_fingerprint", "block_size", "num_tokens", "block_offset"):
             got, want = getattr(h, field), getattr(exp, field)
             if got != want:
@@ -237,9 +241,7 @@ class FrameAssembler:
             raise KvFrameError("frame_index", f"expected {self._next_index}, got {h.frame_index}")
         if self._total_frames is None:
             if not 1 <= h.total_frames <= self.expected.nbytes:
-                raise KvFrameError(
-                    "total_frames", f"must be in [1, {self.expected.nbytes}], got {h.total_frames}"
-                )
+                raise KvFrameError("total_frames", f"must be in [1, {self.expected.nbytes}], got {h.total_frames}")
             if h.first_token_id < 0:
                 raise KvFrameError("first_token_id", f"must be >= 0, got {h.first_token_id}")
             self._total_frames, self._first_token_id = h.total_frames, h.first_token_id
@@ -260,9 +262,7 @@ class FrameAssembler:
         if not 0 <= h.byte_offset < range_bytes:
             raise KvFrameError("byte_offset", f"must be in [0, {range_bytes}), got {h.byte_offset}")
         if not 0 < h.byte_length <= range_bytes - h.byte_offset:
-            raise KvFrameError(
-                "byte_length", f"must be in [1, {range_bytes - h.byte_offset}], got {h.byte_length}"
-            )
+            raise KvFrameError("byte_length", f"must be in [1, {range_bytes - h.byte_offset}], got {h.byte_length}")
         start = h.layer_start * lb + h.byte_offset
         if start != self._received:
             raise KvFrameError(

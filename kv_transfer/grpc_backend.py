@@ -150,9 +150,7 @@ class GrpcPendingKv(PendingKv):
         try:
             return self._future.result(timeout)
         except concurrent.futures.TimeoutError:
-            raise KvTransferError(
-                f"KV for {self.request_id!r} not complete after waiting {timeout}s"
-            ) from None
+            raise KvTransferError(f"KV for {self.request_id!r} not complete after waiting {timeout}s") from None
 
     def done(self) -> bool:
         return self._future.done()
@@ -272,12 +270,15 @@ class KvTransferServicer(kv_pb2_grpc.KvTransferServicer, KvReceiver):
             if spec != pending.spec:
                 raise KvTransferError(f"KV header {spec} does not match the expected {pending.spec}")
             if pending.options.require_checksum:
-                raise KvTransferError(f"a delivered tensor carries no checksum; the intake requires "
-                                      f"{pending.options.require_checksum}")
+                raise KvTransferError(
+                    f"a delivered tensor carries no checksum; the intake requires {pending.options.require_checksum}"
+                )
             tensor = kv() if callable(kv) else kv
             if tuple(tensor.shape) != pending.spec.shape or tensor.dtype != pending.spec.torch_dtype:
-                raise KvTransferError(f"KV tensor {tuple(tensor.shape)} {tensor.dtype} does not match the "
-                                      f"expected {pending.spec.shape} {pending.spec.dtype}")
+                raise KvTransferError(
+                    f"KV tensor {tuple(tensor.shape)} {tensor.dtype} does not match the "
+                    f"expected {pending.spec.shape} {pending.spec.dtype}"
+                )
         except Exception as err:  # noqa: BLE001 - fail this intake only, tell the caller why
             message = err if isinstance(err, KvTransferError) else f"{type(err).__name__}: {err}"
             pending.fail(f"KV for {spec.request_id!r} refused: {message}", cancel_stream=False)
@@ -300,9 +301,7 @@ class KvTransferServicer(kv_pb2_grpc.KvTransferServicer, KvReceiver):
                 error=f"unknown request_id {request_id!r}: no pending KV intake",
             )
         if not pending.claim(context):
-            return KvAck(
-                request_id=request_id, ok=False, error=f"request_id {request_id!r} is already being received"
-            )
+            return KvAck(request_id=request_id, ok=False, error=f"request_id {request_id!r} is already being received")
         if first.header.shm_name or first.header.cuda_ipc_descriptor:  # same host: one control frame
             return self._receive_control(pending, first, context)
         return self._receive(pending, itertools.chain([first], frames))
@@ -323,8 +322,7 @@ class KvTransferServicer(kv_pb2_grpc.KvTransferServicer, KvReceiver):
             source, ids = locate(header, pending.spec, options.shm_segment_prefix, options.require_checksum)
         except IpcUnavailable as err:  # this process cannot map that device: the sender takes the host path
             pending.unclaim()
-            return KvAck(request_id=pending.request_id, ok=False,
-                         error=f"{cuda_ipc_backend.HOST_PATH_PLEASE}: {err}")
+            return KvAck(request_id=pending.request_id, ok=False, error=f"{cuda_ipc_backend.HOST_PATH_PLEASE}: {err}")
         except ValueError as err:
             error = str(err)
         if not error:
@@ -335,12 +333,15 @@ class KvTransferServicer(kv_pb2_grpc.KvTransferServicer, KvReceiver):
                         remaining = context.time_remaining()
                         budget = pending.deadline_s if remaining is None else remaining - ACK_MARGIN_S
                         if kv.wait_consumed(budget):
-                            return KvAck(request_id=pending.request_id, ok=True,
-                                         bytes_received=pending.spec.nbytes)
-                        return KvAck(request_id=pending.request_id, ok=False, error=kv.error or
-                                     "the decode worker did not take the KV (request ended or timed out)")
-                elif pending.succeed(read_blocks(source, ids, pending.spec, expected_checksum(header)),
-                                     frame.header.first_token_id):
+                            return KvAck(request_id=pending.request_id, ok=True, bytes_received=pending.spec.nbytes)
+                        return KvAck(
+                            request_id=pending.request_id,
+                            ok=False,
+                            error=kv.error or "the decode worker did not take the KV (request ended or timed out)",
+                        )
+                elif pending.succeed(
+                    read_blocks(source, ids, pending.spec, expected_checksum(header)), frame.header.first_token_id
+                ):
                     return KvAck(request_id=pending.request_id, ok=True, bytes_received=pending.spec.nbytes)
                 error = pending.error() or "KV intake already finished"
             except (OSError, ValueError) as err:
@@ -372,9 +373,7 @@ class KvTransferServicer(kv_pb2_grpc.KvTransferServicer, KvReceiver):
 
     @staticmethod
     def _ack(pending: GrpcPendingKv, assembler: FrameAssembler, error: str) -> KvAck:
-        return KvAck(
-            request_id=pending.request_id, ok=not error, error=error, bytes_received=assembler.bytes_received
-        )
+        return KvAck(request_id=pending.request_id, ok=not error, error=error, bytes_received=assembler.bytes_received)
 
     def _forget(self, pending: GrpcPendingKv) -> None:
         with self._cond:

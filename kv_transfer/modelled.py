@@ -49,8 +49,15 @@ class ModelledLinkSender(KvSender):
         self._wait(spec)
         return self.inner.send(spec, kv, first_token_id, timeout_s)
 
-    def send_blocks(self, spec: KvSpec, cache: KVCache, block_ids: list[int], first_token_id: int,
-                    timeout_s: float, checksum: str = "") -> KvAck:
+    def send_blocks(
+        self,
+        spec: KvSpec,
+        cache: KVCache,
+        block_ids: list[int],
+        first_token_id: int,
+        timeout_s: float,
+        checksum: str = "",
+    ) -> KvAck:
         self._wait(spec)
         return self.inner.send_blocks(spec, cache, block_ids, first_token_id, timeout_s, checksum)
 
@@ -62,15 +69,18 @@ class ModelledLinkSender(KvSender):
         self.inner.close()
 
 
-def install_modelled_links(profile: Profile, speedup: float,
-                           backends: tuple[str, ...] = ("grpc", "shm", "ray")) -> None:
+def install_modelled_links(
+    profile: Profile, speedup: float, backends: tuple[str, ...] = ("grpc", "shm", "ray")
+) -> None:
     """Make every send through `backends` in this process take the profile's time / speedup."""
     for name in backends:
         backend = get_backend(name)
 
-        def factory(target: str, inner_factory: Callable[[str], KvSender] = backend.sender_factory,
-                    link: str = name) -> KvSender:
-            return ModelledLinkSender(inner_factory(target),
-                                      lambda spec: profile.transfer_s(link, shipped_tokens(spec)) / speedup)
+        def factory(
+            target: str, inner_factory: Callable[[str], KvSender] = backend.sender_factory, link: str = name
+        ) -> KvSender:
+            return ModelledLinkSender(
+                inner_factory(target), lambda spec: profile.transfer_s(link, shipped_tokens(spec)) / speedup
+            )
 
         register_backend(name, factory)

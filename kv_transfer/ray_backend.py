@@ -73,8 +73,17 @@ from pdserve.v1.kv_pb2 import KvAck
 BACKEND_NAME = "ray"
 TARGET_PREFIX = "ray:"
 NAMESPACE = RAY_NAMESPACE
-HEADER_FIELDS = ("request_id", "model_fingerprint", "dtype", "shape", "block_size", "num_tokens",
-                 "block_offset", "first_token_id", "total_bytes")
+HEADER_FIELDS = (
+    "request_id",
+    "model_fingerprint",
+    "dtype",
+    "shape",
+    "block_size",
+    "num_tokens",
+    "block_offset",
+    "first_token_id",
+    "total_bytes",
+)
 PART_FIELDS = ("layer_start", "layer_end", "part_bytes")
 #: Smallest part of a layer-wise send: whole layers are grouped until a part holds at least this many
 #: bytes. Each part costs a ray.put and an actor call (a fraction of a millisecond, and objects under
@@ -89,16 +98,24 @@ MAX_ABORT_CHARS = 1000
 
 def actor_name(target: str) -> str:
     """``ray:decode-0`` -> ``decode-0``; ValueError for anything else."""
-    if not target.startswith(TARGET_PREFIX) or not target[len(TARGET_PREFIX):]:
+    if not target.startswith(TARGET_PREFIX) or not target[len(TARGET_PREFIX) :]:
         raise ValueError(f"ray KV target must look like 'ray:<actor name>', got {target!r}")
-    return target[len(TARGET_PREFIX):]
+    return target[len(TARGET_PREFIX) :]
 
 
 def header_for(spec: KvSpec, first_token_id: int) -> dict[str, Any]:
     """The plain-dict header of one payload (what ``KvHeader`` says about a whole transfer)."""
-    return {"request_id": spec.request_id, "model_fingerprint": spec.model_fingerprint, "dtype": spec.dtype,
-            "shape": list(spec.shape), "block_size": spec.block_size, "num_tokens": spec.num_tokens,
-            "block_offset": spec.block_offset, "first_token_id": int(first_token_id), "total_bytes": spec.nbytes}
+    return {
+        "request_id": spec.request_id,
+        "model_fingerprint": spec.model_fingerprint,
+        "dtype": spec.dtype,
+        "shape": list(spec.shape),
+        "block_size": spec.block_size,
+        "num_tokens": spec.num_tokens,
+        "block_offset": spec.block_offset,
+        "first_token_id": int(first_token_id),
+        "total_bytes": spec.nbytes,
+    }
 
 
 def spec_from_header(header: object) -> tuple[KvSpec, int]:
@@ -111,9 +128,15 @@ def spec_from_header(header: object) -> tuple[KvSpec, int]:
     shape = header["shape"]
     if not isinstance(shape, list) or not all(type(d) is int for d in shape):
         raise ValueError("shape: must be a list of ints")
-    spec = KvSpec(request_id=header["request_id"], model_fingerprint=header["model_fingerprint"],
-                  dtype=header["dtype"], shape=tuple(shape), block_size=header["block_size"],
-                  num_tokens=header["num_tokens"], block_offset=header["block_offset"])
+    spec = KvSpec(
+        request_id=header["request_id"],
+        model_fingerprint=header["model_fingerprint"],
+        dtype=header["dtype"],
+        shape=tuple(shape),
+        block_size=header["block_size"],
+        num_tokens=header["num_tokens"],
+        block_offset=header["block_offset"],
+    )
     if header["total_bytes"] != spec.nbytes:
         raise ValueError(f"total_bytes: {header['total_bytes']} != {spec.nbytes} implied by shape and dtype")
     if header["first_token_id"] < 0:
@@ -132,8 +155,11 @@ def plan_parts(spec: KvSpec, min_part_bytes: int = MIN_PART_BYTES) -> list[tuple
 
 def part_for(spec: KvSpec, layer_start: int, layer_end: int) -> dict[str, int]:
     """The plain-dict description of the part holding layers ``[layer_start, layer_end)``."""
-    return {"layer_start": layer_start, "layer_end": layer_end,
-            "part_bytes": (layer_end - layer_start) * spec.layer_nbytes}
+    return {
+        "layer_start": layer_start,
+        "layer_end": layer_end,
+        "part_bytes": (layer_end - layer_start) * spec.layer_nbytes,
+    }
 
 
 def part_range(part: object, spec: KvSpec) -> tuple[int, int]:
@@ -194,7 +220,8 @@ class RayKvSender(KvSender):
         except GetTimeoutError as exc:
             ray.cancel(call)
             raise KvTransferError(
-                f"KV {spec.request_id!r} to {self.target_address}: no answer in {timeout_s}s") from exc
+                f"KV {spec.request_id!r} to {self.target_address}: no answer in {timeout_s}s"
+            ) from exc
         except Exception as exc:  # noqa: BLE001 - RayError, or a submit to an actor that is gone
             with self._lock:
                 self._actor = None  # look the actor up again next time (it may have been replaced)
@@ -214,8 +241,9 @@ class RayKvSender(KvSender):
         to abort the intake, so it drops what it assembled)."""
         buf = source.buffer
         if tuple(buf.shape) != spec.shape or buf.dtype != spec.torch_dtype or not buf.is_contiguous():
-            raise KvTransferError(f"layer buffer {tuple(buf.shape)} {buf.dtype} does not match {spec} "
-                                  f"(or is not contiguous)")
+            raise KvTransferError(
+                f"layer buffer {tuple(buf.shape)} {buf.dtype} does not match {spec} (or is not contiguous)"
+            )
         deadline = time.monotonic() + timeout_s
         header = header_for(spec, 0)
         where = f"KV {spec.request_id!r} to {self.target_address}"
@@ -232,8 +260,11 @@ class RayKvSender(KvSender):
                     raise self._abort(actor, header, where, f"not sent within {timeout_s}s")
                 # The ref travels nested in a list (Ray hands it over unresolved and keeps the object
                 # alive until the call finished); we keep no ref, so each part is freed once received.
-                calls.append(actor.receive_kv_part.remote(header, part_for(spec, start, end),
-                                                          [ray.put(payload_of(buf[start:end]))]))
+                calls.append(
+                    actor.receive_kv_part.remote(
+                        header, part_for(spec, start, end), [ray.put(payload_of(buf[start:end]))]
+                    )
+                )
                 done, calls = ray.wait(calls, num_returns=len(calls), timeout=0)
                 _check_acks(ray.get(done), f"{where}: part refused")  # a refused part ends the send early
             _check_acks(ray.get(calls, timeout=max(0.0, deadline - time.monotonic())), f"{where}: part refused")
@@ -253,8 +284,9 @@ class RayKvSender(KvSender):
         :data:`ABORT_WAIT_S`; the intake's deadline drops it otherwise); return the error to raise."""
         if actor is not None:
             with contextlib.suppress(Exception):
-                ray.get(actor.receive_kv_part.remote(header, {"abort": reason[:MAX_ABORT_CHARS]}, []),
-                        timeout=ABORT_WAIT_S)
+                ray.get(
+                    actor.receive_kv_part.remote(header, {"abort": reason[:MAX_ABORT_CHARS]}, []), timeout=ABORT_WAIT_S
+                )
         return KvTransferError(f"{where}: {reason}")
 
 
@@ -352,8 +384,10 @@ class RayKvReceiver(KvReceiver):
         try:
             spec, first_token_id = spec_from_header(header)
             if first_token_id != 0:
-                raise ValueError(f"first_token_id: layer-wise parts carry 0 (the first token travels in the "
-                                 f"PrefillResponse), got {first_token_id}")
+                raise ValueError(
+                    f"first_token_id: layer-wise parts carry 0 (the first token travels in the "
+                    f"PrefillResponse), got {first_token_id}"
+                )
         except (ValueError, TypeError) as exc:
             return _ack(False, self._fail_request(request_id, f"invalid KV part header: {exc}"))
         asm, error = self._attach(spec)
@@ -361,8 +395,10 @@ class RayKvReceiver(KvReceiver):
             return _ack(False, error)
         rid = spec.request_id
         if spec != asm.spec:
-            return _ack(False, self._fail(asm, f"KV for {rid!r} refused: KV header {spec} does not match "
-                                               f"the expected {asm.spec}"))
+            return _ack(
+                False,
+                self._fail(asm, f"KV for {rid!r} refused: KV header {spec} does not match the expected {asm.spec}"),
+            )
         if isinstance(part, dict) and set(part) == {"abort"}:
             self._fail(asm, f"KV for {rid!r} aborted by the sender: {str(part['abort'])[:MAX_ABORT_CHARS]}")
             return _ack(True, "")
@@ -383,14 +419,21 @@ class RayKvReceiver(KvReceiver):
         if closed:
             return _ack(False, asm.pending.error() or closed)
         if overlap:
-            return _ack(False, self._fail(asm, f"invalid KV part for {rid!r}: layer_start: layers [{start}, {end}) "
-                                               f"overlap layers already received"))
+            return _ack(
+                False,
+                self._fail(
+                    asm,
+                    f"invalid KV part for {rid!r}: layer_start: layers [{start}, {end}) "
+                    f"overlap layers already received",
+                ),
+            )
         held = [refs.pop()]
         try:
             array = self._fetch_array(held[0])
             if array.nbytes != nbytes:
-                raise KvTransferError(f"part_bytes: payload has {array.nbytes} bytes, expected {nbytes} for "
-                                      f"layers [{start}, {end})")
+                raise KvTransferError(
+                    f"part_bytes: payload has {array.nbytes} bytes, expected {nbytes} for layers [{start}, {end})"
+                )
             # Disjoint layer ranges: parts copy concurrently, outside the lock.
             payload_of(buffer)[start * spec.layer_nbytes : end * spec.layer_nbytes] = array  # a view: writes land
         except KvTransferError as exc:

@@ -76,8 +76,12 @@ class KvRoute:
         return self.backend in IN_PLACE_BACKENDS
 
     def expect_options(self, deadline_s: float) -> ExpectOptions:
-        return ExpectOptions(deadline_s, in_place=self.in_place, shm_segment_prefix=self.shm_segment_prefix,
-                             require_checksum=self.checksum)
+        return ExpectOptions(
+            deadline_s,
+            in_place=self.in_place,
+            shm_segment_prefix=self.shm_segment_prefix,
+            require_checksum=self.checksum,
+        )
 
 
 def same_host_backend(configured: str, device: torch.device | str) -> str:
@@ -92,8 +96,9 @@ def same_host_backend(configured: str, device: torch.device | str) -> str:
     return "cuda_ipc"
 
 
-def choose_route(configured: str, own_address: str, peer: PeerFacts, checksum: str = "",
-                 device: torch.device | str = "cpu") -> KvRoute:
+def choose_route(
+    configured: str, own_address: str, peer: PeerFacts, checksum: str = "", device: torch.device | str = "cpu"
+) -> KvRoute:
     """The route of one prefill hand-off into a decode KV cache on `device`. KvTransferError when
     `shm` is forced and the peer's segments cannot be bound (under `auto` that falls back to gRPC)."""
     if not wants_shm(configured, peer.address, own_address):

@@ -154,18 +154,35 @@ def blocks_checksum(kv: torch.Tensor, block_ids: list[int], algorithm: str) -> i
     return int(hasher.intdigest())  # type: ignore[attr-defined]
 
 
-def header_for(spec: KvSpec, first_token_id: int, shm_name: str, block_ids: list[int] | None = None,
-               num_blocks: int | None = None, checksum: tuple[str, int] | None = None) -> KvHeader:
+def header_for(
+    spec: KvSpec,
+    first_token_id: int,
+    shm_name: str,
+    block_ids: list[int] | None = None,
+    num_blocks: int | None = None,
+    checksum: tuple[str, int] | None = None,
+) -> KvHeader:
     """The control frame: the request's blocks are `block_ids` of the segment `shm_name`, which holds
     `num_blocks` blocks laid out as [L, 2, num_blocks, block_size, H, D] (default: exactly the
     spec's blocks, in order); `checksum`: (algorithm, their `blocks_checksum`), when asked for."""
     n = spec.shape[2]
     header = KvHeader(
-        request_id=spec.request_id, model_fingerprint=spec.model_fingerprint, dtype=spec.dtype,
-        shape=list(spec.shape), block_size=spec.block_size, num_tokens=spec.num_tokens,
-        block_offset=spec.block_offset, layer_start=0,
-        layer_end=spec.num_layers, byte_offset=0, byte_length=spec.nbytes, frame_index=0, total_frames=1,
-        first_token_id=first_token_id, last=True, shm_name=shm_name,
+        request_id=spec.request_id,
+        model_fingerprint=spec.model_fingerprint,
+        dtype=spec.dtype,
+        shape=list(spec.shape),
+        block_size=spec.block_size,
+        num_tokens=spec.num_tokens,
+        block_offset=spec.block_offset,
+        layer_start=0,
+        layer_end=spec.num_layers,
+        byte_offset=0,
+        byte_length=spec.nbytes,
+        frame_index=0,
+        total_frames=1,
+        first_token_id=first_token_id,
+        last=True,
+        shm_name=shm_name,
         shm_block_ids=list(range(n)) if block_ids is None else block_ids,
         shm_num_blocks=n if num_blocks is None else num_blocks,
     )
@@ -180,8 +197,7 @@ class ShmKvSender(KvSender):
         self._channel = open_channel(target_address)
         self._stub = kv_pb2_grpc.KvTransferStub(self._channel)
 
-    def send(self, spec: KvSpec, kv: torch.Tensor, first_token_id: int, timeout_s: float,
-             checksum: str = "") -> KvAck:
+    def send(self, spec: KvSpec, kv: torch.Tensor, first_token_id: int, timeout_s: float, checksum: str = "") -> KvAck:
         """Stage `kv` in a reusable segment (one copy), then hand it over (with a `checksum` of the
         blocks when an algorithm is named)."""
         if tuple(kv.shape) != spec.shape or dtype_name(kv.dtype) != spec.dtype:
@@ -197,16 +213,24 @@ class ShmKvSender(KvSender):
         finally:
             _POOL.release(segment)  # reused only after the receiver acked (or gave up on) this transfer
 
-    def send_blocks(self, spec: KvSpec, cache: KVCache, block_ids: list[int], first_token_id: int,
-                    timeout_s: float, checksum: str = "") -> KvAck:
+    def send_blocks(
+        self,
+        spec: KvSpec,
+        cache: KVCache,
+        block_ids: list[int],
+        first_token_id: int,
+        timeout_s: float,
+        checksum: str = "",
+    ) -> KvAck:
         """Blocks of a cache in shared memory travel by name: no copy here, one on the receiver."""
         if cache.shm_name is None:
             return self.send(spec, cache.gather(block_ids), first_token_id, timeout_s, checksum)
         if len(block_ids) != spec.shape[2]:
             raise ValueError(f"block_ids: {len(block_ids)} blocks for a spec of {spec.shape[2]}")
         crc = (checksum, blocks_checksum(cache.kv, block_ids, checksum)) if checksum else None
-        return self.push(spec, header_for(spec, first_token_id, cache.shm_name, block_ids, cache.num_blocks, crc),
-                         timeout_s)
+        return self.push(
+            spec, header_for(spec, first_token_id, cache.shm_name, block_ids, cache.num_blocks, crc), timeout_s
+        )
 
     def push(self, spec: KvSpec, header: KvHeader, timeout_s: float, refuse: bool = True) -> KvAck:
         """Send one control frame (shm, or cuda_ipc's) and return the ack; a refusal raises
@@ -214,8 +238,9 @@ class ShmKvSender(KvSender):
         try:
             ack: KvAck = self._stub.PushKv(iter([KvFrame(header=header)]), timeout=timeout_s)
         except grpc.RpcError as err:
-            raise KvTransferError(f"shm PushKv {spec.request_id!r} to {self.target_address} failed: "
-                                  f"{err.code().name}: {err.details()}") from err
+            raise KvTransferError(
+                f"shm PushKv {spec.request_id!r} to {self.target_address} failed: {err.code().name}: {err.details()}"
+            ) from err
         if refuse and not ack.ok:
             raise KvTransferError(f"shm PushKv {spec.request_id!r} refused: {ack.error}")
         return ack
@@ -225,23 +250,23 @@ class ShmKvSender(KvSender):
 
 
 def check_header(header: KvHeader, spec: KvSpec, segment_prefix: str = "", require_checksum: str = "") -> str:
-    """"" when the control frame matches the expected intake, else the first mismatch. The segment
+    """ "" when the control frame matches the expected intake, else the first mismatch. The segment
     must start with `segment_prefix`, that of the prefill worker called for this request (no prefix:
     no shared-memory KV is accepted); `require_checksum`: the frame must carry a `shm_checksum` of
     that algorithm."""
-    return (check_fields(header, spec) or check_segment(header, segment_prefix)
-            or check_blocks(header, require_checksum))
+    return check_fields(header, spec) or check_segment(header, segment_prefix) or check_blocks(header, require_checksum)
 
 
 def check_fields(header: KvHeader, spec: KvSpec) -> str:
-    """"" when a control frame's K/V fields match the expected intake, else the first mismatch (the
+    """ "" when a control frame's K/V fields match the expected intake, else the first mismatch (the
     dtype before the fingerprint, which covers it, so that the cause is named)."""
     checks = [
         ("request_id", header.request_id, spec.request_id),
         ("dtype", header.dtype, spec.dtype),  # before the fingerprint (which covers it): names the cause
         ("model_fingerprint", header.model_fingerprint, spec.model_fingerprint),
         ("shape", tuple(header.shape), spec.shape),
-        ("block_size", header.block_size, spec.block_size), ("num_tokens", header.num_tokens, spec.num_tokens),
+        ("block_size", header.block_size, spec.block_size),
+        ("num_tokens", header.num_tokens, spec.num_tokens),
         ("block_offset", header.block_offset, spec.block_offset),
         ("shm_block_ids", len(header.shm_block_ids), spec.shape[2]),
         ("byte_length", header.byte_length, spec.nbytes),
@@ -253,26 +278,29 @@ def check_fields(header: KvHeader, spec: KvSpec) -> str:
 
 
 def check_segment(header: KvHeader, segment_prefix: str) -> str:
-    """"" when the frame names a segment of the prefill worker called for this request."""
+    """ "" when the frame names a segment of the prefill worker called for this request."""
     if not header.shm_name.startswith(SEGMENT_PREFIX) or "/" in header.shm_name:
         return f"shm_name: {header.shm_name!r} is not a pdserve KV segment"
     if not segment_prefix:
         return "shm_name: this intake accepts no shared-memory KV (no prefill worker's segments bound to it)"
     if not header.shm_name.startswith(segment_prefix):
-        return (f"shm_name: segment {header.shm_name!r} does not belong to the prefill worker called for "
-                f"request {header.request_id!r} (its segments start with {segment_prefix!r})")
+        return (
+            f"shm_name: segment {header.shm_name!r} does not belong to the prefill worker called for "
+            f"request {header.request_id!r} (its segments start with {segment_prefix!r})"
+        )
     return ""
 
 
 def check_blocks(header: KvHeader, require_checksum: str) -> str:
-    """"" when the frame's checksum, first token and block ids are well formed."""
+    """ "" when the frame's checksum, first token and block ids are well formed."""
     if require_checksum and not header.HasField("shm_checksum"):
         return f"shm_checksum: missing, and this decode worker requires one (--kv-checksum {require_checksum})"
     if header.HasField("shm_checksum") and header.shm_checksum_algorithm not in CHECKSUM_ALGORITHMS:
         return f"shm_checksum_algorithm: {header.shm_checksum_algorithm!r} is not one of {CHECKSUM_ALGORITHMS}"
     if require_checksum and header.shm_checksum_algorithm != require_checksum:
-        return (f"shm_checksum_algorithm: got {header.shm_checksum_algorithm!r}, "
-                f"this worker requires {require_checksum!r}")
+        return (
+            f"shm_checksum_algorithm: got {header.shm_checksum_algorithm!r}, this worker requires {require_checksum!r}"
+        )
     if header.first_token_id < 0:
         return f"first_token_id: must be >= 0, got {header.first_token_id}"
     if not 0 < header.shm_num_blocks <= 2**24:
@@ -313,8 +341,12 @@ def source_blocks(header: KvHeader, spec: KvSpec) -> tuple[torch.Tensor, list[in
     return view, list(header.shm_block_ids)
 
 
-def locate_blocks(header: KvHeader, spec: KvSpec, segment_prefix: str = "", require_checksum: str = "",
-                  ) -> tuple[torch.Tensor, list[int]]:
+def locate_blocks(
+    header: KvHeader,
+    spec: KvSpec,
+    segment_prefix: str = "",
+    require_checksum: str = "",
+) -> tuple[torch.Tensor, list[int]]:
     """`check_header`, then `source_blocks`; ValueError naming the problem."""
     error = check_header(header, spec, segment_prefix, require_checksum)
     if error:
@@ -332,8 +364,9 @@ def read_segment(header: KvHeader, spec: KvSpec) -> torch.Tensor:
     return read_blocks(view, ids, spec, expected_checksum(header))
 
 
-def read_blocks(source: torch.Tensor, ids: list[int], spec: KvSpec,
-                checksum: tuple[str, int] | None = None) -> torch.Tensor:
+def read_blocks(
+    source: torch.Tensor, ids: list[int], spec: KvSpec, checksum: tuple[str, int] | None = None
+) -> torch.Tensor:
     """Blocks `ids` of a [L, 2, blocks, ...] source as a new tensor of the spec's shape, on the
     source's device (ValueError if `checksum` does not match the copied bytes)."""
     out = torch.empty(spec.shape, dtype=spec.torch_dtype, device=source.device)
@@ -353,8 +386,10 @@ def check_checksum(kv: torch.Tensor, block_ids: list[int], expected: tuple[str, 
     algorithm, value = expected
     got = blocks_checksum(kv, block_ids, algorithm)
     if got != value:
-        raise ValueError(f"shm_checksum: {algorithm} of the copied blocks is {got}, the sender announced {value} "
-                         "(the segment changed while it was read)")
+        raise ValueError(
+            f"shm_checksum: {algorithm} of the copied blocks is {got}, the sender announced {value} "
+            "(the segment changed while it was read)"
+        )
 
 
 def copy_blocks(dst: torch.Tensor, dst_ids: list[int], src: torch.Tensor, src_ids: list[int]) -> None:
@@ -366,8 +401,7 @@ def copy_blocks(dst: torch.Tensor, dst_ids: list[int], src: torch.Tensor, src_id
     i = 0
     while i < len(src_ids):
         run = 1
-        while (i + run < len(src_ids) and src_ids[i + run] == src_ids[i] + run
-               and dst_ids[i + run] == dst_ids[i] + run):
+        while i + run < len(src_ids) and src_ids[i + run] == src_ids[i] + run and dst_ids[i + run] == dst_ids[i] + run:
             run += 1
         dst[:, :, dst_ids[i] : dst_ids[i] + run].copy_(src[:, :, src_ids[i] : src_ids[i] + run])
         i += run
@@ -381,8 +415,9 @@ class InPlaceKv:
     tensor, the block ids to fill) to copy the blocks straight in, or `release()`s it; the receiver
     acks only after either (`wait_consumed`), and never lets a copy start after it gave up."""
 
-    def __init__(self, source: torch.Tensor, block_ids: list[int], nbytes: int,
-                 expected_checksum: tuple[str, int] | None = None) -> None:
+    def __init__(
+        self, source: torch.Tensor, block_ids: list[int], nbytes: int, expected_checksum: tuple[str, int] | None = None
+    ) -> None:
         self._source, self._block_ids, self.nbytes = source, block_ids, nbytes
         self._expected_checksum = expected_checksum  # checked over the destination blocks after the copy
         self._state = "pending"  # -> copying -> copied | failed;  pending -> released
@@ -420,8 +455,9 @@ class InPlaceKv:
         more; a copy under way is waited for."""
         deadline = time.monotonic() + max(0.0, timeout_s)
         with self._cond:
-            self._cond.wait_for(lambda: self._state not in ("pending", "copying"),
-                                max(0.0, deadline - time.monotonic()))
+            self._cond.wait_for(
+                lambda: self._state not in ("pending", "copying"), max(0.0, deadline - time.monotonic())
+            )
             if self._state == "pending":
                 self._state = "released"
             self._cond.wait_for(lambda: self._state != "copying")

@@ -31,8 +31,10 @@ class MissingExtra(ImportError):
 def missing_extra(module: str, feature: str) -> MissingExtra:
     """The error for `feature` (words for the message) when `module` (a key of EXTRAS) is not installed."""
     extra, distribution = EXTRAS[module]
-    return MissingExtra(f"{feature} needs {distribution}, which is not installed: install pdserve's '{extra}' "
-                        f"extra (pip install 'pdserve[{extra}]')")
+    return MissingExtra(
+        f"{feature} needs {distribution}, which is not installed: install pdserve's '{extra}' "
+        f"extra (pip install 'pdserve[{extra}]')"
+    )
 
 
 def require(module: str, feature: str) -> ModuleType:

@@ -17,8 +17,10 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-CONFIG_HELP = ("JSON document of this process's options (keys: the option names with underscores, e.g. "
-               "kv_cache_mb); flags given as well override it. The launchers (`pdserve serve`) use this")
+CONFIG_HELP = (
+    "JSON document of this process's options (keys: the option names with underscores, e.g. "
+    "kv_cache_mb); flags given as well override it. The launchers (`pdserve serve`) use this"
+)
 
 
 def add_config_arg(parser: argparse.ArgumentParser) -> None:
@@ -75,8 +77,9 @@ def namespace_from_document(parser: argparse.ArgumentParser, document: dict[str,
     return argparse.Namespace(**values)
 
 
-def parse_with_document(parser: argparse.ArgumentParser, argv: Sequence[str] | None,
-                        document: dict[str, Any] | None = None) -> argparse.Namespace:
+def parse_with_document(
+    parser: argparse.ArgumentParser, argv: Sequence[str] | None, document: dict[str, Any] | None = None
+) -> argparse.Namespace:
     """Parse `argv` on top of a process document: `document` when given (the Ray actors), else the
     JSON file of ``--config``; defaults < document < command-line flags. Exits with status 2 and the
     key named on a bad document, as argparse does for a bad flag."""

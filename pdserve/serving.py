@@ -122,16 +122,21 @@ class LoopThread:
 class AioServer:
     """A `grpc.aio.Server` on its own `LoopThread`, driven through a blocking API."""
 
-    def __init__(self, name: str, options: Sequence[tuple[str, Any]] = (),
-                 interceptors: Sequence[grpc.aio.ServerInterceptor] = (),
-                 control_threads: int = CONTROL_THREADS) -> None:
+    def __init__(
+        self,
+        name: str,
+        options: Sequence[tuple[str, Any]] = (),
+        interceptors: Sequence[grpc.aio.ServerInterceptor] = (),
+        control_threads: int = CONTROL_THREADS,
+    ) -> None:
         self.loop_thread = LoopThread(name)
         self._control = futures.ThreadPoolExecutor(max_workers=control_threads, thread_name_prefix=f"{name}-ctl")
         self._stopped = threading.Event()
         self.server: grpc.aio.Server = self.loop_thread.run(self._create(list(options), list(interceptors)))
 
-    async def _create(self, options: list[tuple[str, Any]],
-                      interceptors: list[grpc.aio.ServerInterceptor]) -> grpc.aio.Server:
+    async def _create(
+        self, options: list[tuple[str, Any]], interceptors: list[grpc.aio.ServerInterceptor]
+    ) -> grpc.aio.Server:
         return grpc.aio.server(migration_thread_pool=self._control, options=options, interceptors=interceptors)
 
     @property
@@ -140,8 +145,10 @@ class AioServer:
 
     def register(self, add: Callable[[grpc.aio.Server], None]) -> None:
         """Add servicers, e.g. ``server.register(lambda s: add_FooServicer_to_server(foo, s))``."""
+
         async def _add() -> None:
             add(self.server)
+
         self.loop_thread.run(_add())
 
     def add_generic_rpc_handlers(self, handlers: Sequence[grpc.GenericRpcHandler]) -> None:
@@ -188,7 +195,8 @@ class RequestParseInterceptor(grpc.aio.ServerInterceptor):
     interceptor list: it parses the bytes itself and hands the message to the rest of the chain."""
 
     async def intercept_service(
-        self, continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler | None]],
+        self,
+        continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler | None]],
         handler_call_details: grpc.HandlerCallDetails,
     ) -> grpc.RpcMethodHandler | None:
         handler = await continuation(handler_call_details)
@@ -276,8 +284,10 @@ class CallLimits:
             ("grpc.http2.max_ping_strikes", GRPC_PING_STRIKES),
         ]
         if self.connection_age_s:
-            options += [("grpc.max_connection_age_ms", _ms(self.connection_age_s)),
-                        ("grpc.max_connection_age_grace_ms", _ms(self.connection_age_grace_s))]
+            options += [
+                ("grpc.max_connection_age_ms", _ms(self.connection_age_s)),
+                ("grpc.max_connection_age_grace_ms", _ms(self.connection_age_grace_s)),
+            ]
         return options
 
 
@@ -318,11 +328,14 @@ class PeerCallLimiter(grpc.aio.ServerInterceptor):
         with self._lock:
             held = self._by_host.get(host, 0)
             if held >= self.limits.per_peer:
-                return host, (f"too many concurrent calls from {host}: at most {self.limits.per_peer} per peer"
-                              f"{self._setting}; retry when some have finished")
+                return host, (
+                    f"too many concurrent calls from {host}: at most {self.limits.per_peer} per peer"
+                    f"{self._setting}; retry when some have finished"
+                )
             if self._total >= self.limits.total:
-                return host, (f"the server holds its limit of {self.limits.total} concurrent calls"
-                              f"{self._setting}; retry later")
+                return host, (
+                    f"the server holds its limit of {self.limits.total} concurrent calls{self._setting}; retry later"
+                )
             self._by_host[host] = held + 1
             self._total += 1
         return host, None
@@ -337,7 +350,8 @@ class PeerCallLimiter(grpc.aio.ServerInterceptor):
                 del self._by_host[host]
 
     async def intercept_service(
-        self, continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler | None]],
+        self,
+        continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler | None]],
         handler_call_details: grpc.HandlerCallDetails,
     ) -> grpc.RpcMethodHandler | None:
         handler = await continuation(handler_call_details)
@@ -345,11 +359,13 @@ class PeerCallLimiter(grpc.aio.ServerInterceptor):
             return handler
         kind, make = _HANDLER_KINDS[(handler.request_streaming, handler.response_streaming)]
         behavior = getattr(handler, kind)
-        return make(self._wrap(behavior, handler.response_streaming), handler.request_deserializer,
-                    handler.response_serializer)
+        return make(
+            self._wrap(behavior, handler.response_streaming), handler.request_deserializer, handler.response_serializer
+        )
 
     def _wrap(self, behavior: Callable[..., Any], response_streaming: bool) -> Callable[..., Any]:
         if inspect.isasyncgenfunction(behavior):
+
             async def stream(request: Any, context: grpc.aio.ServicerContext) -> None:  # noqa: ANN401
                 host = await self._admit(context)
                 try:
@@ -358,22 +374,27 @@ class PeerCallLimiter(grpc.aio.ServerInterceptor):
                         await write(response)
                 finally:
                     self._leave(host)
+
             return stream
         if inspect.iscoroutinefunction(behavior):
+
             async def call(request: Any, context: grpc.aio.ServicerContext) -> Any:  # noqa: ANN401
                 host = await self._admit(context)
                 try:
                     return await behavior(request, context)
                 finally:
                     self._leave(host)
+
             return call
         if response_streaming:  # a plain generator, iterated on the control thread pool
+
             def generate(request: Any, context: grpc.ServicerContext) -> Any:  # noqa: ANN401
                 host = self._admit_sync(context)
                 try:
                     yield from behavior(request, context)
                 finally:
                     self._leave(host)
+
             return generate
 
         def plain(request: Any, context: grpc.ServicerContext) -> Any:  # noqa: ANN401
@@ -382,6 +403,7 @@ class PeerCallLimiter(grpc.aio.ServerInterceptor):
                 return behavior(request, context)
             finally:
                 self._leave(host)
+
         return plain
 
     async def _admit(self, context: grpc.aio.ServicerContext) -> str:

@@ -38,9 +38,13 @@ def encode_text(tokenizer: Any, text: str, pieces: PieceCache | None = None) -> 
 Message = dict[str, Any]  # {"role", "content"} plus "tool_calls" / "tool_call_id" / "name"
 
 
-def encode_chat(tokenizer: Any, pairs_or_dicts: Sequence[tuple[str, str] | Message],
-                tools: list[dict[str, Any]] | None = None, pieces: PieceCache | None = None,
-                add_generation_prompt: bool = True) -> list[int]:
+def encode_chat(
+    tokenizer: Any,
+    pairs_or_dicts: Sequence[tuple[str, str] | Message],
+    tools: list[dict[str, Any]] | None = None,
+    pieces: PieceCache | None = None,
+    add_generation_prompt: bool = True,
+) -> list[int]:
     """Render messages ((role, content) pairs or OpenAI-style dicts) and `tools` with the
     tokenizer's own chat template, ready for a reply (without the assistant's opening when
     `add_generation_prompt` is false: /tokenize's option). `pieces` (of this tokenizer) gives the same
@@ -61,8 +65,9 @@ def encode_chat(tokenizer: Any, pairs_or_dicts: Sequence[tuple[str, str] | Messa
     specials = special_token_strings(tokenizer)
     extra = {"tools": tools} if tools else {}
     if not any(s in m["content"] for m in messages for s in specials):
-        rendered = tokenizer.apply_chat_template(messages, tokenize=False,
-                                                 add_generation_prompt=add_generation_prompt, **extra)
+        rendered = tokenizer.apply_chat_template(
+            messages, tokenize=False, add_generation_prompt=add_generation_prompt, **extra
+        )
         if pieces is not None:
             return pieces.encode(rendered, add_special_tokens=False)
         return list(tokenizer(rendered, add_special_tokens=False).input_ids)
@@ -70,8 +75,10 @@ def encode_chat(tokenizer: Any, pairs_or_dicts: Sequence[tuple[str, str] | Messa
     # is rendered around placeholders, its own markers become special tokens, and each message's content
     # is tokenized with special tokens split into ordinary pieces, so no message can forge a turn.
     rendered = tokenizer.apply_chat_template(
-        [{**m, "content": _PLACEHOLDER.format(i)} for i, m in enumerate(messages)], tokenize=False,
-        add_generation_prompt=add_generation_prompt, **extra,
+        [{**m, "content": _PLACEHOLDER.format(i)} for i, m in enumerate(messages)],
+        tokenize=False,
+        add_generation_prompt=add_generation_prompt,
+        **extra,
     )
     ids: list[int] = []
     for piece in _PLACEHOLDERS.split(rendered):
@@ -89,8 +96,9 @@ def encode_chat(tokenizer: Any, pairs_or_dicts: Sequence[tuple[str, str] | Messa
 PIECE_CACHE_CHARS = 2_000_000
 #: Pre-tokenizers that cut each piece of text between added tokens on its own, the same wherever the
 #: piece stands (Metaspace is not one: it may mark only the text's first piece).
-_PIECEWISE_PRE_TOKENIZERS = frozenset({"ByteLevel", "Split", "Digits", "Punctuation", "Whitespace",
-                                       "WhitespaceSplit", "Sequence"})
+_PIECEWISE_PRE_TOKENIZERS = frozenset(
+    {"ByteLevel", "Split", "Digits", "Punctuation", "Whitespace", "WhitespaceSplit", "Sequence"}
+)
 
 
 class PieceCache:
@@ -120,8 +128,9 @@ class PieceCache:
         self.misses = 0
         self._added, self._cut = _added_token_cutter(tokenizer)
         self.exact = self._cut is not None
-        self._plain_adds_nothing = self.exact and (list(tokenizer("a b").input_ids)
-                                                   == list(tokenizer("a b", add_special_tokens=False).input_ids))
+        self._plain_adds_nothing = self.exact and (
+            list(tokenizer("a b").input_ids) == list(tokenizer("a b", add_special_tokens=False).input_ids)
+        )
 
     def encode(self, text: str, add_special_tokens: bool) -> list[int]:
         """`tokenizer(text, add_special_tokens=...).input_ids`, the same ids."""
@@ -172,9 +181,13 @@ def _added_token_cutter(tokenizer: Any) -> tuple[dict[str, int], re.Pattern[str]
     pre_types = {p.get("type") for p in pre.get("pretokenizers", [])} | {pre.get("type")}
     pre_types.discard(None)
     added = spec.get("added_tokens") or []
-    if (spec.get("normalizer") is not None or not pre_types <= _PIECEWISE_PRE_TOKENIZERS
-            or any(p.get("add_prefix_space") for p in [pre, *pre.get("pretokenizers", [])])
-            or any(a.get("lstrip") or a.get("rstrip") or a.get("single_word") for a in added) or not added):
+    if (
+        spec.get("normalizer") is not None
+        or not pre_types <= _PIECEWISE_PRE_TOKENIZERS
+        or any(p.get("add_prefix_space") for p in [pre, *pre.get("pretokenizers", [])])
+        or any(a.get("lstrip") or a.get("rstrip") or a.get("single_word") for a in added)
+        or not added
+    ):
         return {}, None
     by_text = {a["content"]: a["id"] for a in added}
     # longest first: at one position the longest added token wins, as the tokenizer's matcher does
@@ -182,8 +195,10 @@ def _added_token_cutter(tokenizer: Any) -> tuple[dict[str, int], re.Pattern[str]
     return by_text, re.compile(f"({alternatives})")
 
 
-_PROBE_TOOL = {"type": "function", "function": {"name": "pdserve_probe_tool", "description": "",
-                                                "parameters": {"type": "object", "properties": {}}}}
+_PROBE_TOOL = {
+    "type": "function",
+    "function": {"name": "pdserve_probe_tool", "description": "", "parameters": {"type": "object", "properties": {}}},
+}
 
 
 def _template_renders_tools(tokenizer: Any) -> bool:  # noqa: ANN401
@@ -192,8 +207,9 @@ def _template_renders_tools(tokenizer: Any) -> bool:  # noqa: ANN401
     if cached is None:
         probe = [{"role": "user", "content": "hi"}]
         try:
-            with_tool = tokenizer.apply_chat_template(probe, tools=[_PROBE_TOOL], tokenize=False,
-                                                      add_generation_prompt=True)
+            with_tool = tokenizer.apply_chat_template(
+                probe, tools=[_PROBE_TOOL], tokenize=False, add_generation_prompt=True
+            )
             cached = "pdserve_probe_tool" in with_tool
         except Exception:  # noqa: BLE001 - a template that breaks on tools does not render them
             cached = False
@@ -209,7 +225,7 @@ HERMES_SYSTEM = (
     "XML tags. You may call one or more functions to assist with the user query. Don't make assumptions about "
     "what values to plug into functions. Here are the available tools: <tools>\n{tools}\n</tools>\n"
     "For each function call return a json object with function name and arguments within <tool_call></tool_call> "
-    "XML tags as follows:\n<tool_call>\n{{\"name\": <function-name>, \"arguments\": <args-dict>}}\n</tool_call>"
+    'XML tags as follows:\n<tool_call>\n{{"name": <function-name>, "arguments": <args-dict>}}\n</tool_call>'
 )
 
 
@@ -221,10 +237,14 @@ def _hermes_messages(messages: list[Message], tools: list[dict[str, Any]]) -> li
     for message in messages:
         content = message.get("content") or ""
         if message.get("tool_calls"):
-            calls = "\n".join("<tool_call>\n" + json.dumps({"name": c["function"]["name"],
-                                                            "arguments": c["function"]["arguments"]},
-                                                           ensure_ascii=False) + "\n</tool_call>"
-                              for c in message["tool_calls"])
+            calls = "\n".join(
+                "<tool_call>\n"
+                + json.dumps(
+                    {"name": c["function"]["name"], "arguments": c["function"]["arguments"]}, ensure_ascii=False
+                )
+                + "\n</tool_call>"
+                for c in message["tool_calls"]
+            )
             content = f"{content}\n{calls}" if content else calls
         if message["role"] == "tool":
             content = f"<tool_response>\n{content}\n</tool_response>"
@@ -283,7 +303,7 @@ _PLACEHOLDERS = re.compile("(\x00pdserve-content-\\d+\x00)")
 
 def _placeholder_index(piece: str) -> int | None:
     if piece.startswith("\x00pdserve-content-") and piece.endswith("\x00"):
-        return int(piece[len("\x00pdserve-content-"):-1])
+        return int(piece[len("\x00pdserve-content-") : -1])
     return None
 
 

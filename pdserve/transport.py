@@ -95,14 +95,16 @@ def add_port(server: grpc.Server, address: str) -> int:
     if tls is None:
         return server.add_insecure_port(address)
     credentials = grpc.ssl_server_credentials(
-        [(tls.private_key, tls.certificate_chain)], root_certificates=tls.root_certificates,
+        [(tls.private_key, tls.certificate_chain)],
+        root_certificates=tls.root_certificates,
         require_client_auth=True,
     )
     return server.add_secure_port(address, credentials)
 
 
-def open_aio_channel(address: str, options: list[tuple[str, int]] | None = None,
-                     add_token: bool = True) -> grpc.aio.Channel:
+def open_aio_channel(
+    address: str, options: list[tuple[str, int]] | None = None, add_token: bool = True
+) -> grpc.aio.Channel:
     """An event-loop channel to another pdserve process (mTLS when configured); create it on the loop
     that will use it. `add_token=False`: no token interceptor; the caller passes `internal_metadata()`
     on each call itself (grpc.aio's interceptors wrap every message of a stream in Python: on the
@@ -264,8 +266,12 @@ class _TokenDetails(grpc.ClientCallDetails):
         self.compression = getattr(details, "compression", None)
 
 
-class _SyncTokenInterceptor(grpc.UnaryUnaryClientInterceptor, grpc.UnaryStreamClientInterceptor,
-                            grpc.StreamUnaryClientInterceptor, grpc.StreamStreamClientInterceptor):
+class _SyncTokenInterceptor(
+    grpc.UnaryUnaryClientInterceptor,
+    grpc.UnaryStreamClientInterceptor,
+    grpc.StreamUnaryClientInterceptor,
+    grpc.StreamStreamClientInterceptor,
+):
     def __init__(self, token: str) -> None:
         self._token = token
 
@@ -284,8 +290,9 @@ class _SyncTokenInterceptor(grpc.UnaryUnaryClientInterceptor, grpc.UnaryStreamCl
 
 def _aio_details(details: grpc.aio.ClientCallDetails, token: str) -> grpc.aio.ClientCallDetails:
     metadata = grpc.aio.Metadata(*(details.metadata or ()), (TOKEN_METADATA, token))
-    return grpc.aio.ClientCallDetails(details.method, details.timeout, metadata, details.credentials,
-                                      details.wait_for_ready)
+    return grpc.aio.ClientCallDetails(
+        details.method, details.timeout, metadata, details.credentials, details.wait_for_ready
+    )
 
 
 class _AioUnaryUnary(grpc.aio.UnaryUnaryClientInterceptor):
@@ -358,7 +365,8 @@ class InternalTokenInterceptor(grpc.aio.ServerInterceptor):
         return False
 
     async def intercept_service(
-        self, continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler | None]],
+        self,
+        continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler | None]],
         handler_call_details: grpc.HandlerCallDetails,
     ) -> grpc.RpcMethodHandler | None:
         handler = await continuation(handler_call_details)
@@ -393,4 +401,5 @@ def check_bind_allowed(host: str) -> None:
     raise ValueError(
         f"refusing to serve the internal plane on {host}, beyond loopback, without credentials: configure "
         f"an internal token ({ENV_TOKEN}, {ENV_TOKEN_FILE} or --internal-token-file) or internal mTLS "
-        f"({ENV_CERT}, {ENV_KEY}, {ENV_CA}); see docs/security.md")
+        f"({ENV_CERT}, {ENV_KEY}, {ENV_CA}); see docs/security.md"
+    )

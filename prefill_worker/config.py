@@ -35,8 +35,10 @@ class PrefillWorkerConfig(WorkerConfig):
 
 def build_parser() -> argparse.ArgumentParser:
     """This worker's command-line flags (also read by `elastic_worker`, which takes both roles' flags)."""
-    ap = argparse.ArgumentParser(prog="python -m pdserve.prefill_worker",
-                                 description="One prefill worker process serving gRPC on loopback by default.")
+    ap = argparse.ArgumentParser(
+        prog="python -m pdserve.prefill_worker",
+        description="One prefill worker process serving gRPC on loopback by default.",
+    )
     PrefillWorkerConfig.add_flags(ap)
     add_config_arg(ap)
     return ap

@@ -58,8 +58,14 @@ class HandoffOwner(Protocol):
 
 
 class KvHandoff(KvConnector):
-    def __init__(self, owner: HandoffOwner, fingerprint: str, transfer_timeout_s: float,
-                 kv_streaming: str = "request", faults: FaultInjector | None = None) -> None:
+    def __init__(
+        self,
+        owner: HandoffOwner,
+        fingerprint: str,
+        transfer_timeout_s: float,
+        kv_streaming: str = "request",
+        faults: FaultInjector | None = None,
+    ) -> None:
         if kv_streaming not in KV_STREAMING_MODES:
             raise ValueError(f"kv_streaming must be one of {KV_STREAMING_MODES}, got {kv_streaming!r}")
         self.owner = owner
@@ -76,8 +82,9 @@ class KvHandoff(KvConnector):
 
     def spec_for(self, job: PrefillJob) -> KvSpec:
         """What `job` ships: its prompt's blocks from `kv_block_offset` on."""
-        return KvSpec.for_cache(job.request_id, self.fingerprint, self.owner.kv_cache.shape, len(job.prompt_ids),
-                                job.kv_block_offset)
+        return KvSpec.for_cache(
+            job.request_id, self.fingerprint, self.owner.kv_cache.shape, len(job.prompt_ids), job.kv_block_offset
+        )
 
     def fail_streams(self, error: Exception) -> None:
         """A step raised outside the engine's isolation: every layer stream under way fails."""
@@ -152,12 +159,10 @@ class KvHandoff(KvConnector):
         cache = self.owner.kv_cache
         fault = self.faults.next_filter()
         if fault is None:
-            sender.send_blocks(spec, cache, shipped, token, timeout_s=self.transfer_timeout_s,
-                               checksum=job.kv_checksum)
+            sender.send_blocks(spec, cache, shipped, token, timeout_s=self.transfer_timeout_s, checksum=job.kv_checksum)
         else:
             log.warning("request_id=%s: injecting a KV fault (%s)", job.request_id, fault.__name__)
-            sender.send(spec, cache.gather(shipped), token, timeout_s=self.transfer_timeout_s,
-                        frame_filter=fault)  # type: ignore[call-arg]
+            sender.send(spec, cache.gather(shipped), token, timeout_s=self.transfer_timeout_s, frame_filter=fault)  # type: ignore[call-arg]
         return spec, token
 
     def _send_layers(self, job: PrefillJob, spec: KvSpec, stream: LayerStream) -> tuple[KvSpec, int]:

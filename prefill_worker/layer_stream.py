@@ -48,8 +48,9 @@ class LayerStream:
 
     def first_token(self) -> int:
         with self._cond:
-            if not self._cond.wait_for(lambda: self._first_token is not None or self._error is not None,
-                                       self.timeout_s):
+            if not self._cond.wait_for(
+                lambda: self._first_token is not None or self._error is not None, self.timeout_s
+            ):
                 raise TimeoutError("no first token")
             if self._error is not None:
                 raise RuntimeError(f"prefill failed: {self._error}")

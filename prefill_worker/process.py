@@ -47,21 +47,39 @@ def start_worker(config: PrefillWorkerConfig) -> StartedWorker:
     metrics = WorkerMetrics()
     injected = InjectedFaults.from_env()  # tests only (engine/fault_injection.py)
     faults = FaultInjector(injected.kv_fault, injected.kv_fault_count)
-    worker = PrefillWorker(loaded, engine_config, transfer_timeout_s=pool.kv_timeout_s, metrics=metrics,
-                           faults=faults, prefill_chunk_tokens=chunk_tokens, prefix_caching=pool.prefix_caching,
-                           kv_streaming=config.kv.streaming, shared_kv_cache=config.kv.shared_cache)
+    worker = PrefillWorker(
+        loaded,
+        engine_config,
+        transfer_timeout_s=pool.kv_timeout_s,
+        metrics=metrics,
+        faults=faults,
+        prefill_chunk_tokens=chunk_tokens,
+        prefix_caching=pool.prefix_caching,
+        kv_streaming=config.kv.streaming,
+        shared_kv_cache=config.kv.shared_cache,
+    )
     endpoint = start_metrics_endpoint(metrics.registry, config.metrics_port)
     drain = Drain()
-    server = make_server(control_threads=32, options=receive_options(), name=config.worker_id,
-                         limits=call_limits(config))
+    server = make_server(
+        control_threads=32, options=receive_options(), name=config.worker_id, limits=call_limits(config)
+    )
     address = bind(server, config.host, config.port)
     servicer = PrefillServicer(worker, config.worker_id, address, pool.request_timeout_s, drain)
     worker_pb2_grpc.add_PrefillWorkerServicer_to_server(servicer, server)
     worker_pb2_grpc.add_KvEventsServicer_to_server(
-        KvEventsServicer(config.worker_id, lambda: worker.engine.kv_events), server)
-    return start_serving(server, address, drain, worker.idle,
-                         lambda: "" if worker.loop_alive() else "engine loop died", pool.drain_timeout_s,
-                         stops=(worker.stop,), endpoint=endpoint, extras={"servicer": servicer})
+        KvEventsServicer(config.worker_id, lambda: worker.engine.kv_events), server
+    )
+    return start_serving(
+        server,
+        address,
+        drain,
+        worker.idle,
+        lambda: "" if worker.loop_alive() else "engine loop died",
+        pool.drain_timeout_s,
+        stops=(worker.stop,),
+        endpoint=endpoint,
+        extras={"servicer": servicer},
+    )
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -29,8 +29,9 @@ log = logging.getLogger(__name__)
 
 
 class PrefillServicer(worker_pb2_grpc.PrefillWorkerServicer):
-    def __init__(self, worker: PrefillWorker, worker_id: str, address: str, request_timeout_s: float,
-                 drain: Drain | None = None) -> None:
+    def __init__(
+        self, worker: PrefillWorker, worker_id: str, address: str, request_timeout_s: float, drain: Drain | None = None
+    ) -> None:
         self.worker = worker
         self.worker_id = worker_id
         self.node_id, self.node_host = node_identity()
@@ -43,11 +44,16 @@ class PrefillServicer(worker_pb2_grpc.PrefillWorkerServicer):
     def kv_targets(self) -> frozenset[str]:
         return self._kv_targets
 
-    def SetKvTargets(self, request: worker_pb2.KvTargets,  # noqa: N802
-                     context: grpc.ServicerContext) -> worker_pb2.KvTargetsAck:
+    def SetKvTargets(
+        self,
+        request: worker_pb2.KvTargets,  # noqa: N802
+        context: grpc.ServicerContext,
+    ) -> worker_pb2.KvTargetsAck:
         if not is_router_call(context.invocation_metadata()):
-            context.abort(grpc.StatusCode.PERMISSION_DENIED, "only the router may set KV targets (router credential "
-                                                             "missing or wrong)")
+            context.abort(
+                grpc.StatusCode.PERMISSION_DENIED,
+                "only the router may set KV targets (router credential missing or wrong)",
+            )
         targets = frozenset(t for t in request.targets if t)
         if targets != self._kv_targets:
             log.info("KV targets: %s", ", ".join(sorted(targets)) or "none")
@@ -60,24 +66,34 @@ class PrefillServicer(worker_pb2_grpc.PrefillWorkerServicer):
             return "engine loop died"
         return "draining" if self.drain.draining else ""
 
-    async def Prefill(self, request: worker_pb2.PrefillRequest,  # noqa: N802
-                      context: grpc.aio.ServicerContext) -> worker_pb2.PrefillResponse:
+    async def Prefill(
+        self,
+        request: worker_pb2.PrefillRequest,  # noqa: N802
+        context: grpc.aio.ServicerContext,
+    ) -> worker_pb2.PrefillResponse:
         if reason := self.unhealthy_reason():
             await context.abort(grpc.StatusCode.UNAVAILABLE, f"prefill worker {self.worker_id}: {reason}")
         try:
             job = PrefillJob(
-                request_id=request.request_id, prompt_ids=list(request.prompt_token_ids),
-                params=sampling_params_from_pb(request.params), kv_target=request.kv_target_address,
-                kv_backend=request.kv_backend or "grpc", output_index=request.output_index,
-                kv_block_offset=request.kv_block_offset, trace=request.trace, kv_checksum=request.kv_checksum,
+                request_id=request.request_id,
+                prompt_ids=list(request.prompt_token_ids),
+                params=sampling_params_from_pb(request.params),
+                kv_target=request.kv_target_address,
+                kv_backend=request.kv_backend or "grpc",
+                output_index=request.output_index,
+                kv_block_offset=request.kv_block_offset,
+                trace=request.trace,
+                kv_checksum=request.kv_checksum,
             )
             if not job.request_id or not job.prompt_ids or not job.kv_target:
                 raise RequestInvalid("request_id, prompt_token_ids and kv_target_address are required")
             if job.kv_checksum and job.kv_checksum not in CHECKSUM_ALGORITHMS:
                 raise RequestInvalid(f"kv_checksum: {job.kv_checksum!r} is not one of {', '.join(CHECKSUM_ALGORITHMS)}")
             if job.kv_target not in self._kv_targets:
-                raise PermissionError(f"kv_target_address {job.kv_target!r} is not a decode worker registered "
-                                      f"with prefill worker {self.worker_id}")
+                raise PermissionError(
+                    f"kv_target_address {job.kv_target!r} is not a decode worker registered "
+                    f"with prefill worker {self.worker_id}"
+                )
             future = self.worker.submit(job)
         except OverflowError as exc:
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))
@@ -87,8 +103,9 @@ class PrefillServicer(worker_pb2_grpc.PrefillWorkerServicer):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         except Exception as exc:  # noqa: BLE001 - not the request's fault: our bug, said as such
             log.error("request_id=%s: reading the request failed: %s", request.request_id, exc, exc_info=exc)
-            await context.abort(grpc.StatusCode.INTERNAL,
-                                f"prefill failed: internal error: {type(exc).__name__}: {exc}")
+            await context.abort(
+                grpc.StatusCode.INTERNAL, f"prefill failed: internal error: {type(exc).__name__}: {exc}"
+            )
         remaining = context.time_remaining()
         timeout = min(self.request_timeout_s, remaining) if remaining is not None else self.request_timeout_s
         try:  # a cancelled call cancels the wrapped future, which drops the job if still queued
@@ -106,9 +123,12 @@ class PrefillServicer(worker_pb2_grpc.PrefillWorkerServicer):
             log.error("request_id=%s: prefill failed: %s", job.request_id, exc, exc_info=exc)
             await context.abort(grpc.StatusCode.INTERNAL, f"prefill failed: {exc}")
         return worker_pb2.PrefillResponse(
-            request_id=job.request_id, first_token_id=result.first_token_id, kv_bytes=result.kv_bytes,
-            timings=common_pb2.Timings(queue_s=result.queue_s, prefill_s=result.prefill_s,
-                                       kv_transfer_s=result.kv_transfer_s),
+            request_id=job.request_id,
+            first_token_id=result.first_token_id,
+            kv_bytes=result.kv_bytes,
+            timings=common_pb2.Timings(
+                queue_s=result.queue_s, prefill_s=result.prefill_s, kv_transfer_s=result.kv_transfer_s
+            ),
             trace=trace_events_to_pb(result.trace, self.worker_id, self.worker.loaded.tokenizer),
             cached_tokens=result.cached_tokens,
         )
@@ -116,13 +136,24 @@ class PrefillServicer(worker_pb2_grpc.PrefillWorkerServicer):
     def GetInfo(self, request: worker_pb2.InfoRequest, context: grpc.ServicerContext) -> common_pb2.WorkerInfo:  # noqa: N802
         w = self.worker
         return common_pb2.WorkerInfo(
-            worker_id=self.worker_id, role=common_pb2.WORKER_ROLE_PREFILL, address=self.address,
-            pid=os.getpid(), queue_depth=w.queue_depth, queued_prompt_tokens=w.queued_tokens,
-            kv_blocks_used=w.pool.num_used, kv_blocks_total=w.pool.num_blocks, healthy=not self.unhealthy_reason(),
+            worker_id=self.worker_id,
+            role=common_pb2.WORKER_ROLE_PREFILL,
+            address=self.address,
+            pid=os.getpid(),
+            queue_depth=w.queue_depth,
+            queued_prompt_tokens=w.queued_tokens,
+            kv_blocks_used=w.pool.num_used,
+            kv_blocks_total=w.pool.num_blocks,
+            healthy=not self.unhealthy_reason(),
             unhealthy_reason=self.unhealthy_reason(),
-            prefill_tokens_computed=w.runner.num_prefill_tokens, kv_bytes_sent=w.kv_bytes_sent,
-            requests_finished=w.requests_finished, prefix_cache_hit_blocks=w.pool.cache_hits,
-            prefix_cache_blocks=w.pool.num_cached, kv_segment_prefix=segment_prefix(),
-            node_id=self.node_id, host=self.node_host, kv_block_size=w.pool.block_size,
+            prefill_tokens_computed=w.runner.num_prefill_tokens,
+            kv_bytes_sent=w.kv_bytes_sent,
+            requests_finished=w.requests_finished,
+            prefix_cache_hit_blocks=w.pool.cache_hits,
+            prefix_cache_blocks=w.pool.num_cached,
+            kv_segment_prefix=segment_prefix(),
+            node_id=self.node_id,
+            host=self.node_host,
+            kv_block_size=w.pool.block_size,
             kernels=getattr(w.runner, "kernels", ""),
         )

@@ -44,19 +44,32 @@ __all__ = ["PrefillJob", "PrefillResult", "PrefillWorker"]  # the job types live
 
 
 class PrefillWorker:
-    def __init__(self, loaded: LoadedModel, config: EngineConfig, transfer_timeout_s: float = 60.0,
-                 max_queue: int = 1024, metrics: WorkerMetrics | None = None,
-                 faults: FaultInjector | None = None, prefill_chunk_tokens: int | None = None,
-                 prefix_caching: bool = False, kv_streaming: str = "request", shared_kv_cache: bool = False,
-                 kv_cache: KVCache | None = None) -> None:
+    def __init__(
+        self,
+        loaded: LoadedModel,
+        config: EngineConfig,
+        transfer_timeout_s: float = 60.0,
+        max_queue: int = 1024,
+        metrics: WorkerMetrics | None = None,
+        faults: FaultInjector | None = None,
+        prefill_chunk_tokens: int | None = None,
+        prefix_caching: bool = False,
+        kv_streaming: str = "request",
+        shared_kv_cache: bool = False,
+        kv_cache: KVCache | None = None,
+    ) -> None:
         self.loaded = loaded
-        self.config = replace(config, prefix_caching=prefix_caching or config.prefix_caching,
-                              prefill_chunk_tokens=prefill_chunk_tokens or config.prefill_chunk_tokens)
+        self.config = replace(
+            config,
+            prefix_caching=prefix_caching or config.prefix_caching,
+            prefill_chunk_tokens=prefill_chunk_tokens or config.prefill_chunk_tokens,
+        )
         # the prefill side of the KV contract: where the engine hands every finished prefill
         self.connector = KvHandoff(self, loaded.fingerprint, transfer_timeout_s, kv_streaming, faults)
         # in shared memory, same-host decode workers copy blocks straight out of it ("shm" backend)
-        self.engine = LLMEngine(loaded, self.config, connector=self.connector, shared_kv_cache=shared_kv_cache,
-                                kv_cache=kv_cache)
+        self.engine = LLMEngine(
+            loaded, self.config, connector=self.connector, shared_kv_cache=shared_kv_cache, kv_cache=kv_cache
+        )
         self.max_queue = max_queue
         self._jobs: dict[str, PrefillJob] = {}  # engine key -> job, until its blocks are released (loop thread)
         self._keys = count()
@@ -66,8 +79,12 @@ class PrefillWorker:
         self.kv_bytes_sent = 0
         self.requests_finished = 0
         self.metrics = metrics or WorkerMetrics()
-        self.metrics.bind_gauges(running=lambda: 0, waiting=lambda: self.queue_depth,
-                                 blocks_used=lambda: self.pool.num_used, blocks_total=lambda: self.pool.num_blocks)
+        self.metrics.bind_gauges(
+            running=lambda: 0,
+            waiting=lambda: self.queue_depth,
+            blocks_used=lambda: self.pool.num_used,
+            blocks_total=lambda: self.pool.num_blocks,
+        )
         self.loop = EngineLoop("prefill-loop", self._step, lambda: self.engine.has_work)
         self.loop.start()
 
@@ -110,8 +127,10 @@ class PrefillWorker:
         self.engine.check_fits_pool(len(job.prompt_ids))
         num_blocks = blocks_for_tokens(len(job.prompt_ids), self.pool.block_size)
         if not 0 <= job.kv_block_offset < num_blocks:
-            raise RequestInvalid(f"kv_block_offset: must be in [0, {num_blocks}) for a prompt of "
-                             f"{len(job.prompt_ids)} tokens, got {job.kv_block_offset}")
+            raise RequestInvalid(
+                f"kv_block_offset: must be in [0, {num_blocks}) for a prompt of "
+                f"{len(job.prompt_ids)} tokens, got {job.kv_block_offset}"
+            )
 
     def loop_alive(self) -> bool:
         """False once the loop thread died (not after a clean stop)."""
@@ -149,8 +168,9 @@ class PrefillWorker:
             return
         key = job.request_id if job.request_id not in self.engine.sequences else f"{job.request_id}#{next(self._keys)}"
         try:
-            job.seq = self.engine.add_request(key, job.prompt_ids, job.params, output_index=job.output_index,
-                                              trace=job.trace)
+            job.seq = self.engine.add_request(
+                key, job.prompt_ids, job.params, output_index=job.output_index, trace=job.trace
+            )
         except ValueError as exc:
             settle(job.future, error=exc)
             return
@@ -225,5 +245,7 @@ class PrefillWorker:
         self.metrics.kv_transferred(job.kv_backend, "send", spec.nbytes, transfer_s)
         queue_s = max(0.0, (job.seq.scheduled_time or job.enqueued_at) - job.enqueued_at) if job.seq else 0.0
         cached = job.seq.num_prefix_hit_tokens if job.seq else 0
-        settle(job.future, PrefillResult(first_token, queue_s, job.prefill_s, transfer_s, spec.nbytes,
-                                         job.trace_events, cached))
+        settle(
+            job.future,
+            PrefillResult(first_token, queue_s, job.prefill_s, transfer_s, spec.nbytes, job.trace_events, cached),
+        )

@@ -82,16 +82,18 @@ class AdmissionQueue(Generic[L]):
     def __len__(self) -> int:
         return sum(1 for w in self._heap if not w.future.done())
 
-    async def acquire(self, assign: Callable[[], L], priority: int = 0, retry: bool = False,
-                      deadline_s: float | None = None) -> L:
+    async def acquire(
+        self, assign: Callable[[], L], priority: int = 0, retry: bool = False, deadline_s: float | None = None
+    ) -> L:
         """Wait until `assign()` returns a lease (it raises Busy while every worker is full; any
         other exception fails this waiter). Raises QueueFull when refused at once."""
         lease = self.try_now(assign)
         if lease is not None:
             return lease
         self._refuse_if_hopeless(deadline_s)
-        waiter: _Waiter[L] = _Waiter((0 if retry else 1, -priority, next(self._order)), assign,
-                                     asyncio.get_running_loop().create_future())
+        waiter: _Waiter[L] = _Waiter(
+            (0 if retry else 1, -priority, next(self._order)), assign, asyncio.get_running_loop().create_future()
+        )
         heapq.heappush(self._heap, waiter)
         self._arm_timer()
         try:
@@ -167,12 +169,17 @@ class AdmissionQueue(Generic[L]):
     def _refuse_if_hopeless(self, deadline_s: float | None) -> None:
         waiting = len(self)
         if waiting >= self.max_queued:
-            raise QueueFull(f"router queue full: {waiting} requests waiting (--max-queued-requests "
-                            f"{self.max_queued}); retry later", self._retry_after())
+            raise QueueFull(
+                f"router queue full: {waiting} requests waiting (--max-queued-requests {self.max_queued}); retry later",
+                self._retry_after(),
+            )
         predicted = self.predicted_wait_s()
         if deadline_s is not None and predicted > deadline_s:
-            raise QueueFull(f"predicted queue wait {predicted:.1f}s exceeds the request's deadline "
-                            f"({deadline_s:.1f}s left); retry later", self._retry_after())
+            raise QueueFull(
+                f"predicted queue wait {predicted:.1f}s exceeds the request's deadline "
+                f"({deadline_s:.1f}s left); retry later",
+                self._retry_after(),
+            )
 
     def _retry_after(self) -> float:
         return float(max(1, math.ceil(self.predicted_wait_s())))

@@ -97,8 +97,10 @@ class RouterConfig:
         if any(not token or not tenant for token, tenant in self.auth_tokens):
             raise ValueError("auth_tokens: every token and tenant must be non-empty")
         if not is_loopback(self.metrics_host) and not self.auth_token:
-            raise ValueError(f"refusing to serve /metrics on {self.metrics_host}, beyond loopback, without an "
-                             "auth token (--auth-token-file or PDSERVE_AUTH_TOKEN)")
+            raise ValueError(
+                f"refusing to serve /metrics on {self.metrics_host}, beyond loopback, without an "
+                "auth token (--auth-token-file or PDSERVE_AUTH_TOKEN)"
+            )
         if self.worker_restart_wait_s < 0:
             raise ValueError(f"worker_restart_wait_s must be >= 0, got {self.worker_restart_wait_s}")
         if self.max_attempts < 1:
@@ -109,8 +111,10 @@ class RouterConfig:
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if not self.grpc_connection_idle_s > 0 or self.grpc_connection_age_s < 0:
-            raise ValueError("grpc_connection_idle_s must be > 0 and grpc_connection_age_s >= 0, got "
-                             f"{self.grpc_connection_idle_s} and {self.grpc_connection_age_s}")
+            raise ValueError(
+                "grpc_connection_idle_s must be > 0 and grpc_connection_age_s >= 0, got "
+                f"{self.grpc_connection_idle_s} and {self.grpc_connection_age_s}"
+            )
         if self.max_concurrent_streams < 1:
             raise ValueError(f"max_concurrent_streams must be >= 1, got {self.max_concurrent_streams}")
         for name in ("kv_request_tokens", "kv_kv_tokens", "conditional_disagg_tokens", "slo_ttft_s"):

@@ -198,8 +198,10 @@ class RouterCore:
             except (OSError, ValueError) as exc:  # e.g. a Ray router on a node without the model folder
                 log.warning("KV-aware policy: cannot load the tokenizer %r (%s)", config.tokenizer, exc)
             if self._prompt_keys is None:
-                log.warning("KV-aware policy without a tokenizer (--tokenizer): only token-id prompts get "
-                            "cache hints; the others are routed by load")
+                log.warning(
+                    "KV-aware policy without a tokenizer (--tokenizer): only token-id prompts get "
+                    "cache hints; the others are routed by load"
+                )
             self.kv_index = index = KvIndex()
             self.metrics.prom.kv_index_entries.set_function(lambda: len(index))
             if not self._kv_oracle:
@@ -216,8 +218,9 @@ class RouterCore:
         self._tasks: set[asyncio.Task] = set()  # drain migrations under way
 
     # ----- public --------------------------------------------------------------------------------
-    async def generate(self, request: router_pb2.GenerateRequest, timeout_s: float | None = None,
-                       tenant: str | None = None) -> AsyncGenerator[router_pb2.GenerateResponse, None]:
+    async def generate(
+        self, request: router_pb2.GenerateRequest, timeout_s: float | None = None, tenant: str | None = None
+    ) -> AsyncGenerator[router_pb2.GenerateResponse, None]:
         """Serve one request; yields its responses. Raises RouterError when it fails. A `tenant` (the
         caller's token's) is folded into the request's cache salt after validation, so its prefix
         cache is shared only within that tenant."""
@@ -234,8 +237,9 @@ class RouterCore:
         async for response in self._generate_one(request, timeout_s):
             yield response
 
-    async def _choices(self, request: router_pb2.GenerateRequest,
-                       timeout_s: float | None) -> AsyncIterator[router_pb2.GenerateResponse]:
+    async def _choices(
+        self, request: router_pb2.GenerateRequest, timeout_s: float | None
+    ) -> AsyncIterator[router_pb2.GenerateResponse]:
         """An n > 1 request as n choices, each a request of its own (own attempts, failover, lease),
         their responses interleaved with `index` set. The prompt is prefilled once: choice 0 goes
         the usual way; when its first token arrives, the others start on the decode worker that
@@ -286,12 +290,25 @@ class RouterCore:
                 task.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
 
-    async def _generate_one(self, request: router_pb2.GenerateRequest, timeout_s: float | None, index: int = 0,
-                            pin: str = "", on_placed: Callable[[str], None] | None = None,
-                            ) -> AsyncIterator[router_pb2.GenerateResponse]:
+    async def _generate_one(
+        self,
+        request: router_pb2.GenerateRequest,
+        timeout_s: float | None,
+        index: int = 0,
+        pin: str = "",
+        on_placed: Callable[[str], None] | None = None,
+    ) -> AsyncIterator[router_pb2.GenerateResponse]:
         cap = self._config.max_stream_timeout_s
-        state = _Request(request, uuid.uuid4().hex, "", time.monotonic() + min(timeout_s or cap, cap),
-                         RequestClock(self.metrics), index=index, pin=pin, on_placed=on_placed)
+        state = _Request(
+            request,
+            uuid.uuid4().hex,
+            "",
+            time.monotonic() + min(timeout_s or cap, cap),
+            RequestClock(self.metrics),
+            index=index,
+            pin=pin,
+            on_placed=on_placed,
+        )
         state.echo_id = request.request_id or state.internal_id
         started = log_start("Generate", safe_id(state.echo_id), state.internal_id, label="internal_id")
         self.metrics.started()
@@ -316,16 +333,28 @@ class RouterCore:
 
     def status(self, recent_window_s: float = 0.0) -> router_pb2.StatusResponse:
         now = time.monotonic()
-        recent = [router_pb2.FinishedRequest(
-            finished_ago_s=now - s.finished_at, ttft_s=s.ttft_s, tpot_s=s.tpot_s, queue_s=s.queue_s,
-            prompt_tokens=s.prompt_tokens, output_tokens=s.output_tokens, ok=s.ok)
-            for s in (self.metrics.recent(recent_window_s) if recent_window_s > 0 else ())]
+        recent = [
+            router_pb2.FinishedRequest(
+                finished_ago_s=now - s.finished_at,
+                ttft_s=s.ttft_s,
+                tpot_s=s.tpot_s,
+                queue_s=s.queue_s,
+                prompt_tokens=s.prompt_tokens,
+                output_tokens=s.output_tokens,
+                ok=s.ok,
+            )
+            for s in (self.metrics.recent(recent_window_s) if recent_window_s > 0 else ())
+        ]
         return router_pb2.StatusResponse(
-            workers=self.pool.snapshot(), in_flight_requests=self.metrics.in_flight,
-            total_requests=self.metrics.total_requests, queued_requests=len(self.admission),
-            max_queued_requests=self.admission.max_queued, dequeued_requests=self.admission.admitted,
+            workers=self.pool.snapshot(),
+            in_flight_requests=self.metrics.in_flight,
+            total_requests=self.metrics.total_requests,
+            queued_requests=len(self.admission),
+            max_queued_requests=self.admission.max_queued,
+            dequeued_requests=self.admission.admitted,
             slo_shed_requests=self.slo_shed,
-            queue_time_s_sum=self.admission.queue_time_s_sum, recent=recent,
+            queue_time_s_sum=self.admission.queue_time_s_sum,
+            recent=recent,
         )
 
     async def switch_role(self, worker: str, role: str, drain_timeout_s: float) -> router_pb2.SwitchRoleResponse:
@@ -347,8 +376,10 @@ class RouterCore:
             while self.pool.in_flight_of(address) and time.monotonic() < deadline:
                 await asyncio.sleep(0.02)
             if self.pool.in_flight_of(address):
-                raise RouterError(grpc.StatusCode.DEADLINE_EXCEEDED,
-                                  f"worker {address}: requests it holds did not finish within {drain_timeout_s:.1f}s")
+                raise RouterError(
+                    grpc.StatusCode.DEADLINE_EXCEEDED,
+                    f"worker {address}: requests it holds did not finish within {drain_timeout_s:.1f}s",
+                )
             drained_s = time.monotonic() - started
             await self._set_worker_role(address, role, max(0.1, deadline - time.monotonic()))
         except BaseException:
@@ -359,18 +390,24 @@ class RouterCore:
         self.wake()
         log.info("worker %s is now %s (switched in %.3fs)", address, role, time.monotonic() - started)
         self.metrics.prom.role_switches.labels(old_role, role).inc()
-        return router_pb2.SwitchRoleResponse(worker=info, previous_role=ROLE_PB[old_role], drain_s=drained_s,
-                                             switch_s=time.monotonic() - started)
+        return router_pb2.SwitchRoleResponse(
+            worker=info, previous_role=ROLE_PB[old_role], drain_s=drained_s, switch_s=time.monotonic() - started
+        )
 
     async def _set_worker_role(self, address: str, role: str, timeout_s: float) -> None:
         stub = worker_pb2_grpc.RoleControlStub(self._channel(address))
         try:
-            await stub.SetRole(worker_pb2.SetRoleRequest(role=ROLE_PB[role], drain_timeout_s=timeout_s),
-                               timeout=timeout_s + 5.0, metadata=self._metadata)
+            await stub.SetRole(
+                worker_pb2.SetRoleRequest(role=ROLE_PB[role], drain_timeout_s=timeout_s),
+                timeout=timeout_s + 5.0,
+                metadata=self._metadata,
+            )
         except grpc.aio.AioRpcError as exc:
             if exc.code() == grpc.StatusCode.UNIMPLEMENTED:
-                raise RouterError(grpc.StatusCode.FAILED_PRECONDITION,
-                                  f"worker {address} cannot switch roles (start workers with --elastic)") from None
+                raise RouterError(
+                    grpc.StatusCode.FAILED_PRECONDITION,
+                    f"worker {address} cannot switch roles (start workers with --elastic)",
+                ) from None
             raise RouterError(exc.code(), f"worker {address}: {exc.details()}") from None
 
     def wake(self) -> None:
@@ -398,22 +435,37 @@ class RouterCore:
         except ValueError as exc:
             raise RouterError(grpc.StatusCode.FAILED_PRECONDITION, str(exc)) from None
         self._dispatched += 1
-        migration = _Migration(target, target_lease, time.monotonic(), asyncio.get_running_loop().create_future(),
-                               source, state.internal_id)
+        migration = _Migration(
+            target,
+            target_lease,
+            time.monotonic(),
+            asyncio.get_running_loop().create_future(),
+            source,
+            state.internal_id,
+        )
         # retrieved here, so a Migrate caller that left does not leave an unretrieved exception behind
         migration.done.add_done_callback(lambda f: f.cancelled() or f.exception())
         state.migration = migration
         try:
-            await self._stub(source).Suspend(worker_pb2.SuspendRequest(request_id=state.internal_id), timeout=10.0,
-                                             metadata=self._metadata)
+            await self._stub(source).Suspend(
+                worker_pb2.SuspendRequest(request_id=state.internal_id), timeout=10.0, metadata=self._metadata
+            )
         except grpc.aio.AioRpcError as exc:
-            code = exc.code() if exc.code() in (grpc.StatusCode.NOT_FOUND, grpc.StatusCode.FAILED_PRECONDITION) \
+            code = (
+                exc.code()
+                if exc.code() in (grpc.StatusCode.NOT_FOUND, grpc.StatusCode.FAILED_PRECONDITION)
                 else grpc.StatusCode.ABORTED
+            )
             error = RouterError(code, f"suspend on {source}: {exc.details()}")
             self._abandon(state, migration, error)
             raise error from None
-        log.info("request_id=%s internal_id=%s migrating from %s to %s", safe_id(state.echo_id), migration.source_id,
-                 source, target)
+        log.info(
+            "request_id=%s internal_id=%s migrating from %s to %s",
+            safe_id(state.echo_id),
+            migration.source_id,
+            source,
+            target,
+        )
         try:
             return await asyncio.wait_for(asyncio.shield(migration.done), timeout=MIGRATE_TIMEOUT_S)
         except (asyncio.TimeoutError, TimeoutError):
@@ -427,8 +479,10 @@ class RouterCore:
         if not found:
             raise RouterError(grpc.StatusCode.NOT_FOUND, f"no request {request_id!r} in flight")
         if len(found) > 1:
-            raise RouterError(grpc.StatusCode.FAILED_PRECONDITION,
-                              f"{len(found)} requests in flight have id {request_id!r}: use the internal id")
+            raise RouterError(
+                grpc.StatusCode.FAILED_PRECONDITION,
+                f"{len(found)} requests in flight have id {request_id!r}: use the internal id",
+            )
         return found[0]
 
     def _abandon(self, state: _Request, migration: _Migration, error: RouterError) -> None:
@@ -447,8 +501,13 @@ class RouterCore:
         now = time.monotonic()
         for state in list(self._live.values()):
             lease = state.lease
-            if (lease is None or lease.decode_address not in draining or state.migration is not None
-                    or state.migrating or now < state.next_drain_try):
+            if (
+                lease is None
+                or lease.decode_address not in draining
+                or state.migration is not None
+                or state.migrating
+                or now < state.next_drain_try
+            ):
                 continue
             state.next_drain_try = now + DRAIN_RETRY_S
             task = asyncio.ensure_future(self._drain_one(state, lease.decode_address))
@@ -458,11 +517,13 @@ class RouterCore:
     async def _drain_one(self, state: _Request, source: str) -> None:
         try:
             done = await self.migrate(state.internal_id)
-            log.info("request_id=%s moved off draining worker %s to %s", safe_id(state.echo_id), source,
-                     done.to_address)
+            log.info(
+                "request_id=%s moved off draining worker %s to %s", safe_id(state.echo_id), source, done.to_address
+            )
         except RouterError as exc:
-            log.info("request_id=%s stays on draining worker %s for now: %s", safe_id(state.echo_id), source,
-                     exc.details)
+            log.info(
+                "request_id=%s stays on draining worker %s for now: %s", safe_id(state.echo_id), source, exc.details
+            )
 
     async def close(self) -> None:
         for mux in list(self._muxes.values()):
@@ -502,8 +563,11 @@ class RouterCore:
                         self._on_decode_error(state, lease, result, exc)  # raises when not retryable
                         break
                     if response is _EOF:
-                        result.failure = _Failure(lease.decode_address, grpc.StatusCode.UNAVAILABLE,
-                                                  f"decode worker {lease.decode_address} ended the stream early")
+                        result.failure = _Failure(
+                            lease.decode_address,
+                            grpc.StatusCode.UNAVAILABLE,
+                            f"decode worker {lease.decode_address} ended the stream early",
+                        )
                         break
                     if response.HasField("migration"):
                         if self._on_marker(state, lease, response.migration, result):
@@ -537,8 +601,9 @@ class RouterCore:
             self._on_failure(state, failures, result.failure)
             failures += 1
             if failures >= self._config.max_attempts:
-                raise RouterError(grpc.StatusCode.UNAVAILABLE, f"gave up after {failures} attempts; last: "
-                                                               f"{result.failure.details}")
+                raise RouterError(
+                    grpc.StatusCode.UNAVAILABLE, f"gave up after {failures} attempts; last: {result.failure.details}"
+                )
 
     def _after_attempt(self, state: _Request, result: _Attempt) -> Lease | None:
         """The target's lease when the source just suspended the request for a migration; None
@@ -554,34 +619,48 @@ class RouterCore:
                 details = result.failure.details if result.failure else "the source ended the request"
                 if result.failure is not None:
                     self._abort_on(migration.source, migration.source_id)
-                self._settle_quietly(state, RouterError(
-                    grpc.StatusCode.ABORTED, f"migration to {migration.target} failed ({details}); the request "
-                                             f"resumes by failover"))
+                self._settle_quietly(
+                    state,
+                    RouterError(
+                        grpc.StatusCode.ABORTED,
+                        f"migration to {migration.target} failed ({details}); the request resumes by failover",
+                    ),
+                )
         return None
 
     def _abort_on(self, address: str, request_id: str) -> None:
         """Best effort: free what a worker still holds for `request_id` (a suspended source)."""
+
         async def abort() -> None:
             try:
-                await self._stub(address).Abort(worker_pb2.AbortRequest(request_id=request_id), timeout=2.0,
-                                                 metadata=self._metadata)
+                await self._stub(address).Abort(
+                    worker_pb2.AbortRequest(request_id=request_id), timeout=2.0, metadata=self._metadata
+                )
             except grpc.aio.AioRpcError:
                 pass  # it holds the blocks until its own deadline
+
         task = asyncio.ensure_future(abort())
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
     def _on_failure(self, state: _Request, attempt: int, failure: _Failure) -> None:
         """Decide whether to retry: a worker failure suspects the worker; a request fault twice is poison."""
-        log.warning("request_id=%s internal_id=%s attempt %d failed on %s: %s; %d tokens delivered so far",
-                    safe_id(state.echo_id), state.internal_id, attempt + 1, failure.address, failure.details,
-                    len(state.delivered))
+        log.warning(
+            "request_id=%s internal_id=%s attempt %d failed on %s: %s; %d tokens delivered so far",
+            safe_id(state.echo_id),
+            state.internal_id,
+            attempt + 1,
+            failure.address,
+            failure.details,
+            len(state.delivered),
+        )
         state.avoid.add(failure.address)
         if failure.request_fault:
             state.request_faults += 1
             if state.request_faults >= 2:
-                raise RouterError(failure.code, f"request failed the same way on two workers (not retried "
-                                                f"further): {failure.details}")
+                raise RouterError(
+                    failure.code, f"request failed the same way on two workers (not retried further): {failure.details}"
+                )
             return
         self.pool.suspect(failure.address)
 
@@ -604,9 +683,11 @@ class RouterCore:
                 if lease is None:
                     state.queued = True
                     lease = await asyncio.wait_for(
-                        self.admission.acquire(lambda: self._assign(state), state.request.priority, retry,
-                                               state.remaining_s()),
-                        timeout=state.remaining_s())
+                        self.admission.acquire(
+                            lambda: self._assign(state), state.request.priority, retry, state.remaining_s()
+                        ),
+                        timeout=state.remaining_s(),
+                    )
             except QueueFull as exc:
                 raise RouterError(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc), exc.retry_after_s) from None
             except SloMiss as exc:
@@ -616,8 +697,9 @@ class RouterCore:
                 raise RouterError(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc), exc.retry_after_s) from None
             except (asyncio.TimeoutError, TimeoutError):
                 self._end_worker_wait(waited_since, "gave_up")
-                raise RouterError(grpc.StatusCode.DEADLINE_EXCEEDED,
-                                  "request deadline passed while waiting for a decode slot") from None
+                raise RouterError(
+                    grpc.StatusCode.DEADLINE_EXCEEDED, "request deadline passed while waiting for a decode slot"
+                ) from None
             except asyncio.CancelledError:  # the client left (or its deadline passed) while it waited
                 self._end_worker_wait(waited_since, "cancelled")
                 raise
@@ -627,14 +709,20 @@ class RouterCore:
                     if waited_since is None:
                         waited_since = now
                         self.metrics.prom.worker_waits.labels(exc.stage).inc()
-                        log.warning("request_id=%s waits up to %.0f s for a %s worker to restart: %s",
-                                    safe_id(state.echo_id), self._config.worker_restart_wait_s, exc.stage, exc)
+                        log.warning(
+                            "request_id=%s waits up to %.0f s for a %s worker to restart: %s",
+                            safe_id(state.echo_id),
+                            self._config.worker_restart_wait_s,
+                            exc.stage,
+                            exc,
+                        )
                     if now - waited_since < self._config.worker_restart_wait_s and state.remaining_s() > 0:
                         pause = min(RESTART_POLL_S, state.remaining_s())
                         continue
                     self._end_worker_wait(waited_since, "gave_up")
-                    raise RouterError(grpc.StatusCode.UNAVAILABLE, f"{exc}; none served again within "
-                                                                   f"{now - waited_since:.0f} s") from None
+                    raise RouterError(
+                        grpc.StatusCode.UNAVAILABLE, f"{exc}; none served again within {now - waited_since:.0f} s"
+                    ) from None
                 if now >= recovery_deadline:
                     raise RouterError(grpc.StatusCode.UNAVAILABLE, str(exc)) from None
                 pause = 0.1
@@ -661,9 +749,16 @@ class RouterCore:
                 self._dispatched += 1
                 return lease
         hint = self._hint(state) if self._kv_aware else None
-        lease = self.pool.assign(self._decode_policy, self._prefill_policy, prompt_tokens,
-                                 frozenset(state.avoid), prefix_key(state.request), require_room=True, hint=hint,
-                                 local_below=self._config.conditional_disagg_tokens if hint is not None else 0)
+        lease = self.pool.assign(
+            self._decode_policy,
+            self._prefill_policy,
+            prompt_tokens,
+            frozenset(state.avoid),
+            prefix_key(state.request),
+            require_room=True,
+            hint=hint,
+            local_below=self._config.conditional_disagg_tokens if hint is not None else 0,
+        )
         self._dispatched += 1
         if not state.delivered:  # SLO admission: the work ahead of its first token, and the check
             state.slo_worker = lease.prefill_address or lease.decode_address
@@ -674,15 +769,19 @@ class RouterCore:
             # a refusal comes at once or not at all (a wrong prediction shows in SLO attainment)
             if slo_s and self.ttft_model.ready and not state.queued:
                 try:
-                    check_slo(state.clock.elapsed_s() + self.ttft_model.predict(
-                        state.slo_work, lease.prefill_address or lease.decode_address), slo_s)
+                    check_slo(
+                        state.clock.elapsed_s()
+                        + self.ttft_model.predict(state.slo_work, lease.prefill_address or lease.decode_address),
+                        slo_s,
+                    )
                 except SloMiss:
                     self._release(lease)
                     raise
         self.metrics.prom.route_decisions.labels(lease.route).inc()
         if hint is not None:
-            self.metrics.prom.route_cached_tokens.inc(hint.prompt_tokens - hint.uncached(
-                lease.prefill_address or lease.decode_address))
+            self.metrics.prom.route_cached_tokens.inc(
+                hint.prompt_tokens - hint.uncached(lease.prefill_address or lease.decode_address)
+            )
             self.metrics.prom.route_prompt_tokens.inc(hint.prompt_tokens)
             if lease.prefill_address:  # what the decode worker lacks crosses the network
                 self.metrics.prom.route_shipped_tokens.inc(hint.uncached(lease.decode_address))
@@ -744,6 +843,7 @@ class RouterCore:
                 return answer.cached_blocks
             except grpc.aio.AioRpcError:
                 return 0
+
         counts = await asyncio.gather(*(ask(a) for a in addresses))
         return {a: n for a, n in zip(addresses, counts, strict=True) if n}
 
@@ -752,8 +852,11 @@ class RouterCore:
         if not state.prompt_tokens:
             return None
         block_size = self.pool.kv_block_size()
-        overlap = state.oracle if self._kv_oracle else (
-            self.kv_index.overlap(state.kv_keys) if self.kv_index is not None else {})
+        overlap = (
+            state.oracle
+            if self._kv_oracle
+            else (self.kv_index.overlap(state.kv_keys) if self.kv_index is not None else {})
+        )
         return RouteHint(state.prompt_tokens, {a: n * block_size for a, n in (overlap or {}).items()})
 
     def _release(self, lease: Lease) -> None:
@@ -769,8 +872,9 @@ class RouterCore:
         timeout_s = max(0.001, state.remaining_s())
         if self._config.decode_mux:
             return self._mux(lease.decode_address).open(_decode_request(state, lease), timeout_s)
-        return self._stub(lease.decode_address).Generate(_decode_request(state, lease), timeout=timeout_s,
-                                                         metadata=self._metadata)
+        return self._stub(lease.decode_address).Generate(
+            _decode_request(state, lease), timeout=timeout_s, metadata=self._metadata
+        )
 
     def _mux(self, address: str) -> DecodeMux:
         mux = self._muxes.get(address)
@@ -798,22 +902,30 @@ class RouterCore:
         fault = typed.kind == RequestFault.kind if typed is not None else exc.code() in REQUEST_FAULTS
         result.failure = _Failure(failed, exc.code(), f"{exc.code().name}: {details}", fault)
 
-    def _on_marker(self, state: _Request, lease: Lease, marker: router_pb2.MigrationMarker,
-                   result: _Attempt) -> bool:
+    def _on_marker(self, state: _Request, lease: Lease, marker: router_pb2.MigrationMarker, result: _Attempt) -> bool:
         """A migration marker from a decode worker (never relayed); True when the attempt ends here."""
         migration = state.migration
         if marker.suspended:
             if migration is None:
-                result.failure = _Failure(lease.decode_address, grpc.StatusCode.UNAVAILABLE,
-                                          "decode worker suspended a request nobody migrates")
+                result.failure = _Failure(
+                    lease.decode_address,
+                    grpc.StatusCode.UNAVAILABLE,
+                    "decode worker suspended a request nobody migrates",
+                )
             result.suspended = migration is not None
             return True
         if marker.resumed and migration is not None and state.migrating:
             state.migration, state.migrating = None, False
-            migration.settle(router_pb2.MigrateResponse(
-                request_id=migration.source_id, from_address=migration.source, to_address=migration.target,
-                num_tokens=marker.num_tokens, kv_bytes=marker.kv_bytes,
-                migrate_s=time.monotonic() - migration.started))
+            migration.settle(
+                router_pb2.MigrateResponse(
+                    request_id=migration.source_id,
+                    from_address=migration.source,
+                    to_address=migration.target,
+                    num_tokens=marker.num_tokens,
+                    kv_bytes=marker.kv_bytes,
+                    migrate_s=time.monotonic() - migration.started,
+                )
+            )
             self.metrics.migrated()
         return False
 
@@ -834,8 +946,9 @@ class RouterCore:
     def _channel(self, address: str) -> grpc.aio.Channel:
         entry = self._stubs.get(address)
         if entry is None:
-            channel = open_aio_channel(address, [("grpc.max_receive_message_length", MAX_RECEIVE_MESSAGE_BYTES)],
-                                       add_token=False)  # the token goes in self._metadata, per call
+            channel = open_aio_channel(
+                address, [("grpc.max_receive_message_length", MAX_RECEIVE_MESSAGE_BYTES)], add_token=False
+            )  # the token goes in self._metadata, per call
             entry = self._stubs[address] = (channel, worker_pb2_grpc.DecodeWorkerStub(channel))
         return entry[0]
 
@@ -845,11 +958,13 @@ def _status_of(outcome: str) -> str:
     return outcome if outcome in grpc.StatusCode.__members__ else "OK"
 
 
-def _prepend_route(response: router_pb2.GenerateResponse, state: _Request, lease: Lease,
-                   hint: RouteHint | None) -> None:
+def _prepend_route(
+    response: router_pb2.GenerateResponse, state: _Request, lease: Lease, hint: RouteHint | None
+) -> None:
     """Put the router's route event first in a traced request's first response of an attempt."""
-    route = common_pb2.TraceRoute(decision=lease.route, decode_worker=lease.decode_address,
-                                  prefill_worker=lease.prefill_address)
+    route = common_pb2.TraceRoute(
+        decision=lease.route, decode_worker=lease.decode_address, prefill_worker=lease.prefill_address
+    )
     if hint is not None:
         route.prompt_tokens = hint.prompt_tokens
         route.decode_cached_tokens = hint.prompt_tokens - hint.uncached(lease.decode_address)
@@ -885,12 +1000,14 @@ def _stamp(response: router_pb2.GenerateResponse, state: _Request, lease: Lease)
 INLINE_HASH_CHARS = 16 * 1024
 
 
-
 def _decode_request(state: _Request, lease: Lease) -> worker_pb2.DecodeRequest:
     request = state.request
     decode_request = worker_pb2.DecodeRequest(
-        request_id=state.internal_id, client_request_id=request.request_id, prefill_address=lease.prefill_address,
-        resume_output_ids=state.delivered, trace=request.trace,
+        request_id=state.internal_id,
+        client_request_id=request.request_id,
+        prefill_address=lease.prefill_address,
+        resume_output_ids=state.delivered,
+        trace=request.trace,
     )
     if state.migrating and state.migration is not None:
         decode_request.migrate_from_address = state.migration.source

@@ -93,10 +93,13 @@ TENANT_KEY: Any = web.RequestKey("pdserve.tenant", str) if hasattr(web, "Request
 KEEPALIVE_S = 5.0  # uvicorn's timeout_keep_alive (vLLM's default too); aiohttp's own is 3,630 s
 BODY_TIMEOUT_S = 30.0  # the whole body, once the headers are in
 INLINE_PARSE_BYTES = 64 * 1024  # larger bodies are parsed in a thread, off the event loop
-_REFUSED_BODY = json.dumps({"error": {"message": "too many open connections", "type": "server_error",
-                                       "param": None, "code": None}}).encode()
-_REFUSED = (b"HTTP/1.1 503 Service Unavailable\r\nContent-Type: application/json\r\nConnection: close\r\n"
-            b"Retry-After: 1\r\nContent-Length: %d\r\n\r\n%s" % (len(_REFUSED_BODY), _REFUSED_BODY))
+_REFUSED_BODY = json.dumps(
+    {"error": {"message": "too many open connections", "type": "server_error", "param": None, "code": None}}
+).encode()
+_REFUSED = (
+    b"HTTP/1.1 503 Service Unavailable\r\nContent-Type: application/json\r\nConnection: close\r\n"
+    b"Retry-After: 1\r\nContent-Length: %d\r\n\r\n%s" % (len(_REFUSED_BODY), _REFUSED_BODY)
+)
 
 
 def default_max_connections() -> int:
@@ -115,8 +118,9 @@ class _Refusal(asyncio.Protocol):
 class _CappedSite(web.TCPSite):
     """`web.TCPSite` that refuses connections beyond `max_connections` (aiohttp has no such option)."""
 
-    def __init__(self, runner: web.AppRunner, host: str, port: int, ssl_context: ssl.SSLContext | None,
-                 max_connections: int) -> None:
+    def __init__(
+        self, runner: web.AppRunner, host: str, port: int, ssl_context: ssl.SSLContext | None, max_connections: int
+    ) -> None:
         super().__init__(runner, host, port, ssl_context=ssl_context)
         self._max_connections = max_connections
         self.refused = 0
@@ -133,7 +137,8 @@ class _CappedSite(web.TCPSite):
             return server()
 
         self._server = await asyncio.get_running_loop().create_server(
-            protocol, self._host, self._port, ssl=self._ssl_context, backlog=self._backlog)
+            protocol, self._host, self._port, ssl=self._ssl_context, backlog=self._backlog
+        )
 
 
 def _load_json(raw: bytes) -> Any:  # noqa: ANN401 - any JSON value
@@ -151,12 +156,15 @@ def _load_json(raw: bytes) -> Any:  # noqa: ANN401 - any JSON value
     except RecursionError:
         raise OpenAIError(400, "request body is nested too deeply") from None
     return body
+
+
 SERVING_ROLES = (common_pb2.WORKER_ROLE_DECODE, common_pb2.WORKER_ROLE_COLOCATED)
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 
-def _error_response(error: OpenAIError, request_id: str | None = None,
-                    retry_after_s: float | None = None) -> web.Response:
+def _error_response(
+    error: OpenAIError, request_id: str | None = None, retry_after_s: float | None = None
+) -> web.Response:
     headers = {"X-Request-Id": request_id} if request_id else {}
     if retry_after_s is not None:
         headers["Retry-After"] = str(int(retry_after_s))
@@ -177,8 +185,9 @@ class _Body(NamedTuple):
 
 
 BODIES: dict[str, _Body] = {
-    COMPLETION: _Body(partial(parse_request, COMPLETION), ParsedRequest.pack,
-                      partial(ParsedRequest.unpack, COMPLETION)),
+    COMPLETION: _Body(
+        partial(parse_request, COMPLETION), ParsedRequest.pack, partial(ParsedRequest.unpack, COMPLETION)
+    ),
     CHAT: _Body(partial(parse_request, CHAT), ParsedRequest.pack, partial(ParsedRequest.unpack, CHAT)),
     RESPONSE: _Body(parse_responses, ResponsesRequest.pack, ResponsesRequest.unpack),
     TOKENIZE: _Body(parse_tokenize, lambda m: m.SerializeToString(), worker_pb2.TokenizeRequest.FromString),
@@ -240,10 +249,18 @@ async def _read_body(request: web.Request, kind: str, model_name: str, request_i
 class OpenAIHttpServer:
     """Serves the OpenAI API on ``host:port`` from a `RouterCore`; start and stop on the core's loop."""
 
-    def __init__(self, core: RouterCore, model_name: str, host: str = "127.0.0.1", port: int = 0,
-                 auth_token: str | Mapping[str, str | None] | None = None, timeout_s: float = REQUEST_TIMEOUT_S,
-                 tls_cert_file: str | None = None, tls_key_file: str | None = None,
-                 max_connections: int | None = None) -> None:
+    def __init__(
+        self,
+        core: RouterCore,
+        model_name: str,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        auth_token: str | Mapping[str, str | None] | None = None,
+        timeout_s: float = REQUEST_TIMEOUT_S,
+        tls_cert_file: str | None = None,
+        tls_key_file: str | None = None,
+        max_connections: int | None = None,
+    ) -> None:
         self._core = core
         self.model_name = model_name
         self.host = host
@@ -262,25 +279,28 @@ class OpenAIHttpServer:
     async def start(self) -> int:
         """Bind and serve; return the bound port (OSError when it cannot bind)."""
         app = web.Application(client_max_size=MAX_BODY_BYTES, middlewares=[self._auth])
-        app.add_routes([
-            web.post("/v1/completions", self._completions),
-            web.post("/v1/chat/completions", self._chat_completions),
-            web.post("/v1/responses", self._create_response),
-            web.get("/v1/responses/{response_id}", self._get_response),
-            web.delete("/v1/responses/{response_id}", self._delete_response),
-            web.get("/v1/models", self._models),
-            web.post("/tokenize", self._tokenize),
-            web.post("/detokenize", self._detokenize),
-            web.get("/health", self._health),
-        ])
+        app.add_routes(
+            [
+                web.post("/v1/completions", self._completions),
+                web.post("/v1/chat/completions", self._chat_completions),
+                web.post("/v1/responses", self._create_response),
+                web.get("/v1/responses/{response_id}", self._get_response),
+                web.delete("/v1/responses/{response_id}", self._delete_response),
+                web.get("/v1/models", self._models),
+                web.post("/tokenize", self._tokenize),
+                web.post("/detokenize", self._detokenize),
+                web.get("/health", self._health),
+            ]
+        )
         self._runner = web.AppRunner(app, handler_cancellation=True, access_log=None, keepalive_timeout=KEEPALIVE_S)
         await self._runner.setup()
         self.site = _CappedSite(self._runner, self.host, self.port, self._ssl_context(), self.max_connections)
         await self.site.start()
         self.port = int(self._runner.addresses[0][1])
         scheme = "https" if self._tls else "http"
-        log.info("OpenAI-compatible HTTP API on %s://%s:%d/v1 (model %s)", scheme, self.host, self.port,
-                 self.model_name)
+        log.info(
+            "OpenAI-compatible HTTP API on %s://%s:%d/v1 (model %s)", scheme, self.host, self.port, self.model_name
+        )
         return self.port
 
     def _ssl_context(self) -> ssl.SSLContext | None:
@@ -314,8 +334,11 @@ class OpenAIHttpServer:
     async def _health(self, _request: web.Request) -> web.Response:
         status = self._core.status()
         serving = [w for w in status.workers if w.healthy and w.role in SERVING_ROLES]
-        body = {"status": "ok" if serving else "unavailable", "healthy_workers": len(serving),
-                "queued_requests": status.queued_requests}
+        body = {
+            "status": "ok" if serving else "unavailable",
+            "healthy_workers": len(serving),
+            "queued_requests": status.queued_requests,
+        }
         return web.json_response(body, status=200 if serving else 503)
 
     async def _completions(self, request: web.Request) -> web.StreamResponse:
@@ -368,39 +391,59 @@ class OpenAIHttpServer:
             self._keep(parsed, tenant, answer, len(body), previous + turn)
             return web.Response(text=body, content_type="application/json", headers={"X-Request-Id": request_id})
         except RouterError as exc:
-            return _error_response(responses_api.renamed(error_from_grpc(exc.code, exc.details)), request_id,
-                                   exc.retry_after_s)
+            return _error_response(
+                responses_api.renamed(error_from_grpc(exc.code, exc.details)), request_id, exc.retry_after_s
+            )
         except OpenAIError as exc:
             return _error_response(exc, request_id)
         finally:
             await responses.aclose()  # frees the workers when the client left early
 
-    def _previous_conversation(self, parsed: ResponsesRequest,
-                               tenant: str) -> tuple[common_pb2.ChatMessage, ...]:
+    def _previous_conversation(self, parsed: ResponsesRequest, tenant: str) -> tuple[common_pb2.ChatMessage, ...]:
         previous_id = parsed.options.previous_response_id
         if previous_id is None:
             return ()
         stored = self.responses.get(previous_id, tenant)
         if stored is None:
-            raise OpenAIError(400, f"previous_response_id: no stored response {previous_id!r} (responses are kept "
-                                   f"in the router's memory, the last {self.responses.max_responses} at most, and "
-                                   "only with store=true)", param="previous_response_id",
-                              code="previous_response_not_found")
+            raise OpenAIError(
+                400,
+                f"previous_response_id: no stored response {previous_id!r} (responses are kept "
+                f"in the router's memory, the last {self.responses.max_responses} at most, and "
+                "only with store=true)",
+                param="previous_response_id",
+                code="previous_response_not_found",
+            )
         return stored.conversation
 
-    def _keep(self, parsed: ResponsesRequest, tenant: str, answer: dict[str, Any], answer_bytes: int,
-              conversation: tuple[common_pb2.ChatMessage, ...]) -> None:
+    def _keep(
+        self,
+        parsed: ResponsesRequest,
+        tenant: str,
+        answer: dict[str, Any],
+        answer_bytes: int,
+        conversation: tuple[common_pb2.ChatMessage, ...],
+    ) -> None:
         """Store a finished response (with `store`), its conversation continued by its output."""
         if parsed.options.store:
             turn = responses_api.output_turn(answer["output"])
             self.responses.put(answer["id"], tenant, answer, answer_bytes, (*conversation, turn))
 
-    async def _stream_response(self, request: web.Request, parsed: ResponsesRequest,
-                               responses: AsyncIterator[router_pb2.GenerateResponse],
-                               conversation: tuple[common_pb2.ChatMessage, ...], tenant: str) -> web.StreamResponse:
+    async def _stream_response(
+        self,
+        request: web.Request,
+        parsed: ResponsesRequest,
+        responses: AsyncIterator[router_pb2.GenerateResponse],
+        conversation: tuple[common_pb2.ChatMessage, ...],
+        tenant: str,
+    ) -> web.StreamResponse:
         first = await anext(responses, None)  # errors before the first token still get a plain error answer
-        out = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
-                                          "X-Request-Id": parsed.chat.grpc_request.request_id})
+        out = web.StreamResponse(
+            headers={
+                "Content-Type": "text/event-stream",
+                "Cache-Control": "no-cache",
+                "X-Request-Id": parsed.chat.grpc_request.request_id,
+            }
+        )
         await out.prepare(request)
         stream = responses_api.ResponseStream(parsed, self.model_name)
         async with aclosing(stream.events(first, responses)) as events:
@@ -408,8 +451,7 @@ class OpenAIHttpServer:
                 data = json.dumps(event, ensure_ascii=False)
                 await out.write(f"event: {event['type']}\ndata: {data}\n\n".encode())
         if stream.answer is not None:
-            self._keep(parsed, tenant, stream.answer, len(json.dumps(stream.answer, ensure_ascii=False)),
-                       conversation)
+            self._keep(parsed, tenant, stream.answer, len(json.dumps(stream.answer, ensure_ascii=False)), conversation)
         await out.write_eof()
         return out
 
@@ -432,8 +474,13 @@ class OpenAIHttpServer:
     async def _detokenize(self, request: web.Request) -> web.Response:
         return await self._tokenizer_call(request, DETOKENIZE, self._tokenizer.detokenize, detokenize_answer)
 
-    async def _tokenizer_call(self, request: web.Request, kind: str, call: Callable[[Any], Awaitable[Any]],
-                              shape: Callable[[Any], dict[str, Any]]) -> web.Response:
+    async def _tokenizer_call(
+        self,
+        request: web.Request,
+        kind: str,
+        call: Callable[[Any], Awaitable[Any]],
+        shape: Callable[[Any], dict[str, Any]],
+    ) -> web.Response:
         try:
             request_id = _request_id(request)
         except OpenAIError as exc:
@@ -447,8 +494,9 @@ class OpenAIHttpServer:
         return web.json_response(shape(answer), headers={"X-Request-Id": request_id})
 
     # ----- relaying -------------------------------------------------------------------------------
-    async def _collect(self, parsed: ParsedRequest,
-                       responses: AsyncIterator[router_pb2.GenerateResponse]) -> web.Response:
+    async def _collect(
+        self, parsed: ParsedRequest, responses: AsyncIterator[router_pb2.GenerateResponse]
+    ) -> web.Response:
         n = parsed.n
         texts: list[list[str]] = [[] for _ in range(n)]
         entries: list[list[common_pb2.TokenLogprob]] = [[] for _ in range(n)]
@@ -487,24 +535,41 @@ class OpenAIHttpServer:
                 reason = tools.finish_reason(parsed.tools, len(calls), reason or "stop")
             logprobs = answer_logprobs(parsed.kind, choice_entries) if parsed.logprobs else None
             choices.append(answer_choice(parsed.kind, i, text, reason, logprobs, calls))
-        answer = full_answer(parsed.kind, parsed.grpc_request.request_id, self.model_name, choices,
-                             total_usage(usages))
+        answer = full_answer(parsed.kind, parsed.grpc_request.request_id, self.model_name, choices, total_usage(usages))
         return web.json_response(answer, headers={"X-Request-Id": parsed.grpc_request.request_id})
 
-    async def _stream(self, request: web.Request, parsed: ParsedRequest,
-                      responses: AsyncIterator[router_pb2.GenerateResponse]) -> web.StreamResponse:
+    async def _stream(
+        self, request: web.Request, parsed: ParsedRequest, responses: AsyncIterator[router_pb2.GenerateResponse]
+    ) -> web.StreamResponse:
         first = await anext(responses, None)  # errors before the first token still get a plain error answer
         request_id, kind, n = parsed.grpc_request.request_id, parsed.kind, parsed.n
         created = int(time.time())
-        out = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
-                                          "X-Request-Id": request_id})
+        out = web.StreamResponse(
+            headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache", "X-Request-Id": request_id}
+        )
         await out.prepare(request)
         send = _EventWriter(out)
 
-        def event(index: int, text: str | None, reason: str | None, logprobs: dict[str, Any] | None = None,
-                  calls: list[dict[str, Any]] | None = None, role: bool = False) -> dict[str, Any]:
-            return chunk(kind, request_id, self.model_name, created, text, reason, role=role, logprobs=logprobs,
-                         index=index, tool_calls=calls)
+        def event(
+            index: int,
+            text: str | None,
+            reason: str | None,
+            logprobs: dict[str, Any] | None = None,
+            calls: list[dict[str, Any]] | None = None,
+            role: bool = False,
+        ) -> dict[str, Any]:
+            return chunk(
+                kind,
+                request_id,
+                self.model_name,
+                created,
+                text,
+                reason,
+                role=role,
+                logprobs=logprobs,
+                index=index,
+                tool_calls=calls,
+            )
 
         parsers = [tools.ToolStream(parsed.tools) for _ in range(n)] if parsed.tools is not None else None
         try:
@@ -533,8 +598,9 @@ class OpenAIHttpServer:
                     usages.append(usage(response))
                     if len(usages) == n:
                         if parsed.include_usage:
-                            await send.data(usage_chunk(kind, request_id, self.model_name, created,
-                                                        total_usage(usages)))
+                            await send.data(
+                                usage_chunk(kind, request_id, self.model_name, created, total_usage(usages))
+                            )
                         break
                 response = await anext(responses, None)
             else:

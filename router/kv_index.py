@@ -117,8 +117,7 @@ class RecentChains:
         self.max_prompts, self.per_start = max_prompts, per_start
         self._lock = threading.Lock()
         # (salt, block size, the first block's bytes) -> [(the prompt's packed blocks, hashes, keys)]
-        self._by_start: OrderedDict[tuple[str, int, bytes], list[tuple[bytes, list[bytes], list[int]]]] = \
-            OrderedDict()
+        self._by_start: OrderedDict[tuple[str, int, bytes], list[tuple[bytes, list[bytes], list[int]]]] = OrderedDict()
         self._count = 0
         self.reused_blocks = 0
 
@@ -134,7 +133,7 @@ class RecentChains:
             blocks = _common_blocks(data, old_data, step)
             if blocks > common:
                 common, hashes, keys = blocks, old_hashes[:blocks], old_keys[:blocks]
-        new = chain_hashes(data[common * step:], block_size, hashes[-1] if hashes else chain_start(salt))
+        new = chain_hashes(data[common * step :], block_size, hashes[-1] if hashes else chain_start(salt))
         hashes = hashes + new
         keys = keys + [key_of(h) for h in new]
         with self._lock:
@@ -142,7 +141,7 @@ class RecentChains:
             chains = self._by_start.setdefault(start, [])
             self._by_start.move_to_end(start)
             before = len(chains)
-            chains[:] = [c for c in chains if not data.startswith(c[0])][-(self.per_start - 1):]
+            chains[:] = [c for c in chains if not data.startswith(c[0])][-(self.per_start - 1) :]
             chains.append((data, hashes, keys))
             self._count += len(chains) - before
             while self._count > self.max_prompts:
@@ -263,8 +262,12 @@ class KvIndex:
 class KvEventFeed:
     """One KvEvents.Subscribe stream per worker into a `KvIndex` (see the module doc)."""
 
-    def __init__(self, index: KvIndex, metadata: Sequence[tuple[str, str]] = (),
-                 channel_of: Callable[[str], grpc.Channel] | None = None) -> None:
+    def __init__(
+        self,
+        index: KvIndex,
+        metadata: Sequence[tuple[str, str]] = (),
+        channel_of: Callable[[str], grpc.Channel] | None = None,
+    ) -> None:
         self.index = index
         self._metadata = tuple(metadata)
         self._channel_of = channel_of
@@ -325,7 +328,8 @@ class _Subscription:
             try:
                 self._call = self._stub.Subscribe(
                     worker_pb2.KvEventsRequest(epoch=self.epoch, after_seq=self.last_seq),
-                    metadata=self._feed._metadata or None)
+                    metadata=self._feed._metadata or None,
+                )
                 for batch in self._call:
                     if self._stop.is_set():
                         return
@@ -335,8 +339,10 @@ class _Subscription:
                 if self._stop.is_set():
                     return
                 if exc.code() == grpc.StatusCode.UNIMPLEMENTED:
-                    log.info("worker %s publishes no KV events (UNIMPLEMENTED): KV-aware routing sees no "
-                             "cache there", self._address)
+                    log.info(
+                        "worker %s publishes no KV events (UNIMPLEMENTED): KV-aware routing sees no cache there",
+                        self._address,
+                    )
                     return
                 log.debug("KV events from %s: %s", self._address, exc.code().name)
             finally:
@@ -351,8 +357,14 @@ class _Subscription:
         if batch.snapshot:
             index.replace(self._address, batch.keys)
         elif batch.epoch != self.epoch or batch.first_seq != self.last_seq + 1:
-            log.info("KV events from %s: gap (epoch %d seq %d after %d seq %d); asking for a snapshot",
-                     self._address, batch.epoch, batch.first_seq, self.epoch, self.last_seq)
+            log.info(
+                "KV events from %s: gap (epoch %d seq %d after %d seq %d); asking for a snapshot",
+                self._address,
+                batch.epoch,
+                batch.first_seq,
+                self.epoch,
+                self.last_seq,
+            )
             self.epoch, self.last_seq = 0, 0
             return False
         else:

@@ -215,8 +215,9 @@ class RequestClock:
         """This request as a FinishedSample (call once it ended); records the gaps not recorded yet."""
         self.flush()
         tpot = (self.e2e_s - self.ttft_s) / (self.output_tokens - 1) if self.output_tokens > 1 and self.e2e_s else 0.0
-        return FinishedSample(time.monotonic(), self.ttft_s, tpot, self.queue_s, self.prompt_tokens,
-                              self.output_tokens, ok)
+        return FinishedSample(
+            time.monotonic(), self.ttft_s, tpot, self.queue_s, self.prompt_tokens, self.output_tokens, ok
+        )
 
 
 def observe_many(histogram: Histogram, values: list[float]) -> None:

@@ -103,8 +103,13 @@ class MuxCall:
 class DecodeMux:
     """The GenerateMux call to one decode worker and the requests open on it."""
 
-    def __init__(self, address: str, stub: worker_pb2_grpc.DecodeWorkerStub, metadata: Any,
-                 on_closed: Callable[[DecodeMux], None]) -> None:
+    def __init__(
+        self,
+        address: str,
+        stub: worker_pb2_grpc.DecodeWorkerStub,
+        metadata: Any,
+        on_closed: Callable[[DecodeMux], None],
+    ) -> None:
         self.address = address
         self.closed = False
         self.messages_received = 0  # MuxResponse messages read (each carries one worker loop turn)
@@ -124,8 +129,7 @@ class DecodeMux:
             call._end(rpc_error(grpc.StatusCode.UNAVAILABLE, f"decode worker {self.address}: mux stream closed"))
             return call
         self._calls[request.request_id] = call
-        self._outgoing.put_nowait(worker_pb2.MuxRequest(open=worker_pb2.MuxOpen(request=request,
-                                                                                   timeout_s=timeout_s)))
+        self._outgoing.put_nowait(worker_pb2.MuxRequest(open=worker_pb2.MuxOpen(request=request, timeout_s=timeout_s)))
         return call
 
     def cancel(self, request_id: str) -> None:
@@ -167,17 +171,22 @@ class DecodeMux:
                         call._push(item.response)
                     if item.end:
                         del calls[item.request_id]
-                        call._end(_EOF if item.code == 0 else
-                                  rpc_error(STATUS_BY_NUMBER.get(item.code, grpc.StatusCode.UNKNOWN), item.details,
-                                            item.failure))
+                        call._end(
+                            _EOF
+                            if item.code == 0
+                            else rpc_error(
+                                STATUS_BY_NUMBER.get(item.code, grpc.StatusCode.UNKNOWN), item.details, item.failure
+                            )
+                        )
         except grpc.aio.AioRpcError as exc:
             # the worker's side ended the call (it stopped, or the connection dropped): for the requests
             # on it that is the worker failing, as for a Generate call to a dead worker
             code = grpc.StatusCode.UNAVAILABLE if exc.code() == grpc.StatusCode.CANCELLED else exc.code()
             failure = rpc_error(code, f"decode worker {self.address}: {exc.details() or exc.code().name}")
             if exc.code() != grpc.StatusCode.CANCELLED:
-                log.warning("mux stream to decode worker %s failed: %s: %s", self.address, exc.code().name,
-                            exc.details())
+                log.warning(
+                    "mux stream to decode worker %s failed: %s: %s", self.address, exc.code().name, exc.details()
+                )
         except asyncio.CancelledError:
             failure = rpc_error(grpc.StatusCode.CANCELLED, "router closing")
             raise

@@ -50,22 +50,68 @@ FINISH_REASONS = {
 # Fields pdserve does not implement are accepted only with their "off" value (what a client that does not
 # use the feature may send); any other value is refused rather than silently ignored.
 _UNSUPPORTED_OFF_VALUES: dict[str, tuple[Any, ...]] = {
-    "functions": (None, []), "function_call": (None, "none"), "best_of": (None, 1),
-    "suffix": (None, ""), "audio": (None,), "modalities": (None, ["text"]), "prediction": (None,),
-    "store": (None, False), "reasoning_effort": (None,),
-    "service_tier": (None, "auto", "default"), "web_search_options": (None,),
+    "functions": (None, []),
+    "function_call": (None, "none"),
+    "best_of": (None, 1),
+    "suffix": (None, ""),
+    "audio": (None,),
+    "modalities": (None, ["text"]),
+    "prediction": (None,),
+    "store": (None, False),
+    "reasoning_effort": (None,),
+    "service_tier": (None, "auto", "default"),
+    "web_search_options": (None,),
 }
 # Harmless: accepted and without effect on the answer. ``user`` and ``metadata`` are opaque labels.
 # ``stream_options`` is implemented (``include_usage``; other keys are refused).
 _IGNORED = frozenset({"model", "user", "stream", "stream_options", "metadata"})
-_KNOWN = frozenset({"prompt", "messages", "max_tokens", "max_completion_tokens", "temperature", "top_p", "seed",
-                    "stop", "top_k", "ignore_eos", "stop_token_ids", "logprobs", "top_logprobs", "echo",
-                    "presence_penalty", "frequency_penalty", "repetition_penalty", "min_p", "min_tokens",
-                    "logit_bias", "allowed_token_ids", "bad_words", "skip_special_tokens", "cache_salt",
-                    "response_format", "structured_outputs", "guided_json", "guided_regex", "guided_choice",
-                    "guided_grammar", "n", "tools", "tool_choice", "parallel_tool_calls", "include_stop_str_in_output",
-                    "spaces_between_special_tokens", "priority", "slo_ttft_ms", "best_effort"}) \
-    | _IGNORED | frozenset(_UNSUPPORTED_OFF_VALUES)
+_KNOWN = (
+    frozenset(
+        {
+            "prompt",
+            "messages",
+            "max_tokens",
+            "max_completion_tokens",
+            "temperature",
+            "top_p",
+            "seed",
+            "stop",
+            "top_k",
+            "ignore_eos",
+            "stop_token_ids",
+            "logprobs",
+            "top_logprobs",
+            "echo",
+            "presence_penalty",
+            "frequency_penalty",
+            "repetition_penalty",
+            "min_p",
+            "min_tokens",
+            "logit_bias",
+            "allowed_token_ids",
+            "bad_words",
+            "skip_special_tokens",
+            "cache_salt",
+            "response_format",
+            "structured_outputs",
+            "guided_json",
+            "guided_regex",
+            "guided_choice",
+            "guided_grammar",
+            "n",
+            "tools",
+            "tool_choice",
+            "parallel_tool_calls",
+            "include_stop_str_in_output",
+            "spaces_between_special_tokens",
+            "priority",
+            "slo_ttft_ms",
+            "best_effort",
+        }
+    )
+    | _IGNORED
+    | frozenset(_UNSUPPORTED_OFF_VALUES)
+)
 _STREAM_OPTIONS = frozenset({"include_usage"})
 MAX_INT32 = 2**31 - 1
 MAX_USER_CHARS = 256
@@ -77,8 +123,9 @@ MAX_SLO_TTFT_MS = 3_600_000  # an hour: beyond it an objective means nothing
 class OpenAIError(Exception):
     """An error answer: HTTP ``status`` and OpenAI's error object."""
 
-    def __init__(self, status: int, message: str, param: str | None = None, type_: str | None = None,
-                 code: str | None = None) -> None:
+    def __init__(
+        self, status: int, message: str, param: str | None = None, type_: str | None = None, code: str | None = None
+    ) -> None:
         super().__init__(message)
         self.status = status
         self.message = message
@@ -90,15 +137,25 @@ class OpenAIError(Exception):
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
 
 
-_ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "invalid_request_error",
-                429: "rate_limit_exceeded",
-                503: "service_unavailable", 504: "timeout"}
+_ERROR_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    404: "invalid_request_error",
+    429: "rate_limit_exceeded",
+    503: "service_unavailable",
+    504: "timeout",
+}
 _GRPC_TO_HTTP = {
-    grpc.StatusCode.INVALID_ARGUMENT: 400, grpc.StatusCode.OUT_OF_RANGE: 400,
-    grpc.StatusCode.FAILED_PRECONDITION: 400, grpc.StatusCode.NOT_FOUND: 404,
-    grpc.StatusCode.RESOURCE_EXHAUSTED: 429, grpc.StatusCode.UNAVAILABLE: 503,
-    grpc.StatusCode.DEADLINE_EXCEEDED: 504, grpc.StatusCode.CANCELLED: 499,
-    grpc.StatusCode.UNAUTHENTICATED: 401, grpc.StatusCode.PERMISSION_DENIED: 403,
+    grpc.StatusCode.INVALID_ARGUMENT: 400,
+    grpc.StatusCode.OUT_OF_RANGE: 400,
+    grpc.StatusCode.FAILED_PRECONDITION: 400,
+    grpc.StatusCode.NOT_FOUND: 404,
+    grpc.StatusCode.RESOURCE_EXHAUSTED: 429,
+    grpc.StatusCode.UNAVAILABLE: 503,
+    grpc.StatusCode.DEADLINE_EXCEEDED: 504,
+    grpc.StatusCode.CANCELLED: 499,
+    grpc.StatusCode.UNAUTHENTICATED: 401,
+    grpc.StatusCode.PERMISSION_DENIED: 403,
 }
 
 
@@ -131,8 +188,14 @@ class ParsedRequest:
 
     def pack(self) -> tuple[bytes, dict[str, Any]]:
         """Bytes and small values (what crosses back from the parser process); `unpack` reverses it."""
-        options = {"stream": self.stream, "include_usage": self.include_usage, "logprobs": self.logprobs,
-                   "echo": self.echo, "drop_output": self.drop_output, "tools": self.tools}
+        options = {
+            "stream": self.stream,
+            "include_usage": self.include_usage,
+            "logprobs": self.logprobs,
+            "echo": self.echo,
+            "drop_output": self.drop_output,
+            "tools": self.tools,
+        }
         return self.grpc_request.SerializeToString(), options
 
     @classmethod
@@ -188,8 +251,9 @@ def _scheduling(body: dict[str, Any], request: router_pb2.GenerateRequest) -> No
     request.best_effort = _optional_bool(body, "best_effort")
 
 
-def _logprob_options(kind: str, body: dict[str, Any], params: common_pb2.SamplingParams,
-                     stream: bool) -> tuple[bool, bool, bool]:
+def _logprob_options(
+    kind: str, body: dict[str, Any], params: common_pb2.SamplingParams, stream: bool
+) -> tuple[bool, bool, bool]:
     """OpenAI's logprobs fields -> SamplingParams.logprobs / prompt_logprobs; (logprobs, echo, drop_output)."""
     if params.HasField("max_tokens") and params.max_tokens == 0 and not (kind == COMPLETION and body.get("echo")):
         raise OpenAIError(400, "max_tokens: 0 is only allowed with echo=true", param="max_tokens")
@@ -204,8 +268,7 @@ def _logprob_options(kind: str, body: dict[str, Any], params: common_pb2.Samplin
             params.logprobs = top or 0
         return wanted, False, False
     if body.get("top_logprobs") is not None:
-        raise OpenAIError(400, "top_logprobs: a chat completions field; use logprobs=<int> here",
-                          param="top_logprobs")
+        raise OpenAIError(400, "top_logprobs: a chat completions field; use logprobs=<int> here", param="top_logprobs")
     num = _integer(body, "logprobs", 0, MAX_LOGPROBS) if body.get("logprobs") is not False else None
     echo = _optional_bool(body, "echo")
     if num is not None:
@@ -226,8 +289,12 @@ def check_model(model: object, model_name: str) -> None:
     if not isinstance(model, str) or not model:
         raise OpenAIError(400, "model: a model name is required", param="model")
     if model != model_name:
-        raise OpenAIError(404, f"The model `{model}` does not exist; this server serves `{model_name}`",
-                          param="model", code="model_not_found")
+        raise OpenAIError(
+            404,
+            f"The model `{model}` does not exist; this server serves `{model_name}`",
+            param="model",
+            code="model_not_found",
+        )
 
 
 def _check_supported(body: dict[str, Any]) -> None:
@@ -252,8 +319,12 @@ def _check_labels(body: dict[str, Any]) -> None:
         raise OpenAIError(400, f"metadata: must be an object of at most {MAX_METADATA_KEYS} keys", param="metadata")
     for key, value in metadata.items():
         if len(key) > MAX_METADATA_KEY_CHARS or not isinstance(value, str) or len(value) > MAX_METADATA_VALUE_CHARS:
-            raise OpenAIError(400, f"metadata: keys of at most {MAX_METADATA_KEY_CHARS} characters, values strings "
-                                   f"of at most {MAX_METADATA_VALUE_CHARS}", param="metadata")
+            raise OpenAIError(
+                400,
+                f"metadata: keys of at most {MAX_METADATA_KEY_CHARS} characters, values strings "
+                f"of at most {MAX_METADATA_VALUE_CHARS}",
+                param="metadata",
+            )
 
 
 def _same(value: object, off: object) -> bool:
@@ -322,8 +393,11 @@ def _sampling_params(body: dict[str, Any]) -> common_pb2.SamplingParams:
 def _penalties(body: dict[str, Any], params: common_pb2.SamplingParams) -> None:
     """OpenAI's presence/frequency penalties and logit_bias, and vLLM's repetition_penalty, min_p and
     min_tokens (neutral values leave the field unset)."""
-    for name, low, high, neutral in (("presence_penalty", -2.0, 2.0, 0.0), ("frequency_penalty", -2.0, 2.0, 0.0),
-                                     ("min_p", 0.0, 1.0, 0.0)):
+    for name, low, high, neutral in (
+        ("presence_penalty", -2.0, 2.0, 0.0),
+        ("frequency_penalty", -2.0, 2.0, 0.0),
+        ("min_p", 0.0, 1.0, 0.0),
+    ):
         value = _number(body, name, low, high)
         if value is not None and value != neutral:
             setattr(params, name, value)
@@ -350,16 +424,21 @@ def _penalties(body: dict[str, Any], params: common_pb2.SamplingParams) -> None:
     if bias is None:
         return
     if not isinstance(bias, dict) or len(bias) > MAX_LOGIT_BIAS_ENTRIES:
-        raise OpenAIError(400, f"logit_bias: must be an object of at most {MAX_LOGIT_BIAS_ENTRIES} token ids",
-                          param="logit_bias")
+        raise OpenAIError(
+            400, f"logit_bias: must be an object of at most {MAX_LOGIT_BIAS_ENTRIES} token ids", param="logit_bias"
+        )
     for key, value in bias.items():
         token = str(key)
         if not token.isdigit() or int(token) > MAX_INT32:
             raise OpenAIError(400, f"logit_bias: keys must be token ids, got {key!r}", param="logit_bias")
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or \
-                not -MAX_LOGIT_BIAS <= value <= MAX_LOGIT_BIAS:
-            raise OpenAIError(400, f"logit_bias[{token}]: must be a number in [-100, 100], got {value!r}",
-                              param="logit_bias")
+        if (
+            isinstance(value, bool)
+            or not isinstance(value, (int, float))
+            or not -MAX_LOGIT_BIAS <= value <= MAX_LOGIT_BIAS
+        ):
+            raise OpenAIError(
+                400, f"logit_bias[{token}]: must be a number in [-100, 100], got {value!r}", param="logit_bias"
+            )
         params.logit_bias[int(token)] = float(value)
 
 
@@ -373,32 +452,37 @@ def _structured(body: dict[str, Any], params: common_pb2.SamplingParams) -> None
     response_format = body.get("response_format")
     if response_format is not None:
         if not isinstance(response_format, dict) or response_format.get("type") not in (
-                "text", "json_object", "json_schema"):
-            raise OpenAIError(400, "response_format: type must be text, json_object or json_schema",
-                              param="response_format")
+            "text",
+            "json_object",
+            "json_schema",
+        ):
+            raise OpenAIError(
+                400, "response_format: type must be text, json_object or json_schema", param="response_format"
+            )
         if response_format["type"] == "json_object":
             given.append(("response_format", "json_object", True))
         elif response_format["type"] == "json_schema":
             spec = response_format.get("json_schema")
             schema = spec.get("schema") if isinstance(spec, dict) else None
             if not isinstance(schema, dict):
-                raise OpenAIError(400, "response_format.json_schema.schema: must be a JSON Schema object",
-                                  param="response_format")
+                raise OpenAIError(
+                    400, "response_format.json_schema.schema: must be a JSON Schema object", param="response_format"
+                )
             given.append(("response_format", "json", schema))
     outputs = body.get("structured_outputs")
     if outputs is not None:
         if not isinstance(outputs, dict):
             raise OpenAIError(400, "structured_outputs: must be an object", param="structured_outputs")
         for key in sorted(set(outputs) - {"json", "regex", "choice", "grammar"}):
-            raise OpenAIError(400, f"structured_outputs.{key}: not supported by this server",
-                              param="structured_outputs")
+            raise OpenAIError(
+                400, f"structured_outputs.{key}: not supported by this server", param="structured_outputs"
+            )
         given += [("structured_outputs", kind, value) for kind, value in outputs.items() if value is not None]
     given += [(name, kind, body[name]) for name, kind in _GUIDED.items() if body.get(name) is not None]
     if not given:
         return
     if len(given) > 1:
-        raise OpenAIError(400, f"{given[1][0]}: only one structured-output constraint per request",
-                          param=given[1][0])
+        raise OpenAIError(400, f"{given[1][0]}: only one structured-output constraint per request", param=given[1][0])
     name, kind, value = given[0]
     target = params.structured
     if kind == "json_object":
@@ -452,8 +536,9 @@ def _set_prompt(request: router_pb2.GenerateRequest, prompt: object) -> None:
             raise OpenAIError(400, f"prompt: token ids must be integers in [0, {MAX_INT32}]", param="prompt")
         request.token_ids.ids.extend(prompt)
     elif isinstance(prompt, list) and len(prompt) > 1:
-        raise OpenAIError(400, "prompt: batches of several prompts are not supported; send one per request",
-                          param="prompt")
+        raise OpenAIError(
+            400, "prompt: batches of several prompts are not supported; send one per request", param="prompt"
+        )
     else:
         raise OpenAIError(400, "prompt: must be a string or a list of token ids", param="prompt")
 
@@ -471,24 +556,31 @@ def chat_messages(messages: object) -> common_pb2.ChatMessages:
         calls = message.get("tool_calls")
         if calls:
             if role != "assistant" or not isinstance(calls, list) or not all(_is_call(c) for c in calls):
-                raise OpenAIError(400, f"messages[{i}].tool_calls: an assistant turn's list of "
-                                       "{\"id\", \"type\": \"function\", \"function\": {\"name\", \"arguments\"}}",
-                                  param="messages")
+                raise OpenAIError(
+                    400,
+                    f"messages[{i}].tool_calls: an assistant turn's list of "
+                    '{"id", "type": "function", "function": {"name", "arguments"}}',
+                    param="messages",
+                )
             turn.tool_calls_json = json.dumps(calls, ensure_ascii=False)
         for name in ("tool_call_id", "name"):
             value = message.get(name)
             if value is not None:
                 if not isinstance(value, str) or len(value) > 256:
-                    raise OpenAIError(400, f"messages[{i}].{name}: must be a string of at most 256 characters",
-                                      param="messages")
+                    raise OpenAIError(
+                        400, f"messages[{i}].{name}: must be a string of at most 256 characters", param="messages"
+                    )
                 setattr(turn, name, value)
     return chat
 
 
 def _is_call(call: object) -> bool:
     function = call.get("function") if isinstance(call, dict) else None
-    return (isinstance(function, dict) and isinstance(function.get("name"), str)
-            and isinstance(function.get("arguments", ""), (str, dict)))
+    return (
+        isinstance(function, dict)
+        and isinstance(function.get("name"), str)
+        and isinstance(function.get("arguments", ""), (str, dict))
+    )
 
 
 def _content(content: object, i: int) -> str:
@@ -516,8 +608,12 @@ def finish_reason(response: router_pb2.GenerateResponse) -> str | None:
 
 def usage(response: router_pb2.GenerateResponse) -> dict[str, Any]:
     prompt, completion = response.usage.prompt_tokens, response.usage.completion_tokens
-    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
-            "prompt_tokens_details": {"cached_tokens": response.usage.cached_tokens}}
+    return {
+        "prompt_tokens": prompt,
+        "completion_tokens": completion,
+        "total_tokens": prompt + completion,
+        "prompt_tokens_details": {"cached_tokens": response.usage.cached_tokens},
+    }
 
 
 def response_id(kind: str, request_id: str) -> str:
@@ -548,11 +644,11 @@ def completion_logprobs(entries: list[common_pb2.TokenLogprob], offset: int = 0)
 
 def chat_logprobs(entries: list[common_pb2.TokenLogprob]) -> dict[str, Any]:
     """/v1/chat/completions' ``logprobs`` object."""
+
     def item(token: str, logprob: float) -> dict[str, Any]:
         return {"token": token, "logprob": logprob, "bytes": list(token.encode())}
 
-    content = [{**item(e.token, e.logprob), "top_logprobs": [item(t.token, t.logprob) for t in e.top]}
-               for e in entries]
+    content = [{**item(e.token, e.logprob), "top_logprobs": [item(t.token, t.logprob) for t in e.top]} for e in entries]
     return {"content": content, "refusal": None}
 
 
@@ -560,9 +656,14 @@ def answer_logprobs(kind: str, entries: list[common_pb2.TokenLogprob], offset: i
     return chat_logprobs(entries) if kind == CHAT else completion_logprobs(entries, offset)
 
 
-def answer_choice(kind: str, index: int, text: str | None, reason: str | None,
-                  logprobs: dict[str, Any] | None = None,
-                  tool_calls: list[dict[str, Any]] | None = None) -> dict[str, Any]:
+def answer_choice(
+    kind: str,
+    index: int,
+    text: str | None,
+    reason: str | None,
+    logprobs: dict[str, Any] | None = None,
+    tool_calls: list[dict[str, Any]] | None = None,
+) -> dict[str, Any]:
     """One choice of a non-streaming answer (chat: `text` None with tool calls)."""
     if kind == CHAT:
         message: dict[str, Any] = {"role": "assistant", "content": text}
@@ -572,11 +673,18 @@ def answer_choice(kind: str, index: int, text: str | None, reason: str | None,
     return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": reason}
 
 
-def full_answer(kind: str, request_id: str, model: str, choices: list[dict[str, Any]],
-                usage_: dict[str, int]) -> dict[str, Any]:
+def full_answer(
+    kind: str, request_id: str, model: str, choices: list[dict[str, Any]], usage_: dict[str, int]
+) -> dict[str, Any]:
     """The non-streaming answer object."""
-    return {"id": response_id(kind, request_id), "object": kind, "created": int(time.time()), "model": model,
-            "choices": choices, "usage": usage_}
+    return {
+        "id": response_id(kind, request_id),
+        "object": kind,
+        "created": int(time.time()),
+        "model": model,
+        "choices": choices,
+        "usage": usage_,
+    }
 
 
 def total_usage(usages: list[dict[str, int]]) -> dict[str, int]:
@@ -586,9 +694,18 @@ def total_usage(usages: list[dict[str, int]]) -> dict[str, int]:
     return {**first, "completion_tokens": completion, "total_tokens": first["prompt_tokens"] + completion}
 
 
-def chunk(kind: str, request_id: str, model: str, created: int, text: str | None, reason: str | None,
-          role: bool = False, logprobs: dict[str, Any] | None = None, index: int = 0,
-          tool_calls: list[dict[str, Any]] | None = None) -> dict[str, Any]:
+def chunk(
+    kind: str,
+    request_id: str,
+    model: str,
+    created: int,
+    text: str | None,
+    reason: str | None,
+    role: bool = False,
+    logprobs: dict[str, Any] | None = None,
+    index: int = 0,
+    tool_calls: list[dict[str, Any]] | None = None,
+) -> dict[str, Any]:
     """One streamed chunk (``text`` None with ``role`` True: the chat opening chunk)."""
     if kind == CHAT:
         delta: dict[str, Any] = {}
@@ -603,12 +720,17 @@ def chunk(kind: str, request_id: str, model: str, created: int, text: str | None
     else:
         choice = {"index": index, "text": text or "", "logprobs": logprobs, "finish_reason": reason}
         obj = COMPLETION
-    return {"id": response_id(kind, request_id), "object": obj, "created": created, "model": model,
-            "choices": [choice]}
+    return {"id": response_id(kind, request_id), "object": obj, "created": created, "model": model, "choices": [choice]}
 
 
 def usage_chunk(kind: str, request_id: str, model: str, created: int, usage_: dict[str, int]) -> dict[str, Any]:
     """The last chunk when ``stream_options.include_usage``: no choices, the usage."""
     obj = "chat.completion.chunk" if kind == CHAT else COMPLETION
-    return {"id": response_id(kind, request_id), "object": obj, "created": created, "model": model,
-            "choices": [], "usage": usage_}
+    return {
+        "id": response_id(kind, request_id),
+        "object": obj,
+        "created": created,
+        "model": model,
+        "choices": [],
+        "usage": usage_,
+    }

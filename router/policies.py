@@ -149,14 +149,16 @@ class PrefixAffinity(LeastLoaded):
     Loads: prefill workers in pending prompt tokens (default bound 4096), decode workers in running
     requests plus KV fraction (default bound 8)."""
 
-    def __init__(self, load: Callable[[Candidate], tuple[float, int]] = prefill_load,
-                 max_imbalance: float = 4096) -> None:
+    def __init__(
+        self, load: Callable[[Candidate], tuple[float, int]] = prefill_load, max_imbalance: float = 4096
+    ) -> None:
         super().__init__(load)
         self._max_imbalance = max_imbalance
 
     def _choose_for(self, healthy: Sequence[Candidate], key: str) -> Candidate:
-        ranked = sorted(healthy, key=lambda c: hashlib.blake2b(f"{key}|{c.address}".encode(), digest_size=8).digest(),
-                        reverse=True)
+        ranked = sorted(
+            healthy, key=lambda c: hashlib.blake2b(f"{key}|{c.address}".encode(), digest_size=8).digest(), reverse=True
+        )
         lightest = min(self._load(c)[0] for c in healthy)
         for candidate in ranked:
             if self._load(candidate)[0] - lightest <= self._max_imbalance:
@@ -167,8 +169,9 @@ class PrefixAffinity(LeastLoaded):
 class KvAware(Policy):
     """The lowest cost of load plus uncached prompt tokens (the module doc has the cost function)."""
 
-    def __init__(self, stage: str, request_tokens: float = DEFAULT_REQUEST_TOKENS,
-                 kv_tokens: float = DEFAULT_KV_TOKENS) -> None:
+    def __init__(
+        self, stage: str, request_tokens: float = DEFAULT_REQUEST_TOKENS, kv_tokens: float = DEFAULT_KV_TOKENS
+    ) -> None:
         self.stage = stage
         self.request_tokens = request_tokens
         self.kv_tokens = kv_tokens
@@ -204,8 +207,9 @@ def prefix_key(request: router_pb2.GenerateRequest) -> str:
     return request.prompt[:PREFIX_KEY_CHARS]
 
 
-def make_policy(name: str, stage: str, request_tokens: float = DEFAULT_REQUEST_TOKENS,
-                kv_tokens: float = DEFAULT_KV_TOKENS) -> Policy:
+def make_policy(
+    name: str, stage: str, request_tokens: float = DEFAULT_REQUEST_TOKENS, kv_tokens: float = DEFAULT_KV_TOKENS
+) -> Policy:
     """Build the policy called ``name`` for ``stage`` (PREFILL or DECODE); ValueError if unknown.
     `request_tokens`, `kv_tokens`: kv_aware's decode weights."""
     if stage not in (PREFILL, DECODE):

@@ -37,9 +37,10 @@ STOP_GRACE_S = 5.0
 
 
 #: The router's settings of the deployment's other sections (its own are every RouterSection field).
-ROUTER_SETTINGS = ((ObservabilitySection, ("metrics_host", "log_level", "log_format")),
-                   (SecuritySection, ("auth_token_file", "auth_tokens_file", "tls_cert", "tls_key",
-                                      "internal_token_file")))
+ROUTER_SETTINGS = (
+    (ObservabilitySection, ("metrics_host", "log_level", "log_format")),
+    (SecuritySection, ("auth_token_file", "auth_tokens_file", "tls_cert", "tls_key", "internal_token_file")),
+)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -51,19 +52,34 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--decode", action="append", default=[], metavar="ADDR", help="decode worker")
     parser.add_argument("--colocated", action="append", default=[], metavar="ADDR", help="colocated worker")
     add_section_flags(parser, RouterSection, [f.name for f in dataclasses.fields(RouterSection)])
-    parser.add_argument("--worker-restart-wait", type=float, default=RouterConfig.worker_restart_wait_s, metavar="S",
-                        help="when no worker of a stage is healthy but some are still registered (their launcher "
-                             "restarts them), requests wait up to S seconds for one instead of failing (default 0: "
-                             "fail at once; `pdserve serve --ray` sets it from ray.restart_wait_s)")
-    parser.add_argument("--tokenizer", default=RouterConfig.tokenizer, metavar="DIR",
-                        help="model folder whose tokenizer the router hashes prompts with, for the kv_aware and "
-                             "kv_oracle policies (the launcher passes the served model's)")
-    parser.add_argument("--model-name", default=RouterConfig.model_name,
-                        help="model id the HTTP API serves (default 'default'; the launcher passes the served "
-                             "model's name)")
-    parser.add_argument("--metrics-port", type=int, default=RouterConfig.metrics_port, metavar="PORT",
-                        help="serve Prometheus /metrics on this port (default 0: off; -1: any free port, "
-                             "announced in the ready line)")
+    parser.add_argument(
+        "--worker-restart-wait",
+        type=float,
+        default=RouterConfig.worker_restart_wait_s,
+        metavar="S",
+        help="when no worker of a stage is healthy but some are still registered (their launcher "
+        "restarts them), requests wait up to S seconds for one instead of failing (default 0: "
+        "fail at once; `pdserve serve --ray` sets it from ray.restart_wait_s)",
+    )
+    parser.add_argument(
+        "--tokenizer",
+        default=RouterConfig.tokenizer,
+        metavar="DIR",
+        help="model folder whose tokenizer the router hashes prompts with, for the kv_aware and "
+        "kv_oracle policies (the launcher passes the served model's)",
+    )
+    parser.add_argument(
+        "--model-name",
+        default=RouterConfig.model_name,
+        help="model id the HTTP API serves (default 'default'; the launcher passes the served model's name)",
+    )
+    parser.add_argument(
+        "--metrics-port",
+        type=int,
+        default=RouterConfig.metrics_port,
+        metavar="PORT",
+        help="serve Prometheus /metrics on this port (default 0: off; -1: any free port, announced in the ready line)",
+    )
     for section, names in ROUTER_SETTINGS:
         add_section_flags(parser, section, names)
     add_config_arg(parser)
@@ -75,8 +91,9 @@ def parse_args(argv: list[str] | None = None, document: dict[str, Any] | None = 
     return parse_with_document(build_parser(), argv, document)
 
 
-def config_from_args(args: argparse.Namespace, auth_token: str | None = None,
-                     auth_tokens: dict[str, str] | None = None) -> RouterConfig:
+def config_from_args(
+    args: argparse.Namespace, auth_token: str | None = None, auth_tokens: dict[str, str] | None = None
+) -> RouterConfig:
     """RouterConfig of parsed options; `auth_token` and `auth_tokens` (token -> tenant), the Ray
     launcher's, read on its driver, win over --auth-token-file, PDSERVE_AUTH_TOKEN and --auth-tokens-file."""
     return RouterConfig(
@@ -108,7 +125,8 @@ def config_from_args(args: argparse.Namespace, auth_token: str | None = None,
         model_name=args.model_name,
         grpc_calls_per_peer=args.grpc_calls_per_peer,
         grpc_calls_total=args.grpc_calls_total,
-        grpc_connection_idle_s=args.grpc_connection_idle, grpc_connection_age_s=args.grpc_connection_age,
+        grpc_connection_idle_s=args.grpc_connection_idle,
+        grpc_connection_age_s=args.grpc_connection_age,
     )
 
 
@@ -126,13 +144,16 @@ class RouterProcess:
     internal_token_file: str | None = None
 
     @classmethod
-    def from_args(cls, args: argparse.Namespace, auth_token: str | None = None,
-                  auth_tokens: dict[str, str] | None = None) -> RouterProcess:
+    def from_args(
+        cls, args: argparse.Namespace, auth_token: str | None = None, auth_tokens: dict[str, str] | None = None
+    ) -> RouterProcess:
         """The config of parsed options (`parse_args`); reads the token files they name (OSError,
         ValueError); `auth_token` and `auth_tokens` as in `config_from_args`."""
-        return cls(config_from_args(args, auth_token, auth_tokens),
-                   ObservabilitySection(log_level=args.log_level, log_format=args.log_format),
-                   args.internal_token_file)
+        return cls(
+            config_from_args(args, auth_token, auth_tokens),
+            ObservabilitySection(log_level=args.log_level, log_format=args.log_format),
+            args.internal_token_file,
+        )
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -182,8 +203,13 @@ def start_extras(config: RouterConfig, server: RouterServer) -> Extras:
     extras = Extras()
     tls = (config.tls_cert_file, config.tls_key_file) if config.tls_cert_file and config.tls_key_file else None
     guarded = not is_loopback(config.metrics_host)  # beyond loopback: bearer token (config checked it is set)
-    endpoint = start_metrics_endpoint(server.metrics.prom.registry, config.metrics_port, config.metrics_host,
-                                      config.auth_token if guarded else None, tls if guarded else None)
+    endpoint = start_metrics_endpoint(
+        server.metrics.prom.registry,
+        config.metrics_port,
+        config.metrics_host,
+        config.auth_token if guarded else None,
+        tls if guarded else None,
+    )
     if endpoint is not None:
         extras.addresses["metrics_address"] = f"{endpoint.host}:{endpoint.port}"
         extras.on_stop(endpoint.stop)

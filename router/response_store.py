@@ -51,8 +51,14 @@ class ResponseStore:
     def bytes(self) -> int:
         return self._bytes
 
-    def put(self, response_id: str, tenant: str, answer: dict[str, Any], answer_bytes: int,
-            conversation: tuple[common_pb2.ChatMessage, ...]) -> bool:
+    def put(
+        self,
+        response_id: str,
+        tenant: str,
+        answer: dict[str, Any],
+        answer_bytes: int,
+        conversation: tuple[common_pb2.ChatMessage, ...],
+    ) -> bool:
         """Keep a response (`answer_bytes`: its answer's size as sent); False when it alone exceeds the bound."""
         size = answer_bytes + sum(m.ByteSize() for m in conversation)
         if size > self.max_bytes:

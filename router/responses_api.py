@@ -54,20 +54,64 @@ from pdserve.v1 import common_pb2, router_pb2
 
 RESPONSE = "response"
 #: Body fields passed to the chat completions parser as they are (its extras and scheduling fields).
-SAMPLING_EXTRAS = frozenset({
-    "seed", "stop", "top_k", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty", "ignore_eos",
-    "min_tokens", "stop_token_ids", "logit_bias", "allowed_token_ids", "bad_words", "skip_special_tokens",
-    "include_stop_str_in_output", "cache_salt", "priority", "slo_ttft_ms", "best_effort"})
+SAMPLING_EXTRAS = frozenset(
+    {
+        "seed",
+        "stop",
+        "top_k",
+        "min_p",
+        "repetition_penalty",
+        "presence_penalty",
+        "frequency_penalty",
+        "ignore_eos",
+        "min_tokens",
+        "stop_token_ids",
+        "logit_bias",
+        "allowed_token_ids",
+        "bad_words",
+        "skip_special_tokens",
+        "include_stop_str_in_output",
+        "cache_salt",
+        "priority",
+        "slo_ttft_ms",
+        "best_effort",
+    }
+)
 _PASSED = frozenset({"temperature", "top_p", "parallel_tool_calls", "stream", "metadata", "user"}) | SAMPLING_EXTRAS
-_IMPLEMENTED = frozenset({"model", "input", "instructions", "max_output_tokens", "text", "tools", "tool_choice",
-                          "store", "previous_response_id"}) | _PASSED
+_IMPLEMENTED = (
+    frozenset(
+        {
+            "model",
+            "input",
+            "instructions",
+            "max_output_tokens",
+            "text",
+            "tools",
+            "tool_choice",
+            "store",
+            "previous_response_id",
+        }
+    )
+    | _PASSED
+)
 #: Accepted only with an "off" value; anything else is a 400 naming the field.
 _OFF_VALUES: dict[str, tuple[Any, ...]] = {
-    "background": (None, False), "include": (None, []), "truncation": (None, "disabled"),
-    "service_tier": (None, "auto", "default"), "max_tool_calls": (None,), "top_logprobs": (None, 0),
-    "stream_options": (None, {}), "conversation": (None,), "prompt": (None,), "context_management": (None, []),
-    "moderation": (None,), "prompt_cache_retention": (None,), "prompt_cache_options": (None,),
-    "background_options": (None,), "access_programs": (None,), "image": (None,),
+    "background": (None, False),
+    "include": (None, []),
+    "truncation": (None, "disabled"),
+    "service_tier": (None, "auto", "default"),
+    "max_tool_calls": (None,),
+    "top_logprobs": (None, 0),
+    "stream_options": (None, {}),
+    "conversation": (None,),
+    "prompt": (None,),
+    "context_management": (None, []),
+    "moderation": (None,),
+    "prompt_cache_retention": (None,),
+    "prompt_cache_options": (None,),
+    "background_options": (None,),
+    "access_programs": (None,),
+    "image": (None,),
 }
 #: Opaque labels: accepted (strings of at most MAX_LABEL_CHARS) and without effect.
 _LABELS = frozenset({"safety_identifier", "prompt_cache_key"})
@@ -112,7 +156,7 @@ def renamed(error: OpenAIError) -> OpenAIError:
     message = error.message
     for old, new in _RENAMED.items():
         if message.startswith(old):
-            message = new + message[len(old):]
+            message = new + message[len(old) :]
     return OpenAIError(error.status, message, param=name, type_=error.type, code=error.code)
 
 
@@ -147,10 +191,17 @@ def parse_responses(body: object, model_name: str, request_id: str) -> Responses
     if store is not None and not isinstance(store, bool):
         raise _bad("store", f"store: must be a boolean, got {store!r}")
     if previous is not None and (not isinstance(previous, str) or not 0 < len(previous) <= MAX_ID_CHARS):
-        raise _bad("previous_response_id", f"previous_response_id: must be a response id (a string of at most "
-                                           f"{MAX_ID_CHARS} characters)")
-    options = ResponseOptions(f"resp_{uuid.uuid4().hex}", previous, store is not False,
-                              body.get("instructions") is not None, _echo(body, store is not False))
+        raise _bad(
+            "previous_response_id",
+            f"previous_response_id: must be a response id (a string of at most {MAX_ID_CHARS} characters)",
+        )
+    options = ResponseOptions(
+        f"resp_{uuid.uuid4().hex}",
+        previous,
+        store is not False,
+        body.get("instructions") is not None,
+        _echo(body, store is not False),
+    )
     return ResponsesRequest(parsed, options)
 
 
@@ -198,27 +249,37 @@ def _add_item(messages: list[dict[str, Any]], item: object, where: str) -> None:
             raise _bad("input", f"{where}.role: must be one of {', '.join(sorted(_ROLES))}, got {role!r}")
         messages.append({"role": role, "content": _text(item.get("content"), where)})
     elif kind == "function_call":
-        call = tools.tool_call(_string(item, "name", where), _string(item, "arguments", where, empty=True),
-                               _string(item, "call_id", where))
+        call = tools.tool_call(
+            _string(item, "name", where), _string(item, "arguments", where, empty=True), _string(item, "call_id", where)
+        )
         last = messages[-1] if messages else None
         if last is not None and last["role"] == "assistant":  # the turn's text and its calls: one turn
             last.setdefault("tool_calls", []).append(call)
         else:
             messages.append({"role": "assistant", "content": None, "tool_calls": [call]})
     elif kind == "function_call_output":
-        messages.append({"role": "tool", "tool_call_id": _string(item, "call_id", where),
-                         "content": _text(item.get("output"), where, "output")})
+        messages.append(
+            {
+                "role": "tool",
+                "tool_call_id": _string(item, "call_id", where),
+                "content": _text(item.get("output"), where, "output"),
+            }
+        )
     else:
-        raise _bad("input", f"{where}.type: {kind!r} items are not supported (message, function_call, "
-                            "function_call_output)")
+        raise _bad(
+            "input", f"{where}.type: {kind!r} items are not supported (message, function_call, function_call_output)"
+        )
 
 
 def _string(item: dict[str, Any], name: str, where: str, empty: bool = False) -> str:
     value = item.get(name)
     too_long = name != "arguments" and isinstance(value, str) and len(value) > MAX_ID_CHARS
     if not isinstance(value, str) or (not value and not empty) or too_long:
-        raise _bad("input", f"{where}.{name}: must be a {'' if empty else 'non-empty '}string"
-                            f"{'' if name == 'arguments' else f' of at most {MAX_ID_CHARS} characters'}")
+        raise _bad(
+            "input",
+            f"{where}.{name}: must be a {'' if empty else 'non-empty '}string"
+            f"{'' if name == 'arguments' else f' of at most {MAX_ID_CHARS} characters'}",
+        )
     return value
 
 
@@ -231,8 +292,9 @@ def _text(content: object, where: str, name: str = "content") -> str:
     for j, part in enumerate(content):
         kind = part.get("type") if isinstance(part, dict) else None
         if kind not in _TEXT_PARTS or not isinstance(part.get("text"), str):  # type: ignore[union-attr]
-            raise _bad("input", f"{where}.{name}[{j}]: only text parts are supported (input_text, output_text), "
-                                f"got {kind!r}")
+            raise _bad(
+                "input", f"{where}.{name}[{j}]: only text parts are supported (input_text, output_text), got {kind!r}"
+            )
         texts.append(part["text"])  # type: ignore[index]
     return "".join(texts)
 
@@ -270,15 +332,19 @@ def _tools(value: object) -> list[dict[str, Any]]:
     for i, tool in enumerate(value):
         kind = tool.get("type") if isinstance(tool, dict) else None
         if kind != "function":
-            raise _bad("tools", f"tools[{i}].type: {kind!r} tools are not supported by this server (function tools "
-                                "only: it has no built-in tools)")
+            raise _bad(
+                "tools",
+                f"tools[{i}].type: {kind!r} tools are not supported by this server (function tools "
+                "only: it has no built-in tools)",
+            )
         assert isinstance(tool, dict)
         for key in sorted(set(tool) - _TOOL_FIELDS):
             raise _bad("tools", f"tools[{i}].{key}: not supported by this server")
         if not isinstance(tool.get("name"), str) or not tool["name"]:
             raise _bad("tools", f"tools[{i}].name: a function tool needs a name")
-        function = {key: tool[key] for key in ("name", "description", "parameters", "strict")
-                    if tool.get(key) is not None}
+        function = {
+            key: tool[key] for key in ("name", "description", "parameters", "strict") if tool.get(key) is not None
+        }
         out.append({"type": "function", "function": function})
     return out
 
@@ -288,26 +354,39 @@ def _tool_choice(choice: object) -> object:
         return choice
     if isinstance(choice, dict) and choice.get("type") == "function" and isinstance(choice.get("name"), str):
         return {"type": "function", "function": {"name": choice["name"]}}
-    raise _bad("tool_choice", "tool_choice: must be 'none', 'auto', 'required' or {\"type\": \"function\", "
-                              "\"name\": ...} (this server has no built-in tools)")
+    raise _bad(
+        "tool_choice",
+        "tool_choice: must be 'none', 'auto', 'required' or {\"type\": \"function\", "
+        '"name": ...} (this server has no built-in tools)',
+    )
 
 
 def _echo(body: dict[str, Any], store: bool) -> dict[str, Any]:
     """The request's settings as the answer repeats them."""
     text = body.get("text") or {}
     return {
-        "instructions": body.get("instructions"), "max_output_tokens": body.get("max_output_tokens"),
-        "metadata": body.get("metadata") or {}, "parallel_tool_calls": body.get("parallel_tool_calls", True),
-        "previous_response_id": body.get("previous_response_id"), "reasoning": {"effort": None, "summary": None},
-        "store": store, "temperature": body.get("temperature"), "top_p": body.get("top_p"),
+        "instructions": body.get("instructions"),
+        "max_output_tokens": body.get("max_output_tokens"),
+        "metadata": body.get("metadata") or {},
+        "parallel_tool_calls": body.get("parallel_tool_calls", True),
+        "previous_response_id": body.get("previous_response_id"),
+        "reasoning": {"effort": None, "summary": None},
+        "store": store,
+        "temperature": body.get("temperature"),
+        "top_p": body.get("top_p"),
         "text": {"format": text.get("format") or {"type": "text"}},
-        "tool_choice": body.get("tool_choice") or tools.AUTO, "tools": body.get("tools") or [],
-        "truncation": "disabled", "user": body.get("user"), "background": False, "service_tier": "default",
+        "tool_choice": body.get("tool_choice") or tools.AUTO,
+        "tools": body.get("tools") or [],
+        "truncation": "disabled",
+        "user": body.get("user"),
+        "background": False,
+        "service_tier": "default",
     }
 
 
-def continue_conversation(request: ResponsesRequest,
-                          previous: Sequence[common_pb2.ChatMessage]) -> tuple[common_pb2.ChatMessage, ...]:
+def continue_conversation(
+    request: ResponsesRequest, previous: Sequence[common_pb2.ChatMessage]
+) -> tuple[common_pb2.ChatMessage, ...]:
     """Put a previous response's conversation between the instructions and this request's input, and
     return this request's own input turns (what a stored conversation adds for it)."""
     messages = request.chat.grpc_request.messages.messages
@@ -329,10 +408,14 @@ def _copy(message: common_pb2.ChatMessage) -> common_pb2.ChatMessage:
 def output_turn(output: list[dict[str, Any]]) -> common_pb2.ChatMessage:
     """A response's output as the assistant turn of its conversation (text and tool calls)."""
     text = "".join(part["text"] for item in output if item["type"] == "message" for part in item["content"])
-    calls = [tools.tool_call(item["name"], item["arguments"], item["call_id"])
-             for item in output if item["type"] == "function_call"]
-    return common_pb2.ChatMessage(role="assistant", content=text,
-                                  tool_calls_json=json.dumps(calls, ensure_ascii=False) if calls else "")
+    calls = [
+        tools.tool_call(item["name"], item["arguments"], item["call_id"])
+        for item in output
+        if item["type"] == "function_call"
+    ]
+    return common_pb2.ChatMessage(
+        role="assistant", content=text, tool_calls_json=json.dumps(calls, ensure_ascii=False) if calls else ""
+    )
 
 
 # ----- answers --------------------------------------------------------------------------------
@@ -342,30 +425,59 @@ def _item_id(prefix: str) -> str:
 
 def message_item(text: str, status: str, item_id: str | None = None) -> dict[str, Any]:
     part = {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
-    return {"id": item_id or _item_id("msg"), "type": "message", "status": status, "role": "assistant",
-            "content": [part]}
+    return {
+        "id": item_id or _item_id("msg"),
+        "type": "message",
+        "status": status,
+        "role": "assistant",
+        "content": [part],
+    }
 
 
 def function_call_item(call: dict[str, Any], item_id: str | None = None) -> dict[str, Any]:
-    return {"id": item_id or _item_id("fc"), "type": "function_call", "status": "completed", "call_id": call["id"],
-            "name": call["function"]["name"], "arguments": call["function"]["arguments"]}
+    return {
+        "id": item_id or _item_id("fc"),
+        "type": "function_call",
+        "status": "completed",
+        "call_id": call["id"],
+        "name": call["function"]["name"],
+        "arguments": call["function"]["arguments"],
+    }
 
 
 def response_usage(usage_: dict[str, Any]) -> dict[str, Any]:
     """Chat completions' usage in the Responses shape."""
-    return {"input_tokens": usage_["prompt_tokens"],
-            "input_tokens_details": {"cached_tokens": usage_["prompt_tokens_details"]["cached_tokens"]},
-            "output_tokens": usage_["completion_tokens"], "output_tokens_details": {"reasoning_tokens": 0},
-            "total_tokens": usage_["total_tokens"]}
+    return {
+        "input_tokens": usage_["prompt_tokens"],
+        "input_tokens_details": {"cached_tokens": usage_["prompt_tokens_details"]["cached_tokens"]},
+        "output_tokens": usage_["completion_tokens"],
+        "output_tokens_details": {"reasoning_tokens": 0},
+        "total_tokens": usage_["total_tokens"],
+    }
 
 
-def response_object(options: ResponseOptions, model: str, created_at: int, status: str,
-                    output: list[dict[str, Any]], usage_: dict[str, Any] | None = None,
-                    error: dict[str, Any] | None = None) -> dict[str, Any]:
+def response_object(
+    options: ResponseOptions,
+    model: str,
+    created_at: int,
+    status: str,
+    output: list[dict[str, Any]],
+    usage_: dict[str, Any] | None = None,
+    error: dict[str, Any] | None = None,
+) -> dict[str, Any]:
     incomplete = {"reason": "max_output_tokens"} if status == "incomplete" else None
-    return {"id": options.response_id, "object": "response", "created_at": created_at, "status": status,
-            "error": error, "incomplete_details": incomplete, "model": model, "output": output, "usage": usage_,
-            **options.echo}
+    return {
+        "id": options.response_id,
+        "object": "response",
+        "created_at": created_at,
+        "status": status,
+        "error": error,
+        "incomplete_details": incomplete,
+        "model": model,
+        "output": output,
+        "usage": usage_,
+        **options.echo,
+    }
 
 
 def _status(reason: str) -> str:
@@ -417,8 +529,9 @@ class ResponseStream:
         self._parts: list[str] = []  # its text or arguments so far
         self.answer: dict[str, Any] | None = None
 
-    async def events(self, first: router_pb2.GenerateResponse | None,
-                     responses: AsyncIterator[router_pb2.GenerateResponse]) -> AsyncGenerator[dict[str, Any], None]:
+    async def events(
+        self, first: router_pb2.GenerateResponse | None, responses: AsyncIterator[router_pb2.GenerateResponse]
+    ) -> AsyncGenerator[dict[str, Any], None]:
         """Every event, from the generation's first response (already read) and the rest."""
         yield self._lifecycle("response.created", "in_progress")
         yield self._lifecycle("response.in_progress", "in_progress")
@@ -450,10 +563,12 @@ class ResponseStream:
         self._sequence += 1
         return event
 
-    def _lifecycle(self, kind: str, status: str, usage_: dict[str, Any] | None = None,
-                   error: dict[str, Any] | None = None) -> dict[str, Any]:
-        response = response_object(self._request.options, self._model, self._created_at, status, list(self.output),
-                                   usage_, error)
+    def _lifecycle(
+        self, kind: str, status: str, usage_: dict[str, Any] | None = None, error: dict[str, Any] | None = None
+    ) -> dict[str, Any]:
+        response = response_object(
+            self._request.options, self._model, self._created_at, status, list(self.output), usage_, error
+        )
         return self._event(kind, response=response)
 
     def _where(self) -> dict[str, Any]:
@@ -466,15 +581,17 @@ class ResponseStream:
             if self._open is None or self._open["type"] != "message":
                 events += self._close("completed")
                 events += self._open_message()
-            events.append(self._event("response.output_text.delta", **self._where(), content_index=0, delta=text,
-                                      logprobs=[]))
+            events.append(
+                self._event("response.output_text.delta", **self._where(), content_index=0, delta=text, logprobs=[])
+            )
             self._parts.append(text)
         for call in calls:
             if "id" in call:  # a new call (a named function's later deltas carry only arguments)
                 events += self._close("completed")
                 self._open = {**function_call_item(call), "status": "in_progress", "arguments": ""}
-                events.append(self._event("response.output_item.added", output_index=len(self.output),
-                                          item=dict(self._open)))
+                events.append(
+                    self._event("response.output_item.added", output_index=len(self.output), item=dict(self._open))
+                )
             arguments = call.get("function", {}).get("arguments", "")
             if arguments and self._open is not None:
                 events.append(self._event("response.function_call_arguments.delta", **self._where(), delta=arguments))
@@ -484,8 +601,10 @@ class ResponseStream:
     def _open_message(self) -> list[dict[str, Any]]:
         self._open = {**message_item("", "in_progress"), "content": []}
         part = {"type": "output_text", "text": "", "annotations": [], "logprobs": []}
-        return [self._event("response.output_item.added", output_index=len(self.output), item=dict(self._open)),
-                self._event("response.content_part.added", **self._where(), content_index=0, part=part)]
+        return [
+            self._event("response.output_item.added", output_index=len(self.output), item=dict(self._open)),
+            self._event("response.content_part.added", **self._where(), content_index=0, part=part),
+        ]
 
     def _close(self, status: str) -> list[dict[str, Any]]:
         """The open item's closing events (none when no item is open)."""
@@ -494,12 +613,15 @@ class ResponseStream:
         where, content = self._where(), "".join(self._parts)
         if self._open["type"] == "message":
             item = message_item(content, status, self._open["id"])
-            events = [self._event("response.output_text.done", **where, content_index=0, text=content, logprobs=[]),
-                      self._event("response.content_part.done", **where, content_index=0, part=item["content"][0])]
+            events = [
+                self._event("response.output_text.done", **where, content_index=0, text=content, logprobs=[]),
+                self._event("response.content_part.done", **where, content_index=0, part=item["content"][0]),
+            ]
         else:
             item = {**self._open, "arguments": content, "status": "completed"}
-            events = [self._event("response.function_call_arguments.done", **where, name=item["name"],
-                                  arguments=content)]
+            events = [
+                self._event("response.function_call_arguments.done", **where, name=item["name"], arguments=content)
+            ]
         events.append(self._event("response.output_item.done", output_index=where["output_index"], item=item))
         self.output.append(item)
         self._open, self._parts = None, []
@@ -515,5 +637,6 @@ class ResponseStream:
         return [*events, final]
 
     def _failed(self, error: OpenAIError) -> dict[str, Any]:
-        return self._lifecycle("response.failed", "failed",
-                               error={"code": error.code or error.type, "message": error.message})
+        return self._lifecycle(
+            "response.failed", "failed", error={"code": error.code or error.type, "message": error.message}
+        )

@@ -34,8 +34,11 @@ if TYPE_CHECKING:  # aiohttp is imported only where the HTTP API starts
 log = logging.getLogger(__name__)
 
 DEFAULT_SWITCH_TIMEOUT_S = 120.0
-ROLE_NAMES = {common_pb2.WORKER_ROLE_PREFILL: PREFILL, common_pb2.WORKER_ROLE_DECODE: DECODE,
-              common_pb2.WORKER_ROLE_COLOCATED: COLOCATED}
+ROLE_NAMES = {
+    common_pb2.WORKER_ROLE_PREFILL: PREFILL,
+    common_pb2.WORKER_ROLE_DECODE: DECODE,
+    common_pb2.WORKER_ROLE_COLOCATED: COLOCATED,
+}
 ROUTER_SERVICE = router_pb2.DESCRIPTOR.services_by_name["Router"].full_name
 
 
@@ -80,8 +83,9 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
     ) -> router_pb2.SwitchRoleResponse:
         role = ROLE_NAMES.get(request.role)
         if role is None or not request.worker_id:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
-                                "worker_id and role (prefill, decode or colocated) are required")
+            await context.abort(
+                grpc.StatusCode.INVALID_ARGUMENT, "worker_id and role (prefill, decode or colocated) are required"
+            )
             raise AssertionError("unreachable")  # context.abort raises
         timeout_s = request.drain_timeout_s if request.drain_timeout_s > 0 else DEFAULT_SWITCH_TIMEOUT_S
         try:
@@ -94,8 +98,9 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
 class RouterServer:
     """A running router: the event-loop gRPC server, its core, worker pool, metrics, health, HTTP API."""
 
-    def __init__(self, server: AioServer, core: RouterCore, health_servicer: health.HealthServicer,
-                 host: str, port: int) -> None:
+    def __init__(
+        self, server: AioServer, core: RouterCore, health_servicer: health.HealthServicer, host: str, port: int
+    ) -> None:
         self.grpc_server = server
         self.core = core
         self.pool = core.pool
@@ -107,14 +112,21 @@ class RouterServer:
         self._http: OpenAIHttpServer | None = None  # once started
         self.http_port: int | None = None
 
-    def start_http(self, port: int, model_name: str, auth_token: str | Mapping[str, str | None] | None,
-                   timeout_s: float,
-                   tls_cert_file: str | None = None, tls_key_file: str | None = None) -> int:
+    def start_http(
+        self,
+        port: int,
+        model_name: str,
+        auth_token: str | Mapping[str, str | None] | None,
+        timeout_s: float,
+        tls_cert_file: str | None = None,
+        tls_key_file: str | None = None,
+    ) -> int:
         """Serve the OpenAI-compatible HTTP API on this router's loop; return the bound port."""
         from pdserve.router.http_api import OpenAIHttpServer  # aiohttp only when asked
 
-        self._http = http = OpenAIHttpServer(self.core, model_name, self.host, port, auth_token, timeout_s,
-                                             tls_cert_file, tls_key_file)
+        self._http = http = OpenAIHttpServer(
+            self.core, model_name, self.host, port, auth_token, timeout_s, tls_cert_file, tls_key_file
+        )
         return self.grpc_server.loop_thread.run(http.start(), timeout=30)
 
     def stop(self, grace: float | None = 5.0) -> None:
@@ -139,9 +151,11 @@ def serve(config: RouterConfig) -> tuple[RouterServer, int]:
     pool = WorkerPool(config.endpoints(), config.poll_interval_s, config.info_timeout_s)
     pool.start()
     limits = call_limits(config)
-    server = AioServer("router", options=[("grpc.max_receive_message_length", MAX_RECEIVE_MESSAGE_BYTES),
-                                          *limits.options()],
-                       interceptors=_interceptors(config, limits))
+    server = AioServer(
+        "router",
+        options=[("grpc.max_receive_message_length", MAX_RECEIVE_MESSAGE_BYTES), *limits.options()],
+        interceptors=_interceptors(config, limits),
+    )
 
     async def make_core() -> RouterCore:
         return RouterCore(config, pool, RouterMetrics())
@@ -169,9 +183,14 @@ def serve(config: RouterConfig) -> tuple[RouterServer, int]:
     router = RouterServer(server, core, health_servicer, config.host, port)
     if config.http_port is not None:
         try:
-            router.http_port = router.start_http(config.http_port, config.model_name, config.api_tokens,
-                                                 config.max_stream_timeout_s, config.tls_cert_file,
-                                                 config.tls_key_file)
+            router.http_port = router.start_http(
+                config.http_port,
+                config.model_name,
+                config.api_tokens,
+                config.max_stream_timeout_s,
+                config.tls_cert_file,
+                config.tls_key_file,
+            )
         except OSError:
             router.stop(None)
             raise
@@ -186,17 +205,22 @@ AGE_GRACE_MARGIN_S = 30.0
 def call_limits(config: RouterConfig) -> CallLimits:
     """The public port's call and connection limits. An aged connection's grace outlasts the longest
     call (the stream deadline cap), so the age cap never cuts a stream."""
-    return CallLimits(per_peer=config.grpc_calls_per_peer, total=config.grpc_calls_total,
-                      connection_idle_s=config.grpc_connection_idle_s,
-                      connection_age_s=config.grpc_connection_age_s,
-                      connection_age_grace_s=config.max_stream_timeout_s + AGE_GRACE_MARGIN_S)
+    return CallLimits(
+        per_peer=config.grpc_calls_per_peer,
+        total=config.grpc_calls_total,
+        connection_idle_s=config.grpc_connection_idle_s,
+        connection_age_s=config.grpc_connection_age_s,
+        connection_age_grace_s=config.max_stream_timeout_s + AGE_GRACE_MARGIN_S,
+    )
 
 
 def _interceptors(config: RouterConfig, limits: CallLimits) -> list[grpc.aio.ServerInterceptor]:
     # no RequestLoggingInterceptor: RouterCore logs each request's start and finish, for gRPC and HTTP.
     # Order: the token check, then the call limits (an unauthenticated call is never counted), then parsing
     interceptors: list[grpc.aio.ServerInterceptor] = [
-        PeerCallLimiter(limits, "router.grpc_calls_per_peer, router.grpc_calls_total"), RequestParseInterceptor()]
+        PeerCallLimiter(limits, "router.grpc_calls_per_peer, router.grpc_calls_total"),
+        RequestParseInterceptor(),
+    ]
     tokens = config.api_tokens
     if tokens:
         interceptors.insert(0, BearerTokenInterceptor(tokens))

@@ -76,8 +76,9 @@ class TtftModel:
 
     def observe(self, ttft_s: float, work_tokens: int, worker: str = "", now: float | None = None) -> None:
         rate = ttft_s / max(MIN_WORK_TOKENS, work_tokens)
-        self.seconds_per_token = rate if self.samples == 0 else self.seconds_per_token + ALPHA * (
-            rate - self.seconds_per_token)
+        self.seconds_per_token = (
+            rate if self.samples == 0 else self.seconds_per_token + ALPHA * (rate - self.seconds_per_token)
+        )
         self.samples += 1
         if worker:
             now = time.monotonic() if now is None else now
@@ -90,8 +91,9 @@ class TtftModel:
         """The lowest predicted TTFT of a `prompt_tokens` prompt over the workers that may prefill it
         (`backlogs`: each one's pending prompt tokens; 0 when there is none): a request that must
         queue waits at least that long after it leaves the queue."""
-        return min((self.predict(backlog + prompt_tokens, worker, now) for worker, backlog in backlogs.items()),
-                   default=0.0)
+        return min(
+            (self.predict(backlog + prompt_tokens, worker, now) for worker, backlog in backlogs.items()), default=0.0
+        )
 
     def predict(self, work_tokens: int, worker: str = "", now: float | None = None) -> float:
         by_work = self.seconds_per_token * max(MIN_WORK_TOKENS, work_tokens)
@@ -121,5 +123,7 @@ class Calibration:
 def check(predicted_s: float, slo_s: float) -> None:
     """Raise SloMiss when `predicted_s` exceeds `slo_s` (> 0)."""
     if predicted_s > slo_s:
-        raise SloMiss(f"predicted TTFT {predicted_s:.2f}s exceeds the SLO {slo_s:.2f}s; retry later or send it "
-                      f"best_effort", float(max(1, math.ceil(predicted_s - slo_s))))
+        raise SloMiss(
+            f"predicted TTFT {predicted_s:.2f}s exceeds the SLO {slo_s:.2f}s; retry later or send it best_effort",
+            float(max(1, math.ceil(predicted_s - slo_s))),
+        )

@@ -67,17 +67,20 @@ def parse_tokenize(body: object, model_name: str, _request_id: str = "") -> work
             if name in body:
                 raise OpenAIError(400, f"{name}: only with messages", param=name)
         check.prompt = body["prompt"]
-        request = worker_pb2.TokenizeRequest(prompt=check.prompt,
-                                             add_special_tokens=_flag(body, "add_special_tokens", True))
+        request = worker_pb2.TokenizeRequest(
+            prompt=check.prompt, add_special_tokens=_flag(body, "add_special_tokens", True)
+        )
     else:
         check.messages.CopyFrom(chat_messages(body["messages"]))
         try:
             parse_tools({"tools": body.get("tools")}, check.messages, common_pb2.SamplingParams())
         except ToolError as exc:
             raise OpenAIError(400, f"{exc.param}: {exc}", param=exc.param) from None
-        request = worker_pb2.TokenizeRequest(messages=check.messages,
-                                             add_special_tokens=_flag(body, "add_special_tokens", False),
-                                             add_generation_prompt=_flag(body, "add_generation_prompt", True))
+        request = worker_pb2.TokenizeRequest(
+            messages=check.messages,
+            add_special_tokens=_flag(body, "add_special_tokens", False),
+            add_generation_prompt=_flag(body, "add_generation_prompt", True),
+        )
     try:
         validate_generate_request(check)
     except InvalidRequest as exc:
@@ -89,10 +92,16 @@ def parse_detokenize(body: object, model_name: str, _request_id: str = "") -> wo
     """A /detokenize body as a DetokenizeRequest; OpenAIError names the first bad field."""
     body = _check_fields(body, _DETOKENIZE_FIELDS, model_name)
     tokens = body.get("tokens")
-    if not isinstance(tokens, list) or len(tokens) > MAX_PROMPT_TOKEN_IDS or not all(
-            isinstance(t, int) and not isinstance(t, bool) and 0 <= t <= MAX_INT32 for t in tokens):
-        raise OpenAIError(400, f"tokens: must be a list of at most {MAX_PROMPT_TOKEN_IDS} token ids (integers "
-                               f"in [0, {MAX_INT32}])", param="tokens")
+    if (
+        not isinstance(tokens, list)
+        or len(tokens) > MAX_PROMPT_TOKEN_IDS
+        or not all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t <= MAX_INT32 for t in tokens)
+    ):
+        raise OpenAIError(
+            400,
+            f"tokens: must be a list of at most {MAX_PROMPT_TOKEN_IDS} token ids (integers in [0, {MAX_INT32}])",
+            param="tokens",
+        )
     return worker_pb2.DetokenizeRequest(tokens=tokens)
 
 
@@ -108,8 +117,13 @@ class TokenizerRelay:
     """Sends Tokenize and Detokenize to a serving worker. `stub_of` gives the router's (cached)
     DecodeWorker stub of an address; `metadata` is the internal credential."""
 
-    def __init__(self, pool: WorkerPool, stub_of: Callable[[str], worker_pb2_grpc.DecodeWorkerStub],
-                 metadata: tuple[tuple[str, str], ...], timeout_s: float = CALL_TIMEOUT_S) -> None:
+    def __init__(
+        self,
+        pool: WorkerPool,
+        stub_of: Callable[[str], worker_pb2_grpc.DecodeWorkerStub],
+        metadata: tuple[tuple[str, str], ...],
+        timeout_s: float = CALL_TIMEOUT_S,
+    ) -> None:
         self._pool = pool
         self._stub_of = stub_of
         self._metadata = metadata
@@ -119,14 +133,14 @@ class TokenizerRelay:
         return await self._ask(lambda stub: stub.Tokenize(request, timeout=self._timeout_s, metadata=self._metadata))
 
     async def detokenize(self, request: worker_pb2.DetokenizeRequest) -> worker_pb2.DetokenizeResponse:
-        return await self._ask(lambda stub: stub.Detokenize(request, timeout=self._timeout_s,
-                                                            metadata=self._metadata))
+        return await self._ask(lambda stub: stub.Detokenize(request, timeout=self._timeout_s, metadata=self._metadata))
 
     async def _ask(self, call: Callable[[worker_pb2_grpc.DecodeWorkerStub], Awaitable[Answer]]) -> Answer:
         """The answer of the least busy healthy serving worker; the next one when it is unavailable.
         RouterError with the worker's status otherwise (UNAVAILABLE when no worker serves)."""
-        workers = sorted((c for c in self._pool.candidates((DECODE, COLOCATED)) if c.healthy),
-                         key=lambda c: c.in_flight)
+        workers = sorted(
+            (c for c in self._pool.candidates((DECODE, COLOCATED)) if c.healthy), key=lambda c: c.in_flight
+        )
         last = RouterError(grpc.StatusCode.UNAVAILABLE, "no healthy decode or colocated worker to tokenize with")
         for worker in workers:
             try:

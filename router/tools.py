@@ -47,8 +47,9 @@ class ToolMode:
     function: str = ""  # NAMED: the function
 
 
-def parse_tools(body: dict[str, Any], chat: common_pb2.ChatMessages,
-                params: common_pb2.SamplingParams) -> ToolMode | None:
+def parse_tools(
+    body: dict[str, Any], chat: common_pb2.ChatMessages, params: common_pb2.SamplingParams
+) -> ToolMode | None:
     """Check `tools`, `tool_choice` and `parallel_tool_calls`; put the tools in `chat` and the
     constraint of ``required`` / a named function in `params`. ToolError names a bad field."""
     tools = body.get("tools")
@@ -64,7 +65,7 @@ def parse_tools(body: dict[str, Any], chat: common_pb2.ChatMessages,
         function = tool.get("function") if isinstance(tool, dict) and tool.get("type") == "function" else None
         name = function.get("name") if isinstance(function, dict) else None
         if not isinstance(function, dict) or not isinstance(name, str) or not name:
-            raise ToolError("tools", f"tools[{i}]: must be {{\"type\": \"function\", \"function\": {{\"name\": ...}}}}")
+            raise ToolError("tools", f'tools[{i}]: must be {{"type": "function", "function": {{"name": ...}}}}')
         parameters = function.get("parameters", {"type": "object", "properties": {}})
         if not isinstance(parameters, dict):
             raise ToolError("tools", f"tools[{i}].function.parameters: must be a JSON Schema object")
@@ -79,8 +80,11 @@ def parse_tools(body: dict[str, Any], chat: common_pb2.ChatMessages,
         return None
     chat.tools_json = json.dumps(tools, ensure_ascii=False)
     if kind != AUTO and params.HasField("structured"):
-        raise ToolError("tool_choice", f"tool_choice {kind!r} constrains the output: it cannot be combined with "
-                                       "response_format or structured outputs")
+        raise ToolError(
+            "tool_choice",
+            f"tool_choice {kind!r} constrains the output: it cannot be combined with "
+            "response_format or structured outputs",
+        )
     if kind == NAMED:
         params.structured.json_schema = json.dumps(functions[named])
     elif kind == REQUIRED:
@@ -98,15 +102,22 @@ def _choice(choice: object, functions: dict[str, dict[str, Any]]) -> tuple[str, 
         if name not in functions:
             raise ToolError("tool_choice", f"tool_choice names function {name!r}, which is not in tools")
         return NAMED, str(name)
-    raise ToolError("tool_choice", "must be 'none', 'auto', 'required' or {\"type\": \"function\", \"function\": "
-                                   "{\"name\": ...}}")
+    raise ToolError(
+        "tool_choice", 'must be \'none\', \'auto\', \'required\' or {"type": "function", "function": {"name": ...}}'
+    )
 
 
 def _calls_schema(functions: dict[str, dict[str, Any]], parallel: bool) -> dict[str, Any]:
     """A JSON list of {"name", "parameters"} objects, one of `functions` each (vLLM's form)."""
-    items = [{"type": "object", "properties": {"name": {"type": "string", "enum": [name]}, "parameters": schema},
-              "required": ["name", "parameters"], "additionalProperties": False}
-             for name, schema in functions.items()]
+    items = [
+        {
+            "type": "object",
+            "properties": {"name": {"type": "string", "enum": [name]}, "parameters": schema},
+            "required": ["name", "parameters"],
+            "additionalProperties": False,
+        }
+        for name, schema in functions.items()
+    ]
     schema: dict[str, Any] = {"type": "array", "minItems": 1, "items": {"anyOf": items}}
     if not parallel:
         schema["maxItems"] = 1
@@ -130,8 +141,9 @@ def _hermes_call(block: str, names: tuple[str, ...]) -> dict[str, Any] | None:
     if not isinstance(value, dict) or value.get("name") not in names:
         return None
     arguments = value.get("arguments", value.get("parameters", {}))
-    return tool_call(value["name"], arguments if isinstance(arguments, str) else json.dumps(arguments,
-                                                                                           ensure_ascii=False))
+    return tool_call(
+        value["name"], arguments if isinstance(arguments, str) else json.dumps(arguments, ensure_ascii=False)
+    )
 
 
 def parse_output(mode: ToolMode, text: str) -> tuple[str | None, list[dict[str, Any]]]:
@@ -185,7 +197,7 @@ class ToolStream:
             if start < 0:
                 keep = _partial_tag(self.held)
                 content += self.held[: len(self.held) - keep]
-                self.held = self.held[len(self.held) - keep:]
+                self.held = self.held[len(self.held) - keep :]
                 return content, calls
             end = self.held.find(END, start)
             if end < 0:
@@ -193,7 +205,7 @@ class ToolStream:
                 self.held = self.held[start:]
                 return content, calls
             content += self.held[:start]
-            block, self.held = self.held[start + len(START): end], self.held[end + len(END):]
+            block, self.held = self.held[start + len(START) : end], self.held[end + len(END) :]
             call = _hermes_call(block.strip(), self.mode.names)
             if call is None:
                 content += START + block + END
@@ -210,8 +222,10 @@ class ToolStream:
             return "", []
         if self.mode.kind == REQUIRED:
             try:
-                calls = [tool_call(item["name"], json.dumps(item["parameters"], ensure_ascii=False))
-                         for item in json.loads(held)]
+                calls = [
+                    tool_call(item["name"], json.dumps(item["parameters"], ensure_ascii=False))
+                    for item in json.loads(held)
+                ]
             except (json.JSONDecodeError, KeyError, TypeError):
                 return held, []  # cut short (max_tokens): the text as it is
             return "", [self._indexed(call) for call in calls]
@@ -220,7 +234,6 @@ class ToolStream:
     def _indexed(self, call: dict[str, Any]) -> dict[str, Any]:
         self.calls += 1
         return {"index": self.calls - 1, **call}
-
 
 
 def _partial_tag(text: str) -> int:

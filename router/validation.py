@@ -61,8 +61,11 @@ def validate_generate_request(request: router_pb2.GenerateRequest) -> None:
 def _check_size(request: router_pb2.GenerateRequest) -> None:
     size = request.ByteSize()
     if size > MAX_REQUEST_BYTES:
-        raise InvalidRequest("request", f"at most {MAX_REQUEST_BYTES} bytes serialized (the request-size limit, "
-                                        f"{MAX_REQUEST_BYTES // (1024 * 1024)} MiB), got {size}")
+        raise InvalidRequest(
+            "request",
+            f"at most {MAX_REQUEST_BYTES} bytes serialized (the request-size limit, "
+            f"{MAX_REQUEST_BYTES // (1024 * 1024)} MiB), got {size}",
+        )
 
 
 def is_printable_ascii(text: str) -> bool:
@@ -136,8 +139,9 @@ def _check_structured(structured: common_pb2.StructuredOutput) -> None:
     elif kind == "choice":
         choices = structured.choice.choices
         if not 1 <= len(choices) <= MAX_CHOICES or any(not c or len(c) > 1024 for c in choices):
-            raise InvalidRequest("params.structured.choice", f"1..{MAX_CHOICES} non-empty strings of at most 1024 "
-                                                             "characters")
+            raise InvalidRequest(
+                "params.structured.choice", f"1..{MAX_CHOICES} non-empty strings of at most 1024 characters"
+            )
 
 
 def check_params(params: common_pb2.SamplingParams) -> None:
@@ -169,8 +173,7 @@ def _check_scalars(params: common_pb2.SamplingParams) -> None:
 
 
 def _check_penalties(params: common_pb2.SamplingParams) -> None:
-    for name, low, high in (("presence_penalty", -2.0, 2.0), ("frequency_penalty", -2.0, 2.0),
-                            ("min_p", 0.0, 1.0)):
+    for name, low, high in (("presence_penalty", -2.0, 2.0), ("frequency_penalty", -2.0, 2.0), ("min_p", 0.0, 1.0)):
         value = getattr(params, name)
         if params.HasField(name) and not (low <= value <= high and math.isfinite(value)):
             raise InvalidRequest(f"params.{name}", f"must be in [{low:g}, {high:g}], got {value}")
@@ -180,16 +183,18 @@ def _check_penalties(params: common_pb2.SamplingParams) -> None:
     if not 0 <= params.min_tokens <= max_tokens:
         raise InvalidRequest("params.min_tokens", f"must be in [0, max_tokens={max_tokens}], got {params.min_tokens}")
     if len(params.logit_bias) > MAX_LOGIT_BIAS_ENTRIES:
-        raise InvalidRequest("params.logit_bias",
-                             f"at most {MAX_LOGIT_BIAS_ENTRIES} entries, got {len(params.logit_bias)}")
+        raise InvalidRequest(
+            "params.logit_bias", f"at most {MAX_LOGIT_BIAS_ENTRIES} entries, got {len(params.logit_bias)}"
+        )
     for token, bias in params.logit_bias.items():
         if token < 0:
             raise InvalidRequest("params.logit_bias", f"token ids must be >= 0, got {token}")
         if not (-MAX_LOGIT_BIAS <= bias <= MAX_LOGIT_BIAS and math.isfinite(bias)):
             raise InvalidRequest("params.logit_bias", f"bias of token {token} must be in [-100, 100], got {bias}")
     if len(params.allowed_token_ids) > MAX_ALLOWED_TOKEN_IDS:
-        raise InvalidRequest("params.allowed_token_ids",
-                             f"at most {MAX_ALLOWED_TOKEN_IDS} ids, got {len(params.allowed_token_ids)}")
+        raise InvalidRequest(
+            "params.allowed_token_ids", f"at most {MAX_ALLOWED_TOKEN_IDS} ids, got {len(params.allowed_token_ids)}"
+        )
     _check_non_negative("params.allowed_token_ids", list(params.allowed_token_ids))
     if len(params.cache_salt) > MAX_CACHE_SALT_CHARS or not is_printable_ascii(params.cache_salt):
         raise InvalidRequest("params.cache_salt", f"at most {MAX_CACHE_SALT_CHARS} printable ASCII characters")
@@ -198,8 +203,9 @@ def _check_penalties(params: common_pb2.SamplingParams) -> None:
         raise InvalidRequest("params.bad_words", f"at most {MAX_BAD_WORDS} words, got {len(params.bad_words)}")
     for i, word in enumerate(params.bad_words):
         if not 1 <= len(word) <= MAX_BAD_WORD_CHARS:
-            raise InvalidRequest(f"params.bad_words[{i}]",
-                                 f"must be 1..{MAX_BAD_WORD_CHARS} characters, got {len(word)}")
+            raise InvalidRequest(
+                f"params.bad_words[{i}]", f"must be 1..{MAX_BAD_WORD_CHARS} characters, got {len(word)}"
+            )
 
 
 def _check_stop(params: common_pb2.SamplingParams) -> None:

@@ -215,8 +215,9 @@ class WorkerPool:
         log.info("worker %s (%s) added", endpoint.address, endpoint.role)
         if self._kv_feed is not None:
             self._kv_feed.watch(endpoint.address, state.channel)
-        self._record_poll(endpoint.address, state, state.info_call.future(worker_pb2.InfoRequest(),
-                                                                           timeout=self._info_timeout_s))
+        self._record_poll(
+            endpoint.address, state, state.info_call.future(worker_pb2.InfoRequest(), timeout=self._info_timeout_s)
+        )
         self.register_kv_targets()  # a new decode worker is paired only once prefill workers know it
 
     def remove(self, address: str) -> bool:
@@ -258,25 +259,42 @@ class WorkerPool:
 
     def _register_kv_targets_serialized(self) -> None:
         with self._lock:
-            targets = sorted({s.info.kv_address for s in self._workers.values()
-                              if s.endpoint.role == DECODE and s.info is not None and s.info.kv_address})
-            migration = sorted({s.info.kv_address for s in self._workers.values()
-                                if s.endpoint.role in (DECODE, COLOCATED) and s.info is not None and s.info.kv_address})
-            calls = [(a, s.set_kv_targets, targets if s.endpoint.role == PREFILL else migration)
-                     for a, s in self._workers.items() if s.set_kv_targets is not None
-                     and (s.endpoint.role == PREFILL or s.healthy or _draining(s))]
+            targets = sorted(
+                {
+                    s.info.kv_address
+                    for s in self._workers.values()
+                    if s.endpoint.role == DECODE and s.info is not None and s.info.kv_address
+                }
+            )
+            migration = sorted(
+                {
+                    s.info.kv_address
+                    for s in self._workers.values()
+                    if s.endpoint.role in (DECODE, COLOCATED) and s.info is not None and s.info.kv_address
+                }
+            )
+            calls = [
+                (a, s.set_kv_targets, targets if s.endpoint.role == PREFILL else migration)
+                for a, s in self._workers.items()
+                if s.set_kv_targets is not None and (s.endpoint.role == PREFILL or s.healthy or _draining(s))
+            ]
         metadata = router_metadata()  # only the router's credential may set them (workers check its digest)
-        futures = {a: (call.future(worker_pb2.KvTargets(targets=t), timeout=self._info_timeout_s,
-                                   metadata=metadata or None), t)
-                   for a, call, t in calls}
+        futures = {
+            a: (
+                call.future(worker_pb2.KvTargets(targets=t), timeout=self._info_timeout_s, metadata=metadata or None),
+                t,
+            )
+            for a, call, t in calls
+        }
         for address, (future, sent) in futures.items():
             acknowledged: frozenset[str] | None = frozenset(sent)
             try:
                 future.result()
             except grpc.RpcError as exc:
                 if exc.code() != grpc.StatusCode.UNIMPLEMENTED:
-                    log.warning("registering KV targets with %s failed: %s: %s", address, exc.code().name,
-                                exc.details())
+                    log.warning(
+                        "registering KV targets with %s failed: %s: %s", address, exc.code().name, exc.details()
+                    )
                     continue
                 acknowledged = None
             with self._lock:
@@ -320,8 +338,15 @@ class WorkerPool:
             return [s.candidate() for s in self._workers.values() if s.endpoint.role in roles]
 
     def assign(
-        self, decode_policy: Policy, prefill_policy: Policy, prompt_tokens: int, avoid: frozenset[str] = frozenset(),
-        prefix_key: str = "", require_room: bool = False, hint: RouteHint | None = None, local_below: int = 0,
+        self,
+        decode_policy: Policy,
+        prefill_policy: Policy,
+        prompt_tokens: int,
+        avoid: frozenset[str] = frozenset(),
+        prefix_key: str = "",
+        require_room: bool = False,
+        hint: RouteHint | None = None,
+        local_below: int = 0,
     ) -> Lease:
         """Pick a decode (or colocated) worker and, unless colocated, a prefill worker; count them in
         flight. Workers in `avoid` (they just failed this request) are picked only when no other
@@ -338,8 +363,9 @@ class WorkerPool:
             # a decode worker that no prefill worker has acknowledged yet (it just turned healthy, and
             # the registration is in flight) takes no request while a paired one can
             prefills = self._candidates_locked((PREFILL,), avoid)
-            candidates = [c for c in candidates if c.role != DECODE
-                          or self._registered_with_locked(c.address, prefills)] or candidates
+            candidates = [
+                c for c in candidates if c.role != DECODE or self._registered_with_locked(c.address, prefills)
+            ] or candidates
             if require_room:
                 roomy = [c for c in candidates if self._has_room_locked(c.address)]
                 if not roomy and any(c.healthy for c in candidates):
@@ -357,8 +383,11 @@ class WorkerPool:
             if prefill is None:
                 if not prefills or paired:
                     raise self._missing_locked((PREFILL,), "prefill")
-                raise NoHealthyWorker(f"no prefill worker has registered decode worker {decode.address} as a "
-                                      f"KV target yet", "prefill", len(prefills))
+                raise NoHealthyWorker(
+                    f"no prefill worker has registered decode worker {decode.address} as a KV target yet",
+                    "prefill",
+                    len(prefills),
+                )
             if hint is not None and local_below > 0:
                 remote = prefill.queued_prompt_tokens + prefill.in_flight_prompt_tokens + hint.uncached(prefill.address)
                 local = decode.in_flight_prompt_tokens + hint.uncached(decode.address)
@@ -382,8 +411,7 @@ class WorkerPool:
     def total_slots(self) -> int:
         """Requests the healthy decode and colocated workers take at once (0: unknown / no limit)."""
         with self._lock:
-            return sum(slots_of(s.info) for s in self._workers.values()
-                       if s.endpoint.role != PREFILL and s.healthy)
+            return sum(slots_of(s.info) for s in self._workers.values() if s.endpoint.role != PREFILL and s.healthy)
 
     def _candidates_locked(self, roles: Sequence[str], avoid: frozenset[str] = frozenset()) -> list[Candidate]:
         states = [s for s in self._workers.values() if s.endpoint.role in roles and not s.held]
@@ -403,11 +431,16 @@ class WorkerPool:
                 states = [s for s in states if to_worker in (s.endpoint.address, s.info.worker_id if s.info else "")]
                 if not states:
                     raise ValueError(f"no decode worker {to_worker!r} other than the request's own ({source})")
-            eligible = [s for s in states if s.healthy and s.info is not None and s.info.kv_address
-                        and _accepts(accepted, s.info.kv_address)]
+            eligible = [
+                s
+                for s in states
+                if s.healthy and s.info is not None and s.info.kv_address and _accepts(accepted, s.info.kv_address)
+            ]
             if not eligible:
-                raise ValueError(f"no healthy decode worker registered as a KV target of {source}"
-                                 + (f" matches {to_worker!r}" if to_worker else ""))
+                raise ValueError(
+                    f"no healthy decode worker registered as a KV target of {source}"
+                    + (f" matches {to_worker!r}" if to_worker else "")
+                )
             picked = policy.pick([s.candidate() for s in eligible], "")
             if picked is None:
                 raise ValueError("the decode policy picked no migration target")
@@ -426,8 +459,13 @@ class WorkerPool:
         for a role switch, or is full. The choices after the first of an n > 1 request."""
         with self._lock:
             state = self._workers.get(address)
-            if (state is None or state.endpoint.role == PREFILL or not state.healthy or state.held
-                    or not self._has_room_locked(address)):
+            if (
+                state is None
+                or state.endpoint.role == PREFILL
+                or not state.healthy
+                or state.held
+                or not self._has_room_locked(address)
+            ):
                 return None
             return self._lease_locked(address, "", prompt_tokens, "pinned")
 
@@ -489,8 +527,9 @@ class WorkerPool:
                 return address, role
             roles = [s.endpoint.role for a, s in self._workers.items() if a != address] + [role]
             if DECODE in roles and PREFILL not in roles:
-                raise SwitchRefused(f"switching {address} to {role} would leave the decode workers without a "
-                                    "prefill worker")
+                raise SwitchRefused(
+                    f"switching {address} to {role} would leave the decode workers without a prefill worker"
+                )
             if DECODE not in roles and COLOCATED not in roles:
                 raise SwitchRefused(f"switching {address} to {role} would leave no worker that decodes")
             state.held = True
@@ -515,8 +554,11 @@ class WorkerPool:
         """Each healthy worker that may prefill a request (every healthy worker: a decode worker
         prefills what it is sent without a prefill worker) -> its `pending_prompt_tokens`."""
         with self._lock:
-            return {address: (s.info.queued_prompt_tokens if s.info is not None else 0) + s.in_flight_prompt_tokens
-                    for address, s in self._workers.items() if s.healthy}
+            return {
+                address: (s.info.queued_prompt_tokens if s.info is not None else 0) + s.in_flight_prompt_tokens
+                for address, s in self._workers.items()
+                if s.healthy
+            }
 
     def pending_prompt_tokens(self, address: str) -> int:
         """Prompt tokens waiting for a first token at `address`: its last reported queue plus what the
@@ -548,8 +590,9 @@ class WorkerPool:
             state = _open(WorkerEndpoint(address, role), old.channel)
             state.held = True  # not yet: until its targets are registered
             self._workers[address] = state
-        self._record_poll(address, state, state.info_call.future(worker_pb2.InfoRequest(),
-                                                                  timeout=self._info_timeout_s))
+        self._record_poll(
+            address, state, state.info_call.future(worker_pb2.InfoRequest(), timeout=self._info_timeout_s)
+        )
         self.register_kv_targets()
         with self._lock:
             state.held = False

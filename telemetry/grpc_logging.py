@@ -58,7 +58,8 @@ class RequestLoggingInterceptor(grpc.aio.ServerInterceptor):
     """Logs start/finish of every call carrying a ``request_id`` (see the module docstring)."""
 
     async def intercept_service(
-        self, continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler | None]],
+        self,
+        continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler | None]],
         handler_call_details: grpc.HandlerCallDetails,
     ) -> grpc.RpcMethodHandler | None:
         handler = await continuation(handler_call_details)
@@ -67,11 +68,12 @@ class RequestLoggingInterceptor(grpc.aio.ServerInterceptor):
         method = handler_call_details.method.rsplit("/", 1)[-1]
         if handler.unary_unary is not None:
             return grpc.unary_unary_rpc_method_handler(
-                _wrap_unary(method, handler.unary_unary), handler.request_deserializer, handler.response_serializer)
+                _wrap_unary(method, handler.unary_unary), handler.request_deserializer, handler.response_serializer
+            )
         if handler.unary_stream is not None and inspect.isasyncgenfunction(handler.unary_stream):
             return grpc.unary_stream_rpc_method_handler(
-                _wrap_stream(method, handler.unary_stream), handler.request_deserializer,
-                handler.response_serializer)
+                _wrap_stream(method, handler.unary_stream), handler.request_deserializer, handler.response_serializer
+            )
         return handler
 
 
@@ -86,6 +88,7 @@ def _client_id(request: Any) -> str:
 
 def _wrap_unary(method: str, behavior: Callable[..., Any]) -> Callable[..., Any]:
     if inspect.iscoroutinefunction(behavior):
+
         async def wrapped_async(request: Any, context: Any) -> Any:
             request_id = _request_id(request)
             if request_id is None:
@@ -147,5 +150,11 @@ def log_start(method: str, request_id: str, client_id: str = "", label: str = "c
 def log_finish(method: str, request_id: str, start: float, status: str) -> None:
     """The finish line of one call: its status and duration."""
     seconds = time.monotonic() - start
-    log.info("%s finish request_id=%s status=%s seconds=%.3f", method, request_id, status, seconds,
-             extra={"request_id": request_id, "method": method, "status": status, "seconds": round(seconds, 6)})
+    log.info(
+        "%s finish request_id=%s status=%s seconds=%.3f",
+        method,
+        request_id,
+        status,
+        seconds,
+        extra={"request_id": request_id, "method": method, "status": status, "seconds": round(seconds, 6)},
+    )

@@ -80,8 +80,9 @@ def bound_heap(trim_interval_s: float | None = None) -> bool:
         if arenas > 0:
             libc.mallopt(_M_ARENA_MAX, arenas)
         if trim_interval_s > 0:
-            threading.Thread(target=_trim_forever, args=(libc, trim_interval_s), name="malloc-trim",
-                             daemon=True).start()
+            threading.Thread(
+                target=_trim_forever, args=(libc, trim_interval_s), name="malloc-trim", daemon=True
+            ).start()
         _started = True
     start_trace_from_env()
     return True
@@ -108,17 +109,29 @@ def _report_forever(interval_s: float) -> None:
     stop = threading.Event()
     first: tracemalloc.Snapshot | None = None
     while not stop.wait(interval_s):
-        snapshot = tracemalloc.take_snapshot().filter_traces([
-            tracemalloc.Filter(False, tracemalloc.__file__),
-            tracemalloc.Filter(False, "<frozen importlib._bootstrap>")])
+        snapshot = tracemalloc.take_snapshot().filter_traces(
+            [
+                tracemalloc.Filter(False, tracemalloc.__file__),
+                tracemalloc.Filter(False, "<frozen importlib._bootstrap>"),
+            ]
+        )
         if first is None:
             first = snapshot
-            log.info("tracemalloc: baseline taken; traced %.1f MB, RSS %.0f MB",
-                     tracemalloc.get_traced_memory()[0] / 2**20, rss_mb())
+            log.info(
+                "tracemalloc: baseline taken; traced %.1f MB, RSS %.0f MB",
+                tracemalloc.get_traced_memory()[0] / 2**20,
+                rss_mb(),
+            )
             continue
         top = snapshot.compare_to(first, "traceback")[:10]
-        lines = [f"{s.size_diff / 2**20:+.2f} MB {s.count_diff:+d} blocks at "
-                 + " <- ".join(f"{f.filename.rsplit('/', 2)[-2:][-1]}:{f.lineno}" for f in s.traceback[:4])
-                 for s in top]
-        log.info("tracemalloc: traced %.1f MB, RSS %.0f MB; growth since baseline:\n  %s",
-                 tracemalloc.get_traced_memory()[0] / 2**20, rss_mb(), "\n  ".join(lines))
+        lines = [
+            f"{s.size_diff / 2**20:+.2f} MB {s.count_diff:+d} blocks at "
+            + " <- ".join(f"{f.filename.rsplit('/', 2)[-2:][-1]}:{f.lineno}" for f in s.traceback[:4])
+            for s in top
+        ]
+        log.info(
+            "tracemalloc: traced %.1f MB, RSS %.0f MB; growth since baseline:\n  %s",
+            tracemalloc.get_traced_memory()[0] / 2**20,
+            rss_mb(),
+            "\n  ".join(lines),
+        )

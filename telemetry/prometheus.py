@@ -20,8 +20,25 @@ from prometheus_client.exposition import ThreadingWSGIServer, _SilentHandler
 from pdserve.constants import METRICS_ANY_PORT
 
 # Latency buckets in seconds, from sub-millisecond steps to multi-minute generations.
-LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0,
-                   120.0, 300.0)
+LATENCY_BUCKETS = (
+    0.001,
+    0.0025,
+    0.005,
+    0.01,
+    0.025,
+    0.05,
+    0.1,
+    0.25,
+    0.5,
+    1.0,
+    2.5,
+    5.0,
+    10.0,
+    30.0,
+    60.0,
+    120.0,
+    300.0,
+)
 BATCH_SIZE_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
 WsgiApp = Callable[[dict[str, Any], Callable[..., Any]], Iterable[bytes]]
 
@@ -39,10 +56,16 @@ def _require_token(app: WsgiApp, token: str) -> WsgiApp:
     return guarded
 
 
-def _guarded_server(registry: CollectorRegistry, port: int, host: str, auth_token: str,
-                    tls: tuple[str, str] | None) -> tuple[WSGIServer, threading.Thread]:
-    server = make_server(host, port, _require_token(make_wsgi_app(registry), auth_token), ThreadingWSGIServer,
-                         handler_class=_SilentHandler)
+def _guarded_server(
+    registry: CollectorRegistry, port: int, host: str, auth_token: str, tls: tuple[str, str] | None
+) -> tuple[WSGIServer, threading.Thread]:
+    server = make_server(
+        host,
+        port,
+        _require_token(make_wsgi_app(registry), auth_token),
+        ThreadingWSGIServer,
+        handler_class=_SilentHandler,
+    )
     if tls is not None:
         import ssl
 
@@ -57,8 +80,14 @@ def _guarded_server(registry: CollectorRegistry, port: int, host: str, auth_toke
 class MetricsEndpoint:
     """A running ``/metrics`` server; ``port`` is the bound port (useful when asked for port 0)."""
 
-    def __init__(self, registry: CollectorRegistry, port: int, host: str = "127.0.0.1",
-                 auth_token: str | None = None, tls: tuple[str, str] | None = None) -> None:
+    def __init__(
+        self,
+        registry: CollectorRegistry,
+        port: int,
+        host: str = "127.0.0.1",
+        auth_token: str | None = None,
+        tls: tuple[str, str] | None = None,
+    ) -> None:
         if auth_token:
             self._server, self._thread = _guarded_server(registry, port, host, auth_token, tls)
         else:
@@ -77,9 +106,13 @@ class MetricsEndpoint:
         self._thread.join(timeout=5)
 
 
-def start_metrics_endpoint(registry: CollectorRegistry, port: int | None, host: str = "127.0.0.1",
-                           auth_token: str | None = None,
-                           tls: tuple[str, str] | None = None) -> MetricsEndpoint | None:
+def start_metrics_endpoint(
+    registry: CollectorRegistry,
+    port: int | None,
+    host: str = "127.0.0.1",
+    auth_token: str | None = None,
+    tls: tuple[str, str] | None = None,
+) -> MetricsEndpoint | None:
     """Serve ``registry`` on ``host:port`` (`METRICS_ANY_PORT`: a free port of the system's choosing, read back
     from ``.port``); None (nothing started) when ``port`` is 0 or None. With
     ``auth_token`` every scrape needs ``Authorization: Bearer <token>`` (and ``tls``, a (cert, key)

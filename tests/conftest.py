@@ -19,8 +19,12 @@ from pdserve.router.server import RouterServer, serve
 from pdserve.v1 import router_pb2_grpc
 
 TINY = dict(
-    hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-    num_key_value_heads=2, max_position_embeddings=1024,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=1024,
 )
 
 
@@ -49,9 +53,7 @@ def default_model(default_model_dir: Path) -> LoadedModel:
 def _save_tiny(family: str, out: Path, tokenizer_dir: Path) -> Path:
     from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
-    config_cls, model_cls = {
-        "llama": (LlamaConfig, LlamaForCausalLM), "qwen2": (Qwen2Config, Qwen2ForCausalLM)
-    }[family]
+    config_cls, model_cls = {"llama": (LlamaConfig, LlamaForCausalLM), "qwen2": (Qwen2Config, Qwen2ForCausalLM)}[family]
     tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
     config = config_cls(vocab_size=len(tokenizer), eos_token_id=2, bos_token_id=1, **TINY)
     torch.manual_seed(1234)
@@ -61,8 +63,9 @@ def _save_tiny(family: str, out: Path, tokenizer_dir: Path) -> Path:
 
 
 @pytest.fixture(scope="session", params=["llama", "qwen2"])
-def tiny_model_dir(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory,
-                   default_model_dir: Path) -> Path:
+def tiny_model_dir(
+    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory, default_model_dir: Path
+) -> Path:
     return _save_tiny(request.param, tmp_path_factory.mktemp(f"tiny-{request.param}"), default_model_dir)
 
 
@@ -109,8 +112,11 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         except ValueError:  # a test outside tests/ (a path given on the command line)
             continue
         folder = relative.parts[0] if len(relative.parts) > 1 else ""
-        slow = (folder in SLOW_FOLDERS or relative.as_posix() in SLOW_MODULES
-                or not SLOW_FIXTURES.isdisjoint(getattr(item, "fixturenames", ())))
+        slow = (
+            folder in SLOW_FOLDERS
+            or relative.as_posix() in SLOW_MODULES
+            or not SLOW_FIXTURES.isdisjoint(getattr(item, "fixturenames", ()))
+        )
         if folder in RAY_FOLDERS:
             item.add_marker(pytest.mark.ray)
         if slow:

@@ -23,8 +23,9 @@ from pdserve.v1 import common_pb2, router_pb2, router_pb2_grpc, worker_pb2, work
 T = TypeVar("T")
 REPO = Path(__file__).resolve().parents[1]
 
-WORDS = ("river mill evening children market flour dawn sea poem capital France story old light "
-         "winter city mountain lake").split()
+WORDS = (
+    "river mill evening children market flour dawn sea poem capital France story old light winter city mountain lake"
+).split()
 
 
 @dataclass
@@ -43,19 +44,28 @@ def mixed_prompts(n: int, seed: int = 0) -> list[str]:
 def generate(address: str, prompt: str, max_tokens: int, timeout: float = 300, **params: object) -> Result:
     stub = router_pb2_grpc.RouterStub(grpc.insecure_channel(address))
     request = router_pb2.GenerateRequest(
-        prompt=prompt, params=common_pb2.SamplingParams(max_tokens=max_tokens, **params))
+        prompt=prompt, params=common_pb2.SamplingParams(max_tokens=max_tokens, **params)
+    )
     responses = list(stub.Generate(request, timeout=timeout))
-    return Result("".join(r.text for r in responses), [t for r in responses for t in r.token_ids],
-                  responses[-1].finish_reason, responses)
+    return Result(
+        "".join(r.text for r in responses),
+        [t for r in responses for t in r.token_ids],
+        responses[-1].finish_reason,
+        responses,
+    )
 
 
-def generate_many(address: str, prompts: list[str], max_tokens: list[int],
-                  params: list[dict[str, object]] | None = None) -> list[Result]:
+def generate_many(
+    address: str, prompts: list[str], max_tokens: list[int], params: list[dict[str, object]] | None = None
+) -> list[Result]:
     """Every prompt at once; `params[i]`: extra SamplingParams fields of request i."""
     extra = params or [{} for _ in prompts]
     with ThreadPoolExecutor(max_workers=len(prompts)) as pool:
-        return list(pool.map(lambda pmx: generate(address, pmx[0], pmx[1], **pmx[2]),
-                             zip(prompts, max_tokens, extra, strict=True)))
+        return list(
+            pool.map(
+                lambda pmx: generate(address, pmx[0], pmx[1], **pmx[2]), zip(prompts, max_tokens, extra, strict=True)
+            )
+        )
 
 
 def worker_info(address: str, role: str) -> common_pb2.WorkerInfo:
@@ -79,8 +89,9 @@ def wait_idle(workers: list[tuple[str, str]], timeout: float = 30) -> list[commo
 _WORKLOADS: dict[tuple[object, ...], tuple[list[str], list[int], list[list[int]]]] = {}
 
 
-def greedy_workload(model_dir: object, n: int, prompt_seed: int = 12, length_seed: int = 3,
-                    lengths: tuple[int, int] = (60, 120)) -> tuple[list[str], list[int], list[list[int]]]:
+def greedy_workload(
+    model_dir: object, n: int, prompt_seed: int = 12, length_seed: int = 3, lengths: tuple[int, int] = (60, 120)
+) -> tuple[list[str], list[int], list[list[int]]]:
     """`n` prompts, output lengths drawn from `lengths` (long enough to be running during a role
     switch, a migration or a removal), and their greedy outputs from the engine in this process.
     A tiny random model has near-ties between logits, where the batch a sequence runs in can flip a
@@ -93,8 +104,9 @@ def greedy_workload(model_dir: object, n: int, prompt_seed: int = 12, length_see
     return _WORKLOADS[key]
 
 
-def _greedy_workload(model_dir: object, n: int, prompt_seed: int, length_seed: int,
-                     lengths: tuple[int, int]) -> tuple[list[str], list[int], list[list[int]]]:
+def _greedy_workload(
+    model_dir: object, n: int, prompt_seed: int, length_seed: int, lengths: tuple[int, int]
+) -> tuple[list[str], list[int], list[list[int]]]:
     from pdserve.engine.config import EngineConfig
     from pdserve.engine.llm_engine import LLMEngine
     from pdserve.engine.model_loader import load_model
@@ -119,7 +131,8 @@ def _greedy_workload(model_dir: object, n: int, prompt_seed: int, length_seed: i
 def _stream_into(address: str, prompt: str, max_tokens: int, first: threading.Event, out: list) -> None:
     stub = router_pb2_grpc.RouterStub(grpc.insecure_channel(address))
     request = router_pb2.GenerateRequest(
-        prompt=prompt, params=common_pb2.SamplingParams(max_tokens=max_tokens, ignore_eos=True))
+        prompt=prompt, params=common_pb2.SamplingParams(max_tokens=max_tokens, ignore_eos=True)
+    )
     try:
         for response in stub.Generate(request, timeout=300):
             out.extend(response.token_ids)
@@ -137,8 +150,10 @@ class Streams:
         self.prompts, max_tokens, self.expected = workload
         self.outputs: list[list] = [[] for _ in self.prompts]
         self.started = [threading.Event() for _ in self.prompts]
-        self.threads = [threading.Thread(target=_stream_into, args=(address, p, m, e, o))
-                        for p, m, e, o in zip(self.prompts, max_tokens, self.started, self.outputs, strict=True)]
+        self.threads = [
+            threading.Thread(target=_stream_into, args=(address, p, m, e, o))
+            for p, m, e, o in zip(self.prompts, max_tokens, self.started, self.outputs, strict=True)
+        ]
         for t in self.threads:
             t.start()
         for event in self.started[:8]:
@@ -232,8 +247,14 @@ def checkout_env() -> dict[str, str]:
 
 def run_cli(*args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
     """`python -m pdserve.cluster.cli ARGS` from the checkout, its output captured."""
-    return subprocess.run([sys.executable, "-m", "pdserve.cluster.cli", *args], capture_output=True, text=True,
-                          timeout=timeout, env=checkout_env(), cwd=REPO)
+    return subprocess.run(
+        [sys.executable, "-m", "pdserve.cluster.cli", *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env=checkout_env(),
+        cwd=REPO,
+    )
 
 
 def router_status(address: str) -> list[dict[str, object]]:

@@ -21,26 +21,53 @@ def self_signed(tmp: Path) -> tuple[str, str]:
         from cryptography.hazmat.primitives.asymmetric import ec
         from cryptography.x509.oid import NameOID
     except ImportError:
-        subprocess.run(["openssl", "req", "-x509", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1",
-                        "-nodes", "-days", "1", "-subj", "/CN=localhost", "-keyout", str(key_path), "-out",
-                        str(cert_path), "-addext", "subjectAltName=DNS:localhost,IP:127.0.0.1"],
-                       check=True, capture_output=True)
+        subprocess.run(
+            [
+                "openssl",
+                "req",
+                "-x509",
+                "-newkey",
+                "ec",
+                "-pkeyopt",
+                "ec_paramgen_curve:prime256v1",
+                "-nodes",
+                "-days",
+                "1",
+                "-subj",
+                "/CN=localhost",
+                "-keyout",
+                str(key_path),
+                "-out",
+                str(cert_path),
+                "-addext",
+                "subjectAltName=DNS:localhost,IP:127.0.0.1",
+            ],
+            check=True,
+            capture_output=True,
+        )
         return str(cert_path), str(key_path)
     key = ec.generate_private_key(ec.SECP256R1())
     name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "localhost")])
     now = datetime.datetime.now(datetime.timezone.utc)
     cert = (
-        x509.CertificateBuilder().subject_name(name).issuer_name(name).public_key(key.public_key())
-        .serial_number(x509.random_serial_number()).not_valid_before(now - datetime.timedelta(minutes=1))
+        x509.CertificateBuilder()
+        .subject_name(name)
+        .issuer_name(name)
+        .public_key(key.public_key())
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(now - datetime.timedelta(minutes=1))
         .not_valid_after(now + datetime.timedelta(days=1))
-        .add_extension(x509.SubjectAlternativeName([x509.DNSName("localhost"),
-                                                    x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]), False)
+        .add_extension(
+            x509.SubjectAlternativeName([x509.DNSName("localhost"), x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]),
+            False,
+        )
         .add_extension(x509.BasicConstraints(ca=True, path_length=None), True)
         .sign(key, hashes.SHA256())
     )
     cert_path.write_bytes(cert.public_bytes(serialization.Encoding.PEM))
-    key_path.write_bytes(key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
-                                           serialization.NoEncryption()))
+    key_path.write_bytes(
+        key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption())
+    )
     return str(cert_path), str(key_path)
 
 
@@ -58,11 +85,13 @@ def register_kv_targets(prefill_address: str, decode_addresses: list[str]) -> No
     from pdserve.v1 import worker_pb2, worker_pb2_grpc
 
     info = worker_pb2.InfoRequest()
-    targets = [worker_pb2_grpc.DecodeWorkerStub(open_channel(d)).GetInfo(info, timeout=10).kv_address
-               for d in decode_addresses]
+    targets = [
+        worker_pb2_grpc.DecodeWorkerStub(open_channel(d)).GetInfo(info, timeout=10).kv_address for d in decode_addresses
+    ]
     # in the router's name: a launcher in this process holds the router credential its workers check
     worker_pb2_grpc.PrefillWorkerStub(open_channel(prefill_address)).SetKvTargets(
-        worker_pb2.KvTargets(targets=targets), timeout=10, metadata=router_metadata() or None)
+        worker_pb2.KvTargets(targets=targets), timeout=10, metadata=router_metadata() or None
+    )
 
 
 #: Two tenants' tokens (token -> tenant, as pdserve.transport.load_tenant_tokens gives them) and a
@@ -72,10 +101,11 @@ SECRET = "The PIN of the vault is 4711. " + " ".join(f"w{i}" for i in range(40))
 
 
 def _post(port: int, token: str, body: dict) -> dict:
-    request = urllib.request.Request(f"http://127.0.0.1:{port}/v1/completions",
-                                     data=json.dumps({"model": "default", **body}).encode(),
-                                     headers={"Content-Type": "application/json",
-                                              "Authorization": f"Bearer {token}"})
+    request = urllib.request.Request(
+        f"http://127.0.0.1:{port}/v1/completions",
+        data=json.dumps({"model": "default", **body}).encode(),
+        headers={"Content-Type": "application/json", "Authorization": f"Bearer {token}"},
+    )
     with urllib.request.urlopen(request, timeout=120) as answer:
         return json.loads(answer.read())
 
@@ -93,8 +123,11 @@ def cached_grpc(address: str, token: str) -> int:
 
     request = router_pb2.GenerateRequest(prompt=SECRET, params=common_pb2.SamplingParams(max_tokens=2))
     with open_channel(address) as channel:
-        answers = list(router_pb2_grpc.RouterStub(channel).Generate(
-            request, timeout=120, metadata=(("authorization", f"Bearer {token}"),)))
+        answers = list(
+            router_pb2_grpc.RouterStub(channel).Generate(
+                request, timeout=120, metadata=(("authorization", f"Bearer {token}"),)
+            )
+        )
     return answers[-1].usage.cached_tokens
 
 

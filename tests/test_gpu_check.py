@@ -24,9 +24,14 @@ def test_dry_run_of_the_device_check_passes_every_step(tmp_path: Path) -> None:
     env.pop("OUT", None)
     # --repeats 1: the decode step times each engine and HF run once after its warm-up run, not twice
     # (its rows are only checked to be positive here); every step still runs
-    done = subprocess.run(["bash", "benchmarks/gpu_check.sh", "--device", "cpu", "--out", str(tmp_path),
-                           "--repeats", "1"],
-                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
+    done = subprocess.run(
+        ["bash", "benchmarks/gpu_check.sh", "--device", "cpu", "--out", str(tmp_path), "--repeats", "1"],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
     assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-4000:]
     doc = json.loads((tmp_path / "gpu-check.json").read_text())
     rows = doc["rows"]
@@ -51,9 +56,11 @@ def test_only_missing_or_older_dependencies_are_installed() -> None:
 
 
 def test_carried_wheels_are_found_by_distribution_name(tmp_path: Path) -> None:
-    for name in ("grpcio-1.85.3-cp312-cp312-manylinux_2_17_x86_64.whl",
-                 "grpcio_health_checking-1.85.1-py3-none-any.whl",
-                 "protobuf-7.36.2-cp39-abi3-manylinux2014_x86_64.whl"):
+    for name in (
+        "grpcio-1.85.3-cp312-cp312-manylinux_2_17_x86_64.whl",
+        "grpcio_health_checking-1.85.1-py3-none-any.whl",
+        "protobuf-7.36.2-cp39-abi3-manylinux2014_x86_64.whl",
+    ):
         (tmp_path / name).write_bytes(b"")
     assert device_deps.wheel_for("grpcio", tmp_path).name.startswith("grpcio-1.85.3")
     assert device_deps.wheel_for("grpcio-health-checking", tmp_path).name.startswith("grpcio_health_checking")

@@ -20,8 +20,14 @@ ROOT = Path(__file__).resolve().parents[1]
 def test_dry_run_of_the_disaggregation_check_passes_every_step(tmp_path: Path) -> None:
     env = {**os.environ, "PYTHON": sys.executable}
     env.pop("OUT", None)
-    done = subprocess.run(["bash", "benchmarks/gpu_disagg_check.sh", "--device", "cpu", "--out", str(tmp_path)],
-                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=960)
+    done = subprocess.run(
+        ["bash", "benchmarks/gpu_disagg_check.sh", "--device", "cpu", "--out", str(tmp_path)],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=960,
+    )
     assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-4000:]
     rows = json.loads((tmp_path / "gpu-disagg-check.json").read_text())["rows"]
     assert {r["step"] for r in rows} == {"env", "kv", "serving", "kill"}

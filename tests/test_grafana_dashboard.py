@@ -108,14 +108,25 @@ def test_every_query_names_exported_metrics_and_their_labels(dashboard: dict, ex
 
 def test_dashboard_covers_the_serving_signals(dashboard: dict) -> None:
     text = " ".join(expr for _, expr in _queries(dashboard))
-    for needed in ("pdserve_time_to_first_token_seconds_bucket", "pdserve_inter_token_latency_seconds_bucket",
-                   "pdserve_e2e_request_latency_seconds_bucket", "pdserve_kv_transfer_bytes_total",
-                   "pdserve_kv_transfer_seconds_bucket", "pdserve_num_requests_waiting",
-                   "pdserve_request_queue_time_seconds_bucket", "pdserve_kv_blocks_used", "pdserve_kv_blocks_total",
-                   "pdserve_failovers_total"):
+    for needed in (
+        "pdserve_time_to_first_token_seconds_bucket",
+        "pdserve_inter_token_latency_seconds_bucket",
+        "pdserve_e2e_request_latency_seconds_bucket",
+        "pdserve_kv_transfer_bytes_total",
+        "pdserve_kv_transfer_seconds_bucket",
+        "pdserve_num_requests_waiting",
+        "pdserve_request_queue_time_seconds_bucket",
+        "pdserve_kv_blocks_used",
+        "pdserve_kv_blocks_total",
+        "pdserve_failovers_total",
+    ):
         assert needed in text, needed
-    for needed in ("pdserve_autoscaler_workers", "pdserve_autoscaler_decisions_total", "pdserve_role_switches_total",
-                   "pdserve_autoscaler_slo_attainment"):  # serve --autoscale: roles and decisions
+    for needed in (
+        "pdserve_autoscaler_workers",
+        "pdserve_autoscaler_decisions_total",
+        "pdserve_role_switches_total",
+        "pdserve_autoscaler_slo_attainment",
+    ):  # serve --autoscale: roles and decisions
         assert needed in text, needed
     kv = [expr for _, expr in _queries(dashboard) if "pdserve_kv_transfer_" in expr]
     assert kv and all("backend" in expr for expr in kv), "KV transfer panels must split by backend"

@@ -27,30 +27,40 @@ import subprocess
 import sys
 from pathlib import Path
 
-try:
-    import tomllib
-except ImportError:  # Python 3.10
-    import tomli as tomllib  # type: ignore[no-redef]
-
 REPO = Path(__file__).resolve().parents[1]
 #: package -> its folder: pdserve/'s symlinks (pdserve/engine -> ../engine), the one list of them
-PACKAGE_DIR: dict[str, str] = {"pdserve": "pdserve", **{f"pdserve.{link.name}": os.path.relpath(link.resolve(), REPO)
-                                          for link in sorted((REPO / "pdserve").iterdir()) if link.is_symlink()}}
+PACKAGE_DIR: dict[str, str] = {
+    "pdserve": "pdserve",
+    **{
+        f"pdserve.{link.name}": os.path.relpath(link.resolve(), REPO)
+        for link in sorted((REPO / "pdserve").iterdir())
+        if link.is_symlink()
+    },
+}
 SUBPACKAGES = tuple(name for name in PACKAGE_DIR if name != "pdserve")  # pdserve.engine, pdserve.router, ...
 
 #: (rule, importing module, imported module prefix) -> why it is allowed.
 ALLOWED: dict[tuple[str, str, str], str] = {
-    ("router-imported", "pdserve.cluster.ray_actors", "pdserve.router"):
-        "RouterActor is the router process under Ray: a launcher has to start the router it launches "
-        "(the local launcher runs `python -m pdserve.router` instead, without importing it)",
-    ("capacity-above-cluster", "pdserve.cluster.cli", "pdserve.capacity"):
-        "the `pdserve` CLI is the composition root: it registers the capacity subcommands (bench, sweep, "
-        "plan) and hands the autoscaler its planner (capacity.splits). Nothing else in cluster imports capacity",
-    ("router-torch-free", "pdserve.router.kv_index", "transformers"):
-        "opt-in only: with --tokenizer (KV-aware routing) the router loads the model's tokenizer through "
-        "transformers, which imports torch into that router process. A router without --tokenizer never "
-        "does (test_importing_the_router_loads_neither_torch_nor_the_engine). To remove: hash prompts "
-        "with the `tokenizers` package alone (chat templates need a torch-free renderer too)",
+    (
+        "router-imported",
+        "pdserve.cluster.ray_actors",
+        "pdserve.router",
+    ): "RouterActor is the router process under Ray: a launcher has to start the router it launches "
+    "(the local launcher runs `python -m pdserve.router` instead, without importing it)",
+    (
+        "capacity-above-cluster",
+        "pdserve.cluster.cli",
+        "pdserve.capacity",
+    ): "the `pdserve` CLI is the composition root: it registers the capacity subcommands (bench, sweep, "
+    "plan) and hands the autoscaler its planner (capacity.splits). Nothing else in cluster imports capacity",
+    (
+        "router-torch-free",
+        "pdserve.router.kv_index",
+        "transformers",
+    ): "opt-in only: with --tokenizer (KV-aware routing) the router loads the model's tokenizer through "
+    "transformers, which imports torch into that router process. A router without --tokenizer never "
+    "does (test_importing_the_router_loads_neither_torch_nor_the_engine). To remove: hash prompts "
+    "with the `tokenizers` package alone (chat templates need a torch-free renderer too)",
 }
 
 
@@ -96,8 +106,10 @@ def _broken(importer: str, path: Path, module: str) -> list[str]:
     """The rules that `importer` importing `module` breaks."""
     rules = []
     top = module.split(".")[0]
-    for side, other in (("pdserve.prefill_worker", "pdserve.decode_worker"),
-                        ("pdserve.decode_worker", "pdserve.prefill_worker")):
+    for side, other in (
+        ("pdserve.prefill_worker", "pdserve.decode_worker"),
+        ("pdserve.decode_worker", "pdserve.prefill_worker"),
+    ):
         if _under(importer, side) and _under(module, other):
             rules.append("workers-apart")
     if _under(module, "pdserve.router") and not _under(importer, "pdserve.router"):
@@ -107,13 +119,17 @@ def _broken(importer: str, path: Path, module: str) -> list[str]:
     if _under(importer, "pdserve.router") and (top in ("torch", "transformers") or _under(module, "pdserve.engine")):
         rules.append("router-torch-free")
     if _under(importer, "pdserve.engine") and any(
-            _under(module, f"pdserve.{user}") for user in ("prefill_worker", "decode_worker", "elastic_worker",
-                                                           "router", "cluster")):
+        _under(module, f"pdserve.{user}")
+        for user in ("prefill_worker", "decode_worker", "elastic_worker", "router", "cluster")
+    ):
         rules.append("engine-below-workers")
     if _under(importer, "pdserve.cluster") and _under(module, "pdserve.capacity"):
         rules.append("capacity-above-cluster")
-    if (path.is_relative_to(REPO / "pdserve") and module.startswith("pdserve.")
-            and any(_under(module, sub) for sub in SUBPACKAGES if sub != "pdserve.v1")):
+    if (
+        path.is_relative_to(REPO / "pdserve")
+        and module.startswith("pdserve.")
+        and any(_under(module, sub) for sub in SUBPACKAGES if sub != "pdserve.v1")
+    ):
         rules.append("shared-below-subpackages")
     if path.is_relative_to(REPO / "proto") and (top == "pdserve" and not _under(module, "pdserve.v1")):
         rules.append("proto-imports-only-proto")
@@ -134,9 +150,16 @@ def _violations() -> dict[tuple[str, str, str], list[str]]:
 
 def test_the_scan_sees_the_packages() -> None:
     modules = _modules()
-    for expected in ("pdserve.failures", "pdserve.router.core", "pdserve.decode_worker.servicer",
-                     "pdserve.prefill_worker.worker", "pdserve.engine.llm_engine", "pdserve.cluster.ray_actors",
-                     "pdserve.kv_transfer.ray_backend", "pdserve.v1.worker_pb2"):
+    for expected in (
+        "pdserve.failures",
+        "pdserve.router.core",
+        "pdserve.decode_worker.servicer",
+        "pdserve.prefill_worker.worker",
+        "pdserve.engine.llm_engine",
+        "pdserve.cluster.ray_actors",
+        "pdserve.kv_transfer.ray_backend",
+        "pdserve.v1.worker_pb2",
+    ):
         assert expected in modules, expected
     # the scanner resolves relative imports and sees lazy ones
     tree_imports = {m for m, _ in _imports("pdserve.cluster.ray_actors", modules["pdserve.cluster.ray_actors"])}
@@ -169,17 +192,19 @@ def test_import_rules_hold() -> None:
     found = _violations()
     unexpected = {key: where for key, where in found.items() if key not in ALLOWED}
     assert not unexpected, "import rules broken (shared/GUIDE.md section 2):\n" + "\n".join(
-        f"  {rule}: {line}" for (rule, _, _), where in sorted(unexpected.items()) for line in where)
+        f"  {rule}: {line}" for (rule, _, _), where in sorted(unexpected.items()) for line in where
+    )
     stale = [key for key in ALLOWED if key not in found]
     assert not stale, f"allowed exceptions no longer needed (remove them): {stale}"
 
 
 def test_importing_the_router_loads_neither_torch_nor_the_engine() -> None:
-    code = ("import sys, pdserve.router.server, pdserve.router.__main__, pdserve.router.http_api\n"
-            "bad = [m for m in ('torch', 'transformers', 'ray', 'pdserve.engine') if m in sys.modules]\n"
-            "assert not bad, bad\n")
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(
-        [str(REPO), *filter(None, [os.environ.get("PYTHONPATH")])])}
+    code = (
+        "import sys, pdserve.router.server, pdserve.router.__main__, pdserve.router.http_api\n"
+        "bad = [m for m in ('torch', 'transformers', 'ray', 'pdserve.engine') if m in sys.modules]\n"
+        "assert not bad, bad\n"
+    )
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), *filter(None, [os.environ.get("PYTHONPATH")])])}
     subprocess.run([sys.executable, "-c", code], check=True, cwd=REPO, env=env, timeout=120)
 
 
@@ -187,11 +212,12 @@ def test_a_worker_process_imports_transformers_modeling_only_to_load_a_model() -
     """The worker process modules import neither transformers' modeling code nor the fast forward
     (which imports it): a sim-engine worker has no weights and never needs them, and they are about
     2 s of every worker's start-up. A real worker imports them when it loads its model."""
-    code = ("import sys, pdserve.decode_worker.process, pdserve.prefill_worker.process, "
-            "pdserve.elastic_worker.process\n"
-            "bad = [m for m in ('transformers.modeling_utils', 'transformers.masking_utils', "
-            "'pdserve.engine.fast_forward') if m in sys.modules]\n"
-            "assert not bad, bad\n")
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(
-        [str(REPO), *filter(None, [os.environ.get("PYTHONPATH")])])}
+    code = (
+        "import sys, pdserve.decode_worker.process, pdserve.prefill_worker.process, "
+        "pdserve.elastic_worker.process\n"
+        "bad = [m for m in ('transformers.modeling_utils', 'transformers.masking_utils', "
+        "'pdserve.engine.fast_forward') if m in sys.modules]\n"
+        "assert not bad, bad\n"
+    )
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), *filter(None, [os.environ.get("PYTHONPATH")])])}
     subprocess.run([sys.executable, "-c", code], check=True, cwd=REPO, env=env, timeout=120)

@@ -1,6 +1,7 @@
 """The `pdserve` import namespace: no first-party module is imported or run under a bare top-level
 name (`engine`, `router`, ...), the source checkout resolves `pdserve.*` to the repository's folders,
-and every folder is in the package (a pdserve/ symlink) and in pyproject.toml's packages for the wheel. (Written by the namespace rename script.)"""
+and every folder is in the package (a pdserve/ symlink) and in pyproject.toml's packages for the
+wheel. (Written by the namespace rename script.)"""
 
 from __future__ import annotations
 
@@ -18,11 +19,27 @@ except ImportError:  # Python 3.10
 
 REPO = Path(__file__).resolve().parents[1]
 #: Package -> its folder, read from the one list of them: pdserve/'s symlinks (pdserve/engine -> ../engine).
-PACKAGE_DIR: dict[str, str] = {"pdserve": "pdserve", **{f"pdserve.{link.name}": os.path.relpath(link.resolve(), REPO)
-                                          for link in sorted((REPO / "pdserve").iterdir()) if link.is_symlink()}}
+PACKAGE_DIR: dict[str, str] = {
+    "pdserve": "pdserve",
+    **{
+        f"pdserve.{link.name}": os.path.relpath(link.resolve(), REPO)
+        for link in sorted((REPO / "pdserve").iterdir())
+        if link.is_symlink()
+    },
+}
 FIRST_PARTY = {folder for name, folder in PACKAGE_DIR.items() if name.count(".") == 1 and name == f"pdserve.{folder}"}
-SKIP = {".git", ".venv", "venv", "build", "dist", "__pycache__", ".mypy_cache", ".ruff_cache", ".pytest_cache",
-         ".hypothesis"}
+SKIP = {
+    ".git",
+    ".venv",
+    "venv",
+    "build",
+    "dist",
+    "__pycache__",
+    ".mypy_cache",
+    ".ruff_cache",
+    ".pytest_cache",
+    ".hypothesis",
+}
 FP = "|".join(sorted(FIRST_PARTY))
 DASH_M = re.compile(rf"-m\s+(?:{FP})(?![\w-])|[\"']-m[\"']\s*,\s*[\"'](?:{FP})(?:\.\w+)*[\"']")
 # first-party import lines inside strings (code run with python -c)
@@ -52,8 +69,9 @@ def test_no_bare_first_party_imports() -> None:
                 names = [alias.name for alias in node.names]
             elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
                 names = [node.module]
-            offenders += [f"{path.relative_to(REPO)}:{node.lineno}: {n}" for n in names
-                          if n.split(".")[0] in FIRST_PARTY]
+            offenders += [
+                f"{path.relative_to(REPO)}:{node.lineno}: {n}" for n in names if n.split(".")[0] in FIRST_PARTY
+            ]
         for match in IMPORT_LINE.finditer(source):  # also code in strings (python -c)
             line = source.count("\n", 0, match.start()) + 1
             offenders.append(f"{path.relative_to(REPO)}:{line}: {match.group(0).strip()}")
@@ -73,14 +91,23 @@ def test_no_bare_module_invocations() -> None:
 
 
 def test_source_checkout_resolves_the_namespace() -> None:
-    code = ("import pdserve.engine, pdserve.router.server, pdserve.cluster.cli, pdserve.v1, sys\n"
-            "from pathlib import Path\n"
-            "assert Path(pdserve.engine.__file__).resolve().parent == Path(sys.argv[1]) / 'engine', pdserve.engine.__file__\n"
-            "bare = sorted(m for m in sys.modules if m.split('.')[0] in sys.argv[2].split(','))\n"
-            "assert not bare, bare\n")
+    code = (
+        "import pdserve.engine, pdserve.router.server, pdserve.cluster.cli, pdserve.v1, sys\n"
+        "from pathlib import Path\n"
+        "engine = Path(pdserve.engine.__file__).resolve().parent\n"
+        "assert engine == Path(sys.argv[1]) / 'engine', pdserve.engine.__file__\n"
+        "bare = sorted(m for m in sys.modules if m.split('.')[0] in sys.argv[2].split(','))\n"
+        "assert not bare, bare\n"
+    )
     env = {**os.environ, "PYTHONPATH": str(REPO)}  # only the repository root: pdserve/'s symlinks reach the rest
-    result = subprocess.run([sys.executable, "-c", code, str(REPO), ",".join(FIRST_PARTY)], capture_output=True,
-                            text=True, env=env, cwd="/", timeout=120)
+    result = subprocess.run(
+        [sys.executable, "-c", code, str(REPO), ",".join(FIRST_PARTY)],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd="/",
+        timeout=120,
+    )
     assert result.returncode == 0, result.stderr[-3000:]
 
 
@@ -89,8 +116,11 @@ def test_pyproject_maps_every_folder() -> None:
     top_level = {p.parent.name for p in REPO.glob("*/__init__.py")}
     assert top_level == FIRST_PARTY | {"pdserve"}, "a top-level package folder has no pdserve/ symlink"
     assert len(FIRST_PARTY) >= 9, FIRST_PARTY
-    assert PACKAGE_DIR == {"pdserve": "pdserve", "pdserve.v1": "proto/pdserve/v1",
-                           **{f"pdserve.{n}": n for n in FIRST_PARTY}}
+    assert PACKAGE_DIR == {
+        "pdserve": "pdserve",
+        "pdserve.v1": "proto/pdserve/v1",
+        **{f"pdserve.{n}": n for n in FIRST_PARTY},
+    }
     links = [link for link in (REPO / "pdserve").iterdir() if link.is_symlink()]
     assert all(not os.path.isabs(os.readlink(link)) for link in links), "a symlink must be relative (clones move)"
     assert "package-dir" not in setuptools  # the symlinks are the map: a second one would be followed by nothing

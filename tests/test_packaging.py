@@ -34,14 +34,16 @@ for name in {OPTIONAL!r}:
 
 
 def _run_without_extras(code: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-c", BLOCKED + textwrap.dedent(code)], capture_output=True, text=True,
-                          timeout=300, cwd=REPO)
+    return subprocess.run(
+        [sys.executable, "-c", BLOCKED + textwrap.dedent(code)], capture_output=True, text=True, timeout=300, cwd=REPO
+    )
 
 
 def _requirements(extra: str | None = None) -> list[Requirement]:
     project = PYPROJECT["project"]
-    return [Requirement(r) for r in (project["dependencies"] if extra is None else
-                                     project["optional-dependencies"][extra])]
+    return [
+        Requirement(r) for r in (project["dependencies"] if extra is None else project["optional-dependencies"][extra])
+    ]
 
 
 def _floor(name: str) -> Version:
@@ -144,15 +146,20 @@ def test_torch_floor_has_enable_gqa() -> None:
 
     import torch.nn.functional as F
 
-    assert "enable_gqa" in (F.scaled_dot_product_attention.__doc__ or "") or \
-        "enable_gqa" in str(inspect.signature(F.scaled_dot_product_attention))
+    assert "enable_gqa" in (F.scaled_dot_product_attention.__doc__ or "") or "enable_gqa" in str(
+        inspect.signature(F.scaled_dot_product_attention)
+    )
 
 
 def test_grpc_and_protobuf_floors_match_the_committed_stubs() -> None:
-    protobuf_versions = {re.search(r"^# Protobuf Python Version: (\S+)$", p.read_text(), re.M).group(1)  # type: ignore[union-attr]
-                         for p in STUBS.glob("*_pb2.py")}
-    grpc_versions = {re.search(r"^GRPC_GENERATED_VERSION = '(\S+)'$", p.read_text(), re.M).group(1)  # type: ignore[union-attr]
-                     for p in STUBS.glob("*_pb2_grpc.py")}
+    protobuf_versions = {
+        re.search(r"^# Protobuf Python Version: (\S+)$", p.read_text(), re.M).group(1)  # type: ignore[union-attr]
+        for p in STUBS.glob("*_pb2.py")
+    }
+    grpc_versions = {
+        re.search(r"^GRPC_GENERATED_VERSION = '(\S+)'$", p.read_text(), re.M).group(1)  # type: ignore[union-attr]
+        for p in STUBS.glob("*_pb2_grpc.py")
+    }
     assert len(protobuf_versions) == 1 and len(grpc_versions) == 1
     gencode, generated = Version(protobuf_versions.pop()), Version(grpc_versions.pop())
     # the stubs refuse an older runtime at import: the floors must be exactly what generated them
@@ -186,12 +193,13 @@ def test_constraints_pin_every_dependency_within_pyproject() -> None:
             assert name in pins, f"constraints.txt has no pin for {req}"
             assert req.specifier.contains(pins[name], prereleases=True), f"{name}=={pins[name]} violates {req}"
     assert pins[canonicalize_name("grpcio-tools")] == Version(
-        re.search(r"^GRPC_GENERATED_VERSION = '(\S+)'$", (STUBS / "router_pb2_grpc.py").read_text(), re.M).group(1))  # type: ignore[union-attr]
+        re.search(r"^GRPC_GENERATED_VERSION = '(\S+)'$", (STUBS / "router_pb2_grpc.py").read_text(), re.M).group(1)
+    )  # type: ignore[union-attr]
 
 
 def test_run_installs_extras_with_constraints_and_keeps_committed_stubs() -> None:
     run = (REPO / "run").read_text()
     assert '-e ".[dev,ray,capacity]"' in run and "--constraint" in run and "constraints.txt" in run
-    ensure_stubs = run[run.index("ensure_stubs() {"):]
+    ensure_stubs = run[run.index("ensure_stubs() {") :]
     ensure_stubs = ensure_stubs[: ensure_stubs.index("\n}\n")]
     assert "missing" in ensure_stubs  # generates only when a stub is missing, never over committed ones

@@ -99,9 +99,24 @@ def test_every_flag_reaches_its_field_of_the_config(role: str) -> None:
 
 
 def test_the_elastic_command_line_gives_both_roles_their_flags() -> None:
-    config = ElasticWorkerConfig.from_args(*elastic_parse(
-        ["--role", "colocated", "--model", "/m", "--max-num-seqs", "3", "--prefill-chunk-tokens", "64",
-         "--kv-streaming", "layer", "--kv-cache-mb", "32"]))
+    config = ElasticWorkerConfig.from_args(
+        *elastic_parse(
+            [
+                "--role",
+                "colocated",
+                "--model",
+                "/m",
+                "--max-num-seqs",
+                "3",
+                "--prefill-chunk-tokens",
+                "64",
+                "--kv-streaming",
+                "layer",
+                "--kv-cache-mb",
+                "32",
+            ]
+        )
+    )
     assert config.role == "colocated"
     assert config.decode.pool.max_num_seqs == 3 and config.decode.pool.kv_cache_mb == 32
     assert config.prefill.kv.streaming == "layer" and config.prefill.pool.kv_cache_mb == 32
@@ -113,8 +128,9 @@ def test_the_elastic_command_line_gives_both_roles_their_flags() -> None:
 
 def test_the_ray_launcher_builds_each_actors_config_from_its_document_and_extra_flags() -> None:
     deployment = DeploymentConfig(mode="ray")
-    decode = worker_config("decode", worker_document(deployment, "decode", "decode-3", "127.0.0.1"),
-                           ("--max-num-seqs", "5"))
+    decode = worker_config(
+        "decode", worker_document(deployment, "decode", "decode-3", "127.0.0.1"), ("--max-num-seqs", "5")
+    )
     assert isinstance(decode, DecodeWorkerConfig)
     assert (decode.worker_id, decode.pool.max_num_seqs, decode.kv.backend) == ("decode-3", 5, "grpc")
     assert decode.pool.kv_cache_mb == deployment.decode.kv_cache_mb
@@ -134,8 +150,10 @@ def test_the_ray_launcher_builds_each_actors_config_from_its_document_and_extra_
 
 def test_the_ray_launcher_builds_the_routers_config() -> None:
     deployment = DeploymentConfig(mode="ray")
-    process = router_process(router_document(deployment, {"prefill": ["127.0.0.1:1"], "decode": ["127.0.0.1:2"]}),
-                             auth_token="launcher-token")
+    process = router_process(
+        router_document(deployment, {"prefill": ["127.0.0.1:1"], "decode": ["127.0.0.1:2"]}),
+        auth_token="launcher-token",
+    )
     assert (process.router.prefill, process.router.decode) == (("127.0.0.1:1",), ("127.0.0.1:2",))
     assert process.router.auth_token == "launcher-token"
     assert process.observability.log_level == deployment.observability.log_level
@@ -144,6 +162,7 @@ def test_the_ray_launcher_builds_the_routers_config() -> None:
 
 # ----- behaviour: configs built in code start real workers ----------------------------------------
 
+
 @pytest.fixture
 def disaggregated(tiny_llama_dir: Path) -> Iterator[tuple[Any, Any, DecodeWorkerConfig]]:
     """A prefill and a decode worker started from configs built in code (no command line)."""
@@ -151,11 +170,15 @@ def disaggregated(tiny_llama_dir: Path) -> Iterator[tuple[Any, Any, DecodeWorker
     from pdserve.prefill_worker.process import start_worker as start_prefill
 
     model = ModelSection(path=str(tiny_llama_dir), device="cpu", dtype="float32", block_size=8)
-    prefill = start_prefill(PrefillWorkerConfig(worker_id="typed-prefill", model=model,
-                                                pool=PrefillPool(kv_cache_mb=4, drain_timeout_s=1.0)))
+    prefill = start_prefill(
+        PrefillWorkerConfig(
+            worker_id="typed-prefill", model=model, pool=PrefillPool(kv_cache_mb=4, drain_timeout_s=1.0)
+        )
+    )
     try:
-        decode_config = DecodeWorkerConfig(worker_id="typed-decode", model=model,
-                                           pool=DecodePool(kv_cache_mb=4, max_num_seqs=5, drain_timeout_s=1.0))
+        decode_config = DecodeWorkerConfig(
+            worker_id="typed-decode", model=model, pool=DecodePool(kv_cache_mb=4, max_num_seqs=5, drain_timeout_s=1.0)
+        )
         decode = start_decode(decode_config)
         try:
             yield prefill, decode, decode_config
@@ -172,8 +195,14 @@ def test_workers_started_from_typed_configs_serve_a_disaggregated_request(disagg
 
     prefill, decode, decode_config = disaggregated
     _server, stub = start_router(RouterConfig(prefill=(prefill.address,), decode=(decode.address,)))
-    responses = list(stub.Generate(router_pb2.GenerateRequest(
-        prompt="The river runs", params=common_pb2.SamplingParams(max_tokens=6, ignore_eos=True)), timeout=120))
+    responses = list(
+        stub.Generate(
+            router_pb2.GenerateRequest(
+                prompt="The river runs", params=common_pb2.SamplingParams(max_tokens=6, ignore_eos=True)
+            ),
+            timeout=120,
+        )
+    )
     assert sum(len(r.token_ids) for r in responses) == 6
     with open_channel(decode.address) as channel:
         decode_info = worker_pb2_grpc.DecodeWorkerStub(channel).GetInfo(worker_pb2.InfoRequest(), timeout=10)

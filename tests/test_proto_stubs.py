@@ -18,16 +18,12 @@ GENERATED_SUFFIXES = ("_pb2.py", "_pb2_grpc.py", "_pb2.pyi")
 
 
 def _generated(directory: Path) -> dict[str, bytes]:
-    return {
-        p.name: p.read_bytes() for p in sorted(directory.iterdir()) if p.name.endswith(GENERATED_SUFFIXES)
-    }
+    return {p.name: p.read_bytes() for p in sorted(directory.iterdir()) if p.name.endswith(GENERATED_SUFFIXES)}
 
 
 def test_committed_stubs_are_fresh(tmp_path: Path) -> None:
     env = {**os.environ, "PYTHON": sys.executable}
-    subprocess.run(
-        ["bash", str(REPO / "proto" / "generate.sh"), str(tmp_path)], check=True, env=env, cwd=tmp_path
-    )
+    subprocess.run(["bash", str(REPO / "proto" / "generate.sh"), str(tmp_path)], check=True, env=env, cwd=tmp_path)
     fresh = _generated(tmp_path / "pdserve" / "v1")
     committed = _generated(STUB_DIR)
     protos = sorted(p.stem for p in STUB_DIR.glob("*.proto"))
@@ -48,10 +44,12 @@ def test_proto_holds_only_the_contract() -> None:
     """proto/ has the .proto files, the generated stubs and their generator: no hand-written runtime
     module (shared runtime code lives in the root package, pdserve/)."""
     allowed = {"generate.sh", "pdserve/v1/__init__.py"}
-    found = sorted(str(p.relative_to(REPO / "proto")) for p in (REPO / "proto").rglob("*")
-                   if p.is_file() and "__pycache__" not in p.parts)
-    extra = [name for name in found if name not in allowed
-             and not name.endswith((".proto", *GENERATED_SUFFIXES))]
+    found = sorted(
+        str(p.relative_to(REPO / "proto"))
+        for p in (REPO / "proto").rglob("*")
+        if p.is_file() and "__pycache__" not in p.parts
+    )
+    extra = [name for name in found if name not in allowed and not name.endswith((".proto", *GENERATED_SUFFIXES))]
     assert not extra, f"hand-written files in proto/: {extra}"
     init = (STUB_DIR / "__init__.py").read_text(encoding="utf-8")
     assert "import" not in init, "pdserve.v1's __init__ stays a package marker"

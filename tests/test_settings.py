@@ -43,19 +43,23 @@ REPO = Path(__file__).resolve().parents[1]
 PROCESSES: dict[str, tuple[tuple[type, ...], dict[str, str]]] = {
     "router": ((RouterSection, ModelSection, ObservabilitySection, SecuritySection), {}),
     "prefill": ((ModelSection, PrefillPool, KvTransferSection, SecuritySection, ObservabilitySection), WORKER_FLAGS),
-    "decode": ((ModelSection, DecodePool, KvTransferSection, SecuritySection, ObservabilitySection),
-               {**WORKER_FLAGS, "chunk_tokens": "--prefill-chunk-tokens"}),
+    "decode": (
+        (ModelSection, DecodePool, KvTransferSection, SecuritySection, ObservabilitySection),
+        {**WORKER_FLAGS, "chunk_tokens": "--prefill-chunk-tokens"},
+    ),
 }
 PARSERS = {"router": router_parser, "prefill": prefill_parser, "decode": decode_parser}
 #: (process, flag) spelled like a setting that is not that setting, and why.
 NOT_THE_SETTING = {
     ("router", "--model-name"): "the model id a router started by hand serves ('default'): it has no model "
-                                "folder to name; launchers pass model.served_name",
+    "folder to name; launchers pass model.served_name",
 }
 #: Parser modules and the processes whose parsers they build.
 PARSER_MODULES = {
-    "router/process.py": ("router",), "worker/config.py": ("prefill", "decode"),
-    "prefill_worker/config.py": ("prefill",), "decode_worker/config.py": ("decode",),
+    "router/process.py": ("router",),
+    "worker/config.py": ("prefill", "decode"),
+    "prefill_worker/config.py": ("prefill",),
+    "decode_worker/config.py": ("decode",),
     "elastic_worker/config.py": ("prefill", "decode"),
 }
 #: Keys of a launcher's document that only a launcher knows (so a hand-started process differs).
@@ -84,8 +88,9 @@ def test_every_generated_flag_defaults_to_its_field(section: type) -> None:
         (action,) = [a for a in parser._actions if a.option_strings and a.dest != "help"]
         assert action.option_strings[0] == process_flag(section, f.name)
         assert getattr(parser.parse_args([]), action.dest) == f.default, f.name
-        assert action.choices == f.metadata["choices"] or (
-            action.choices is None and f.metadata["choices"] is None), f.name
+        assert action.choices == f.metadata["choices"] or (action.choices is None and f.metadata["choices"] is None), (
+            f.name
+        )
         base, _ = field_type(section, f.name)
         if base is bool:
             assert getattr(parser.parse_args([f"--no-{action.option_strings[0][2:]}"]), action.dest) is False
@@ -96,12 +101,19 @@ def test_every_generated_flag_defaults_to_its_field(section: type) -> None:
 def test_a_hand_started_process_gets_the_launchers_defaults() -> None:
     config = DeploymentConfig(colocated=dataclasses.replace(DeploymentConfig().colocated, count=1))
     documents = {"router": (router_document(config, {}), "router")}
-    documents.update({role: (worker_document(config, role, f"{role}-0"), "decode" if role == "colocated" else role)
-                      for role in ("prefill", "decode", "colocated")})
+    documents.update(
+        {
+            role: (worker_document(config, role, f"{role}-0"), "decode" if role == "colocated" else role)
+            for role in ("prefill", "decode", "colocated")
+        }
+    )
     for role, (document, process) in documents.items():
         defaults = vars(PARSERS[process]().parse_args([]))
-        differing = {key: (value, defaults.get(key, "<no flag>")) for key, value in document.items()
-                     if key not in LAUNCHER_ONLY[role] and defaults.get(key, "<no flag>") != value}
+        differing = {
+            key: (value, defaults.get(key, "<no flag>"))
+            for key, value in document.items()
+            if key not in LAUNCHER_ONLY[role] and defaults.get(key, "<no flag>") != value
+        }
         assert not differing, f"{role}: (document, parser default) differ: {differing}"
 
 
@@ -123,8 +135,13 @@ def literal_defaults(source: str) -> list[tuple[str, int]]:
     """(flag, line) of every ``add_argument("--flag", ..., default=<literal>)`` call in `source`."""
     found = []
     for node in ast.walk(ast.parse(source)):
-        if not (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
-                and node.func.attr == "add_argument" and node.args and isinstance(node.args[0], ast.Constant)):
+        if not (
+            isinstance(node, ast.Call)
+            and isinstance(node.func, ast.Attribute)
+            and node.func.attr == "add_argument"
+            and node.args
+            and isinstance(node.args[0], ast.Constant)
+        ):
             continue
         for keyword in node.keywords:
             if keyword.arg == "default" and _is_literal(keyword.value):
@@ -141,9 +158,11 @@ def _is_literal(node: ast.expr) -> bool:
 
 
 def test_the_scan_finds_a_literal_default() -> None:
-    source = ('ap.add_argument("--kv-cache-mb", type=int, default=512)\n'
-              'ap.add_argument("--kv-checksum", default=section_default(KvTransferSection, "checksum"))\n'
-              'ap.add_argument("--prefill", action="append", default=[])\n')
+    source = (
+        'ap.add_argument("--kv-cache-mb", type=int, default=512)\n'
+        'ap.add_argument("--kv-checksum", default=section_default(KvTransferSection, "checksum"))\n'
+        'ap.add_argument("--prefill", action="append", default=[])\n'
+    )
     assert literal_defaults(source) == [("--kv-cache-mb", 1), ("--prefill", 3)]
 
 
@@ -152,22 +171,29 @@ def test_no_parser_writes_a_default_a_section_owns(module: str) -> None:
     owned: dict[str, Any] = {}
     for process in PARSER_MODULES[module]:
         owned.update(owned_flags(process))
-    copies = [f"{module}:{line} {flag}" for flag, line in literal_defaults((REPO / module).read_text(encoding="utf-8"))
-              if flag in owned]
+    copies = [
+        f"{module}:{line} {flag}"
+        for flag, line in literal_defaults((REPO / module).read_text(encoding="utf-8"))
+        if flag in owned
+    ]
     assert not copies, f"defaults written again beside their setting (use add_section_flags): {copies}"
 
 
 #: Settings where the library launches (`cluster.launch`: tests, benchmarks) make a choice of their
 #: own, and why.
 LIBRARY_CHOICES = {
-    "local": {"router.port": "0: a free port, so tests run side by side",
-              "model.device": "cpu: tests and benchmarks run on the CPU",
-              "startup_timeout_s": "180 s: a test fails sooner"},
-    "ray": {"model.device": "cpu: Ray picks a GPU only when gpus_per_worker asks",
-            "kv.backend": "grpc: the Ray tests' default transport",
-            "prefill.drain_timeout_s": "60 s: actors restart slower than processes",
-            "decode.drain_timeout_s": "60 s: actors restart slower than processes",
-            "model.name": "'default': the Ray tests' model id"},
+    "local": {
+        "router.port": "0: a free port, so tests run side by side",
+        "model.device": "cpu: tests and benchmarks run on the CPU",
+        "startup_timeout_s": "180 s: a test fails sooner",
+    },
+    "ray": {
+        "model.device": "cpu: Ray picks a GPU only when gpus_per_worker asks",
+        "kv.backend": "grpc: the Ray tests' default transport",
+        "prefill.drain_timeout_s": "60 s: actors restart slower than processes",
+        "decode.drain_timeout_s": "60 s: actors restart slower than processes",
+        "model.name": "'default': the Ray tests' model id",
+    },
 }
 
 
@@ -188,6 +214,7 @@ def test_every_short_name_names_a_setting() -> None:
 
     known = set(dict(_leaves(DeploymentConfig())))
     for name, dotted in SETTINGS.items():
-        targets = [f"{pool}.{dotted[2:]}" for pool in ("prefill", "decode", "colocated")] if dotted[:2] == "*." \
-            else [dotted]
+        targets = (
+            [f"{pool}.{dotted[2:]}" for pool in ("prefill", "decode", "colocated")] if dotted[:2] == "*." else [dotted]
+        )
         assert set(targets) <= known, (name, targets)

@@ -12,18 +12,19 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
-PROBE = '''
+PROBE = """
 from pdserve.engine.block_pool import BlockPool
 from pdserve.kv_transfer import KvSpec
 
 pool: int = BlockPool(num_blocks=4, block_size=16)
 spec: str = KvSpec.for_cache
-'''
+"""
 
 
 def _run(*argv: str, cwd: Path = REPO) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", *argv], cwd=cwd, capture_output=True, text=True, timeout=900,
-                          check=False)
+    return subprocess.run(
+        [sys.executable, "-m", *argv], cwd=cwd, capture_output=True, text=True, timeout=900, check=False
+    )
 
 
 def test_mypy_checks_the_whole_project_and_passes() -> None:
@@ -42,7 +43,7 @@ def test_the_checker_sees_across_packages(tmp_path: Path) -> None:
     out = done.stdout
     assert done.returncode == 1, out
     assert 'Incompatible types in assignment (expression has type "BlockPool", variable has type "int")' in out
-    assert "variable has type \"str\")" in out and "probe.py:6" in out
+    assert 'variable has type "str")' in out and "probe.py:6" in out
 
 
 @pytest.mark.parametrize("check", [("check", "."), ("format", "--check", ".")], ids=["lint", "format"])

@@ -14,8 +14,7 @@ from typing import TypeVar
 T = TypeVar("T")
 
 
-def eventually(condition: Callable[[], T], timeout: float = 30.0, interval: float = 0.02,
-               what: str = "condition") -> T:
+def eventually(condition: Callable[[], T], timeout: float = 30.0, interval: float = 0.02, what: str = "condition") -> T:
     """Call `condition()` until it returns a truthy value and return that value; AssertionError after
     `timeout` seconds without one. The condition is checked once more at the deadline."""
     deadline = time.monotonic() + timeout

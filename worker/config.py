@@ -38,11 +38,12 @@ from pdserve.settings import (
 POOL_SETTINGS = tuple(f.name for f in dataclasses.fields(PoolSection) if f.name != "count")
 #: Settings a worker's command line spells otherwise than `pdserve serve` (security.internal_grpc_calls_*
 #: are the limits of the worker's own, internal, port).
-WORKER_FLAGS = {"internal_grpc_calls_per_peer": "--grpc-calls-per-peer",
-                "internal_grpc_calls_total": "--grpc-calls-total"}
+WORKER_FLAGS = {
+    "internal_grpc_calls_per_peer": "--grpc-calls-per-peer",
+    "internal_grpc_calls_total": "--grpc-calls-total",
+}
 #: The model settings a worker takes (every ModelSection field but the HTTP API's model id).
-MODEL_SETTINGS = ("path", "block_size", "device", "dtype", "compile", "deterministic", "kernel_table",
-                  *ENGINE_SETTINGS)
+MODEL_SETTINGS = ("path", "block_size", "device", "dtype", "compile", "deterministic", "kernel_table", *ENGINE_SETTINGS)
 WORKER_ID_HELP = "this worker's name (logs, WorkerInfo, the READY line)"
 
 C = TypeVar("C", bound="WorkerConfig")
@@ -56,8 +57,12 @@ class WorkerConfig:
     host: str = opt(LOOPBACK, "bind address (loopback unless told otherwise)")
     port: int = opt(0, "0 picks a free port", min=0, max=65535)
     worker_id: str = opt("worker-0", WORKER_ID_HELP)
-    metrics_port: int = opt(0, "serve Prometheus /metrics on this loopback port (0: off; -1: any free port, "
-                               "announced in the ready line)", min=-1, max=65535)
+    metrics_port: int = opt(
+        0,
+        "serve Prometheus /metrics on this loopback port (0: off; -1: any free port, announced in the ready line)",
+        min=-1,
+        max=65535,
+    )
     model: ModelSection = field(default_factory=ModelSection)
     pool: PoolSection = field(default_factory=PoolSection)
     security: SecuritySection = field(default_factory=SecuritySection)

@@ -73,8 +73,10 @@ def finish_reason_to_pb(reason: str | None) -> common_pb2.FinishReason:
 def sampling_params_from_pb(pb: common_pb2.SamplingParams) -> SamplingParams:
     """Protobuf -> validated SamplingParams (RequestInvalid names the bad field)."""
     if pb.n > 1:
-        raise RequestInvalid(f"n: a worker generates one choice; n={pb.n} is served by the router, which runs "
-                         "each choice as a request of its own")
+        raise RequestInvalid(
+            f"n: a worker generates one choice; n={pb.n} is served by the router, which runs "
+            "each choice as a request of its own"
+        )
     return SamplingParams(
         max_tokens=pb.max_tokens if pb.HasField("max_tokens") else 16,
         temperature=pb.temperature if pb.HasField("temperature") else 0.0,
@@ -95,8 +97,9 @@ def sampling_params_from_pb(pb: common_pb2.SamplingParams) -> SamplingParams:
         allowed_token_ids=tuple(pb.allowed_token_ids),
         bad_words=tuple(pb.bad_words),
         skip_special_tokens=pb.skip_special_tokens if pb.HasField("skip_special_tokens") else True,
-        spaces_between_special_tokens=(pb.spaces_between_special_tokens
-                                       if pb.HasField("spaces_between_special_tokens") else True),
+        spaces_between_special_tokens=(
+            pb.spaces_between_special_tokens if pb.HasField("spaces_between_special_tokens") else True
+        ),
         include_stop_str_in_output=pb.include_stop_str_in_output,
         cache_salt=pb.cache_salt,
         structured=structured_from_pb(pb.structured) if pb.HasField("structured") else None,
@@ -127,8 +130,12 @@ def structured_to_pb(structured: tuple[str, str], pb: common_pb2.StructuredOutpu
 
 def sampling_params_to_pb(params: SamplingParams) -> common_pb2.SamplingParams:
     pb = common_pb2.SamplingParams(
-        max_tokens=params.max_tokens, temperature=params.temperature, top_p=params.top_p,
-        top_k=params.top_k, stop=list(params.stop), stop_token_ids=list(params.stop_token_ids),
+        max_tokens=params.max_tokens,
+        temperature=params.temperature,
+        top_p=params.top_p,
+        top_k=params.top_k,
+        stop=list(params.stop),
+        stop_token_ids=list(params.stop_token_ids),
         ignore_eos=params.ignore_eos,
     )
     if params.seed is not None:
@@ -164,20 +171,35 @@ def trace_event_to_pb(event: TraceEvent, worker_id: str, tokenizer: Any) -> comm
     """One engine trace event as the wire's TraceEvent (token ids come with the bytes they stand for)."""
     pb = common_pb2.TraceEvent(worker_id=worker_id)
     if isinstance(event, PrefillPassEvent):
-        pb.prefill.CopyFrom(common_pb2.TracePrefillPass(
-            num_tokens=event.num_tokens, kv_len_before=event.kv_len_before, kv_len_after=event.kv_len_after,
-            samples=event.first_token_id is not None, time_s=event.time_s))
+        pb.prefill.CopyFrom(
+            common_pb2.TracePrefillPass(
+                num_tokens=event.num_tokens,
+                kv_len_before=event.kv_len_before,
+                kv_len_after=event.kv_len_after,
+                samples=event.first_token_id is not None,
+                time_s=event.time_s,
+            )
+        )
         if event.first_token_id is not None:
             pb.prefill.first_token_id = event.first_token_id
             pb.prefill.first_token_piece = token_bytes(tokenizer, [event.first_token_id])[0]
     elif isinstance(event, DecodeStepEvent):
-        pb.decode.CopyFrom(common_pb2.TraceDecodeStep(
-            token_id=event.token_id, piece=token_bytes(tokenizer, [event.token_id])[0] if event.token_id >= 0 else b"",
-            kv_len=event.kv_len, itl_s=event.itl_s))
+        pb.decode.CopyFrom(
+            common_pb2.TraceDecodeStep(
+                token_id=event.token_id,
+                piece=token_bytes(tokenizer, [event.token_id])[0] if event.token_id >= 0 else b"",
+                kv_len=event.kv_len,
+                itl_s=event.itl_s,
+            )
+        )
     elif isinstance(event, DetokenizeHoldEvent):
-        pb.hold.CopyFrom(common_pb2.TraceDetokenizeHold(
-            token_id=event.token_id, held=b"".join(token_bytes(tokenizer, event.held_ids)),
-            held_tokens=len(event.held_ids)))
+        pb.hold.CopyFrom(
+            common_pb2.TraceDetokenizeHold(
+                token_id=event.token_id,
+                held=b"".join(token_bytes(tokenizer, event.held_ids)),
+                held_tokens=len(event.held_ids),
+            )
+        )
     return pb
 
 
@@ -185,8 +207,9 @@ def trace_events_to_pb(events: tuple[TraceEvent, ...], worker_id: str, tokenizer
     return [trace_event_to_pb(event, worker_id, tokenizer) for event in events]
 
 
-def configure_process(num_threads: int | None, log_level: str = "INFO", log_format: str = "text",
-                      process_name: str = "worker") -> None:
+def configure_process(
+    num_threads: int | None, log_level: str = "INFO", log_format: str = "text", process_name: str = "worker"
+) -> None:
     """Set up this worker's logging and give it its own thread budget so pools on one host do not fight."""
     configure_logging(process_name, log_level, log_format)
     bound_heap()
@@ -194,17 +217,26 @@ def configure_process(num_threads: int | None, log_level: str = "INFO", log_form
         torch.set_num_threads(num_threads)
 
 
-def make_server(control_threads: int, options: list[tuple[str, int]] | None = None,
-                name: str = "worker", limits: CallLimits | None = None) -> AioServer:
+def make_server(
+    control_threads: int,
+    options: list[tuple[str, int]] | None = None,
+    name: str = "worker",
+    limits: CallLimits | None = None,
+) -> AioServer:
     """An event-loop gRPC server (streams are coroutines; `control_threads` serve GetInfo, Abort,
     PushKv and health) whose calls carrying a request_id are logged at start and finish. With an
     internal token configured, calls without it are refused first (UNAUTHENTICATED); then calls over
     `limits` (default `CallLimits()`) are refused with RESOURCE_EXHAUSTED."""
     limits = limits or CallLimits()
-    interceptors = [*server_interceptors(), PeerCallLimiter(limits, "--grpc-calls-per-peer, --grpc-calls-total"),
-                    RequestParseInterceptor(), RequestLoggingInterceptor()]
-    return AioServer(name, options=[*(options or []), *limits.options()], interceptors=interceptors,
-                     control_threads=control_threads)
+    interceptors = [
+        *server_interceptors(),
+        PeerCallLimiter(limits, "--grpc-calls-per-peer, --grpc-calls-total"),
+        RequestParseInterceptor(),
+        RequestLoggingInterceptor(),
+    ]
+    return AioServer(
+        name, options=[*(options or []), *limits.options()], interceptors=interceptors, control_threads=control_threads
+    )
 
 
 def call_limits(config: WorkerConfig) -> CallLimits:
@@ -228,8 +260,9 @@ class LivenessWatch:
     """Turns a dead engine loop into NOT_SERVING: checks `dead_reason()` every `interval_s` in a
     daemon thread; once it returns a reason, health goes NOT_SERVING for good."""
 
-    def __init__(self, health_servicer: health.HealthServicer, dead_reason: Callable[[], str],
-                 interval_s: float = 0.2) -> None:
+    def __init__(
+        self, health_servicer: health.HealthServicer, dead_reason: Callable[[], str], interval_s: float = 0.2
+    ) -> None:
         self._health = health_servicer
         self._dead_reason = dead_reason
         self._interval_s = interval_s
@@ -276,8 +309,13 @@ class Drain:
         self._event.set()
 
 
-def serve_until_signal(server: AioServer, health_servicer: health.HealthServicer, drain: Drain,
-                       is_idle: Callable[[], bool], grace_s: float = 30.0) -> None:
+def serve_until_signal(
+    server: AioServer,
+    health_servicer: health.HealthServicer,
+    drain: Drain,
+    is_idle: Callable[[], bool],
+    grace_s: float = 30.0,
+) -> None:
     """Block until SIGTERM/SIGINT, then drain: report NOT_SERVING, refuse new requests, wait until
     `is_idle()` or `grace_s` passed, and only then stop the server."""
     stop = threading.Event()
@@ -288,8 +326,9 @@ def serve_until_signal(server: AioServer, health_servicer: health.HealthServicer
     drain_then_stop(server, health_servicer, drain, is_idle, grace_s)
 
 
-def drain_then_stop(server: AioServer, health_servicer: health.HealthServicer, drain: Drain,
-                    is_idle: Callable[[], bool], grace_s: float) -> None:
+def drain_then_stop(
+    server: AioServer, health_servicer: health.HealthServicer, drain: Drain, is_idle: Callable[[], bool], grace_s: float
+) -> None:
     """Refuse new requests, report NOT_SERVING, wait until `is_idle()` or `grace_s`, stop the server."""
     drain.start()
     health_servicer.enter_graceful_shutdown()
@@ -348,10 +387,18 @@ def load_worker_model(model: ModelSection, pool: Any, **engine: Any) -> tuple[En
     pool's KV memory and pass budget (`kv_cache_mb`, `max_batched_tokens`) and the role's own engine
     settings (`engine`); the model is the simulated engine's stand-in (`--engine sim`, whose profile
     may change the engine config's limits) or the real model, resolved and loaded."""
-    config = EngineConfig(model=model.path, dtype=model.dtype, device=model.device, block_size=model.block_size,
-                          kv_cache_memory_mb=pool.kv_cache_mb, max_num_batched_tokens=pool.max_batched_tokens,
-                          compile=model.compile, deterministic=model.deterministic,
-                          kernel_table=model.kernel_table, **engine)
+    config = EngineConfig(
+        model=model.path,
+        dtype=model.dtype,
+        device=model.device,
+        block_size=model.block_size,
+        kv_cache_memory_mb=pool.kv_cache_mb,
+        max_num_batched_tokens=pool.max_batched_tokens,
+        compile=model.compile,
+        deterministic=model.deterministic,
+        kernel_table=model.kernel_table,
+        **engine,
+    )
     if model.engine == "sim":
         from pdserve.engine.sim_runner import load_sim_worker
 
@@ -362,9 +409,18 @@ def load_worker_model(model: ModelSection, pool: Any, **engine: Any) -> tuple[En
     return config, load_model(resolve_model(model.path), config.torch_dtype, config.device)
 
 
-def start_serving(server: AioServer, address: str, drain: Drain, is_idle: Callable[[], bool],
-                  dead_reason: Callable[[], str], drain_timeout_s: float, *, stops: tuple[Callable[[], None], ...],
-                  endpoint: Any = None, extras: dict[str, object] | None = None) -> StartedWorker:  # noqa: ANN401
+def start_serving(
+    server: AioServer,
+    address: str,
+    drain: Drain,
+    is_idle: Callable[[], bool],
+    dead_reason: Callable[[], str],
+    drain_timeout_s: float,
+    *,
+    stops: tuple[Callable[[], None], ...],
+    endpoint: Any = None,
+    extras: dict[str, object] | None = None,
+) -> StartedWorker:  # noqa: ANN401
     """The common tail of every role's `start_worker`: add health, start `server`, report SERVING, and
     watch `dead_reason` (non-empty: the engine loop died -> NOT_SERVING). The returned worker's close()
     stops the watch, then each of `stops` in order, then the metrics `endpoint` (if any); its extras
@@ -382,14 +438,23 @@ def start_serving(server: AioServer, address: str, drain: Drain, is_idle: Callab
             endpoint.stop()
 
     metrics_address = f"127.0.0.1:{endpoint.port}" if endpoint else ""
-    return StartedWorker(server, address, health_servicer, drain, is_idle, close, drain_timeout_s,
-                         {**(extras or {}), "metrics_address": metrics_address})
+    return StartedWorker(
+        server,
+        address,
+        health_servicer,
+        drain,
+        is_idle,
+        close,
+        drain_timeout_s,
+        {**(extras or {}), "metrics_address": metrics_address},
+    )
 
 
 def configure_worker(config: WorkerConfig) -> None:
     """`configure_process` with a worker's config (its thread budget, logs and name)."""
-    configure_process(config.pool.threads, config.observability.log_level, config.observability.log_format,
-                      config.worker_id)
+    configure_process(
+        config.pool.threads, config.observability.log_level, config.observability.log_format, config.worker_id
+    )
 
 
 def run_worker_process(config: WorkerConfig, start: Callable[[], StartedWorker], **ready: object) -> None:
@@ -400,8 +465,7 @@ def run_worker_process(config: WorkerConfig, start: Callable[[], StartedWorker],
     started = start()
     announce_ready(started.address, config.worker_id, **ready, metrics_address=started.extras["metrics_address"])
     try:
-        serve_until_signal(started.server, started.health, started.drain, started.is_idle,
-                           config.pool.drain_timeout_s)
+        serve_until_signal(started.server, started.health, started.drain, started.is_idle, config.pool.drain_timeout_s)
     finally:
         started.close()
     exit_now()
@@ -433,8 +497,11 @@ class KvEventsServicer(worker_pb2_grpc.KvEventsServicer):
         self._worker_id = worker_id
         self._current = current
 
-    async def Subscribe(self, request: worker_pb2.KvEventsRequest,  # noqa: N802
-                        context: grpc.aio.ServicerContext) -> AsyncIterator[worker_pb2.KvEventBatch]:
+    async def Subscribe(
+        self,
+        request: worker_pb2.KvEventsRequest,  # noqa: N802
+        context: grpc.aio.ServicerContext,
+    ) -> AsyncIterator[worker_pb2.KvEventBatch]:
         epoch, after = request.epoch, request.after_seq
         while True:
             log_ = self._current()
@@ -445,12 +512,21 @@ class KvEventsServicer(worker_pb2_grpc.KvEventsServicer):
                 await asyncio.sleep(KV_EVENTS_POLL_S)
                 continue
             epoch, after = batch.epoch, batch.last_seq
-            yield worker_pb2.KvEventBatch(worker_id=self._worker_id, epoch=batch.epoch, first_seq=batch.first_seq,
-                                          last_seq=batch.last_seq, snapshot=batch.snapshot, keys=batch.keys,
-                                          stored=batch.stored)
+            yield worker_pb2.KvEventBatch(
+                worker_id=self._worker_id,
+                epoch=batch.epoch,
+                first_seq=batch.first_seq,
+                last_seq=batch.last_seq,
+                snapshot=batch.snapshot,
+                keys=batch.keys,
+                stored=batch.stored,
+            )
 
-    def Lookup(self, request: worker_pb2.KvLookupRequest,  # noqa: N802
-               context: grpc.ServicerContext) -> worker_pb2.KvLookupResponse:
+    def Lookup(
+        self,
+        request: worker_pb2.KvLookupRequest,  # noqa: N802
+        context: grpc.ServicerContext,
+    ) -> worker_pb2.KvLookupResponse:
         log_ = self._current()
         if log_ is None:
             return worker_pb2.KvLookupResponse()

@@ -18,11 +18,33 @@ from e2e_helpers import wait_idle
 def test_real_bench_writes_every_record(default_1p1d: LocalCluster, tmp_path: Path) -> None:
     out = tmp_path / "result.json"
     # the session's 1P1D default-model cluster (tests/conftest.py)
-    code = main([
-        "bench", "--url", default_1p1d.router_address, "--num-prompts", "8", "--rate", "4", "--seed", "1",
-        "--input-len", "8:24", "--output-len", "4", "--ignore-eos", "--warmup", "1", "--no-progress",
-        "--slo", "ttft_ms=60000", "--slo", "tpot_ms=60000", "--output", str(out),
-    ])
+    code = main(
+        [
+            "bench",
+            "--url",
+            default_1p1d.router_address,
+            "--num-prompts",
+            "8",
+            "--rate",
+            "4",
+            "--seed",
+            "1",
+            "--input-len",
+            "8:24",
+            "--output-len",
+            "4",
+            "--ignore-eos",
+            "--warmup",
+            "1",
+            "--no-progress",
+            "--slo",
+            "ttft_ms=60000",
+            "--slo",
+            "tpot_ms=60000",
+            "--output",
+            str(out),
+        ]
+    )
     assert code == 0
     doc = json.loads(out.read_text())
     records, summary = doc["records"], doc["summary"]

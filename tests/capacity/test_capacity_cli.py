@@ -12,11 +12,36 @@ from pdserve.cluster.cli import build_parser
 
 
 def test_bench_arguments() -> None:
-    args = build_parser().parse_args([
-        "bench", "--url", "h:1", "--rate", "2.5", "--burstiness", "0.5", "--max-concurrency", "4",
-        "--num-prompts", "10", "--warmup", "2", "--seed", "3", "--input-len", "64:512", "--output-len", "16",
-        "--ignore-eos", "--slo", "ttft_ms=500", "--slo", "tpot_ms=50", "--output", "r.json",
-    ])
+    args = build_parser().parse_args(
+        [
+            "bench",
+            "--url",
+            "h:1",
+            "--rate",
+            "2.5",
+            "--burstiness",
+            "0.5",
+            "--max-concurrency",
+            "4",
+            "--num-prompts",
+            "10",
+            "--warmup",
+            "2",
+            "--seed",
+            "3",
+            "--input-len",
+            "64:512",
+            "--output-len",
+            "16",
+            "--ignore-eos",
+            "--slo",
+            "ttft_ms=500",
+            "--slo",
+            "tpot_ms=50",
+            "--output",
+            "r.json",
+        ]
+    )
     config = bench_config(args, args.url)
     assert config.rate == 2.5 and config.burstiness == 0.5 and config.max_concurrency == 4
     assert config.input_len.low == 64 and config.input_len.high == 512 and config.output_len.values == (16,)
@@ -32,15 +57,43 @@ def test_sweep_and_plan_arguments() -> None:
     assert args.workers == 3 and args.rates == [0.5, 1.0, math.inf] and args.output_dir == "d"
     prof = build_parser().parse_args(["plan", "profile", "--output", "p.json", "--threads", "2"])
     assert prof.output == "p.json" and prof.threads == 2
-    sim = build_parser().parse_args(["plan", "simulate", "--profile", "p.json", "--rate", "3", "--slo",
-                                     "ttft_ms=900", "--max-workers", "8", "--profile-decode", "d.json"])
+    sim = build_parser().parse_args(
+        [
+            "plan",
+            "simulate",
+            "--profile",
+            "p.json",
+            "--rate",
+            "3",
+            "--slo",
+            "ttft_ms=900",
+            "--max-workers",
+            "8",
+            "--profile-decode",
+            "d.json",
+        ]
+    )
     assert sim.rate == 3.0 and sim.max_workers == 8 and sim.profile_decode == "d.json" and sim.target == 0.9
     val = build_parser().parse_args(["plan", "validate", "--profile", "p.json", "--sweep", "r.json"])
     assert val.sweep == "r.json"
     cal = build_parser().parse_args(["plan", "calibrate", "--profile", "p.json", "--sweep", "r.json", "--output", "o"])
     assert cal.wake_sigma is None and cal.jitter_sigma == 0.0  # default: the factor model, as before
-    cal = build_parser().parse_args(["plan", "calibrate", "--profile", "p.json", "--sweep", "r.json", "--output", "o",
-                                     "--wake-sigma", "2.2", "--jitter-sigma", "0.86"])
+    cal = build_parser().parse_args(
+        [
+            "plan",
+            "calibrate",
+            "--profile",
+            "p.json",
+            "--sweep",
+            "r.json",
+            "--output",
+            "o",
+            "--wake-sigma",
+            "2.2",
+            "--jitter-sigma",
+            "0.86",
+        ]
+    )
     assert cal.wake_sigma == 2.2 and cal.jitter_sigma == 0.86
     with pytest.raises(SystemExit):
         build_parser().parse_args(["plan", "simulate", "--rate", "1"])  # --profile missing
@@ -73,8 +126,12 @@ def test_engine_flags_reach_every_worker_and_the_bench(tmp_path) -> None:  # noq
         for role, worker_id in config.worker_names():
             document = worker_document(config, role, worker_id)
             assert {k: document[k] for k in engine} == engine
-    for bad in (["--profile", str(profile)], ["--engine", "sim"], ["--engine", "sim", "--profile", "missing.json"],
-                ["--engine", "sim", "--profile", str(profile), "--speedup", "0"]):
+    for bad in (
+        ["--profile", str(profile)],
+        ["--engine", "sim"],
+        ["--engine", "sim", "--profile", "missing.json"],
+        ["--engine", "sim", "--profile", str(profile), "--speedup", "0"],
+    ):
         with pytest.raises(ValueError):
             deployment_config(build_parser().parse_args(["serve", *bad]))
     bench = bench_config(build_parser().parse_args(["bench", "--speedup", "4", "--rate", "2"]), "h:1")
@@ -109,8 +166,9 @@ def test_plan_profile_measures_the_grids_it_is_given(tiny_model) -> None:  # noq
     range); a grid too small to fit is refused before anything is measured."""
     from pdserve.capacity.profiler import _profile_compute, check_grid
 
-    args = build_parser().parse_args(["plan", "profile", "--prefill-tokens", "16,32,64", "--decode-batches", "1,2",
-                                      "--decode-contexts", "32,64"])
+    args = build_parser().parse_args(
+        ["plan", "profile", "--prefill-tokens", "16,32,64", "--decode-batches", "1,2", "--decode-contexts", "32,64"]
+    )
     assert (args.prefill_tokens, args.decode_batches, args.decode_contexts) == ([16, 32, 64], [1, 2], [32, 64])
     assert build_parser().parse_args(["plan", "profile"]).decode_batches is None  # the defaults
     with pytest.raises(SystemExit):
@@ -128,10 +186,13 @@ def test_plan_profile_measures_the_grids_it_is_given(tiny_model) -> None:  # noq
 
 def test_comma_lists_name_the_bad_element(capsys) -> None:  # noqa: ANN001
     """--rates and the profile grids share one comma-list parser; a bad element is a clear usage error."""
-    for argv, said in ((["sweep", "--workers", "2", "--rates", "0.5,-1", "--output-dir", "d"],
-                        "expected comma-separated rates (each > 0, or inf), got '0.5,-1' (rate must be > 0"),
-                       (["plan", "profile", "--prefill-tokens", "16,x"],
-                        "expected comma-separated integers, got '16,x'")):
+    for argv, said in (
+        (
+            ["sweep", "--workers", "2", "--rates", "0.5,-1", "--output-dir", "d"],
+            "expected comma-separated rates (each > 0, or inf), got '0.5,-1' (rate must be > 0",
+        ),
+        (["plan", "profile", "--prefill-tokens", "16,x"], "expected comma-separated integers, got '16,x'"),
+    ):
         with pytest.raises(SystemExit):
             build_parser().parse_args(argv)
         assert said in capsys.readouterr().err

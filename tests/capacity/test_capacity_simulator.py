@@ -106,10 +106,20 @@ def test_validate_replays_the_measured_trace() -> None:
 
     slos = {"ttft": 1.0}
     duration = max(r.send_time + r.e2e for r in measured)
-    sweep = {"bench": {"output_len": {"uniform": [5, 5]}, "slos_ms": {"ttft": 1000.0}, "speedup": 1.0, "warmup": 0},
-             "points": [{"config": "1P1D", "prefill": 1, "decode": 1, "colocated": 0, "rate": 3.3,
-                         "summary": summarize(measured, duration, slos),
-                         "records": [r.to_json() for r in measured]}]}
+    sweep = {
+        "bench": {"output_len": {"uniform": [5, 5]}, "slos_ms": {"ttft": 1000.0}, "speedup": 1.0, "warmup": 0},
+        "points": [
+            {
+                "config": "1P1D",
+                "prefill": 1,
+                "decode": 1,
+                "colocated": 0,
+                "rate": 3.3,
+                "summary": summarize(measured, duration, slos),
+                "records": [r.to_json() for r in measured],
+            }
+        ],
+    }
     result = validate(timing, sweep)
     (point,) = result["points"]
     assert point["tpot_ms_mean"]["rel_error"] == pytest.approx(1 / 1.1 - 1)
@@ -182,8 +192,13 @@ def test_overhead_jitter_is_seeded_has_mean_one_and_a_heavy_tail() -> None:
     assert float(np.percentile(extra, 99)) > 5 * 0.004 > 5 * float(np.median(extra))  # most passes cheap, a few slow
 
 
-def _simulated_sweep(base, truth: Overhead, rates: tuple[float, ...], n: int,  # noqa: ANN001
-                     **timing: object) -> dict:
+def _simulated_sweep(
+    base,
+    truth: Overhead,
+    rates: tuple[float, ...],
+    n: int,  # noqa: ANN001
+    **timing: object,
+) -> dict:
     """A sim-engine sweep's results.json as a 1P2D deployment with `truth` as its overhead would
     measure it (`timing`: extra Timing arguments, e.g. another seed than the calibration's)."""
     from dataclasses import replace
@@ -196,14 +211,30 @@ def _simulated_sweep(base, truth: Overhead, rates: tuple[float, ...], n: int,  #
         arrivals = arrival_times(n, rate, 1.0, 5 + rate_index)
         rng = np.random.default_rng(rate_index)
         inputs, outputs = list(rng.integers(64, 256, n)), list(rng.integers(16, 48, n))
-        measured = simulate(Deployment(1, 2), arrivals, inputs, outputs,
-                            Timing(true_profile, true_profile, overhead_scale=speedup, **timing))
+        measured = simulate(
+            Deployment(1, 2),
+            arrivals,
+            inputs,
+            outputs,
+            Timing(true_profile, true_profile, overhead_scale=speedup, **timing),
+        )
         duration = max(r.send_time + r.e2e for r in measured)
-        points.append({"config": "1P2D", "prefill": 1, "decode": 2, "colocated": 0, "rate": rate,
-                       "rate_index": rate_index, "summary": summarize(measured, duration, slos),
-                       "records": [r.to_json() for r in measured]})
-    return {"bench": {"output_len": {"uniform": [16, 48]}, "slos_ms": {"ttft": 1000.0}, "speedup": speedup,
-                      "warmup": 0}, "points": points}
+        points.append(
+            {
+                "config": "1P2D",
+                "prefill": 1,
+                "decode": 2,
+                "colocated": 0,
+                "rate": rate,
+                "rate_index": rate_index,
+                "summary": summarize(measured, duration, slos),
+                "records": [r.to_json() for r in measured],
+            }
+        )
+    return {
+        "bench": {"output_len": {"uniform": [16, 48]}, "slos_ms": {"ttft": 1000.0}, "speedup": speedup, "warmup": 0},
+        "points": points,
+    }
 
 
 def test_calibration_recovers_the_overhead_of_a_simulated_measurement() -> None:
@@ -246,8 +277,9 @@ def test_wake_delay_is_seeded_has_its_mean_and_does_not_grow_with_the_batch() ->
 def test_older_profiles_keep_their_timelines() -> None:
     # the wake delay draws nothing when absent: a jittered profile without it gives the old timeline
     old = _decode_run(1.5, 3)
-    profile = make_profile(decode=(0.01, 0.0, 0.0), overhead=Overhead(per_pass_s=0.004, jitter_sigma=1.5,
-                                                                      wake_sigma=2.0))  # wake_s 0: no delay
+    profile = make_profile(
+        decode=(0.01, 0.0, 0.0), overhead=Overhead(per_pass_s=0.004, jitter_sigma=1.5, wake_sigma=2.0)
+    )  # wake_s 0: no delay
     (r,) = simulate(Deployment(colocated=1), [0.0], [16], [2001], Timing(profile, profile, seed=3))
     assert r.itl == old
 
@@ -285,7 +317,8 @@ def test_calibration_keeps_the_measured_pass_spread() -> None:
     from pdserve.capacity.planner import calibrate_overhead
 
     base = make_profile(prefill=(0.005, 1e-5, 0.0), decode=(0.006, 1e-4, 0.0), overhead=Overhead(pass_sigma=0.2))
-    sweep = _simulated_sweep(replace(base, overhead=Overhead()), Overhead(per_pass_s=0.002, per_request_s=0.01),
-                             (20.0, 120.0), 100)
+    sweep = _simulated_sweep(
+        replace(base, overhead=Overhead()), Overhead(per_pass_s=0.002, per_request_s=0.01), (20.0, 120.0), 100
+    )
     for wake_sigma in (None, 1.5):
         assert calibrate_overhead(base, sweep, iterations=1, wake_sigma=wake_sigma).overhead.pass_sigma == 0.2

@@ -28,18 +28,33 @@ def _passes(n: int, seed: int = 0, noise_s: float = 0.0) -> list[dict[str, float
         context = batch * int(rng.integers(16, 160))
         attention = tokens * tokens
         seconds = TRUE[0] + TRUE[1] * tokens + TRUE[2] * attention + TRUE[3] * batch + TRUE[4] * context
-        rows.append({"start_s": float(i), "seconds": seconds + float(rng.normal(0, noise_s)),
-                     "decode_batch": batch, "decode_context": context, "prefill_tokens": tokens,
-                     "prefill_attention": attention})
+        rows.append(
+            {
+                "start_s": float(i),
+                "seconds": seconds + float(rng.normal(0, noise_s)),
+                "decode_batch": batch,
+                "decode_context": context,
+                "prefill_tokens": tokens,
+                "prefill_attention": attention,
+            }
+        )
     return rows
 
 
 def test_fit_recovers_the_pass_model_and_counts_the_constant_once() -> None:
-    base = make_profile(prefill=(1.0, 1.0, 1.0), decode=(1.0, 1.0, 1.0), transfer_s=0.003,
-                        overhead=Overhead(per_pass_s=0.01, per_seq_s=0.001))
+    base = make_profile(
+        prefill=(1.0, 1.0, 1.0),
+        decode=(1.0, 1.0, 1.0),
+        transfer_s=0.003,
+        overhead=Overhead(per_pass_s=0.01, per_seq_s=0.001),
+    )
     fitted = fit_pass_log(base, _passes(300))
-    assert np.allclose([fitted.prefill.a, fitted.prefill.b, fitted.prefill.c, fitted.decode.b, fitted.decode.c],
-                       TRUE, rtol=1e-6, atol=1e-12)
+    assert np.allclose(
+        [fitted.prefill.a, fitted.prefill.b, fitted.prefill.c, fitted.decode.b, fitted.decode.c],
+        TRUE,
+        rtol=1e-6,
+        atol=1e-12,
+    )
     assert fitted.prefill.a == fitted.decode.a
     # a mixed pass of 64 tokens beside 4 sequences of 100 tokens: the constant once
     expected = TRUE[0] + TRUE[1] * 64 + TRUE[2] * 64 * 64 + TRUE[3] * 4 + TRUE[4] * 400
@@ -49,7 +64,10 @@ def test_fit_recovers_the_pass_model_and_counts_the_constant_once() -> None:
     assert fitted.transfer == base.transfer and fitted.engine == base.engine  # the rest is the base's
     assert fitted.points["pass_log"]["passes"] == 300
     assert {k: v["passes"] for k, v in fitted.points["pass_log"]["by_kind"].items()} == {
-        "prefill only": 100, "decode only": 100, "mixed": 100}
+        "prefill only": 100,
+        "decode only": 100,
+        "mixed": 100,
+    }
 
 
 def test_fit_is_close_under_noise_and_never_negative() -> None:
@@ -98,6 +116,8 @@ def test_plan_fit_command(tmp_path, capsys) -> None:  # noqa: ANN001
     assert json.loads(out.read_text())["points"]["pass_log"]["passes"] == 60
     printed = capsys.readouterr().out
     assert "fitted 60 passes from 2 file(s)" in printed and "mixed: 20 passes" in printed
-    assert main(["plan", "fit", "--pass-log", str(tmp_path / "nothing"), "--profile", str(base),
-                 "--output", str(out)]) == 2
+    assert (
+        main(["plan", "fit", "--pass-log", str(tmp_path / "nothing"), "--profile", str(base), "--output", str(out)])
+        == 2
+    )
     assert "no pass-log file there" in capsys.readouterr().err

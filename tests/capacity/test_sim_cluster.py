@@ -31,8 +31,11 @@ def _status(url: str, capsys: pytest.CaptureFixture[str]) -> dict:
 
 def _counter(metrics_address: str, name: str) -> float:
     text = urllib.request.urlopen(f"http://{metrics_address}/metrics", timeout=10).read().decode()
-    return sum(float(line.split()[-1]) for line in text.splitlines() if line.startswith(name + " ")
-               or line.startswith(name + "{"))
+    return sum(
+        float(line.split()[-1])
+        for line in text.splitlines()
+        if line.startswith(name + " ") or line.startswith(name + "{")
+    )
 
 
 #: Requests through the 16-worker cluster: 3 rounds of the bench's 64 in flight, 25 per decode worker
@@ -42,17 +45,36 @@ REQUESTS = 200
 
 @pytest.mark.slow
 def test_sixteen_worker_sim_cluster_serves_200_requests(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    profile = make_profile(prefill=(0.004, 1e-5, 0.0), decode=(0.003, 1e-5, 0.0), transfer_s=0.001,
-                           kv_capacity_tokens=16 * 512)
+    profile = make_profile(
+        prefill=(0.004, 1e-5, 0.0), decode=(0.003, 1e-5, 0.0), transfer_s=0.001, kv_capacity_tokens=16 * 512
+    )
     profile.save(tmp_path / "profile.json")
     engine = sim_worker_args(str(tmp_path / "profile.json"))
     config = local_deployment(prefill=8, decode=8, threads_per_worker=1, metrics=True, startup_timeout_s=600.0)
     with LocalCluster(config, LaunchOptions(prefill_args=engine, decode_args=engine)) as cluster:
         url = cluster.router_address
-        doc = _bench(url, tmp_path / "bench.json", "--num-prompts", str(REQUESTS), "--rate", "inf",
-                     "--max-concurrency", "64",
-                     "--input-len", "16:64", "--output-len", "8", "--slo", "ttft_ms=60000", "--slo", "tpot_ms=60000",
-                     "--engine", "sim", "--profile", str(tmp_path / "profile.json"))
+        doc = _bench(
+            url,
+            tmp_path / "bench.json",
+            "--num-prompts",
+            str(REQUESTS),
+            "--rate",
+            "inf",
+            "--max-concurrency",
+            "64",
+            "--input-len",
+            "16:64",
+            "--output-len",
+            "8",
+            "--slo",
+            "ttft_ms=60000",
+            "--slo",
+            "tpot_ms=60000",
+            "--engine",
+            "sim",
+            "--profile",
+            str(tmp_path / "profile.json"),
+        )
         summary = doc["summary"]
         assert summary["completed"] == REQUESTS and summary["failed"] == 0
         assert summary["total_output_tokens"] == REQUESTS * 8 and summary["goodput"] == summary["request_throughput"]
@@ -78,9 +100,24 @@ def _sim_run(tmp_path: Path, profile_path: Path, speedup: float) -> dict:
     engine = sim_worker_args(str(profile_path), speedup)
     config = local_deployment(prefill=1, decode=1, threads_per_worker=1, startup_timeout_s=600.0)
     with LocalCluster(config, LaunchOptions(prefill_args=engine, decode_args=engine)) as cluster:
-        return _bench(cluster.router_address, tmp_path / f"speedup-{speedup}.json", "--num-prompts", "12",
-                      "--rate", "2", "--input-len", "100", "--output-len", "6", "--speedup", str(speedup),
-                      "--engine", "sim", "--profile", str(profile_path))
+        return _bench(
+            cluster.router_address,
+            tmp_path / f"speedup-{speedup}.json",
+            "--num-prompts",
+            "12",
+            "--rate",
+            "2",
+            "--input-len",
+            "100",
+            "--output-len",
+            "6",
+            "--speedup",
+            str(speedup),
+            "--engine",
+            "sim",
+            "--profile",
+            str(profile_path),
+        )
 
 
 @pytest.mark.slow
@@ -105,12 +142,27 @@ def test_serve_max_queued_requests_reaches_the_router(tmp_path: Path, capsys: py
     router's queue, as `pdserve status` reports it."""
     from pdserve.cluster.cli import build_parser, deployment_config
 
-    profile = make_profile(prefill=(0.004, 1e-5, 0.0), decode=(0.003, 1e-5, 0.0), transfer_s=0.001,
-                           kv_capacity_tokens=512)
+    profile = make_profile(
+        prefill=(0.004, 1e-5, 0.0), decode=(0.003, 1e-5, 0.0), transfer_s=0.001, kv_capacity_tokens=512
+    )
     profile.save(tmp_path / "profile.json")
-    args = build_parser().parse_args(["serve", "--port", "0", "--threads-per-worker", "1",
-                                      "--max-queued-requests", "7", "--device", "cpu",
-                                      "--engine", "sim", "--profile", str(tmp_path / "profile.json")])
+    args = build_parser().parse_args(
+        [
+            "serve",
+            "--port",
+            "0",
+            "--threads-per-worker",
+            "1",
+            "--max-queued-requests",
+            "7",
+            "--device",
+            "cpu",
+            "--engine",
+            "sim",
+            "--profile",
+            str(tmp_path / "profile.json"),
+        ]
+    )
     config = deployment_config(args)
     assert config.router.max_queued_requests == 7 and config.model.engine == "sim"
     with LocalCluster(config) as cluster:

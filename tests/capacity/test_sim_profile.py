@@ -14,9 +14,13 @@ SHIPPED = sorted((Path(__file__).resolve().parents[2] / "capacity" / "profiles")
 
 
 def test_round_trip_through_a_file(tmp_path: Path) -> None:
-    profile = make_profile(prefill=(0.01, 2e-5, 3e-9), decode=(0.005, 1e-4, 5e-8), transfer_s=0.002,
-                           overhead=Overhead(0.001, 0.01, per_seq_s=2e-4, jitter_sigma=1.5, wake_s=0.004,
-                                             wake_sigma=2.2, pass_sigma=0.17), name="round-trip")
+    profile = make_profile(
+        prefill=(0.01, 2e-5, 3e-9),
+        decode=(0.005, 1e-4, 5e-8),
+        transfer_s=0.002,
+        overhead=Overhead(0.001, 0.01, per_seq_s=2e-4, jitter_sigma=1.5, wake_s=0.004, wake_sigma=2.2, pass_sigma=0.17),
+        name="round-trip",
+    )
     path = tmp_path / "p.json"
     profile.save(path)
     assert load_profile(path) == profile
@@ -43,14 +47,17 @@ def test_pass_model_mixes_prefill_and_decode() -> None:
     assert p.transfer_s("shm", 1000) == pytest.approx(0.0)
 
 
-@pytest.mark.parametrize("change, field", [
-    (lambda d: d.update(version=PROFILE_VERSION + 1), "version"),
-    (lambda d: d.update(format="other"), "format"),
-    (lambda d: d.pop("decode"), "decode"),
-    (lambda d: d["prefill"].update(coef=[1.0, -1.0, 0.0]), "prefill.coef"),
-    (lambda d: d["engine"].update(max_num_seqs=0), "engine.max_num_seqs"),
-    (lambda d: d["transfer"].update(nvlink={"latency_s": 0, "bytes_per_s": 1}), "transfer"),
-])
+@pytest.mark.parametrize(
+    "change, field",
+    [
+        (lambda d: d.update(version=PROFILE_VERSION + 1), "version"),
+        (lambda d: d.update(format="other"), "format"),
+        (lambda d: d.pop("decode"), "decode"),
+        (lambda d: d["prefill"].update(coef=[1.0, -1.0, 0.0]), "prefill.coef"),
+        (lambda d: d["engine"].update(max_num_seqs=0), "engine.max_num_seqs"),
+        (lambda d: d["transfer"].update(nvlink={"latency_s": 0, "bytes_per_s": 1}), "transfer"),
+    ],
+)
 def test_bad_documents_name_the_field(change, field: str) -> None:  # noqa: ANN001
     doc = make_profile().to_json()
     change(doc)

@@ -13,8 +13,13 @@ from pdserve.cluster.elastic_cli import AutoscaleOptions
 
 
 def _profile(tmp_path: Path) -> str:
-    profile = make_profile(prefill=(0.005, 2e-5, 0.0), decode=(0.01, 0.004, 0.0), transfer_s=0.001,
-                           max_num_seqs=8, kv_capacity_tokens=16 * 1024)
+    profile = make_profile(
+        prefill=(0.005, 2e-5, 0.0),
+        decode=(0.01, 0.004, 0.0),
+        transfer_s=0.001,
+        max_num_seqs=8,
+        kv_capacity_tokens=16 * 1024,
+    )
     profile.save(tmp_path / "profile.json")
     return str(tmp_path / "profile.json")
 

@@ -47,8 +47,9 @@ class Plant:
             prompt, output = (2000, 16) if role == "prefill" else (64, 400)
             self.samples.append(Sample(now, ttft, tpot, prompt, output))
         self.samples = [s for s in self.samples if s.finished_at > now - 60]
-        workers = tuple(WorkerView(w, r, queue_depth=2 if (short and r == role == "prefill") else 0)
-                        for w, r in self.roles.items())
+        workers = tuple(
+            WorkerView(w, r, queue_depth=2 if (short and r == role == "prefill") else 0) for w, r in self.roles.items()
+        )
         return Observation(now, workers, tuple(self.samples), router_queued=self.router_queued)
 
     def apply(self, now: float, decisions: list[Decision]) -> None:
@@ -59,8 +60,9 @@ class Plant:
             self.switches.append((now, d.worker_id, d.role))
 
 
-def run(core: Autoscaler, plant: Plant, phases: list[tuple[float, tuple[str, int]]], end: float,
-        noise: float = 0.0) -> None:
+def run(
+    core: Autoscaler, plant: Plant, phases: list[tuple[float, tuple[str, int]]], end: float, noise: float = 0.0
+) -> None:
     t = 0.0
     while t < end:
         phase = [p for start, p in phases if start <= t][-1]
@@ -142,8 +144,17 @@ def test_planner_target_moves_to_the_best_split_and_stays() -> None:
 
 
 def test_adds_workers_on_ray_when_the_split_is_right_but_slos_miss() -> None:
-    config = AutoscalerConfig(ttft_s=TTFT, tpot_s=TPOT, window_s=10, confirm_s=3, cooldown_s=8, min_samples=5,
-                              can_resize=True, max_workers=5, scale_in_s=30)
+    config = AutoscalerConfig(
+        ttft_s=TTFT,
+        tpot_s=TPOT,
+        window_s=10,
+        confirm_s=3,
+        cooldown_s=8,
+        min_samples=5,
+        can_resize=True,
+        max_workers=5,
+        scale_in_s=30,
+    )
     core = Autoscaler(config, lambda mix, n: {p: 5.0 if p == 1 else 1.0 for p in range(1, n)})
     workers = (WorkerView("p0", "prefill"), WorkerView("d0", "decode", running=2, max_running=4))
     slow = tuple(Sample(t, 0.1, TPOT * 3, 64, 200) for t in range(20))
@@ -153,19 +164,29 @@ def test_adds_workers_on_ray_when_the_split_is_right_but_slos_miss() -> None:
     assert added[0][0] <= config.min_samples + config.confirm_s
     assert all(b[0] - a[0] >= config.cooldown_s for a, b in zip(added, added[1:], strict=False))
     fast = tuple(Sample(t, 0.1, TPOT / 2, 64, 200) for t in range(20, 120))
-    idle = (WorkerView("p0", "prefill"), WorkerView("d0", "decode", max_running=4),
-            WorkerView("d1", "decode", max_running=4))
+    idle = (
+        WorkerView("p0", "prefill"),
+        WorkerView("d0", "decode", max_running=4),
+        WorkerView("d1", "decode", max_running=4),
+    )
     removed = [d for t in range(20, 120) for d in core.decide(Observation(t, idle, fast))]
     assert [(d.kind, d.worker_id) for d in removed][:1] == [("remove", "d0")]
 
 
 def test_observation_from_router_status() -> None:
     status = router_pb2.StatusResponse(
-        workers=[common_pb2.WorkerInfo(worker_id="prefill-0", role=common_pb2.WORKER_ROLE_PREFILL, healthy=True,
-                                       queued_prompt_tokens=300)],
-        recent=[router_pb2.FinishedRequest(finished_ago_s=2.0, ttft_s=0.3, tpot_s=0.02, prompt_tokens=10,
-                                           output_tokens=5, ok=True)],
-        queued_requests=3)
+        workers=[
+            common_pb2.WorkerInfo(
+                worker_id="prefill-0", role=common_pb2.WORKER_ROLE_PREFILL, healthy=True, queued_prompt_tokens=300
+            )
+        ],
+        recent=[
+            router_pb2.FinishedRequest(
+                finished_ago_s=2.0, ttft_s=0.3, tpot_s=0.02, prompt_tokens=10, output_tokens=5, ok=True
+            )
+        ],
+        queued_requests=3,
+    )
     obs = observation_from_status(status, now=100.0)
     assert obs.workers[0].role == "prefill" and obs.workers[0].queued_prompt_tokens == 300
     assert obs.samples[0].finished_at == pytest.approx(98.0) and obs.router_queued == 3

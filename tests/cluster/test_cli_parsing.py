@@ -29,13 +29,39 @@ def test_serve_colocated_only_defaults_pd_to_zero() -> None:
 
 
 def test_serve_all_flags() -> None:
-    args = _parse("serve", "--prefill", "2", "--decode", "3", "--colocated", "1", "--model", "m", "--host", "0.0.0.0",
-                  "--port", "0", "--threads-per-worker", "2", "--prefill-policy", "least_loaded",
-                  "--decode-policy", "prefix_affinity", "--kv-cache-mb", "64", "--decode-kv-cache-mb", "96")
+    args = _parse(
+        "serve",
+        "--prefill",
+        "2",
+        "--decode",
+        "3",
+        "--colocated",
+        "1",
+        "--model",
+        "m",
+        "--host",
+        "0.0.0.0",
+        "--port",
+        "0",
+        "--threads-per-worker",
+        "2",
+        "--prefill-policy",
+        "least_loaded",
+        "--decode-policy",
+        "prefix_affinity",
+        "--kv-cache-mb",
+        "64",
+        "--decode-kv-cache-mb",
+        "96",
+    )
     config = deployment_config(args)
     assert (config.prefill.count, config.decode.count, config.colocated.count, config.model.path) == (2, 3, 1, "m")
     assert (config.prefill.threads, config.colocated.threads, config.prefill.kv_cache_mb, config.router.port) == (
-        2, 2, 64, 0)
+        2,
+        2,
+        64,
+        0,
+    )
     assert config.decode.kv_cache_mb == 96  # a pool's own flag wins over the every-pool one
     assert config.router.decode_policy == "prefix_affinity"
 
@@ -120,12 +146,26 @@ def test_role_and_migrate_are_both_commands() -> None:
 
 
 def test_elastic_flags_are_the_elastic_section() -> None:
-    config = deployment_config(_parse("serve", "--autoscale", "--slo", "ttft_ms=500,tpot_ms=50", "--max-workers", "4",
-                                      "--autoscale-interval", "0.5"))
+    config = deployment_config(
+        _parse(
+            "serve",
+            "--autoscale",
+            "--slo",
+            "ttft_ms=500,tpot_ms=50",
+            "--max-workers",
+            "4",
+            "--autoscale-interval",
+            "0.5",
+        )
+    )
     assert config.elastic.switchable and not config.elastic.enabled
     options = config.autoscale_options()
     assert (options.slo, options.min_workers, options.max_workers, options.interval_s) == (
-        {"ttft_ms": 500.0, "tpot_ms": 50.0}, 2, 4, 0.5)
+        {"ttft_ms": 500.0, "tpot_ms": 50.0},
+        2,
+        4,
+        0.5,
+    )
     assert deployment_config(_parse("serve", "--elastic")).autoscale_options() is None
     assert local_deployment(elastic=True).elastic.enabled
     assert not local_deployment().elastic.switchable
@@ -143,13 +183,35 @@ def test_elastic_worker_takes_both_documents_or_flags(tmp_path) -> None:  # noqa
     path.write_text(json.dumps(document))
     role, prefill, decode = elastic_args(["--role", "decode", "--config", str(path), "--max-num-seqs", "3"])
     assert (role, prefill.model, decode.model, prefill.worker_id, decode.worker_id) == (
-        "decode", "/m", "/m", "decode-0", "decode-0")
+        "decode",
+        "/m",
+        "/m",
+        "decode-0",
+        "decode-0",
+    )
     assert (decode.local_prefill_threshold, decode.max_num_seqs, decode.threads, prefill.threads) == (5, 3, 2, 2)
     # standalone flags without --config, as before
-    role, prefill, decode = elastic_args(["--role", "prefill", "--model", "/x", "--prefill-chunk-tokens", "64",
-                                          "--max-num-seqs", "7", "--worker-id", "w"])
+    role, prefill, decode = elastic_args(
+        [
+            "--role",
+            "prefill",
+            "--model",
+            "/x",
+            "--prefill-chunk-tokens",
+            "64",
+            "--max-num-seqs",
+            "7",
+            "--worker-id",
+            "w",
+        ]
+    )
     assert (role, prefill.model, decode.model, prefill.prefill_chunk_tokens, decode.max_num_seqs) == (
-        "prefill", "/x", "/x", 64, 7)
+        "prefill",
+        "/x",
+        "/x",
+        64,
+        7,
+    )
     with pytest.raises(SystemExit):  # one role's document only
         elastic_args(["--role", "decode"], document={"decode": document["decode"]})
     with pytest.raises(SystemExit):  # a key the role's parser does not know
@@ -214,7 +276,11 @@ def test_short_names_set_every_pool_of_the_mode() -> None:
 def test_launch_options_give_decode_flags_to_colocated_workers() -> None:
     options = LaunchOptions(prefill_args=("--a",), decode_args=("--b",), router_args=("--c",))
     assert [options.args_for(kind) for kind in ("prefill", "decode", "colocated", "router")] == [
-        ("--a",), ("--b",), ("--b",), ("--c",)]
+        ("--a",),
+        ("--b",),
+        ("--b",),
+        ("--c",),
+    ]
 
 
 def test_valid_topologies() -> None:
@@ -235,8 +301,12 @@ def test_worker_documents_parse_in_the_worker() -> None:
     assert config.worker_names() == [("prefill", "prefill-0"), ("decode", "decode-0"), ("colocated", "colocated-0")]
     colocated = decode_args([], document=local_worker_document(config, "colocated", "colocated-0"))
     assert (colocated.colocated, colocated.model, colocated.threads, colocated.kv_cache_mb) == (True, "/m", 2, 64)
-    assert (colocated.host, colocated.port, colocated.worker_id, colocated.device) == ("127.0.0.1", 0, "colocated-0",
-                                                                                       "cpu")
+    assert (colocated.host, colocated.port, colocated.worker_id, colocated.device) == (
+        "127.0.0.1",
+        0,
+        "colocated-0",
+        "cpu",
+    )
     prefill = prefill_args(["--kv-cache-mb", "8"], document=local_worker_document(config, "prefill", "prefill-0"))
     assert prefill.kv_cache_mb == 8 and prefill.model == "/m"  # flags override the document
     with pytest.raises(SystemExit):  # an unknown key fails on arrival
@@ -252,12 +322,16 @@ def test_router_document() -> None:
         WorkerProcess("prefill", "prefill-0", "127.0.0.1:1", 1),
         WorkerProcess("decode", "decode-0", "127.0.0.1:2", 2),
     ]
-    document = local_router_document(local_deployment(port=0, decode_policy="least_loaded", max_queued_requests=7),
-                                     workers)
+    document = local_router_document(
+        local_deployment(port=0, decode_policy="least_loaded", max_queued_requests=7), workers
+    )
     router = config_from_args(parse_args([], document=document))
     assert (router.port, router.prefill, router.decode) == (0, ("127.0.0.1:1",), ("127.0.0.1:2",))
     assert (router.prefill_policy, router.decode_policy, router.max_queued_requests) == (
-        "round_robin", "least_loaded", 7)
+        "round_robin",
+        "least_loaded",
+        7,
+    )
 
 
 def test_build_request_forms() -> None:
@@ -299,18 +373,43 @@ def test_serve_ray_flags_and_scale() -> None:
     from pdserve.cluster.deploy_config import worker_document
     from pdserve.cluster.ray_cluster import worker_resources
 
-    args = _parse("serve", "--ray", "--address", "auto", "--prefill", "2", "--decode", "3", "--kv-backend", "ray",
-                  "--gpus-per-worker", "1", "--placement", "spread", "--decode-resource", "decode_gpu")
+    args = _parse(
+        "serve",
+        "--ray",
+        "--address",
+        "auto",
+        "--prefill",
+        "2",
+        "--decode",
+        "3",
+        "--kv-backend",
+        "ray",
+        "--gpus-per-worker",
+        "1",
+        "--placement",
+        "spread",
+        "--decode-resource",
+        "decode_gpu",
+    )
     config = deployment_config(args)
-    assert (config.prefill.count, config.decode.count, config.kv.backend, config.ray.placement) == (2, 3, "ray",
-                                                                                                   "spread")
+    assert (config.prefill.count, config.decode.count, config.kv.backend, config.ray.placement) == (
+        2,
+        3,
+        "ray",
+        "spread",
+    )
     assert config.ray.address == "auto" and worker_resources(config, "decode") == {"GPU": 1.0, "decode_gpu": 1.0}
     assert worker_resources(config, "prefill") == {"GPU": 1.0}
     assert worker_document(config, "decode", "decode-0")["kv_target"] == "ray:decode-0"
     assert worker_resources(deployment_config(_parse("serve", "--ray")), "prefill") == {"CPU": 1.0}
     assert deployment_config(_parse("serve", "--ray", "--max-queued-requests", "9")).router.max_queued_requests == 9
-    for unsupported in (["--colocated", "1"], ["--metrics"], ["--metrics-host", "0.0.0.0"], ["--log-dir", "x"],
-                        ["--kv-backend", "shm"]):  # refused, never silently ignored
+    for unsupported in (
+        ["--colocated", "1"],
+        ["--metrics"],
+        ["--metrics-host", "0.0.0.0"],
+        ["--log-dir", "x"],
+        ["--kv-backend", "shm"],
+    ):  # refused, never silently ignored
         with pytest.raises(ValueError, match="not supported with --ray"):
             deployment_config(_parse("serve", "--ray", *unsupported))
     for unsupported in (["--placement", "spread"], ["--address", "auto"], ["--router-resource", "x"]):
@@ -325,8 +424,9 @@ def test_serve_ray_flags_and_scale() -> None:
 def test_serve_ray_multinode_flags() -> None:
     from pdserve.cluster.ray_cluster import PLACEMENTS, check_reachable, router_resources
 
-    config = deployment_config(_parse("serve", "--ray", "--placement", "strict_spread",
-                                      "--router-resource", "pdserve_router"))
+    config = deployment_config(
+        _parse("serve", "--ray", "--placement", "strict_spread", "--router-resource", "pdserve_router")
+    )
     assert PLACEMENTS[config.ray.placement] == "STRICT_SPREAD"
     assert router_resources(config) == {"CPU": 1.0, "pdserve_router": 1.0}
     assert router_resources(deployment_config(_parse("serve", "--ray"))) == {"CPU": 1.0}

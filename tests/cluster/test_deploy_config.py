@@ -40,7 +40,11 @@ from pdserve.router.process import parse_args as router_parse
 REPO = Path(__file__).resolve().parents[2]
 EXAMPLES = sorted((REPO / "examples").glob("*.yaml"))
 PARSERS: dict[str, Callable[..., argparse.Namespace]] = {
-    "prefill": prefill_parse, "decode": decode_parse, "colocated": decode_parse, "router": router_parse}
+    "prefill": prefill_parse,
+    "decode": decode_parse,
+    "colocated": decode_parse,
+    "router": router_parse,
+}
 
 Received = list[tuple[str, argparse.Namespace]]  # (process kind, the options it parsed from its document)
 ELASTIC = "elastic"  # kind of an elastic worker's entry (its decode-side options; the role's own entry as well)
@@ -76,9 +80,11 @@ def received(config: DeploymentConfig) -> Received:
 
 def _all(kinds: tuple[str, ...], attr: str, value: Any) -> Callable[[DeploymentConfig, Received], bool]:  # noqa: ANN401
     """Every process of these kinds got `attr` == `value` (and at least one such process exists)."""
+
     def check(_config: DeploymentConfig, got: Received) -> bool:
         values = [getattr(ns, attr) for kind, ns in got if kind in kinds]
         return bool(values) and all(v == value for v in values)
+
     return check
 
 
@@ -93,8 +99,12 @@ def _ray(check: Callable[[DeploymentConfig], bool]) -> Callable[[DeploymentConfi
 def _ray_options() -> dict[str, Any]:
     from pdserve.cluster import ray_cluster
 
-    return {"worker": ray_cluster.worker_actor_options, "router": ray_cluster.router_actor_options,
-            "resources": ray_cluster.worker_resources, "PLACEMENTS": ray_cluster.PLACEMENTS}
+    return {
+        "worker": ray_cluster.worker_actor_options,
+        "router": ray_cluster.router_actor_options,
+        "resources": ray_cluster.worker_resources,
+        "PLACEMENTS": ray_cluster.PLACEMENTS,
+    }
 
 
 # dotted name -> (a value other than the default, companions it needs, the check that it arrived)
@@ -102,8 +112,11 @@ def _ray_options() -> dict[str, Any]:
 # engine sim for a profile, a token for metrics beyond loopback).
 SIM = {"model.engine": "sim"}
 CASES: dict[str, tuple[Any, dict[str, Any], Callable[[DeploymentConfig, Received], bool]]] = {  # noqa: ANN401
-    "mode": ("ray", {}, lambda c, got: all(ns.kv_backend == "grpc" for k, ns in got if k == "decode")
-             and c.mode == "ray"),
+    "mode": (
+        "ray",
+        {},
+        lambda c, got: all(ns.kv_backend == "grpc" for k, ns in got if k == "decode") and c.mode == "ray",
+    ),
     # startup_timeout_s and observability.log_dir are the local launcher's own: see test_local_launcher_*
     "startup_timeout_s": (42.0, {}, lambda c, _got: c.startup_timeout_s == 42.0),
     "model.path": ("/models/m", {}, _all(WORKERS, "model", "/models/m")),
@@ -115,8 +128,11 @@ CASES: dict[str, tuple[Any, dict[str, Any], Callable[[DeploymentConfig, Received
     "model.deterministic": (True, {}, _all(WORKERS, "deterministic", True)),
     "model.kernel_table": ('{"version": 1}', {}, _all(WORKERS, "kernel_table", '{"version": 1}')),
     "model.engine": ("sim", {"model.profile": "PROFILE"}, _all(WORKERS, "engine", "sim")),
-    "model.profile": ("PROFILE", SIM, lambda c, got: all(Path(ns.profile).name == "profile.json"
-                                                         for k, ns in got if k != "router")),
+    "model.profile": (
+        "PROFILE",
+        SIM,
+        lambda c, got: all(Path(ns.profile).name == "profile.json" for k, ns in got if k != "router"),
+    ),
     "model.speedup": (3.0, {**SIM, "model.profile": "PROFILE"}, _all(WORKERS, "speedup", 3.0)),
     "router.host": ("0.0.0.0", {}, _all(("router",), "host", "0.0.0.0")),
     "router.port": (4321, {}, _all(("router",), "port", 4321)),
@@ -136,12 +152,19 @@ CASES: dict[str, tuple[Any, dict[str, Any], Callable[[DeploymentConfig, Received
     "router.grpc_calls_total": (44, {}, _all(("router",), "grpc_calls_total", 44)),
     "router.grpc_connection_idle_s": (7.5, {}, _all(("router",), "grpc_connection_idle", 7.5)),
     "router.grpc_connection_age_s": (900.0, {}, _all(("router",), "grpc_connection_age", 900.0)),
-    "prefill.count": (2, {}, lambda c, got: sum(k == "prefill" for k, _ in got) == 2
-                      and len(router_of(got).prefill) == 2),
-    "decode.count": (3, {}, lambda c, got: sum(k == "decode" for k, _ in got) == 3
-                     and len(router_of(got).decode) == 3),
-    "colocated.count": (2, {}, lambda c, got: sum(k == "colocated" and ns.colocated for k, ns in got) == 2
-                        and len(router_of(got).colocated) == 2),
+    "prefill.count": (
+        2,
+        {},
+        lambda c, got: sum(k == "prefill" for k, _ in got) == 2 and len(router_of(got).prefill) == 2,
+    ),
+    "decode.count": (3, {}, lambda c, got: sum(k == "decode" for k, _ in got) == 3 and len(router_of(got).decode) == 3),
+    "colocated.count": (
+        2,
+        {},
+        lambda c, got: (
+            sum(k == "colocated" and ns.colocated for k, ns in got) == 2 and len(router_of(got).colocated) == 2
+        ),
+    ),
     "prefill.chunk_tokens": (64, {}, _all(("prefill",), "prefill_chunk_tokens", 64)),
     "decode.chunk_tokens": (96, {}, _all(("decode",), "prefill_chunk_tokens", 96)),
     "colocated.chunk_tokens": (80, {"colocated.count": 1}, _all(("colocated",), "prefill_chunk_tokens", 80)),
@@ -151,8 +174,11 @@ CASES: dict[str, tuple[Any, dict[str, Any], Callable[[DeploymentConfig, Received
     "kv.checksum": ("crc32", {}, _all(DECODERS, "kv_checksum", "crc32")),
     "kv.shared_cache": (False, {}, _all(("prefill",), "shared_kv_cache", False)),
     "ray.address": ("auto", {}, lambda c, _got: c.ray.address == "auto"),  # RayCluster: ray.init(address=...)
-    "ray.placement": ("strict_spread", {}, _ray(lambda c: _ray_options()["PLACEMENTS"][c.ray.placement]
-                                                == "STRICT_SPREAD")),
+    "ray.placement": (
+        "strict_spread",
+        {},
+        _ray(lambda c: _ray_options()["PLACEMENTS"][c.ray.placement] == "STRICT_SPREAD"),
+    ),
     "ray.worker_host": ("10.1.2.3", {}, _all(("prefill", "decode"), "host", "10.1.2.3")),
     "ray.gpus_per_worker": (0.5, {}, _ray(lambda c: _ray_options()["worker"](c, "decode", "d")["num_gpus"] == 0.5)),
     "ray.prefill_resource": ("pgpu", {}, _ray(lambda c: _ray_options()["resources"](c, "prefill").get("pgpu") == 1)),
@@ -162,19 +188,38 @@ CASES: dict[str, tuple[Any, dict[str, Any], Callable[[DeploymentConfig, Received
     "ray.restart_wait_s": (15.0, {}, _all(("router",), "worker_restart_wait", 15.0)),
     "ray.router_max_restarts": (6, {}, _ray(lambda c: _ray_options()["router"](c)["max_restarts"] == 6)),
     "ray.poll_interval_s": (0.25, {}, lambda c, _got: c.ray.poll_interval_s == 0.25),  # the controller's watcher
-    "security.auth_token_file": ("TOKEN", {}, lambda c, got: (
-        Path(router_of(got).auth_token_file).name == "token.txt" if c.mode == "local"
-        else router_of(got).auth_token_file is None)),  # Ray: the driver reads it, the actor gets the token
-    "security.tls_cert": ("CERT", {"security.tls_key": "KEY"},
-                          lambda c, got: router_of(got).tls_cert.endswith("c.pem")),
-    "security.tls_key": ("KEY", {"security.tls_cert": "CERT"},
-                         lambda c, got: router_of(got).tls_key.endswith("k.pem")),
-    "security.internal_token_file": ("TOKEN", {}, lambda c, got: all(
-        (Path(ns.internal_token_file).name == "token.txt") if c.mode == "local" else ns.internal_token_file is None
-        for _k, ns in got)),
-    "security.auth_tokens_file": ("TOKENS", {}, lambda c, got: (
-        Path(router_of(got).auth_tokens_file).name == "tokens.txt" if c.mode == "local"
-        else router_of(got).auth_tokens_file is None)),  # Ray: the driver reads it, the actor gets the tokens
+    "security.auth_token_file": (
+        "TOKEN",
+        {},
+        lambda c, got: (
+            Path(router_of(got).auth_token_file).name == "token.txt"
+            if c.mode == "local"
+            else router_of(got).auth_token_file is None
+        ),
+    ),  # Ray: the driver reads it, the actor gets the token
+    "security.tls_cert": (
+        "CERT",
+        {"security.tls_key": "KEY"},
+        lambda c, got: router_of(got).tls_cert.endswith("c.pem"),
+    ),
+    "security.tls_key": ("KEY", {"security.tls_cert": "CERT"}, lambda c, got: router_of(got).tls_key.endswith("k.pem")),
+    "security.internal_token_file": (
+        "TOKEN",
+        {},
+        lambda c, got: all(
+            (Path(ns.internal_token_file).name == "token.txt") if c.mode == "local" else ns.internal_token_file is None
+            for _k, ns in got
+        ),
+    ),
+    "security.auth_tokens_file": (
+        "TOKENS",
+        {},
+        lambda c, got: (
+            Path(router_of(got).auth_tokens_file).name == "tokens.txt"
+            if c.mode == "local"
+            else router_of(got).auth_tokens_file is None
+        ),
+    ),  # Ray: the driver reads it, the actor gets the tokens
     "security.internal_grpc_calls_per_peer": (55, {}, _all(WORKERS, "grpc_calls_per_peer", 55)),
     "security.internal_grpc_calls_total": (66, {}, _all(WORKERS, "grpc_calls_total", 66)),
     "observability.log_level": ("DEBUG", {}, lambda c, got: all(ns.log_level == "DEBUG" for _k, ns in got)),
@@ -182,9 +227,13 @@ CASES: dict[str, tuple[Any, dict[str, Any], Callable[[DeploymentConfig, Received
     "observability.log_dir": ("LOGDIR", {}, lambda c, _got: c.observability.log_dir is not None),
     # each process binds a free port itself and announces it (none picked by the launcher beforehand)
     "observability.metrics": (True, {}, lambda c, got: all(ns.metrics_port == METRICS_ANY_PORT for _k, ns in got)),
-    "observability.metrics_host": ("0.0.0.0", {"security.auth_token_file": "TOKEN"},
-                                   _all(("router",), "metrics_host", "0.0.0.0")),
+    "observability.metrics_host": (
+        "0.0.0.0",
+        {"security.auth_token_file": "TOKEN"},
+        _all(("router",), "metrics_host", "0.0.0.0"),
+    ),
 }
+
 
 def _elastic_workers(c: DeploymentConfig, got: Received) -> bool:
     """Every worker runs as an elastic worker (and parsed its role's document)."""
@@ -194,28 +243,43 @@ def _elastic_workers(c: DeploymentConfig, got: Received) -> bool:
 
 def _autoscaler(**expected: Any) -> Callable[[DeploymentConfig, Received], bool]:  # noqa: ANN401
     """Elastic workers, and the autoscaler (`serve` starts it with these options) has `expected`."""
+
     def check(c: DeploymentConfig, got: Received) -> bool:
         options = c.autoscale_options()
-        return _elastic_workers(c, got) and options is not None and all(
-            getattr(options, k) == v for k, v in expected.items())
+        return (
+            _elastic_workers(c, got)
+            and options is not None
+            and all(getattr(options, k) == v for k, v in expected.items())
+        )
+
     return check
 
 
 AUTOSCALE = {"elastic.autoscale": True, "elastic.slo": "ttft_ms=500"}
-CASES.update({
-    "elastic.enabled": (True, {}, _elastic_workers),
-    "elastic.autoscale": (True, {"elastic.slo": "ttft_ms=500,tpot_ms=50"},
-                          _autoscaler(slo={"ttft_ms": 500.0, "tpot_ms": 50.0})),
-    "elastic.slo": ("tpot_ms=40", {"elastic.autoscale": True}, _autoscaler(slo={"tpot_ms": 40.0})),
-    "elastic.min_workers": (3, {**AUTOSCALE, "decode.count": 2}, _autoscaler(min_workers=3)),  # --ray: 3 start
-    "elastic.max_workers": (5, AUTOSCALE, _autoscaler(max_workers=5)),
-    "elastic.interval_s": (0.5, AUTOSCALE, _autoscaler(interval_s=0.5)),
-})
+CASES.update(
+    {
+        "elastic.enabled": (True, {}, _elastic_workers),
+        "elastic.autoscale": (
+            True,
+            {"elastic.slo": "ttft_ms=500,tpot_ms=50"},
+            _autoscaler(slo={"ttft_ms": 500.0, "tpot_ms": 50.0}),
+        ),
+        "elastic.slo": ("tpot_ms=40", {"elastic.autoscale": True}, _autoscaler(slo={"tpot_ms": 40.0})),
+        "elastic.min_workers": (3, {**AUTOSCALE, "decode.count": 2}, _autoscaler(min_workers=3)),  # --ray: 3 start
+        "elastic.max_workers": (5, AUTOSCALE, _autoscaler(max_workers=5)),
+        "elastic.interval_s": (0.5, AUTOSCALE, _autoscaler(interval_s=0.5)),
+    }
+)
 POOL_CASES: dict[str, tuple[Any, str]] = {  # pool setting -> (value, the worker option it becomes)  # noqa: ANN401
-    "threads": (3, "threads"), "kv_cache_mb": (77, "kv_cache_mb"), "max_batched_tokens": (999, "max_batched_tokens"),
-    "prefix_caching": (False, "prefix_caching"), "request_timeout_s": (11.0, "request_timeout_s"),
-    "kv_timeout_s": (13.0, "kv_timeout_s"), "drain_timeout_s": (9.0, "drain_timeout_s"),
-    "max_num_seqs": (5, "max_num_seqs"), "admission_timeout_s": (4.0, "admission_timeout_s"),
+    "threads": (3, "threads"),
+    "kv_cache_mb": (77, "kv_cache_mb"),
+    "max_batched_tokens": (999, "max_batched_tokens"),
+    "prefix_caching": (False, "prefix_caching"),
+    "request_timeout_s": (11.0, "request_timeout_s"),
+    "kv_timeout_s": (13.0, "kv_timeout_s"),
+    "drain_timeout_s": (9.0, "drain_timeout_s"),
+    "max_num_seqs": (5, "max_num_seqs"),
+    "admission_timeout_s": (4.0, "admission_timeout_s"),
 }
 for _pool in WORKERS:
     for _name, (_value, _attr) in POOL_CASES.items():
@@ -233,9 +297,14 @@ def _files(tmp_path: Path) -> dict[str, str]:
     (tmp_path / "profile.json").write_text("{}")
     (tmp_path / "c.pem").write_text("")
     (tmp_path / "k.pem").write_text("")
-    return {"TOKEN": str(tmp_path / "token.txt"), "TOKENS": str(tmp_path / "tokens.txt"),
-            "PROFILE": str(tmp_path / "profile.json"),
-            "CERT": str(tmp_path / "c.pem"), "KEY": str(tmp_path / "k.pem"), "LOGDIR": str(tmp_path / "logs")}
+    return {
+        "TOKEN": str(tmp_path / "token.txt"),
+        "TOKENS": str(tmp_path / "tokens.txt"),
+        "PROFILE": str(tmp_path / "profile.json"),
+        "CERT": str(tmp_path / "c.pem"),
+        "KEY": str(tmp_path / "k.pem"),
+        "LOGDIR": str(tmp_path / "logs"),
+    }
 
 
 def _flag_argv(dotted: str, value: Any) -> list[str]:  # noqa: ANN401
@@ -305,8 +374,9 @@ def test_unknown_keys_and_bad_values_fail_naming_the_key(tmp_path: Path) -> None
         "ray:\n  placement: spread\n": "ray.placement .* not supported without --ray",
         "mode: ray\nobservability:\n  metrics: true\n": "observability.metrics .* not supported with --ray",
         "kv:\n  backend: ray\n": "kv.backend: ray .* needs --ray",
-        "mode: ray\nelastic:\n  autoscale: true\n  slo: ttft_ms=5\n  min_workers: 3\n":
-            "elastic.min_workers/max_workers: the deployment starts with 2 workers, outside 3..8",
+        "mode: ray\nelastic:\n  autoscale: true\n  slo: ttft_ms=5\n  min_workers: 3\n": (
+            "elastic.min_workers/max_workers: the deployment starts with 2 workers, outside 3..8"
+        ),
         "elastic:\n  slo: ttft_ms=5\n": "elastic.slo .* needs elastic.autoscale",
         "elastic:\n  autoscale: true\n": "elastic.autoscale .* needs elastic.slo",
         "elastic:\n  autoscale: true\n  slo: ttft=5\n": "elastic: --slo items look like",
@@ -363,9 +433,9 @@ def test_worker_threads_split_cpus_unless_set(monkeypatch: pytest.MonkeyPatch) -
 def test_local_launcher_writes_each_process_document_to_its_log_dir(tmp_path: Path) -> None:
     """The local launcher's own settings: log_dir holds each process's document (what it was given),
     and startup_timeout_s bounds the start (a worker that cannot start in time fails the launch)."""
-    config = DeploymentConfig.from_dict({
-        "startup_timeout_s": 0.5, "decode": {"max_num_seqs": 3},
-        "observability": {"log_dir": str(tmp_path / "logs")}})
+    config = DeploymentConfig.from_dict(
+        {"startup_timeout_s": 0.5, "decode": {"max_num_seqs": 3}, "observability": {"log_dir": str(tmp_path / "logs")}}
+    )
     with pytest.raises(ClusterStartError):
         LocalCluster(config)
     document = json.loads((tmp_path / "logs" / "decode-0.config.json").read_text())
@@ -374,9 +444,18 @@ def test_local_launcher_writes_each_process_document_to_its_log_dir(tmp_path: Pa
 
 def test_router_document_becomes_router_config() -> None:
     config = DeploymentConfig.from_dict({"router": {"http_port": 0, "max_attempts": 2}, "model": {"name": "m"}})
-    router = config_from_args(router_parse([], document=local_router_document(
-        config, [WorkerProcess("prefill", "prefill-0", "127.0.0.1:1", 0),
-                 WorkerProcess("decode", "decode-0", "127.0.0.1:2", 0)])))
+    router = config_from_args(
+        router_parse(
+            [],
+            document=local_router_document(
+                config,
+                [
+                    WorkerProcess("prefill", "prefill-0", "127.0.0.1:1", 0),
+                    WorkerProcess("decode", "decode-0", "127.0.0.1:2", 0),
+                ],
+            ),
+        )
+    )
     assert (router.http_port, router.max_attempts, router.model_name) == (0, 2, "m")
 
 

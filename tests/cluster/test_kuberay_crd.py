@@ -25,8 +25,11 @@ def strict(schema: Any) -> Any:  # noqa: ANN401 - JSON
     if not isinstance(schema, dict):
         return schema
     out = {k: strict(v) for k, v in schema.items()}
-    if ("properties" in out and "additionalProperties" not in out
-            and not out.get("x-kubernetes-preserve-unknown-fields")):
+    if (
+        "properties" in out
+        and "additionalProperties" not in out
+        and not out.get("x-kubernetes-preserve-unknown-fields")
+    ):
         out["additionalProperties"] = False
     return out
 
@@ -61,18 +64,26 @@ def test_manifest_is_valid(validator: jsonschema.protocols.Validator, manifest: 
     assert _errors(validator, manifest) == []
 
 
-@pytest.mark.parametrize(("edit", "where"), [
-    (lambda m: m["spec"]["workerGroupSpecs"][0].update(replica=1), "spec/workerGroupSpecs/0"),  # typo
-    (lambda m: m["spec"]["workerGroupSpecs"][1].update(replicas="1"), "spec/workerGroupSpecs/1/replicas"),
-    (lambda m: m["spec"]["headGroupSpec"]["template"]["spec"]["containers"][0].update(volumeMount=[]),
-     "spec/headGroupSpec/template/spec/containers/0"),
-    (lambda m: m["spec"]["headGroupSpec"]["template"]["spec"]["volumes"][0]["secret"].update(name="x"),
-     "spec/headGroupSpec/template/spec/volumes/0/secret"),
-    (lambda m: m["spec"].update(authOptions={"mode": "tokens"}), "spec/authOptions/mode"),
-    (lambda m: m["spec"]["workerGroupSpecs"][0].pop("groupName"), "spec/workerGroupSpecs/0"),
-])
-def test_schema_catches_mistakes(validator: jsonschema.protocols.Validator, manifest: dict[str, Any],
-                                 edit: Any, where: str) -> None:  # noqa: ANN401
+@pytest.mark.parametrize(
+    ("edit", "where"),
+    [
+        (lambda m: m["spec"]["workerGroupSpecs"][0].update(replica=1), "spec/workerGroupSpecs/0"),  # typo
+        (lambda m: m["spec"]["workerGroupSpecs"][1].update(replicas="1"), "spec/workerGroupSpecs/1/replicas"),
+        (
+            lambda m: m["spec"]["headGroupSpec"]["template"]["spec"]["containers"][0].update(volumeMount=[]),
+            "spec/headGroupSpec/template/spec/containers/0",
+        ),
+        (
+            lambda m: m["spec"]["headGroupSpec"]["template"]["spec"]["volumes"][0]["secret"].update(name="x"),
+            "spec/headGroupSpec/template/spec/volumes/0/secret",
+        ),
+        (lambda m: m["spec"].update(authOptions={"mode": "tokens"}), "spec/authOptions/mode"),
+        (lambda m: m["spec"]["workerGroupSpecs"][0].pop("groupName"), "spec/workerGroupSpecs/0"),
+    ],
+)
+def test_schema_catches_mistakes(
+    validator: jsonschema.protocols.Validator, manifest: dict[str, Any], edit: Any, where: str
+) -> None:  # noqa: ANN401
     broken = copy.deepcopy(manifest)
     edit(broken)
     errors = _errors(validator, broken)

@@ -93,8 +93,13 @@ class _Colocated(worker_pb2_grpc.DecodeWorkerServicer):
         )
 
     def GetInfo(self, request, context):  # noqa: N802, ANN001
-        return common_pb2.WorkerInfo(worker_id="colocated-0", healthy=True, kv_blocks_total=8, pid=42,
-                                     kernels="own timing (this CPU (B) is not the table's (A))")
+        return common_pb2.WorkerInfo(
+            worker_id="colocated-0",
+            healthy=True,
+            kv_blocks_total=8,
+            pid=42,
+            kernels="own timing (this CPU (B) is not the table's (A))",
+        )
 
 
 @pytest.fixture(scope="module")

@@ -29,29 +29,34 @@ def test_auto_placement_spreads_on_several_nodes_and_packs_on_one() -> None:
 
 
 def test_status_warns_when_a_pool_shares_one_node_of_several() -> None:
-    packed = [_row("prefill", "prefill-0", "aaa"), _row("decode", "decode-0", "bbb"),
-              _row("decode", "decode-1", "bbb")]
+    packed = [_row("prefill", "prefill-0", "aaa"), _row("decode", "decode-0", "bbb"), _row("decode", "decode-1", "bbb")]
     (warning,) = placement_warnings(packed)
     assert warning.startswith("all 2 decode workers run on node bbb") and "--placement spread" in warning
-    spread = [_row("prefill", "prefill-0", "aaa"), _row("decode", "decode-0", "aaa"),
-              _row("decode", "decode-1", "bbb")]
+    spread = [_row("prefill", "prefill-0", "aaa"), _row("decode", "decode-0", "aaa"), _row("decode", "decode-1", "bbb")]
     assert placement_warnings(spread) == []
     # every worker on one node: a warning only when the cluster is known to have more nodes
-    together = [_row("prefill", "prefill-0", "aaa"), _row("decode", "decode-0", "aaa"),
-                _row("decode", "decode-1", "aaa")]
+    together = [
+        _row("prefill", "prefill-0", "aaa"),
+        _row("decode", "decode-0", "aaa"),
+        _row("decode", "decode-1", "aaa"),
+    ]
     assert placement_warnings(together) == []
     assert [w.split(":")[0] for w in placement_warnings(together, cluster_nodes=3)] == [
-        "all 2 decode workers run on node aaa"]
+        "all 2 decode workers run on node aaa"
+    ]
     # outside Ray (no node ids) and single workers: nothing to say
     assert placement_warnings([_row("decode", "d0", ""), _row("decode", "d1", "")], cluster_nodes=2) == []
 
 
-@pytest.mark.parametrize(("doc", "wait"), [
-    ({"mode": "ray"}, 60.0),  # Ray restarts dead worker actors: requests wait for them
-    ({"mode": "ray", "ray": {"restart_wait_s": 5}}, 5.0),
-    ({"mode": "ray", "ray": {"max_restarts": 0}}, 0.0),  # nothing to wait for
-    ({"mode": "local"}, 0.0),  # local workers that die stay dead: fail at once, as before
-])
+@pytest.mark.parametrize(
+    ("doc", "wait"),
+    [
+        ({"mode": "ray"}, 60.0),  # Ray restarts dead worker actors: requests wait for them
+        ({"mode": "ray", "ray": {"restart_wait_s": 5}}, 5.0),
+        ({"mode": "ray", "ray": {"max_restarts": 0}}, 0.0),  # nothing to wait for
+        ({"mode": "local"}, 0.0),  # local workers that die stay dead: fail at once, as before
+    ],
+)
 def test_router_waits_only_where_workers_restart(doc: dict[str, object], wait: float) -> None:
     config = DeploymentConfig.from_dict(doc)
     document = router_document(config, {"prefill": ["127.0.0.1:1"], "decode": ["127.0.0.1:2"]})

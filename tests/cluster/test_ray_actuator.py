@@ -45,9 +45,13 @@ def test_adds_up_to_max_and_removes_down_to_min() -> None:
     assert act(Decision("remove", "prefill", "quiet")) == "removed prefill-3"  # the newest prefill worker
     assert act(Decision("remove", "decode", "quiet", "decode-2")) == "refused: 2 workers, min_workers 2"
     assert [w["name"] for w in workers.rows] == ["prefill-0", "decode-2"]
-    assert [a["outcome"] for a in act.actions] == ["added prefill-3", "refused: 4 workers, max_workers 4",
-                                                   "removed decode-1", "removed prefill-3",
-                                                   "refused: 2 workers, min_workers 2"]
+    assert [a["outcome"] for a in act.actions] == [
+        "added prefill-3",
+        "refused: 4 workers, max_workers 4",
+        "removed decode-1",
+        "removed prefill-3",
+        "refused: 2 workers, min_workers 2",
+    ]
     assert act.actions[0]["reason"] == "ttft missed"
 
 

@@ -14,47 +14,107 @@ ROOT = Path(__file__).resolve().parents[2]
 _STR_LIST = {"type": "array", "items": {"type": "string"}, "minItems": 1}
 _TOKEN_ENV = {
     "type": "array",
-    "allOf": [{"contains": {"properties": {"name": {"const": "RAY_AUTH_MODE"}, "value": {"const": "token"}},
-                            "required": ["name", "value"]}},
-              {"contains": {"properties": {"name": {"const": "RAY_AUTH_TOKEN"}, "valueFrom": {"type": "object"}},
-                            "required": ["name", "valueFrom"]}}],
+    "allOf": [
+        {
+            "contains": {
+                "properties": {"name": {"const": "RAY_AUTH_MODE"}, "value": {"const": "token"}},
+                "required": ["name", "value"],
+            }
+        },
+        {
+            "contains": {
+                "properties": {"name": {"const": "RAY_AUTH_TOKEN"}, "valueFrom": {"type": "object"}},
+                "required": ["name", "valueFrom"],
+            }
+        },
+    ],
 }
 _POD = {
-    "type": "object", "required": ["spec"],
-    "properties": {"spec": {"type": "object", "required": ["containers"], "properties": {"containers": {
-        "type": "array", "minItems": 1,
-        "items": {"type": "object", "required": ["name", "image", "env", "resources"],
-                  "properties": {"env": _TOKEN_ENV}}}}}},
+    "type": "object",
+    "required": ["spec"],
+    "properties": {
+        "spec": {
+            "type": "object",
+            "required": ["containers"],
+            "properties": {
+                "containers": {
+                    "type": "array",
+                    "minItems": 1,
+                    "items": {
+                        "type": "object",
+                        "required": ["name", "image", "env", "resources"],
+                        "properties": {"env": _TOKEN_ENV},
+                    },
+                }
+            },
+        }
+    },
 }
 RAY_LAUNCHER_SCHEMA = {
     "type": "object",
-    "required": ["cluster_name", "max_workers", "provider", "auth", "available_node_types", "head_node_type",
-                 "setup_commands", "head_start_ray_commands", "worker_start_ray_commands"],
+    "required": [
+        "cluster_name",
+        "max_workers",
+        "provider",
+        "auth",
+        "available_node_types",
+        "head_node_type",
+        "setup_commands",
+        "head_start_ray_commands",
+        "worker_start_ray_commands",
+    ],
     "properties": {
         "provider": {"type": "object", "required": ["type"]},
-        "available_node_types": {"type": "object", "minProperties": 3, "additionalProperties": {
-            "type": "object", "required": ["resources", "node_config", "min_workers", "max_workers"],
-            "properties": {"resources": {"type": "object", "additionalProperties": {"type": "number"}},
-                           "min_workers": {"type": "integer", "minimum": 0},
-                           "max_workers": {"type": "integer", "minimum": 0}}}},
-        "head_start_ray_commands": _STR_LIST, "worker_start_ray_commands": _STR_LIST, "setup_commands": _STR_LIST,
+        "available_node_types": {
+            "type": "object",
+            "minProperties": 3,
+            "additionalProperties": {
+                "type": "object",
+                "required": ["resources", "node_config", "min_workers", "max_workers"],
+                "properties": {
+                    "resources": {"type": "object", "additionalProperties": {"type": "number"}},
+                    "min_workers": {"type": "integer", "minimum": 0},
+                    "max_workers": {"type": "integer", "minimum": 0},
+                },
+            },
+        },
+        "head_start_ray_commands": _STR_LIST,
+        "worker_start_ray_commands": _STR_LIST,
+        "setup_commands": _STR_LIST,
     },
 }
 _WORKER_GROUP = {
-    "type": "object", "required": ["groupName", "replicas", "minReplicas", "maxReplicas", "rayStartParams", "template"],
-    "properties": {"rayStartParams": {"type": "object", "required": ["num-gpus", "resources"],
-                                      "additionalProperties": {"type": "string"}},
-                   "replicas": {"type": "integer", "minimum": 0}, "template": _POD},
+    "type": "object",
+    "required": ["groupName", "replicas", "minReplicas", "maxReplicas", "rayStartParams", "template"],
+    "properties": {
+        "rayStartParams": {
+            "type": "object",
+            "required": ["num-gpus", "resources"],
+            "additionalProperties": {"type": "string"},
+        },
+        "replicas": {"type": "integer", "minimum": 0},
+        "template": _POD,
+    },
 }
 RAYCLUSTER_SCHEMA = {
-    "type": "object", "required": ["apiVersion", "kind", "metadata", "spec"],
+    "type": "object",
+    "required": ["apiVersion", "kind", "metadata", "spec"],
     "properties": {
-        "apiVersion": {"const": "ray.io/v1"}, "kind": {"const": "RayCluster"},
+        "apiVersion": {"const": "ray.io/v1"},
+        "kind": {"const": "RayCluster"},
         "metadata": {"type": "object", "required": ["name"]},
-        "spec": {"type": "object", "required": ["rayVersion", "headGroupSpec", "workerGroupSpecs"], "properties": {
-            "headGroupSpec": {"type": "object", "required": ["rayStartParams", "template"],
-                              "properties": {"template": _POD}},
-            "workerGroupSpecs": {"type": "array", "minItems": 2, "items": _WORKER_GROUP}}},
+        "spec": {
+            "type": "object",
+            "required": ["rayVersion", "headGroupSpec", "workerGroupSpecs"],
+            "properties": {
+                "headGroupSpec": {
+                    "type": "object",
+                    "required": ["rayStartParams", "template"],
+                    "properties": {"template": _POD},
+                },
+                "workerGroupSpecs": {"type": "array", "minItems": 2, "items": _WORKER_GROUP},
+            },
+        },
     },
 }
 

@@ -46,32 +46,96 @@ def _roles(status: dict) -> list[str]:
 def _samples(url: str, name: str) -> dict[str, float]:
     """'{labels}' -> value of every sample of `name` on a /metrics page."""
     text = urllib.request.urlopen(url, timeout=10).read().decode()
-    return {line.split(" ")[0].removeprefix(name): float(line.split()[-1]) for line in text.splitlines()
-            if line.startswith(name + "{") or line.startswith(name + " ")}
+    return {
+        line.split(" ")[0].removeprefix(name): float(line.split()[-1])
+        for line in text.splitlines()
+        if line.startswith(name + "{") or line.startswith(name + " ")
+    }
 
 
 def test_autoscaler_moves_a_prefill_worker_to_decode_under_decode_load(
-        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     # one decode worker steps 8 sequences in 42 ms (190 tokens/s); the load needs about 240: decode is short
-    profile = make_profile(prefill=(0.005, 2e-5, 0.0), decode=(0.01, 0.004, 0.0), transfer_s=0.001,
-                           max_num_seqs=8, kv_capacity_tokens=16 * 1024)
+    profile = make_profile(
+        prefill=(0.005, 2e-5, 0.0),
+        decode=(0.01, 0.004, 0.0),
+        transfer_s=0.001,
+        max_num_seqs=8,
+        kv_capacity_tokens=16 * 1024,
+    )
     profile.save(tmp_path / "profile.json")
     log_dir = tmp_path / "logs"
     proc = subprocess.Popen(
-        [sys.executable, "-m", "pdserve.cluster.cli", "serve", "--port", "0", "--threads-per-worker", "1",
-         "--prefill", "2", "--decode", "1", "--engine", "sim", "--profile", str(tmp_path / "profile.json"),
-         "--autoscale", "--slo", "ttft_ms=2000,tpot_ms=100", "--min-workers", "3", "--max-workers", "3",
-         "--autoscale-interval", "0.25", "--metrics", "--log-dir", str(log_dir)],
-        stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, start_new_session=True)
+        [
+            sys.executable,
+            "-m",
+            "pdserve.cluster.cli",
+            "serve",
+            "--port",
+            "0",
+            "--threads-per-worker",
+            "1",
+            "--prefill",
+            "2",
+            "--decode",
+            "1",
+            "--engine",
+            "sim",
+            "--profile",
+            str(tmp_path / "profile.json"),
+            "--autoscale",
+            "--slo",
+            "ttft_ms=2000,tpot_ms=100",
+            "--min-workers",
+            "3",
+            "--max-workers",
+            "3",
+            "--autoscale-interval",
+            "0.25",
+            "--metrics",
+            "--log-dir",
+            str(log_dir),
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        text=True,
+        start_new_session=True,
+    )
     try:
         lines: list[str] = []
         url = _read_until(proc, "router:", lines).split()[-1]
         metrics_url = _read_until(proc, "metrics autoscaler:", lines).split()[-1]
         assert _roles(_status(url, capsys)) == ["decode", "prefill", "prefill"]
         out = tmp_path / "bench.json"
-        assert main(["bench", "--url", url, "--no-progress", "--seed", "1", "--ignore-eos", "--output", str(out),
-                     "--num-prompts", "150", "--rate", "6", "--input-len", "32", "--output-len", "40",
-                     "--engine", "sim", "--profile", str(tmp_path / "profile.json")]) == 0
+        assert (
+            main(
+                [
+                    "bench",
+                    "--url",
+                    url,
+                    "--no-progress",
+                    "--seed",
+                    "1",
+                    "--ignore-eos",
+                    "--output",
+                    str(out),
+                    "--num-prompts",
+                    "150",
+                    "--rate",
+                    "6",
+                    "--input-len",
+                    "32",
+                    "--output-len",
+                    "40",
+                    "--engine",
+                    "sim",
+                    "--profile",
+                    str(tmp_path / "profile.json"),
+                ]
+            )
+            == 0
+        )
         summary = json.loads(out.read_text())["summary"]
         assert summary["completed"] == 150 and summary["failed"] == 0  # no request lost to the switch
         assert summary["total_output_tokens"] == 150 * 40

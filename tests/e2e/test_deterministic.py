@@ -39,8 +39,11 @@ SEEDED = {"temperature": 0.9, "top_p": 0.95, "top_k": 40, "seed": 77}
 OTHERS = mixed_prompts(15, seed=5)
 #: what the other requests ask: a mix of greedy and sampled rows of other widths beside the target
 OTHER_PARAMS = [{} if i % 3 else {"temperature": 1.0, "top_k": 5 + i, "seed": i} for i in range(15)]
-TOPOLOGIES = {"colocated": {"prefill": 0, "decode": 0, "colocated": 1}, "1p1d": {"prefill": 1, "decode": 1},
-              "2p2d": {"prefill": 2, "decode": 2}}
+TOPOLOGIES = {
+    "colocated": {"prefill": 0, "decode": 0, "colocated": 1},
+    "1p1d": {"prefill": 1, "decode": 1},
+    "2p2d": {"prefill": 2, "decode": 2},
+}
 
 _EXPECTED: dict[tuple[str, str], tuple[list[int], list[int]]] = {}
 
@@ -52,8 +55,10 @@ def _expected(model_dir: Path, dtype: str) -> tuple[list[int], list[int]]:
         loaded = load_model(model_dir, getattr(torch, dtype))
         engine = LLMEngine(loaded, EngineConfig(dtype=dtype, num_blocks=256, deterministic=True))
         ids = encode_text(loaded.tokenizer, TARGET)
-        runs = [engine.generate([ids], SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True, **p))[0]  # type: ignore[arg-type]
-                for p in ({}, SEEDED)]
+        runs = [
+            engine.generate([ids], SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True, **p))[0]  # type: ignore[arg-type]
+            for p in ({}, SEEDED)
+        ]
         engine.pool.assert_all_free()
         _EXPECTED[(str(model_dir), dtype)] = (runs[0], runs[1])
     return _EXPECTED[(str(model_dir), dtype)]
@@ -64,19 +69,25 @@ def _target_beside_others(address: str, params: dict[str, object]) -> list[int]:
     prompts = OTHERS[:7] + [TARGET] + OTHERS[7:]
     extra = OTHER_PARAMS[:7] + [params] + OTHER_PARAMS[7:]
     with ThreadPoolExecutor(len(prompts)) as pool:
-        results = list(pool.map(lambda pe: generate(address, pe[0], MAX_TOKENS, ignore_eos=True, **pe[1]),
-                                zip(prompts, extra, strict=True)))
+        results = list(
+            pool.map(
+                lambda pe: generate(address, pe[0], MAX_TOKENS, ignore_eos=True, **pe[1]),
+                zip(prompts, extra, strict=True),
+            )
+        )
     return results[7].token_ids
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_a_request_gets_the_same_tokens_alone_beside_others_and_in_every_topology(tiny_llama_dir: Path,
-                                                                                dtype: str) -> None:
+def test_a_request_gets_the_same_tokens_alone_beside_others_and_in_every_topology(
+    tiny_llama_dir: Path, dtype: str
+) -> None:
     greedy, seeded = _expected(tiny_llama_dir, dtype)
     assert greedy != seeded  # the sampled run drew, so seeded sampling is under test too
     for name, sizes in TOPOLOGIES.items():
-        config = local_deployment(model=str(tiny_llama_dir), threads_per_worker=1, dtype=dtype, deterministic=True,
-                                  **sizes)
+        config = local_deployment(
+            model=str(tiny_llama_dir), threads_per_worker=1, dtype=dtype, deterministic=True, **sizes
+        )
         with LocalCluster(config) as cluster:
             for params, expected in (({}, greedy), (SEEDED, seeded)):
                 alone = generate(cluster.router_address, TARGET, MAX_TOKENS, ignore_eos=True, **params).token_ids
@@ -89,8 +100,11 @@ def test_a_request_gets_the_same_tokens_alone_beside_others_and_in_every_topolog
 
 def _stream(address: str, request_id: str, params: dict[str, object]) -> Iterator[router_pb2.GenerateResponse]:
     stub = router_pb2_grpc.RouterStub(grpc.insecure_channel(address))
-    request = router_pb2.GenerateRequest(request_id=request_id, prompt=TARGET, params=common_pb2.SamplingParams(
-        max_tokens=MAX_TOKENS, ignore_eos=True, **params))  # type: ignore[arg-type]
+    request = router_pb2.GenerateRequest(
+        request_id=request_id,
+        prompt=TARGET,
+        params=common_pb2.SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True, **params),
+    )  # type: ignore[arg-type]
     return iter(stub.Generate(request, timeout=300))
 
 
@@ -103,9 +117,13 @@ def _running_on(cluster: LocalCluster) -> WorkerProcess:
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_failover_and_migration_keep_the_tokens_of_an_undisturbed_run(tiny_llama_dir: Path, dtype: str) -> None:
     greedy, seeded = _expected(tiny_llama_dir, dtype)
-    config = local_deployment(model=str(tiny_llama_dir), prefill=1, decode=2, threads_per_worker=1, dtype=dtype,
-                              deterministic=True)
-    with injected(step_delay_ms=60), LocalCluster(config, LaunchOptions(decode_args=("--kv-timeout-s", "20"))) as cluster:
+    config = local_deployment(
+        model=str(tiny_llama_dir), prefill=1, decode=2, threads_per_worker=1, dtype=dtype, deterministic=True
+    )
+    with (
+        injected(step_delay_ms=60),
+        LocalCluster(config, LaunchOptions(decode_args=("--kv-timeout-s", "20"))) as cluster,
+    ):
         for action, (params, expected) in (("migrate", ({}, greedy)), ("kill", (SEEDED, seeded))):
             responses, tokens = _stream(cluster.router_address, f"det-{action}", params), []
             while len(tokens) < 6:  # mid-stream
@@ -114,8 +132,9 @@ def test_failover_and_migration_keep_the_tokens_of_an_undisturbed_run(tiny_llama
             if action == "migrate":
                 target = next(w for w in cluster.workers if w.role == "decode" and w is not source)
                 stub = router_pb2_grpc.RouterStub(grpc.insecure_channel(cluster.router_address))
-                stub.Migrate(router_pb2.MigrateRequest(request_id=f"det-{action}", to_worker_id=target.worker_id),
-                             timeout=60)
+                stub.Migrate(
+                    router_pb2.MigrateRequest(request_id=f"det-{action}", to_worker_id=target.worker_id), timeout=60
+                )
             else:
                 os.kill(source.pid, signal.SIGKILL)
             for response in responses:

@@ -21,8 +21,9 @@ NUM_REQUESTS = 32
 
 
 def _start(prefill: int, decode: int, colocated: int = 0) -> LocalCluster:
-    return LocalCluster(local_deployment(model=None, prefill=prefill, decode=decode, colocated=colocated,
-                                         threads_per_worker=1))
+    return LocalCluster(
+        local_deployment(model=None, prefill=prefill, decode=decode, colocated=colocated, threads_per_worker=1)
+    )
 
 
 def _roles(cluster: LocalCluster) -> list[tuple[str, str]]:
@@ -63,8 +64,9 @@ def test_outputs_identical_to_engine_in_one_process(topology: str, workload, one
     prompts, max_tokens, expected = workload
     cluster = one_p_one_d if topology == "1p1d" else _start(*{"2p2d": (2, 2), "colocated": (0, 0, 1)}[topology])
     try:
-        results = generate_many(cluster.router_address, prompts, max_tokens,
-                                [_penalties(i) for i in range(len(prompts))])
+        results = generate_many(
+            cluster.router_address, prompts, max_tokens, [_penalties(i) for i in range(len(prompts))]
+        )
         for i, (result, want) in enumerate(zip(results, expected, strict=True)):
             assert result.token_ids == want, f"request {i}: {prompts[i][:40]!r}"
         infos = wait_idle(_roles(cluster))
@@ -91,7 +93,8 @@ def test_cancelled_stream_frees_blocks_on_both_sides(one_p_one_d) -> None:  # no
     stub = router_pb2_grpc.RouterStub(grpc.insecure_channel(one_p_one_d.router_address))
     request = router_pb2.GenerateRequest(
         prompt="Write a very long story about the sea. " * 30,
-        params=common_pb2.SamplingParams(max_tokens=2000, ignore_eos=True))
+        params=common_pb2.SamplingParams(max_tokens=2000, ignore_eos=True),
+    )
     call = stub.Generate(request, timeout=120)
     received = [next(call) for _ in range(3)]
     decode = [a for r, a in _roles(one_p_one_d) if r == "decode"][0]
@@ -107,9 +110,13 @@ def test_concurrent_cancellations_leak_nothing(one_p_one_d) -> None:  # noqa: AN
     stub = router_pb2_grpc.RouterStub(grpc.insecure_channel(one_p_one_d.router_address))
 
     def cancel_after(delay: float) -> None:
-        call = stub.Generate(router_pb2.GenerateRequest(
-            prompt="Count to one hundred: one, two, three", params=common_pb2.SamplingParams(
-                max_tokens=300, ignore_eos=True)), timeout=120)
+        call = stub.Generate(
+            router_pb2.GenerateRequest(
+                prompt="Count to one hundred: one, two, three",
+                params=common_pb2.SamplingParams(max_tokens=300, ignore_eos=True),
+            ),
+            timeout=120,
+        )
         time.sleep(delay)
         call.cancel()
 
@@ -126,8 +133,7 @@ def test_concurrent_cancellations_leak_nothing(one_p_one_d) -> None:  # noqa: AN
     [
         ({"token_ids": common_pb2.TokenIds(ids=[5] * 9000)}, "context"),  # longer than the model's context
         ({"token_ids": common_pb2.TokenIds(ids=[5, 10**7])}, "token ids"),  # outside the vocabulary
-        ({"messages": common_pb2.ChatMessages(messages=[common_pb2.ChatMessage(role="robot", content="hi")])},
-         "role"),
+        ({"messages": common_pb2.ChatMessages(messages=[common_pb2.ChatMessage(role="robot", content="hi")])}, "role"),
     ],
 )
 def test_inputs_only_a_worker_can_check_are_refused_cleanly(request_kwargs, field, one_p_one_d) -> None:  # noqa: ANN001
@@ -150,10 +156,16 @@ def test_penalties_and_biases_cross_the_hand_off(one_p_one_d, default_model) -> 
     ids = encode_text(default_model.tokenizer, prompt)
     engine = LLMEngine(default_model, EngineConfig(num_blocks=256))
     first = engine.generate([ids], [SamplingParams(max_tokens=1)])[0][0]
-    params = {"repetition_penalty": 1.3, "presence_penalty": 0.4, "frequency_penalty": 0.3, "min_tokens": 12,
-              "logit_bias": {first: -100.0}}
-    expected = engine.generate([ids], [SamplingParams(max_tokens=14, **{
-        **params, "logit_bias": ((first, -100.0),)})])[0]
+    params = {
+        "repetition_penalty": 1.3,
+        "presence_penalty": 0.4,
+        "frequency_penalty": 0.3,
+        "min_tokens": 12,
+        "logit_bias": {first: -100.0},
+    }
+    expected = engine.generate([ids], [SamplingParams(max_tokens=14, **{**params, "logit_bias": ((first, -100.0),)})])[
+        0
+    ]
     result = generate(one_p_one_d.router_address, prompt, 14, **params)
     assert result.token_ids == expected
     assert result.token_ids[0] != first and len(result.token_ids) >= 12  # the bias and min_tokens held

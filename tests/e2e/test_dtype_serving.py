@@ -26,9 +26,10 @@ MAX_TOKENS = 6
 
 
 def _cluster(model: Path, dtype: str, prefill_args: tuple[str, ...] = ()) -> LocalCluster:
-    return LocalCluster(local_deployment(model=str(model), prefill=1, decode=1, threads_per_worker=1,
-                                         device="cpu", dtype=dtype),
-                        LaunchOptions(prefill_args=prefill_args, decode_args=("--kv-backend", "grpc")))
+    return LocalCluster(
+        local_deployment(model=str(model), prefill=1, decode=1, threads_per_worker=1, device="cpu", dtype=dtype),
+        LaunchOptions(prefill_args=prefill_args, decode_args=("--kv-backend", "grpc")),
+    )
 
 
 @pytest.mark.slow

@@ -24,16 +24,16 @@ MAX_TOKENS = 6
 @pytest.fixture(scope="module", params=["1p1d", "colocated"])
 def cluster(request: pytest.FixtureRequest, tiny_llama_dir: Path) -> Iterator[LocalCluster]:
     topology = {"1p1d": dict(prefill=1, decode=1), "colocated": dict(prefill=0, decode=0, colocated=1)}
-    config = local_deployment(model=str(tiny_llama_dir), threads_per_worker=1, metrics=True,
-                              **topology[request.param])  # type: ignore[arg-type]
+    config = local_deployment(model=str(tiny_llama_dir), threads_per_worker=1, metrics=True, **topology[request.param])  # type: ignore[arg-type]
     with LocalCluster(config) as started:
         yield started
 
 
 def _generate(address: str, trace: bool) -> list[router_pb2.GenerateResponse]:
     stub = router_pb2_grpc.RouterStub(grpc.insecure_channel(address))
-    request = router_pb2.GenerateRequest(prompt=PROMPT, trace=trace, params=common_pb2.SamplingParams(
-        max_tokens=MAX_TOKENS, ignore_eos=True))
+    request = router_pb2.GenerateRequest(
+        prompt=PROMPT, trace=trace, params=common_pb2.SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True)
+    )
     return list(stub.Generate(request, timeout=120))
 
 
@@ -75,8 +75,10 @@ def test_cli_request_id_reaches_router_and_workers(cluster: LocalCluster, capsys
     doc = json.loads(capsys.readouterr().out)
     assert doc["request_id"] == request_id and len(doc["token_ids"]) == 2 and doc["trace"]
     worker = "decode-0" if cluster.config.size("decode") else "colocated-0"
-    for name, logged in (("router", f"Generate start request_id={request_id} internal_id="),
-                         (worker, f"client_request_id={request_id}")):  # the worker keys on the internal id
+    for name, logged in (
+        ("router", f"Generate start request_id={request_id} internal_id="),
+        (worker, f"client_request_id={request_id}"),
+    ):  # the worker keys on the internal id
         assert logged in (cluster.log_dir / f"{name}.log").read_text(), name
     assert main([*argv, PROMPT]) == 0  # no --request-id: the router makes one
     made = json.loads(capsys.readouterr().out)["request_id"]
@@ -86,7 +88,8 @@ def test_cli_request_id_reaches_router_and_workers(cluster: LocalCluster, capsys
 
 
 def test_cli_trace_one_prefill_pass_then_one_decode_step_per_token(
-        cluster: LocalCluster, capsys: pytest.CaptureFixture[str]) -> None:
+    cluster: LocalCluster, capsys: pytest.CaptureFixture[str]
+) -> None:
     argv = ["generate", "--url", cluster.router_address, "--trace", "--max-tokens", str(MAX_TOKENS), "--ignore-eos"]
     assert main([*argv, PROMPT]) == 0
     lines = capsys.readouterr().out.splitlines()
@@ -105,8 +108,9 @@ def test_cli_trace_one_prefill_pass_then_one_decode_step_per_token(
     assert len(prefills) == 1
     assert f"pass over {num_prompt} prompt tokens, KV 0 -> {num_prompt}, first token" in prefills[0]
     decodes = [line for line, stage in zip(lines[:-1], stages, strict=True) if stage == "decode"]
-    assert [int(re.search(r", KV (\d+),", d).group(1)) for d in decodes] == \
-        list(range(num_prompt + 1, num_prompt + MAX_TOKENS))  # one step per further token
+    assert [int(re.search(r", KV (\d+),", d).group(1)) for d in decodes] == list(
+        range(num_prompt + 1, num_prompt + MAX_TOKENS)
+    )  # one step per further token
     handoffs = [line for line, stage in zip(lines[:-1], stages, strict=True) if stage == "kv hand-off"]
     if cluster.config.size("prefill"):
         assert "prefill-0" in prefills[0] and all("decode-0" in d for d in decodes)
@@ -122,8 +126,10 @@ def test_cli_json_trace_lists_the_events(cluster: LocalCluster, capsys: pytest.C
     argv = ["generate", "--url", cluster.router_address, "--json", "--trace", "--max-tokens", "3", "--ignore-eos"]
     assert main([*argv, PROMPT]) == 0
     doc = json.loads(capsys.readouterr().out)
-    kinds = [next(k for k in ("route", "tokenize", "prefill", "kv_transfer", "decode", "hold") if k in e)
-             for e in doc["trace"]]
+    kinds = [
+        next(k for k in ("route", "tokenize", "prefill", "kv_transfer", "decode", "hold") if k in e)
+        for e in doc["trace"]
+    ]
     assert kinds[:3] == ["route", "tokenize", "prefill"] and kinds.count("decode") == 2
     assert doc["trace"][0]["route"]["decision"] == ("disaggregated" if cluster.config.size("prefill") else "colocated")
     assert len(doc["token_ids"]) == 3 and doc["timings"]["tokenize_s"] > 0

@@ -30,10 +30,14 @@ class RoguePrefill(worker_pb2_grpc.PrefillWorkerServicer):
     def _frames(self, request: worker_pb2.PrefillRequest) -> Iterator:
         shape = self.loaded.kv_shape(16)
         n = -(-len(request.prompt_token_ids) // 16)
-        spec = KvSpec(request_id=request.request_id, model_fingerprint=self.loaded.fingerprint,
-                      dtype=dtype_name(shape.dtype), shape=(shape.num_layers, 2, n, 16, shape.num_kv_heads,
-                                                            shape.head_dim),
-                      block_size=16, num_tokens=len(request.prompt_token_ids))
+        spec = KvSpec(
+            request_id=request.request_id,
+            model_fingerprint=self.loaded.fingerprint,
+            dtype=dtype_name(shape.dtype),
+            shape=(shape.num_layers, 2, n, 16, shape.num_kv_heads, shape.head_dim),
+            block_size=16,
+            num_tokens=len(request.prompt_token_ids),
+        )
         if self.mode == "fingerprint":
             spec = KvSpec(**{**spec.__dict__, "model_fingerprint": "another-model"})
         for i, frame in enumerate(encode_frames(spec, torch.randn(spec.shape), 7, max_frame_bytes=1 << 20)):
@@ -66,9 +70,15 @@ def test_bad_kv_fails_only_its_request(mode: str, cluster, default_model) -> Non
     try:
         decode = [w[2] for w in cluster.workers if w[0] == "decode"][0]
         stub = worker_pb2_grpc.DecodeWorkerStub(open_channel(decode))
-        bad = stub.Generate(worker_pb2.DecodeRequest(
-            request_id=f"bad-{mode}", prompt="The river ran past the old mill " * 5, prefill_address=rogue,
-            params=common_pb2.SamplingParams(max_tokens=5)), timeout=60)
+        bad = stub.Generate(
+            worker_pb2.DecodeRequest(
+                request_id=f"bad-{mode}",
+                prompt="The river ran past the old mill " * 5,
+                prefill_address=rogue,
+                params=common_pb2.SamplingParams(max_tokens=5),
+            ),
+            timeout=60,
+        )
         good = generate(cluster.router_address, "The capital of France is", 6)
         with pytest.raises(grpc.RpcError) as err:
             list(bad)
@@ -92,9 +102,17 @@ def test_a_prefill_step_fault_is_passed_on_as_the_requests_not_the_workers(clust
         decode = [w[2] for w in cluster.workers if w[0] == "decode"][0]
         stub = worker_pb2_grpc.DecodeWorkerStub(open_channel(decode))
         with pytest.raises(grpc.RpcError) as err:
-            list(stub.Generate(worker_pb2.DecodeRequest(
-                request_id="bad-internal", prompt="The river ran past the old mill", prefill_address=rogue,
-                params=common_pb2.SamplingParams(max_tokens=5)), timeout=60))
+            list(
+                stub.Generate(
+                    worker_pb2.DecodeRequest(
+                        request_id="bad-internal",
+                        prompt="The river ran past the old mill",
+                        prefill_address=rogue,
+                        params=common_pb2.SamplingParams(max_tokens=5),
+                    ),
+                    timeout=60,
+                )
+            )
         assert err.value.code() == grpc.StatusCode.INTERNAL
         assert err.value.details().startswith(f"prefill failed on {rogue}") and "poisoned" in err.value.details()
         wait_idle([(w[0], w[2]) for w in cluster.workers])

@@ -32,8 +32,22 @@ pytestmark = pytest.mark.slow
 
 
 def _start(role: str, model: Path, log_dir: Path, *extra: str) -> ManagedProcess:
-    argv = [sys.executable, "-m", f"{role}_worker", "--host", "127.0.0.1", "--port", "0", "--threads", "1",
-            "--model", str(model), "--kv-cache-mb", "8", *extra]
+    argv = [
+        sys.executable,
+        "-m",
+        f"{role}_worker",
+        "--host",
+        "127.0.0.1",
+        "--port",
+        "0",
+        "--threads",
+        "1",
+        "--model",
+        str(model),
+        "--kv-cache-mb",
+        "8",
+        *extra,
+    ]
     return ManagedProcess(f"{role}{len(extra)}", argv, log_dir / f"{role}-{len(extra)}.log", env=child_env())
 
 
@@ -41,8 +55,11 @@ def _start(role: str, model: Path, log_dir: Path, *extra: str) -> ManagedProcess
 def workers(tiny_llama_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, str]]:
     """One real prefill worker and two real decode workers (shm backend; one with --kv-checksum)."""
     logs = tmp_path_factory.mktemp("kv-integrity-logs")
-    procs = [_start("prefill", tiny_llama_dir, logs), _start("decode", tiny_llama_dir, logs, "--kv-backend", "shm"),
-             _start("decode", tiny_llama_dir, logs, "--kv-backend", "shm", "--kv-checksum")]  # xxh3
+    procs = [
+        _start("prefill", tiny_llama_dir, logs),
+        _start("decode", tiny_llama_dir, logs, "--kv-backend", "shm"),
+        _start("decode", tiny_llama_dir, logs, "--kv-backend", "shm", "--kv-checksum"),
+    ]  # xxh3
     try:
         p, d, dc = (str(proc.wait_ready(120)["address"]) for proc in procs)
         register_kv_targets(p, [d, dc])  # no router in these tests: register the decode workers as it would
@@ -63,20 +80,33 @@ class ForgingPrefill(worker_pb2_grpc.PrefillWorkerServicer):
         self.victim_segment, self.victim_blocks = names[0], info.kv_blocks_total
 
     def GetInfo(self, request, context):  # noqa: ANN001, ANN201, N802
-        return common_pb2.WorkerInfo(worker_id="forger", role=common_pb2.WORKER_ROLE_PREFILL, healthy=True,
-                                     pid=os.getpid(), kv_blocks_total=64, kv_segment_prefix=segment_prefix())
+        return common_pb2.WorkerInfo(
+            worker_id="forger",
+            role=common_pb2.WORKER_ROLE_PREFILL,
+            healthy=True,
+            pid=os.getpid(),
+            kv_blocks_total=64,
+            kv_segment_prefix=segment_prefix(),
+        )
 
     def Prefill(self, request, context):  # noqa: ANN001, ANN201, N802
         self.calls += 1
         shape = self.loaded.kv_shape(16)
         n = -(-len(request.prompt_token_ids) // 16) - request.kv_block_offset
-        spec = KvSpec(request.request_id, self.loaded.fingerprint, dtype_name(shape.dtype),
-                      (shape.num_layers, 2, n, 16, shape.num_kv_heads, shape.head_dim), 16,
-                      len(request.prompt_token_ids), request.kv_block_offset)
+        spec = KvSpec(
+            request.request_id,
+            self.loaded.fingerprint,
+            dtype_name(shape.dtype),
+            (shape.num_layers, 2, n, 16, shape.num_kv_heads, shape.head_dim),
+            16,
+            len(request.prompt_token_ids),
+            request.kv_block_offset,
+        )
         header = header_for(spec, 7, self.victim_segment, list(range(n)), self.victim_blocks)
         try:
             ack = kv_pb2_grpc.KvTransferStub(open_channel(request.kv_target_address)).PushKv(
-                iter([KvFrame(header=header)]), timeout=30)
+                iter([KvFrame(header=header)]), timeout=30
+            )
         except grpc.RpcError as exc:  # kept for the test's message
             self.errors.append(f"PushKv: {exc.code().name}: {exc.details()}")
             raise
@@ -100,9 +130,15 @@ PROMPT = list(range(5, 60))  # 55 tokens: 4 blocks
 
 def _generate_via(decode: str, prefill: str, request_id: str) -> list[int]:
     stub = worker_pb2_grpc.DecodeWorkerStub(open_channel(decode))
-    responses = stub.Generate(worker_pb2.DecodeRequest(
-        request_id=request_id, token_ids=common_pb2.TokenIds(ids=PROMPT), prefill_address=prefill,
-        params=common_pb2.SamplingParams(max_tokens=4, ignore_eos=True)), timeout=60)
+    responses = stub.Generate(
+        worker_pb2.DecodeRequest(
+            request_id=request_id,
+            token_ids=common_pb2.TokenIds(ids=PROMPT),
+            prefill_address=prefill,
+            params=common_pb2.SamplingParams(max_tokens=4, ignore_eos=True),
+        ),
+        timeout=60,
+    )
     return [t for r in responses for t in r.token_ids]
 
 
@@ -122,8 +158,7 @@ def test_a_frame_naming_another_workers_segment_is_refused(workers: dict[str, st
     wait_idle([("decode", workers["decode"]), ("prefill", workers["prefill"])])
 
 
-def test_through_the_router_the_request_falls_back_to_an_honest_prefill_worker(workers: dict[str, str],
-                                                                               forger) -> None:  # noqa: ANN001
+def test_through_the_router_the_request_falls_back_to_an_honest_prefill_worker(workers: dict[str, str], forger) -> None:  # noqa: ANN001
     from pdserve.router.config import RouterConfig
     from pdserve.router.server import serve
 
@@ -132,8 +167,9 @@ def test_through_the_router_the_request_falls_back_to_an_honest_prefill_worker(w
     router, _ = serve(RouterConfig(prefill=(forger_address, workers["prefill"]), decode=(workers["decode"],)))
     try:
         stub = router_pb2_grpc.RouterStub(open_channel(router.address))
-        request = router_pb2.GenerateRequest(token_ids=common_pb2.TokenIds(ids=PROMPT),
-                                             params=common_pb2.SamplingParams(max_tokens=4, ignore_eos=True))
+        request = router_pb2.GenerateRequest(
+            token_ids=common_pb2.TokenIds(ids=PROMPT), params=common_pb2.SamplingParams(max_tokens=4, ignore_eos=True)
+        )
         results = [[t for r in stub.Generate(request, timeout=60) for t in r.token_ids] for _ in range(2)]
     finally:
         router.stop(0)

@@ -28,11 +28,15 @@ from pdserve.v1 import common_pb2, router_pb2, router_pb2_grpc
 from e2e_helpers import worker_info
 
 THRESHOLD = 48  # --conditional-disagg-tokens
-HISTORY = ("The old mill stood by the river, and every morning the miller walked along the bank to "
-           "count the boats that passed. ") * 6
+HISTORY = (
+    "The old mill stood by the river, and every morning the miller walked along the bank to "
+    "count the boats that passed. "
+) * 6
 FOLLOW_UP = HISTORY + "What did he count?"
-FRESH = ("A recipe for bread: flour, water, salt and yeast, mixed and left to rise overnight in a warm "
-         "kitchen before baking. ") * 6
+FRESH = (
+    "A recipe for bread: flour, water, salt and yeast, mixed and left to rise overnight in a warm "
+    "kitchen before baking. "
+) * 6
 
 
 @pytest.fixture(scope="module")
@@ -42,8 +46,15 @@ def tiny_llama(tiny_llama_dir: Path) -> LoadedModel:
 
 @pytest.fixture(scope="module")
 def cluster(tiny_llama_dir: Path) -> Iterator[LocalCluster]:
-    config = local_deployment(model=str(tiny_llama_dir), prefill=1, decode=2, threads_per_worker=1, metrics=True,
-                              prefill_policy="kv_aware", decode_policy="kv_aware")
+    config = local_deployment(
+        model=str(tiny_llama_dir),
+        prefill=1,
+        decode=2,
+        threads_per_worker=1,
+        metrics=True,
+        prefill_policy="kv_aware",
+        decode_policy="kv_aware",
+    )
     options = LaunchOptions(router_args=("--conditional-disagg-tokens", str(THRESHOLD)))
     with LocalCluster(config, options) as started:
         yield started
@@ -51,8 +62,9 @@ def cluster(tiny_llama_dir: Path) -> Iterator[LocalCluster]:
 
 def _traced(address: str, prompt: str, max_tokens: int) -> tuple[list[int], common_pb2.TraceRoute]:
     stub = router_pb2_grpc.RouterStub(grpc.insecure_channel(address))
-    request = router_pb2.GenerateRequest(prompt=prompt, trace=True,
-                                         params=common_pb2.SamplingParams(max_tokens=max_tokens))
+    request = router_pb2.GenerateRequest(
+        prompt=prompt, trace=True, params=common_pb2.SamplingParams(max_tokens=max_tokens)
+    )
     responses = list(stub.Generate(request, timeout=300))
     routes = [e.route for r in responses for e in r.trace if e.HasField("route")]
     assert len(routes) == 1, routes
@@ -70,8 +82,9 @@ def test_follow_up_goes_where_its_blocks_are_and_prefills_there(cluster: LocalCl
 
     tokenizer = tiny_llama.tokenizer
     engine = LLMEngine(tiny_llama, EngineConfig(num_blocks=512))
-    expected = engine.generate([encode_text(tokenizer, p) for p in (HISTORY, FOLLOW_UP, FRESH)],
-                               [SamplingParams(max_tokens=6)] * 3)
+    expected = engine.generate(
+        [encode_text(tokenizer, p) for p in (HISTORY, FOLLOW_UP, FRESH)], [SamplingParams(max_tokens=6)] * 3
+    )
     router_metrics = cluster.metrics_addresses["router"]
     prefill = next(w[2] for w in cluster.workers if w[0] == "prefill")
 

@@ -74,8 +74,12 @@ def test_short_prompt_is_not_stuck_behind_a_long_one() -> None:
             long = pool.submit(run, "long", "The river ran past the old mill at evening. " * 60)
             prefill = [w.address for w in cluster.workers if w.role == "prefill"][0]
             # the long prompt is being prefilled, chunk by chunk (polled, not spun: 2 cores)
-            eventually(lambda: worker_info(prefill, "prefill").queue_depth > 0 or long.done(), 120, interval=0.01,
-                       what="the long prompt in the prefill queue")
+            eventually(
+                lambda: worker_info(prefill, "prefill").queue_depth > 0 or long.done(),
+                120,
+                interval=0.01,
+                what="the long prompt in the prefill queue",
+            )
             pool.submit(run, "short", "Hello there").result()
             long.result()
         assert finished == ["short", "long"]
@@ -99,8 +103,9 @@ def test_layer_wise_streaming_gives_the_same_tokens(tiny_llama_dir: Path, tiny_l
     prompts = [SHARED + "Tell me about the sea.", "Hello", "The capital of France is " * 30]
     expected = _expected(tiny_llama, prompts, 6)
     config = local_deployment(model=str(tiny_llama_dir), prefill=1, decode=1, threads_per_worker=1)
-    options = LaunchOptions(prefill_args=("--kv-streaming", "layer", "--prefill-chunk-tokens", "64"),
-                            decode_args=("--kv-backend", "grpc"))
+    options = LaunchOptions(
+        prefill_args=("--kv-streaming", "layer", "--prefill-chunk-tokens", "64"), decode_args=("--kv-backend", "grpc")
+    )
     with LocalCluster(config, options) as cluster:
         with ThreadPoolExecutor(3) as pool:
             results = list(pool.map(lambda p: generate(cluster.router_address, p, 6, ignore_eos=True), prompts))
@@ -120,8 +125,9 @@ def _common_prefix(a: list[int], b: list[int]) -> int:
 
 
 @pytest.mark.parametrize(("backend", "streaming"), [("shm", "request"), ("grpc", "layer")])
-def test_decode_worker_receives_only_the_blocks_it_lacks(tiny_llama_dir: Path, tiny_llama: LoadedModel,
-                                                         backend: str, streaming: str) -> None:
+def test_decode_worker_receives_only_the_blocks_it_lacks(
+    tiny_llama_dir: Path, tiny_llama: LoadedModel, backend: str, streaming: str
+) -> None:
     prompts = [SHARED + "What is a river?", SHARED + "Name a sea, please."]
     ids = [encode_text(tiny_llama.tokenizer, p) for p in prompts]
     expected = _expected(tiny_llama, prompts, 6)

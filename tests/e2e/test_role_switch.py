@@ -55,8 +55,11 @@ def _routed_as(address: str, roles: dict[str, str]) -> bool:
     return all(rows[w]["role"] == role and rows[w]["healthy"] for w, role in roles.items())
 
 
-def _run_streams_with_switches(cluster: LocalCluster, workload,  # noqa: ANN001
-                               switches: list[tuple[str, str]]) -> list[router_pb2.SwitchRoleResponse]:
+def _run_streams_with_switches(
+    cluster: LocalCluster,
+    workload,  # noqa: ANN001
+    switches: list[tuple[str, str]],
+) -> list[router_pb2.SwitchRoleResponse]:
     streams = Streams(cluster.router_address, workload)
     results = []
     for worker_id, role in switches:  # while the streams run
@@ -68,8 +71,12 @@ def _run_streams_with_switches(cluster: LocalCluster, workload,  # noqa: ANN001
 
 
 def test_switch_both_ways_during_16_streams_keeps_every_token(cluster, workload, capsys) -> None:  # noqa: ANN001
-    assert _roles(cluster.router_address) == {"prefill-0": "prefill", "prefill-1": "prefill",
-                                              "decode-0": "decode", "decode-1": "decode"}
+    assert _roles(cluster.router_address) == {
+        "prefill-0": "prefill",
+        "prefill-1": "prefill",
+        "decode-0": "decode",
+        "decode-1": "decode",
+    }
     # decode -> prefill (it finishes the streams it holds), prefill -> decode, under the same load
     results = _run_streams_with_switches(cluster, workload, [("decode-1", "prefill"), ("prefill-1", "decode")])
     assert results[0].drain_s > 0  # decode-1 held running streams and finished them before switching
@@ -77,10 +84,14 @@ def test_switch_both_ways_during_16_streams_keeps_every_token(cluster, workload,
     assert roles == {"prefill-0": "prefill", "prefill-1": "decode", "decode-0": "decode", "decode-1": "prefill"}
     # a request opened on decode-1's GenerateMux now ends as a Generate call would there: UNAVAILABLE
     address = next(w.address for w in cluster.workers if w.worker_id == "decode-1")
-    opened = worker_pb2.MuxRequest(open=worker_pb2.MuxOpen(
-        request=worker_pb2.DecodeRequest(request_id="late", prompt="hi"), timeout_s=30))
-    items = [i for m in worker_pb2_grpc.DecodeWorkerStub(open_channel(address)).GenerateMux(iter([opened]), timeout=30)
-             for i in m.items]
+    opened = worker_pb2.MuxRequest(
+        open=worker_pb2.MuxOpen(request=worker_pb2.DecodeRequest(request_id="late", prompt="hi"), timeout_s=30)
+    )
+    items = [
+        i
+        for m in worker_pb2_grpc.DecodeWorkerStub(open_channel(address)).GenerateMux(iter([opened]), timeout=30)
+        for i in m.items
+    ]
     assert [(i.request_id, i.end, i.code) for i in items] == [("late", True, grpc.StatusCode.UNAVAILABLE.value[0])]
     assert "is a prefill worker now" in items[0].details
     # `pdserve status` shows the new roles
@@ -90,8 +101,12 @@ def test_switch_both_ways_during_16_streams_keeps_every_token(cluster, workload,
     # the workers are idle and the router routes by their new roles (both healthy in them: round robin
     # then gives each decode worker and each prefill worker its share of the 16)
     wait_idle([(w.role, w.address) for w in cluster.workers])
-    eventually(lambda: _routed_as(cluster.router_address, roles), 30, 0.1,
-               "the router to see every worker healthy in its new role")
+    eventually(
+        lambda: _routed_as(cluster.router_address, roles),
+        30,
+        0.1,
+        "the router to see every worker healthy in its new role",
+    )
     _run_streams_with_switches(cluster, workload, [])
     # read from the workers themselves: the router's status holds its last poll, which may predate
     # the round's first KV transfer

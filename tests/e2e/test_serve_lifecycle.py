@@ -30,7 +30,9 @@ def _alive(pid: int) -> bool:
 def test_serve_prints_address_serves_and_stops_on_sigterm_without_orphans() -> None:
     proc = subprocess.Popen(
         [sys.executable, "-m", "pdserve.cluster.cli", "serve", "--port", "0", "--threads-per-worker", "1"],
-        stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        text=True,
     )
     try:
         lines = []
@@ -56,8 +58,9 @@ def test_serve_prints_address_serves_and_stops_on_sigterm_without_orphans() -> N
 def test_short_prompts_prefilled_on_the_decode_worker(tiny_llama_dir: Path) -> None:
     """Workers serve the tiny random Llama (the default model's tokenizer): where a prompt is prefilled
     depends on its token count, not on the model."""
-    config = local_deployment(model=str(tiny_llama_dir), prefill=1, decode=1, threads_per_worker=1,
-                              local_prefill_threshold=32)
+    config = local_deployment(
+        model=str(tiny_llama_dir), prefill=1, decode=1, threads_per_worker=1, local_prefill_threshold=32
+    )
     with LocalCluster(config) as cluster:
         roles = [(w.role, w.address) for w in cluster.workers]
         address = dict(roles)

@@ -62,12 +62,15 @@ def post(port: int, path: str, body: object, headers: dict[str, str] | None = No
     return post_raw(port, path, json.dumps(body).encode(), headers)
 
 
-@pytest.mark.parametrize(("path", "raw"), [
-    ("/v1/completions", b'{"model": "m", "prompt": "a \\ud800 b", "max_tokens": 3}'),
-    ("/v1/completions", b'{"model": "m", "prompt": "hi", "stop": ["\\udfff"], "max_tokens": 3}'),
-    ("/v1/chat/completions", b'{"model": "m", "messages": [{"role": "user", "content": "\\ud800"}]}'),
-    ("/v1/chat/completions", b'{"model": "m", "messages": [{"role": "\\ud800", "content": "hi"}]}'),
-])
+@pytest.mark.parametrize(
+    ("path", "raw"),
+    [
+        ("/v1/completions", b'{"model": "m", "prompt": "a \\ud800 b", "max_tokens": 3}'),
+        ("/v1/completions", b'{"model": "m", "prompt": "hi", "stop": ["\\udfff"], "max_tokens": 3}'),
+        ("/v1/chat/completions", b'{"model": "m", "messages": [{"role": "user", "content": "\\ud800"}]}'),
+        ("/v1/chat/completions", b'{"model": "m", "messages": [{"role": "\\ud800", "content": "hi"}]}'),
+    ],
+)
 def test_lone_surrogates_are_400(router: RouterServer, path: str, raw: bytes) -> None:
     status, body = post_raw(router.http_port, path, raw)
     assert status == 400, body
@@ -75,18 +78,22 @@ def test_lone_surrogates_are_400(router: RouterServer, path: str, raw: bytes) ->
 
 
 def test_a_valid_surrogate_pair_is_text(router: RouterServer) -> None:
-    status, body = post_raw(router.http_port, "/v1/completions",
-                            b'{"model": "m", "prompt": "smile \\ud83d\\ude00", "max_tokens": 3}')
+    status, body = post_raw(
+        router.http_port, "/v1/completions", b'{"model": "m", "prompt": "smile \\ud83d\\ude00", "max_tokens": 3}'
+    )
     assert status == 503, body  # through validation: no worker to serve it
 
 
-@pytest.mark.parametrize(("path", "extra", "param"), [
-    ("/v1/completions", {"prompt": [1, 2**31]}, "prompt"),
-    ("/v1/completions", {"prompt": [-1, 5]}, "prompt"),
-    ("/v1/completions", {"stop_token_ids": [2**40]}, "stop_token_ids"),
-    ("/v1/completions", {"allowed_token_ids": [2**31]}, "allowed_token_ids"),
-    ("/v1/completions", {"logit_bias": {str(2**31): 1}}, "logit_bias"),
-])
+@pytest.mark.parametrize(
+    ("path", "extra", "param"),
+    [
+        ("/v1/completions", {"prompt": [1, 2**31]}, "prompt"),
+        ("/v1/completions", {"prompt": [-1, 5]}, "prompt"),
+        ("/v1/completions", {"stop_token_ids": [2**40]}, "stop_token_ids"),
+        ("/v1/completions", {"allowed_token_ids": [2**31]}, "allowed_token_ids"),
+        ("/v1/completions", {"logit_bias": {str(2**31): 1}}, "logit_bias"),
+    ],
+)
 def test_token_ids_out_of_range_are_400(router: RouterServer, path: str, extra: dict, param: str) -> None:
     status, body = post(router.http_port, path, {**COMPLETION, **extra})
     assert status == 400 and body["error"]["param"] == param, body
@@ -99,8 +106,12 @@ def test_deeply_nested_json_is_400(router: RouterServer) -> None:
 
 
 def test_a_bogus_charset_is_read_as_utf8(router: RouterServer) -> None:
-    status, body = post(router.http_port, "/v1/completions", {**COMPLETION, "prompt": "naïve café"},
-                        {"Content-Type": "application/json; charset=bogus"})
+    status, body = post(
+        router.http_port,
+        "/v1/completions",
+        {**COMPLETION, "prompt": "naïve café"},
+        {"Content-Type": "application/json; charset=bogus"},
+    )
     assert status == 503, body  # parsed as UTF-8 (RFC 8259) and validated: no worker to serve it
 
 
@@ -113,16 +124,19 @@ def test_a_non_ascii_request_id_is_400(router: RouterServer) -> None:
     assert status == 503
 
 
-@pytest.mark.parametrize(("extra", "param"), [
-    ({"metadata": {f"k{i}": "v" for i in range(17)}}, "metadata"),
-    ({"metadata": {"k": "v" * 513}}, "metadata"),
-    ({"metadata": {"k" * 65: "v"}}, "metadata"),
-    ({"metadata": {"k": {"nested": "object"}}}, "metadata"),
-    ({"metadata": ["not", "an", "object"]}, "metadata"),
-    ({"user": "u" * 257}, "user"),
-    ({"user": 5}, "user"),
-    ({"cache_salt": 5}, "cache_salt"),
-])
+@pytest.mark.parametrize(
+    ("extra", "param"),
+    [
+        ({"metadata": {f"k{i}": "v" for i in range(17)}}, "metadata"),
+        ({"metadata": {"k": "v" * 513}}, "metadata"),
+        ({"metadata": {"k" * 65: "v"}}, "metadata"),
+        ({"metadata": {"k": {"nested": "object"}}}, "metadata"),
+        ({"metadata": ["not", "an", "object"]}, "metadata"),
+        ({"user": "u" * 257}, "user"),
+        ({"user": 5}, "user"),
+        ({"cache_salt": 5}, "cache_salt"),
+    ],
+)
 def test_ignored_labels_are_bounded(router: RouterServer, extra: dict, param: str) -> None:
     status, body = post(router.http_port, "/v1/chat/completions", {**CHAT, **extra})
     assert status == 400 and body["error"]["param"] == param, body
@@ -158,10 +172,14 @@ def test_bearer_scheme_is_case_insensitive(start_router) -> None:  # noqa: ANN00
 def test_grpc_priority_is_bounded(router: RouterServer) -> None:
     channel = grpc.insecure_channel(f"127.0.0.1:{router.port}")
     stub = router_pb2_grpc.RouterStub(channel)
-    for priority, code in ((101, grpc.StatusCode.INVALID_ARGUMENT), (-2**31, grpc.StatusCode.INVALID_ARGUMENT),
-                           (100, grpc.StatusCode.UNAVAILABLE)):
-        request = router_pb2.GenerateRequest(prompt="hi", priority=priority,
-                                             params=common_pb2.SamplingParams(max_tokens=2))
+    for priority, code in (
+        (101, grpc.StatusCode.INVALID_ARGUMENT),
+        (-(2**31), grpc.StatusCode.INVALID_ARGUMENT),
+        (100, grpc.StatusCode.UNAVAILABLE),
+    ):
+        request = router_pb2.GenerateRequest(
+            prompt="hi", priority=priority, params=common_pb2.SamplingParams(max_tokens=2)
+        )
         with pytest.raises(grpc.RpcError) as info:
             list(stub.Generate(request, timeout=10))
         assert info.value.code() == code, (priority, info.value.details())
@@ -194,11 +212,15 @@ def test_idle_half_sent_and_refused_connections_are_closed(start_router) -> None
     half.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Le")
     refused = socket.create_connection(("127.0.0.1", port))
     body = json.dumps(COMPLETION).encode()
-    refused.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-                    b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
+    refused.sendall(
+        b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        b"Content-Length: %d\r\n\r\n%s" % (len(body), body)
+    )
     started = time.monotonic()
-    results = {name: _closed_within(s, http_api.KEEPALIVE_S + 5) for name, s in
-               (("idle", idle), ("half", half), ("401", refused))}
+    results = {
+        name: _closed_within(s, http_api.KEEPALIVE_S + 5)
+        for name, s in (("idle", idle), ("half", half), ("401", refused))
+    }
     assert all(closed for closed, _ in results.values()), results
     assert b" 401 " in results["401"][1].split(b"\r\n", 1)[0]  # answered first, then closed when idle
     assert time.monotonic() - started < http_api.KEEPALIVE_S + 5
@@ -210,15 +232,19 @@ def test_a_body_that_does_not_arrive_is_408(start_router, monkeypatch: pytest.Mo
     monkeypatch.setattr(http_api, "BODY_TIMEOUT_S", 1.0)
     server = start_router()
     sock = socket.create_connection(("127.0.0.1", server.http_port))
-    sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-                 b"Content-Length: 1000\r\n\r\n{\"model\": ")
+    sock.sendall(
+        b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        b'Content-Length: 1000\r\n\r\n{"model": '
+    )
     _closed, answer = _closed_within(sock, 10)
     sock.close()
     assert answer.startswith(b"HTTP/1.1 408 "), answer[:200]
 
 
-def test_connections_over_the_cap_get_503_and_the_server_recovers(start_router,  # noqa: ANN001
-                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+def test_connections_over_the_cap_get_503_and_the_server_recovers(
+    start_router,  # noqa: ANN001
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     monkeypatch.setattr(http_api, "default_max_connections", lambda: 8)
     server = start_router()
     held = [socket.create_connection(("127.0.0.1", server.http_port)) for _ in range(8)]
@@ -231,9 +257,12 @@ def test_connections_over_the_cap_get_503_and_the_server_recovers(start_router, 
     for s in held:
         s.close()
     time.sleep(0.3)
-    request = urllib.request.Request(f"http://127.0.0.1:{server.http_port}/v1/completions",
-                                     data=json.dumps(COMPLETION).encode(),
-                                     headers={"Content-Type": "application/json"}, method="POST")
+    request = urllib.request.Request(
+        f"http://127.0.0.1:{server.http_port}/v1/completions",
+        data=json.dumps(COMPLETION).encode(),
+        headers={"Content-Type": "application/json"},
+        method="POST",
+    )
     with pytest.raises(urllib.error.HTTPError) as info:  # served again: 503 "no worker", a JSON error object
         urllib.request.urlopen(request, timeout=30)
     assert info.value.code == 503 and "worker" in json.loads(info.value.read())["error"]["message"]

@@ -28,16 +28,22 @@ MESSAGES = [{"role": "user", "content": "Name three colours."}]
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory: pytest.TempPathFactory, default_model_dir: Path) -> Iterator[LocalCluster]:
-    config = local_deployment(prefill=1, decode=1, threads_per_worker=1, http_port=0, metrics=True,
-                              log_format="json", log_dir=str(tmp_path_factory.mktemp("logs")))
+    config = local_deployment(
+        prefill=1,
+        decode=1,
+        threads_per_worker=1,
+        http_port=0,
+        metrics=True,
+        log_format="json",
+        log_dir=str(tmp_path_factory.mktemp("logs")),
+    )
     with LocalCluster(config) as running:
         yield running
 
 
 @pytest.fixture(scope="module")
 def client(cluster: LocalCluster) -> openai.OpenAI:
-    return openai.OpenAI(base_url=f"http://{cluster.http_address}/v1", api_key="unused", max_retries=0,
-                         timeout=120)
+    return openai.OpenAI(base_url=f"http://{cluster.http_address}/v1", api_key="unused", max_retries=0, timeout=120)
 
 
 @pytest.fixture(scope="module")
@@ -45,8 +51,13 @@ def model(client: openai.OpenAI) -> str:
     return client.models.list().data[0].id
 
 
-def grpc_generate(cluster: LocalCluster, max_tokens: int, prompt: str | None = None,
-                  messages: list[dict[str, str]] | None = None, **params: object) -> tuple[str, common_pb2.Usage]:
+def grpc_generate(
+    cluster: LocalCluster,
+    max_tokens: int,
+    prompt: str | None = None,
+    messages: list[dict[str, str]] | None = None,
+    **params: object,
+) -> tuple[str, common_pb2.Usage]:
     request = router_pb2.GenerateRequest(params=common_pb2.SamplingParams(max_tokens=max_tokens, **params))
     if prompt is not None:
         request.prompt = prompt
@@ -62,8 +73,9 @@ def _infos(cluster: LocalCluster) -> dict[str, worker_pb2.InfoResponse]:
     infos = {}
     for worker in cluster.workers:
         with open_channel(worker.address) as channel:  # workers need the launcher's internal token
-            stub_cls = worker_pb2_grpc.PrefillWorkerStub if worker.role == "prefill" else \
-                worker_pb2_grpc.DecodeWorkerStub
+            stub_cls = (
+                worker_pb2_grpc.PrefillWorkerStub if worker.role == "prefill" else worker_pb2_grpc.DecodeWorkerStub
+            )
             infos[worker.role] = stub_cls(channel).GetInfo(worker_pb2.InfoRequest(), timeout=10)
     return infos
 
@@ -91,8 +103,16 @@ def test_completion_equals_grpc_path(cluster: LocalCluster, client: openai.OpenA
     assert got.choices[0].text == want_text and got.choices[0].finish_reason == "length"
     assert (got.usage.prompt_tokens, got.usage.completion_tokens) == (want_usage.prompt_tokens, 12)
     assert got.usage.total_tokens == want_usage.prompt_tokens + 12
-    chunks = list(client.completions.create(model=model, prompt=PROMPT, max_tokens=12, temperature=0, stream=True,
-                                            stream_options={"include_usage": True}))
+    chunks = list(
+        client.completions.create(
+            model=model,
+            prompt=PROMPT,
+            max_tokens=12,
+            temperature=0,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+    )
     assert "".join(c.choices[0].text for c in chunks if c.choices) == want_text
     assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
     assert chunks[-1].usage.completion_tokens == 12 and chunks[-1].usage.prompt_tokens == want_usage.prompt_tokens
@@ -100,13 +120,13 @@ def test_completion_equals_grpc_path(cluster: LocalCluster, client: openai.OpenA
 
 def test_chat_equals_grpc_path(cluster: LocalCluster, client: openai.OpenAI, model: str) -> None:
     want_text, want_usage = grpc_generate(cluster, 16, messages=MESSAGES, temperature=0.0)
-    got = client.chat.completions.create(model=model, messages=MESSAGES, max_completion_tokens=16, temperature=0,
-                                         seed=7)
+    got = client.chat.completions.create(
+        model=model, messages=MESSAGES, max_completion_tokens=16, temperature=0, seed=7
+    )
     assert got.choices[0].message.content == want_text and got.choices[0].message.role == "assistant"
     assert got.usage.prompt_tokens == want_usage.prompt_tokens
     assert got.usage.completion_tokens == want_usage.completion_tokens
-    stream = client.chat.completions.create(model=model, messages=MESSAGES, max_tokens=16, temperature=0,
-                                            stream=True)
+    stream = client.chat.completions.create(model=model, messages=MESSAGES, max_tokens=16, temperature=0, stream=True)
     chunks = list(stream)
     assert chunks[0].choices[0].delta.role == "assistant"
     assert "".join(c.choices[0].delta.content or "" for c in chunks) == want_text
@@ -122,8 +142,9 @@ def test_stop_string_finishes_with_stop(client: openai.OpenAI, model: str) -> No
 
 
 def test_closing_stream_mid_way_frees_blocks(cluster: LocalCluster, client: openai.OpenAI, model: str) -> None:
-    stream = client.completions.create(model=model, prompt=PROMPT, max_tokens=400, temperature=0, stream=True,
-                                       extra_body={"ignore_eos": True})
+    stream = client.completions.create(
+        model=model, prompt=PROMPT, max_tokens=400, temperature=0, stream=True, extra_body={"ignore_eos": True}
+    )
     received = 0
     for chunk in stream:
         received += bool(chunk.choices and chunk.choices[0].text)
@@ -149,13 +170,23 @@ def test_errors_have_openai_shape(cluster: LocalCluster, client: openai.OpenAI, 
             client.completions.create(model=model, prompt=PROMPT, max_tokens=4, **unsupported)
     # the official client's penalty and bias arguments are served (their semantics: tests/engine/test_penalties.py)
     served = client.completions.create(
-        model=model, prompt=PROMPT, max_tokens=4, temperature=0, frequency_penalty=0.5, presence_penalty=0.5,
-        logit_bias={"1": 5}, extra_body={"min_tokens": 4, "repetition_penalty": 1.1})
+        model=model,
+        prompt=PROMPT,
+        max_tokens=4,
+        temperature=0,
+        frequency_penalty=0.5,
+        presence_penalty=0.5,
+        logit_bias={"1": 5},
+        extra_body={"min_tokens": 4, "repetition_penalty": 1.1},
+    )
     assert served.usage is not None and served.usage.completion_tokens == 4 and served.choices[0].text
     with pytest.raises(openai.BadRequestError) as tools:  # a named function that is not among the tools
-        client.chat.completions.create(model=model, messages=MESSAGES, tool_choice={
-            "type": "function", "function": {"name": "g"}}, tools=[
-            {"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {}}}}])
+        client.chat.completions.create(
+            model=model,
+            messages=MESSAGES,
+            tool_choice={"type": "function", "function": {"name": "g"}},
+            tools=[{"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {}}}}],
+        )
     assert tools.value.response.json()["error"]["param"] == "tool_choice"
     with pytest.raises(openai.NotFoundError):
         client.completions.create(model="no-such-model", prompt=PROMPT, max_tokens=4)
@@ -196,8 +227,9 @@ def test_metrics_move_with_traffic(cluster: LocalCluster, client: openai.OpenAI,
     # the workers share this host, so the decode worker asked for the shared-memory backend
     assert moved("prefill-0", "pdserve_kv_transfer_bytes_total{backend=shm,direction=send}") > 0
     assert moved("prefill-0", "pdserve_kv_transfer_seconds_count{backend=shm,direction=send}") == 1
-    assert moved("decode-0", "pdserve_kv_transfer_bytes_total{backend=shm,direction=receive}") == \
-        moved("prefill-0", "pdserve_kv_transfer_bytes_total{backend=shm,direction=send}")
+    assert moved("decode-0", "pdserve_kv_transfer_bytes_total{backend=shm,direction=receive}") == moved(
+        "prefill-0", "pdserve_kv_transfer_bytes_total{backend=shm,direction=send}"
+    )
     assert moved("decode-0", "pdserve_generation_tokens_total") == 8
     assert moved("decode-0", "pdserve_decode_batch_size_count") >= 7
     assert after["decode-0"]["pdserve_kv_blocks_total"] > 0 and after["decode-0"]["pdserve_kv_blocks_used"] == 0
@@ -206,8 +238,9 @@ def test_metrics_move_with_traffic(cluster: LocalCluster, client: openai.OpenAI,
 
 def test_request_id_in_every_process_log(cluster: LocalCluster, client: openai.OpenAI, model: str) -> None:
     request_id = f"trace-{uuid.uuid4().hex[:12]}"
-    got = client.completions.create(model=model, prompt=PROMPT, max_tokens=4,
-                                    extra_headers={"X-Request-Id": request_id})
+    got = client.completions.create(
+        model=model, prompt=PROMPT, max_tokens=4, extra_headers={"X-Request-Id": request_id}
+    )
     assert got.id == f"cmpl-{request_id}"
     wait_idle(cluster)
     deadline = time.monotonic() + 10
@@ -242,10 +275,13 @@ def _json_records(path: Path) -> list[dict[str, object]]:
 
 STRUCTURED_SCHEMA = {
     "type": "object",
-    "properties": {"city": {"type": "string", "enum": ["Paris", "Rome", "Madrid"]},
-                   "population_millions": {"type": "integer", "minimum": 0, "maximum": 40},
-                   "capital": {"type": "boolean"}},
-    "required": ["city", "population_millions", "capital"], "additionalProperties": False,
+    "properties": {
+        "city": {"type": "string", "enum": ["Paris", "Rome", "Madrid"]},
+        "population_millions": {"type": "integer", "minimum": 0, "maximum": 40},
+        "capital": {"type": "boolean"},
+    },
+    "required": ["city", "population_millions", "capital"],
+    "additionalProperties": False,
 }
 
 
@@ -261,8 +297,13 @@ def test_json_schema_outputs_through_both_phases(client: openai.OpenAI, model: s
 
     def ask(i: int) -> str:
         answer = client.chat.completions.create(
-            model=model, messages=[{"role": "user", "content": f"Name a European capital ({i})."}],
-            max_tokens=64, temperature=1.0, seed=i, response_format=fmt)  # type: ignore[arg-type]
+            model=model,
+            messages=[{"role": "user", "content": f"Name a European capital ({i})."}],
+            max_tokens=64,
+            temperature=1.0,
+            seed=i,
+            response_format=fmt,
+        )  # type: ignore[arg-type]
         assert answer.choices[0].finish_reason == "stop"
         return answer.choices[0].message.content or ""
 
@@ -274,18 +315,29 @@ def test_json_schema_outputs_through_both_phases(client: openai.OpenAI, model: s
 
 def test_choice_regex_and_bad_schema(client: openai.OpenAI, model: str) -> None:
     stream = client.chat.completions.create(
-        model=model, messages=[{"role": "user", "content": "Is the sea blue?"}], max_tokens=8, stream=True,
-        extra_body={"structured_outputs": {"choice": ["yes", "no", "sometimes"]}})
+        model=model,
+        messages=[{"role": "user", "content": "Is the sea blue?"}],
+        max_tokens=8,
+        stream=True,
+        extra_body={"structured_outputs": {"choice": ["yes", "no", "sometimes"]}},
+    )
     assert "".join(c.choices[0].delta.content or "" for c in stream if c.choices) in ("yes", "no", "sometimes")
-    completion = client.completions.create(model=model, prompt="A code:", max_tokens=12, temperature=1.0,
-                                           extra_body={"guided_regex": "[A-Z]{2}-[0-9]{4}"})
+    completion = client.completions.create(
+        model=model, prompt="A code:", max_tokens=12, temperature=1.0, extra_body={"guided_regex": "[A-Z]{2}-[0-9]{4}"}
+    )
     import re
 
     assert re.fullmatch("[A-Z]{2}-[0-9]{4}", completion.choices[0].text)
     with pytest.raises(openai.BadRequestError) as info:
-        client.chat.completions.create(model=model, messages=[{"role": "user", "content": "hi"}], max_tokens=4,
-                                       response_format={"type": "json_schema",  # type: ignore[arg-type]
-                                                        "json_schema": {"name": "x", "schema": {"type": "bogus"}}})
+        client.chat.completions.create(
+            model=model,
+            messages=[{"role": "user", "content": "hi"}],
+            max_tokens=4,
+            response_format={
+                "type": "json_schema",  # type: ignore[arg-type]
+                "json_schema": {"name": "x", "schema": {"type": "bogus"}},
+            },
+        )
     assert "json_schema" in str(info.value) and "bogus" in str(info.value)
 
 
@@ -297,8 +349,9 @@ def test_n_choices_prefill_the_prompt_once(cluster: LocalCluster, client: openai
     before = _infos(cluster)
     messages = [{"role": "user", "content": f"Tell me a short story about a fox. {uuid.uuid4().hex}"}]
     # ignore_eos: a sampled EOS would end a choice early (the prompt is new each run)
-    answer = client.chat.completions.create(model=model, messages=messages, n=4, max_tokens=12, temperature=1.0,
-                                            seed=11, extra_body={"ignore_eos": True})  # type: ignore[arg-type]
+    answer = client.chat.completions.create(
+        model=model, messages=messages, n=4, max_tokens=12, temperature=1.0, seed=11, extra_body={"ignore_eos": True}
+    )  # type: ignore[arg-type]
     after = _infos(cluster)
     assert sorted(c.index for c in answer.choices) == [0, 1, 2, 3]
     prompt_tokens = answer.usage.prompt_tokens
@@ -312,39 +365,61 @@ def test_n_choices_prefill_the_prompt_once(cluster: LocalCluster, client: openai
     assert 3 <= on_decode <= 3 * 16, on_decode  # < one block (16 tokens) per choice after the first
     texts = [c.message.content for c in sorted(answer.choices, key=lambda c: c.index)]
     assert len(set(texts)) > 1  # seeds seed + i: different draws
-    again = client.chat.completions.create(model=model, messages=messages, n=4, max_tokens=12, temperature=1.0,
-                                           seed=11, extra_body={"ignore_eos": True})  # type: ignore[arg-type]
+    again = client.chat.completions.create(
+        model=model, messages=messages, n=4, max_tokens=12, temperature=1.0, seed=11, extra_body={"ignore_eos": True}
+    )  # type: ignore[arg-type]
     assert [c.message.content for c in sorted(again.choices, key=lambda c: c.index)] == texts
     # streamed: every chunk names its choice, each choice finishes once, usage counts all of them
-    chunks = list(client.chat.completions.create(model=model, messages=messages, n=3, max_tokens=6, stream=True,
-                                                 stream_options={"include_usage": True}))
+    chunks = list(
+        client.chat.completions.create(
+            model=model, messages=messages, n=3, max_tokens=6, stream=True, stream_options={"include_usage": True}
+        )
+    )
     finished = [c.choices[0].index for c in chunks if c.choices and c.choices[0].finish_reason]
     assert sorted(finished) == [0, 1, 2] and chunks[-1].usage.completion_tokens == 18
-    streamed = {i: "".join(c.choices[0].delta.content or "" for c in chunks if c.choices and c.choices[0].index == i)
-                for i in range(3)}
+    streamed = {
+        i: "".join(c.choices[0].delta.content or "" for c in chunks if c.choices and c.choices[0].index == i)
+        for i in range(3)
+    }
     greedy = grpc_generate(cluster, 6, messages=messages)[0]
     assert streamed == {0: greedy, 1: greedy, 2: greedy}  # greedy: three times the one answer
     wait_idle(cluster)
 
 
-WEATHER_TOOL = {"type": "function", "function": {
-    "name": "get_weather", "description": "Current weather in a city",
-    "parameters": {"type": "object", "properties": {"city": {"type": "string"},
-                                                    "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]}},
-                   "required": ["city", "unit"], "additionalProperties": False}}}
+WEATHER_TOOL = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "Current weather in a city",
+        "parameters": {
+            "type": "object",
+            "properties": {"city": {"type": "string"}, "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]}},
+            "required": ["city", "unit"],
+            "additionalProperties": False,
+        },
+    },
+}
 
 
 @pytest.mark.parametrize("stream", [False, True])
 @pytest.mark.parametrize("choice", ["required", {"type": "function", "function": {"name": "get_weather"}}])
-def test_forced_tool_calls_validate_against_the_schema(client: openai.OpenAI, model: str, stream: bool,
-                                                       choice: object) -> None:
+def test_forced_tool_calls_validate_against_the_schema(
+    client: openai.OpenAI, model: str, stream: bool, choice: object
+) -> None:
     """`tool_choice` required or named on the default model (its template knows no tools): the
     official client gets `tool_calls` whose arguments validate against the function's schema."""
     import jsonschema
 
     messages = [{"role": "user", "content": "What is the weather in Paris?"}]
-    kwargs = {"model": model, "messages": messages, "tools": [WEATHER_TOOL], "tool_choice": choice,
-              "max_tokens": 96, "temperature": 0.7, "seed": 5}
+    kwargs = {
+        "model": model,
+        "messages": messages,
+        "tools": [WEATHER_TOOL],
+        "tool_choice": choice,
+        "max_tokens": 96,
+        "temperature": 0.7,
+        "seed": 5,
+    }
     if stream:
         calls: dict[int, dict[str, str]] = {}
         reason = None
@@ -369,13 +444,27 @@ def test_forced_tool_calls_validate_against_the_schema(client: openai.OpenAI, mo
 def test_tool_conversation_round_trip(client: openai.OpenAI, model: str) -> None:
     """A tool result fed back: the conversation with an assistant tool call and a tool turn renders and
     is answered (auto: text or a call, never an error)."""
-    messages = [{"role": "user", "content": "What is the weather in Paris?"},
-                {"role": "assistant", "content": None, "tool_calls": [
-                    {"id": "call_1", "type": "function",
-                     "function": {"name": "get_weather", "arguments": '{"city": "Paris", "unit": "celsius"}'}}]},
-                {"role": "tool", "tool_call_id": "call_1", "content": "21 degrees and sunny"}]
-    answer = client.chat.completions.create(model=model, messages=messages, tools=[WEATHER_TOOL],  # type: ignore[arg-type]
-                                            max_tokens=24)
+    messages = [
+        {"role": "user", "content": "What is the weather in Paris?"},
+        {
+            "role": "assistant",
+            "content": None,
+            "tool_calls": [
+                {
+                    "id": "call_1",
+                    "type": "function",
+                    "function": {"name": "get_weather", "arguments": '{"city": "Paris", "unit": "celsius"}'},
+                }
+            ],
+        },
+        {"role": "tool", "tool_call_id": "call_1", "content": "21 degrees and sunny"},
+    ]
+    answer = client.chat.completions.create(
+        model=model,
+        messages=messages,
+        tools=[WEATHER_TOOL],  # type: ignore[arg-type]
+        max_tokens=24,
+    )
     choice = answer.choices[0]
     assert choice.finish_reason in ("stop", "length", "tool_calls")
     assert choice.message.content or choice.message.tool_calls

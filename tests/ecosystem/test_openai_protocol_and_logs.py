@@ -13,9 +13,22 @@ from pdserve.telemetry.logs import make_formatter
 
 
 def test_completion_request_maps_to_grpc() -> None:
-    parsed = parse_request(COMPLETION, {"model": "m", "prompt": ["hi"], "max_tokens": 5, "temperature": 0.5,
-                                        "top_p": 0.9, "seed": 3, "stop": "x", "stream": True,
-                                        "stream_options": {"include_usage": True}}, "m", "rid")
+    parsed = parse_request(
+        COMPLETION,
+        {
+            "model": "m",
+            "prompt": ["hi"],
+            "max_tokens": 5,
+            "temperature": 0.5,
+            "top_p": 0.9,
+            "seed": 3,
+            "stop": "x",
+            "stream": True,
+            "stream_options": {"include_usage": True},
+        },
+        "m",
+        "rid",
+    )
     request = parsed.grpc_request
     assert request.request_id == "rid" and request.prompt == "hi" and parsed.stream and parsed.include_usage
     p = request.params
@@ -25,24 +38,43 @@ def test_completion_request_maps_to_grpc() -> None:
 
 
 def test_chat_request_maps_to_grpc() -> None:
-    body = {"model": "m", "max_completion_tokens": 7, "stop": ["a", "b"],
-            "messages": [{"role": "developer", "content": "be brief"},
-                         {"role": "user", "content": [{"type": "text", "text": "hi "}, {"type": "text", "text": "x"}]}]}
+    body = {
+        "model": "m",
+        "max_completion_tokens": 7,
+        "stop": ["a", "b"],
+        "messages": [
+            {"role": "developer", "content": "be brief"},
+            {"role": "user", "content": [{"type": "text", "text": "hi "}, {"type": "text", "text": "x"}]},
+        ],
+    }
     request = parse_request(CHAT, body, "m", "r").grpc_request
     assert [(m.role, m.content) for m in request.messages.messages] == [("system", "be brief"), ("user", "hi x")]
     assert request.params.max_tokens == 7 and list(request.params.stop) == ["a", "b"]
 
 
-@pytest.mark.parametrize(("body", "param", "status"), [
-    ({"n": 0}, "n", 400), ({"n": 129}, "n", 400),
-    ({"temperature": 3}, "temperature", 400), ({"temperature": "hot"}, "temperature", 400),
-    ({"top_p": 0}, "top_p", 400), ({"max_tokens": 0}, "max_tokens", 400), ({"seed": -1}, "seed", 400),
-    ({"stop": 5}, "stop", 400), ({"logprobs": 21}, "logprobs", 400), ({"logprobs": True}, "logprobs", 400),
-    ({"top_logprobs": 2}, "top_logprobs", 400), ({"max_tokens": 0, "echo": False}, "max_tokens", 400),
-    ({"echo": True, "stream": True}, "echo", 400), ({"best_of": 2}, "best_of", 400),
-    ({"frequency_penalty": 2.5}, "frequency_penalty", 400), ({"bogus": 1}, "bogus", 400),
-    ({"prompt": ["a", "b"]}, "prompt", 400), ({"model": "other"}, "model", 404),
-])
+@pytest.mark.parametrize(
+    ("body", "param", "status"),
+    [
+        ({"n": 0}, "n", 400),
+        ({"n": 129}, "n", 400),
+        ({"temperature": 3}, "temperature", 400),
+        ({"temperature": "hot"}, "temperature", 400),
+        ({"top_p": 0}, "top_p", 400),
+        ({"max_tokens": 0}, "max_tokens", 400),
+        ({"seed": -1}, "seed", 400),
+        ({"stop": 5}, "stop", 400),
+        ({"logprobs": 21}, "logprobs", 400),
+        ({"logprobs": True}, "logprobs", 400),
+        ({"top_logprobs": 2}, "top_logprobs", 400),
+        ({"max_tokens": 0, "echo": False}, "max_tokens", 400),
+        ({"echo": True, "stream": True}, "echo", 400),
+        ({"best_of": 2}, "best_of", 400),
+        ({"frequency_penalty": 2.5}, "frequency_penalty", 400),
+        ({"bogus": 1}, "bogus", 400),
+        ({"prompt": ["a", "b"]}, "prompt", 400),
+        ({"model": "other"}, "model", 404),
+    ],
+)
 def test_invalid_requests_name_the_field(body: dict[str, object], param: str, status: int) -> None:
     with pytest.raises(OpenAIError) as error:
         parse_request(COMPLETION, {"model": "m", "prompt": "hi", **body}, "m", "r")
@@ -51,15 +83,20 @@ def test_invalid_requests_name_the_field(body: dict[str, object], param: str, st
 
 
 def test_logprob_fields_map_to_grpc() -> None:
-    parsed = parse_request(COMPLETION, {"model": "m", "prompt": "hi", "logprobs": 3, "echo": True, "max_tokens": 0},
-                           "m", "r")
+    parsed = parse_request(
+        COMPLETION, {"model": "m", "prompt": "hi", "logprobs": 3, "echo": True, "max_tokens": 0}, "m", "r"
+    )
     p = parsed.grpc_request.params
     assert (p.logprobs, p.prompt_logprobs, p.max_tokens) == (3, 3, 1)
     assert parsed.logprobs and parsed.echo and parsed.drop_output
     plain = parse_request(COMPLETION, {"model": "m", "prompt": "hi", "logprobs": 0}, "m", "r")
     assert plain.grpc_request.params.logprobs == 0 and not plain.grpc_request.params.HasField("prompt_logprobs")
-    chat = parse_request(CHAT, {"model": "m", "messages": [{"role": "user", "content": "x"}], "logprobs": True,
-                                "top_logprobs": 5}, "m", "r")
+    chat = parse_request(
+        CHAT,
+        {"model": "m", "messages": [{"role": "user", "content": "x"}], "logprobs": True, "top_logprobs": 5},
+        "m",
+        "r",
+    )
     assert chat.logprobs and chat.grpc_request.params.logprobs == 5
     for body in ({"top_logprobs": 2}, {"echo": True}, {"max_tokens": 0}):
         with pytest.raises(OpenAIError) as error:
@@ -76,8 +113,16 @@ def test_grpc_status_maps_to_http() -> None:
 
 
 def _record() -> logging.LogRecord:
-    return logging.makeLogRecord({"name": "pdserve.trace", "levelname": "INFO", "levelno": logging.INFO,
-                                  "msg": "Generate start request_id=%s", "args": ("abc",), "request_id": "abc"})
+    return logging.makeLogRecord(
+        {
+            "name": "pdserve.trace",
+            "levelname": "INFO",
+            "levelno": logging.INFO,
+            "msg": "Generate start request_id=%s",
+            "args": ("abc",),
+            "request_id": "abc",
+        }
+    )
 
 
 def test_log_formats() -> None:

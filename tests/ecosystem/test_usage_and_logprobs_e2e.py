@@ -26,20 +26,26 @@ pytestmark = pytest.mark.slow
 
 @pytest.fixture(scope="module", params=["1p1d", "1p1d-decode-cache-only", "colocated"])
 def cluster(request: pytest.FixtureRequest, tiny_llama_dir: Path) -> Iterator[LocalCluster]:
-    topology = {"1p1d": dict(prefill=1, decode=1), "colocated": dict(prefill=0, decode=0, colocated=1),
-                "1p1d-decode-cache-only": dict(prefill=1, decode=1)}
+    topology = {
+        "1p1d": dict(prefill=1, decode=1),
+        "colocated": dict(prefill=0, decode=0, colocated=1),
+        "1p1d-decode-cache-only": dict(prefill=1, decode=1),
+    }
     # only the decode worker's reused blocks count: the prefill worker recomputes everything
     options = LaunchOptions(prefill_args=("--no-prefix-caching",) if request.param.endswith("cache-only") else ())
-    config = local_deployment(model=str(tiny_llama_dir), threads_per_worker=1, http_port=0,
-                              model_name="tiny", **topology[request.param])
+    config = local_deployment(
+        model=str(tiny_llama_dir), threads_per_worker=1, http_port=0, model_name="tiny", **topology[request.param]
+    )
     with LocalCluster(config, options) as started:
         yield started
 
 
 def post(cluster: LocalCluster, path: str, body: dict) -> dict:
-    request = urllib.request.Request(f"http://{cluster.http_address}{path}",
-                                     data=json.dumps({"model": "tiny", **body}).encode(),
-                                     headers={"Content-Type": "application/json"})
+    request = urllib.request.Request(
+        f"http://{cluster.http_address}{path}",
+        data=json.dumps({"model": "tiny", **body}).encode(),
+        headers={"Content-Type": "application/json"},
+    )
     with urllib.request.urlopen(request, timeout=120) as answer:
         return json.loads(answer.read())
 
@@ -103,8 +109,19 @@ PROMPT = "The river ran past the old mill, and the children"
 
 @pytest.mark.parametrize("max_tokens", [0, 4])
 def test_completion_echo_logprobs_match_hf(cluster: LocalCluster, hf: tuple, max_tokens: int) -> None:
-    answer = post(cluster, "/v1/completions", {"prompt": PROMPT, "max_tokens": max_tokens, "temperature": 0.7,
-                                               "seed": 5, "logprobs": 2, "echo": True, "ignore_eos": True})
+    answer = post(
+        cluster,
+        "/v1/completions",
+        {
+            "prompt": PROMPT,
+            "max_tokens": max_tokens,
+            "temperature": 0.7,
+            "seed": 5,
+            "logprobs": 2,
+            "echo": True,
+            "ignore_eos": True,
+        },
+    )
     choice, usage = answer["choices"][0], answer["usage"]
     prompt_ids = hf[1](PROMPT).input_ids
     lp = choice["logprobs"]
@@ -116,8 +133,8 @@ def test_completion_echo_logprobs_match_hf(cluster: LocalCluster, hf: tuple, max
     pieces = [hf[1].decode([t]) for t in prompt_ids]
     assert lp["tokens"][: len(prompt_ids)] == pieces
     # the generated ids: their pieces, checked against the text
-    out_text = choice["text"][len(PROMPT):]
-    out_ids = hf[1](PROMPT + out_text, add_special_tokens=True).input_ids[len(prompt_ids):] if max_tokens else []
+    out_text = choice["text"][len(PROMPT) :]
+    out_ids = hf[1](PROMPT + out_text, add_special_tokens=True).input_ids[len(prompt_ids) :] if max_tokens else []
     ref = hf_logprobs(hf, prompt_ids + out_ids)
     ids = prompt_ids + out_ids
     for i in range(1, len(ids)):
@@ -128,16 +145,25 @@ def test_completion_echo_logprobs_match_hf(cluster: LocalCluster, hf: tuple, max
 
 
 def test_chat_logprobs_and_grpc_field(cluster: LocalCluster, hf: tuple) -> None:
-    answer = post(cluster, "/v1/chat/completions", {"messages": [{"role": "user", "content": "Hi"}],
-                                                    "max_tokens": 5, "logprobs": True, "top_logprobs": 3,
-                                                    "ignore_eos": True})
+    answer = post(
+        cluster,
+        "/v1/chat/completions",
+        {
+            "messages": [{"role": "user", "content": "Hi"}],
+            "max_tokens": 5,
+            "logprobs": True,
+            "top_logprobs": 3,
+            "ignore_eos": True,
+        },
+    )
     content = answer["choices"][0]["logprobs"]["content"]
     assert len(content) == 5 and all(len(c["top_logprobs"]) == 3 for c in content)
     for c in content:  # greedy: the chosen token is the most likely one
         assert c["top_logprobs"][0]["logprob"] == pytest.approx(c["logprob"], abs=1e-6)
         assert c["bytes"] == list(c["token"].encode())
-    request = router_pb2.GenerateRequest(prompt=PROMPT, params=common_pb2.SamplingParams(
-        max_tokens=3, ignore_eos=True, logprobs=1, prompt_logprobs=0))
+    request = router_pb2.GenerateRequest(
+        prompt=PROMPT, params=common_pb2.SamplingParams(max_tokens=3, ignore_eos=True, logprobs=1, prompt_logprobs=0)
+    )
     with grpc.insecure_channel(cluster.router_address) as channel:
         responses = list(router_pb2_grpc.RouterStub(channel).Generate(request, timeout=120))
     prompt_ids = hf[1](PROMPT).input_ids
@@ -154,8 +180,11 @@ def test_chat_logprobs_and_grpc_field(cluster: LocalCluster, hf: tuple) -> None:
 
 def test_streamed_completion_logprobs(cluster: LocalCluster) -> None:
     body = {"model": "tiny", "prompt": PROMPT, "max_tokens": 4, "logprobs": 1, "stream": True, "ignore_eos": True}
-    request = urllib.request.Request(f"http://{cluster.http_address}/v1/completions", data=json.dumps(body).encode(),
-                                     headers={"Content-Type": "application/json"})
+    request = urllib.request.Request(
+        f"http://{cluster.http_address}/v1/completions",
+        data=json.dumps(body).encode(),
+        headers={"Content-Type": "application/json"},
+    )
     with urllib.request.urlopen(request, timeout=120) as answer:
         events = [line[6:] for line in answer.read().decode().splitlines() if line.startswith("data: ")]
     chunks = [json.loads(e) for e in events if e != "[DONE]"]

@@ -42,16 +42,24 @@ def test_a_tokens_logits_do_not_depend_on_its_batch_or_chunking(tiny_model_dir: 
     runner.forward([StepInput(target[10:31], 10, table)])
     chunked = runner.forward([StepInput(target[31:], 31, table)])[0]
     # in one pass beside three other prompts, in the middle of the pack
-    items = [StepInput(others[0], 0, _blocks(10, 7)), StepInput(target, 0, table),
-             StepInput(others[1], 0, _blocks(20, 33)), StepInput(others[2], 0, _blocks(30, 70))]
+    items = [
+        StepInput(others[0], 0, _blocks(10, 7)),
+        StepInput(target, 0, table),
+        StepInput(others[1], 0, _blocks(20, 33)),
+        StepInput(others[2], 0, _blocks(30, 70)),
+    ]
     beside = runner.forward(items)[1]
     assert torch.equal(chunked, alone) and torch.equal(beside, alone)
 
     # the next token as a decode row: alone, then beside the other sequences' decodes and a new prompt
     nxt = int(alone.argmax())
     decode_alone = runner.forward([StepInput([nxt], 45, table)])[0]
-    mixed = [StepInput([11], 7, _blocks(10, 8)), StepInput([nxt], 45, table), StepInput([12], 33, _blocks(20, 34)),
-             StepInput(others[2][:50], 0, _blocks(40, 50))]
+    mixed = [
+        StepInput([11], 7, _blocks(10, 8)),
+        StepInput([nxt], 45, table),
+        StepInput([12], 33, _blocks(20, 34)),
+        StepInput(others[2][:50], 0, _blocks(40, 50)),
+    ]
     decode_beside = runner.forward(mixed)[1]
     assert torch.equal(decode_beside, decode_alone)
     # and the decode row's K/V equal what a prefill of the same 46 tokens writes

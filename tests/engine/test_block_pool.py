@@ -147,7 +147,7 @@ def test_block_hashes_follow_their_documented_format(salt: str) -> None:
         previous = hashlib.sha256(previous + b"cache_salt" + salt.encode()).digest()
     expected = []
     for start in range(0, 64, 16):  # 4 full blocks of 16; the last 11 ids make no block
-        block = struct.pack("<16q", *ids[start:start + 16])
+        block = struct.pack("<16q", *ids[start : start + 16])
         previous = hashlib.sha256(previous + struct.pack("<q", 16) + block).digest()
         expected.append(previous)
     assert block_hashes(ids, 16, salt) == expected

@@ -47,9 +47,16 @@ def test_the_crossover_of_a_sim_model_is_its_profiles_and_a_real_ones_follows_it
     sim = SimpleNamespace(model=SimpleNamespace(profile=profile))
     assert attention_crossover(sim) == pytest.approx(profile.prefill.b / profile.prefill.c)
     c = tiny_llama.config
-    wider = SimpleNamespace(model=SimpleNamespace(), config=SimpleNamespace(
-        hidden_size=c.hidden_size, num_attention_heads=c.num_attention_heads, head_dim=None,
-        num_key_value_heads=c.num_key_value_heads, intermediate_size=4 * c.intermediate_size))
+    wider = SimpleNamespace(
+        model=SimpleNamespace(),
+        config=SimpleNamespace(
+            hidden_size=c.hidden_size,
+            num_attention_heads=c.num_attention_heads,
+            head_dim=None,
+            num_key_value_heads=c.num_key_value_heads,
+            intermediate_size=4 * c.intermediate_size,
+        ),
+    )
     assert attention_crossover(wider) > attention_crossover(tiny_llama) > 0  # bigger dense layers: later
     assert ATTENTION_EFFICIENCY < 1
 
@@ -63,8 +70,9 @@ def _run(engine, tokens: dict[str, list[int]]) -> list[list[tuple[int, int]]]:  
             assert out.error is None
             if out.token_id >= 0:
                 tokens.setdefault(out.request_id, []).append(out.token_id)
-        chunks = [(len(i.token_ids), i.seq.num_cached - len(i.token_ids))
-                  for i in engine.last_pass.items if i.is_prefill]
+        chunks = [
+            (len(i.token_ids), i.seq.num_cached - len(i.token_ids)) for i in engine.last_pass.items if i.is_prefill
+        ]
         if chunks:
             shapes.append(chunks)
     return shapes
@@ -104,14 +112,17 @@ def test_prompts_beside_a_stream_share_one_allowance(tiny_llama, make_engine) ->
     for n in range(4):
         engine.add_request(f"long{n}", [100 + n + i % 150 for i in range(120)], PARAMS)
     shapes = _run(engine, {})
-    assert all(sum(chunk_cost(new, cached, crossover) for new, cached in pass_)
-               <= chunk_cost(CHUNK, 0, crossover) for pass_ in shapes)
+    assert all(
+        sum(chunk_cost(new, cached, crossover) for new, cached in pass_) <= chunk_cost(CHUNK, 0, crossover)
+        for pass_ in shapes
+    )
     assert sum(new for pass_ in shapes for new, _ in pass_) == 4 * 120
     assert max(len(pass_) for pass_ in shapes) >= 2  # a prompt's short last chunk shares its pass
 
 
 def test_the_capacity_simulator_chunks_a_prompt_beside_a_stream_as_the_scheduler_does(
-        tiny_llama, make_engine, monkeypatch: pytest.MonkeyPatch) -> None:  # noqa: ANN001
+    tiny_llama, make_engine, monkeypatch: pytest.MonkeyPatch
+) -> None:  # noqa: ANN001
     """The same prompt, chunk size and K (the profile's b / c) beside one decoding stream: the capacity
     simulator's colocated worker plans the very chunks (new, cached) the real scheduler runs."""
     profile = make_profile(prefill=(0.001, 1e-4, 1e-4 / 120), decode=(0.001, 1e-4, 0.0), prefill_chunk_tokens=CHUNK)
@@ -119,8 +130,9 @@ def test_the_capacity_simulator_chunks_a_prompt_beside_a_stream_as_the_scheduler
     assert crossover == pytest.approx(120.0)
     prompt = [100 + i % 200 for i in range(300)]
 
-    engine = make_engine(tiny_llama, prefill_chunk_tokens=CHUNK,
-                         max_num_batched_tokens=profile.engine.max_batched_tokens)
+    engine = make_engine(
+        tiny_llama, prefill_chunk_tokens=CHUNK, max_num_batched_tokens=profile.engine.max_batched_tokens
+    )
     engine.scheduler.attention_crossover = crossover
     _with_a_stream(engine)
     engine.add_request("long", prompt, PARAMS)
@@ -136,8 +148,13 @@ def test_the_capacity_simulator_chunks_a_prompt_beside_a_stream_as_the_scheduler
 
     monkeypatch.setattr(Profile, "pass_s", recorded)
     # the stream first (2 prompt tokens, decoding long after), the prompt during the stream's prefill
-    simulate(Deployment(colocated=1), [0.0, 1e-9], [2, len(prompt)], [STREAM.max_tokens, PARAMS.max_tokens],
-             Timing(prefill=profile, decode=profile))
+    simulate(
+        Deployment(colocated=1),
+        [0.0, 1e-9],
+        [2, len(prompt)],
+        [STREAM.max_tokens, PARAMS.max_tokens],
+        Timing(prefill=profile, decode=profile),
+    )
     assert passes[0] == [(2, 0)]  # the stream's prefill, alone
     assert passes[1:] == real
     assert len(real) > len(prompt) // CHUNK + 1  # the chunks did shrink beside the stream

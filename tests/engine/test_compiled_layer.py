@@ -22,10 +22,10 @@ STEPS = 10
 
 
 @pytest.fixture(scope="module", params=["llama", "qwen2", "qwen3"])
-def family_dir(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory,
-               default_model_dir: Path) -> Path:
-    return save_family_model(request.param, tmp_path_factory.mktemp(f"compiled-{request.param}"),
-                             default_model_dir)
+def family_dir(
+    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory, default_model_dir: Path
+) -> Path:
+    return save_family_model(request.param, tmp_path_factory.mktemp(f"compiled-{request.param}"), default_model_dir)
 
 
 def _generate(model_dir: Path, prompts: list[list[int]], steps: int) -> list[list[int]]:
@@ -33,8 +33,11 @@ def _generate(model_dir: Path, prompts: list[list[int]], steps: int) -> list[lis
     out = []
     for prompt in prompts:
         with torch.no_grad():
-            out.append(reference.generate(torch.tensor([prompt]), max_new_tokens=steps, do_sample=False,
-                                          min_new_tokens=steps, pad_token_id=0)[0, len(prompt):].tolist())
+            out.append(
+                reference.generate(
+                    torch.tensor([prompt]), max_new_tokens=steps, do_sample=False, min_new_tokens=steps, pad_token_id=0
+                )[0, len(prompt) :].tolist()
+            )
     return out
 
 
@@ -65,7 +68,8 @@ def test_compile_is_off_unless_asked(tiny_llama_dir: Path, monkeypatch: pytest.M
 
 
 def test_failed_compile_falls_back_to_eager_with_a_log_line(
-        tiny_llama_dir: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    tiny_llama_dir: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
     def no_compiler(graph: torch.fx.GraphModule, example_inputs: list[torch.Tensor]) -> None:
         raise RuntimeError("Compiler: c++ is not found")
 

@@ -27,10 +27,16 @@ def test_auto_resolves_to_fp32_on_cpu_and_bf16_on_cuda() -> None:
     assert resolve_device("cuda:1", cuda_count=2) == "cuda:1"
 
 
-@pytest.mark.parametrize(("device", "count", "message"), [
-    ("cuda", 0, "CUDA is not available"), ("cuda:2", 2, "only 2 CUDA"), ("gpu", 1, "device must be"),
-    ("cuda:x", 1, "device must be"), ("CPU", 0, "device must be"),
-])
+@pytest.mark.parametrize(
+    ("device", "count", "message"),
+    [
+        ("cuda", 0, "CUDA is not available"),
+        ("cuda:2", 2, "only 2 CUDA"),
+        ("gpu", 1, "device must be"),
+        ("cuda:x", 1, "device must be"),
+        ("CPU", 0, "device must be"),
+    ],
+)
 def test_bad_devices_are_refused_by_name(device: str, count: int, message: str) -> None:
     with pytest.raises(ValueError, match=message):
         resolve_device(device, cuda_count=count)

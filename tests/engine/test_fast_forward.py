@@ -41,8 +41,9 @@ def save_family_model(family: str, out: Path, tokenizer_dir: Path) -> Path:
 
 
 @pytest.fixture(scope="module", params=FAMILIES)
-def family_dir(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory,
-               default_model_dir: Path) -> Path:
+def family_dir(
+    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory, default_model_dir: Path
+) -> Path:
     return save_family_model(request.param, tmp_path_factory.mktemp(f"fast-{request.param}"), default_model_dir)
 
 
@@ -77,8 +78,9 @@ def test_fast_forward_greedy_matches_generate(family_dir: Path, linear: str, mon
     reference = AutoModelForCausalLM.from_pretrained(family_dir, attn_implementation="eager").eval()
     for prompt, tokens in zip(PROMPTS, got, strict=True):
         with torch.no_grad():
-            want = reference.generate(torch.tensor([prompt]), max_new_tokens=12, do_sample=False,
-                                      min_new_tokens=12, pad_token_id=0)[0, len(prompt):].tolist()
+            want = reference.generate(
+                torch.tensor([prompt]), max_new_tokens=12, do_sample=False, min_new_tokens=12, pad_token_id=0
+            )[0, len(prompt) :].tolist()
         assert tokens == want
 
 
@@ -88,12 +90,16 @@ def test_fast_and_hf_forward_give_the_same_logits(family_dir: Path) -> None:
     hf = ModelRunner(loaded, KVCache(loaded.kv_shape(4), 64), forward="hf")
     assert (fast.forward_name, hf.forward_name) == ("fast", "hf")
     items = [StepInput(list(range(7, 20)), 0, [0, 1, 2, 3]), StepInput([9, 8, 7], 0, [5, 6])]
-    torch.testing.assert_close(fast.forward(items, full_rows=[0]), hf.forward(items, full_rows=[0]),
-                               atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(
+        fast.forward(items, full_rows=[0]), hf.forward(items, full_rows=[0]), atol=1e-5, rtol=1e-5
+    )
     torch.testing.assert_close(fast.full_logits[0], hf.full_logits[0], atol=1e-5, rtol=1e-5)
     # a mixed pass: two decodes, then a prompt that reads a cached prefix (chunked prefill)
-    mixed = [StepInput([3], 13, [0, 1, 2, 3]), StepInput([4], 3, [5, 6]), StepInput(list(range(50, 58)), 0, [8, 9]),
-             ]
+    mixed = [
+        StepInput([3], 13, [0, 1, 2, 3]),
+        StepInput([4], 3, [5, 6]),
+        StepInput(list(range(50, 58)), 0, [8, 9]),
+    ]
     torch.testing.assert_close(fast.forward(mixed), hf.forward(mixed), atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(fast.kv_cache.kv, hf.kv_cache.kv, atol=1e-5, rtol=1e-5)
 
@@ -110,8 +116,9 @@ def test_fused_weights_are_shared_with_the_transformers_modules(tiny_llama: Load
 
 
 @pytest.mark.parametrize("linear", ["plain", "native"])
-def test_weights_are_stored_in_one_copy_in_the_kernels_layout(tiny_llama_dir: Path, linear: str,
-                                                              monkeypatch: pytest.MonkeyPatch) -> None:
+def test_weights_are_stored_in_one_copy_in_the_kernels_layout(
+    tiny_llama_dir: Path, linear: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
     monkeypatch.setenv("PDSERVE_LINEAR", linear)
     loaded = load_model(tiny_llama_dir)
     fast = FastForward.build(loaded.model)
@@ -204,8 +211,9 @@ def test_linear_mode_is_validated(monkeypatch: pytest.MonkeyPatch) -> None:
         LinearFactory(torch.float32, torch.device("cpu"))
 
 
-def test_bf16_on_a_cpu_without_a_bf16_kernel_warns(monkeypatch: pytest.MonkeyPatch,
-                                                    caplog: pytest.LogCaptureFixture) -> None:
+def test_bf16_on_a_cpu_without_a_bf16_kernel_warns(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
     from pdserve.engine import fast_forward, model_loader, native
 
     monkeypatch.setattr(fast_forward, "mkldnn_linear_available", lambda dtype: False)
@@ -230,8 +238,9 @@ def test_auto_kernel_choice_is_timed_once_per_machine(tmp_path: Path, monkeypatc
         pytest.skip("no oneDNN linear in this torch build")  # nothing to choose between
     timed = []
     real = fast_forward._best_ms
-    monkeypatch.setattr(fast_forward, "_best_ms",
-                        lambda runs, repeats=7: timed.append(len(runs)) or real(runs, repeats))
+    monkeypatch.setattr(
+        fast_forward, "_best_ms", lambda runs, repeats=7: timed.append(len(runs)) or real(runs, repeats)
+    )
     weight = torch.randn(40, 24)
     first = LinearFactory(torch.float32, torch.device("cpu"), mode="auto")
     runs = len(first.kernels) * len(fast_forward.PROBE_ROWS)  # every kernel at every probed row count

@@ -9,13 +9,22 @@ from pdserve.engine.fault_injection import InjectedFaults
 
 def test_faults_round_trip_through_the_environment() -> None:
     assert InjectedFaults.from_env({}) == InjectedFaults()
-    for faults in (InjectedFaults(kv_fault="stall", kv_fault_count=2), InjectedFaults(loop_death_after_steps=6),
-                   InjectedFaults(step_delay_ms=40.0)):
+    for faults in (
+        InjectedFaults(kv_fault="stall", kv_fault_count=2),
+        InjectedFaults(loop_death_after_steps=6),
+        InjectedFaults(step_delay_ms=40.0),
+    ):
         assert InjectedFaults.from_env(faults.env()) == faults
 
 
-@pytest.mark.parametrize("env", [{"PDSERVE_INJECT_KV_FAULT": "melt"}, {"PDSERVE_INJECT_STEP_DELAY_MS": "soon"},
-                                 {"PDSERVE_INJECT_LOOP_DEATH_AFTER_STEPS": "-1"}])
+@pytest.mark.parametrize(
+    "env",
+    [
+        {"PDSERVE_INJECT_KV_FAULT": "melt"},
+        {"PDSERVE_INJECT_STEP_DELAY_MS": "soon"},
+        {"PDSERVE_INJECT_LOOP_DEATH_AFTER_STEPS": "-1"},
+    ],
+)
 def test_a_malformed_variable_is_refused(env: dict[str, str]) -> None:
     with pytest.raises(ValueError, match="PDSERVE_INJECT|fault injection"):
         InjectedFaults.from_env(env)

@@ -41,8 +41,11 @@ def merged_dir(tiny_llama_dir: Path, tmp_path_factory: pytest.TempPathFactory) -
     model = AutoModelForCausalLM.from_pretrained(tiny_llama_dir)
     q = model.model.layers[1].self_attn.q_proj.weight
     with torch.no_grad():
-        q += 0.05 * torch.randn(q.shape[0], 2, generator=torch.Generator().manual_seed(7)) @ torch.randn(
-            2, q.shape[1], generator=torch.Generator().manual_seed(8))
+        q += (
+            0.05
+            * torch.randn(q.shape[0], 2, generator=torch.Generator().manual_seed(7))
+            @ torch.randn(2, q.shape[1], generator=torch.Generator().manual_seed(8))
+        )
     model.save_pretrained(out)
     for f in tiny_llama_dir.iterdir():
         if f.name.startswith("tokenizer") or f.name in ("special_tokens_map.json", "chat_template.jinja"):
@@ -50,8 +53,9 @@ def merged_dir(tiny_llama_dir: Path, tmp_path_factory: pytest.TempPathFactory) -
     return out
 
 
-def test_a_lora_merge_that_keeps_norms_and_embeddings_changes_the_fingerprint(tiny_llama_dir: Path,
-                                                                              merged_dir: Path) -> None:
+def test_a_lora_merge_that_keeps_norms_and_embeddings_changes_the_fingerprint(
+    tiny_llama_dir: Path, merged_dir: Path
+) -> None:
     base, merged = load_model(tiny_llama_dir), load_model(merged_dir)
     assert _sampled_fingerprint(base.model) == _sampled_fingerprint(merged.model)  # the old scheme was fooled
     assert base.fingerprint != merged.fingerprint
@@ -68,8 +72,9 @@ def test_a_changed_tokenizer_changes_the_fingerprint(tiny_llama_dir: Path, tmp_p
     assert fingerprint(copy, torch.float32) != before
 
 
-def test_file_digests_are_cached_by_size_and_mtime(tiny_llama_dir: Path, tmp_path: Path,
-                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+def test_file_digests_are_cached_by_size_and_mtime(
+    tiny_llama_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     from pdserve.engine import model_fetch
 
     monkeypatch.setenv("PDSERVE_CACHE_DIR", str(tmp_path / "cache"))
@@ -102,8 +107,9 @@ def test_a_folder_without_weight_files_hashes_the_state_dict(tiny_llama_dir: Pat
 
 @pytest.mark.slow
 @pytest.mark.parametrize("kv_backend", ["grpc", "shm"])
-def test_kv_from_a_worker_with_another_fingerprint_is_refused(kv_backend: str, tiny_llama_dir: Path,
-                                                              merged_dir: Path, tmp_path: Path) -> None:
+def test_kv_from_a_worker_with_another_fingerprint_is_refused(
+    kv_backend: str, tiny_llama_dir: Path, merged_dir: Path, tmp_path: Path
+) -> None:
     """A real prefill worker process serving the merged model, a real decode worker process serving
     the base model: the decode worker refuses the K/V, naming the fingerprint, and frees everything."""
     from pdserve.cluster.local import child_env
@@ -111,8 +117,22 @@ def test_kv_from_a_worker_with_another_fingerprint_is_refused(kv_backend: str, t
     from pdserve.v1 import common_pb2, worker_pb2, worker_pb2_grpc
 
     def start(role: str, model: Path, *extra: str) -> ManagedProcess:
-        argv = [sys.executable, "-m", f"{role}_worker", "--host", "127.0.0.1", "--port", "0", "--threads", "1",
-                "--model", str(model), "--kv-cache-mb", "8", *extra]
+        argv = [
+            sys.executable,
+            "-m",
+            f"{role}_worker",
+            "--host",
+            "127.0.0.1",
+            "--port",
+            "0",
+            "--threads",
+            "1",
+            "--model",
+            str(model),
+            "--kv-cache-mb",
+            "8",
+            *extra,
+        ]
         return ManagedProcess(role, argv, tmp_path / f"{role}.log", env=child_env())
 
     prefill = start("prefill", merged_dir)
@@ -125,9 +145,17 @@ def test_kv_from_a_worker_with_another_fingerprint_is_refused(kv_backend: str, t
         register_kv_targets(p_addr, [d_addr])  # as a router would
         stub = worker_pb2_grpc.DecodeWorkerStub(open_channel(d_addr))
         with pytest.raises(grpc.RpcError) as err:
-            list(stub.Generate(worker_pb2.DecodeRequest(
-                request_id="mixed-models", token_ids=common_pb2.TokenIds(ids=list(range(3, 40))),
-                prefill_address=p_addr, params=common_pb2.SamplingParams(max_tokens=3)), timeout=60))
+            list(
+                stub.Generate(
+                    worker_pb2.DecodeRequest(
+                        request_id="mixed-models",
+                        token_ids=common_pb2.TokenIds(ids=list(range(3, 40))),
+                        prefill_address=p_addr,
+                        params=common_pb2.SamplingParams(max_tokens=3),
+                    ),
+                    timeout=60,
+                )
+            )
         assert err.value.code() == grpc.StatusCode.UNAVAILABLE  # the router would retry on another prefill worker
         assert "model_fingerprint" in err.value.details(), err.value.details()
         from e2e_helpers import wait_idle

@@ -33,8 +33,9 @@ MAX_TOKENS = 24
 
 @pytest.fixture(scope="module")
 def hf_model(default_model_dir: Path) -> torch.nn.Module:
-    return AutoModelForCausalLM.from_pretrained(default_model_dir, dtype=torch.float32,
-                                                attn_implementation="sdpa").eval()
+    return AutoModelForCausalLM.from_pretrained(
+        default_model_dir, dtype=torch.float32, attn_implementation="sdpa"
+    ).eval()
 
 
 def _encode(loaded: LoadedModel, kind: str, text: str) -> list[int]:
@@ -56,9 +57,14 @@ def test_batched_greedy_matches_hf_generate(default_model, hf_model, make_engine
     eos = sorted(default_model.eos_token_ids)
     for prompt, got in zip(prompts, ours, strict=True):
         with torch.no_grad():
-            ref = hf_model.generate(torch.tensor([prompt]), do_sample=False, max_new_tokens=MAX_TOKENS,
-                                    eos_token_id=eos, pad_token_id=eos[0])
-        assert got == ref[0, len(prompt):].tolist(), default_model.tokenizer.decode(prompt)[:60]
+            ref = hf_model.generate(
+                torch.tensor([prompt]),
+                do_sample=False,
+                max_new_tokens=MAX_TOKENS,
+                eos_token_id=eos,
+                pad_token_id=eos[0],
+            )
+        assert got == ref[0, len(prompt) :].tolist(), default_model.tokenizer.decode(prompt)[:60]
 
 
 def test_prefill_kv_matches_transformers_cache(default_model, hf_model, make_engine) -> None:  # noqa: ANN001

@@ -37,23 +37,33 @@ DEVICE = os.environ.get("PDSERVE_TEST_DEVICE", "cpu")
 DTYPES = ["bfloat16", "float32"] if DEVICE.startswith("cuda") else ["bfloat16"]
 TOP_K = 5
 #: The prompts compared: the exactness suite's, with its 549-token prompt cut to 129 tokens on a CPU.
-BF16_PROMPTS = PROMPTS if DEVICE.startswith("cuda") else [
-    *PROMPTS[:-1], ("text", PARAGRAPH * 2 + "Summarize the story above in one sentence:")]
+BF16_PROMPTS = (
+    PROMPTS
+    if DEVICE.startswith("cuda")
+    else [*PROMPTS[:-1], ("text", PARAGRAPH * 2 + "Summarize the story above in one sentence:")]
+)
 
 TopK = dict[int, float]  # token id -> log probability, the k most likely tokens of one position
 
 
-def check_logprobs_close(ours: list[tuple[list[int], list[TopK]]], ref: list[tuple[list[int], list[TopK]]],
-                         names: tuple[str, str] = ("pdserve", "hf")) -> int:
+def check_logprobs_close(
+    ours: list[tuple[list[int], list[TopK]]],
+    ref: list[tuple[list[int], list[TopK]]],
+    names: tuple[str, str] = ("pdserve", "hf"),
+) -> int:
     """vLLM's rule over every prompt; returns how many prompts diverged (within the rule) somewhere."""
     diverged = 0
     for prompt, ((ids_0, top_0), (ids_1, top_1)) in enumerate(zip(ours, ref, strict=True)):
         for pos, (tok_0, tok_1) in enumerate(zip(ids_0, ids_1, strict=False)):
             if tok_0 != tok_1:
-                assert tok_0 in top_1[pos], f"prompt {prompt} position {pos}: {names[0]}'s {tok_0} not in " \
-                                            f"{names[1]}'s top-{len(top_1[pos])} {top_1[pos]}"
-                assert tok_1 in top_0[pos], f"prompt {prompt} position {pos}: {names[1]}'s {tok_1} not in " \
-                                            f"{names[0]}'s top-{len(top_0[pos])} {top_0[pos]}"
+                assert tok_0 in top_1[pos], (
+                    f"prompt {prompt} position {pos}: {names[0]}'s {tok_0} not in "
+                    f"{names[1]}'s top-{len(top_1[pos])} {top_1[pos]}"
+                )
+                assert tok_1 in top_0[pos], (
+                    f"prompt {prompt} position {pos}: {names[1]}'s {tok_1} not in "
+                    f"{names[0]}'s top-{len(top_0[pos])} {top_0[pos]}"
+                )
                 diverged += 1
                 break
     return diverged
@@ -88,9 +98,16 @@ def pdserve_greedy(engine, prompts: list[list[int]], max_tokens: int) -> list[tu
 
 def hf_greedy(model, prompt: list[int], max_tokens: int, eos: list[int]) -> tuple[list[int], list[TopK]]:  # noqa: ANN001
     with torch.no_grad():
-        out = model.generate(torch.tensor([prompt], device=DEVICE), do_sample=False, max_new_tokens=max_tokens,
-                             eos_token_id=eos, pad_token_id=eos[0], output_logits=True, return_dict_in_generate=True)
-    ids = out.sequences[0, len(prompt):].tolist()
+        out = model.generate(
+            torch.tensor([prompt], device=DEVICE),
+            do_sample=False,
+            max_new_tokens=max_tokens,
+            eos_token_id=eos,
+            pad_token_id=eos[0],
+            output_logits=True,
+            return_dict_in_generate=True,
+        )
+    ids = out.sequences[0, len(prompt) :].tolist()
     return ids, [top_k(step[0], TOP_K) for step in out.logits]
 
 
@@ -110,8 +127,11 @@ def test_rule_accepts_a_swap_within_top_k_and_rejects_one_outside() -> None:
 def test_greedy_is_close_to_hf_in_the_same_dtype(dtype: str, default_model_dir: Path, make_engine) -> None:  # noqa: ANN001
     torch_dtype = getattr(torch, dtype)
     loaded = load_model(default_model_dir, torch_dtype, DEVICE)
-    hf = AutoModelForCausalLM.from_pretrained(default_model_dir, dtype=torch_dtype,
-                                              attn_implementation="sdpa").to(DEVICE).eval()
+    hf = (
+        AutoModelForCausalLM.from_pretrained(default_model_dir, dtype=torch_dtype, attn_implementation="sdpa")
+        .to(DEVICE)
+        .eval()
+    )
     prompts = [_encode(loaded, kind, text) for kind, text in BF16_PROMPTS]
     engine = make_engine(loaded, dtype=dtype, device=DEVICE)
     assert max(map(len, prompts)) > 8 * engine.config.block_size  # one prompt spans many KV blocks

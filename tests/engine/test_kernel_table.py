@@ -15,11 +15,18 @@ from pdserve.cluster.launch import local_deployment
 from pdserve.engine.fast_forward import LinearFactory
 from pdserve.engine.kernel_table import KernelTable, cache_path, cpu_identity, ensure_table, linear_shapes
 
-CONFIG = {"hidden_size": 64, "num_attention_heads": 4, "num_key_value_heads": 2, "intermediate_size": 96,
-          "vocab_size": 320}
+CONFIG = {
+    "hidden_size": 64,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "intermediate_size": 96,
+    "vocab_size": 320,
+}
 
 
-def _table(factory: LinearFactory, k: int, n: int, bands: tuple[tuple[str, int], ...], cpu: str | None = None) -> KernelTable:
+def _table(
+    factory: LinearFactory, k: int, n: int, bands: tuple[tuple[str, int], ...], cpu: str | None = None
+) -> KernelTable:
     return KernelTable(cpu=cpu or cpu_identity(), threads=1, dtype="float32", entries={factory.entry_key(k, n): bands})
 
 
@@ -40,8 +47,9 @@ def test_a_factory_follows_the_deployment_table_instead_of_timing() -> None:
 
 def test_a_shape_missing_from_the_table_is_timed_and_said() -> None:
     probe = LinearFactory(torch.float32, torch.device("cpu"), mode="auto")
-    factory = LinearFactory(torch.float32, torch.device("cpu"), mode="auto",
-                            table=_table(probe, 64, 48, (("plain", 1),)))
+    factory = LinearFactory(
+        torch.float32, torch.device("cpu"), mode="auto", table=_table(probe, 64, 48, (("plain", 1),))
+    )
     factory(torch.randn(40, 64))  # another shape
     assert factory.off_table == [(64, 40)]
     assert "own timing for 1 shapes (64x40 is not in it)" in factory.describe_use()
@@ -57,12 +65,16 @@ def test_a_table_timed_on_another_cpu_is_refused_and_the_worker_says_why() -> No
 
 def test_a_table_of_another_dtype_is_refused() -> None:
     probe = LinearFactory(torch.float32, torch.device("cpu"), mode="auto")
-    table = KernelTable(cpu=cpu_identity(), threads=1, dtype="bfloat16", entries={probe.entry_key(64, 48): (("plain", 1),)})
+    table = KernelTable(
+        cpu=cpu_identity(), threads=1, dtype="bfloat16", entries={probe.entry_key(64, 48): (("plain", 1),)}
+    )
     assert LinearFactory(torch.float32, torch.device("cpu"), mode="auto", table=table).table is None
 
 
 def test_the_table_round_trips_and_bad_ones_are_named() -> None:
-    table = KernelTable(cpu="x", threads=2, dtype="float32", entries={"64x48|row-major|native+plain": (("native", 1), ("plain", 16))})
+    table = KernelTable(
+        cpu="x", threads=2, dtype="float32", entries={"64x48|row-major|native+plain": (("native", 1), ("plain", 16))}
+    )
     assert KernelTable.from_json(table.to_json()) == table
     assert KernelTable.from_json(table.to_json()).digest == table.digest
     with pytest.raises(ValueError, match="not JSON"):

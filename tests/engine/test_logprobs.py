@@ -25,8 +25,9 @@ def test_logprobs_match_hf(tiny_llama_dir, make_engine, chunk: int | None, tempe
     engine = make_engine(loaded, prefix_caching=True, **overrides)
     prompt = loaded.tokenizer("The river ran past the old mill, and the children").input_ids
     run(engine, prompt, SamplingParams(max_tokens=2))  # fills the prefix cache: prompt logprobs must skip it
-    params = SamplingParams(max_tokens=6, temperature=temperature, seed=1, logprobs=3, prompt_logprobs=2,
-                            ignore_eos=True)
+    params = SamplingParams(
+        max_tokens=6, temperature=temperature, seed=1, logprobs=3, prompt_logprobs=2, ignore_eos=True
+    )
     outputs = run(engine, prompt, params)
     out_ids = [o.token_id for o in outputs]
     hf = AutoModelForCausalLM.from_pretrained(tiny_llama_dir, dtype=torch.float32, attn_implementation="sdpa").eval()

@@ -36,9 +36,14 @@ def _move(source, target, request_id: str, new_id: str, block_offset: int = 0) -
     source.release_handoff(seq)
 
 
-@pytest.mark.parametrize("params", [SamplingParams(max_tokens=40, ignore_eos=True),
-                                    SamplingParams(max_tokens=40, ignore_eos=True, temperature=0.9, seed=5)],
-                         ids=["greedy", "seeded"])
+@pytest.mark.parametrize(
+    "params",
+    [
+        SamplingParams(max_tokens=40, ignore_eos=True),
+        SamplingParams(max_tokens=40, ignore_eos=True, temperature=0.9, seed=5),
+    ],
+    ids=["greedy", "seeded"],
+)
 def test_suspended_sequence_decodes_on_elsewhere_identically(tiny_llama_dir, make_engine, params) -> None:  # noqa: ANN001
     loaded = load_model(tiny_llama_dir)
     ids = encode_text(loaded.tokenizer, PROMPT)

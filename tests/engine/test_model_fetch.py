@@ -15,9 +15,7 @@ def _llama_cpp_permute(w: np.ndarray, n_head: int) -> np.ndarray:
     """llama.cpp convert_hf_to_gguf's forward permutation of q/k rows."""
     out_features, in_features = w.shape
     return (
-        w.reshape(n_head, 2, out_features // n_head // 2, in_features)
-        .swapaxes(1, 2)
-        .reshape(out_features, in_features)
+        w.reshape(n_head, 2, out_features // n_head // 2, in_features).swapaxes(1, 2).reshape(out_features, in_features)
     )
 
 

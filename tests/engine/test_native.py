@@ -17,7 +17,9 @@ from pdserve.engine.kv_cache import KVCache
 
 CPU = torch.device("cpu")
 HAS_AVX2 = platform.machine().lower() in ("x86_64", "amd64") and torch.backends.cpu.get_cpu_capability() in (
-    "AVX2", "AVX512")
+    "AVX2",
+    "AVX512",
+)
 pytestmark = pytest.mark.skipif(not HAS_AVX2, reason="the native kernels need an x86-64 CPU with AVX2")
 
 
@@ -33,8 +35,9 @@ def test_linear_is_x_w_plus_bias_plus_residual(k: int, n: int) -> None:
     for rows in (1, 2, 3, 5):
         x, residual = torch.randn(rows, k), torch.randn(rows, n)
         torch.testing.assert_close(native.native_linear(x, weight), F.linear(x, weight), atol=1e-4, rtol=1e-5)
-        torch.testing.assert_close(native.native_linear(x, weight, bias, residual),
-                                   residual + F.linear(x, weight, bias), atol=1e-4, rtol=1e-5)
+        torch.testing.assert_close(
+            native.native_linear(x, weight, bias, residual), residual + F.linear(x, weight, bias), atol=1e-4, rtol=1e-5
+        )
     strided = torch.randn(3, 2 * k)[:, :k]  # rows of a wider tensor, as a view of fused outputs is
     torch.testing.assert_close(native.native_linear(strided, weight), F.linear(strided, weight), atol=1e-4, rtol=1e-5)
 
@@ -124,18 +127,24 @@ def _paged_batch(cache: KVCache, contexts: list[int], block_size: int) -> Attent
     padded = torch.zeros(len(tables), width, dtype=torch.long)
     for row, table in enumerate(tables):
         padded[row, : len(table)] = torch.tensor(table)
-    return AttentionBatch(kv_cache=cache, slot_mapping=torch.zeros(len(contexts), dtype=torch.long),
-                          query_lens=[1] * len(contexts), context_lens=contexts, block_tables=padded,
-                          num_decode=len(contexts))
+    return AttentionBatch(
+        kv_cache=cache,
+        slot_mapping=torch.zeros(len(contexts), dtype=torch.long),
+        query_lens=[1] * len(contexts),
+        context_lens=contexts,
+        block_tables=padded,
+        num_decode=len(contexts),
+    )
 
 
 @pytest.mark.parametrize("contexts", [[1], [37], [5, 64, 17, 33]])
-@pytest.mark.parametrize(("query_dtype", "cache_dtype"), [(torch.float32, torch.float32),
-                                                          (torch.bfloat16, torch.bfloat16),
-                                                          (torch.float32, torch.bfloat16)])
+@pytest.mark.parametrize(
+    ("query_dtype", "cache_dtype"),
+    [(torch.float32, torch.float32), (torch.bfloat16, torch.bfloat16), (torch.float32, torch.bfloat16)],
+)
 def test_decode_attention_reads_the_pages_in_place_as_the_gather_path_computes(
-        contexts: list[int], query_dtype: torch.dtype, cache_dtype: torch.dtype,
-        monkeypatch: pytest.MonkeyPatch) -> None:
+    contexts: list[int], query_dtype: torch.dtype, cache_dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch
+) -> None:
     from pdserve.engine.kv_cache import KVCacheShape
 
     torch.manual_seed(2)

@@ -74,8 +74,9 @@ def test_a_prefill_engine_hands_off_and_holds_blocks_until_released(tiny_llama, 
     from pdserve.engine.config import EngineConfig
 
     connector = RecordingConnector()
-    prefill = LLMEngine(tiny_llama, EngineConfig(num_blocks=64, prefill_chunk_tokens=16, prefix_caching=True),
-                        connector=connector)
+    prefill = LLMEngine(
+        tiny_llama, EngineConfig(num_blocks=64, prefill_chunk_tokens=16, prefix_caching=True), connector=connector
+    )
     for i, prompt in enumerate(PROMPTS):
         prefill.add_request(str(i), prompt, SamplingParams(max_tokens=1))
     outputs = []

@@ -37,15 +37,22 @@ def test_every_pass_is_logged_with_its_shape(monkeypatch, tmp_path, tiny_llama, 
             continue
         decode = [i for i in planned.items if not i.is_prefill]
         prefill = [i for i in planned.items if i.is_prefill]
-        expected.append((len(decode), sum(cached[i.seq.request_id] + 1 for i in decode),
-                         sum(len(i.token_ids) for i in prefill),
-                         sum(len(i.token_ids) * (cached[i.seq.request_id] + len(i.token_ids)) for i in prefill)))
+        expected.append(
+            (
+                len(decode),
+                sum(cached[i.seq.request_id] + 1 for i in decode),
+                sum(len(i.token_ids) for i in prefill),
+                sum(len(i.token_ids) * (cached[i.seq.request_id] + len(i.token_ids)) for i in prefill),
+            )
+        )
     engine.pass_log.close()
     files = list((tmp_path / "log").glob("passes-*.csv"))
     assert len(files) == 1
     rows = read_pass_logs(files)
-    got = [(int(r["decode_batch"]), int(r["decode_context"]), int(r["prefill_tokens"]), int(r["prefill_attention"]))
-           for r in rows]
+    got = [
+        (int(r["decode_batch"]), int(r["decode_context"]), int(r["prefill_tokens"]), int(r["prefill_attention"]))
+        for r in rows
+    ]
     assert got == expected
     # the long prompt's chunks rode along with the short one's decode steps: mixed passes
     assert got[1:4] == [(1, 4, 16, 256), (1, 5, 16, 16 * 32), (1, 6, 8, 8 * 40)]

@@ -37,8 +37,9 @@ def test_repetition_penalty_matches_transformers_over_prompt_and_output() -> Non
 def test_presence_and_frequency_follow_openai_over_output_tokens_only() -> None:
     logits = _logits(1)
     ids = [5, 5, 9, 12, 12, 12, 9]  # prompt 5, 5, 9; output 12, 12, 12, 9
-    out = apply_penalties(logits, [SamplingParams(presence_penalty=0.5, frequency_penalty=0.25)],
-                          [TokenHistory(ids, 4)])
+    out = apply_penalties(
+        logits, [SamplingParams(presence_penalty=0.5, frequency_penalty=0.25)], [TokenHistory(ids, 4)]
+    )
     want = logits[0].clone()
     for token, count in ((12, 3), (9, 1)):  # OpenAI: mu[j] - c[j] * alpha_frequency - (c[j] > 0) * alpha_presence
         want[token] -= count * 0.25 + 0.5
@@ -73,11 +74,19 @@ def test_greedy_takes_the_biased_argmax_and_min_p_drops_unlikely_tokens() -> Non
     assert drawn <= allowed and len(drawn) > 1
 
 
-@pytest.mark.parametrize(("name", "value"), [
-    ("presence_penalty", 2.5), ("frequency_penalty", -3.0), ("repetition_penalty", 0.0),
-    ("repetition_penalty", 2.5), ("min_p", 1.5), ("min_tokens", 17), ("logit_bias", ((3, 101.0),)),
-    ("logit_bias", ((-1, 1.0),)),
-])
+@pytest.mark.parametrize(
+    ("name", "value"),
+    [
+        ("presence_penalty", 2.5),
+        ("frequency_penalty", -3.0),
+        ("repetition_penalty", 0.0),
+        ("repetition_penalty", 2.5),
+        ("min_p", 1.5),
+        ("min_tokens", 17),
+        ("logit_bias", ((3, 101.0),)),
+        ("logit_bias", ((-1, 1.0),)),
+    ],
+)
 def test_out_of_range_values_name_their_field(name: str, value: object) -> None:
     with pytest.raises(ValueError, match=name):
         SamplingParams(max_tokens=16, **{name: value})  # type: ignore[arg-type]
@@ -86,10 +95,13 @@ def test_out_of_range_values_name_their_field(name: str, value: object) -> None:
 PROMPTS = ["The cat sat on the mat. The cat sat on the", "List the colours: red, green, blue, red, green,"]
 
 
-@pytest.mark.parametrize(("params", "hf"), [
-    ({"repetition_penalty": 1.3}, {"repetition_penalty": 1.3}),
-    ({"min_tokens": 12}, {"min_new_tokens": 12}),
-])
+@pytest.mark.parametrize(
+    ("params", "hf"),
+    [
+        ({"repetition_penalty": 1.3}, {"repetition_penalty": 1.3}),
+        ({"min_tokens": 12}, {"min_new_tokens": 12}),
+    ],
+)
 def test_greedy_with_penalties_matches_generate(default_model: LoadedModel, params: dict, hf: dict) -> None:
     engine = LLMEngine(default_model, EngineConfig(num_blocks=256))
     reference = AutoModelForCausalLM.from_pretrained(default_model.path).eval()
@@ -98,9 +110,10 @@ def test_greedy_with_penalties_matches_generate(default_model: LoadedModel, para
     got = engine.generate(ids, [SamplingParams(max_tokens=16, **params) for _ in ids])
     for prompt_ids, tokens in zip(ids, got, strict=True):
         with torch.no_grad():
-            out = reference.generate(torch.tensor([prompt_ids]), max_new_tokens=16, do_sample=False,
-                                     pad_token_id=tok.eos_token_id, **hf)
-        want = out[0, len(prompt_ids):].tolist()
+            out = reference.generate(
+                torch.tensor([prompt_ids]), max_new_tokens=16, do_sample=False, pad_token_id=tok.eos_token_id, **hf
+            )
+        want = out[0, len(prompt_ids) :].tolist()
         while want and want[-1] == tok.eos_token_id and len(want) > len(tokens):
             want.pop()  # generate pads a finished row; the engine stops at EOS
         assert tokens == want[: len(tokens)] and len(tokens) == len(want)
@@ -115,8 +128,14 @@ def test_logit_bias_banning_the_argmax_matches_generate(default_model: LoadedMod
     got = engine.generate([ids], [SamplingParams(max_tokens=12, min_tokens=12, logit_bias=((first, -100.0),))])[0]
     assert first not in got
     with torch.no_grad():
-        want = reference.generate(torch.tensor([ids]), max_new_tokens=12, min_new_tokens=12, do_sample=False,
-                                  sequence_bias={(first,): -100.0}, pad_token_id=0)[0, len(ids):].tolist()
+        want = reference.generate(
+            torch.tensor([ids]),
+            max_new_tokens=12,
+            min_new_tokens=12,
+            do_sample=False,
+            sequence_bias={(first,): -100.0},
+            pad_token_id=0,
+        )[0, len(ids) :].tolist()
     assert got == want
 
 
@@ -159,10 +178,15 @@ def test_bad_words_and_skip_special_tokens_in_the_engine(default_model: LoadedMo
     engine.pool.assert_all_free()
 
 
-@pytest.mark.parametrize("params", [
-    SamplingParams(temperature=1e-40), SamplingParams(temperature=1e-40, seed=3),
-    SamplingParams(temperature=1.0, top_p=1e-300, seed=5), SamplingParams(temperature=2e-6, top_k=3),
-])
+@pytest.mark.parametrize(
+    "params",
+    [
+        SamplingParams(temperature=1e-40),
+        SamplingParams(temperature=1e-40, seed=3),
+        SamplingParams(temperature=1.0, top_p=1e-300, seed=5),
+        SamplingParams(temperature=2e-6, top_k=3),
+    ],
+)
 def test_extreme_temperatures_and_top_p_sample_the_argmax_instead_of_failing(params: SamplingParams) -> None:
     """A client's `temperature: 1e-40` once overflowed the logits to infinities, the draw to NaN,
     and `multinomial` raised on the prefill worker (issue: one client cannot hurt another)."""

@@ -11,9 +11,42 @@ import pytest
 
 from pdserve.tokenization import PieceCache, encode_chat, encode_text
 
-ALPHABET = ["river", "mill", " boat", "Flour", "42", "3.14", "  ", "\n", "\n\n", "\t", " \n ", "'s", "'ll",
-            "don't", "!?", "...", "—", "é", "数据", "🙂", "<|im_start|>", "<|im_end|>", "<|endoftext|>",
-            "<|im_start", "im_end|>", "<", "|", ">", "user", "assistant\n", " ", "x\ny", "a  b", "\r\n"]
+ALPHABET = [
+    "river",
+    "mill",
+    " boat",
+    "Flour",
+    "42",
+    "3.14",
+    "  ",
+    "\n",
+    "\n\n",
+    "\t",
+    " \n ",
+    "'s",
+    "'ll",
+    "don't",
+    "!?",
+    "...",
+    "—",
+    "é",
+    "数据",
+    "🙂",
+    "<|im_start|>",
+    "<|im_end|>",
+    "<|endoftext|>",
+    "<|im_start",
+    "im_end|>",
+    "<",
+    "|",
+    ">",
+    "user",
+    "assistant\n",
+    " ",
+    "x\ny",
+    "a  b",
+    "\r\n",
+]
 
 
 def _texts(seed: int, count: int) -> list[str]:
@@ -69,5 +102,6 @@ def test_bounded_by_characters(default_tokenizer) -> None:  # noqa: ANN001
     for i in range(50):
         text = f"piece number {i} " * 3 + "<|im_end|>"
         assert pieces.encode(text, add_special_tokens=False) == list(
-            default_tokenizer(text, add_special_tokens=False).input_ids)
+            default_tokenizer(text, add_special_tokens=False).input_ids
+        )
     assert 0 < pieces._chars <= 100

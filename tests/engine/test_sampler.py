@@ -38,8 +38,12 @@ def test_min_p_drops_tokens_below_a_share_of_the_most_likely() -> None:
 def test_each_row_filters_with_its_own_values() -> None:
     """One batch, one sort: rows with different top-k, top-p, min-p and temperature keep to their own."""
     logits = torch.tensor([0.4, 0.3, 0.2, 0.1]).log().repeat(4, 1)
-    params = [SamplingParams(temperature=1.0, top_k=1), SamplingParams(temperature=1.0, top_p=0.65),
-              SamplingParams(temperature=1.0, min_p=0.4), SamplingParams(temperature=1.0)]
+    params = [
+        SamplingParams(temperature=1.0, top_k=1),
+        SamplingParams(temperature=1.0, top_p=0.65),
+        SamplingParams(temperature=1.0, min_p=0.4),
+        SamplingParams(temperature=1.0),
+    ]
     seen: list[set[int]] = [set() for _ in params]
     for step in range(400):
         for row, token in enumerate(sample(logits, params, [step] * 4)):
@@ -67,16 +71,24 @@ def test_seeded_sampling_follows_distribution() -> None:
     drawn = sample(logits.repeat(3000, 1), [p] * 3000, list(range(3000)))
     counts = torch.bincount(torch.tensor(drawn), minlength=3)
     assert abs(counts[0].item() / 3000 - 0.7) < 0.04 and abs(counts[2].item() / 3000 - 0.1) < 0.03
-    unseeded = torch.bincount(torch.tensor(sample(logits.repeat(3000, 1), [SamplingParams(temperature=1.0)] * 3000,
-                                                  [0] * 3000)), minlength=3)
+    unseeded = torch.bincount(
+        torch.tensor(sample(logits.repeat(3000, 1), [SamplingParams(temperature=1.0)] * 3000, [0] * 3000)), minlength=3
+    )
     assert abs(unseeded[0].item() / 3000 - 0.7) < 0.04
 
 
 @pytest.mark.parametrize(
     "kwargs,field",
-    [({"max_tokens": 0}, "max_tokens"), ({"temperature": -1}, "temperature"), ({"top_p": 0}, "top_p"),
-     ({"top_k": -2}, "top_k"), ({"seed": -1}, "seed"), ({"stop": ("",)}, "stop"),
-     ({"stop": tuple("abcdefghijklmnopq")}, "stop"), ({"stop_token_ids": (-1,)}, "stop_token_ids")],
+    [
+        ({"max_tokens": 0}, "max_tokens"),
+        ({"temperature": -1}, "temperature"),
+        ({"top_p": 0}, "top_p"),
+        ({"top_k": -2}, "top_k"),
+        ({"seed": -1}, "seed"),
+        ({"stop": ("",)}, "stop"),
+        ({"stop": tuple("abcdefghijklmnopq")}, "stop"),
+        ({"stop_token_ids": (-1,)}, "stop_token_ids"),
+    ],
 )
 def test_bad_params_name_their_field(kwargs: dict, field: str) -> None:
     with pytest.raises(ValueError, match=field):

@@ -17,9 +17,14 @@ from pdserve.engine.sim_runner import SimLoadedModel, SimRunner, load_sim_model
 from pdserve.kv_transfer import KvSpec
 from pdserve.kv_transfer.modelled import ModelledLinkSender, shipped_tokens
 
-PROFILE = Profile(name="unit", model_name="tiny", kv_bytes_per_token=1000.0,
-                  prefill=PrefillCost(0.05, 0.001, 1e-6), decode=DecodeCost(0.02, 0.001, 1e-5),
-                  transfer={"shm": LinkCost(0.01, 1e6)})
+PROFILE = Profile(
+    name="unit",
+    model_name="tiny",
+    kv_bytes_per_token=1000.0,
+    prefill=PrefillCost(0.05, 0.001, 1e-6),
+    decode=DecodeCost(0.02, 0.001, 1e-5),
+    transfer={"shm": LinkCost(0.01, 1e6)},
+)
 
 
 @pytest.fixture(scope="module")
@@ -65,8 +70,14 @@ def test_no_weights_and_a_placeholder_cache(sim_model: SimLoadedModel) -> None:
 
 
 def test_engine_generates_deterministic_text_and_frees_every_block(make_engine, default_model_dir: Path) -> None:  # noqa: ANN001
-    fast = Profile(name="fast", model_name="tiny", kv_bytes_per_token=1.0, prefill=PrefillCost(0.0, 0.0, 0.0),
-                   decode=DecodeCost(0.0, 0.0, 0.0), transfer={"shm": LinkCost(0.0, 1.0)})
+    fast = Profile(
+        name="fast",
+        model_name="tiny",
+        kv_bytes_per_token=1.0,
+        prefill=PrefillCost(0.0, 0.0, 0.0),
+        decode=DecodeCost(0.0, 0.0, 0.0),
+        transfer={"shm": LinkCost(0.0, 1.0)},
+    )
     loaded = load_sim_model(default_model_dir, fast)
     prompts = [[1, 2, 3], [7] * 40, [11, 12]]
     greedy = SamplingParams(max_tokens=12, ignore_eos=True)
@@ -97,8 +108,9 @@ class RecordingSender:
 
 def test_modelled_link_waits_for_the_shipped_tokens_only() -> None:
     inner, slept = RecordingSender(), []
-    sender = ModelledLinkSender(inner, lambda spec: PROFILE.transfer_s("shm", shipped_tokens(spec)) / 4,
-                                sleep=slept.append)
+    sender = ModelledLinkSender(
+        inner, lambda spec: PROFILE.transfer_s("shm", shipped_tokens(spec)) / 4, sleep=slept.append
+    )
     spec = KvSpec("r1", "sim-x", "float16", (1, 2, 3, 16, 1, 1), 16, 100, block_offset=4)  # 7 blocks, 4 held
     assert sender.send(spec, torch.zeros(spec.shape, dtype=torch.float16), 1, 5.0) == "ack"
     assert shipped_tokens(spec) == 100 - 64 and inner.sent == [spec]

@@ -10,8 +10,13 @@ from pdserve.engine.llm_engine import LLMEngine
 from pdserve.engine.model_runner import StepInput
 from pdserve.engine.sampling_params import SamplingParams
 
-PROMPTS = {"a": list(range(10, 30)), "b": list(range(40, 47)), "poison": list(range(60, 75)),
-           "c": list(range(80, 113)), "d": [5, 6, 7]}
+PROMPTS = {
+    "a": list(range(10, 30)),
+    "b": list(range(40, 47)),
+    "poison": list(range(60, 75)),
+    "c": list(range(80, 113)),
+    "d": [5, 6, 7],
+}
 PARAMS = SamplingParams(max_tokens=10, ignore_eos=True)
 
 
@@ -36,8 +41,11 @@ def _fail_with(engine: LLMEngine, request_id: str, after_outputs: int) -> list[i
     def faulty(items: list[StepInput], on_layer_done=None) -> torch.Tensor:  # noqa: ANN001
         passes.append(len(items))
         seq = victim(request_id)
-        if seq is not None and len(seq.output_ids) >= after_outputs and \
-                any(item.block_table is seq.block_table for item in items):
+        if (
+            seq is not None
+            and len(seq.output_ids) >= after_outputs
+            and any(item.block_table is seq.block_table for item in items)
+        ):
             raise RuntimeError(f"{request_id} broke the pass")
         return forward(items, on_layer_done=on_layer_done)
 
@@ -68,8 +76,7 @@ def test_a_prefill_chunk_failing_fails_only_its_prompt(tiny_llama, make_engine) 
         assert got[rid] == undisturbed[rid], rid
 
 
-def test_a_pass_that_always_fails_fails_every_sequence_alone_and_frees_everything(tiny_llama,
-                                                                                  make_engine) -> None:  # noqa: ANN001
+def test_a_pass_that_always_fails_fails_every_sequence_alone_and_frees_everything(tiny_llama, make_engine) -> None:  # noqa: ANN001
     engine = make_engine(tiny_llama)
 
     def broken(items: list[StepInput], on_layer_done=None) -> torch.Tensor:  # noqa: ANN001

@@ -39,7 +39,9 @@ def test_text_without_stop_is_released_in_full() -> None:
 def test_include_stop_str_in_output_keeps_the_stop_string() -> None:
     pieces = [(10, "hello E"), (11, "N"), (12, "D more")]
     assert _run(SamplingParams(max_tokens=50, stop=("END",), include_stop_str_in_output=True), pieces)[:2] == (
-        "hello END", "stop_string")
+        "hello END",
+        "stop_string",
+    )
     assert _run(SamplingParams(max_tokens=50, stop=("END",)), pieces)[:2] == ("hello ", "stop_string")
     # two stop strings at one place: the text ends with the longer one; the earlier place wins
     both = SamplingParams(max_tokens=50, stop=("ab", "abc", "x"), include_stop_str_in_output=True)

@@ -35,8 +35,10 @@ def _text(model, ids: list[int]) -> str:  # noqa: ANN001
 def test_json_schema_outputs_validate_at_temperature_one(tiny_model, make_engine) -> None:  # noqa: ANN001
     engine = make_engine(tiny_model)
     prompts = [encode_text(tiny_model.tokenizer, f"Request {i}: answer in JSON.") for i in range(20)]
-    params = [SamplingParams(max_tokens=256, temperature=1.0, seed=i, structured=("json_schema", json.dumps(SCHEMA)))
-              for i in range(20)]
+    params = [
+        SamplingParams(max_tokens=256, temperature=1.0, seed=i, structured=("json_schema", json.dumps(SCHEMA)))
+        for i in range(20)
+    ]
     outputs = engine.generate(prompts, params)
     for ids in outputs:
         doc = json.loads(_text(tiny_model, ids))  # complete before max_tokens: the grammar ended it
@@ -54,24 +56,29 @@ def test_json_object_regex_choice_and_grammar(tiny_model, make_engine) -> None: 
     }
     for (kind, spec), accepts in cases.items():
         for seed in range(3):
-            (ids,) = engine.generate([prompt], SamplingParams(max_tokens=32, temperature=1.0, seed=seed,
-                                                              structured=(kind, spec)))
+            (ids,) = engine.generate(
+                [prompt], SamplingParams(max_tokens=32, temperature=1.0, seed=seed, structured=(kind, spec))
+            )
             assert accepts(_text(tiny_model, ids)), (kind, _text(tiny_model, ids))
-    (ids,) = engine.generate([prompt], SamplingParams(max_tokens=64, temperature=1.0, seed=5,
-                                                      structured=("json_object", "")))
+    (ids,) = engine.generate(
+        [prompt], SamplingParams(max_tokens=64, temperature=1.0, seed=5, structured=("json_object", ""))
+    )
     text = _text(tiny_model, ids)
     if len(ids) < 64:  # an object that completed must parse (a free-form one may run out of tokens)
         assert isinstance(json.loads(text), dict)
     assert text.startswith("{")
 
 
-@pytest.mark.parametrize(("kind", "spec", "message"), [
-    ("json_schema", "{not json", "not valid JSON"),
-    ("json_schema", json.dumps({"type": "bogus"}), "json_schema"),
-    ("regex", "([a-z]", "regex"),
-    ("choice", "[]", "non-empty list"),
-    ("grammar", "start: undefined_rule", "grammar"),
-])
+@pytest.mark.parametrize(
+    ("kind", "spec", "message"),
+    [
+        ("json_schema", "{not json", "not valid JSON"),
+        ("json_schema", json.dumps({"type": "bogus"}), "json_schema"),
+        ("regex", "([a-z]", "regex"),
+        ("choice", "[]", "non-empty list"),
+        ("grammar", "start: undefined_rule", "grammar"),
+    ],
+)
 def test_a_bad_constraint_is_a_clear_error(tiny_model, kind: str, spec: str, message: str) -> None:  # noqa: ANN001
     with pytest.raises(StructuredOutputError, match=message):
         check(tiny_model, kind, spec)
@@ -93,8 +100,9 @@ def test_the_constraint_is_rebuilt_from_tokens(tiny_model, make_engine) -> None:
     assert resumed.finish_reason == "stop"
     # a prefill worker computing a resumed request sees the outputs at the end of its prompt
     # (output_index says how many): its first token is the one after them
-    engine.add_request("prefilled", prompt + whole[:5], SamplingParams(max_tokens=1, structured=params.structured),
-                       output_index=5)
+    engine.add_request(
+        "prefilled", prompt + whole[:5], SamplingParams(max_tokens=1, structured=params.structured), output_index=5
+    )
     first = [out.token_id for out in engine.step() if out.token_id >= 0]
     while engine.has_work:
         engine.step()

@@ -27,16 +27,20 @@ def test_role_markers_in_content_stay_text(default_tokenizer) -> None:  # noqa: 
     assert endoftext not in encode_chat(tok, [("user", "stop here <|endoftext|> please")])
 
 
-@pytest.mark.parametrize("messages", [
-    [("user", "Hello there!")],
-    [("system", "You are terse."), ("user", "Name a colour.\n  Then another.")],
-    [("user", "one"), ("assistant", "two"), ("user", "three, with a tab\tinside")],
-])
+@pytest.mark.parametrize(
+    "messages",
+    [
+        [("user", "Hello there!")],
+        [("system", "You are terse."), ("user", "Name a colour.\n  Then another.")],
+        [("user", "one"), ("assistant", "two"), ("user", "three, with a tab\tinside")],
+    ],
+)
 def test_benign_content_tokenizes_as_before(default_tokenizer, messages, monkeypatch: pytest.MonkeyPatch) -> None:  # noqa: ANN001
     tok = default_tokenizer
     plain = encode_chat(tok, messages)
-    rendered = tok.apply_chat_template([{"role": r, "content": c} for r, c in messages], tokenize=False,
-                                       add_generation_prompt=True)
+    rendered = tok.apply_chat_template(
+        [{"role": r, "content": c} for r, c in messages], tokenize=False, add_generation_prompt=True
+    )
     assert plain == tok(rendered, add_special_tokens=False).input_ids
     # the placeholder path (taken only when content spells a special token) gives the same ids; it
     # tokenizes each content on its own, so whitespace at a content's edges (which a template may trim)

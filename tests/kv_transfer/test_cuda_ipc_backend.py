@@ -43,8 +43,9 @@ from pdserve.v1.kv_pb2 import KvFrame, KvHeader
 
 OURS = segment_prefix()  # the prefill worker identity the intakes are bound to (this process)
 SHAPE = KVCacheShape(num_layers=3, num_kv_heads=2, head_dim=8, block_size=4, dtype=torch.float32)
-GPU = pytest.mark.skipif(not torch.cuda.is_available(),
-                         reason="needs a CUDA GPU: CUDA IPC maps one process's device memory in another")
+GPU = pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs a CUDA GPU: CUDA IPC maps one process's device memory in another"
+)
 
 
 class RecordingServicer(KvTransferServicer):
@@ -89,9 +90,20 @@ class FakeDriver:
         handle = os.urandom(64)
         self.issued[handle] = tensor
         storage_bytes = tensor.untyped_storage().nbytes()
-        return cuda_ipc.IpcDescriptor(0, str(tensor.dtype).removeprefix("torch."), tuple(tensor.shape),
-                                      tuple(tensor.stride()), tensor.storage_offset(), storage_bytes, 0, handle,
-                                      b"/ref", 0, bytes(64), True)
+        return cuda_ipc.IpcDescriptor(
+            0,
+            str(tensor.dtype).removeprefix("torch."),
+            tuple(tensor.shape),
+            tuple(tensor.stride()),
+            tensor.storage_offset(),
+            storage_bytes,
+            0,
+            handle,
+            b"/ref",
+            0,
+            bytes(64),
+            True,
+        )
 
     def import_(self, d: cuda_ipc.IpcDescriptor, shape: tuple[int, ...], dtype: str) -> torch.Tensor:
         self.imports += 1
@@ -118,6 +130,7 @@ def send_in_background(fn) -> Future:  # noqa: ANN001
             future.set_result(fn())
         except BaseException as err:  # noqa: BLE001 - handed to the test
             future.set_exception(err)
+
     threading.Thread(target=run, daemon=True).start()
     return future
 
@@ -154,8 +167,9 @@ def test_auto_picks_cuda_ipc_only_for_cuda_caches_on_one_host(caplog: pytest.Log
 
 # ----- the frame -----------------------------------------------------------------------------------
 def test_descriptor_survives_the_wire_as_a_frame_field() -> None:
-    descriptor = cuda_ipc.IpcDescriptor(0, "float32", (3, 2, 8, 4, 2, 8), (1024, 512, 64, 16, 8, 1), 0, 4 * 3072,
-                                        0, b"h" * 64, b"/ref", 0, b"", False)
+    descriptor = cuda_ipc.IpcDescriptor(
+        0, "float32", (3, 2, 8, 4, 2, 8), (1024, 512, 64, 16, 8, 1), 0, 4 * 3072, 0, b"h" * 64, b"/ref", 0, b"", False
+    )
     header = header_for(spec_for("r"), 5, "", [6, 2, 3], 8)
     header.cuda_ipc_descriptor = cuda_ipc.pack(descriptor)
     again = KvHeader.FromString(header.SerializeToString())
@@ -201,19 +215,70 @@ def ipc_header(spec: KvSpec, data: bytes, ids: list[int] | None = None, num_bloc
     return header
 
 
-@pytest.mark.parametrize(("forge", "message"), [
-    (lambda good: b"NOTIPC" + good[6:], "bad magic"),
-    (lambda good: good[:-3], "truncated"),
-    (lambda good: cuda_ipc.pack(cuda_ipc.IpcDescriptor(
-        0, "float32", (3, 2, 8, 4, 2, 8), (1024, 512, 64, 16, 8, 1), 0, 4 * 3072, 0, os.urandom(64), b"/ref", 0,
-        b"", False)), "CUDA cannot open the handle"),
-    (lambda good: cuda_ipc.pack(cuda_ipc.IpcDescriptor(
-        0, "bfloat16", (3, 2, 8, 4, 2, 8), (1024, 512, 64, 16, 8, 1), 0, 2 * 3072, 0, os.urandom(64), b"/ref", 0,
-        b"", False)), "same --dtype"),
-    (lambda good: cuda_ipc.pack(cuda_ipc.IpcDescriptor(
-        0, "float32", (3, 2, 9, 4, 2, 8), (1152, 576, 64, 16, 8, 1), 0, 4 * 3456, 0, os.urandom(64), b"/ref", 0,
-        b"", False)), "pool shape"),
-])
+@pytest.mark.parametrize(
+    ("forge", "message"),
+    [
+        (lambda good: b"NOTIPC" + good[6:], "bad magic"),
+        (lambda good: good[:-3], "truncated"),
+        (
+            lambda good: cuda_ipc.pack(
+                cuda_ipc.IpcDescriptor(
+                    0,
+                    "float32",
+                    (3, 2, 8, 4, 2, 8),
+                    (1024, 512, 64, 16, 8, 1),
+                    0,
+                    4 * 3072,
+                    0,
+                    os.urandom(64),
+                    b"/ref",
+                    0,
+                    b"",
+                    False,
+                )
+            ),
+            "CUDA cannot open the handle",
+        ),
+        (
+            lambda good: cuda_ipc.pack(
+                cuda_ipc.IpcDescriptor(
+                    0,
+                    "bfloat16",
+                    (3, 2, 8, 4, 2, 8),
+                    (1024, 512, 64, 16, 8, 1),
+                    0,
+                    2 * 3072,
+                    0,
+                    os.urandom(64),
+                    b"/ref",
+                    0,
+                    b"",
+                    False,
+                )
+            ),
+            "same --dtype",
+        ),
+        (
+            lambda good: cuda_ipc.pack(
+                cuda_ipc.IpcDescriptor(
+                    0,
+                    "float32",
+                    (3, 2, 9, 4, 2, 8),
+                    (1152, 576, 64, 16, 8, 1),
+                    0,
+                    4 * 3456,
+                    0,
+                    os.urandom(64),
+                    b"/ref",
+                    0,
+                    b"",
+                    False,
+                )
+            ),
+            "pool shape",
+        ),
+    ],
+)
 def test_a_forged_handle_fails_that_intake_at_once(receiver, monkeypatch, forge, message: str) -> None:  # noqa: ANN001
     servicer, address = receiver
     driver = FakeDriver(monkeypatch)
@@ -258,7 +323,8 @@ def test_after_a_failed_prefill_the_mapping_is_dropped_and_a_new_pool_maps(recei
     for request_id, source in (("before", old), ("after", new)):
         pending = servicer.expect(spec_for(request_id), ExpectOptions(30, in_place=True, shm_segment_prefix=OURS))
         sent = send_in_background(
-            lambda s=source, r=request_id: CudaIpcKvSender(address).send_blocks(spec_for(r), s, [0, 1, 2], 1, 30))
+            lambda s=source, r=request_id: CudaIpcKvSender(address).send_blocks(spec_for(r), s, [0, 1, 2], 1, 30)
+        )
         dst = torch.zeros_like(source.kv)
         take_in_place(pending, dst, [0, 1, 2])
         assert sent.result(10).ok and torch.equal(dst[:, :, :3], source.kv[:, :, :3])
@@ -278,8 +344,13 @@ def test_a_failed_prefill_unmaps_that_workers_pool(monkeypatch: pytest.MonkeyPat
     intake = KvIntake(None, None, None, None, None)  # type: ignore[arg-type] - only its peer memory is used
     intake._peers["127.0.0.1:7000"] = PeerFacts("127.0.0.1:7000", OURS)
     call = MagicMock(done=lambda: False)
-    failure = intake._prefill_failure(PeerCallFailed(WorkerUnavailable, "UNAVAILABLE", "gone"), call,
-                                      MagicMock(error=lambda: ""), "127.0.0.1:7000", False)
+    failure = intake._prefill_failure(
+        PeerCallFailed(WorkerUnavailable, "UNAVAILABLE", "gone"),
+        call,
+        MagicMock(error=lambda: ""),
+        "127.0.0.1:7000",
+        False,
+    )
     assert isinstance(failure, WorkerUnavailable)
     assert list(cuda_ipc_backend._POOLS) == [other] and not intake._peers
 
@@ -329,8 +400,7 @@ def test_a_prefill_worker_without_cuda_sends_over_shm_and_says_so(receiver, capl
     assert torch.equal(dst[:, :, :3], source.kv[:, :, 4:7])
     assert servicer.frames[-1].header.shm_name.startswith(OURS)  # the host path: shared memory
     assert not servicer.frames[-1].header.cuda_ipc_descriptor
-    assert any("cannot export its pool" in r.getMessage() and "host memory" in r.getMessage()
-               for r in caplog.records)
+    assert any("cannot export its pool" in r.getMessage() and "host memory" in r.getMessage() for r in caplog.records)
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the receiver must lack CUDA for this fallback")
@@ -371,8 +441,13 @@ except Exception as err:
 
 def child(address: str, seed: int, request_id: str) -> subprocess.Popen:
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
-    return subprocess.Popen([sys.executable, "-c", CHILD, address, str(seed), request_id], env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    return subprocess.Popen(
+        [sys.executable, "-c", CHILD, address, str(seed), request_id],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
 
 
 @GPU
@@ -390,8 +465,9 @@ def test_gpu_blocks_move_device_to_device_between_processes(receiver) -> None:  
     assert torch.equal(dst[:, :, [0, 4, 5]].cpu(), expected[:, :, [6, 1, 2]])
     assert servicer.frames[-1].header.cuda_ipc_descriptor  # it went by IPC, not by the host path
     # a second pool claiming the same prefill worker's identity is refused at once
-    stale = servicer.expect(KvSpec.for_cache("gpu-2", "fp", shape, 10),
-                            ExpectOptions(60, in_place=True, shm_segment_prefix="prefill-a-"))
+    stale = servicer.expect(
+        KvSpec.for_cache("gpu-2", "fp", shape, 10), ExpectOptions(60, in_place=True, shm_segment_prefix="prefill-a-")
+    )
     out, _ = child(address, 12, "gpu-2").communicate(timeout=120)
     assert "REFUSED" in out and "stale or forged" in out, out
     with pytest.raises(KvTransferError, match="stale or forged"):

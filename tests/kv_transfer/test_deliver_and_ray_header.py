@@ -51,9 +51,10 @@ def test_deliver_mismatch_fails_that_intake_without_fetching(intake: KvTransferS
         "dtype": KvSpec("r1", "model-abc", "float16", spec.shape, 16, 40),
         "num_tokens": KvSpec("r1", "model-abc", "bfloat16", spec.shape, 16, 41),
     }.get(change, spec)
-    tensor = {"tensor_shape": torch.zeros((2, 2, 3, 16, 2, 4), dtype=torch.bfloat16),
-              "tensor_dtype": torch.zeros(spec.shape, dtype=torch.float16)}.get(change,
-                                                                                  torch.zeros(spec.shape))
+    tensor = {
+        "tensor_shape": torch.zeros((2, 2, 3, 16, 2, 4), dtype=torch.bfloat16),
+        "tensor_dtype": torch.zeros(spec.shape, dtype=torch.float16),
+    }.get(change, torch.zeros(spec.shape))
     fetched = []
     with pytest.raises(KvTransferError, match="does not match"):
         intake.deliver(header, lambda: fetched.append(1) or tensor, 3)
@@ -131,8 +132,9 @@ def test_what_a_receiver_cannot_honour_it_refuses(intake: KvTransferServicer) ->
     assert pending.done() and "no checksum" in pending.error()
 
 
-@pytest.mark.parametrize("options", [dict(deadline_s=0), dict(deadline_s=-1),
-                                     dict(deadline_s=5, require_checksum="md5")])
+@pytest.mark.parametrize(
+    "options", [dict(deadline_s=0), dict(deadline_s=-1), dict(deadline_s=5, require_checksum="md5")]
+)
 def test_expect_options_are_checked(options: dict) -> None:
     with pytest.raises(ValueError):
         ExpectOptions(**options)

@@ -35,10 +35,20 @@ def test_shm_control_frame_of_another_dtype_is_refused_by_name() -> None:
 
 
 def descriptor(**overrides: object) -> cuda_ipc.IpcDescriptor:
-    fields = dict(device=1, dtype="bfloat16", shape=(2, 2, 3, 16, 4, 64), strides=(24576, 12288, 4096, 256, 64, 1),
-                  storage_offset=128, storage_size_bytes=2 * 128 + 2 * 49152 * 2, storage_offset_bytes=0,
-                  memory_handle=bytes(range(64)), ref_counter_handle=b"/torch_123_456", ref_counter_offset=8,
-                  event_handle=bytes(64), event_sync_required=True)
+    fields = dict(
+        device=1,
+        dtype="bfloat16",
+        shape=(2, 2, 3, 16, 4, 64),
+        strides=(24576, 12288, 4096, 256, 64, 1),
+        storage_offset=128,
+        storage_size_bytes=2 * 128 + 2 * 49152 * 2,
+        storage_offset_bytes=0,
+        memory_handle=bytes(range(64)),
+        ref_counter_handle=b"/torch_123_456",
+        ref_counter_offset=8,
+        event_handle=bytes(64),
+        event_sync_required=True,
+    )
     return cuda_ipc.IpcDescriptor(**{**fields, **overrides})  # type: ignore[arg-type]
 
 
@@ -50,12 +60,15 @@ def test_ipc_descriptor_roundtrips_as_bytes() -> None:
     assert d.nbytes == 2 * 2 * 3 * 16 * 4 * 64 * 2
 
 
-@pytest.mark.parametrize(("mutate", "message"), [
-    (lambda b: b"NOTIPC" + b[6:], "bad magic"),
-    (lambda b: b[:-1], "truncated"),
-    (lambda b: b + b"\0", "trailing bytes"),
-    (lambda b: b[:6] + b"\x01\x00\x05" + b"int64" + b[17:], "dtype"),
-])
+@pytest.mark.parametrize(
+    ("mutate", "message"),
+    [
+        (lambda b: b"NOTIPC" + b[6:], "bad magic"),
+        (lambda b: b[:-1], "truncated"),
+        (lambda b: b + b"\0", "trailing bytes"),
+        (lambda b: b[:6] + b"\x01\x00\x05" + b"int64" + b[17:], "dtype"),
+    ],
+)
 def test_malformed_descriptors_are_refused(mutate, message: str) -> None:  # noqa: ANN001
     with pytest.raises(ValueError, match=message):
         cuda_ipc.unpack(mutate(cuda_ipc.pack(descriptor())))

@@ -65,9 +65,7 @@ def expect_field(spec: KvSpec, frames: list[KvFrame], field: str) -> KvFrameErro
 
 
 @pytest.mark.parametrize("dtype", sorted(SUPPORTED_DTYPES))
-@pytest.mark.parametrize(
-    "geometry", [(1, 1, 1, 1, 1), (3, 5, 4, 2, 8), (4, 16, 16, 4, 16), (2, 33, 8, 1, 64)]
-)
+@pytest.mark.parametrize("geometry", [(1, 1, 1, 1, 1), (3, 5, 4, 2, 8), (4, 16, 16, 4, 16), (2, 33, 8, 1, 64)])
 @pytest.mark.parametrize("frame_kind", ["tiny", "odd", "sub_layer", "one_layer", "multi_layer", "huge"])
 def test_roundtrip_bit_exact(dtype: str, geometry: tuple[int, ...], frame_kind: str) -> None:
     layers, num_tokens, block_size, heads, head_dim = geometry
@@ -156,9 +154,7 @@ def test_spec_nbytes() -> None:
 # ---------------------------------------------------------------- validation
 
 
-def _mutated(
-    field: str, value: object, frame_index: int = 0, max_frame: int = 100
-) -> tuple[KvSpec, list[KvFrame]]:
+def _mutated(field: str, value: object, frame_index: int = 0, max_frame: int = 100) -> tuple[KvSpec, list[KvFrame]]:
     spec = make_spec()
     frames = frames_of(spec, random_kv(spec), max_frame)
     header = frames[frame_index].header

@@ -77,9 +77,7 @@ def raw_push(address: str, frames: Iterator[KvFrame] | list[KvFrame], timeout: f
 
 
 @pytest.mark.parametrize("dtype", sorted(SUPPORTED_DTYPES))
-def test_transfer_is_bit_exact(
-    receiver: tuple[KvTransferServicer, str], sender: GrpcKvSender, dtype: str
-) -> None:
+def test_transfer_is_bit_exact(receiver: tuple[KvTransferServicer, str], sender: GrpcKvSender, dtype: str) -> None:
     servicer, _ = receiver
     spec = make_spec(f"ok-{dtype}", dtype)
     kv = random_kv(spec, seed=3)
@@ -91,9 +89,7 @@ def test_transfer_is_bit_exact(
     assert servicer.num_pending() == 0
 
 
-def test_corrupt_frame_fails_only_its_request(
-    receiver: tuple[KvTransferServicer, str], sender: GrpcKvSender
-) -> None:
+def test_corrupt_frame_fails_only_its_request(receiver: tuple[KvTransferServicer, str], sender: GrpcKvSender) -> None:
     servicer, address = receiver
     bad_spec, good_spec = make_spec("bad"), make_spec("good", num_tokens=200)
     bad_pending = servicer.expect(bad_spec, ExpectOptions(10))
@@ -113,9 +109,7 @@ def test_corrupt_frame_fails_only_its_request(
     assert servicer.num_pending() == 0
 
 
-def test_wrong_spec_from_sender_is_refused(
-    receiver: tuple[KvTransferServicer, str], sender: GrpcKvSender
-) -> None:
+def test_wrong_spec_from_sender_is_refused(receiver: tuple[KvTransferServicer, str], sender: GrpcKvSender) -> None:
     servicer, _ = receiver
     pending = servicer.expect(make_spec("r", "float32"), ExpectOptions(10))
     other = make_spec("r", "bfloat16")
@@ -125,9 +119,7 @@ def test_wrong_spec_from_sender_is_refused(
         pending.wait(timeout=5)
 
 
-def test_unknown_request_id_is_refused(
-    receiver: tuple[KvTransferServicer, str], sender: GrpcKvSender
-) -> None:
+def test_unknown_request_id_is_refused(receiver: tuple[KvTransferServicer, str], sender: GrpcKvSender) -> None:
     spec = make_spec("nobody-expects-me")
     with pytest.raises(KvTransferError, match="unknown request_id"):
         sender.send(spec, random_kv(spec), 0, timeout_s=10)
@@ -190,9 +182,7 @@ def test_deadline_without_any_sender(receiver: tuple[KvTransferServicer, str]) -
         pending.wait(timeout=0)
 
 
-def test_wait_timeout_does_not_fail_the_intake(
-    receiver: tuple[KvTransferServicer, str], sender: GrpcKvSender
-) -> None:
+def test_wait_timeout_does_not_fail_the_intake(receiver: tuple[KvTransferServicer, str], sender: GrpcKvSender) -> None:
     servicer, _ = receiver
     spec = make_spec("slow")
     pending = servicer.expect(spec, ExpectOptions(10))

@@ -72,12 +72,19 @@ class InProcessPrefill:
     async def segment_prefix(self, address: str, timeout_s: float) -> str:
         return ""
 
-    async def prefill(self, address: str, request: worker_pb2.PrefillRequest,
-                      timeout_s: float) -> worker_pb2.PrefillResponse:
-        job = PrefillJob(request_id=request.request_id, prompt_ids=list(request.prompt_token_ids),
-                         params=sampling_params_from_pb(request.params), kv_target=request.kv_target_address,
-                         kv_backend=request.kv_backend, output_index=request.output_index,
-                         kv_block_offset=request.kv_block_offset, kv_checksum=request.kv_checksum)
+    async def prefill(
+        self, address: str, request: worker_pb2.PrefillRequest, timeout_s: float
+    ) -> worker_pb2.PrefillResponse:
+        job = PrefillJob(
+            request_id=request.request_id,
+            prompt_ids=list(request.prompt_token_ids),
+            params=sampling_params_from_pb(request.params),
+            kv_target=request.kv_target_address,
+            kv_backend=request.kv_backend,
+            output_index=request.output_index,
+            kv_block_offset=request.kv_block_offset,
+            kv_checksum=request.kv_checksum,
+        )
         future = self.workers[address].submit(job)
         try:  # cancelling this coroutine cancels the job, as a cancelled Prefill call does
             result = await asyncio.wait_for(asyncio.wrap_future(future), timeout_s)
@@ -85,8 +92,12 @@ class InProcessPrefill:
             raise PeerCallFailed(WorkerUnavailable, "DEADLINE_EXCEEDED", "Deadline Exceeded") from None
         except KvTransferError as exc:
             raise PeerCallFailed(WorkerUnavailable, "UNAVAILABLE", f"KV transfer failed: {exc}") from exc
-        return worker_pb2.PrefillResponse(request_id=job.request_id, first_token_id=result.first_token_id,
-                                          kv_bytes=result.kv_bytes, cached_tokens=result.cached_tokens)
+        return worker_pb2.PrefillResponse(
+            request_id=job.request_id,
+            first_token_id=result.first_token_id,
+            kv_bytes=result.kv_bytes,
+            cached_tokens=result.cached_tokens,
+        )
 
 
 class InProcessSources:
@@ -95,8 +106,9 @@ class InProcessSources:
     def __init__(self, sources: dict[str, MigrationSource]) -> None:
         self.sources = sources
 
-    async def migrate_out(self, address: str, request: worker_pb2.MigrateOutRequest,
-                          timeout_s: float) -> worker_pb2.MigrateOutResponse:
+    async def migrate_out(
+        self, address: str, request: worker_pb2.MigrateOutRequest, timeout_s: float
+    ) -> worker_pb2.MigrateOutResponse:
         try:
             return await asyncio.wait_for(self.sources[address].migrate_out(request), timeout_s)
         except Failure as exc:
@@ -142,8 +154,11 @@ class Cluster:
         self.sources: dict[str, MigrationSource] = {}
 
     def add_prefill(self, name: str, loaded: LoadedModel | None = None, **config: object) -> PrefillWorker:
-        worker = PrefillWorker(loaded or self.loaded, EngineConfig(num_blocks=64, **config),  # type: ignore[arg-type]
-                               transfer_timeout_s=WAIT_S)
+        worker = PrefillWorker(
+            loaded or self.loaded,
+            EngineConfig(num_blocks=64, **config),  # type: ignore[arg-type]
+            transfer_timeout_s=WAIT_S,
+        )
         self.prefill[name] = worker
         return worker
 
@@ -175,8 +190,9 @@ class Cluster:
         assert all(d.worker.idle() and d.receiver.num_pending() == 0 for d in self.decode.values())
 
     def _empty(self) -> bool:
-        return (all(p.idle() for p in self.prefill.values())
-                and all(d.worker.idle() and d.worker.engine.pool.num_used == 0 for d in self.decode.values()))
+        return all(p.idle() for p in self.prefill.values()) and all(
+            d.worker.idle() and d.worker.engine.pool.num_used == 0 for d in self.decode.values()
+        )
 
     def stop(self) -> None:
         for p in self.prefill.values():
@@ -273,8 +289,9 @@ def test_a_deadline_expiry_frees_the_reserved_blocks(cluster: Cluster, network: 
 
 
 @pytest.mark.parametrize("mismatch", ["fingerprint", "dtype", "layout"])
-def test_mismatched_kv_is_refused_and_frees_the_blocks(cluster: Cluster, tiny_llama: LoadedModel,
-                                                       tiny_llama_dir, mismatch: str) -> None:  # noqa: ANN001
+def test_mismatched_kv_is_refused_and_frees_the_blocks(
+    cluster: Cluster, tiny_llama: LoadedModel, tiny_llama_dir, mismatch: str
+) -> None:  # noqa: ANN001
     """A prefill worker of another model, dtype or block size: its K/V are refused before a byte is
     written, and the request fails as the prefill side's."""
     if mismatch == "fingerprint":

@@ -32,8 +32,10 @@ def receiver():  # noqa: ANN201
 def _spec(request_id: str, dtype: torch.dtype = torch.float32) -> tuple[KvSpec, torch.Tensor]:
     shape = (3, 2, 2, 16, 2, 8)
     name = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}[dtype]
-    return (KvSpec(request_id=request_id, model_fingerprint="fp", dtype=name, shape=shape, block_size=16,
-                   num_tokens=20), torch.randn(shape).to(dtype))
+    return (
+        KvSpec(request_id=request_id, model_fingerprint="fp", dtype=name, shape=shape, block_size=16, num_tokens=20),
+        torch.randn(shape).to(dtype),
+    )
 
 
 def _segments() -> set[str]:
@@ -59,8 +61,9 @@ def test_mismatched_header_fails_only_that_intake(receiver) -> None:  # noqa: AN
     servicer, address = receiver
     spec, kv = _spec("bad")
     good_spec, good_kv = _spec("good")
-    pending = servicer.expect(KvSpec(**{**spec.__dict__, "model_fingerprint": "other"}), ExpectOptions(10,
-                              shm_segment_prefix=OURS))
+    pending = servicer.expect(
+        KvSpec(**{**spec.__dict__, "model_fingerprint": "other"}), ExpectOptions(10, shm_segment_prefix=OURS)
+    )
     good = servicer.expect(good_spec, ExpectOptions(10, shm_segment_prefix=OURS))
     with pytest.raises(KvTransferError, match="model_fingerprint"):
         ShmKvSender(address).send(spec, kv, 1, timeout_s=10)
@@ -84,15 +87,24 @@ def test_foreign_segment_names_are_refused(receiver) -> None:  # noqa: ANN001
 def _cache(num_blocks: int = 12, shared: bool = True):  # noqa: ANN202
     from pdserve.engine.kv_cache import KVCache, KVCacheShape
 
-    cache = KVCache(KVCacheShape(num_layers=3, num_kv_heads=2, head_dim=8, block_size=16, dtype=torch.float32),
-                    num_blocks, shared=shared)
+    cache = KVCache(
+        KVCacheShape(num_layers=3, num_kv_heads=2, head_dim=8, block_size=16, dtype=torch.float32),
+        num_blocks,
+        shared=shared,
+    )
     cache.kv.copy_(torch.randn(cache.kv.shape))
     return cache
 
 
 def _blocks_spec(request_id: str, n: int) -> KvSpec:
-    return KvSpec(request_id=request_id, model_fingerprint="fp", dtype="float32", shape=(3, 2, n, 16, 2, 8),
-                  block_size=16, num_tokens=16 * n - 3)
+    return KvSpec(
+        request_id=request_id,
+        model_fingerprint="fp",
+        dtype="float32",
+        shape=(3, 2, n, 16, 2, 8),
+        block_size=16,
+        num_tokens=16 * n - 3,
+    )
 
 
 def test_shared_cache_blocks_are_copied_once_straight_into_the_consumer_blocks(receiver) -> None:  # noqa: ANN001
@@ -105,8 +117,9 @@ def test_shared_cache_blocks_are_copied_once_straight_into_the_consumer_blocks(r
     spec = _blocks_spec("in-place", len(src_ids))
     pending = servicer.expect(spec, ExpectOptions(10, in_place=True, shm_segment_prefix=OURS))
     acks: list = []
-    sender = threading.Thread(target=lambda: acks.append(
-        ShmKvSender(address).send_blocks(spec, source, src_ids, 9, timeout_s=10)))
+    sender = threading.Thread(
+        target=lambda: acks.append(ShmKvSender(address).send_blocks(spec, source, src_ids, 9, timeout_s=10))
+    )
     sender.start()
     kv, first = pending.wait(5)
     assert first == 9 and not isinstance(kv, torch.Tensor)
@@ -158,12 +171,15 @@ def test_a_cache_in_private_memory_goes_through_a_staging_segment(receiver) -> N
     assert first == 4 and torch.equal(got, source.kv[:, :, [5, 1, 9]])
 
 
-@pytest.mark.parametrize(("field", "header_change"), [
-    ("shm_block_ids", {"shm_block_ids": [0, 99]}),
-    ("shm_block_ids", {"shm_block_ids": [0]}),
-    ("shm_num_blocks", {"shm_num_blocks": 0}),
-    ("blocks need", {"shm_num_blocks": 10_000, "shm_block_ids": [0, 1]}),
-])
+@pytest.mark.parametrize(
+    ("field", "header_change"),
+    [
+        ("shm_block_ids", {"shm_block_ids": [0, 99]}),
+        ("shm_block_ids", {"shm_block_ids": [0]}),
+        ("shm_num_blocks", {"shm_num_blocks": 0}),
+        ("blocks need", {"shm_num_blocks": 10_000, "shm_block_ids": [0, 1]}),
+    ],
+)
 def test_block_ids_outside_the_segment_are_refused(receiver, field: str, header_change: dict) -> None:  # noqa: ANN001
     servicer, address = receiver
     source = _cache()
@@ -177,7 +193,8 @@ def test_block_ids_outside_the_segment_are_refused(receiver, field: str, header_
         else:
             setattr(header, key, value)
     ack = kv_pb2_grpc.KvTransferStub(__import__("grpc").insecure_channel(address)).PushKv(
-        iter([KvFrame(header=header)]), timeout=5)
+        iter([KvFrame(header=header)]), timeout=5
+    )
     assert not ack.ok and field in ack.error
     with pytest.raises(KvTransferError):
         pending.wait(1)
@@ -291,8 +308,9 @@ def test_checksum_over_the_copied_blocks(receiver, algorithm: str) -> None:  # n
     source = _cache()
     spec = _blocks_spec(f"crc-ok-{algorithm}", 3)
     crc = (algorithm, blocks_checksum(source.kv, [7, 2, 3], algorithm))
-    ack, dest, errors = _send_in_place(servicer, address, spec,
-                                       header_for(spec, 1, source.shm_name, [7, 2, 3], source.num_blocks, crc))
+    ack, dest, errors = _send_in_place(
+        servicer, address, spec, header_for(spec, 1, source.shm_name, [7, 2, 3], source.num_blocks, crc)
+    )
     assert ack.ok and not errors and torch.equal(dest[:, :, [4, 5, 6]], source.kv[:, :, [7, 2, 3]])
     assert blocks_checksum(dest, [4, 5, 6], algorithm) == crc[1]
     whole = source.kv[:, :, [7, 2, 3]].contiguous()  # the order is kv[l, k|v, block]: one pass over a gather
@@ -309,8 +327,9 @@ def test_blocks_that_do_not_match_their_checksum_are_refused(receiver, algorithm
     spec = _blocks_spec(f"crc-bad-{algorithm}", 2)
     crc = (algorithm, blocks_checksum(source.kv, [0, 1], algorithm))
     source.kv[2, 1, 1, 3, 0, 0] += 1.0  # one value of the last layer's V changes in shared memory
-    ack, _, errors = _send_in_place(servicer, address, spec,
-                                    header_for(spec, 1, source.shm_name, [0, 1], source.num_blocks, crc))
+    ack, _, errors = _send_in_place(
+        servicer, address, spec, header_for(spec, 1, source.shm_name, [0, 1], source.num_blocks, crc)
+    )
     assert errors and "shm_checksum" in str(errors[0])
     assert not ack.ok and "shm_checksum" in ack.error
 

@@ -84,8 +84,7 @@ def _reference(loaded: LoadedModel, prompt: list[int]) -> tuple[torch.Tensor, in
     return engine.kv_cache.gather(blocks), int(logits[0].argmax())
 
 
-def _submit(worker: PrefillWorker, receiver: KvTransferServicer, address: str, request_id: str,
-            prompt: list[int]):  # noqa: ANN202
+def _submit(worker: PrefillWorker, receiver: KvTransferServicer, address: str, request_id: str, prompt: list[int]):  # noqa: ANN202
     job = PrefillJob(request_id=request_id, prompt_ids=prompt, params=GREEDY, kv_target=address, kv_backend="grpc")
     pending = receiver.expect(worker.spec_for(job), ExpectOptions(30))
     return worker.submit(job), pending
@@ -101,8 +100,9 @@ def _wait_idle(worker: PrefillWorker) -> None:
 
 
 @pytest.mark.parametrize("streaming", ["request", "layer"])
-def test_shipped_kv_and_first_tokens_match_a_whole_prompt_pass(make_worker, receiver, tiny_llama,
-                                                              streaming: str) -> None:  # noqa: ANN001
+def test_shipped_kv_and_first_tokens_match_a_whole_prompt_pass(
+    make_worker, receiver, tiny_llama, streaming: str
+) -> None:  # noqa: ANN001
     servicer, address = receiver
     prompts = {"a": PREFIX + [7, 8, 9], "b": PREFIX + [60, 61, 62, 63, 64], "c": list(range(200, 230))}
     expected = {rid: _reference(tiny_llama, prompt) for rid, prompt in prompts.items()}
@@ -121,8 +121,9 @@ def test_shipped_kv_and_first_tokens_match_a_whole_prompt_pass(make_worker, rece
     assert worker.runner.num_prefill_tokens < sum(len(p) for p in prompts.values())  # "b" reused "a"'s blocks
 
 
-def test_forward_failure_under_layer_streaming_frees_each_block_once(make_worker, receiver, tiny_llama,
-                                                                    monkeypatch) -> None:  # noqa: ANN001
+def test_forward_failure_under_layer_streaming_frees_each_block_once(
+    make_worker, receiver, tiny_llama, monkeypatch
+) -> None:  # noqa: ANN001
     servicer, address = receiver
     prompt = PREFIX + [3, 4, 5]
     expected_kv, expected_token = _reference(tiny_llama, prompt)

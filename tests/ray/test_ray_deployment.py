@@ -51,8 +51,12 @@ def _expected(default_model, prompts: list[str], max_tokens: list[int]) -> list[
 
 def _run_all(address: str, prompts: list[str], max_tokens: list[int], concurrency: int = 16) -> list[list[int]]:
     with ThreadPoolExecutor(concurrency) as pool:
-        return [r.token_ids for r in pool.map(
-            lambda pm: generate(address, pm[0], pm[1], ignore_eos=True), zip(prompts, max_tokens, strict=True))]
+        return [
+            r.token_ids
+            for r in pool.map(
+                lambda pm: generate(address, pm[0], pm[1], ignore_eos=True), zip(prompts, max_tokens, strict=True)
+            )
+        ]
 
 
 def _live(cluster: RayCluster) -> list[tuple[str, str]]:
@@ -103,8 +107,9 @@ def test_trace_through_ray_actors(default_model, ray_cluster: RayCluster) -> Non
     ray_cluster.scale(1, 1)
     prompt_ids = encode_text(default_model.tokenizer, "济南的冬")
     stub = router_pb2_grpc.RouterStub(grpc.insecure_channel(ray_cluster.router_address))
-    request = router_pb2.GenerateRequest(prompt="济南的冬", trace=True,
-                                         params=common_pb2.SamplingParams(max_tokens=5, ignore_eos=True))
+    request = router_pb2.GenerateRequest(
+        prompt="济南的冬", trace=True, params=common_pb2.SamplingParams(max_tokens=5, ignore_eos=True)
+    )
     responses = list(stub.Generate(request, timeout=120))
     events = [e for r in responses for e in r.trace]
     kinds = [e.WhichOneof("event") for e in events]
@@ -112,8 +117,11 @@ def test_trace_through_ray_actors(default_model, ray_cluster: RayCluster) -> Non
     assert events[0].route.decision == "disaggregated" and events[0].route.prefill_worker
     (prefill,) = [e for e in events if e.HasField("prefill")]
     assert prefill.worker_id.startswith("prefill") and prefill.prefill.samples
-    assert (prefill.prefill.num_tokens, prefill.prefill.kv_len_before, prefill.prefill.kv_len_after) == \
-        (len(prompt_ids), 0, len(prompt_ids))
+    assert (prefill.prefill.num_tokens, prefill.prefill.kv_len_before, prefill.prefill.kv_len_after) == (
+        len(prompt_ids),
+        0,
+        len(prompt_ids),
+    )
     (handoff,) = [e.kv_transfer for e in events if e.HasField("kv_transfer")]
     assert handoff.backend == "ray" and handoff.bytes > 0
     steps = [e.decode for e in events if e.HasField("decode")]
@@ -127,8 +135,11 @@ def test_trace_through_ray_actors(default_model, ray_cluster: RayCluster) -> Non
 def test_2p1d_ray_backend_matches_engine(workload, ray_cluster: RayCluster) -> None:  # noqa: ANN001
     prompts, max_tokens, expected = workload
     ray_cluster.scale(2, 1)
-    before = {w["address"]: worker_info(w["address"], "prefill").requests_finished
-              for w in ray_cluster.workers() if w["role"] == "prefill"}
+    before = {
+        w["address"]: worker_info(w["address"], "prefill").requests_finished
+        for w in ray_cluster.workers()
+        if w["role"] == "prefill"
+    }
     assert _run_all(ray_cluster.router_address, prompts, max_tokens) == expected
     after = {a: worker_info(a, "prefill").requests_finished for a in before}
     assert len(before) == 2 and all(after[a] > before[a] for a in before)  # both prefill actors worked

@@ -53,12 +53,22 @@ def workload(tiny_llama_dir: Path) -> tuple[list[str], list[int], list[list[int]
 @pytest.fixture(scope="module")
 def cluster(tiny_llama_dir: Path) -> Iterator[RayCluster]:
     pool = {"count": 2, "threads": 1, "drain_timeout_s": 120.0}
-    config = DeploymentConfig.from_dict({
-        "mode": "ray", "model": {"path": str(tiny_llama_dir), "device": "cpu"}, "router": {"port": 0},
-        "prefill": pool, "decode": {**pool, "max_num_seqs": 16},
-        "elastic": {"autoscale": True, "slo": "ttft_ms=600000,tpot_ms=600000", "min_workers": 3,
-                    "max_workers": 5, "interval_s": 3600.0},
-    })
+    config = DeploymentConfig.from_dict(
+        {
+            "mode": "ray",
+            "model": {"path": str(tiny_llama_dir), "device": "cpu"},
+            "router": {"port": 0},
+            "prefill": pool,
+            "decode": {**pool, "max_num_seqs": 16},
+            "elastic": {
+                "autoscale": True,
+                "slo": "ttft_ms=600000,tpot_ms=600000",
+                "min_workers": 3,
+                "max_workers": 5,
+                "interval_s": 3600.0,
+            },
+        }
+    )
     with RayCluster(config) as running:
         yield running
 
@@ -88,8 +98,10 @@ def test_role_switch_during_16_streams_on_ray(cluster: RayCluster, workload, cap
     assert _router_roles(address) == start
     pids = {i["name"]: i["pid"] for i in cluster.worker_info()}
     streams = Streams(address, workload)
-    results = [switch_role(address, "decode-1", "prefill", drain_timeout_s=240),  # while the streams run
-               switch_role(address, "prefill-1", "decode", drain_timeout_s=240)]
+    results = [
+        switch_role(address, "decode-1", "prefill", drain_timeout_s=240),  # while the streams run
+        switch_role(address, "prefill-1", "decode", drain_timeout_s=240),
+    ]
     streams.check()
     assert [r.worker.role for r in results] == [common_pb2.WORKER_ROLE_PREFILL, common_pb2.WORKER_ROLE_DECODE]
     switched = {**start, "decode-1": "prefill", "prefill-1": "decode"}

@@ -84,11 +84,16 @@ def host() -> Iterator[Any]:
 
         def state(self) -> dict[str, Any]:
             r = self.receiver
-            return {"partial": r.partial_layers(), "pending": r.intake.num_pending(),
-                    "parts": r.parts_received, "transfers": r.transfers_received}
+            return {
+                "partial": r.partial_layers(),
+                "pending": r.intake.num_pending(),
+                "parts": r.parts_received,
+                "transfers": r.transfers_received,
+            }
 
-    handle = ray.remote(ReceiverHost).options(name=HOST_NAME, namespace=NAMESPACE, num_cpus=0,
-                                              max_concurrency=16).remote()
+    handle = (
+        ray.remote(ReceiverHost).options(name=HOST_NAME, namespace=NAMESPACE, num_cpus=0, max_concurrency=16).remote()
+    )
     ray.get(handle.state.remote(), timeout=120)  # started
     yield handle
     ray.kill(handle)
@@ -126,13 +131,21 @@ def _outcome(host: Any, request_id: str) -> tuple[str, Any]:  # noqa: ANN401
     return ray.get(host.outcome.remote(request_id), timeout=30)
 
 
-def _send_part(host: Any, spec: KvSpec, kv: torch.Tensor, start: int, end: int,  # noqa: ANN401
-               header: dict[str, Any] | None = None, part: dict[str, Any] | None = None,
-               payload: Any = None) -> Any:  # noqa: ANN401 - an ObjectRef of the ack
+def _send_part(
+    host: Any,
+    spec: KvSpec,
+    kv: torch.Tensor,
+    start: int,
+    end: int,  # noqa: ANN401
+    header: dict[str, Any] | None = None,
+    part: dict[str, Any] | None = None,
+    payload: Any = None,
+) -> Any:  # noqa: ANN401 - an ObjectRef of the ack
     """Submit one part by hand (what send_layers submits), optionally with a tampered header/part/payload."""
     array = payload_of(kv[start:end]) if payload is None else payload
-    return host.receive_kv_part.remote(header or header_for(spec, 0), part or part_for(spec, start, end),
-                                       [ray.put(array)])
+    return host.receive_kv_part.remote(
+        header or header_for(spec, 0), part or part_for(spec, start, end), [ray.put(array)]
+    )
 
 
 def test_plan_parts_groups_whole_layers_up_to_the_minimum() -> None:
@@ -178,8 +191,9 @@ def test_parts_travel_before_the_last_layer_is_ready(host: Any) -> None:  # noqa
         sending = pool.submit(sender.send_layers, spec, stream, 30)
         _fill(stream, kv, range(3), delay_s=0)
         # the receiver copies the first three layers while the other three are not computed yet
-        eventually(lambda: _state(host)["partial"].get(spec.request_id) == 3, 20.0,
-                   what="the first three layers to arrive")
+        eventually(
+            lambda: _state(host)["partial"].get(spec.request_id) == 3, 20.0, what="the first three layers to arrive"
+        )
         assert not sending.done()
         _fill(stream, kv, range(3, spec.num_layers), delay_s=0)
         assert sending.result(timeout=30).ok

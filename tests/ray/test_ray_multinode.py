@@ -64,16 +64,20 @@ STORE = 80 * 2**20  # object store bytes per node (Ray's minimum is about 75 MiB
 
 def _node_args(cpus: int, name: str, decode_slot: bool = True) -> dict[str, Any]:
     """A node's CPUs, its own resource `name` and (worker nodes) one `decode_slot` that decode workers need."""
-    return {"num_cpus": cpus, "resources": {name: 1, **({"decode_slot": 1} if decode_slot else {})},
-            "object_store_memory": STORE}
+    return {
+        "num_cpus": cpus,
+        "resources": {name: 1, **({"decode_slot": 1} if decode_slot else {})},
+        "object_store_memory": STORE,
+    }
 
 
 @pytest.fixture(scope="module")
 def cluster() -> Iterator[Cluster]:
     """Head (2 CPUs) + node-a (1 CPU, 1 decode_slot) + node-b (same): room for exactly a router and three
     workers, decode workers only on node-a and node-b."""
-    with multinode_ray(_node_args(2, "node_head", decode_slot=False),
-                       [_node_args(1, "node_a"), _node_args(1, "node_b")], NAMESPACE) as c:
+    with multinode_ray(
+        _node_args(2, "node_head", decode_slot=False), [_node_args(1, "node_a"), _node_args(1, "node_b")], NAMESPACE
+    ) as c:
         yield c
 
 
@@ -90,8 +94,12 @@ def _expected(model, prompts: list[str], max_tokens: list[int]) -> list[list[int
 
 def _run_all(address: str, prompts: list[str], max_tokens: list[int]) -> list[list[int]]:
     with ThreadPoolExecutor(len(prompts)) as pool:
-        return [r.token_ids for r in pool.map(
-            lambda pm: generate(address, pm[0], pm[1], ignore_eos=True), zip(prompts, max_tokens, strict=True))]
+        return [
+            r.token_ids
+            for r in pool.map(
+                lambda pm: generate(address, pm[0], pm[1], ignore_eos=True), zip(prompts, max_tokens, strict=True)
+            )
+        ]
 
 
 def _alive_nodes() -> dict[str, dict[str, Any]]:
@@ -108,17 +116,52 @@ def test_serve_with_unreachable_address_fails_fast() -> None:
     assert bad.returncode == 1 and "no Ray cluster at 127.0.0.1:1" in bad.stderr
 
 
-def test_cli_joins_cluster_strict_spread_grpc_kv_across_nodes(cluster: Cluster, engine_model,  # noqa: ANN001
-                                                              tiny_llama_dir: Path) -> None:
+def test_cli_joins_cluster_strict_spread_grpc_kv_across_nodes(
+    cluster: Cluster,
+    engine_model,  # noqa: ANN001
+    tiny_llama_dir: Path,
+) -> None:
     nodes_before = set(_alive_nodes())
     env = checkout_env()
     serve = subprocess.Popen(
-        [sys.executable, "-m", "pdserve.cluster.cli", "serve", "--ray", "--address", cluster.address, "--port", "0",
-         "--model", str(tiny_llama_dir), "--prefill", "1", "--decode", "1", "--placement", "strict_spread",
-         "--router-resource", "node_head",
-         "--worker-host", "node", "--kv-backend", "grpc", "--threads-per-worker", "1", "--kv-cache-mb", "32",
-         "--startup-timeout", "240"],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=REPO, start_new_session=True)
+        [
+            sys.executable,
+            "-m",
+            "pdserve.cluster.cli",
+            "serve",
+            "--ray",
+            "--address",
+            cluster.address,
+            "--port",
+            "0",
+            "--model",
+            str(tiny_llama_dir),
+            "--prefill",
+            "1",
+            "--decode",
+            "1",
+            "--placement",
+            "strict_spread",
+            "--router-resource",
+            "node_head",
+            "--worker-host",
+            "node",
+            "--kv-backend",
+            "grpc",
+            "--threads-per-worker",
+            "1",
+            "--kv-cache-mb",
+            "32",
+            "--startup-timeout",
+            "240",
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
+        cwd=REPO,
+        start_new_session=True,
+    )
     try:
         router = ""
         deadline = time.monotonic() + 300
@@ -168,10 +211,23 @@ def test_cli_joins_cluster_strict_spread_grpc_kv_across_nodes(cluster: Cluster, 
 def deployment(cluster: Cluster, tiny_llama_dir: Path) -> Iterator[RayCluster]:
     """1 prefill + 2 decode, SPREAD over the three nodes (4 bundles, 4 CPUs: the cluster is full; decode
     workers need a decode_slot, so router and prefill share the head), KV through the object store."""
-    config = ray_deployment(prefill=1, decode=2, model=str(tiny_llama_dir), address=cluster.address, port=0,
-                            worker_host="node", kv_backend="ray", placement="spread", decode_resource="decode_slot",
-                            router_resource="node_head", threads_per_worker=1,
-                            kv_cache_mb=32, drain_timeout_s=20.0, poll_interval_s=0.5, startup_timeout_s=240.0)
+    config = ray_deployment(
+        prefill=1,
+        decode=2,
+        model=str(tiny_llama_dir),
+        address=cluster.address,
+        port=0,
+        worker_host="node",
+        kv_backend="ray",
+        placement="spread",
+        decode_resource="decode_slot",
+        router_resource="node_head",
+        threads_per_worker=1,
+        kv_cache_mb=32,
+        drain_timeout_s=20.0,
+        poll_interval_s=0.5,
+        startup_timeout_s=240.0,
+    )
     with RayCluster(config) as deployment:
         yield deployment
 
@@ -195,8 +251,9 @@ def test_spread_ray_kv_exact_across_nodes(cluster: Cluster, deployment: RayClust
     assert _run_all(deployment.router_address, prompts, max_tokens) == _expected(engine_model, prompts, max_tokens)
     infos = _infos(deployment)
     prefill_node = infos["prefill-0"]["node_id"]
-    crossed = sum(i["ray_kv_transfers"] for i in infos.values()
-                  if i["role"] == "decode" and i["node_id"] != prefill_node)
+    crossed = sum(
+        i["ray_kv_transfers"] for i in infos.values() if i["role"] == "decode" and i["node_id"] != prefill_node
+    )
     assert crossed >= 1  # a decode worker on another node than the prefill worker took KV from the object store
     wait_idle(_roles(deployment))
 
@@ -215,8 +272,9 @@ def test_node_loss_during_three_streams_then_pool_refills(cluster: Cluster, depl
     victim = next(i for i in infos.values() if i["role"] == "decode")  # on node-a or node-b
     assert victim["node_id"] not in (router_node, cluster.head_node.node_id)
     # the router and workers share the controller's fate, so it must sit on the head node, not the victim's
-    controller_node = ray.get(deployment.controller.__ray_call__.remote(
-        lambda _self: ray.get_runtime_context().get_node_id()))
+    controller_node = ray.get(
+        deployment.controller.__ray_call__.remote(lambda _self: ray.get_runtime_context().get_node_id())
+    )
     assert controller_node == cluster.head_node.node_id
     lost = _node(cluster, victim["node_id"])
     resource = next(r for r in ("node_a", "node_b") if _alive_nodes()[victim["node_id"]]["Resources"].get(r))
@@ -224,8 +282,9 @@ def test_node_loss_during_three_streams_then_pool_refills(cluster: Cluster, depl
     survivor = next(r for r in router_status(address) if r["role"] == "decode" and r["worker_id"] != victim["name"])
     finished_before = worker_info(survivor["address"], "decode").requests_finished
     with ThreadPoolExecutor(3) as pool:
-        streams = [pool.submit(generate, address, p, m, ignore_eos=True)
-                   for p, m in zip(prompts, max_tokens, strict=True)]
+        streams = [
+            pool.submit(generate, address, p, m, ignore_eos=True) for p, m in zip(prompts, max_tokens, strict=True)
+        ]
         deadline = time.monotonic() + 60
         while not any(r["worker_id"] == victim["name"] and r["running"] for r in router_status(address)):
             assert time.monotonic() < deadline and not any(s.done() for s in streams), "victim never took a stream"
@@ -279,8 +338,9 @@ def test_router_actor_restart_relearns_workers(deployment: RayCluster, engine_mo
     wait_idle(_roles(deployment))
 
 
-def test_scale_up_and_down_keeps_new_workers_in_a_placement_group(cluster: Cluster, deployment: RayCluster,
-                                                                   engine_model) -> None:  # noqa: ANN001
+def test_scale_up_and_down_keeps_new_workers_in_a_placement_group(
+    cluster: Cluster, deployment: RayCluster, engine_model
+) -> None:  # noqa: ANN001
     groups_before = {k for k, v in placement_group_table().items() if v["state"] == "CREATED"}
     extra = cluster.add_node(**_node_args(1, "node_c"))  # the only free CPU in the cluster
     try:

@@ -58,8 +58,9 @@ MAX_TOKENS = 240
 
 @pytest.fixture(scope="module")
 def cluster() -> Iterator[Cluster]:
-    with multinode_ray({"num_cpus": 0, "object_store_memory": STORE},
-                       [{"num_cpus": 2, "object_store_memory": STORE}] * 3, NAMESPACE) as c:
+    with multinode_ray(
+        {"num_cpus": 0, "object_store_memory": STORE}, [{"num_cpus": 2, "object_store_memory": STORE}] * 3, NAMESPACE
+    ) as c:
         yield c
 
 
@@ -92,11 +93,35 @@ class Serve:
 
     def __init__(self, cluster: Cluster, model: Path, *flags: str) -> None:
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "pdserve.cluster.cli", "serve", "--ray", "--address", cluster.address,
-             "--port", "0", "--model", str(model), "--prefill", "1", "--decode", "2", "--kv-cache-mb", "32",
-             "--threads-per-worker", "1", *flags],
-            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=checkout_env(), cwd=REPO,
-            start_new_session=True)
+            [
+                sys.executable,
+                "-m",
+                "pdserve.cluster.cli",
+                "serve",
+                "--ray",
+                "--address",
+                cluster.address,
+                "--port",
+                "0",
+                "--model",
+                str(model),
+                "--prefill",
+                "1",
+                "--decode",
+                "2",
+                "--kv-cache-mb",
+                "32",
+                "--threads-per-worker",
+                "1",
+                *flags,
+            ],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env=checkout_env(),
+            cwd=REPO,
+            start_new_session=True,
+        )
         self.router = self.placement = ""
         deadline = time.monotonic() + 300
         while not (self.router and self.placement):
@@ -145,15 +170,17 @@ def _node(cluster: Cluster, node_id: str):  # noqa: ANN202
     return next(n for n in cluster.list_all_nodes() if n.node_id == node_id)
 
 
-def _lose_node_during_streams(cluster: Cluster, router: str, node_id: str, prompts: list[str],
-                              expected: list[list[int]]) -> float:
+def _lose_node_during_streams(
+    cluster: Cluster, router: str, node_id: str, prompts: list[str], expected: list[list[int]]
+) -> float:
     """Run the three streams, remove `node_id` once a decode worker on it is decoding, check every
     stream against Hugging Face; returns when (monotonic) the node was removed."""
     with ThreadPoolExecutor(3) as pool:
         streams = [pool.submit(generate, router, p, MAX_TOKENS, 300, ignore_eos=True) for p in prompts]
         deadline = time.monotonic() + 120
-        while not any(r["node_id"] == node_id and r["role"] == "decode" and r["running"]
-                      for r in router_status(router)):
+        while not any(
+            r["node_id"] == node_id and r["role"] == "decode" and r["running"] for r in router_status(router)
+        ):
             assert time.monotonic() < deadline and not any(s.done() for s in streams), "no stream reached the node"
             time.sleep(0.02)
         cluster.remove_node(_node(cluster, node_id))
@@ -211,7 +238,12 @@ def test_pack_waits_for_the_restarted_decode_workers(cluster: Cluster, serve, wo
     metrics = run_cli("status", "--address", cluster.address, "--json")
     assert metrics.returncode == 0
     router = ray.get_actor(ROUTER_NAME, namespace=NAMESPACE)
-    waits = ray.get(router.__ray_call__.remote(
-        lambda actor: actor.server.metrics.prom.registry.get_sample_value("pdserve_worker_waits_total",
-                                                                          {"stage": "decode"})), timeout=30)
+    waits = ray.get(
+        router.__ray_call__.remote(
+            lambda actor: actor.server.metrics.prom.registry.get_sample_value(
+                "pdserve_worker_waits_total", {"stage": "decode"}
+            )
+        ),
+        timeout=30,
+    )
     assert waits is not None and waits >= 1  # the streams waited for a restarted decode worker

@@ -26,17 +26,42 @@ REPO = Path(__file__).resolve().parents[2]
 
 
 def test_serve_ray_http_port_serves_the_openai_api(tmp_path: Path) -> None:
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO),
-                                                        os.environ.get("PYTHONPATH", "")])}
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
     env.pop("PDSERVE_AUTH_TOKEN", None)
-    argv = [sys.executable, "-m", "pdserve.cluster.cli", "serve", "--ray", "--port", "0", "--http-port", "0",
-            "--threads-per-worker", "1", "--kv-cache-mb", "64", "--device", "cpu", "--model-name", "smol",
-            "--log-format", "json", "--local-prefill-threshold", "4", "--prefill-policy", "prefix_affinity",
-            "--decode-policy", "prefix_affinity", "--kv-streaming", "layer"]
+    argv = [
+        sys.executable,
+        "-m",
+        "pdserve.cluster.cli",
+        "serve",
+        "--ray",
+        "--port",
+        "0",
+        "--http-port",
+        "0",
+        "--threads-per-worker",
+        "1",
+        "--kv-cache-mb",
+        "64",
+        "--device",
+        "cpu",
+        "--model-name",
+        "smol",
+        "--log-format",
+        "json",
+        "--local-prefill-threshold",
+        "4",
+        "--prefill-policy",
+        "prefix_affinity",
+        "--decode-policy",
+        "prefix_affinity",
+        "--kv-streaming",
+        "layer",
+    ]
     out = tmp_path / "serve.out"
     with out.open("w") as sink:
-        serve = subprocess.Popen(argv, stdout=sink, stderr=subprocess.STDOUT, env=env, cwd=tmp_path,
-                                 start_new_session=True)
+        serve = subprocess.Popen(
+            argv, stdout=sink, stderr=subprocess.STDOUT, env=env, cwd=tmp_path, start_new_session=True
+        )
     try:
         deadline = time.monotonic() + 600
         match = None
@@ -48,22 +73,27 @@ def test_serve_ray_http_port_serves_the_openai_api(tmp_path: Path) -> None:
         assert match, f"no HTTP API announced:\n{out.read_text()[-3000:]}"
         client = openai.OpenAI(base_url=match.group(1), api_key="unused", max_retries=0, timeout=120)
         assert [m.id for m in client.models.list().data] == ["smol"]
-        completion = client.completions.create(model="smol", prompt="The capital of France is", max_tokens=4,
-                                               temperature=0)
+        completion = client.completions.create(
+            model="smol", prompt="The capital of France is", max_tokens=4, temperature=0
+        )
         assert completion.choices[0].text and completion.usage.completion_tokens == 4
-        chat = client.chat.completions.create(model="smol", messages=[{"role": "user", "content": "Hi"}],
-                                              max_tokens=3, temperature=0)
+        chat = client.chat.completions.create(
+            model="smol", messages=[{"role": "user", "content": "Hi"}], max_tokens=3, temperature=0
+        )
         assert chat.choices[0].message.content is not None
         # the Responses API and the tokenizer endpoints: the same HTTP code in the router actor
         answer = client.responses.create(model="smol", input="Hi", max_output_tokens=3, temperature=0)
         assert answer.output_text == chat.choices[0].message.content
         assert answer.usage.input_tokens == chat.usage.prompt_tokens
-        follow_up = client.responses.create(model="smol", previous_response_id=answer.id, input="And?",
-                                            max_output_tokens=2)
+        follow_up = client.responses.create(
+            model="smol", previous_response_id=answer.id, input="And?", max_output_tokens=2
+        )
         assert follow_up.usage.input_tokens > answer.usage.input_tokens + answer.usage.output_tokens
-        tokenize = urllib.request.Request(match.group(1).removesuffix("/v1") + "/tokenize", data=json.dumps(
-            {"model": "smol", "messages": [{"role": "user", "content": "Hi"}]}).encode(),
-            headers={"Content-Type": "application/json"})
+        tokenize = urllib.request.Request(
+            match.group(1).removesuffix("/v1") + "/tokenize",
+            data=json.dumps({"model": "smol", "messages": [{"role": "user", "content": "Hi"}]}).encode(),
+            headers={"Content-Type": "application/json"},
+        )
         with urllib.request.urlopen(tokenize, timeout=60) as tokenized:
             assert json.loads(tokenized.read())["count"] == chat.usage.prompt_tokens
     finally:

@@ -39,9 +39,28 @@ def _get(url: str, cert: str, token: str | None = None, body: bytes | None = Non
 def test_serve_ray_refuses_unauthenticated_grpc_and_http(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("PDSERVE_AUTH_TOKEN", raising=False)
     cert, key = self_signed(tmp_path)
-    args = build_parser().parse_args([
-        "serve", "--ray", "--port", "0", "--http-port", "0", "--threads-per-worker", "1", "--kv-cache-mb", "64",
-        "--device", "cpu", "--auth-token-file", token_file(tmp_path, TOKEN), "--tls-cert", cert, "--tls-key", key])
+    args = build_parser().parse_args(
+        [
+            "serve",
+            "--ray",
+            "--port",
+            "0",
+            "--http-port",
+            "0",
+            "--threads-per-worker",
+            "1",
+            "--kv-cache-mb",
+            "64",
+            "--device",
+            "cpu",
+            "--auth-token-file",
+            token_file(tmp_path, TOKEN),
+            "--tls-cert",
+            cert,
+            "--tls-key",
+            key,
+        ]
+    )
     with RayCluster(deployment_config(args)) as cluster:
         request = build_request(prompt="The capital of France is", params=sampling_params(max_tokens=3))
         with pytest.raises(grpc.RpcError) as err:
@@ -54,8 +73,9 @@ def test_serve_ray_refuses_unauthenticated_grpc_and_http(tmp_path: Path, monkeyp
         assert _get(f"{base}/v1/models", cert, TOKEN) == 200
         assert _get(f"{base}/health", cert) == 200
         for worker in cluster.workers():  # the internal plane: the driver-generated token, not known here
-            stub_cls = worker_pb2_grpc.PrefillWorkerStub if worker["role"] == "prefill" else \
-                worker_pb2_grpc.DecodeWorkerStub
+            stub_cls = (
+                worker_pb2_grpc.PrefillWorkerStub if worker["role"] == "prefill" else worker_pb2_grpc.DecodeWorkerStub
+            )
             with pytest.raises(grpc.RpcError) as err:
                 stub_cls(grpc.insecure_channel(worker["address"])).GetInfo(worker_pb2.InfoRequest(), timeout=10)
             assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED

@@ -20,15 +20,32 @@ from pdserve.cluster.ray_cluster import RayCluster  # noqa: E402
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
 
 
-def test_serve_ray_keeps_tenants_apart(tmp_path: Path, tiny_llama_dir: Path,
-                                       monkeypatch: pytest.MonkeyPatch) -> None:
+def test_serve_ray_keeps_tenants_apart(tmp_path: Path, tiny_llama_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("PDSERVE_AUTH_TOKEN", raising=False)
     tokens = tmp_path / "tokens"
     tokens.write_text("".join(f"{tenant} {token}\n" for token, tenant in TOKENS.items()))
-    args = build_parser().parse_args([
-        "serve", "--ray", "--port", "0", "--http-port", "0", "--threads-per-worker", "1", "--kv-cache-mb", "16",
-        "--device", "cpu", "--model", str(tiny_llama_dir), "--model-name", "default",
-        "--auth-tokens-file", str(tokens)])
+    args = build_parser().parse_args(
+        [
+            "serve",
+            "--ray",
+            "--port",
+            "0",
+            "--http-port",
+            "0",
+            "--threads-per-worker",
+            "1",
+            "--kv-cache-mb",
+            "16",
+            "--device",
+            "cpu",
+            "--model",
+            str(tiny_llama_dir),
+            "--model-name",
+            "default",
+            "--auth-tokens-file",
+            str(tokens),
+        ]
+    )
     with RayCluster(deployment_config(args)) as cluster:
         port = int(cluster.http_address.rsplit(":", 1)[1])
         assert cached_http(port, "token-of-alice") == 0

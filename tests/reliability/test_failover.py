@@ -56,8 +56,7 @@ def _penalties(i: int, penalized: bool) -> dict[str, float]:
 _EXPECTED: dict[tuple[object, ...], list[list[int]]] = {}
 
 
-def _expected(loaded: LoadedModel, prompts: list[str], max_tokens: int,
-              penalized: bool = False) -> list[list[int]]:
+def _expected(loaded: LoadedModel, prompts: list[str], max_tokens: int, penalized: bool = False) -> list[list[int]]:
     """The engine's outputs in this process; computed once per module for the same arguments (both
     router transports of the decode-kill test compare with the same run)."""
     key = (id(loaded), tuple(prompts), max_tokens, penalized)
@@ -66,12 +65,16 @@ def _expected(loaded: LoadedModel, prompts: list[str], max_tokens: int,
     return [list(tokens) for tokens in _EXPECTED[key]]
 
 
-def _compute_expected(loaded: LoadedModel, prompts: list[str], max_tokens: int,
-                      penalized: bool) -> list[list[int]]:
+def _compute_expected(loaded: LoadedModel, prompts: list[str], max_tokens: int, penalized: bool) -> list[list[int]]:
     engine = LLMEngine(loaded, EngineConfig(num_blocks=1024))
     ids = [encode_text(loaded.tokenizer, p) for p in prompts]
-    out = engine.generate(ids, [SamplingParams(max_tokens=max_tokens, ignore_eos=True, **_penalties(i, penalized))
-                                for i in range(len(prompts))])
+    out = engine.generate(
+        ids,
+        [
+            SamplingParams(max_tokens=max_tokens, ignore_eos=True, **_penalties(i, penalized))
+            for i in range(len(prompts))
+        ],
+    )
     engine.pool.assert_all_free()
     return out
 
@@ -82,19 +85,26 @@ def _live(cluster: LocalCluster, dead: set[int] = frozenset()) -> list[tuple[str
 
 def _run_all(address: str, prompts: list[str], max_tokens: int, penalized: bool = False) -> list:  # noqa: ANN401
     with ThreadPoolExecutor(len(prompts)) as pool:
-        return list(pool.map(lambda ip: generate(address, ip[1], max_tokens, ignore_eos=True,
-                                                 **_penalties(ip[0], penalized)), enumerate(prompts)))
+        return list(
+            pool.map(
+                lambda ip: generate(address, ip[1], max_tokens, ignore_eos=True, **_penalties(ip[0], penalized)),
+                enumerate(prompts),
+            )
+        )
 
 
 @pytest.mark.parametrize("router_args", [(), ("--decode-mux",)], ids=["generate", "mux"])
-def test_decode_worker_killed_mid_stream(tiny_llama_dir: Path, tiny_llama: LoadedModel,
-                                        router_args: tuple[str, ...]) -> None:
+def test_decode_worker_killed_mid_stream(
+    tiny_llama_dir: Path, tiny_llama: LoadedModel, router_args: tuple[str, ...]
+) -> None:
     # with --decode-mux the victim's GenerateMux stream carries all its requests: its end fails them
     # all over at once
     prompts = mixed_prompts(20, seed=21)
     expected = _expected(tiny_llama, prompts, 40, penalized=True)
-    with injected(step_delay_ms=STEP_DELAY_MS), LocalCluster(_tiny_deployment(tiny_llama_dir, decode=2),
-                                                             LaunchOptions(router_args=router_args)) as cluster:
+    with (
+        injected(step_delay_ms=STEP_DELAY_MS),
+        LocalCluster(_tiny_deployment(tiny_llama_dir, decode=2), LaunchOptions(router_args=router_args)) as cluster,
+    ):
         victim = [w for w in cluster.workers if w.role == "decode"][0]
         with ThreadPoolExecutor(1) as bg:
             pending = bg.submit(_run_all, cluster.router_address, prompts, 40, True)
@@ -151,9 +161,11 @@ def test_overload_queues_then_sheds_beyond_the_bounded_queue(tiny_llama_dir: Pat
     prompts = mixed_prompts(10 * capacity, seed=13)
     expected = _expected(tiny_llama, prompts, 4)
     config = _tiny_deployment(tiny_llama_dir)
-    options = LaunchOptions(router_args=("--max-concurrent-streams", str(capacity),
-                                         "--max-queued-requests", str(queued)))
+    options = LaunchOptions(
+        router_args=("--max-concurrent-streams", str(capacity), "--max-queued-requests", str(queued))
+    )
     with injected(step_delay_ms=STEP_DELAY_MS), LocalCluster(config, options) as cluster:
+
         def attempt(i: int) -> object:
             try:
                 return generate(cluster.router_address, prompts[i], 4, ignore_eos=True)

@@ -11,12 +11,16 @@ from pdserve.v1 import common_pb2, router_pb2
 texts = st.text(max_size=64)
 params = st.builds(
     common_pb2.SamplingParams,
-    max_tokens=st.integers(-5, 2_000_000), temperature=st.floats(allow_nan=True, width=32),
-    top_p=st.floats(allow_nan=True, width=32), top_k=st.integers(-10, 10**6),
-    stop=st.lists(st.text(max_size=300), max_size=20), stop_token_ids=st.lists(st.integers(-3, 10**6), max_size=5),
+    max_tokens=st.integers(-5, 2_000_000),
+    temperature=st.floats(allow_nan=True, width=32),
+    top_p=st.floats(allow_nan=True, width=32),
+    top_k=st.integers(-10, 10**6),
+    stop=st.lists(st.text(max_size=300), max_size=20),
+    stop_token_ids=st.lists(st.integers(-3, 10**6), max_size=5),
 )
-messages = st.lists(st.builds(common_pb2.ChatMessage, role=st.sampled_from(["user", "system", "robot", ""]),
-                              content=texts), max_size=4)
+messages = st.lists(
+    st.builds(common_pb2.ChatMessage, role=st.sampled_from(["user", "system", "robot", ""]), content=texts), max_size=4
+)
 
 
 @st.composite

@@ -28,9 +28,14 @@ from pdserve.v1.kv_pb2 import KvAck, KvFrame
 pytestmark = pytest.mark.slow
 
 #: What a refused or failed internal call may end with; UNKNOWN or INTERNAL would be an unhandled error.
-EXPECTED_CODES = {grpc.StatusCode.OK, grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.RESOURCE_EXHAUSTED,
-                  grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED,
-                  grpc.StatusCode.PERMISSION_DENIED}  # a kv_target_address no router registered
+EXPECTED_CODES = {
+    grpc.StatusCode.OK,
+    grpc.StatusCode.INVALID_ARGUMENT,
+    grpc.StatusCode.RESOURCE_EXHAUSTED,
+    grpc.StatusCode.UNAVAILABLE,
+    grpc.StatusCode.DEADLINE_EXCEEDED,
+    grpc.StatusCode.PERMISSION_DENIED,
+}  # a kv_target_address no router registered
 
 
 @pytest.fixture(scope="module")
@@ -43,10 +48,12 @@ def servers(tiny_llama_dir: Path) -> Iterator[dict[str, object]]:
     from pdserve.prefill_worker.process import start_worker as start_prefill
 
     common = ["--model", str(tiny_llama_dir), "--kv-cache-mb", "2", "--threads", "1", "--drain-timeout-s", "1"]
-    prefill = start_prefill(PrefillWorkerConfig.from_args(
-        prefill_args(common + ["--kv-timeout-s", "5", "--request-timeout-s", "10"])))
-    decode = start_decode(DecodeWorkerConfig.from_args(
-        decode_args(common + ["--kv-timeout-s", "5", "--kv-backend", "shm"])))
+    prefill = start_prefill(
+        PrefillWorkerConfig.from_args(prefill_args(common + ["--kv-timeout-s", "5", "--request-timeout-s", "10"]))
+    )
+    decode = start_decode(
+        DecodeWorkerConfig.from_args(decode_args(common + ["--kv-timeout-s", "5", "--kv-backend", "shm"]))
+    )
     try:
         yield {"prefill": prefill, "decode": decode}
     finally:
@@ -60,13 +67,21 @@ def _assert_all_free(servers: dict[str, object], timeout: float = 15) -> None:
     receiver = servers["decode"].extras["kv_receiver"]  # type: ignore[attr-defined]
     deadline = time.monotonic() + timeout
     while True:
-        state = (prefill_pool.num_free, prefill_pool.num_blocks, decode.engine.pool.num_free,
-                 decode.engine.pool.num_blocks, receiver.num_pending(), len(decode.engine.sequences))
+        state = (
+            prefill_pool.num_free,
+            prefill_pool.num_blocks,
+            decode.engine.pool.num_free,
+            decode.engine.pool.num_blocks,
+            receiver.num_pending(),
+            len(decode.engine.sequences),
+        )
         if state[0] == state[1] and state[2] == state[3] and state[4] == 0 and state[5] == 0:
             return
         if time.monotonic() > deadline:
-            raise AssertionError(f"leak: prefill free {state[0]}/{state[1]}, decode free {state[2]}/{state[3]}, "
-                                 f"{state[4]} intakes pending, {state[5]} sequences")
+            raise AssertionError(
+                f"leak: prefill free {state[0]}/{state[1]}, decode free {state[2]}/{state[3]}, "
+                f"{state[4]} intakes pending, {state[5]} sequences"
+            )
         time.sleep(0.05)
 
 
@@ -76,21 +91,30 @@ def _alive(address: str, stub_cls: type) -> None:
 
 
 # ----- Prefill -----------------------------------------------------------------------------------
-token_lists = st.one_of(st.lists(st.integers(0, 200), max_size=70),
-                        st.lists(st.integers(-2**31, 2**31 - 1), max_size=8), st.just([]))
-params = st.builds(common_pb2.SamplingParams, max_tokens=st.integers(-5, 10**6),
-                   temperature=st.floats(allow_nan=True, width=32), top_p=st.floats(allow_nan=True, width=32),
-                   top_k=st.integers(-10, 10**6), seed=st.integers(0, 2**64 - 1))
+token_lists = st.one_of(
+    st.lists(st.integers(0, 200), max_size=70), st.lists(st.integers(-(2**31), 2**31 - 1), max_size=8), st.just([])
+)
+params = st.builds(
+    common_pb2.SamplingParams,
+    max_tokens=st.integers(-5, 10**6),
+    temperature=st.floats(allow_nan=True, width=32),
+    top_p=st.floats(allow_nan=True, width=32),
+    top_k=st.integers(-10, 10**6),
+    seed=st.integers(0, 2**64 - 1),
+)
 
 
 CORRUPTIONS = {  # field -> strategy of a bad (or odd) value for it
     "request_id": st.one_of(st.text(max_size=300), st.sampled_from(["", "x" * 257, "\x00", "r"])),
-    "prompt_token_ids": st.one_of(st.lists(st.integers(-2**31, 2**31 - 1), max_size=8), st.just([]),
-                                  st.lists(st.integers(0, 200), min_size=100, max_size=3000)),
+    "prompt_token_ids": st.one_of(
+        st.lists(st.integers(-(2**31), 2**31 - 1), max_size=8),
+        st.just([]),
+        st.lists(st.integers(0, 200), min_size=100, max_size=3000),
+    ),
     "kv_target_address": st.sampled_from(["", "127.0.0.1:1", "nohost:x", "unix:/nonexistent", "[::1]:99999"]),
     "kv_backend": st.sampled_from(["nope", "GRPC", " grpc"]),  # ray: needs a Ray cluster, not fuzzed here
-    "output_index": st.integers(-2**31, 2**31 - 1),
-    "kv_block_offset": st.one_of(st.integers(-3, 6), st.integers(-2**31, 2**31 - 1)),
+    "output_index": st.integers(-(2**31), 2**31 - 1),
+    "kv_block_offset": st.one_of(st.integers(-3, 6), st.integers(-(2**31), 2**31 - 1)),
     "kv_checksum": st.sampled_from(["md5", "XXH3", "crc32", "xxh3"]),
     "params": params,
 }
@@ -102,10 +126,12 @@ def prefill_requests(draw: st.DrawFn, decode_address: str) -> worker_pb2.Prefill
     request = worker_pb2.PrefillRequest(
         request_id=draw(st.text(st.characters(min_codepoint=33, max_codepoint=126), min_size=1, max_size=40)),
         prompt_token_ids=draw(st.lists(st.integers(0, 200), min_size=1, max_size=70)),
-        kv_target_address=decode_address, kv_backend=draw(st.sampled_from(["", "grpc", "shm"])),
+        kv_target_address=decode_address,
+        kv_backend=draw(st.sampled_from(["", "grpc", "shm"])),
         decode_worker_id=draw(st.text(max_size=20)),
-        params=common_pb2.SamplingParams(max_tokens=draw(st.integers(1, 8)),
-                                         temperature=draw(st.sampled_from([0.0, 0.7]))),
+        params=common_pb2.SamplingParams(
+            max_tokens=draw(st.integers(1, 8)), temperature=draw(st.sampled_from([0.0, 0.7]))
+        ),
     )
     for field in draw(st.lists(st.sampled_from(sorted(CORRUPTIONS)), max_size=2, unique=True)):
         value = draw(CORRUPTIONS[field])
@@ -148,22 +174,46 @@ def test_fuzzed_prefill_requests_never_crash_nor_leak(servers: dict[str, object]
 
 
 # ----- PushKv ------------------------------------------------------------------------------------
-HEADER_INTS = ["block_size", "num_tokens", "layer_start", "layer_end", "byte_offset", "byte_length", "frame_index",
-               "total_frames", "first_token_id", "block_offset", "shm_num_blocks"]
+HEADER_INTS = [
+    "block_size",
+    "num_tokens",
+    "layer_start",
+    "layer_end",
+    "byte_offset",
+    "byte_length",
+    "frame_index",
+    "total_frames",
+    "first_token_id",
+    "block_offset",
+    "shm_num_blocks",
+]
 
 
 @st.composite
 def mutations(draw: st.DrawFn) -> list[tuple[str, object]]:
     """Changes applied to a valid stream: header fields, data bytes, frame order."""
     choices = st.one_of(
-        st.tuples(st.sampled_from(HEADER_INTS), st.integers(-2**31, 2**31 - 1)),
+        st.tuples(st.sampled_from(HEADER_INTS), st.integers(-(2**31), 2**31 - 1)),
         st.tuples(st.sampled_from(HEADER_INTS), st.integers(-2, 70)),
         st.tuples(st.just("checksum"), st.integers(0, 2**32 - 1)),
         st.tuples(st.sampled_from(["request_id", "model_fingerprint", "dtype"]), st.text(max_size=20)),
         st.tuples(st.just("shape"), st.lists(st.integers(-2, 70), max_size=7)),
         st.tuples(st.just("shm_block_ids"), st.lists(st.integers(-3, 2**31 - 1), max_size=6)),
-        st.tuples(st.just("shm_name"), st.sampled_from(["", "x", "pdserve-kv-", "pdserve-kv-1-", "../../etc/passwd",
-                                                        "pdserve-kv-/x", "OTHER", "OURS-nonexistent"])),
+        st.tuples(
+            st.just("shm_name"),
+            st.sampled_from(
+                [
+                    "",
+                    "x",
+                    "pdserve-kv-",
+                    "pdserve-kv-1-",
+                    "../../etc/passwd",
+                    "pdserve-kv-/x",
+                    "OTHER",
+                    "OURS-nonexistent",
+                ]
+            ),
+        ),
         st.tuples(st.just("shm_checksum"), st.integers(0, 2**64 - 1)),
         st.tuples(st.just("shm_checksum_algorithm"), st.sampled_from(["", "xxh3", "crc32", "sha1"])),
         st.tuples(st.just("flip_byte"), st.integers(0, 10**6)),
@@ -238,9 +288,15 @@ def test_fuzzed_kv_pushes_never_crash_nor_leak(servers: dict[str, object]) -> No
         try:
             spec = worker.expected_spec(request_id, num_tokens, seq.num_reused_blocks)
             shm = kind.startswith("shm")
-            pending = receiver.expect(spec, ExpectOptions(5, in_place=in_place and shm,
-                                                          shm_segment_prefix=prefill_prefix if shm else "",
-                                                          require_checksum="xxh3" if kind == "shm+xxh3" else ""))
+            pending = receiver.expect(
+                spec,
+                ExpectOptions(
+                    5,
+                    in_place=in_place and shm,
+                    shm_segment_prefix=prefill_prefix if shm else "",
+                    require_checksum="xxh3" if kind == "shm+xxh3" else "",
+                ),
+            )
             frames = _apply(_valid_frames(kind, spec, servers), changes, names)
             call = stub.PushKv.future(iter(frames), timeout=15)
             try:

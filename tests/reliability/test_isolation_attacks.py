@@ -20,16 +20,22 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 
-pytestmark = [pytest.mark.slow, pytest.mark.skipif(not Path("/proc/self/status").exists(),
-                                                   reason="memory is read from /proc")]
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.skipif(not Path("/proc/self/status").exists(), reason="memory is read from /proc"),
+]
 
 
 def _attacks(model: Path, out: Path, *args: str, timeout: float = 600) -> dict[int, dict]:
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT),
-                                                         os.environ.get("PYTHONPATH", "")])}
-    done = subprocess.run([sys.executable, "benchmarks/isolation_attacks.py", "--model", str(model),
-                           "--out", str(out), *args], cwd=ROOT, env=env, capture_output=True, text=True,
-                          timeout=timeout)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+    done = subprocess.run(
+        [sys.executable, "benchmarks/isolation_attacks.py", "--model", str(model), "--out", str(out), *args],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
     assert out.exists(), done.stdout[-3000:] + done.stderr[-3000:]
     print(done.stdout[-3000:])
     return {r["row"]: r for r in json.loads(out.read_text())["rows"]}

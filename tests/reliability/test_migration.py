@@ -74,8 +74,10 @@ TRANSPORTS = pytest.mark.parametrize("router_args", [(), ("--decode-mux",)], ids
 
 def _cluster(model_dir: Path, delay_ms: int = 60, router_args: tuple[str, ...] = ()) -> LocalCluster:
     with injected(step_delay_ms=delay_ms):  # the workers read it at start (LocalCluster starts them)
-        return LocalCluster(local_deployment(model=str(model_dir), prefill=1, decode=2, threads_per_worker=1),
-                            LaunchOptions(decode_args=("--kv-timeout-s", "20"), router_args=router_args))
+        return LocalCluster(
+            local_deployment(model=str(model_dir), prefill=1, decode=2, threads_per_worker=1),
+            LaunchOptions(decode_args=("--kv-timeout-s", "20"), router_args=router_args),
+        )
 
 
 class SharedClusters:
@@ -125,8 +127,11 @@ class Stream:
 
     def __init__(self, address: str, request_id: str, max_tokens: int, **params: object) -> None:
         stub = router_pb2_grpc.RouterStub(grpc.insecure_channel(address))
-        request = router_pb2.GenerateRequest(request_id=request_id, prompt=PROMPT, params=common_pb2.SamplingParams(
-            max_tokens=max_tokens, ignore_eos=True, **params))
+        request = router_pb2.GenerateRequest(
+            request_id=request_id,
+            prompt=PROMPT,
+            params=common_pb2.SamplingParams(max_tokens=max_tokens, ignore_eos=True, **params),
+        )
         self.responses: list[router_pb2.GenerateResponse] = []
         self.error: grpc.RpcError | None = None
         self._changed = threading.Condition()
@@ -191,10 +196,14 @@ def _live(cluster: LocalCluster, dead: frozenset[int] = frozenset()) -> list[tup
     return [(w.role, w.address) for w in cluster.workers if w.pid not in dead]
 
 
-@pytest.mark.parametrize(("params", "router_args"), [({}, ()), (PENALIZED, ()), ({}, ("--decode-mux",))],
-                         ids=["greedy", "seeded-penalized", "greedy-mux"])
+@pytest.mark.parametrize(
+    ("params", "router_args"),
+    [({}, ()), (PENALIZED, ()), ({}, ("--decode-mux",))],
+    ids=["greedy", "seeded-penalized", "greedy-mux"],
+)
 def test_migration_mid_stream_gives_identical_tokens_and_target_computes_no_prompt(
-        tiny_llama_dir: Path, shared_cluster: SharedClusters, params: dict, router_args: tuple[str, ...]) -> None:
+    tiny_llama_dir: Path, shared_cluster: SharedClusters, params: dict, router_args: tuple[str, ...]
+) -> None:
     expected = _expected(tiny_llama_dir, MAX_TOKENS, **params)
     cluster = shared_cluster.get(router_args)
     request_id = f"move-me-{len(params)}-{len(router_args)}"  # one per case: the cluster is shared
@@ -228,20 +237,33 @@ def test_migrate_cli_and_errors(tiny_llama_dir: Path, shared_cluster: SharedClus
     assert err.value.code() == grpc.StatusCode.NOT_FOUND
     decode_stub = worker_pb2_grpc.DecodeWorkerStub(open_channel(_decoders(cluster)[0].address))
     with pytest.raises(grpc.RpcError) as err:  # K/V goes only to registered decode workers
-        decode_stub.MigrateOut(worker_pb2.MigrateOutRequest(
-            request_id="x", target_request_id="y", kv_target_address="127.0.0.1:9", num_tokens=1), timeout=10)
+        decode_stub.MigrateOut(
+            worker_pb2.MigrateOutRequest(
+                request_id="x", target_request_id="y", kv_target_address="127.0.0.1:9", num_tokens=1
+            ),
+            timeout=10,
+        )
     assert err.value.code() == grpc.StatusCode.PERMISSION_DENIED
     stream = Stream(cluster.router_address, "cli-move", MAX_TOKENS)
     stream.wait_tokens(8)
     source, target = _source_and_target(cluster)
     migrated_in = worker_info(target.address, "decode").requests_migrated_in
     with pytest.raises(grpc.RpcError) as err:  # a worker that is not a decode worker is no target
-        _migrate(cluster.router_address, "cli-move", to=cluster.workers[0].address
-                 if cluster.workers[0].role == "prefill" else "prefill-0")
+        _migrate(
+            cluster.router_address,
+            "cli-move",
+            to=cluster.workers[0].address if cluster.workers[0].role == "prefill" else "prefill-0",
+        )
     assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO)])}
-    out = subprocess.run([sys.executable, "-m", "pdserve.cluster.cli", "migrate", "--url", cluster.router_address,
-                          "cli-move"], capture_output=True, text=True, timeout=120, env=env, cwd=REPO)
+    out = subprocess.run(
+        [sys.executable, "-m", "pdserve.cluster.cli", "migrate", "--url", cluster.router_address, "cli-move"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=env,
+        cwd=REPO,
+    )
     assert out.returncode == 0, out.stderr
     assert f"from {source.address} to {target.address}" in out.stdout
     stream.result()
@@ -251,8 +273,9 @@ def test_migrate_cli_and_errors(tiny_llama_dir: Path, shared_cluster: SharedClus
 
 
 @TRANSPORTS
-def test_target_killed_mid_migration_falls_back_to_failover(tiny_llama_dir: Path, shared_cluster: SharedClusters,
-                                                            router_args: tuple[str, ...]) -> None:
+def test_target_killed_mid_migration_falls_back_to_failover(
+    tiny_llama_dir: Path, shared_cluster: SharedClusters, router_args: tuple[str, ...]
+) -> None:
     expected = _expected(tiny_llama_dir, MAX_TOKENS)
     with shared_cluster.take(router_args) as cluster:  # idle, possibly after other tests: counters as differences
         stream = Stream(cluster.router_address, "doomed-target", MAX_TOKENS)
@@ -278,8 +301,9 @@ def test_target_killed_mid_migration_falls_back_to_failover(tiny_llama_dir: Path
 
 
 @TRANSPORTS
-def test_draining_decode_worker_migrates_its_running_requests(tiny_llama_dir: Path,
-                                                              router_args: tuple[str, ...]) -> None:
+def test_draining_decode_worker_migrates_its_running_requests(
+    tiny_llama_dir: Path, router_args: tuple[str, ...]
+) -> None:
     expected = _expected(tiny_llama_dir, MAX_TOKENS)
     with _cluster(tiny_llama_dir, delay_ms=100, router_args=router_args) as cluster:
         stream = Stream(cluster.router_address, "drained", MAX_TOKENS)

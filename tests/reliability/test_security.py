@@ -21,8 +21,18 @@ from pdserve.router.server import RouterServer, serve
 
 TOKEN = "s3cret-token"
 REPO = Path(__file__).resolve().parents[2]
-PACKAGES = ["engine", "router", "prefill_worker", "decode_worker", "elastic_worker", "kv_transfer", "cluster",
-            "capacity", "telemetry", "proto"]
+PACKAGES = [
+    "engine",
+    "router",
+    "prefill_worker",
+    "decode_worker",
+    "elastic_worker",
+    "kv_transfer",
+    "cluster",
+    "capacity",
+    "telemetry",
+    "proto",
+]
 
 
 @pytest.fixture
@@ -68,8 +78,10 @@ def test_the_autoscaler_reaches_a_router_that_serves_tls_and_a_token(secured_rou
         assert core.last["samples"] == 0 and core.last["decode"] == 0
     finally:
         loop.stop()
-    for kwargs, code in (({"token": TOKEN}, grpc.StatusCode.UNAVAILABLE),  # plaintext to a TLS port
-                         ({"tls_ca_file": cert}, grpc.StatusCode.UNAUTHENTICATED)):
+    for kwargs, code in (
+        ({"token": TOKEN}, grpc.StatusCode.UNAVAILABLE),  # plaintext to a TLS port
+        ({"tls_ca_file": cert}, grpc.StatusCode.UNAUTHENTICATED),
+    ):
         plain = AutoscalerLoop(router.address, Autoscaler(AutoscalerConfig(ttft_s=0.5, tpot_s=0.05)), **kwargs)
         try:
             with pytest.raises(grpc.RpcError) as err:
@@ -125,15 +137,23 @@ def _ca_and_leaf(tmp: Path) -> dict[str, str]:
     now = datetime.datetime.now(datetime.timezone.utc)
 
     def build(subject: str, issuer: x509.Name, public_key, signer, ca: bool) -> x509.Certificate:  # noqa: ANN001
-        builder = (x509.CertificateBuilder()
-                   .subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, subject)]))
-                   .issuer_name(issuer).public_key(public_key).serial_number(x509.random_serial_number())
-                   .not_valid_before(now - datetime.timedelta(minutes=1))
-                   .not_valid_after(now + datetime.timedelta(days=1))
-                   .add_extension(x509.BasicConstraints(ca=ca, path_length=None), True))
+        builder = (
+            x509.CertificateBuilder()
+            .subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, subject)]))
+            .issuer_name(issuer)
+            .public_key(public_key)
+            .serial_number(x509.random_serial_number())
+            .not_valid_before(now - datetime.timedelta(minutes=1))
+            .not_valid_after(now + datetime.timedelta(days=1))
+            .add_extension(x509.BasicConstraints(ca=ca, path_length=None), True)
+        )
         if not ca:
-            builder = builder.add_extension(x509.SubjectAlternativeName(
-                [x509.DNSName("localhost"), x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]), False)
+            builder = builder.add_extension(
+                x509.SubjectAlternativeName(
+                    [x509.DNSName("localhost"), x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]
+                ),
+                False,
+            )
         return builder.sign(signer, hashes.SHA256())
 
     ca_key, leaf_key = ec.generate_private_key(ec.SECP256R1()), ec.generate_private_key(ec.SECP256R1())
@@ -143,13 +163,17 @@ def _ca_and_leaf(tmp: Path) -> dict[str, str]:
     files = {"ca": tmp / "ca.pem", "cert": tmp / "leaf.pem", "key": tmp / "leaf.key"}
     files["ca"].write_bytes(ca_cert.public_bytes(serialization.Encoding.PEM))
     files["cert"].write_bytes(leaf.public_bytes(serialization.Encoding.PEM))
-    files["key"].write_bytes(leaf_key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
-                                                    serialization.NoEncryption()))
+    files["key"].write_bytes(
+        leaf_key.private_bytes(
+            serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()
+        )
+    )
     return {k: str(v) for k, v in files.items()}
 
 
-def test_internal_mtls_between_router_and_workers(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
-                                                  tiny_llama_dir: Path) -> None:
+def test_internal_mtls_between_router_and_workers(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, tiny_llama_dir: Path
+) -> None:
     """Workers serve the tiny random Llama: the point is the internal plane's TLS, not the model."""
     from pdserve import transport
     from pdserve.cluster.launch import local_deployment
@@ -170,8 +194,10 @@ def test_internal_mtls_between_router_and_workers(tmp_path: Path, monkeypatch: p
             roles = [(w.role, w.address) for w in cluster.workers]
             assert worker_info(roles[0][1], roles[0][0]).requests_finished == 1  # mTLS client works
             for address in (a for _, a in roles):  # plaintext, and TLS without a client certificate, fail
-                for channel in (grpc.insecure_channel(address), grpc.secure_channel(
-                        address, grpc.ssl_channel_credentials(Path(files["ca"]).read_bytes()))):
+                for channel in (
+                    grpc.insecure_channel(address),
+                    grpc.secure_channel(address, grpc.ssl_channel_credentials(Path(files["ca"]).read_bytes())),
+                ):
                     with pytest.raises(grpc.RpcError):
                         worker_pb2_grpc.DecodeWorkerStub(channel).GetInfo(worker_pb2.InfoRequest(), timeout=3)
             wait_idle(roles)
@@ -183,8 +209,13 @@ def _run_module(module: str, *args: str, env_extra: dict[str, str] | None = None
     from pdserve.cluster.local import child_env
 
     env = {k: v for k, v in child_env().items() if not k.startswith(("PDSERVE_INTERNAL", "PDSERVE_AUTH"))}
-    return subprocess.run([sys.executable, "-m", f"pdserve.{module}", *args], capture_output=True, text=True,
-                          env={**env, **(env_extra or {})}, timeout=120)
+    return subprocess.run(
+        [sys.executable, "-m", f"pdserve.{module}", *args],
+        capture_output=True,
+        text=True,
+        env={**env, **(env_extra or {})},
+        timeout=120,
+    )
 
 
 @pytest.mark.parametrize("module", ["prefill_worker", "decode_worker"])
@@ -202,8 +233,17 @@ def test_internal_token_file_lets_a_worker_bind_beyond_loopback(tmp_path: Path) 
     missing folder, so it then fails for that reason, not for the bind)."""
     token = tmp_path / "internal"
     token.write_text("t0ken\n")
-    result = _run_module("prefill_worker", "--host", "0.0.0.0", "--port", "0", "--model", str(tmp_path / "none"),
-                         "--internal-token-file", str(token))
+    result = _run_module(
+        "prefill_worker",
+        "--host",
+        "0.0.0.0",
+        "--port",
+        "0",
+        "--model",
+        str(tmp_path / "none"),
+        "--internal-token-file",
+        str(token),
+    )
     assert result.returncode != 0 and "refusing" not in result.stderr
     assert str(tmp_path / "none") in result.stderr
 
@@ -269,10 +309,15 @@ def test_internal_token_is_required_and_sent(monkeypatch: pytest.MonkeyPatch) ->
         with pytest.raises(grpc.RpcError) as err:
             plain.GetInfo(worker_pb2.InfoRequest(), timeout=5, metadata=((transport.TOKEN_METADATA, "nope"),))
         assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED
-        assert worker_pb2_grpc.PrefillWorkerStub(transport.open_channel(address)).GetInfo(
-            worker_pb2.InfoRequest(), timeout=5).worker_id == "w"
-        reply = health_pb2_grpc.HealthStub(grpc.insecure_channel(address)).Check(health_pb2.HealthCheckRequest(),
-                                                                                timeout=5)
+        assert (
+            worker_pb2_grpc.PrefillWorkerStub(transport.open_channel(address))
+            .GetInfo(worker_pb2.InfoRequest(), timeout=5)
+            .worker_id
+            == "w"
+        )
+        reply = health_pb2_grpc.HealthStub(grpc.insecure_channel(address)).Check(
+            health_pb2.HealthCheckRequest(), timeout=5
+        )
         assert reply.status == health_pb2.HealthCheckResponse.SERVING
     finally:
         server.stop(0)
@@ -300,14 +345,20 @@ def test_unauthenticated_calls_are_refused_before_their_message_is_read(tmp_path
     token = tmp_path / "token"
     token.write_text("the-token\n")
     env = {k: v for k, v in child_env().items() if k != "PDSERVE_AUTH_TOKEN"}
-    router = subprocess.Popen([sys.executable, "-m", "pdserve.router", "--port", "0", "--auth-token-file", str(token)],
-                              stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=env)
+    router = subprocess.Popen(
+        [sys.executable, "-m", "pdserve.router", "--port", "0", "--auth-token-file", str(token)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        text=True,
+        env=env,
+    )
     try:
         address = json.loads(router.stdout.readline().split(" ", 1)[1])["address"]  # type: ignore[union-attr]
         time.sleep(0.5)
         before = _rss_mib(router.pid)
-        big = router_pb2.GenerateRequest(prompt="x" * (15 * 2**20 - 100),
-                                         params=common_pb2.SamplingParams(max_tokens=1))
+        big = router_pb2.GenerateRequest(
+            prompt="x" * (15 * 2**20 - 100), params=common_pb2.SamplingParams(max_tokens=1)
+        )
         codes: list[grpc.StatusCode] = []
 
         def call() -> None:
@@ -330,8 +381,11 @@ def test_unauthenticated_calls_are_refused_before_their_message_is_read(tmp_path
         with grpc.insecure_channel(address) as channel:
             with pytest.raises(grpc.RpcError) as info:
                 small = router_pb2.GenerateRequest(prompt="hi", params=common_pb2.SamplingParams(max_tokens=1))
-                list(router_pb2_grpc.RouterStub(channel).Generate(
-                    small, metadata=(("authorization", "Bearer the-token"),), timeout=30))
+                list(
+                    router_pb2_grpc.RouterStub(channel).Generate(
+                        small, metadata=(("authorization", "Bearer the-token"),), timeout=30
+                    )
+                )
             assert info.value.code() == grpc.StatusCode.UNAVAILABLE
     finally:
         router.terminate()

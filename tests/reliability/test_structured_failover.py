@@ -31,16 +31,27 @@ pytestmark = pytest.mark.slow
 
 SCHEMA = {
     "type": "object",
-    "properties": {"city": {"type": "string", "maxLength": 24}, "population_millions": {"type": "number"},
-                   "capital": {"type": "boolean"}},
-    "required": ["city", "population_millions", "capital"], "additionalProperties": False,
+    "properties": {
+        "city": {"type": "string", "maxLength": 24},
+        "population_millions": {"type": "number"},
+        "capital": {"type": "boolean"},
+    },
+    "required": ["city", "population_millions", "capital"],
+    "additionalProperties": False,
 }
 N = 24
 
 
 def _request(i: int) -> router_pb2.GenerateRequest:
-    request = router_pb2.GenerateRequest(request_id=f"json-{i}", params=common_pb2.SamplingParams(
-        max_tokens=64, temperature=1.0, seed=i, structured=common_pb2.StructuredOutput(json_schema=json.dumps(SCHEMA))))
+    request = router_pb2.GenerateRequest(
+        request_id=f"json-{i}",
+        params=common_pb2.SamplingParams(
+            max_tokens=64,
+            temperature=1.0,
+            seed=i,
+            structured=common_pb2.StructuredOutput(json_schema=json.dumps(SCHEMA)),
+        ),
+    )
     request.messages.messages.add(role="user", content=f"Describe a European city as JSON ({i}).")
     return request
 

@@ -42,8 +42,10 @@ class FakeDecode(worker_pb2_grpc.DecodeWorkerServicer):
         if self.mode == "exhausted":
             context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, "kv cache full: need 9 blocks, 0 free")
         if self.mode == "prefill_internal":  # what a decode worker says when the prefill step broke on the request
-            context.abort(grpc.StatusCode.INTERNAL,
-                          f"prefill failed on {request.prefill_address}: prefill failed: poisoned prompt")
+            context.abort(
+                grpc.StatusCode.INTERNAL,
+                f"prefill failed on {request.prefill_address}: prefill failed: poisoned prompt",
+            )
         if self.mode == "hang":
             context.add_callback(self.cancelled.set)
             yield router_pb2.GenerateResponse(request_id=request.request_id, text="x", token_ids=[1])

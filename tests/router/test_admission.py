@@ -31,6 +31,7 @@ class Slots:
             self.free -= 1
             self.order.append(name)
             return name
+
         return take
 
 
@@ -42,8 +43,10 @@ def test_waiters_are_admitted_by_priority_then_arrival_and_retries_first() -> No
     async def scenario() -> list[str]:
         slots = Slots(0)
         queue: AdmissionQueue[str] = AdmissionQueue(10, release=lambda _: None)
-        tasks = [asyncio.create_task(queue.acquire(slots.assign(name), priority=prio, retry=retry))
-                 for name, prio, retry in (("a", 0, False), ("b", 5, False), ("c", 0, False), ("d", 0, True))]
+        tasks = [
+            asyncio.create_task(queue.acquire(slots.assign(name), priority=prio, retry=retry))
+            for name, prio, retry in (("a", 0, False), ("b", 5, False), ("c", 0, False), ("d", 0, True))
+        ]
         await asyncio.sleep(0.01)
         assert len(queue) == 4
         for _ in range(4):
@@ -168,8 +171,12 @@ class HoldingDecode(FakeDecode):
         self.requests.append(request)
         yield router_pb2.GenerateResponse(text="x", token_ids=[1])
         self.release.wait(30)
-        yield router_pb2.GenerateResponse(text="y", token_ids=[2], finish_reason=common_pb2.FINISH_REASON_LENGTH,
-                                          usage=common_pb2.Usage(prompt_tokens=1, completion_tokens=2))
+        yield router_pb2.GenerateResponse(
+            text="y",
+            token_ids=[2],
+            finish_reason=common_pb2.FINISH_REASON_LENGTH,
+            usage=common_pb2.Usage(prompt_tokens=1, completion_tokens=2),
+        )
 
 
 def _consume(stub, request_id: str = "", priority: int = 0, timeout: float = 60):  # noqa: ANN001, ANN202
@@ -179,8 +186,9 @@ def _consume(stub, request_id: str = "", priority: int = 0, timeout: float = 60)
 
 def test_router_queues_beyond_worker_slots_instead_of_refusing(fake_server, start_router) -> None:  # noqa: ANN001
     decode = HoldingDecode()
-    server, stub = start_router(RouterConfig(prefill=(fake_server(FakePrefill()),), decode=(fake_server(decode),),
-                                             poll_interval_s=0.1))
+    server, stub = start_router(
+        RouterConfig(prefill=(fake_server(FakePrefill()),), decode=(fake_server(decode),), poll_interval_s=0.1)
+    )
     from concurrent.futures import ThreadPoolExecutor
 
     with ThreadPoolExecutor(8) as pool:
@@ -202,8 +210,9 @@ def test_router_queues_beyond_worker_slots_instead_of_refusing(fake_server, star
 
 def test_router_refuses_with_retry_after_only_when_its_queue_is_full(fake_server, start_router) -> None:  # noqa: ANN001
     decode = HoldingDecode()
-    _server, stub = start_router(RouterConfig(prefill=(fake_server(FakePrefill()),),
-                                              decode=(fake_server(decode),), max_queued_requests=2))
+    _server, stub = start_router(
+        RouterConfig(prefill=(fake_server(FakePrefill()),), decode=(fake_server(decode),), max_queued_requests=2)
+    )
     from concurrent.futures import ThreadPoolExecutor
 
     with ThreadPoolExecutor(5) as pool:
@@ -247,8 +256,11 @@ class FailingDecode(FakeDecode):
 
 def test_a_poison_request_fails_after_two_workers_and_suspects_nobody(fake_server, start_router) -> None:  # noqa: ANN001
     workers = [FailingDecode(grpc.StatusCode.INTERNAL) for _ in range(3)]
-    _server, stub = start_router(RouterConfig(prefill=(fake_server(FakePrefill()),),
-                                              decode=tuple(fake_server(w) for w in workers), max_attempts=3))
+    _server, stub = start_router(
+        RouterConfig(
+            prefill=(fake_server(FakePrefill()),), decode=tuple(fake_server(w) for w in workers), max_attempts=3
+        )
+    )
     with pytest.raises(grpc.RpcError) as failed:
         _consume(stub)
     assert failed.value.code() == grpc.StatusCode.INTERNAL
@@ -260,8 +272,9 @@ def test_a_poison_request_fails_after_two_workers_and_suspects_nobody(fake_serve
 
 def test_a_request_fault_on_one_worker_is_retried_on_another(fake_server, start_router) -> None:  # noqa: ANN001
     bad, good = FailingDecode(grpc.StatusCode.INTERNAL), FakeDecode()
-    _server, stub = start_router(RouterConfig(prefill=(fake_server(FakePrefill()),),
-                                              decode=(fake_server(bad), fake_server(good))))
+    _server, stub = start_router(
+        RouterConfig(prefill=(fake_server(FakePrefill()),), decode=(fake_server(bad), fake_server(good)))
+    )
     results = [_consume(stub) for _ in range(2)]  # round robin: each starts on `bad`, then moves on
     assert all("".join(r.text for r in res) == "Hello world" for res in results)
     assert len(bad.requests) == 2 and len(good.requests) == 2  # `bad` was not suspected: it kept its turn
@@ -277,8 +290,11 @@ def test_slo_admission_refuses_at_once_what_would_miss_its_ttft(fake_server, sta
 
     first_token_s = 0.05
     prefill, decode = FakePrefill(), FakeDecode(first_token_delay_s=first_token_s)
-    _server, stub = start_router(RouterConfig(prefill=(fake_server(prefill),), decode=(fake_server(decode),),
-                                              poll_interval_s=0.05, slo_ttft_s=2.0))
+    _server, stub = start_router(
+        RouterConfig(
+            prefill=(fake_server(prefill),), decode=(fake_server(decode),), poll_interval_s=0.05, slo_ttft_s=2.0
+        )
+    )
     for i in range(6):  # teach the TTFT model (no backlog: every TTFT, >= 50 ms, is well within the SLO)
         responses = list(stub.Generate(router_pb2.GenerateRequest(prompt=f"warm {i}"), timeout=10))
         assert responses[-1].finish_reason == common_pb2.FINISH_REASON_STOP
@@ -287,6 +303,7 @@ def test_slo_admission_refuses_at_once_what_would_miss_its_ttft(fake_server, sta
     def sees_backlog() -> bool:
         status = stub.GetStatus(router_pb2.StatusRequest(), timeout=5)
         return any(w.queued_prompt_tokens == 10**9 for w in status.workers)
+
     eventually(sees_backlog, 10)
     seen = len(decode.requests)
     with pytest.raises(grpc.RpcError) as refused:
@@ -312,7 +329,8 @@ def test_slo_admission_refuses_at_once_what_would_miss_its_ttft(fake_server, sta
 
 
 def test_slo_admission_serves_what_it_queued_instead_of_refusing_it_after_the_wait(  # noqa: ANN001
-        fake_server, start_router) -> None:
+    fake_server, start_router
+) -> None:
     """A refusal comes at once or not at all: a request that passed the check before queueing is
     dispatched when a slot frees, even if the prediction has since turned against it, and the
     next new request is refused at once."""
@@ -321,8 +339,11 @@ def test_slo_admission_serves_what_it_queued_instead_of_refusing_it_after_the_wa
     from waiting import eventually
 
     prefill, decode = FakePrefill(), HoldingDecode()
-    _server, stub = start_router(RouterConfig(prefill=(fake_server(prefill),), decode=(fake_server(decode),),
-                                              poll_interval_s=0.05, slo_ttft_s=2.0))
+    _server, stub = start_router(
+        RouterConfig(
+            prefill=(fake_server(prefill),), decode=(fake_server(decode),), poll_interval_s=0.05, slo_ttft_s=2.0
+        )
+    )
     decode.release.set()
     for i in range(6):  # teach the TTFT model
         assert _consume(stub, f"warm{i}")[-1].finish_reason == common_pb2.FINISH_REASON_LENGTH
@@ -333,8 +354,12 @@ def test_slo_admission_serves_what_it_queued_instead_of_refusing_it_after_the_wa
         waiting = pool.submit(_consume, stub, "queued")
         eventually(lambda: stub.GetStatus(router_pb2.StatusRequest(), timeout=5).queued_requests == 1, 20)
         prefill.info.queued_prompt_tokens = 10**9  # now nothing fits the SLO any more
-        eventually(lambda: any(w.queued_prompt_tokens == 10**9
-                               for w in stub.GetStatus(router_pb2.StatusRequest(), timeout=5).workers), 10)
+        eventually(
+            lambda: any(
+                w.queued_prompt_tokens == 10**9 for w in stub.GetStatus(router_pb2.StatusRequest(), timeout=5).workers
+            ),
+            10,
+        )
         decode.release.set()
         assert waiting.result(timeout=60)[-1].finish_reason == common_pb2.FINISH_REASON_LENGTH
         assert all(f.result(timeout=60)[-1].finish_reason for f in holding)
@@ -398,13 +423,18 @@ def test_http_requests_carry_their_own_slo_and_priority_class(fake_server, start
     import urllib.request
 
     decode = FakeDecode(first_token_delay_s=0.05)
-    server, stub = start_router(RouterConfig(prefill=(fake_server(FakePrefill()),), decode=(fake_server(decode),),
-                                             http_port=0, model_name="m"))
+    server, stub = start_router(
+        RouterConfig(prefill=(fake_server(FakePrefill()),), decode=(fake_server(decode),), http_port=0, model_name="m")
+    )
 
     def post(extra: dict[str, object]) -> tuple[int, dict[str, str], dict[str, object]]:
         body = json.dumps({"model": "m", "prompt": "hi", "max_tokens": 2, **extra}).encode()
-        request = urllib.request.Request(f"http://127.0.0.1:{server.http_port}/v1/completions", data=body,
-                                         headers={"Content-Type": "application/json"}, method="POST")
+        request = urllib.request.Request(
+            f"http://127.0.0.1:{server.http_port}/v1/completions",
+            data=body,
+            headers={"Content-Type": "application/json"},
+            method="POST",
+        )
         try:
             with urllib.request.urlopen(request, timeout=10) as answer:
                 return answer.status, dict(answer.headers), json.loads(answer.read())
@@ -424,12 +454,29 @@ def test_http_requests_carry_their_own_slo_and_priority_class(fake_server, start
     assert decode.requests[-1].prompt == "hi"
     assert post({"slo_ttft_ms": 60_000})[0] == 200  # a loose objective is met
     assert stub.GetStatus(router_pb2.StatusRequest(), timeout=5).slo_shed_requests == 1
-    for field, value in (("slo_ttft_ms", -1), ("slo_ttft_ms", "fast"), ("slo_ttft_ms", 1.5),
-                         ("slo_ttft_ms", 10**12), ("best_effort", "yes"), ("priority", 101), ("priority", True)):
+    for field, value in (
+        ("slo_ttft_ms", -1),
+        ("slo_ttft_ms", "fast"),
+        ("slo_ttft_ms", 1.5),
+        ("slo_ttft_ms", 10**12),
+        ("best_effort", "yes"),
+        ("priority", 101),
+        ("priority", True),
+    ):
         status, _, body = post({field: value})
         assert status == 400 and body["error"]["param"] == field, (field, value, body)
     from pdserve.router.openai_protocol import CHAT, parse_request
 
-    parsed = parse_request(CHAT, {"model": "m", "messages": [{"role": "user", "content": "hi"}], "priority": -3,
-                                  "slo_ttft_ms": 250, "best_effort": True}, "m", "r1").grpc_request
+    parsed = parse_request(
+        CHAT,
+        {
+            "model": "m",
+            "messages": [{"role": "user", "content": "hi"}],
+            "priority": -3,
+            "slo_ttft_ms": 250,
+            "best_effort": True,
+        },
+        "m",
+        "r1",
+    ).grpc_request
     assert (parsed.priority, parsed.slo_ttft_ms, parsed.best_effort) == (-3, 250, True)

@@ -44,8 +44,11 @@ class ScriptedDecode(worker_pb2_grpc.DecodeWorkerServicer):
                 await asyncio.sleep(0.02 - loop.time() % 0.02)  # every stream wakes on the same tick
                 last = i == n - 1
                 yield router_pb2.GenerateResponse(
-                    request_id=rid, text=f"t{i} ", token_ids=[i],
-                    finish_reason=common_pb2.FINISH_REASON_LENGTH if last else 0)
+                    request_id=rid,
+                    text=f"t{i} ",
+                    token_ids=[i],
+                    finish_reason=common_pb2.FINISH_REASON_LENGTH if last else 0,
+                )
         except asyncio.CancelledError:
             how = "cancelled"
             raise

@@ -28,13 +28,16 @@ REQUEST = router_pb2.GenerateRequest(prompt="Hello", params=common_pb2.SamplingP
 
 #: Each failure, and the words a real worker ends the call with (decode_worker/kv_intake.py, outcomes.py).
 CANONICAL = {
-    "unavailable-decode": (failures.WorkerUnavailable("", failures.DECODE),
-                           "decode worker d0: engine loop died"),
-    "unavailable-prefill": (failures.WorkerUnavailable("", failures.PREFILL),
-                            "prefill failed on 127.0.0.1:1: UNAVAILABLE: connection refused"),
+    "unavailable-decode": (failures.WorkerUnavailable("", failures.DECODE), "decode worker d0: engine loop died"),
+    "unavailable-prefill": (
+        failures.WorkerUnavailable("", failures.PREFILL),
+        "prefill failed on 127.0.0.1:1: UNAVAILABLE: connection refused",
+    ),
     "fault-decode": (failures.RequestFault("", failures.DECODE), "decode worker d0: decode step failed: boom"),
-    "fault-prefill": (failures.RequestFault("", failures.PREFILL),
-                      "prefill failed on 127.0.0.1:1: prefill failed: poisoned prompt"),
+    "fault-prefill": (
+        failures.RequestFault("", failures.PREFILL),
+        "prefill failed on 127.0.0.1:1: prefill failed: poisoned prompt",
+    ),
     "invalid": (failures.RequestInvalid(""), "max_tokens must be in [1, 1000000], got 0"),
     "overloaded": (failures.Overloaded(""), "admission queue full (64)"),
 }
@@ -104,14 +107,19 @@ class _TypedDecode(worker_pb2_grpc.DecodeWorkerServicer):
 
 def _decide(fake_server, start_router, monkeypatch, name: str, words: str) -> tuple[str, int, tuple[str, ...]]:  # noqa: ANN001
     failure = CANONICAL[name][0]
-    shared = _FailFirst(type(failure)(words, failure.side) if not isinstance(failure, failures.Overloaded)
-                        else failures.Overloaded(words), words)
+    shared = _FailFirst(
+        type(failure)(words, failure.side)
+        if not isinstance(failure, failures.Overloaded)
+        else failures.Overloaded(words),
+        words,
+    )
     prefills = tuple(fake_server(FakePrefill()) for _ in range(2))
     decodes = [_TypedDecode(shared), _TypedDecode(shared)]
     for decode in decodes:
         decode.address = fake_server(decode)
-    server, stub = start_router(RouterConfig(prefill=prefills, decode=tuple(d.address for d in decodes),
-                                             decode_policy="round_robin"))
+    server, stub = start_router(
+        RouterConfig(prefill=prefills, decode=tuple(d.address for d in decodes), decode_policy="round_robin")
+    )
     suspected: list[str] = []
     suspect = server.core.pool.suspect
     monkeypatch.setattr(server.core.pool, "suspect", lambda address: (suspected.append(address), suspect(address)))

@@ -150,8 +150,9 @@ def test_the_feed_follows_a_worker_through_events_an_epoch_change_and_its_remova
 def test_a_gap_in_the_sequence_asks_for_a_snapshot() -> None:
     index = KvIndex()
     sub = _Subscription(KvEventFeed(index), "w", grpc.insecure_channel("127.0.0.1:9"))
-    assert sub._apply(worker_pb2.KvEventBatch(epoch=7, first_seq=1, last_seq=1, snapshot=True, keys=[11],
-                                              stored=[True]))
+    assert sub._apply(
+        worker_pb2.KvEventBatch(epoch=7, first_seq=1, last_seq=1, snapshot=True, keys=[11], stored=[True])
+    )
     assert sub._apply(worker_pb2.KvEventBatch(epoch=7, first_seq=2, last_seq=2, keys=[12], stored=[True]))
     assert not sub._apply(worker_pb2.KvEventBatch(epoch=7, first_seq=5, last_seq=5, keys=[13], stored=[True]))
     assert (sub.epoch, sub.last_seq) == (0, 0)  # the next Subscribe starts from a snapshot
@@ -207,8 +208,13 @@ def test_a_router_whose_tokenizer_cannot_load_still_serves(fake_server, start_ro
 
     from pdserve.router.config import RouterConfig
 
-    config = RouterConfig(prefill=(fake_server(FakePrefill()),), decode=(fake_server(FakeDecode()),),
-                          prefill_policy="kv_aware", decode_policy="kv_aware", tokenizer=str(tmp_path / "no-model"))
+    config = RouterConfig(
+        prefill=(fake_server(FakePrefill()),),
+        decode=(fake_server(FakeDecode()),),
+        prefill_policy="kv_aware",
+        decode_policy="kv_aware",
+        tokenizer=str(tmp_path / "no-model"),
+    )
     _server, stub = start_router(config)
     responses = list(stub.Generate(router_pb2.GenerateRequest(prompt="hello"), timeout=10))
     assert responses[-1].finish_reason == common_pb2.FINISH_REASON_STOP

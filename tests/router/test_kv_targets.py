@@ -26,8 +26,10 @@ class RegisteringPrefill(FakePrefill):
         return worker_pb2.KvTargetsAck(num_targets=len(request.targets))
 
 
-def test_decode_workers_are_paired_only_with_prefill_workers_that_registered_them(fake_server,  # noqa: ANN001
-                                                                                 start_router) -> None:  # noqa: ANN001
+def test_decode_workers_are_paired_only_with_prefill_workers_that_registered_them(
+    fake_server,  # noqa: ANN001
+    start_router,
+) -> None:  # noqa: ANN001
     decode = FakeDecode(info=common_pb2.WorkerInfo(healthy=True, kv_address="ray:decode-7"))
     accepting, refusing = RegisteringPrefill(), RegisteringPrefill(refuse=True)
     prefill_addresses = [fake_server(accepting), fake_server(refusing)]

@@ -17,8 +17,11 @@ def _histogram() -> Histogram:
 
 def _samples(histogram: Histogram) -> dict[tuple[str, str], float]:
     """Bucket counts, count and sum by (name, le); not the creation time."""
-    return {(s.name, s.labels.get("le", "")): s.value for s in histogram.collect()[0].samples
-            if not s.name.endswith("_created")}
+    return {
+        (s.name, s.labels.get("le", "")): s.value
+        for s in histogram.collect()[0].samples
+        if not s.name.endswith("_created")
+    }
 
 
 def test_observe_many_matches_observe_one_by_one() -> None:

@@ -26,8 +26,11 @@ from pdserve.router.responses_api import (
 from pdserve.router.tokenize_api import parse_detokenize, parse_tokenize
 from pdserve.v1 import common_pb2, router_pb2
 
-WEATHER = {"type": "function", "name": "get_weather", "parameters": {
-    "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}
+WEATHER = {
+    "type": "function",
+    "name": "get_weather",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
+}
 
 
 def _parse(**fields: object) -> ResponsesRequest:
@@ -39,35 +42,57 @@ def _turns(parsed: ResponsesRequest) -> list[tuple[str, str]]:
 
 
 def test_a_string_input_with_instructions_is_a_system_and_a_user_turn() -> None:
-    parsed = _parse(instructions="be brief", max_output_tokens=7, temperature=0.5, top_p=0.9, stop=["x"],
-                    seed=3, metadata={"k": "v"}, user="u")
+    parsed = _parse(
+        instructions="be brief",
+        max_output_tokens=7,
+        temperature=0.5,
+        top_p=0.9,
+        stop=["x"],
+        seed=3,
+        metadata={"k": "v"},
+        user="u",
+    )
     assert _turns(parsed) == [("system", "be brief"), ("user", "hi")]
     params = parsed.chat.grpc_request.params
-    assert (params.max_tokens, params.temperature, params.top_p, list(params.stop), params.seed) == \
-        (7, 0.5, 0.9, ["x"], 3)
+    assert (params.max_tokens, params.temperature, params.top_p, list(params.stop), params.seed) == (
+        7,
+        0.5,
+        0.9,
+        ["x"],
+        3,
+    )
     assert parsed.options.store and parsed.options.has_instructions and parsed.options.response_id.startswith("resp_")
     assert parsed.options.echo["metadata"] == {"k": "v"} and parsed.options.echo["max_output_tokens"] == 7
 
 
 def test_items_become_turns_and_calls_join_the_assistant_turn() -> None:
-    parsed = _parse(input=[
-        {"type": "message", "role": "developer", "content": [{"type": "input_text", "text": "rules"}]},
-        {"role": "user", "content": "weather?"},
-        {"type": "message", "role": "assistant", "content": [{"type": "output_text", "text": "Let me look."}]},
-        {"type": "function_call", "call_id": "call_1", "name": "get_weather", "arguments": "{\"city\": \"Paris\"}"},
-        {"type": "function_call", "call_id": "call_2", "name": "get_weather", "arguments": "{\"city\": \"Rome\"}"},
-        {"type": "function_call_output", "call_id": "call_1", "output": "sunny"},
-        {"type": "function_call_output", "call_id": "call_2", "output": [{"type": "input_text", "text": "rain"}]},
-    ], tools=[WEATHER])
+    parsed = _parse(
+        input=[
+            {"type": "message", "role": "developer", "content": [{"type": "input_text", "text": "rules"}]},
+            {"role": "user", "content": "weather?"},
+            {"type": "message", "role": "assistant", "content": [{"type": "output_text", "text": "Let me look."}]},
+            {"type": "function_call", "call_id": "call_1", "name": "get_weather", "arguments": '{"city": "Paris"}'},
+            {"type": "function_call", "call_id": "call_2", "name": "get_weather", "arguments": '{"city": "Rome"}'},
+            {"type": "function_call_output", "call_id": "call_1", "output": "sunny"},
+            {"type": "function_call_output", "call_id": "call_2", "output": [{"type": "input_text", "text": "rain"}]},
+        ],
+        tools=[WEATHER],
+    )
     messages = parsed.chat.grpc_request.messages.messages
-    assert _turns(parsed) == [("system", "rules"), ("user", "weather?"), ("assistant", "Let me look."),
-                              ("tool", "sunny"), ("tool", "rain")]
+    assert _turns(parsed) == [
+        ("system", "rules"),
+        ("user", "weather?"),
+        ("assistant", "Let me look."),
+        ("tool", "sunny"),
+        ("tool", "rain"),
+    ]
     calls = json.loads(messages[2].tool_calls_json)
     assert [(c["id"], c["function"]["name"]) for c in calls] == [("call_1", "get_weather"), ("call_2", "get_weather")]
     assert (messages[3].tool_call_id, messages[4].tool_call_id) == ("call_1", "call_2")
     chat_tools = json.loads(parsed.chat.grpc_request.messages.tools_json)
-    assert chat_tools == [{"type": "function",
-                           "function": {"name": "get_weather", "parameters": WEATHER["parameters"]}}]
+    assert chat_tools == [
+        {"type": "function", "function": {"name": "get_weather", "parameters": WEATHER["parameters"]}}
+    ]
     assert parsed.chat.tools == tools.ToolMode(tools.AUTO, ("get_weather",))
 
 
@@ -83,32 +108,50 @@ def test_text_format_and_tool_choice_map_to_chat_constraints() -> None:
     assert _parse(tools=[WEATHER], tool_choice="none").chat.tools is None
 
 
-@pytest.mark.parametrize(("fields", "param"), [
-    ({"background": True}, "background"), ({"reasoning": {"effort": "low"}}, "reasoning"),
-    ({"include": ["reasoning.encrypted_content"]}, "include"), ({"truncation": "auto"}, "truncation"),
-    ({"conversation": "conv_1"}, "conversation"), ({"prompt": {"id": "p"}}, "prompt"),
-    ({"max_tool_calls": 2}, "max_tool_calls"), ({"top_logprobs": 2}, "top_logprobs"),
-    ({"service_tier": "flex"}, "service_tier"), ({"stream_options": {"include_obfuscation": True}}, "stream_options"),
-    ({"n": 2}, "n"), ({"not_a_field": 1}, "not_a_field"),
-    ({"tools": [{"type": "web_search_preview"}]}, "tools"), ({"tools": [{"type": "file_search"}]}, "tools"),
-    ({"tools": [{"type": "function"}]}, "tools"), ({"tools": [{**WEATHER, "extra": 1}]}, "tools"),
-    ({"tool_choice": {"type": "web_search_preview"}, "tools": [WEATHER]}, "tool_choice"),
-    ({"tool_choice": {"type": "function", "name": "other"}, "tools": [WEATHER]}, "tool_choice"),
-    ({"tool_choice": "required"}, "tool_choice"),  # without tools
-    ({"input": []}, "input"), ({"input": 5}, "input"), ({"input": [{"type": "input_image"}]}, "input"),
-    ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]}, "input"),
-    ({"input": [{"role": "wizard", "content": "hi"}]}, "input"),
-    ({"input": [{"type": "function_call", "name": "f", "arguments": "{}"}]}, "input"),  # no call_id
-    ({"input": [{"type": "item_reference", "id": "msg_1"}]}, "input"),
-    ({"instructions": ["not", "a", "string"]}, "instructions"),
-    ({"text": {"format": {"type": "json_schema", "name": "x"}}}, "text"),
-    ({"text": {"format": {"type": "xml"}}}, "text"),
-    ({"text": {"verbosity": "high"}}, "text"), ({"text": "json"}, "text"),
-    ({"text": {"format": {"type": "json_object"}}, "tools": [WEATHER], "tool_choice": "required"}, "tool_choice"),
-    ({"max_output_tokens": 0}, "max_output_tokens"), ({"temperature": 3}, "temperature"), ({"store": "yes"}, "store"),
-    ({"previous_response_id": 5}, "previous_response_id"), ({"metadata": {"k": 5}}, "metadata"),
-    ({"safety_identifier": "x" * 300}, "safety_identifier"), ({"stream": "yes"}, "stream"),
-])
+@pytest.mark.parametrize(
+    ("fields", "param"),
+    [
+        ({"background": True}, "background"),
+        ({"reasoning": {"effort": "low"}}, "reasoning"),
+        ({"include": ["reasoning.encrypted_content"]}, "include"),
+        ({"truncation": "auto"}, "truncation"),
+        ({"conversation": "conv_1"}, "conversation"),
+        ({"prompt": {"id": "p"}}, "prompt"),
+        ({"max_tool_calls": 2}, "max_tool_calls"),
+        ({"top_logprobs": 2}, "top_logprobs"),
+        ({"service_tier": "flex"}, "service_tier"),
+        ({"stream_options": {"include_obfuscation": True}}, "stream_options"),
+        ({"n": 2}, "n"),
+        ({"not_a_field": 1}, "not_a_field"),
+        ({"tools": [{"type": "web_search_preview"}]}, "tools"),
+        ({"tools": [{"type": "file_search"}]}, "tools"),
+        ({"tools": [{"type": "function"}]}, "tools"),
+        ({"tools": [{**WEATHER, "extra": 1}]}, "tools"),
+        ({"tool_choice": {"type": "web_search_preview"}, "tools": [WEATHER]}, "tool_choice"),
+        ({"tool_choice": {"type": "function", "name": "other"}, "tools": [WEATHER]}, "tool_choice"),
+        ({"tool_choice": "required"}, "tool_choice"),  # without tools
+        ({"input": []}, "input"),
+        ({"input": 5}, "input"),
+        ({"input": [{"type": "input_image"}]}, "input"),
+        ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]}, "input"),
+        ({"input": [{"role": "wizard", "content": "hi"}]}, "input"),
+        ({"input": [{"type": "function_call", "name": "f", "arguments": "{}"}]}, "input"),  # no call_id
+        ({"input": [{"type": "item_reference", "id": "msg_1"}]}, "input"),
+        ({"instructions": ["not", "a", "string"]}, "instructions"),
+        ({"text": {"format": {"type": "json_schema", "name": "x"}}}, "text"),
+        ({"text": {"format": {"type": "xml"}}}, "text"),
+        ({"text": {"verbosity": "high"}}, "text"),
+        ({"text": "json"}, "text"),
+        ({"text": {"format": {"type": "json_object"}}, "tools": [WEATHER], "tool_choice": "required"}, "tool_choice"),
+        ({"max_output_tokens": 0}, "max_output_tokens"),
+        ({"temperature": 3}, "temperature"),
+        ({"store": "yes"}, "store"),
+        ({"previous_response_id": 5}, "previous_response_id"),
+        ({"metadata": {"k": 5}}, "metadata"),
+        ({"safety_identifier": "x" * 300}, "safety_identifier"),
+        ({"stream": "yes"}, "stream"),
+    ],
+)
 def test_unsupported_and_bad_fields_are_refused_by_name(fields: dict[str, object], param: str) -> None:
     with pytest.raises(OpenAIError) as refused:
         _parse(**fields)
@@ -117,9 +160,24 @@ def test_unsupported_and_bad_fields_are_refused_by_name(fields: dict[str, object
 
 
 def test_off_values_and_labels_are_accepted() -> None:
-    _parse(background=False, include=[], truncation="disabled", reasoning={"effort": None}, service_tier="auto",
-           top_logprobs=0, stream_options={}, store=False, parallel_tool_calls=True, safety_identifier="s",
-           prompt_cache_key="k", user="u", stream=True, top_k=5, ignore_eos=True, min_tokens=1)
+    _parse(
+        background=False,
+        include=[],
+        truncation="disabled",
+        reasoning={"effort": None},
+        service_tier="auto",
+        top_logprobs=0,
+        stream_options={},
+        store=False,
+        parallel_tool_calls=True,
+        safety_identifier="s",
+        prompt_cache_key="k",
+        user="u",
+        stream=True,
+        top_k=5,
+        ignore_eos=True,
+        min_tokens=1,
+    )
 
 
 def test_a_wrong_model_is_404() -> None:
@@ -129,16 +187,25 @@ def test_a_wrong_model_is_404() -> None:
 
 
 def _usage(prompt: int, completion: int) -> dict[str, object]:
-    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
-            "prompt_tokens_details": {"cached_tokens": 1}}
+    return {
+        "prompt_tokens": prompt,
+        "completion_tokens": completion,
+        "total_tokens": prompt + completion,
+        "prompt_tokens_details": {"cached_tokens": 1},
+    }
 
 
 def test_the_answer_has_a_message_or_calls_and_the_responses_usage() -> None:
     plain = answer(_parse(), "m", "Hello", "stop", _usage(5, 2))
     assert plain["status"] == "completed" and plain["incomplete_details"] is None
     assert [i["type"] for i in plain["output"]] == ["message"] and plain["output"][0]["content"][0]["text"] == "Hello"
-    assert plain["usage"] == {"input_tokens": 5, "input_tokens_details": {"cached_tokens": 1}, "output_tokens": 2,
-                              "output_tokens_details": {"reasoning_tokens": 0}, "total_tokens": 7}
+    assert plain["usage"] == {
+        "input_tokens": 5,
+        "input_tokens_details": {"cached_tokens": 1},
+        "output_tokens": 2,
+        "output_tokens_details": {"reasoning_tokens": 0},
+        "total_tokens": 7,
+    }
     cut = answer(_parse(), "m", "Hel", "length", _usage(5, 2))
     assert cut["status"] == "incomplete" and cut["incomplete_details"] == {"reason": "max_output_tokens"}
     assert cut["output"][0]["status"] == "incomplete"
@@ -148,8 +215,13 @@ def test_the_answer_has_a_message_or_calls_and_the_responses_usage() -> None:
     call = called["output"][1]
     assert call["name"] == "get_weather" and json.loads(call["arguments"]) == {"city": "Paris"}
     assert call["call_id"].startswith("call_") and call["id"].startswith("fc_")
-    named = answer(_parse(tools=[WEATHER], tool_choice={"type": "function", "name": "get_weather"}), "m",
-                   '{"city": "Rome"}', "stop", _usage(5, 4))
+    named = answer(
+        _parse(tools=[WEATHER], tool_choice={"type": "function", "name": "get_weather"}),
+        "m",
+        '{"city": "Rome"}',
+        "stop",
+        _usage(5, 4),
+    )
     assert [i["type"] for i in named["output"]] == ["function_call"]
 
 
@@ -171,6 +243,7 @@ def _events(parsed: ResponsesRequest, *items: router_pb2.GenerateResponse) -> tu
 
     async def run() -> list[dict]:
         return [e async for e in stream.events(items[0], _responses(*items[1:]))]
+
     return asyncio.run(run()), stream
 
 
@@ -178,9 +251,17 @@ def test_streamed_text_is_numbered_and_equals_the_final_answer() -> None:
     events, stream = _events(_parse(), _piece("Hel"), _piece("lo"), _piece("", common_pb2.FINISH_REASON_STOP))
     assert [e["sequence_number"] for e in events] == list(range(len(events)))
     assert [e["type"] for e in events] == [
-        "response.created", "response.in_progress", "response.output_item.added", "response.content_part.added",
-        "response.output_text.delta", "response.output_text.delta", "response.output_text.done",
-        "response.content_part.done", "response.output_item.done", "response.completed"]
+        "response.created",
+        "response.in_progress",
+        "response.output_item.added",
+        "response.content_part.added",
+        "response.output_text.delta",
+        "response.output_text.delta",
+        "response.output_text.done",
+        "response.content_part.done",
+        "response.output_item.done",
+        "response.completed",
+    ]
     assert events[0]["response"]["status"] == "in_progress" and events[0]["response"]["output"] == []
     assert events[6]["text"] == "Hello" and events[-1]["response"] == stream.answer
     assert stream.answer["output"][0]["content"][0]["text"] == "Hello"
@@ -199,8 +280,9 @@ def test_a_cut_stream_is_incomplete_and_an_empty_one_still_has_a_message() -> No
 
 def test_streamed_calls_are_items_with_argument_deltas() -> None:
     text = 'Sure.<tool_call>{"name": "get_weather", "arguments": {"city": "Paris"}}</tool_call>'
-    events, stream = _events(_parse(tools=[WEATHER]), _piece(text[:12]), _piece(text[12:]),
-                             _piece("", common_pb2.FINISH_REASON_STOP))
+    events, stream = _events(
+        _parse(tools=[WEATHER]), _piece(text[:12]), _piece(text[12:]), _piece("", common_pb2.FINISH_REASON_STOP)
+    )
     assert [i["type"] for i in stream.answer["output"]] == ["message", "function_call"]
     added = [e["item"]["type"] for e in events if e["type"] == "response.output_item.added"]
     assert added == ["message", "function_call"]
@@ -208,8 +290,10 @@ def test_streamed_calls_are_items_with_argument_deltas() -> None:
     assert json.loads(deltas) == {"city": "Paris"} and stream.answer["output"][1]["arguments"] == deltas
     named = _parse(tools=[WEATHER], tool_choice={"type": "function", "name": "get_weather"})
     events, stream = _events(named, _piece('{"city"'), _piece(': "Rome"}'), _piece("", common_pb2.FINISH_REASON_STOP))
-    assert [e["delta"] for e in events if e["type"] == "response.function_call_arguments.delta"] == \
-        ['{"city"', ': "Rome"}']
+    assert [e["delta"] for e in events if e["type"] == "response.function_call_arguments.delta"] == [
+        '{"city"',
+        ': "Rome"}',
+    ]
     assert stream.answer["output"][0]["arguments"] == '{"city": "Rome"}'
 
 
@@ -222,6 +306,7 @@ def test_an_error_mid_stream_is_response_failed() -> None:
 
     async def run() -> list[dict]:
         return [e async for e in stream.events(_piece("Hel"), failing())]
+
     events = asyncio.run(run())
     assert events[-1]["type"] == "response.failed" and stream.answer is None
     assert events[-1]["response"]["error"] == {"code": "unavailable", "message": "decode worker gone"}
@@ -234,10 +319,19 @@ def test_a_previous_conversation_goes_between_instructions_and_input() -> None:
     conversation = (*turn, output_turn(answer(first, "m", "Hi Ada.", "stop", _usage(5, 3))["output"]))
     second = _parse(instructions="new rules", input="What is my name?")
     continue_conversation(second, conversation)
-    assert _turns(second) == [("system", "new rules"), ("user", "My name is Ada."), ("assistant", "Hi Ada."),
-                              ("user", "What is my name?")]
-    called = answer(_parse(tools=[WEATHER]), "m", '<tool_call>{"name": "get_weather", "arguments": {}}</tool_call>',
-                    "stop", _usage(5, 3))
+    assert _turns(second) == [
+        ("system", "new rules"),
+        ("user", "My name is Ada."),
+        ("assistant", "Hi Ada."),
+        ("user", "What is my name?"),
+    ]
+    called = answer(
+        _parse(tools=[WEATHER]),
+        "m",
+        '<tool_call>{"name": "get_weather", "arguments": {}}</tool_call>',
+        "stop",
+        _usage(5, 3),
+    )
     turn = output_turn(called["output"])
     assert turn.role == "assistant" and json.loads(turn.tool_calls_json)[0]["id"] == called["output"][0]["call_id"]
 
@@ -258,16 +352,26 @@ def test_the_store_is_bounded_and_per_tenant() -> None:
 def test_tokenizer_requests_are_checked_as_generations() -> None:
     prompt = parse_tokenize({"model": "m", "prompt": "hi"}, "m")
     assert prompt.prompt == "hi" and prompt.add_special_tokens
-    chat = parse_tokenize({"model": "m", "messages": [{"role": "developer", "content": "x"}],
-                           "tools": [{"type": "function", "function": {"name": "f"}}]}, "m")
+    chat = parse_tokenize(
+        {
+            "model": "m",
+            "messages": [{"role": "developer", "content": "x"}],
+            "tools": [{"type": "function", "function": {"name": "f"}}],
+        },
+        "m",
+    )
     assert chat.add_generation_prompt and not chat.add_special_tokens
     assert chat.messages.messages[0].role == "system"
     assert json.loads(chat.messages.tools_json)[0]["function"]["name"] == "f"
     assert list(parse_detokenize({"model": "m", "tokens": [1, 2]}, "m").tokens) == [1, 2]
-    for body, param in (({"prompt": "   "}, "prompt"), ({"prompt": "x" * 1_000_001}, "prompt"),
-                        ({"messages": []}, "messages"), ({"prompt": "hi", "add_generation_prompt": True},
-                                                         "add_generation_prompt"),
-                        ({"prompt": "hi", "add_special_tokens": "yes"}, "add_special_tokens"), ({}, "prompt")):
+    for body, param in (
+        ({"prompt": "   "}, "prompt"),
+        ({"prompt": "x" * 1_000_001}, "prompt"),
+        ({"messages": []}, "messages"),
+        ({"prompt": "hi", "add_generation_prompt": True}, "add_generation_prompt"),
+        ({"prompt": "hi", "add_special_tokens": "yes"}, "add_special_tokens"),
+        ({}, "prompt"),
+    ):
         with pytest.raises(OpenAIError) as refused:
             parse_tokenize({"model": "m", **body}, "m")
         assert refused.value.param == param, refused.value.message

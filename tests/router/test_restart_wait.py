@@ -27,14 +27,16 @@ def _waits(server, stage: str) -> float:  # noqa: ANN001
 
 
 def _wait_time_count(server, outcome: str) -> float:  # noqa: ANN001
-    return server.metrics.prom.registry.get_sample_value("pdserve_worker_wait_seconds_count",
-                                                         {"outcome": outcome}) or 0.0
+    return (
+        server.metrics.prom.registry.get_sample_value("pdserve_worker_wait_seconds_count", {"outcome": outcome}) or 0.0
+    )
 
 
 def test_requests_wait_for_a_restarted_decode_worker(fake_server, start_router) -> None:
     prefill = fake_server(FakePrefill())
-    server, stub = start_router(RouterConfig(prefill=(prefill,), decode=(DEAD,), worker_restart_wait_s=30.0,
-                                             poll_interval_s=0.2))
+    server, stub = start_router(
+        RouterConfig(prefill=(prefill,), decode=(DEAD,), worker_restart_wait_s=30.0, poll_interval_s=0.2)
+    )
     with ThreadPoolExecutor(3) as pool:
         calls = [pool.submit(lambda: list(stub.Generate(REQUEST, timeout=60))) for _ in range(3)]
         eventually(lambda: _waits(server, "decode") == 3, 30.0, what="all three requests waiting for a decode worker")
@@ -105,8 +107,9 @@ def test_a_worker_gone_for_good_ends_the_wait(fake_server, start_router) -> None
 
 def test_a_missing_prefill_worker_is_waited_for_too(fake_server, start_router) -> None:
     decode = fake_server(FakeDecode())
-    server, stub = start_router(RouterConfig(prefill=(DEAD,), decode=(decode,), worker_restart_wait_s=30.0,
-                                             poll_interval_s=0.2))
+    server, stub = start_router(
+        RouterConfig(prefill=(DEAD,), decode=(decode,), worker_restart_wait_s=30.0, poll_interval_s=0.2)
+    )
     with ThreadPoolExecutor(1) as pool:
         call = pool.submit(lambda: list(stub.Generate(REQUEST, timeout=60)))
         eventually(lambda: _waits(server, "prefill") == 1, 30.0, what="the request waiting for a prefill worker")

@@ -223,8 +223,9 @@ def test_n_choices_go_to_the_first_choices_decode_worker_without_a_prefill(fake_
     blocks), even under round robin; seeds are seed + i; every response names its choice."""
     decodes = [FakeDecode(), FakeDecode()]
     _, stub, prefill, _ = _pd(fake_server, start_router, *decodes)
-    request = router_pb2.GenerateRequest(prompt="Hello", params=common_pb2.SamplingParams(
-        max_tokens=3, n=3, seed=40, temperature=1.0))
+    request = router_pb2.GenerateRequest(
+        prompt="Hello", params=common_pb2.SamplingParams(max_tokens=3, n=3, seed=40, temperature=1.0)
+    )
     responses = list(stub.Generate(request, timeout=10))
     by_choice = {i: [r.text for r in responses if r.index == i] for i in range(3)}
     assert by_choice == {i: [r.text for r in SCRIPT] for i in range(3)}

@@ -12,10 +12,18 @@ from pdserve.router import tools
 from pdserve.router.openai_protocol import CHAT, parse_request
 from pdserve.tokenization import chat_from_pb, encode_chat
 
-WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "Weather in a city", "parameters": {
-    "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}
-TIME = {"type": "function", "function": {"name": "get_time", "parameters": {
-    "type": "object", "properties": {"zone": {"type": "string"}}}}}
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "Weather in a city",
+        "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
+    },
+}
+TIME = {
+    "type": "function",
+    "function": {"name": "get_time", "parameters": {"type": "object", "properties": {"zone": {"type": "string"}}}},
+}
 
 
 def _parse(**extra: object):  # noqa: ANN202
@@ -67,15 +75,23 @@ def test_required_is_constrained_to_a_list_of_calls(parallel: bool) -> None:
 
 def test_hermes_calls_are_parsed_out_of_free_text() -> None:
     mode = tools.ToolMode(tools.AUTO, ("get_weather", "get_time"))
-    text = ('Let me check. <tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
-            '<tool_call>{"name": "get_time", "arguments": {}}</tool_call>')
+    text = (
+        'Let me check. <tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
+        '<tool_call>{"name": "get_time", "arguments": {}}</tool_call>'
+    )
     content, calls = tools.parse_output(mode, text)
     assert content == "Let me check. "
     assert [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in calls] == [
-        ("get_weather", {"city": "Paris"}), ("get_time", {})]
+        ("get_weather", {"city": "Paris"}),
+        ("get_time", {}),
+    ]
     # not a call of a known tool, or not JSON: stays text
-    for text in ('<tool_call>{"name": "rm_rf", "arguments": {}}</tool_call>', "<tool_call>not json</tool_call>",
-                 "plain answer", "a < b"):
+    for text in (
+        '<tool_call>{"name": "rm_rf", "arguments": {}}</tool_call>',
+        "<tool_call>not json</tool_call>",
+        "plain answer",
+        "a < b",
+    ):
         assert tools.parse_output(mode, text) == (text, [])
 
 
@@ -85,13 +101,14 @@ def test_streamed_hermes_output_holds_back_only_what_may_be_a_tag() -> None:
     stream = tools.ToolStream(mode)
     content, calls = "", []
     for i in range(0, len(text), 3):  # 3-character deltas split the tags everywhere
-        more, new = stream.feed(text[i:i + 3])
+        more, new = stream.feed(text[i : i + 3])
         assert "<" not in more or "<tool_call>" not in text[: i + 3]  # never a piece of a tag
         content, calls = content + more, calls + new
     more, new = stream.finish()
     assert content + more == "Sure  done"
-    assert len(calls) == 1 and calls[0]["index"] == 0 and json.loads(calls[0]["function"]["arguments"]) == {
-        "city": "Oslo"}
+    assert (
+        len(calls) == 1 and calls[0]["index"] == 0 and json.loads(calls[0]["function"]["arguments"]) == {"city": "Oslo"}
+    )
 
 
 def test_streamed_named_function_gives_arguments_as_they_come() -> None:
@@ -104,12 +121,24 @@ def test_streamed_named_function_gives_arguments_as_they_come() -> None:
 
 
 def test_tool_turns_reach_the_worker_and_render(default_model) -> None:  # noqa: ANN001
-    parsed = _parse(tools=[WEATHER], messages=[
-        {"role": "user", "content": "weather in Paris?"},
-        {"role": "assistant", "content": None, "tool_calls": [
-            {"id": "call_1", "type": "function",
-             "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
-        {"role": "tool", "tool_call_id": "call_1", "content": "sunny, 21 C"}])
+    parsed = _parse(
+        tools=[WEATHER],
+        messages=[
+            {"role": "user", "content": "weather in Paris?"},
+            {
+                "role": "assistant",
+                "content": None,
+                "tool_calls": [
+                    {
+                        "id": "call_1",
+                        "type": "function",
+                        "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'},
+                    }
+                ],
+            },
+            {"role": "tool", "tool_call_id": "call_1", "content": "sunny, 21 C"},
+        ],
+    )
     messages, tool_list = chat_from_pb(parsed.grpc_request.messages)
     assert messages[1]["tool_calls"][0]["function"]["arguments"] == {"city": "Paris"}  # an object for templates
     assert messages[2]["tool_call_id"] == "call_1" and tool_list == [WEATHER]
@@ -125,9 +154,11 @@ def test_a_template_that_knows_tools_renders_them_itself(default_model) -> None:
     tok = default_model.tokenizer
     original = tok.chat_template
     try:  # a minimal tools-aware template (as Qwen's): the tools are its to render
-        tok.chat_template = ("{% if tools %}TOOLS:{% for t in tools %}{{ t.function.name }};{% endfor %}\n{% endif %}"
-                             "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
-                             "<|im_start|>assistant\n")
+        tok.chat_template = (
+            "{% if tools %}TOOLS:{% for t in tools %}{{ t.function.name }};{% endfor %}\n{% endif %}"
+            "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
+            "<|im_start|>assistant\n"
+        )
         for name in ("_pdserve_renders_tools",):
             if hasattr(tok, name):
                 delattr(tok, name)

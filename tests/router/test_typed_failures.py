@@ -27,15 +27,19 @@ def _decide(code: grpc.StatusCode, details: str, label: str = "", migrating: boo
 
 
 @pytest.mark.parametrize("details", WORDINGS)
-@pytest.mark.parametrize(("failure", "avoided", "request_fault"), [
-    (failures.WorkerUnavailable("x", failures.PREFILL), "prefill:1", False),
-    (failures.WorkerUnavailable("x", failures.DECODE), "decode:1", False),
-    (failures.WorkerUnavailable("x", failures.MIGRATION_SOURCE), "decode:9", False),
-    (failures.RequestFault("x", failures.PREFILL), "prefill:1", True),
-    (failures.RequestFault("x", failures.DECODE), "decode:1", True),
-])
-def test_the_label_decides_whatever_the_words(details: str, failure: failures.Failure, avoided: str,
-                                              request_fault: bool) -> None:
+@pytest.mark.parametrize(
+    ("failure", "avoided", "request_fault"),
+    [
+        (failures.WorkerUnavailable("x", failures.PREFILL), "prefill:1", False),
+        (failures.WorkerUnavailable("x", failures.DECODE), "decode:1", False),
+        (failures.WorkerUnavailable("x", failures.MIGRATION_SOURCE), "decode:9", False),
+        (failures.RequestFault("x", failures.PREFILL), "prefill:1", True),
+        (failures.RequestFault("x", failures.DECODE), "decode:1", True),
+    ],
+)
+def test_the_label_decides_whatever_the_words(
+    details: str, failure: failures.Failure, avoided: str, request_fault: bool
+) -> None:
     result = _decide(failure.code, details, failure.label, migrating=True)
     assert result.failure is not None
     assert (result.failure.address, result.failure.request_fault) == (avoided, request_fault)
@@ -60,8 +64,12 @@ def test_an_untyped_status_is_the_decode_workers_own(details: str) -> None:
 
 
 def test_labels_round_trip_and_unknown_ones_are_ignored() -> None:
-    for failure in (failures.WorkerUnavailable("m", failures.PREFILL), failures.RequestInvalid("m"),
-                    failures.RequestFault("m", failures.DECODE), failures.Overloaded("m", 2.0)):
+    for failure in (
+        failures.WorkerUnavailable("m", failures.PREFILL),
+        failures.RequestInvalid("m"),
+        failures.RequestFault("m", failures.DECODE),
+        failures.Overloaded("m", 2.0),
+    ):
         assert failures.received(failure.trailing_metadata()) == failures.Received(failure.kind, failure.side)
     assert failures.received([(failures.FAILURE_KEY, "worker-unavailable:nowhere")]) is None
     assert failures.received([(failures.FAILURE_KEY, "something-else")]) is None

@@ -23,8 +23,9 @@ def start_colocated(tiny_llama_dir: Path) -> Iterator[Callable[..., StartedWorke
     started: list[StartedWorker] = []
 
     def start(*flags: str) -> StartedWorker:
-        args = parse_args(["--model", str(tiny_llama_dir), "--colocated", "--kv-cache-mb", "16",
-                           "--drain-timeout-s", "1", *flags])
+        args = parse_args(
+            ["--model", str(tiny_llama_dir), "--colocated", "--kv-cache-mb", "16", "--drain-timeout-s", "1", *flags]
+        )
         worker = start_worker(DecodeWorkerConfig.from_args(args))
         started.append(worker)
         return worker

@@ -54,32 +54,37 @@ def _refused(call: Iterator) -> grpc.RpcError:
 
 def test_router_refuses_a_peer_over_its_cap_and_serves_another(start_colocated, start_router) -> None:  # noqa: ANN001
     worker = start_colocated("--max-num-seqs", "8")
-    server, _stub = start_router(RouterConfig(host="localhost", colocated=(worker.address,),
-                                              grpc_calls_per_peer=3, grpc_calls_total=5))
+    server, _stub = start_router(
+        RouterConfig(host="localhost", colocated=(worker.address,), grpc_calls_per_peer=3, grpc_calls_total=5)
+    )
     port = _port(server.address)
     with open_channel(f"127.0.0.1:{port}") as v4, open_channel(f"[::1]:{port}") as v6:
         greedy, other = router_pb2_grpc.RouterStub(v4), router_pb2_grpc.RouterStub(v6)
-        held = [greedy.Generate(router_pb2.GenerateRequest(prompt=f"hold {i}", params=LONG), timeout=120)
-                for i in range(3)]
+        held = [
+            greedy.Generate(router_pb2.GenerateRequest(prompt=f"hold {i}", params=LONG), timeout=120) for i in range(3)
+        ]
         try:
             _held(held)
             # the fourth call from the same host is refused, naming the host and the setting
-            error = _refused(greedy.Generate(router_pb2.GenerateRequest(prompt="one more", params=SHORT),
-                                             timeout=30))
+            error = _refused(greedy.Generate(router_pb2.GenerateRequest(prompt="one more", params=SHORT), timeout=30))
             assert "ipv4:127.0.0.1" in error.details() and "grpc_calls_per_peer" in error.details()
             with pytest.raises(grpc.RpcError) as err:
                 greedy.GetStatus(router_pb2.StatusRequest(), timeout=10)
             assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
             # health checks are never counted
-            assert health_pb2_grpc.HealthStub(v4).Check(health_pb2.HealthCheckRequest(), timeout=10).status \
+            assert (
+                health_pb2_grpc.HealthStub(v4).Check(health_pb2.HealthCheckRequest(), timeout=10).status
                 == health_pb2.HealthCheckResponse.SERVING
+            )
             # another client is still served, to the end of its stream
             answers = list(other.Generate(router_pb2.GenerateRequest(prompt="honest", params=SHORT), timeout=60))
             assert sum(len(a.token_ids) for a in answers) == 3
             assert other.GetStatus(router_pb2.StatusRequest(), timeout=10).in_flight_requests == 3
             # the total cap (5): two more open calls from ::1 fill it, the next one is refused
-            more = [other.Generate(router_pb2.GenerateRequest(prompt=f"more {i}", params=LONG), timeout=120)
-                    for i in range(2)]
+            more = [
+                other.Generate(router_pb2.GenerateRequest(prompt=f"more {i}", params=LONG), timeout=120)
+                for i in range(2)
+            ]
             held += more
             _held(more)
             error = _refused(other.Generate(router_pb2.GenerateRequest(prompt="over", params=SHORT), timeout=30))
@@ -100,19 +105,25 @@ def test_worker_refuses_a_peer_over_its_cap_and_serves_another(start_colocated) 
     port = _port(worker.address)
     with open_channel(f"127.0.0.1:{port}") as v4, open_channel(f"[::1]:{port}") as v6:
         greedy, other = worker_pb2_grpc.DecodeWorkerStub(v4), worker_pb2_grpc.DecodeWorkerStub(v6)
-        held = [greedy.Generate(worker_pb2.DecodeRequest(request_id=f"hold-{i}", prompt=f"hold {i}", params=LONG),
-                                timeout=120) for i in range(2)]
+        held = [
+            greedy.Generate(
+                worker_pb2.DecodeRequest(request_id=f"hold-{i}", prompt=f"hold {i}", params=LONG), timeout=120
+            )
+            for i in range(2)
+        ]
         try:
             _held(held)
-            error = _refused(greedy.Generate(worker_pb2.DecodeRequest(request_id="more", prompt="more",
-                                                                      params=SHORT), timeout=30))
+            error = _refused(
+                greedy.Generate(worker_pb2.DecodeRequest(request_id="more", prompt="more", params=SHORT), timeout=30)
+            )
             assert "at most 2 per peer" in error.details()
             with pytest.raises(grpc.RpcError) as err:
                 greedy.GetInfo(worker_pb2.InfoRequest(), timeout=10)
             assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
             assert other.GetInfo(worker_pb2.InfoRequest(), timeout=10).running_requests == 2
-            answers = list(other.Generate(worker_pb2.DecodeRequest(request_id="honest", prompt="honest",
-                                                                   params=SHORT), timeout=60))
+            answers = list(
+                other.Generate(worker_pb2.DecodeRequest(request_id="honest", prompt="honest", params=SHORT), timeout=60)
+            )
             assert sum(len(a.token_ids) for a in answers) == 3
         finally:
             for call in held:

@@ -47,7 +47,7 @@ def _frame_types(data: bytes) -> list[int]:
     """The HTTP/2 frame types in `data` (9-byte headers: length, type, flags, stream)."""
     types, at = [], 0
     while at + 9 <= len(data):
-        length = int.from_bytes(data[at:at + 3], "big")
+        length = int.from_bytes(data[at : at + 3], "big")
         types.append(data[at + 3])
         at += 9 + length
     return types
@@ -81,8 +81,11 @@ def _assert_idle_connections_are_closed(port: int, cap_s: float) -> None:
         states: list[grpc.ChannelConnectivity] = []
         channel.subscribe(states.append)
         # the server's GOAWAY takes the channel from READY back to IDLE (its connection is gone)
-        eventually(lambda: states[-1:] == [grpc.ChannelConnectivity.IDLE], timeout=cap_s + 15,
-                   what="the idle channel's connection to be closed by the server")
+        eventually(
+            lambda: states[-1:] == [grpc.ChannelConnectivity.IDLE],
+            timeout=cap_s + 15,
+            what="the idle channel's connection to be closed by the server",
+        )
         assert grpc.ChannelConnectivity.READY in states
         assert health.Check(health_pb2.HealthCheckRequest(), timeout=10).status == SERVING
 
@@ -121,14 +124,24 @@ def test_worker_port_closes_idle_and_unfinished_connections(worker_server: int) 
     _assert_idle_connections_are_closed(worker_server, cap_s=1.0)
 
 
-def test_a_long_stream_that_keeps_sending_is_not_cut(start_colocated, start_router,  # noqa: ANN001
-                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_long_stream_that_keeps_sending_is_not_cut(
+    start_colocated,
+    start_router,  # noqa: ANN001
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     """A 1 s idle cap and a 1 s age cap: a Generate stream that keeps sending for several seconds
     (50 ms per decode step) ends with all its tokens, on the connection it started on."""
     monkeypatch.setenv("PDSERVE_INJECT_STEP_DELAY_MS", "50")
     worker = start_colocated()
-    server, stub = start_router(RouterConfig(colocated=(worker.address,), port=0, grpc_connection_idle_s=1.0,
-                                             grpc_connection_age_s=1.0, max_stream_timeout_s=60.0))
+    server, stub = start_router(
+        RouterConfig(
+            colocated=(worker.address,),
+            port=0,
+            grpc_connection_idle_s=1.0,
+            grpc_connection_age_s=1.0,
+            max_stream_timeout_s=60.0,
+        )
+    )
     params = common_pb2.SamplingParams(max_tokens=80, ignore_eos=True)
     started = time.monotonic()
     answers = list(stub.Generate(router_pb2.GenerateRequest(prompt="keep sending", params=params), timeout=60))
@@ -179,8 +192,11 @@ def test_connections_over_the_cap_are_closed_at_once() -> None:
 def test_a_client_that_pings_without_calls_is_told_to_calm_down() -> None:
     """Ping abuse (gRPC's server defaults, stated in pdserve.limits): a channel pinging every 200 ms
     without calls is sent GOAWAY "too_many_pings" long before the idle cap would close it."""
-    options = [("grpc.keepalive_time_ms", 200), ("grpc.keepalive_permit_without_calls", 1),
-               ("grpc.http2.max_pings_without_data", 0)]
+    options = [
+        ("grpc.keepalive_time_ms", 200),
+        ("grpc.keepalive_permit_without_calls", 1),
+        ("grpc.http2.max_pings_without_data", 0),
+    ]
     server = make_server(control_threads=4, name="ping-test", limits=CallLimits(connection_idle_s=600.0))
     add_health(server).set("", SERVING)
     port = server.add_insecure_port("127.0.0.1:0")
@@ -191,8 +207,10 @@ def test_a_client_that_pings_without_calls_is_told_to_calm_down() -> None:
             channel.subscribe(states.append)
             health = health_pb2_grpc.HealthStub(channel)
             assert health.Check(health_pb2.HealthCheckRequest(), timeout=10).status == SERVING
-            eventually(lambda: grpc.ChannelConnectivity.READY in states
-                       and states[-1] != grpc.ChannelConnectivity.READY, timeout=30,
-                       what="the pinging channel's connection to be closed")
+            eventually(
+                lambda: grpc.ChannelConnectivity.READY in states and states[-1] != grpc.ChannelConnectivity.READY,
+                timeout=30,
+                what="the pinging channel's connection to be closed",
+            )
     finally:
         server.stop(None)

@@ -39,6 +39,7 @@ def test_loop_thread_runs_coroutines(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv(EVENT_LOOP_ENV, raising=False)
     thread = LoopThread("test-loop")
     try:
+
         async def which() -> str:
             await asyncio.sleep(0)
             return type(asyncio.get_running_loop()).__module__

@@ -13,8 +13,14 @@ ROOT = Path(__file__).resolve().parents[2]
 
 def _run(code: str, **env: str) -> subprocess.CompletedProcess[str]:
     full_env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT)]), **env}
-    return subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True,
-                          env=full_env, timeout=120, check=False)
+    return subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(code)],
+        capture_output=True,
+        text=True,
+        env=full_env,
+        timeout=120,
+        check=False,
+    )
 
 
 def test_trim_gives_freed_heap_back() -> None:
@@ -58,7 +64,8 @@ def test_tracemalloc_reports_growing_call_site() -> None:
     # The child waits on the tracer's own reports, not fixed sleeps (a loaded machine delays the
     # reporting thread): it grows only after the baseline, and exits after a report whose snapshot
     # was taken once all 40 MB were allocated. Which call site that report puts first is checked here, not there.
-    result = _run("""
+    result = _run(
+        """
         import logging, time
         from pdserve.telemetry.memory import bound_heap
         logging.basicConfig(level=logging.INFO)
@@ -81,7 +88,9 @@ def test_tracemalloc_reports_growing_call_site() -> None:
         for _ in range(10):
             grow()
         wait_reports(len(reports) + 2)  # the first may come from a snapshot taken before the last grow()
-    """, PDSERVE_TRACEMALLOC="0.3")
+    """,
+        PDSERVE_TRACEMALLOC="0.3",
+    )
     assert result.returncode == 0, result.stderr
     assert "tracemalloc: baseline taken" in result.stderr
     report = result.stderr.split("growth since baseline:")[-1]

@@ -30,14 +30,17 @@ def test_request_invalid_is_a_failure_and_a_value_error() -> None:
     assert not isinstance(ValueError("a bug"), RequestInvalid)
 
 
-@pytest.mark.parametrize("make", [
-    lambda: SamplingParams(temperature=-1.0),
-    lambda: SamplingParams(max_tokens=0),
-    lambda: SamplingParams(stop=("",)),
-    lambda: sampling_params_from_pb(common_pb2.SamplingParams(n=2)),
-    lambda: encode_text(None, "   "),
-    lambda: chat_from_pb(common_pb2.ChatMessages(tools_json="not json")),
-])
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda: SamplingParams(temperature=-1.0),
+        lambda: SamplingParams(max_tokens=0),
+        lambda: SamplingParams(stop=("",)),
+        lambda: sampling_params_from_pb(common_pb2.SamplingParams(n=2)),
+        lambda: encode_text(None, "   "),
+        lambda: chat_from_pb(common_pb2.ChatMessages(tools_json="not json")),
+    ],
+)
 def test_input_validation_raises_request_invalid(make) -> None:  # noqa: ANN001
     with pytest.raises(RequestInvalid):
         make()
@@ -60,13 +63,17 @@ BAD_REQUESTS = [
     worker_pb2.DecodeRequest(params=common_pb2.SamplingParams(max_tokens=2)),
     worker_pb2.DecodeRequest(prompt="hi", params=common_pb2.SamplingParams(max_tokens=2), resume_output_ids=[5, 6]),
     # refused by the engine itself, on the engine loop (the local prefill's future)
-    worker_pb2.DecodeRequest(token_ids=common_pb2.TokenIds(ids=[7, 10**6]),
-                             params=common_pb2.SamplingParams(max_tokens=2)),
+    worker_pb2.DecodeRequest(
+        token_ids=common_pb2.TokenIds(ids=[7, 10**6]), params=common_pb2.SamplingParams(max_tokens=2)
+    ),
 ]
 
 
-def test_bad_requests_are_invalid_argument_and_a_bug_is_internal(start_colocated, monkeypatch,  # noqa: ANN001
-                                                                 caplog) -> None:  # noqa: ANN001
+def test_bad_requests_are_invalid_argument_and_a_bug_is_internal(
+    start_colocated,
+    monkeypatch,  # noqa: ANN001
+    caplog,
+) -> None:  # noqa: ANN001
     worker = start_colocated()
     for request in BAD_REQUESTS:
         error = _decode_call(worker.address, request)
@@ -123,8 +130,12 @@ def _prefill_status(exc: Exception) -> tuple[grpc.StatusCode, str]:
     servicer = PrefillServicer(fake, "p0", "127.0.0.1:1", request_timeout_s=5.0)  # type: ignore[arg-type]
     servicer._kv_targets = frozenset({"decode:1"})
     context = _Context()
-    request = worker_pb2.PrefillRequest(request_id="r1", prompt_token_ids=[1, 2], kv_target_address="decode:1",
-                                        params=common_pb2.SamplingParams(max_tokens=2))
+    request = worker_pb2.PrefillRequest(
+        request_id="r1",
+        prompt_token_ids=[1, 2],
+        kv_target_address="decode:1",
+        params=common_pb2.SamplingParams(max_tokens=2),
+    )
     with pytest.raises(_Aborted):
         asyncio.run(servicer.Prefill(request, context))  # type: ignore[arg-type]
     assert context.status is not None

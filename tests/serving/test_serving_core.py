@@ -22,23 +22,32 @@ from pdserve.tokenization import encode_text
 from pdserve.transport import open_channel
 from pdserve.v1 import common_pb2, kv_pb2_grpc, router_pb2, router_pb2_grpc, worker_pb2, worker_pb2_grpc
 
-PROMPTS = ["The river runs", "Once upon a time in a city", "Winter light on the lake", "A poem about flour",
-           "The market at dawn", "Children by the sea"]
+PROMPTS = [
+    "The river runs",
+    "Once upon a time in a city",
+    "Winter light on the lake",
+    "A poem about flour",
+    "The market at dawn",
+    "Children by the sea",
+]
 
 
 def _expected(model_dir: Path, prompts: list[str], max_tokens: int) -> list[list[int]]:
     loaded = load_model(model_dir)
     engine = LLMEngine(loaded, EngineConfig(num_blocks=512))
-    out = engine.generate([encode_text(loaded.tokenizer, p) for p in prompts],
-                          SamplingParams(max_tokens=max_tokens, ignore_eos=True))
+    out = engine.generate(
+        [encode_text(loaded.tokenizer, p) for p in prompts], SamplingParams(max_tokens=max_tokens, ignore_eos=True)
+    )
     engine.pool.assert_all_free()
     return out
 
 
-def _generate(stub: router_pb2_grpc.RouterStub, prompt: str, max_tokens: int,
-              request_id: str = "") -> list[router_pb2.GenerateResponse]:
-    request = router_pb2.GenerateRequest(request_id=request_id, prompt=prompt, params=common_pb2.SamplingParams(
-        max_tokens=max_tokens, ignore_eos=True))
+def _generate(
+    stub: router_pb2_grpc.RouterStub, prompt: str, max_tokens: int, request_id: str = ""
+) -> list[router_pb2.GenerateResponse]:
+    request = router_pb2.GenerateRequest(
+        request_id=request_id, prompt=prompt, params=common_pb2.SamplingParams(max_tokens=max_tokens, ignore_eos=True)
+    )
     return list(stub.Generate(request, timeout=120))
 
 
@@ -62,7 +71,8 @@ def _wait_idle(address: str, timeout_s: float = 30) -> common_pb2.WorkerInfo:
 
 
 def test_two_in_flight_requests_with_the_same_client_id_both_complete_correctly(
-        tiny_llama_dir, start_colocated, start_router) -> None:  # noqa: ANN001
+    tiny_llama_dir, start_colocated, start_router
+) -> None:  # noqa: ANN001
     worker = start_colocated()
     _server, stub = start_router(RouterConfig(colocated=(worker.address,)))
     prompts = PROMPTS[:2]
@@ -80,18 +90,25 @@ def test_control_plane_answers_with_1000_streams_open(start_colocated, start_rou
     worker = start_colocated("--max-num-seqs", "8")
     server, stub = start_router(RouterConfig(colocated=(worker.address,), max_concurrent_streams=64))
     params = common_pb2.SamplingParams(max_tokens=5000, ignore_eos=True)
-    with open_channel(server.address) as router_channel, \
-            open_channel(worker.address) as worker_channel:
+    with open_channel(server.address) as router_channel, open_channel(worker.address) as worker_channel:
         router_stub = router_pb2_grpc.RouterStub(router_channel)
         worker_stub = worker_pb2_grpc.DecodeWorkerStub(worker_channel)
-        calls = [router_stub.Generate(router_pb2.GenerateRequest(prompt=f"stream {i}", params=params), timeout=600)
-                 for i in range(1000)]
-        calls += [worker_stub.Generate(worker_pb2.DecodeRequest(request_id=f"direct-{i}", prompt=f"direct {i}",
-                                                                params=params), timeout=600) for i in range(1000)]
+        calls = [
+            router_stub.Generate(router_pb2.GenerateRequest(prompt=f"stream {i}", params=params), timeout=600)
+            for i in range(1000)
+        ]
+        calls += [
+            worker_stub.Generate(
+                worker_pb2.DecodeRequest(request_id=f"direct-{i}", prompt=f"direct {i}", params=params), timeout=600
+            )
+            for i in range(1000)
+        ]
         try:
             deadline = time.monotonic() + 300
-            while router_stub.GetStatus(router_pb2.StatusRequest(), timeout=10).in_flight_requests < 1000 \
-                    or _info(worker.address).queue_depth + _info(worker.address).running_requests < 1000:
+            while (
+                router_stub.GetStatus(router_pb2.StatusRequest(), timeout=10).in_flight_requests < 1000
+                or _info(worker.address).queue_depth + _info(worker.address).running_requests < 1000
+            ):
                 assert time.monotonic() < deadline, "the streams did not all open"
                 time.sleep(0.2)
             seconds = _control_calls(router_channel, worker_channel)
@@ -108,15 +125,20 @@ def _control_calls(router_channel: grpc.Channel, worker_channel: grpc.Channel) -
     """Each control-plane call once, with a 10 s deadline; the seconds each took."""
     calls = {
         "router health": lambda: health_pb2_grpc.HealthStub(router_channel).Check(
-            health_pb2.HealthCheckRequest(service=""), timeout=10),
+            health_pb2.HealthCheckRequest(service=""), timeout=10
+        ),
         "router status": lambda: router_pb2_grpc.RouterStub(router_channel).GetStatus(
-            router_pb2.StatusRequest(), timeout=10),
+            router_pb2.StatusRequest(), timeout=10
+        ),
         "worker health": lambda: health_pb2_grpc.HealthStub(worker_channel).Check(
-            health_pb2.HealthCheckRequest(service=""), timeout=10),
+            health_pb2.HealthCheckRequest(service=""), timeout=10
+        ),
         "worker info": lambda: worker_pb2_grpc.DecodeWorkerStub(worker_channel).GetInfo(
-            worker_pb2.InfoRequest(), timeout=10),
+            worker_pb2.InfoRequest(), timeout=10
+        ),
         "abort": lambda: worker_pb2_grpc.DecodeWorkerStub(worker_channel).Abort(
-            worker_pb2.AbortRequest(request_id="direct-999"), timeout=10),
+            worker_pb2.AbortRequest(request_id="direct-999"), timeout=10
+        ),
         "push_kv": lambda: kv_pb2_grpc.KvTransferStub(worker_channel).PushKv(iter(()), timeout=10),
     }
     seconds = {}
@@ -130,7 +152,8 @@ def _control_calls(router_channel: grpc.Channel, worker_channel: grpc.Channel) -
 
 
 def test_a_dead_engine_loop_turns_unhealthy_and_its_requests_fail_over(
-        tiny_llama_dir, start_colocated, start_router) -> None:  # noqa: ANN001
+    tiny_llama_dir, start_colocated, start_router
+) -> None:  # noqa: ANN001
     with injected(loop_death_after_steps=6):
         dying = start_colocated()
     healthy = start_colocated()
@@ -150,8 +173,9 @@ def test_a_dead_engine_loop_turns_unhealthy_and_its_requests_fail_over(
     _wait_idle(healthy.address)
 
 
-def test_client_ids_are_escaped_in_logs_and_refused(start_colocated, start_router,
-                                                    caplog: pytest.LogCaptureFixture) -> None:  # noqa: ANN001
+def test_client_ids_are_escaped_in_logs_and_refused(
+    start_colocated, start_router, caplog: pytest.LogCaptureFixture
+) -> None:  # noqa: ANN001
     worker = start_colocated()
     _server, stub = start_router(RouterConfig(colocated=(worker.address,)))
     caplog.set_level(logging.INFO)
@@ -161,8 +185,14 @@ def test_client_ids_are_escaped_in_logs_and_refused(start_colocated, start_route
     assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert "request_id" in refused.value.details()
     with open_channel(worker.address) as channel:  # a worker logs ids as they come: escaped
-        list(worker_pb2_grpc.DecodeWorkerStub(channel).Generate(worker_pb2.DecodeRequest(
-            request_id=forged, prompt="hi", params=common_pb2.SamplingParams(max_tokens=2)), timeout=60))
+        list(
+            worker_pb2_grpc.DecodeWorkerStub(channel).Generate(
+                worker_pb2.DecodeRequest(
+                    request_id=forged, prompt="hi", params=common_pb2.SamplingParams(max_tokens=2)
+                ),
+                timeout=60,
+            )
+        )
     lines = [r.getMessage() for r in caplog.records]
     assert any("request_id=x\\nGenerate finish" in line for line in lines)
     assert not any("\n" in line for line in lines)

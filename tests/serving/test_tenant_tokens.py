@@ -17,8 +17,9 @@ from pdserve.transport import load_tenant_tokens
 
 def test_tenants_share_the_prefix_cache_only_among_themselves(start_colocated, start_router) -> None:  # noqa: ANN001
     worker = start_colocated("--block-size", "4")
-    server, _stub = start_router(RouterConfig(colocated=(worker.address,), http_port=0,
-                                              auth_tokens=tuple(TOKENS.items())))
+    server, _stub = start_router(
+        RouterConfig(colocated=(worker.address,), http_port=0, auth_tokens=tuple(TOKENS.items()))
+    )
     port = server.http_port
     assert cached_http(port, "token-of-alice") == 0
     assert cached_http(port, "token-of-bob") == 0  # the same prompt, another tenant: nothing shared
