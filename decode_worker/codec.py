@@ -17,14 +17,13 @@ from pdserve.decode_worker.worker import DecodeWorker
 from pdserve.engine import structured
 from pdserve.engine.llm_engine import TokenOutput
 from pdserve.engine.model_loader import LoadedModel
-from pdserve.engine.sampler import TokenLogprob
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.engine.trace import token_bytes
 from pdserve.failures import RequestInvalid
 from pdserve.telemetry.memory import trim as trim_heap
-from pdserve.tokenization import chat_from_pb, encode_chat, encode_text, input_chars
+from pdserve.tokenization import chat_from_pb, check_input_fits, encode_chat, encode_text, input_chars
 from pdserve.v1 import common_pb2, router_pb2, worker_pb2
-from pdserve.worker.runtime import finish_reason_to_pb, sampling_params_from_pb
+from pdserve.worker.runtime import finish_reason_to_pb, logprobs_to_pb, sampling_params_from_pb
 
 #: Prompts (or chats) of more characters are tokenized in a thread, not on the event loop: tokenizing
 #: 1M characters, or templating 256 long messages, took 1-13 s, during which every stream froze.
@@ -70,6 +69,7 @@ async def read_request(
     """Tokenize and check a DecodeRequest; RequestInvalid for a bad one, RequestFault for our bug."""
     try:
         start = time.perf_counter()
+        check_input_fits(loaded.tokenizer, request, loaded.max_model_len)  # before any template or tokenizer work
         if input_chars(request) <= INLINE_TOKENIZE_CHARS:
             prompt_ids = prompt_ids_from_pb(loaded, request)
         else:  # a large prompt or chat: off the event loop that relays every other stream
@@ -142,32 +142,14 @@ def response_of(
     return response
 
 
-def _pieces(tokenizer: Any, ids: set[int]) -> dict[int, str]:  # noqa: ANN401
-    """Each token decoded alone, in one batched call (a long prompt's logprobs name thousands of
-    tokens: one decode call each held the event loop for most of a second)."""
-    ordered = sorted(ids)
-    texts = tokenizer.batch_decode(
-        [[t] for t in ordered], skip_special_tokens=False, clean_up_tokenization_spaces=False
-    )
-    return dict(zip(ordered, texts, strict=True))
-
-
-def _logprob_pb(entry: TokenLogprob, pieces: dict[int, str]) -> common_pb2.TokenLogprob:
-    pb = common_pb2.TokenLogprob(token_id=entry.token_id, token=pieces[entry.token_id])
-    if entry.logprob is not None:
-        pb.logprob = entry.logprob
-    pb.top.extend(common_pb2.TopLogprob(token_id=t, logprob=v, token=pieces[t]) for t, v in entry.top)
-    return pb
-
-
 def add_logprobs(response: router_pb2.GenerateResponse, out: TokenOutput, tokenizer: Any) -> None:  # noqa: ANN401
     """The log-probabilities an engine output carries, with each token decoded alone."""
     entries = ([out.logprob] if out.logprob is not None else []) + list(out.prompt_logprobs or ())
-    pieces = _pieces(tokenizer, {t for e in entries for t in (e.token_id, *(t for t, _ in e.top))})
+    converted = logprobs_to_pb(entries, tokenizer)
     if out.logprob is not None:
-        response.logprobs.append(_logprob_pb(out.logprob, pieces))
+        response.logprobs.append(converted.pop(0))
     if out.prompt_logprobs is not None:
-        response.prompt_logprobs.extend(_logprob_pb(e, pieces) for e in out.prompt_logprobs)
+        response.prompt_logprobs.extend(converted)
 
 
 def worker_info(

@@ -32,6 +32,7 @@ from typing import Any, Protocol
 from pdserve.decode_worker.outcomes import await_loop
 from pdserve.decode_worker.worker import DecodeWorker
 from pdserve.engine.block_pool import blocks_for_tokens
+from pdserve.engine.llm_engine import PrefillLogprobs
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.failures import (
     MIGRATION_SOURCE,
@@ -47,7 +48,7 @@ from pdserve.kv_transfer.cuda_ipc_backend import forget_pool
 from pdserve.kv_transfer.routing import KvRoute, PeerFacts, choose_route, migration_route, wants_shm
 from pdserve.kv_transfer.shm_backend import InPlaceKv
 from pdserve.v1 import router_pb2, worker_pb2
-from pdserve.worker.runtime import sampling_params_to_pb
+from pdserve.worker.runtime import logprob_from_pb, sampling_params_to_pb
 
 log = logging.getLogger(__name__)
 
@@ -117,6 +118,21 @@ async def _kv_of(pending: PendingKv, timeout_s: float) -> tuple[Any, int]:
     except asyncio.TimeoutError:
         raise KvTransferError(f"KV for {pending.request_id!r} not complete after waiting {timeout_s:.1f}s") from None
     return pending.wait(0)
+
+
+def _prefill_logprobs(
+    response: worker_pb2.PrefillResponse, params: SamplingParams, prefill_address: str
+) -> PrefillLogprobs:
+    """The log-probabilities the prefill worker computed with the prompt, as asked in `params`; a
+    worker that left out what was asked failed the hand-off (WorkerUnavailable(PREFILL))."""
+    if params.logprobs is not None and not response.HasField("first_logprob"):
+        raise WorkerUnavailable(f"prefill worker {prefill_address} sent no logprobs for the first token", PREFILL)
+    if params.prompt_logprobs is not None and not response.prompt_logprobs:
+        raise WorkerUnavailable(f"prefill worker {prefill_address} sent no prompt logprobs", PREFILL)
+    return PrefillLogprobs(
+        logprob_from_pb(response.first_logprob) if params.logprobs is not None else None,
+        tuple(logprob_from_pb(e) for e in response.prompt_logprobs) if params.prompt_logprobs is not None else None,
+    )
 
 
 @dataclass
@@ -203,8 +219,16 @@ class KvIntake:
         )
         legs = self._link(call, pending)
         kv = None
+        wants_logprobs = params.logprobs is not None or params.prompt_logprobs is not None
+        worker_id = self.settings.worker_id
         try:
-            if route.in_place:  # the ack (and so the answer) waits for our copy: commit first
+            if route.in_place and wants_logprobs:  # copy first (the ack waits for it); the answer has the logprobs
+                kv, first_token = await _kv_of(pending, kv_deadline - time.perf_counter())
+                await await_loop(self.worker.store(request_id, kv, route.backend, spec.nbytes), deadline, worker_id)
+                response = await _answer(call, pending, legs)
+                logprobs = _prefill_logprobs(response, params, prefill_address)
+                await await_loop(self.worker.start(request_id, first_token, logprobs), deadline, worker_id)
+            elif route.in_place:  # the ack (and so the answer) waits for our copy: commit first
                 kv, first_token = await _kv_of(pending, kv_deadline - time.perf_counter())
                 await self._commit(request_id, kv, first_token, route.backend, deadline, spec.nbytes)
                 response = await _answer(call, pending, legs)
@@ -212,7 +236,8 @@ class KvIntake:
                 response = await _answer(call, pending, legs)
                 kv, _ = await _kv_of(pending, kv_deadline - time.perf_counter())
                 # layer-wise frames cannot carry the first token: the answer does
-                await self._commit(request_id, kv, response.first_token_id, route.backend, deadline)
+                shipped = _prefill_logprobs(response, params, prefill_address) if wants_logprobs else None
+                await self._commit(request_id, kv, response.first_token_id, route.backend, deadline, None, shipped)
         except (PeerCallFailed, KvTransferError) as exc:
             pending.cancel("prefill failed")
             call.cancel()
@@ -274,15 +299,15 @@ class KvIntake:
     async def _commit(
         self,
         request_id: str,
-        kv: Any,
+        kv: Any,  # noqa: ANN401
         first_token: int,
         backend: str,
-        deadline: float,  # noqa: ANN401
+        deadline: float,
         nbytes: int | None = None,
+        logprobs: PrefillLogprobs | None = None,
     ) -> None:
-        await await_loop(
-            self.worker.commit(request_id, kv, first_token, backend, nbytes), deadline, self.settings.worker_id
-        )
+        committed = self.worker.commit(request_id, kv, first_token, backend, nbytes, logprobs)
+        await await_loop(committed, deadline, self.settings.worker_id)
 
     def _prefill_failure(
         self, exc: Exception, call: asyncio.Task, pending: PendingKv, prefill_address: str, call_ended: bool

@@ -168,14 +168,15 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
                 yield response
 
     def _prefill_locally(self, request: worker_pb2.DecodeRequest, prompt_ids: list[int]) -> bool:
-        # log-probabilities (of the prompt, or of the first token, which a prefill worker samples) are
-        # computed where the request is prefilled: such requests are prefilled here
-        wants_logprobs = request.params.HasField("logprobs") or request.params.HasField("prompt_logprobs")
+        # log-probabilities are computed where the prompt is (the prefill worker ships the first
+        # token's and the prompt's with its answer); only a resumed request that wants the prompt's
+        # is prefilled here: the prefill worker would see prompt + resumed tokens as its prompt
+        resumed_prompt_logprobs = bool(request.resume_output_ids) and request.params.HasField("prompt_logprobs")
         return (
             self.colocated
             or not request.prefill_address
             or len(prompt_ids) < self.local_prefill_threshold
-            or wants_logprobs
+            or resumed_prompt_logprobs
         )
 
     async def _stream(

@@ -29,7 +29,7 @@ from pdserve.engine.block_pool import blocks_for_tokens
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.engine_loop import EngineLoop, LoopDead
 from pdserve.engine.kv_cache import KVCache
-from pdserve.engine.llm_engine import BlockWriter, LLMEngine, TokenOutput
+from pdserve.engine.llm_engine import BlockWriter, LLMEngine, PrefillLogprobs, TokenOutput
 from pdserve.engine.metrics import WorkerMetrics
 from pdserve.engine.model_loader import LoadedModel
 from pdserve.engine.sampling_params import SamplingParams
@@ -169,14 +169,33 @@ class DecodeWorker:
         first_token: int,
         backend: str = "grpc",
         nbytes: int | None = None,
+        logprobs: PrefillLogprobs | None = None,
     ) -> Future:
         """The prompt's KV arrived (through `backend`): a tensor to copy into the reserved blocks, or a
-        writer that copies it there from shared memory (`nbytes` then says how much). Start decoding."""
+        writer that copies it there from shared memory (`nbytes` then says how much). Start decoding
+        (`first_token` goes out with the prefill side's `logprobs`)."""
+        self._count_received(kv, backend, nbytes)
+        return self.run_on_loop(lambda: self._commit(request_id, kv, first_token, logprobs))
+
+    def store(
+        self, request_id: str, kv: torch.Tensor | BlockWriter, backend: str = "grpc", nbytes: int | None = None
+    ) -> Future:
+        """The first half of `commit`: the K/V into the reserved blocks, nothing emitted yet (an
+        in-place intake whose first token must wait for the prefill worker's answer)."""
+        self._count_received(kv, backend, nbytes)
+        return self.run_on_loop(lambda: self.engine.store_prefilled(self._reserved(request_id), kv))
+
+    def start(self, request_id: str, first_token: int, logprobs: PrefillLogprobs | None = None) -> Future:
+        """The second half of `commit`: a stored request emits its first token and decodes."""
+        return self.run_on_loop(
+            lambda: self._emit(self.engine.start_decoding(self._reserved(request_id), first_token, logprobs))
+        )
+
+    def _count_received(self, kv: torch.Tensor | BlockWriter, backend: str, nbytes: int | None) -> None:
         size = kv.numel() * kv.element_size() if isinstance(kv, torch.Tensor) else int(nbytes or 0)
         with self._counter_lock:  # gRPC threads commit concurrently
             self.kv_bytes_received += size
         self.metrics.kv_transferred(backend, "receive", size, None)
-        return self.run_on_loop(lambda: self._commit(request_id, kv, first_token))
 
     def abort(self, request_id: str) -> None:
         """End the request wherever it is; its blocks are freed. Safe to call more than once. A
@@ -330,11 +349,16 @@ class DecodeWorker:
     def _retry_reservations(self) -> None:
         self._reservations = [p for p in self._reservations if not self._try_reserve(p, first=False)]
 
-    def _commit(self, request_id: str, kv: torch.Tensor | BlockWriter, first_token: int) -> None:
+    def _reserved(self, request_id: str) -> Sequence:
         seq: Sequence | None = self.engine.sequences.get(request_id)
         if seq is None:
             raise KeyError(f"request {request_id} has no reservation (aborted?)")
-        self._emit(self.engine.commit_prefilled(seq, kv, first_token))
+        return seq
+
+    def _commit(
+        self, request_id: str, kv: torch.Tensor | BlockWriter, first_token: int, logprobs: PrefillLogprobs | None
+    ) -> None:
+        self._emit(self.engine.commit_prefilled(self._reserved(request_id), kv, first_token, logprobs))
 
     def _suspend(self, request_id: str) -> Sequence:
         seq = self.engine.sequences.get(request_id)

@@ -85,6 +85,16 @@ class TokenOutput:
 
 
 @dataclass(frozen=True)
+class PrefillLogprobs:
+    """What the engine that prefilled a prompt computed with it, for the request's first token on
+    the engine that decodes it: that token's log-probability (SamplingParams.logprobs) and every
+    prompt token's (SamplingParams.prompt_logprobs, the first entry without one)."""
+
+    first: TokenLogprob | None = None
+    prompt: tuple[TokenLogprob, ...] | None = None
+
+
+@dataclass(frozen=True)
 class _PassLogprobs:
     """What one pass computed for one item: prompt entries (first position, entries) and the
     sampled token's entry."""
@@ -244,10 +254,21 @@ class LLMEngine:
             return None
         return seq
 
-    def commit_prefilled(self, seq: Sequence, kv_blocks: torch.Tensor | BlockWriter, first_token: int) -> TokenOutput:
+    def commit_prefilled(
+        self,
+        seq: Sequence,
+        kv_blocks: torch.Tensor | BlockWriter,
+        first_token: int,
+        logprobs: PrefillLogprobs | None = None,
+    ) -> TokenOutput:
+        """`store_prefilled`, then `start_decoding`."""
+        self.store_prefilled(seq, kv_blocks)
+        return self.start_decoding(seq, first_token, logprobs)
+
+    def store_prefilled(self, seq: Sequence, kv_blocks: torch.Tensor | BlockWriter) -> None:
         """K/V arrived for blocks [num_reused_blocks, ...) of every token so far: a tensor
         [L, 2, n_blocks, block_size, H, D] to store, or a writer that copies them straight into
-        `(cache tensor, block ids)`. Then start decoding."""
+        `(cache tensor, block ids)`. The sequence stays reserved until `start_decoding`."""
         offset = seq.num_reused_blocks
         targets = seq.block_table[offset : blocks_for_tokens(seq.num_tokens, self.pool.block_size)]
         if isinstance(kv_blocks, torch.Tensor):
@@ -258,6 +279,20 @@ class LLMEngine:
         if self.config.prefix_caching:  # full blocks are never written again: later requests may share them
             seq.prefix_hashes = block_hashes(seq.all_ids, self.pool.block_size, seq.params.cache_salt)
             self.scheduler.cache_computed_blocks(seq, 0)
+
+    def start_decoding(self, seq: Sequence, first_token: int, logprobs: PrefillLogprobs | None = None) -> TokenOutput:
+        """A stored prefilled sequence emits the first token the prefill side sampled, with the
+        log-probabilities it computed (`logprobs`: this engine computed none of the prompt's), and
+        decodes from then on."""
+        if logprobs is not None:
+            if logprobs.first is not None:
+                seq.next_logprob = logprobs.first
+            if logprobs.prompt is not None and seq.prompt_logprobs is not None:
+                if len(logprobs.prompt) != len(seq.prompt_ids):
+                    raise ValueError(
+                        f"prompt logprobs: {len(logprobs.prompt)} entries for {len(seq.prompt_ids)} prompt tokens"
+                    )
+                seq.prompt_logprobs = list(logprobs.prompt)
         out = self._append(seq, first_token)
         if not seq.is_finished:
             self.scheduler.add_running(seq)

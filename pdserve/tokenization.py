@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import re
 import threading
+import weakref
 from collections import OrderedDict
 from collections.abc import Sequence
 from typing import Any
@@ -332,3 +333,47 @@ def input_chars(request: Any) -> int:  # noqa: ANN401 - a GenerateRequest or Dec
         chat = request.messages
         return len(chat.tools_json) + sum(len(m.content) + len(m.role) + len(m.tool_calls_json) for m in chat.messages)
     return 0
+
+
+_MAX_CHARS: weakref.WeakKeyDictionary[Any, int] = weakref.WeakKeyDictionary()
+
+
+def max_chars_per_token(tokenizer: Any) -> int:  # noqa: ANN401
+    """The most characters of text one token of `tokenizer` can stand for: its vocabulary's longest
+    entry (a byte-level entry spells one character per byte, a SentencePiece entry its characters
+    and "\u2581" for a space, a byte-fallback entry six characters for one byte), twice that where
+    a normalizer may fold several characters into one. Computed once per tokenizer."""
+    try:
+        return _MAX_CHARS[tokenizer]
+    except (KeyError, TypeError):
+        pass
+    longest = max((len(entry) for entry in tokenizer.get_vocab()), default=1)
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is None or getattr(backend, "normalizer", None) is not None:
+        longest *= 2
+    try:
+        _MAX_CHARS[tokenizer] = longest
+    except TypeError:  # not weakly referenceable: computed each time
+        pass
+    return longest
+
+
+def check_input_fits(tokenizer: Any, request: Any, max_model_len: int) -> None:  # noqa: ANN401
+    """Refuse (RequestInvalid), before any template is rendered or any text tokenized, a prompt or
+    chat whose text alone needs more tokens than the model's context holds: every token stands for
+    at most `max_chars_per_token` characters, so N characters of content need at least
+    N / that many tokens. Bounds the tokenizer's and the template's work per request (a chat of
+    256 messages near the size limit otherwise took a quarter of a second of both)."""
+    kind = request.WhichOneof("input")
+    if kind == "prompt":
+        chars, what = len(request.prompt), "prompt"
+    elif kind == "messages":
+        chars, what = sum(len(m.content) for m in request.messages.messages), "messages"
+    else:
+        return
+    per_token = max_chars_per_token(tokenizer)
+    if chars > max_model_len * per_token:
+        raise RequestInvalid(
+            f"{what}: {chars} characters need at least {-(-chars // per_token)} tokens (a token of this "
+            f"model stands for at most {per_token} characters); the model's context is {max_model_len}"
+        )

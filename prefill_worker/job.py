@@ -7,6 +7,7 @@ import time
 from concurrent.futures import Future, InvalidStateError
 from dataclasses import dataclass, field
 
+from pdserve.engine.sampler import TokenLogprob
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.engine.sequence import Sequence
 from pdserve.engine.trace import TraceEvent
@@ -29,6 +30,8 @@ class PrefillJob:
     seq: Sequence | None = None  # its sequence in the engine, once queued there
     prefill_s: float = 0.0  # admission -> first token
     trace_events: tuple[TraceEvent, ...] = ()  # its prefill passes, when traced
+    first_logprob: TokenLogprob | None = None  # params.logprobs: the first token's, sampled here
+    prompt_logprobs: tuple[TokenLogprob, ...] | None = None  # params.prompt_logprobs, computed here
 
 
 @dataclass(frozen=True)
@@ -40,6 +43,8 @@ class PrefillResult:
     kv_bytes: int
     trace: tuple[TraceEvent, ...] = ()  # the prefill passes (PrefillJob.trace)
     cached_tokens: int = 0  # prompt tokens taken from this worker's prefix cache
+    first_logprob: TokenLogprob | None = None  # PrefillJob.first_logprob
+    prompt_logprobs: tuple[TokenLogprob, ...] | None = None  # PrefillJob.prompt_logprobs
 
 
 def settle(future: Future, result: object = None, error: BaseException | None = None) -> None:

@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+from typing import Any
 
 import grpc
 
@@ -20,10 +21,11 @@ from pdserve.engine.kv_cache import segment_prefix
 from pdserve.failures import RequestInvalid
 from pdserve.kv_transfer import KvTransferError
 from pdserve.kv_transfer.shm_backend import CHECKSUM_ALGORITHMS
+from pdserve.prefill_worker.job import PrefillResult
 from pdserve.prefill_worker.worker import PrefillJob, PrefillWorker
 from pdserve.transport import is_router_call
 from pdserve.v1 import common_pb2, worker_pb2, worker_pb2_grpc
-from pdserve.worker.runtime import Drain, node_identity, sampling_params_from_pb, trace_events_to_pb
+from pdserve.worker.runtime import Drain, logprobs_to_pb, node_identity, sampling_params_from_pb, trace_events_to_pb
 
 log = logging.getLogger(__name__)
 
@@ -122,7 +124,7 @@ class PrefillServicer(worker_pb2_grpc.PrefillWorkerServicer):
         except Exception as exc:  # noqa: BLE001 - report, keep serving
             log.error("request_id=%s: prefill failed: %s", job.request_id, exc, exc_info=exc)
             await context.abort(grpc.StatusCode.INTERNAL, f"prefill failed: {exc}")
-        return worker_pb2.PrefillResponse(
+        response = worker_pb2.PrefillResponse(
             request_id=job.request_id,
             first_token_id=result.first_token_id,
             kv_bytes=result.kv_bytes,
@@ -132,6 +134,9 @@ class PrefillServicer(worker_pb2_grpc.PrefillWorkerServicer):
             trace=trace_events_to_pb(result.trace, self.worker_id, self.worker.loaded.tokenizer),
             cached_tokens=result.cached_tokens,
         )
+        if result.first_logprob is not None or result.prompt_logprobs is not None:
+            add_prefill_logprobs(response, result, self.worker.loaded.tokenizer)
+        return response
 
     def GetInfo(self, request: worker_pb2.InfoRequest, context: grpc.ServicerContext) -> common_pb2.WorkerInfo:  # noqa: N802
         w = self.worker
@@ -157,3 +162,12 @@ class PrefillServicer(worker_pb2_grpc.PrefillWorkerServicer):
             kv_block_size=w.pool.block_size,
             kernels=getattr(w.runner, "kernels", ""),
         )
+
+
+def add_prefill_logprobs(response: worker_pb2.PrefillResponse, result: PrefillResult, tokenizer: Any) -> None:  # noqa: ANN401
+    """The first token's and the prompt's log-probabilities, computed here, onto the answer."""
+    first = [result.first_logprob] if result.first_logprob is not None else []
+    converted = logprobs_to_pb(first + list(result.prompt_logprobs or ()), tokenizer)
+    if first:
+        response.first_logprob.CopyFrom(converted.pop(0))
+    response.prompt_logprobs.extend(converted)

@@ -226,6 +226,9 @@ class PrefillWorker:
         started = seq.scheduled_time or job.enqueued_at
         job.prefill_s = time.perf_counter() - started
         job.trace_events = seq.take_trace()
+        # log-probabilities are computed where the prompt is: they travel with the answer
+        job.first_logprob = seq.next_logprob
+        job.prompt_logprobs = tuple(seq.prompt_logprobs) if seq.prompt_logprobs is not None else None
         self.metrics.queue_time.observe(max(0.0, started - job.enqueued_at))
         return job
 
@@ -247,5 +250,15 @@ class PrefillWorker:
         cached = job.seq.num_prefix_hit_tokens if job.seq else 0
         settle(
             job.future,
-            PrefillResult(first_token, queue_s, job.prefill_s, transfer_s, spec.nbytes, job.trace_events, cached),
+            PrefillResult(
+                first_token,
+                queue_s,
+                job.prefill_s,
+                transfer_s,
+                spec.nbytes,
+                job.trace_events,
+                cached,
+                job.first_logprob,
+                job.prompt_logprobs,
+            ),
         )

@@ -37,7 +37,7 @@ import grpc
 
 from pdserve.model_cache import default_model_dir
 from pdserve.prefix_hashing import chain_hashes, chain_start, packed_blocks
-from pdserve.tokenization import PieceCache, chat_from_pb, encode_chat, encode_text
+from pdserve.tokenization import PieceCache, chat_from_pb, encode_chat, encode_text, input_chars
 from pdserve.v1 import router_pb2, worker_pb2, worker_pb2_grpc
 
 log = logging.getLogger(__name__)
@@ -86,7 +86,21 @@ class PromptKeys:
                     return encode_text(self.tokenizer, request.prompt, self.pieces)
                 return encode_text(self.tokenizer, request.prompt[:MAX_HASHED_CHARS], self.pieces)[:-CUT_MARGIN_TOKENS]
             if kind == "messages":
-                return encode_chat(self.tokenizer, *chat_from_pb(request.messages), pieces=self.pieces)
+                messages, tools = chat_from_pb(request.messages)
+                if input_chars(request) <= MAX_HASHED_CHARS:
+                    return encode_chat(self.tokenizer, messages, tools, pieces=self.pieces)
+                # a huge chat: its leading turns within the budget (a chat's turns render one after
+                # another, so they render a prefix of it), less a margin; none fits: no hint
+                kept, chars = [], len(request.messages.tools_json)
+                for message in messages:
+                    chars += len(message["content"]) + len(message["role"])
+                    if chars > MAX_HASHED_CHARS:
+                        break
+                    kept.append(message)
+                if not kept:
+                    return []
+                ids = encode_chat(self.tokenizer, kept, tools, pieces=self.pieces, add_generation_prompt=False)
+                return ids[:-CUT_MARGIN_TOKENS]
         except Exception as exc:  # noqa: BLE001 - any failure only means "no hint"; the worker answers it
             log.debug("no KV keys for a request: %s", exc)
         return []

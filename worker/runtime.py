@@ -30,6 +30,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.kv_events import KvEventLog
+from pdserve.engine.sampler import TokenLogprob
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.engine.stop_checker import FINISH_ABORT, FINISH_ERROR, FINISH_LENGTH, FINISH_STOP, FINISH_STOP_STRING
 from pdserve.engine.trace import DecodeStepEvent, DetokenizeHoldEvent, PrefillPassEvent, TraceEvent, token_bytes
@@ -205,6 +206,37 @@ def trace_event_to_pb(event: TraceEvent, worker_id: str, tokenizer: Any) -> comm
 
 def trace_events_to_pb(events: tuple[TraceEvent, ...], worker_id: str, tokenizer: Any) -> list[common_pb2.TraceEvent]:
     return [trace_event_to_pb(event, worker_id, tokenizer) for event in events]
+
+
+def _pieces(tokenizer: Any, ids: set[int]) -> dict[int, str]:  # noqa: ANN401
+    """Each token decoded alone, in one batched call (a long prompt's logprobs name thousands of
+    tokens: one decode call each held the event loop for most of a second)."""
+    ordered = sorted(ids)
+    texts = tokenizer.batch_decode(
+        [[t] for t in ordered], skip_special_tokens=False, clean_up_tokenization_spaces=False
+    )
+    return dict(zip(ordered, texts, strict=True))
+
+
+def logprobs_to_pb(entries: list[TokenLogprob], tokenizer: Any) -> list[common_pb2.TokenLogprob]:  # noqa: ANN401
+    """Engine log-probability entries as the wire's, each token (and alternative) decoded alone."""
+    pieces = _pieces(tokenizer, {t for e in entries for t in (e.token_id, *(t for t, _ in e.top))})
+    converted = []
+    for entry in entries:
+        pb = common_pb2.TokenLogprob(token_id=entry.token_id, token=pieces[entry.token_id])
+        if entry.logprob is not None:
+            pb.logprob = entry.logprob
+        pb.top.extend(common_pb2.TopLogprob(token_id=t, logprob=v, token=pieces[t]) for t, v in entry.top)
+        converted.append(pb)
+    return converted
+
+
+def logprob_from_pb(pb: common_pb2.TokenLogprob) -> TokenLogprob:
+    """The wire's entry back as the engine's (the decoded pieces are dropped: the tokenizer that
+    answers the client decodes them again)."""
+    return TokenLogprob(
+        pb.token_id, pb.logprob if pb.HasField("logprob") else None, tuple((t.token_id, t.logprob) for t in pb.top)
+    )
 
 
 def configure_process(

@@ -18,18 +18,23 @@ from pdserve.cluster.launch import LaunchOptions, local_deployment
 from pdserve.cluster.local import LocalCluster
 from pdserve.v1 import common_pb2, router_pb2, router_pb2_grpc
 
+from e2e_helpers import worker_info
+
 BLOCK_SIZE = 16  # the workers' default --block-size
 
 
 pytestmark = pytest.mark.slow
 
 
-@pytest.fixture(scope="module", params=["1p1d", "1p1d-decode-cache-only", "colocated"])
+@pytest.fixture(scope="module", params=["1p1d", "1p1d-decode-cache-only", "1p1d-grpc-kv", "colocated"])
 def cluster(request: pytest.FixtureRequest, tiny_llama_dir: Path) -> Iterator[LocalCluster]:
+    # 1p1d: the same-host default, shm (the decode worker copies the K/V in place, before the prefill
+    # worker's answer); 1p1d-grpc-kv: the K/V streamed over gRPC, the answer first
     topology = {
         "1p1d": dict(prefill=1, decode=1),
         "colocated": dict(prefill=0, decode=0, colocated=1),
         "1p1d-decode-cache-only": dict(prefill=1, decode=1),
+        "1p1d-grpc-kv": dict(prefill=1, decode=1, kv_backend="grpc"),
     }
     # only the decode worker's reused blocks count: the prefill worker recomputes everything
     options = LaunchOptions(prefill_args=("--no-prefix-caching",) if request.param.endswith("cache-only") else ())
@@ -190,3 +195,29 @@ def test_streamed_completion_logprobs(cluster: LocalCluster) -> None:
     chunks = [json.loads(e) for e in events if e != "[DONE]"]
     tokens = [t for c in chunks for t in (c["choices"][0]["logprobs"] or {}).get("tokens", [])]
     assert len(tokens) == 4
+
+
+def test_logprob_prompts_are_prefilled_on_the_prefill_pool(cluster: LocalCluster, hf: tuple) -> None:
+    """A request asking for logprobs (first token and prompt) is disaggregated like any other: the
+    prefill worker computes its prompt, and the logprobs it ships with the K/V reach the client
+    (checked against HF above); the decode worker computes none of the prompt."""
+    by_role = {w.role: w for w in cluster.workers}
+    if "prefill" not in by_role:
+        pytest.skip("colocated: one worker prefills and decodes everything (nothing to split)")
+    prompt = f"[{cluster.config.kv.backend}] " + " ".join(f"token{i}" for i in range(60))
+    before = {role: worker_info(by_role[role].address, role).prefill_tokens_computed for role in by_role}
+    answer = post(
+        cluster,
+        "/v1/completions",
+        {"prompt": prompt, "max_tokens": 3, "logprobs": 3, "echo": True, "ignore_eos": True, "temperature": 0},
+    )
+    after = {role: worker_info(by_role[role].address, role).prefill_tokens_computed for role in by_role}
+    prompt_ids = hf[1](prompt).input_ids
+    lp = answer["choices"][0]["logprobs"]
+    assert len(lp["token_logprobs"]) == len(prompt_ids) + 3 and lp["token_logprobs"][0] is None
+    ref = hf_logprobs(hf, prompt_ids)
+    got = lp["token_logprobs"][1 : len(prompt_ids)]
+    want = [ref[i - 1, t].item() for i, t in enumerate(prompt_ids) if i > 0]
+    assert max(abs(g - w) for g, w in zip(got, want, strict=True)) < 1e-4
+    assert after["prefill"] - before["prefill"] >= len(prompt_ids)  # prefill worker: the whole prompt
+    assert after["decode"] == before["decode"]  # decode worker: none of it

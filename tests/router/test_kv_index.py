@@ -86,6 +86,32 @@ def test_prompt_keys_match_the_workers_hashes_and_honour_the_salt() -> None:
     assert salted == _keys(ids[:-1], "tenant-a") and salted != keys
 
 
+def test_a_huge_chat_is_hashed_from_its_leading_turns_only(tiny_llama_dir) -> None:  # noqa: ANN001
+    """Over MAX_HASHED_CHARS of chat, the router renders only the leading turns within the budget:
+    their tokens are a prefix of the whole chat's (its KV hint stays right), and a chat whose first
+    turn alone is over the budget gets no hint rather than a full render."""
+    from transformers import AutoTokenizer
+
+    from pdserve.router.kv_index import MAX_HASHED_CHARS
+    from pdserve.tokenization import encode_chat
+
+    keys = PromptKeys(AutoTokenizer.from_pretrained(tiny_llama_dir))
+    turns = [("user" if i % 2 == 0 else "assistant", f"turn {i}: " + "talk " * 2000) for i in range(12)]
+    assert sum(len(c) for _, c in turns) > MAX_HASHED_CHARS
+    request = router_pb2.GenerateRequest(
+        messages=common_pb2.ChatMessages(messages=[common_pb2.ChatMessage(role=r, content=c) for r, c in turns])
+    )
+    hinted = keys.token_ids(request)
+    whole = encode_chat(keys.tokenizer, turns)
+    assert 0 < len(hinted) < len(whole) and whole[: len(hinted)] == hinted
+    one_huge = router_pb2.GenerateRequest(
+        messages=common_pb2.ChatMessages(
+            messages=[common_pb2.ChatMessage(role="user", content="x " * MAX_HASHED_CHARS)]
+        )
+    )
+    assert keys.token_ids(one_huge) == []
+
+
 def test_recent_chains_reuse_a_seen_prefix_and_give_the_same_keys_as_hashing_whole() -> None:
     """Follow-ups, forks inside a block, other salts and block sizes: every prompt's keys equal those
     of hashing it whole, the shared blocks are hashed once, and the bound holds."""
