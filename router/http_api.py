@@ -83,6 +83,7 @@ from pdserve.router.tokenize_api import (
     tokenize_answer,
 )
 from pdserve.router.validation import MAX_REQUEST_ID_CHARS, is_printable_ascii
+from pdserve.telemetry.memory import trim as trim_heap
 from pdserve.v1 import common_pb2, router_pb2, worker_pb2
 
 log = logging.getLogger(__name__)
@@ -246,6 +247,29 @@ async def _read_body(request: web.Request, kind: str, model_name: str, request_i
     return await _parse_elsewhere(kind, raw, model_name, request_id)
 
 
+TRIM_DELAY_S = 0.2  # after a large body's answer: time for aiohttp to write it and drop the request
+_trims: set[asyncio.Task] = set()
+
+
+async def _handled(request: web.Request, handler: Handler) -> web.StreamResponse:
+    """`handler`'s answer; after a large body, the heap is trimmed once the answer is out: its raw
+    bytes, text, parsed fields and request message (four copies of up to 16 MiB) are garbage then,
+    and glibc otherwise keeps their pages (256 chat messages near the limit left the router 80 MB
+    larger)."""
+    try:
+        return await handler(request)
+    finally:
+        if (request.content_length or 0) > INLINE_PARSE_BYTES:
+            task = asyncio.get_running_loop().create_task(_trim_later())
+            _trims.add(task)
+            task.add_done_callback(_trims.discard)
+
+
+async def _trim_later() -> None:
+    await asyncio.sleep(TRIM_DELAY_S)
+    await asyncio.to_thread(trim_heap)  # malloc_trim through ctypes: the GIL is released meanwhile
+
+
 class OpenAIHttpServer:
     """Serves the OpenAI API on ``host:port`` from a `RouterCore`; start and stop on the core's loop."""
 
@@ -320,11 +344,11 @@ class OpenAIHttpServer:
     @web.middleware
     async def _auth(self, request: web.Request, handler: Handler) -> web.StreamResponse:
         if self._token is None or request.path == "/health":
-            return await handler(request)
+            return await _handled(request, handler)
         tenant = self._token.tenant_of(request.headers.get("Authorization"))
         if tenant is not None:
             request[TENANT_KEY] = tenant
-            return await handler(request)
+            return await _handled(request, handler)
         return _error_response(OpenAIError(401, "missing or wrong bearer token (header 'Authorization')"))
 
     async def _models(self, _request: web.Request) -> web.Response:
