@@ -283,8 +283,8 @@ class ColocatedPool(PoolSection):
     max_num_seqs: int = opt(64, "most sequences in one decode batch", min=1)
     chunk_tokens: int = opt(
         512,
-        "prompts this worker prefills itself (colocated, short ones, a resumed request that wants its prompt logprobs) go "
-        "at most this many tokens per pass; beside running streams their chunks together cost "
+        "prompts this worker prefills itself (colocated, short ones, a resumed request that wants its "
+        "prompt logprobs) go at most this many tokens per pass; beside running streams their chunks together cost "
         "one such chunk at most (fewer tokens deep in a long prompt), so streams stall one "
         "chunk's time at most (0: whole prompts)",
         min=0,
