@@ -29,7 +29,9 @@ Invariants:
   gRPC side and the worker channels keep theirs); one more is answered 503 and closed.
 - Bodies are UTF-8 JSON whatever ``charset`` says (RFC 8259). A body larger than
   ``INLINE_PARSE_BYTES`` is parsed and checked off the event loop; malformed JSON, nesting too deep, a lone UTF-16
-  surrogate, or an ``X-Request-Id`` that is not printable ASCII is a 400, never a 500.
+  surrogate, or an ``X-Request-Id`` that is not printable ASCII is a 400, never a 500. What aiohttp's
+  HTTP parser refuses (a control byte in a header, a bad request line) is the same JSON 400, logged
+  as one INFO line without a traceback.
 """
 
 from __future__ import annotations
@@ -48,7 +50,8 @@ from contextlib import aclosing
 from functools import partial
 from typing import Any, NamedTuple
 
-from aiohttp import web
+from aiohttp import web, web_protocol
+from aiohttp.http_exceptions import HttpProcessingError
 
 from pdserve.constants import REQUEST_TIMEOUT_S
 from pdserve.limits import RECEIVE_LIMIT_BYTES, fd_share
@@ -116,6 +119,32 @@ class _Refusal(asyncio.Protocol):
         transport.close()
 
 
+class _JsonErrors(web_protocol.RequestHandler):
+    """aiohttp's connection handler, answering what its HTTP parser refuses (a control byte or a bad
+    encoding in a header, a bad request line, a line over 8 KiB) with OpenAI's JSON error object like
+    every other bad request, logged as one line: aiohttp's own answer is plain text, logged as an
+    ERROR with a traceback for each such request (an unauthenticated client could fill the logs)."""
+
+    __slots__ = ()  # the layout of aiohttp's class: a connection's handler becomes one by `__class__`
+
+    def handle_error(
+        self,
+        request: web.BaseRequest,
+        status: int = 500,
+        exc: BaseException | None = None,
+        message: str | None = None,
+    ) -> web.StreamResponse:
+        if status >= 500 or not isinstance(exc, HttpProcessingError):
+            return super().handle_error(request, status, exc, message)
+        reason = (getattr(exc, "message", "") or str(exc) or "malformed HTTP request").strip().splitlines()[0][:160]
+        log.info("malformed HTTP request from %s: %s", request.remote, reason.rstrip(":"))
+        if request.writer.output_size > 0:  # what aiohttp does: the answer was under way, the connection is lost
+            raise ConnectionError("a response was under way; cannot send the error")
+        answer = _error_response(OpenAIError(status, f"malformed HTTP request: {reason.rstrip(':')}"))
+        answer.force_close()
+        return answer
+
+
 class _CappedSite(web.TCPSite):
     """`web.TCPSite` that refuses connections beyond `max_connections` (aiohttp has no such option)."""
 
@@ -135,7 +164,9 @@ class _CappedSite(web.TCPSite):
             if len(server.connections) >= self._max_connections:
                 self.refused += 1
                 return _Refusal()
-            return server()
+            handler = server()
+            handler.__class__ = _JsonErrors
+            return handler
 
         self._server = await asyncio.get_running_loop().create_server(
             protocol, self._host, self._port, ssl=self._ssl_context, backlog=self._backlog
