@@ -532,6 +532,7 @@ def router_document(config: DeploymentConfig, workers: dict[str, list[str]], met
         "max_concurrent_streams": router.max_concurrent_streams,
         "max_queued_requests": router.max_queued_requests,
         "max_attempts": router.max_attempts,
+        "router_drain_timeout": router.drain_timeout_s,
         "decode_mux": router.decode_mux,
         "kv_aware_request_tokens": router.kv_aware_request_tokens,
         "kv_aware_kv_tokens": router.kv_aware_kv_tokens,

@@ -44,6 +44,7 @@ from pdserve.cluster.launch import LaunchOptions
 from pdserve.cluster.processes import ManagedProcess, ProcessStartError, stop_all
 from pdserve.constants import METRICS_ANY_PORT
 from pdserve.process_config import write_document
+from pdserve.serving import SUPERVISED_ENV
 from pdserve.transport import (
     ENV_ROUTER_DIGEST,
     ENV_ROUTER_TOKEN,
@@ -215,6 +216,7 @@ class LocalCluster:
             module = [PROCESS_MODULES[kind]]
         argv = [sys.executable, "-m", *module, "--config", str(path), *self.options.args_for(kind)]
         env = child_env(self.config.security.internal_token_file)
+        env[SUPERVISED_ENV] = "1"  # a terminal's Ctrl-C is ours alone: `stop` stops the children in order
         # the router holds its credential; workers only its digest, to check SetKvTargets callers
         env.pop(ENV_ROUTER_TOKEN, None)
         if kind == "router":
@@ -259,12 +261,17 @@ class LocalCluster:
             raise ClusterStartError(str(exc)) from None
 
     def stop(self) -> None:
-        """SIGTERM every process (router first), wait up to 5 s, SIGKILL what is left. Idempotent."""
+        """Stop in order: SIGTERM the router and wait for it to drain (it refuses new requests and
+        gives open ones `router.drain_timeout_s`, then fails the rest) and exit; only then SIGTERM the
+        workers, which have nothing left to serve; wait up to 5 s, SIGKILL what is left. So no worker
+        goes while the router still relays or polls it. Idempotent."""
         if self._stopped:
             return
         self._stopped = True
         atexit.unregister(self.stop)
-        stop_all(list(reversed(self._processes)), STOP_GRACE_S)
+        routers = [p for p in self._processes if p.name == "router"]
+        stop_all(routers, self.config.router.drain_timeout_s + STOP_GRACE_S)
+        stop_all([p for p in reversed(self._processes) if p not in routers], STOP_GRACE_S)
 
     def __enter__(self) -> LocalCluster:
         return self

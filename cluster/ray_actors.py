@@ -257,6 +257,9 @@ class RouterActor:
         }
 
     def stop(self) -> None:
+        """Drain (new requests refused, open ones get `router.drain_timeout_s`), then stop; the
+        controller stops the workers after this returns."""
+        self.server.drain(self.config.drain_timeout_s)
         self.server.stop(5.0)
 
 

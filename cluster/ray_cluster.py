@@ -599,7 +599,7 @@ class Controller:
             self._autoscaler.stop()
         if self._router is not None:
             try:
-                ray.get(self._router.stop.remote(), timeout=15)
+                ray.get(self._router.stop.remote(), timeout=self.config.router.drain_timeout_s + 15)
             except RayError as exc:
                 log.warning("stopping the router: %s", exc)
             ray.kill(self._router, no_restart=True)

@@ -54,6 +54,20 @@ def untrack_segment(segment: shared_memory.SharedMemory) -> None:
         pass
 
 
+def unlink_segment(segment: shared_memory.SharedMemory) -> None:
+    """Remove `segment`'s name (the memory goes once every mapping is closed), quietly if it is gone.
+    Not `segment.unlink()`: that also unregisters the segment with Python's resource tracker, which
+    `untrack_segment` already did, and the tracker then printed a KeyError traceback at every stop."""
+    try:
+        import _posixshmem  # CPython's POSIX shm module, which SharedMemory itself uses
+
+        _posixshmem.shm_unlink(segment._name)  # type: ignore[attr-defined]
+    except ImportError:  # not POSIX: no resource tracker for shared memory there either
+        segment.unlink()
+    except OSError:
+        pass
+
+
 def remove_stale_segments() -> int:
     """Unlink pdserve segments (`pdserve-kv-<pid>-*`, or the older `pdserve-kv-cache-<pid>-*`) whose
     creating process is gone (killed workers cannot unlink their own); returns how many were removed."""
@@ -118,10 +132,7 @@ def to_host(tensor: torch.Tensor) -> torch.Tensor:
 
 
 def _unlink(segment: shared_memory.SharedMemory) -> None:
-    try:
-        segment.unlink()
-    except OSError:
-        pass
+    unlink_segment(segment)
 
 
 @dataclass(frozen=True)

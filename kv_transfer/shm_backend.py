@@ -42,6 +42,7 @@ import grpc
 import torch
 
 from pdserve.engine.kv_cache import SHM_PREFIX, KVCache, segment_prefix
+from pdserve.engine.kv_cache import unlink_segment as _unlink
 from pdserve.engine.kv_cache import untrack_segment as _untrack
 from pdserve.kv_transfer.base import (
     CHECKSUM_ALGORITHMS,
@@ -101,7 +102,7 @@ class SegmentPool:
     def _drop(self, segment: shared_memory.SharedMemory) -> None:
         self._all.remove(segment)
         segment.close()
-        segment.unlink()
+        _unlink(segment)
 
     def close(self) -> None:
         with self._lock:

@@ -183,6 +183,24 @@ class AioServer:
         return self._stopped.wait(timeout)
 
 
+#: Set by a launcher (`pdserve serve`) in its children's environment: it stops them itself, in order.
+SUPERVISED_ENV = "PDSERVE_SUPERVISED"
+
+
+def on_stop_signal(handler: Callable[[], None]) -> None:
+    """Call `handler` (on the main thread) on SIGTERM, and on SIGINT unless a launcher supervises this
+    process: a terminal's Ctrl-C reaches the launcher's whole process group, and the launcher stops
+    its children itself in order (router first, so it drains before the workers go), so there a
+    supervised child ignores SIGINT."""
+    import signal
+
+    signal.signal(signal.SIGTERM, lambda _signum, _frame: handler())
+    if os.environ.get(SUPERVISED_ENV) == "1":
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+    else:
+        signal.signal(signal.SIGINT, lambda _signum, _frame: handler())
+
+
 def ready_line(address: str, worker_id: str, **extra: Any) -> str:
     """The READY line announcing this serving process (see READY_PREFIX)."""
     payload = {"address": address, "worker_id": worker_id, "pid": os.getpid(), **extra}

@@ -201,6 +201,14 @@ class RouterSection:
         flag="--slo-ttft",
         min=0,
     )
+    drain_timeout_s: float = opt(
+        5.0,
+        "on stop (SIGTERM, Ctrl-C) the router first refuses new requests (UNAVAILABLE / HTTP 503) and "
+        "lets open streams finish for up to this long; those still open then fail UNAVAILABLE, and "
+        "only then do the workers stop (0: end them at once)",
+        flag="--router-drain-timeout",
+        min=0,
+    )
     grpc_calls_per_peer: int = opt(
         GRPC_CALLS_PER_PEER,
         "open gRPC calls one client host may hold on the public port; one more is refused (RESOURCE_EXHAUSTED)",

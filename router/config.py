@@ -38,6 +38,8 @@ class RouterConfig:
     max_concurrent_streams: int = RouterSection.max_concurrent_streams
     max_queued_requests: int = RouterSection.max_queued_requests
     max_attempts: int = RouterSection.max_attempts
+    # on stop: open requests get this long to finish before they fail UNAVAILABLE (RouterServer.drain)
+    drain_timeout_s: float = RouterSection.drain_timeout_s
     auth_token: str | None = None  # when set, Router calls need "authorization: Bearer <token>"
     # several tokens, as (token, tenant) pairs (--auth-tokens-file): each tenant's requests get their own
     # prefix-cache namespace (the tenant is folded into their cache_salt); not combined with auth_token

@@ -216,6 +216,13 @@ class RouterCore:
         self.slo_shed = 0
         self._live: dict[int, _Request] = {}  # requests in flight, by id() (their internal id changes)
         self._tasks: set[asyncio.Task] = set()  # drain migrations under way
+        # shutdown (`drain`): the tasks consuming a `generate` now (a task may hold several), the ones
+        # `drain` cancelled at its deadline, and whether new requests are refused
+        self._consumers: dict[asyncio.Task, int] = {}
+        self._cut: set[asyncio.Task] = set()
+        self._draining = False
+        self._none_open = asyncio.Event()
+        self._none_open.set()
 
     # ----- public --------------------------------------------------------------------------------
     async def generate(
@@ -223,7 +230,56 @@ class RouterCore:
     ) -> AsyncGenerator[router_pb2.GenerateResponse, None]:
         """Serve one request; yields its responses. Raises RouterError when it fails. A `tenant` (the
         caller's token's) is folded into the request's cache salt after validation, so its prefix
-        cache is shared only within that tenant."""
+        cache is shared only within that tenant. While the router drains (`drain`) a new request is
+        refused (UNAVAILABLE); one still open at the drain's deadline fails UNAVAILABLE."""
+        if self._draining:
+            raise RouterError(grpc.StatusCode.UNAVAILABLE, "the router is shutting down", retry_after_s=1.0)
+        task = asyncio.current_task()
+        assert task is not None
+        self._consumers[task] = self._consumers.get(task, 0) + 1
+        self._none_open.clear()
+        try:
+            async for response in self._generate(request, timeout_s, tenant):
+                yield response
+        except asyncio.CancelledError:
+            uncancel = getattr(task, "uncancel", None)  # Python 3.11+; 3.10 counts no cancels
+            if task in self._cut and (uncancel is None or uncancel() == 0):  # drain's cancel alone: typed
+                raise RouterError(
+                    grpc.StatusCode.UNAVAILABLE,
+                    f"the router shut down before this request finished (it drained for "
+                    f"{self._config.drain_timeout_s:g} s: router.drain_timeout_s)",
+                ) from None
+            raise
+        finally:
+            left = self._consumers.pop(task) - 1
+            if left:
+                self._consumers[task] = left
+            elif not self._consumers:
+                self._none_open.set()
+
+    async def drain(self, timeout_s: float) -> int:
+        """Shutdown's first step: refuse new requests, let the open ones finish for up to `timeout_s`,
+        then end those still open with UNAVAILABLE (their workers are told to abort, so they free the
+        KV blocks). Returns how many were ended so."""
+        self._draining = True
+        try:
+            await asyncio.wait_for(self._none_open.wait(), timeout_s)
+            return 0
+        except (asyncio.TimeoutError, TimeoutError):
+            pass
+        cut = [task for task in self._consumers if not task.done()]
+        for task in cut:
+            self._cut.add(task)
+            task.cancel()
+        try:
+            await asyncio.wait_for(self._none_open.wait(), 5.0)
+        except (asyncio.TimeoutError, TimeoutError):
+            log.warning("%d requests still open 5 s after the drain ended them", len(self._consumers))
+        return len(cut)
+
+    async def _generate(
+        self, request: router_pb2.GenerateRequest, timeout_s: float | None, tenant: str | None
+    ) -> AsyncGenerator[router_pb2.GenerateResponse, None]:
         try:
             validate_generate_request(request)
         except InvalidRequest as exc:

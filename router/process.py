@@ -3,7 +3,9 @@
 Protocol shared with the worker processes: once serving, print exactly one line to stdout,
 ``PDSERVE_READY {"address": "HOST:PORT", "worker_id": "router", "pid": N}`` (plus ``http_address`` and
 ``metrics_address`` when those are on), and flush; logs go to stderr (``--log-format text|json``).
-SIGTERM / SIGINT stop the server gracefully (open streams get 5 s) and exit 0.
+SIGTERM / SIGINT stop the server gracefully and exit 0: new requests are refused (UNAVAILABLE, HTTP
+503), open streams get ``--router-drain-timeout`` seconds (5) to finish and then fail UNAVAILABLE.
+Started by a launcher (PDSERVE_SUPERVISED=1) only SIGTERM stops it: the launcher stops it first.
 
 Start-up has the workers' shape: `parse_args` reads the flags (over a process document), then
 `RouterProcess.from_args` turns them into the typed, frozen config (`RouterConfig` plus the process's
@@ -17,7 +19,6 @@ import dataclasses
 import gc
 import logging
 import os
-import signal
 import sys
 import threading
 from dataclasses import dataclass, field
@@ -26,7 +27,7 @@ from typing import Any
 from pdserve.process_config import add_config_arg, parse_with_document
 from pdserve.router.config import RouterConfig
 from pdserve.router.server import RouterServer, serve
-from pdserve.serving import ready_line
+from pdserve.serving import on_stop_signal, ready_line
 from pdserve.settings import ObservabilitySection, RouterSection, SecuritySection, add_section_flags
 from pdserve.telemetry.logs import configure_logging
 from pdserve.telemetry.memory import bound_heap
@@ -108,6 +109,7 @@ def config_from_args(
         max_concurrent_streams=args.max_concurrent_streams,
         max_queued_requests=args.max_queued_requests,
         max_attempts=args.max_attempts,
+        drain_timeout_s=args.router_drain_timeout,
         decode_mux=args.decode_mux,
         worker_restart_wait_s=args.worker_restart_wait,
         tokenizer=args.tokenizer,
@@ -168,8 +170,7 @@ def main(argv: list[str] | None = None) -> int:
     bound_heap()
     config = process.router
     stop = threading.Event()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, lambda _signum, _frame: stop.set())
+    on_stop_signal(stop.set)
     server, _port = serve(config)
     extras = start_extras(config, server)
     # start-up objects (modules, grpc, aiohttp, protobuf descriptors) go to the permanent generation:
@@ -177,7 +178,10 @@ def main(argv: list[str] | None = None) -> int:
     gc.freeze()
     print(ready_line(server.address, "router", **extras.addresses), flush=True)
     stop.wait()
-    logging.getLogger(__name__).info("stopping (grace %.0f s)", STOP_GRACE_S)
+    log = logging.getLogger(__name__)
+    log.info("stopping: refusing new requests, open ones get %g s (router.drain_timeout_s)", config.drain_timeout_s)
+    ended = server.drain(config.drain_timeout_s)
+    log.info("drained%s", f" ({ended} requests still open were ended: UNAVAILABLE)" if ended else "")
     extras.stop()
     server.stop(STOP_GRACE_S)
     return 0

@@ -129,6 +129,13 @@ class RouterServer:
         )
         return self.grpc_server.loop_thread.run(http.start(), timeout=30)
 
+    def drain(self, timeout_s: float) -> int:
+        """Shutdown's first step: report NOT_SERVING, refuse new requests (UNAVAILABLE; HTTP 503), let
+        open ones finish for up to `timeout_s`, then end those left with UNAVAILABLE (their workers
+        abort them and free their KV). Returns how many were ended so; `stop` comes next."""
+        self._health.enter_graceful_shutdown()
+        return self.grpc_server.loop_thread.run(self.core.drain(timeout_s), timeout=timeout_s + 30)
+
     def stop(self, grace: float | None = 5.0) -> None:
         """Stop accepting calls, let open streams finish for ``grace`` seconds, close worker channels."""
         self._health.enter_graceful_shutdown()

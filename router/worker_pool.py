@@ -324,7 +324,8 @@ class WorkerPool:
             state.info = info if info is not None else state.info
         if was_healthy != state.healthy:
             reason = error or ("reported healthy" if state.healthy else "reported unhealthy")
-            log.warning(
+            log.log(
+                logging.INFO if state.healthy else logging.WARNING,  # coming up is no news to warn of
                 "worker %s (%s) is now %s: %s",
                 address,
                 state.endpoint.role,

@@ -16,7 +16,6 @@ import atexit
 import json
 import logging
 import os
-import signal
 import sys
 import threading
 import time
@@ -35,7 +34,7 @@ from pdserve.engine.sampling_params import SamplingParams
 from pdserve.engine.stop_checker import FINISH_ABORT, FINISH_ERROR, FINISH_LENGTH, FINISH_STOP, FINISH_STOP_STRING
 from pdserve.engine.trace import DecodeStepEvent, DetokenizeHoldEvent, PrefillPassEvent, TraceEvent, token_bytes
 from pdserve.failures import RequestInvalid
-from pdserve.serving import AioServer, CallLimits, PeerCallLimiter, RequestParseInterceptor, ready_line
+from pdserve.serving import AioServer, CallLimits, PeerCallLimiter, RequestParseInterceptor, on_stop_signal, ready_line
 from pdserve.settings import ModelSection
 from pdserve.telemetry.grpc_logging import RequestLoggingInterceptor
 from pdserve.telemetry.logs import configure_logging
@@ -351,8 +350,7 @@ def serve_until_signal(
     """Block until SIGTERM/SIGINT, then drain: report NOT_SERVING, refuse new requests, wait until
     `is_idle()` or `grace_s` passed, and only then stop the server."""
     stop = threading.Event()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, lambda *_: stop.set())
+    on_stop_signal(stop.set)
     health_servicer.set("", health_pb2.HealthCheckResponse.SERVING)
     stop.wait()
     drain_then_stop(server, health_servicer, drain, is_idle, grace_s)

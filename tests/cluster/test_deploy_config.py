@@ -142,6 +142,7 @@ CASES: dict[str, tuple[Any, dict[str, Any], Callable[[DeploymentConfig, Received
     "router.max_concurrent_streams": (19, {}, _all(("router",), "max_concurrent_streams", 19)),
     "router.max_stream_timeout_s": (99.0, {}, _all(("router",), "max_stream_timeout", 99.0)),
     "router.max_attempts": (5, {}, _all(("router",), "max_attempts", 5)),
+    "router.drain_timeout_s": (1.5, {}, _all(("router",), "router_drain_timeout", 1.5)),
     "router.http_port": (8123, {}, _all(("router",), "http_port", 8123)),
     "router.decode_mux": (True, {}, _all(("router",), "decode_mux", True)),
     "router.kv_aware_request_tokens": (64.0, {}, _all(("router",), "kv_aware_request_tokens", 64.0)),
