@@ -6,7 +6,8 @@ alone give the baseline; then each row's attack runs while the honest client kee
 what the attacker got (status codes), the honest client's errors (must be none: no 503), its largest
 gap against the baseline median gap (goal: at most 2x, or one prefill chunk: a one-chunk prompt that
 the decode worker prefills, timed before the rows and again after a row that misses), and the router's and
-workers' memory before and after (goal: back within 50 MB).
+workers' private memory before and after (goal: back within 50 MB; shared memory, the KV caches, is
+not counted: `rss_mb`).
 
 The workers write pass logs (`PDSERVE_PASS_LOG`, engine/pass_log.py), so each row also reports the
 prompt work of every pass that decoded a stream meanwhile, in `engine.chunk_cost` units against one
@@ -63,10 +64,18 @@ def threads(pid: int) -> int:
 
 
 def rss_mb(pid: int) -> float:
+    """The process's private resident memory (VmRSS less RssShmem): the workers' KV caches are
+    shared-memory segments of a fixed size, whose pages count in VmRSS once a block is first used
+    (a long prompt's first run made the decode worker 140 MB "larger" that way), which no request
+    can grow beyond the configured cache."""
+    fields = {}
     for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1]) / 1024
-    return float("nan")
+        key, _, value = line.partition(":")
+        if key in ("VmRSS", "RssShmem"):
+            fields[key] = int(value.split()[0]) / 1024
+    if "VmRSS" not in fields:
+        return float("nan")
+    return fields["VmRSS"] - fields.get("RssShmem", 0.0)
 
 
 @dataclass
