@@ -110,7 +110,7 @@ def _shared_zeros(shape: tuple[int, ...], dtype: torch.dtype) -> tuple[torch.Ten
         name=f"{segment_prefix()}cache-{uuid.uuid4().hex[:12]}", create=True, size=nbytes
     )
     untrack_segment(segment)
-    atexit.register(_unlink, segment)
+    atexit.register(unlink_segment, segment)
     tensor = torch.frombuffer(segment.buf, dtype=torch.uint8, count=nbytes).view(dtype).view(shape)
     return tensor, segment.name
 
@@ -129,10 +129,6 @@ def to_host(tensor: torch.Tensor) -> torch.Tensor:
     staged.copy_(tensor, non_blocking=True)
     torch.cuda.current_stream(tensor.device).synchronize()
     return staged
-
-
-def _unlink(segment: shared_memory.SharedMemory) -> None:
-    unlink_segment(segment)
 
 
 @dataclass(frozen=True)

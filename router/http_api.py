@@ -136,11 +136,12 @@ class _JsonErrors(web_protocol.RequestHandler):
     ) -> web.StreamResponse:
         if status >= 500 or not isinstance(exc, HttpProcessingError):
             return super().handle_error(request, status, exc, message)
-        reason = (getattr(exc, "message", "") or str(exc) or "malformed HTTP request").strip().splitlines()[0][:160]
-        log.info("malformed HTTP request from %s: %s", request.remote, reason.rstrip(":"))
+        reason = (getattr(exc, "message", "") or str(exc) or "malformed HTTP request").strip().splitlines()[0]
+        reason = reason[:160].rstrip(":")
+        log.info("malformed HTTP request from %s: %s", request.remote, reason)
         if request.writer.output_size > 0:  # what aiohttp does: the answer was under way, the connection is lost
             raise ConnectionError("a response was under way; cannot send the error")
-        answer = _error_response(OpenAIError(status, f"malformed HTTP request: {reason.rstrip(':')}"))
+        answer = _error_response(OpenAIError(status, f"malformed HTTP request: {reason}"))
         answer.force_close()
         return answer
 
