@@ -105,6 +105,9 @@ def main() -> None:
         choices=("float32", "bfloat16"),
         help="load the model in each dtype and alternate their engines for --rounds rounds",
     )
+    ap.add_argument(
+        "--dtype", choices=("float32", "bfloat16"), default=None, help="the profiled model's dtype (default: the model's)"
+    )
     ap.add_argument("--baseline", metavar="REV", help="compare against the engine of this git revision")
     ap.add_argument("--current", metavar="REV", help="with --baseline: this revision, not the working tree")
     ap.add_argument("--rounds", type=int, default=3, help="with --baseline: processes per side")
@@ -116,7 +119,7 @@ def main() -> None:
     if args.dtypes:
         compare_dtypes(args)
         return
-    loaded = load_model(resolve_model(None))
+    loaded = load_model(resolve_model(None), dtype=getattr(torch, args.dtype or "float32"))
     weight_bytes = sum(p.numel() * p.element_size() for p in loaded.model.parameters())
     figures: dict[str, float] = {}
     with torch.inference_mode():

