@@ -106,7 +106,7 @@ def main() -> None:
         help="load the model in each dtype and alternate their engines for --rounds rounds",
     )
     ap.add_argument(
-        "--dtype", choices=("float32", "bfloat16"), default=None, help="the profiled model's dtype (default: the model's)"
+        "--dtype", choices=("float32", "bfloat16"), default=None, help="the profiled model's dtype (default float32)"
     )
     ap.add_argument("--baseline", metavar="REV", help="compare against the engine of this git revision")
     ap.add_argument("--current", metavar="REV", help="with --baseline: this revision, not the working tree")
