@@ -59,6 +59,9 @@ class EngineConfig:
     deterministic: batch-invariant mode: a request's tokens do not depend on what else is in its
         batch, where its prompt was prefilled or how it was chunked (native kernels at every row
         count, per-row attention and sampling; docs/performance.md gives its cost).
+    adapt_threads: let the engine compute a pass on one thread fewer when its own pass times show
+        that to be faster (another program using a core; engine/thread_governor.py).
+        PDSERVE_ADAPT_THREADS=0 turns it off too.
     kernel_table: the deployment's linear-kernel choices (engine/kernel_table.py; JSON text or a
         file), so every worker computes what the others compute; None: this process times its own.
     """
@@ -78,6 +81,7 @@ class EngineConfig:
     compile: bool = False
     deterministic: bool = False
     kernel_table: str | None = None
+    adapt_threads: bool = True
 
     def __post_init__(self) -> None:
         device = resolve_device(self.device)

@@ -486,6 +486,7 @@ class FastForward:
         self.compiled: CompiledDecode | None = None  # see enable_compile
         self.native = factory.native_reason is None  # the native norm (engine/native.py) runs too
         self.deterministic = deterministic  # batch-invariant: see `build`
+        self._invariance: dict[tuple[int, ...], bool] = {}  # see thread_invariant
 
     @property
     def kernels(self) -> str:
@@ -620,6 +621,36 @@ class FastForward:
         # slices under its parallel grain run serially, each row whole, the same bits at any batch
         rows = max(1, _SERIAL_GRAIN // max(1, self.intermediate))
         return torch.cat([self.act(gate[i : i + rows]).mul_(up[i : i + rows]) for i in range(0, len(gate), rows)])
+
+    def thread_invariant(self, counts: tuple[int, ...], rows: tuple[int, ...] = (1, 8, 32, 64)) -> bool:
+        """Whether every distinct linear of this model gives the same bits at each thread count in
+        `counts` and these row counts (the thread governor's condition, engine/thread_governor.py).
+        pdserve's own kernels split outputs, never a sum; this checks the others (oneDNN, MKL) on
+        this CPU, once per thread-count set."""
+        cached = self._invariance.get(counts)
+        if cached is not None:
+            return cached
+        first = self.layers[0]
+        linears = {(lin.weight.shape, lin.bands): lin for lin in (first.qkv, first.o, first.gate_up, first.down)}
+        linears[(self.lm_head.weight.shape, self.lm_head.bands)] = self.lm_head
+        before = torch.get_num_threads()
+        generator = torch.Generator(device=self.embed.device).manual_seed(0)
+        same = True
+        try:
+            with torch.inference_mode():
+                for lin in linears.values():
+                    # prompt chunks run through the layers' linears at hundreds of rows too
+                    for m in rows if lin is self.lm_head else (*rows, 512):
+                        x = torch.randn(m, lin.weight.shape[1], generator=generator).to(lin.weight.dtype)
+                        outs = []
+                        for n in counts:
+                            torch.set_num_threads(n)
+                            outs.append(lin(x))
+                        same = same and all(torch.equal(outs[0], o) for o in outs[1:])
+        finally:
+            torch.set_num_threads(before)
+        self._invariance[counts] = same
+        return same
 
     def norm_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Final norm and LM head: hidden [N, E] -> float32 logits [N, V]."""

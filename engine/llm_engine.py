@@ -43,6 +43,7 @@ from pdserve.engine.sequence import Sequence, SequenceStatus
 from pdserve.engine.sim_profile import prefill_terms, split_pass
 from pdserve.engine.stop_checker import FINISH_ABORT, FINISH_ERROR, FINISH_LENGTH, FINISH_STOP
 from pdserve.engine.structured import Constraint
+from pdserve.engine.thread_governor import ThreadGovernor, adapt_requested
 from pdserve.engine.trace import DecodeStepEvent, PrefillPassEvent, TraceEvent
 from pdserve.failures import RequestInvalid
 
@@ -150,6 +151,7 @@ class LLMEngine:
         self.sequences: dict[str, Sequence] = {}  # every sequence not finished, handed-off ones included
         self.last_pass: ScheduledPass | None = None  # what the latest step planned (for metrics)
         self.pass_log = PassLog.from_env()  # PDSERVE_PASS_LOG: every pass's time and shape (profile fitting)
+        self.governor = self._thread_governor()  # None: every pass on the worker's thread count
 
     # ----- admission -------------------------------------------------------------------------
     def check_request(self, prompt_ids: list[int], resume_ids: list[int] | None = None) -> None:
@@ -363,18 +365,42 @@ class LLMEngine:
                 self.pass_log.write(started, time.perf_counter() - started, *shape)  # type: ignore[union-attr]
         return outputs
 
+    def _thread_governor(self) -> ThreadGovernor | None:
+        """The engine's thread governor (engine/thread_governor.py), where it may choose: more than
+        one torch thread, the CPU, not deterministic mode, and a fast forward whose linears give the
+        same bits at both thread counts."""
+        threads = torch.get_num_threads()
+        fast = getattr(self.runner, "fast", None)
+        if not adapt_requested(self.config.adapt_threads) or threads < 2 or self.config.deterministic:
+            return None
+        if self.config.device != "cpu" or fast is None:
+            return None
+        if not fast.thread_invariant((threads, threads - 1)):
+            log.info("engine threads fixed at %d: a linear kernel's bits change with the thread count here", threads)
+            return None
+        return ThreadGovernor(threads)
+
     def _drain_overflowed(self) -> list[Sequence]:
         seqs, self.scheduler.overflowed = self.scheduler.overflowed, []
         return seqs
 
     def _run(self, items: list[PassItem]) -> list[TokenOutput]:
         """Compute a pass and apply it; if it raises, isolate the sequences that make it fail."""
+        governor, key, threads = self.governor, None, 0
+        if governor is not None:
+            key = len(items) if all(not item.is_prefill for item in items) else None  # pure decode: comparable
+            threads = governor.threads_for(key)
+            if torch.get_num_threads() != threads:
+                torch.set_num_threads(threads)
         started = time.perf_counter()
         try:
             sampled, logprobs = self._compute(items)
         except Exception as exc:  # noqa: BLE001 - a failing pass fails only the sequences that cause it
             return self._isolate(items, exc)
-        return self._apply(items, sampled, time.perf_counter() - started, logprobs)
+        took = time.perf_counter() - started
+        if governor is not None:
+            governor.record(key, threads, took)
+        return self._apply(items, sampled, took, logprobs)
 
     def _sample(self, logits: torch.Tensor, seqs: list[Sequence], histories: list[TokenHistory | None]) -> list[int]:
         """One token per row; in deterministic mode each row is sampled alone (a batched sort, top-k
