@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import AsyncGenerator, AsyncIterator
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import grpc
@@ -178,8 +179,11 @@ class RoleControlServicer(worker_pb2_grpc.RoleControlServicer):
         if self._worker.process_drain.draining:
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, "the worker is shutting down")
         timeout_s = request.drain_timeout_s if request.drain_timeout_s > 0 else DEFAULT_DRAIN_TIMEOUT_S
-        try:  # the wait for the old role's work holds a thread, not the event loop
-            await asyncio.to_thread(self._worker.switch, role, timeout_s)
+        try:  # the wait for the old role's work holds a thread, not the event loop; a thread of its
+            # own that ends with the switch: building the new engine there computes in parallel,
+            # and its OpenMP pool must not outlive it beside the engine thread's (pdserve/omp_pool.py)
+            with ThreadPoolExecutor(1, thread_name_prefix="role-switch") as switcher:
+                await asyncio.get_running_loop().run_in_executor(switcher, self._worker.switch, role, timeout_s)
         except SwitchTimeout as exc:
             await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, str(exc))
         return worker_info(self._worker)

@@ -33,6 +33,61 @@ inline float hsum(__m256 v) {
   return _mm_cvtss_f32(s);
 }
 
+// exp(x) for eight floats (Cephes' expf: x = n ln2 + r, |r| <= ln2 / 2, a degree-5 polynomial in r,
+// times 2^n; within about 1 ulp of std::exp over the range softmax uses, x <= 0). Below
+// ln(FLT_MIN) the result is 0, as the float it stands for is subnormal. A pure function of x, so a
+// score's probability is the same whatever the batch, the blocking or the thread count.
+inline __m256 exp8(__m256 x) {
+  const __m256 lo = _mm256_set1_ps(-87.33654475f), hi = _mm256_set1_ps(88.3762626647949f);
+  const __m256 under = _mm256_cmp_ps(x, lo, _CMP_LT_OQ);
+  x = _mm256_max_ps(_mm256_min_ps(x, hi), lo);
+  __m256 n = _mm256_floor_ps(_mm256_fmadd_ps(x, _mm256_set1_ps(1.44269504088896341f), _mm256_set1_ps(0.5f)));
+  x = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+  x = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), x);
+  __m256 y = _mm256_set1_ps(1.9875691500e-4f);
+  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.3981999507e-3f));
+  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(8.3334519073e-3f));
+  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(4.1665795894e-2f));
+  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.6666665459e-1f));
+  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(5.0000001201e-1f));
+  y = _mm256_fmadd_ps(y, _mm256_mul_ps(x, x), _mm256_add_ps(x, _mm256_set1_ps(1.0f)));
+  const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvttps_epi32(n), _mm256_set1_epi32(127)), 23);
+  return _mm256_andnot_ps(under, _mm256_mul_ps(y, _mm256_castsi256_ps(e)));
+}
+
+// In place: row[0..len) = softmax(row), the max and the sum taken eight lanes at a time.
+inline void softmax_row(float* row, int64_t len) {
+  int64_t i = 0;
+  float mx = row[0];
+  if (len >= 8) {
+    __m256 m = _mm256_loadu_ps(row);
+    for (i = 8; i + 8 <= len; i += 8) m = _mm256_max_ps(m, _mm256_loadu_ps(row + i));
+    alignas(32) float lanes[8];
+    _mm256_store_ps(lanes, m);
+    mx = *std::max_element(lanes, lanes + 8);
+  }
+  for (int64_t t = i; t < len; ++t) mx = std::max(mx, row[t]);
+  const __m256 vmx = _mm256_set1_ps(mx);
+  __m256 vsum = _mm256_setzero_ps();
+  alignas(32) float tail[8];
+  for (i = 0; i + 8 <= len; i += 8) {
+    const __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(row + i), vmx));
+    _mm256_storeu_ps(row + i, e);
+    vsum = _mm256_add_ps(vsum, e);
+  }
+  if (i < len) {  // the tail through the same exp, padded lanes contributing 0
+    for (int64_t t = 0; t < 8; ++t) tail[t] = i + t < len ? row[i + t] - mx : -INFINITY;
+    const __m256 e = exp8(_mm256_load_ps(tail));
+    vsum = _mm256_add_ps(vsum, e);
+    _mm256_store_ps(tail, e);
+    for (int64_t t = 0; i + t < len; ++t) row[i + t] = tail[t];
+  }
+  const __m256 inv = _mm256_set1_ps(1.0f / hsum(vsum));
+  for (i = 0; i + 8 <= len; i += 8) _mm256_storeu_ps(row + i, _mm256_mul_ps(_mm256_loadu_ps(row + i), inv));
+  const float finv = _mm256_cvtss_f32(inv);
+  for (; i < len; ++i) row[i] *= finv;
+}
+
 // Runs fn(i) for i in [0, n) across torch's threads, each thread taking the next unclaimed index
 // (an atomic counter) instead of a fixed share: tasks of uneven cost even out, and a thread that
 // the OS preempts holds back only the task it is on while the others take the rest. (The parallel
@@ -315,12 +370,7 @@ void decode_attention_tasks(const T* Q, const C* Kc, const C* Vc, const int64_t*
         int64_t s = 0;
         for (; s + 8 <= len; s += 8) score_block<8>(qg, keys.data() + s, D, sc, row + s);
         for (; s < len; ++s) score_block<1>(qg, keys.data() + s, D, sc, row + s);
-        float mx = row[0];
-        for (int64_t i = 1; i < len; ++i) mx = std::max(mx, row[i]);
-        float sum = 0.0f;
-        for (int64_t i = 0; i < len; ++i) sum += (row[i] = std::exp(row[i] - mx));
-        const float inv = 1.0f / sum;
-        for (int64_t i = 0; i < len; ++i) row[i] *= inv;
+        softmax_row(row, len);
         float* o = acc.data() + g * D;
         int64_t d = 0;
         for (; d + 64 <= D; d += 64) value_block<8>(row, values.data(), len, d, o);

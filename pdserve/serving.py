@@ -20,8 +20,8 @@ Invariants:
   without a call or without finishing its handshake, and (the router's public port) their age, with
   a grace that outlasts the longest request, so no stream is cut by it.
 
-Hand-written (not generated); imports only grpc, `pdserve.limits` and the standard library (and
-uvloop when installed).
+Hand-written (not generated); imports only grpc, `pdserve.limits`, `pdserve.omp_pool` and the
+standard library (and uvloop when installed).
 """
 
 from __future__ import annotations
@@ -51,6 +51,7 @@ from pdserve.limits import (
     GRPC_STREAMS_PER_CONNECTION,
     fd_share,
 )
+from pdserve.omp_pool import release_thread_pool, serial_thread_initializer
 
 T = TypeVar("T")
 
@@ -92,6 +93,10 @@ class LoopThread:
         self._thread.start()
 
     def _run(self) -> None:
+        # an event loop serves, it never computes: no OpenMP pool of its own, nor in its executor
+        # (a second pool throttles the engine thread's, see pdserve/omp_pool.py)
+        release_thread_pool()
+        self.loop.set_default_executor(futures.ThreadPoolExecutor(initializer=serial_thread_initializer))
         asyncio.set_event_loop(self.loop)
         self.loop.run_forever()
 
@@ -130,7 +135,9 @@ class AioServer:
         control_threads: int = CONTROL_THREADS,
     ) -> None:
         self.loop_thread = LoopThread(name)
-        self._control = futures.ThreadPoolExecutor(max_workers=control_threads, thread_name_prefix=f"{name}-ctl")
+        self._control = futures.ThreadPoolExecutor(
+            max_workers=control_threads, thread_name_prefix=f"{name}-ctl", initializer=serial_thread_initializer
+        )
         self._stopped = threading.Event()
         self.server: grpc.aio.Server = self.loop_thread.run(self._create(list(options), list(interceptors)))
 

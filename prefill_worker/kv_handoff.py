@@ -26,6 +26,7 @@ from pdserve.engine.model_runner import LayerCallback
 from pdserve.engine.sequence import Sequence
 from pdserve.kv_transfer import KvSpec, get_backend
 from pdserve.kv_transfer.base import KvSender
+from pdserve.omp_pool import serial_thread_initializer
 from pdserve.prefill_worker.faults import FaultInjector
 from pdserve.prefill_worker.job import PrefillJob
 from pdserve.prefill_worker.layer_stream import LayerStream
@@ -74,7 +75,10 @@ class KvHandoff(KvConnector):
         self.kv_streaming = kv_streaming
         self.faults = faults or FaultInjector(None, 0)
         self._streams: dict[str, LayerStream] = {}  # engine key -> layer stream of the pass running (loop thread)
-        self._transfers = ThreadPoolExecutor(max_workers=8, thread_name_prefix="kv-send")
+        # serial threads: a KV copy here must not start a second OpenMP pool (pdserve/omp_pool.py)
+        self._transfers = ThreadPoolExecutor(
+            max_workers=8, thread_name_prefix="kv-send", initializer=serial_thread_initializer
+        )
 
     def stop(self) -> None:
         """Wait for the transfers under way; drop those not started."""

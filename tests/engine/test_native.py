@@ -162,6 +162,24 @@ def test_decode_attention_reads_the_pages_in_place_as_the_gather_path_computes(
     torch.testing.assert_close(got.float(), want.float(), atol=tolerance, rtol=tolerance)
 
 
+def test_decode_attention_softmax_holds_for_peaked_scores(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Scores spread over hundreds (a large scale): the vectorized exp underflows to 0 where the
+    float would be subnormal and stays within float32 rounding of torch's softmax elsewhere."""
+    from pdserve.engine.kv_cache import KVCacheShape
+
+    torch.manual_seed(3)
+    shape = KVCacheShape(num_layers=1, num_kv_heads=3, head_dim=64, block_size=16, dtype=torch.float32)
+    cache = KVCache(shape, 24)
+    cache.kv.copy_(torch.randn(cache.kv.shape))
+    batch = _paged_batch(cache, [3, 29, 70], 16)
+    query = torch.randn(3, 9, 64)
+    got = _decode_attention(batch, 0, query, 6.0)
+    monkeypatch.setattr("pdserve.engine.attention._native_attention", lambda device: False)
+    want = _decode_attention(batch, 0, query, 6.0)
+    assert torch.isfinite(got).all()
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+
+
 def test_decode_attention_refuses_block_ids_and_lengths_outside_the_cache() -> None:
     kc = torch.zeros(4, 16, 2, 8)
     q = torch.zeros(1, 2, 8)
