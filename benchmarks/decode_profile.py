@@ -172,6 +172,8 @@ def compare(args: argparse.Namespace) -> None:
                     str(args.steps),
                     "--batch",
                     *map(str, args.batch),
+                    "--dtype",
+                    args.dtype or "float32",
                 ]
                 env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tree), str(tree / "proto")])}
                 out = subprocess.run(command, env=env, check=True, capture_output=True, text=True).stdout

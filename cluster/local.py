@@ -43,6 +43,7 @@ from pdserve.cluster.kernel_tables import with_kernel_table
 from pdserve.cluster.launch import LaunchOptions
 from pdserve.cluster.processes import ManagedProcess, ProcessStartError, stop_all
 from pdserve.constants import METRICS_ANY_PORT
+from pdserve.omp_pool import SHARED_ENV
 from pdserve.process_config import write_document
 from pdserve.serving import SUPERVISED_ENV
 from pdserve.transport import (
@@ -97,6 +98,13 @@ def worker_threads(config: DeploymentConfig, role: str) -> int:
         return threads
     phase = config.size("prefill") if role == "prefill" else config.size("decode") + config.size("colocated")
     return max(1, _cpu_count() // max(1, phase))
+
+
+def cores_shared(config: DeploymentConfig) -> bool:
+    """Whether the deployment's workers, all on this host, hold more torch threads than it has CPUs
+    (a 1P1D pair with every CPU each, say): they then share cores, and each is told so."""
+    threads = sum(worker_threads(config, role) for role, _ in config.worker_names())
+    return threads > _cpu_count()
 
 
 def local_worker_document(config: DeploymentConfig, role: str, worker_id: str) -> dict[str, Any]:
@@ -223,6 +231,8 @@ class LocalCluster:
             env[ENV_ROUTER_TOKEN] = launcher_router_token()
         else:
             env[ENV_ROUTER_DIGEST] = router_token_digest(launcher_router_token())
+        if kind != "router" and cores_shared(self.config):
+            env[SHARED_ENV] = "1"  # libgomp's own throttle suits workers that share cores (pdserve/omp_pool.py)
         process = ManagedProcess(name, argv, self.log_dir / f"{name}.log", env)
         self._processes.append(process)
         return process

@@ -101,6 +101,9 @@ class WorkerActor:
     def __init__(self, config: WorkerProcessConfig, internal_token: str | None = None, router_digest: str = "") -> None:
         import ray
 
+        from pdserve.omp_pool import prepare_process
+
+        prepare_process()  # before torch loads here (worker.runtime imports it): its OpenMP reads the env once
         from pdserve.worker.runtime import NODE_HOST_ENV, NODE_ID_ENV, configure_worker
 
         _use_internal_token(internal_token)
@@ -117,6 +120,9 @@ class WorkerActor:
         decode = config.decode if isinstance(config, ElasticWorkerConfig) else config  # or a prefill worker's
         configure_worker(decode)  # an elastic worker's shared settings are its decode config's
         self.started = start_worker(config)
+        from pdserve.omp_pool import dedicate_engine_thread
+
+        dedicate_engine_thread()  # the engine thread computes from here on (see pdserve/omp_pool.py)
         self._elastic: Any = self.started.extras["worker"] if elastic else None  # the ElasticWorker
         self._role = role
         self.worker_id = decode.worker_id

@@ -1,7 +1,11 @@
 """`python -m pdserve.prefill_worker`: the process's flags and start-up live in
 `pdserve.prefill_worker.process`, a library module the Ray actors call too."""
 
-from pdserve.prefill_worker.process import main
+from pdserve.omp_pool import prepare_process
+
+prepare_process()  # before torch loads: its OpenMP reads the environment once
+
+from pdserve.prefill_worker.process import main  # noqa: E402
 
 if __name__ == "__main__":
     main()

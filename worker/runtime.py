@@ -34,7 +34,7 @@ from pdserve.engine.sampling_params import SamplingParams
 from pdserve.engine.stop_checker import FINISH_ABORT, FINISH_ERROR, FINISH_LENGTH, FINISH_STOP, FINISH_STOP_STRING
 from pdserve.engine.trace import DecodeStepEvent, DetokenizeHoldEvent, PrefillPassEvent, TraceEvent, token_bytes
 from pdserve.failures import RequestInvalid
-from pdserve.omp_pool import release_thread_pool
+from pdserve.omp_pool import dedicate_engine_thread
 from pdserve.serving import AioServer, CallLimits, PeerCallLimiter, RequestParseInterceptor, on_stop_signal, ready_line
 from pdserve.settings import ModelSection
 from pdserve.telemetry.grpc_logging import RequestLoggingInterceptor
@@ -496,7 +496,7 @@ def run_worker_process(config: WorkerConfig, start: Callable[[], StartedWorker],
     started = start()
     # the engine thread now runs every pass: the main thread's OpenMP pool (from loading the model,
     # timing its kernels, building the engine) would throttle the engine thread's (pdserve/omp_pool.py)
-    if release_thread_pool():
+    if dedicate_engine_thread():
         log.info("main thread's OpenMP pool released: the engine thread's team is the process's only one")
     announce_ready(started.address, config.worker_id, **ready, metrics_address=started.extras["metrics_address"])
     try:

@@ -65,3 +65,40 @@ def test_does_nothing_when_turned_off(monkeypatch: pytest.MonkeyPatch) -> None:
 
     monkeypatch.setenv(ENV_VAR, "0")
     assert release_thread_pool() is False
+
+
+def test_a_worker_process_bounds_the_spin_wait_unless_told_otherwise() -> None:
+    """prepare_process() runs in the worker's entry point before torch loads: GOMP_SPINCOUNT is set
+    there, unless the user set it, the launcher said the cores are shared, or it is turned off."""
+    probe = (
+        "import os; from pdserve.omp_pool import prepare_process; "
+        "print(prepare_process(), os.environ.get('GOMP_SPINCOUNT'))"
+    )
+    base = {k: v for k, v in os.environ.items() if k not in ("GOMP_SPINCOUNT", "OMP_WAIT_POLICY")}
+    cases = {
+        "default": ({}, "True 3000"),
+        "user's own": ({"GOMP_SPINCOUNT": "5"}, "False 5"),
+        "shared cores": ({"PDSERVE_SHARED_CORES": "1"}, "False None"),
+        "turned off": ({"PDSERVE_OMP_RELEASE": "0"}, "False None"),
+    }
+    for name, (extra, want) in cases.items():
+        env = {**base, **extra}
+        out = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, text=True, check=True)
+        assert out.stdout.strip() == want, name
+    late = "import torch; from pdserve.omp_pool import prepare_process; print(prepare_process())"
+    out = subprocess.run([sys.executable, "-c", late], env=base, capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False"  # torch already loaded: too late, and it says so by returning False
+
+
+def test_the_launcher_marks_workers_that_share_cores() -> None:
+    from pdserve.cluster import local
+    from pdserve.cluster.deploy_config import DeploymentConfig
+
+    alone = DeploymentConfig.from_dict({}, {"prefill.count": 0, "decode.count": 0, "colocated.count": 1})
+    pair = DeploymentConfig.from_dict({}, {"prefill.count": 1, "decode.count": 1})
+    assert local.cores_shared(alone) is False  # one worker with every CPU
+    assert local.cores_shared(pair) is True  # a 1P1D pair on one host: each worker gets every CPU
+    split = DeploymentConfig.from_dict(
+        {}, {"prefill.count": 1, "decode.count": 1, "prefill.threads": 1, "decode.threads": 1}
+    )
+    assert local.cores_shared(split) is (local._cpu_count() < 2)  # one thread each: shared only on one CPU
