@@ -231,8 +231,9 @@ class LocalCluster:
             env[ENV_ROUTER_TOKEN] = launcher_router_token()
         else:
             env[ENV_ROUTER_DIGEST] = router_token_digest(launcher_router_token())
-        if kind != "router" and cores_shared(self.config):
-            env[SHARED_ENV] = "1"  # libgomp's own throttle suits workers that share cores (pdserve/omp_pool.py)
+        if kind != "router" and SHARED_ENV not in os.environ:  # else the user's own "0" or "1" stands
+            # libgomp's own throttle suits workers that share cores (pdserve/omp_pool.py)
+            env[SHARED_ENV] = "1" if cores_shared(self.config) else "0"
         process = ManagedProcess(name, argv, self.log_dir / f"{name}.log", env)
         self._processes.append(process)
         return process
