@@ -776,6 +776,11 @@ class RouterCore:
                         pause = min(RESTART_POLL_S, state.remaining_s())
                         continue
                     self._end_worker_wait(waited_since, "gave_up")
+                    if state.remaining_s() <= 0:  # the request's deadline ended the wait: say so
+                        raise RouterError(
+                            grpc.StatusCode.DEADLINE_EXCEEDED,
+                            f"request deadline passed while waiting for a {exc.stage} worker to restart ({exc})",
+                        ) from None
                     raise RouterError(
                         grpc.StatusCode.UNAVAILABLE, f"{exc}; none served again within {now - waited_since:.0f} s"
                     ) from None
