@@ -44,12 +44,9 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import logging
 import os
 import re
 import sys
-
-log = logging.getLogger(__name__)
 
 ENV_VAR = "PDSERVE_OMP_RELEASE"
 SHARED_ENV = "PDSERVE_SHARED_CORES"  # "1": this worker shares its cores with others of its deployment
@@ -119,8 +116,3 @@ def release_thread_pool() -> bool:
         return False
     gomp.omp_set_num_threads(1)
     return True
-
-
-def serial_thread_initializer() -> None:
-    """For executors and loop threads that serve (never compute): `release_thread_pool` at start."""
-    release_thread_pool()

@@ -51,7 +51,7 @@ from pdserve.limits import (
     GRPC_STREAMS_PER_CONNECTION,
     fd_share,
 )
-from pdserve.omp_pool import release_thread_pool, serial_thread_initializer
+from pdserve.omp_pool import release_thread_pool
 
 T = TypeVar("T")
 
@@ -96,7 +96,7 @@ class LoopThread:
         # an event loop serves, it never computes: no OpenMP pool of its own, nor in its executor
         # (a second pool throttles the engine thread's, see pdserve/omp_pool.py)
         release_thread_pool()
-        self.loop.set_default_executor(futures.ThreadPoolExecutor(initializer=serial_thread_initializer))
+        self.loop.set_default_executor(futures.ThreadPoolExecutor(initializer=release_thread_pool))
         asyncio.set_event_loop(self.loop)
         self.loop.run_forever()
 
@@ -136,7 +136,7 @@ class AioServer:
     ) -> None:
         self.loop_thread = LoopThread(name)
         self._control = futures.ThreadPoolExecutor(
-            max_workers=control_threads, thread_name_prefix=f"{name}-ctl", initializer=serial_thread_initializer
+            max_workers=control_threads, thread_name_prefix=f"{name}-ctl", initializer=release_thread_pool
         )
         self._stopped = threading.Event()
         self.server: grpc.aio.Server = self.loop_thread.run(self._create(list(options), list(interceptors)))

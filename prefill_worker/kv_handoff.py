@@ -26,7 +26,7 @@ from pdserve.engine.model_runner import LayerCallback
 from pdserve.engine.sequence import Sequence
 from pdserve.kv_transfer import KvSpec, get_backend
 from pdserve.kv_transfer.base import KvSender
-from pdserve.omp_pool import serial_thread_initializer
+from pdserve.omp_pool import release_thread_pool
 from pdserve.prefill_worker.faults import FaultInjector
 from pdserve.prefill_worker.job import PrefillJob
 from pdserve.prefill_worker.layer_stream import LayerStream
@@ -77,7 +77,7 @@ class KvHandoff(KvConnector):
         self._streams: dict[str, LayerStream] = {}  # engine key -> layer stream of the pass running (loop thread)
         # serial threads: a KV copy here must not start a second OpenMP pool (pdserve/omp_pool.py)
         self._transfers = ThreadPoolExecutor(
-            max_workers=8, thread_name_prefix="kv-send", initializer=serial_thread_initializer
+            max_workers=8, thread_name_prefix="kv-send", initializer=release_thread_pool
         )
 
     def stop(self) -> None:
